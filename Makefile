@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?= -q
+
+.PHONY: install serve test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU wheel of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+serve: install
+	$(VENV)/bin/pd-runtime serve
+
+# Tests run in a private network namespace with only loopback up, so Ray binds 127.0.0.1 and
+# nothing can reach the network; where unshare is not permitted they run as they are.
+test: install
+	@if unshare -n true 2>/dev/null; then \
+		unshare -n sh -c 'ip link set lo up 2>/dev/null; exec $(PY) -m pytest $(PYTEST_ARGS)'; \
+	else \
+		echo "note: unshare -n not permitted here; running tests without a network namespace"; \
+		$(PY) -m pytest $(PYTEST_ARGS); \
+	fi
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""Moving paged KV blocks between workers (torch.distributed, UCX, local), nothing else."""

@@ -1,0 +1,228 @@
+"""The kv_transfer contract: transfer states and failure reasons, handshake metadata, errors,
+and the two interfaces a backend implements (Transport opens Links; a Link moves bytes).
+
+Ownership, written once here and honoured by agent.py:
+- Sender (prefill side): when `send()` returns ACCEPTED for a new request id, the source
+  blocks are leased to the transfer. The lease ends exactly once, when the transfer is
+  reported finished (done or failed, by `poll()` and the optional `on_release` callback):
+  completion, failure, lease/transfer deadline, peer lost, or cancellation on either side.
+  Until then the engine must neither free nor overwrite those blocks.
+- Receiver (decode side): the engine reserves destination block ids and announces them with
+  `expect()`. The transport writes only those blocks. When the transfer is reported finished
+  the agent never touches them again: done -> they hold the KV; failed -> the engine frees them.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import msgpack
+import torch
+
+# Layout tag written into the handshake: kv_caches[layer][k_or_v, block, token, head, dim].
+KV_LAYOUT = "layer_kv_block_token_head_dim"
+PROTOCOL_VERSION = 1
+
+
+class TransferState(str, enum.Enum):
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class FailureReason(str, enum.Enum):
+    PEER_LOST = "peer_lost"
+    TIMEOUT = "timeout"
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    CANCELLED = "cancelled"
+    METADATA_MISMATCH = "metadata_mismatch"
+    # The receiver had no matching reservation (unknown request or other block ids).
+    REJECTED = "rejected"
+    SHUTDOWN = "shutdown"
+
+
+class SendOutcome(str, enum.Enum):
+    ACCEPTED = "accepted"  # queued; for a new request the lease starts now
+    WOULD_BLOCK = "would_block"  # queue or credit window full; nothing leased, retry or reroute
+    PEER_UNAVAILABLE = "peer_unavailable"  # link failed or closed; nothing leased, reconnect
+
+
+class Role(str, enum.Enum):
+    SEND = "send"
+    RECV = "recv"
+
+
+class LinkState(str, enum.Enum):
+    CONNECTING = "connecting"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    """What `poll()` and `status()` report; picklable, no tensors."""
+
+    request_id: str
+    peer_id: str
+    role: Role
+    state: TransferState
+    reason: Optional[FailureReason] = None
+    num_bytes: int = 0
+    layers_done: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (TransferState.DONE, TransferState.FAILED)
+
+
+class KVTransferError(Exception):
+    """Base of every error kv_transfer raises."""
+
+
+class MetadataMismatchError(KVTransferError):
+    def __init__(self, field_name: str, ours, theirs):
+        super().__init__(f"KV metadata mismatch on {field_name!r}: ours={ours!r} peer={theirs!r}")
+        self.field_name = field_name
+
+
+class LayoutError(KVTransferError):
+    """The registered KV cache does not have the layout kv_transfer moves."""
+
+
+class BlockIdError(KVTransferError):
+    """Block id lists that are malformed, out of range or of different lengths."""
+
+
+class UnknownPeerError(KVTransferError):
+    pass
+
+
+class DuplicateRequestError(KVTransferError):
+    pass
+
+
+class LinkError(KVTransferError):
+    """The link to a peer is unusable (closed, reset, aborted)."""
+
+
+class LinkTimeoutError(LinkError):
+    """A wire operation passed its deadline; the link is closed afterwards."""
+
+
+# Fields that must agree between peers before any byte of KV moves.
+_MATCHED_FIELDS = ("protocol", "model_id", "dtype", "block_size", "num_layers", "num_kv_heads",
+                   "head_dim", "layout", "backend")
+
+
+@dataclass(frozen=True)
+class AgentMetadata:
+    engine_id: str
+    backend: str
+    address: dict
+    model_id: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    layout: str = KV_LAYOUT
+    protocol: int = PROTOCOL_VERSION
+    extra: dict = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return msgpack.packb(self.__dict__, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "AgentMetadata":
+        return cls(**msgpack.unpackb(data, raw=False))
+
+    def check_compatible(self, peer: "AgentMetadata") -> None:
+        """Raise MetadataMismatchError naming the first field that differs."""
+        for name in _MATCHED_FIELDS:
+            if getattr(self, name) != getattr(peer, name):
+                raise MetadataMismatchError(name, getattr(self, name), getattr(peer, name))
+
+
+def pack_frame(message: dict) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack_frame(data: bytes) -> dict:
+    return msgpack.unpackb(data, raw=False)
+
+
+# Control frames travel as one fixed-size message (most fit) plus a tail for long ones, so a
+# receiver can always post a recv of known size: gloo and UCX tag recv both need that.
+FRAME_BYTES = 1024
+_LEN_BYTES = 4
+
+
+class Link(ABC):
+    """One established, bidirectional, ordered connection to one peer. Blocking calls, each
+    bounded by a timeout, used by exactly one writer thread and one reader thread."""
+
+    @abstractmethod
+    def send_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
+        """Send a contiguous CPU (or device) tensor's bytes as one message."""
+
+    @abstractmethod
+    def recv_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
+        """Receive exactly one message into a contiguous tensor of the message's size."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Abort the link: pending operations fail, nothing is written afterwards."""
+
+    def send_frame(self, payload: bytes, timeout_s: float) -> None:
+        head = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        head[:_LEN_BYTES] = torch.frombuffer(bytearray(len(payload).to_bytes(_LEN_BYTES, "little")),
+                                             dtype=torch.uint8)
+        first = payload[: FRAME_BYTES - _LEN_BYTES]
+        if first:
+            head[_LEN_BYTES:_LEN_BYTES + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        self.send_bytes(head, timeout_s)
+        tail = payload[FRAME_BYTES - _LEN_BYTES:]
+        if tail:
+            self.send_bytes(torch.frombuffer(bytearray(tail), dtype=torch.uint8), timeout_s)
+
+    def recv_frame(self, timeout_s: float) -> bytes:
+        head = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        self.recv_bytes(head, timeout_s)
+        raw = head.numpy().tobytes()
+        length = int.from_bytes(raw[:_LEN_BYTES], "little")
+        first = raw[_LEN_BYTES:_LEN_BYTES + min(length, FRAME_BYTES - _LEN_BYTES)]
+        rest = length - len(first)
+        if rest <= 0:
+            return first
+        tail = torch.empty(rest, dtype=torch.uint8)
+        self.recv_bytes(tail, timeout_s)
+        return first + tail.numpy().tobytes()
+
+
+class Transport(ABC):
+    """A backend: listens for peers and opens Links. Blocking calls run on agent threads."""
+
+    name: str
+
+    @abstractmethod
+    def address(self) -> dict:
+        """Where peers reach this transport; goes into the handshake metadata."""
+
+    @abstractmethod
+    def connect(self, peer_address: dict, timeout_s: float) -> Link:
+        """Open a link to a peer's transport; raise LinkError on failure or timeout."""
+
+    @abstractmethod
+    def accept(self, timeout_s: float) -> Optional[Link]:
+        """Return the next incoming link, or None when none arrived within timeout_s."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+ReleaseCallback = Callable[[TransferStatus], None]

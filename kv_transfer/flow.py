@@ -1,0 +1,109 @@
+"""Backpressure and failure bookkeeping: per-link credit window and queue bound, transfer
+records with deadlines and leases, and metrics. Callers hold the agent lock; no I/O here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kv_transfer.base import FailureReason, Role, SendOutcome, TransferState, TransferStatus
+from kv_transfer.layout import BlockRun
+
+
+@dataclass
+class Transfer:
+    """One request's KV moving over one link, seen from one side."""
+
+    request_id: str
+    peer_id: str
+    role: Role
+    runs: list[BlockRun]
+    num_layers: int
+    bytes_per_layer: int
+    deadline: float  # monotonic; transfer deadline, capped by the lease deadline on senders
+    state: TransferState = TransferState.PENDING
+    reason: Optional[FailureReason] = None
+    layers_submitted: set = field(default_factory=set)  # sender: layers handed to send()
+    layers_done: set = field(default_factory=set)  # acked (sender) or landed (receiver)
+    unacked_bytes: int = 0  # sender: bytes counted against the link's credit window
+    # A reader/writer thread is moving this transfer's bytes right now: its blocks may not be
+    # released until that thread finishes the operation (it finalizes the transfer itself).
+    wire_busy: bool = False
+    pending_failure: Optional[FailureReason] = None
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (TransferState.DONE, TransferState.FAILED)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.bytes_per_layer * self.num_layers
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(self.request_id, self.peer_id, self.role, self.state, self.reason,
+                              self.num_bytes, len(self.layers_done))
+
+
+class CreditWindow:
+    """Bounded unacknowledged bytes and queued sends on one link. A send that does not fit is
+    refused with WOULD_BLOCK instead of waiting, so the engine loop never blocks; one send is
+    always admitted on an idle link so a transfer larger than the window still moves."""
+
+    def __init__(self, window_bytes: int, max_queued_sends: int):
+        self.window_bytes = window_bytes
+        self.max_queued_sends = max_queued_sends
+        self.unacked_bytes = 0
+        self.queued_sends = 0
+
+    def admit(self, num_bytes: int) -> SendOutcome:
+        if self.queued_sends >= self.max_queued_sends:
+            return SendOutcome.WOULD_BLOCK
+        if self.unacked_bytes > 0 and self.unacked_bytes + num_bytes > self.window_bytes:
+            return SendOutcome.WOULD_BLOCK
+        self.unacked_bytes += num_bytes
+        self.queued_sends += 1
+        return SendOutcome.ACCEPTED
+
+    def dequeued(self) -> None:
+        self.queued_sends -= 1
+
+    def returned(self, num_bytes: int) -> None:
+        self.unacked_bytes = max(0, self.unacked_bytes - num_bytes)
+
+
+_LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class TransferMetrics:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_done: int = 0
+    would_block: int = 0
+    failures: dict = field(default_factory=dict)  # reason value -> count
+    latency_buckets: list = field(default_factory=lambda: [0] * (len(_LATENCY_BUCKETS_S) + 1))
+
+    def observe_finish(self, transfer: Transfer, now: float) -> None:
+        if transfer.state is TransferState.DONE:
+            self.transfers_done += 1
+            index = bisect.bisect_left(_LATENCY_BUCKETS_S, now - transfer.started_at)
+            self.latency_buckets[index] += 1
+        else:
+            key = transfer.reason.value if transfer.reason else "unknown"
+            self.failures[key] = self.failures.get(key, 0) + 1
+
+    def snapshot(self, in_flight_bytes: int) -> dict:
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "transfers_done": self.transfers_done,
+            "would_block": self.would_block,
+            "failures": dict(self.failures),
+            "in_flight_bytes": in_flight_bytes,
+            "latency_buckets_s": list(_LATENCY_BUCKETS_S),
+            "latency_counts": list(self.latency_buckets),
+        }

@@ -1,0 +1,104 @@
+"""Block ids -> memory regions of the paged KV cache: validation, run merging, region views
+and per-region checksums. Pure tensor bookkeeping, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import xxhash
+
+from kv_transfer.base import KV_LAYOUT, BlockIdError, LayoutError
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """`length` consecutive blocks starting at src_start on the sender, dst_start on the receiver."""
+
+    src_start: int
+    dst_start: int
+    length: int
+
+
+def merge_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[BlockRun]:
+    """Pair source and destination ids and merge pairs that are consecutive on both sides, so
+    a run of blocks moves as one region per layer and K/V half."""
+    if len(src_block_ids) != len(dst_block_ids):
+        raise BlockIdError(f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks")
+    runs: list[BlockRun] = []
+    for src, dst in zip(src_block_ids, dst_block_ids):
+        last = runs[-1] if runs else None
+        if last and src == last.src_start + last.length and dst == last.dst_start + last.length:
+            runs[-1] = BlockRun(last.src_start, last.dst_start, last.length + 1)
+        else:
+            runs.append(BlockRun(int(src), int(dst), 1))
+    return runs
+
+
+def runs_to_wire(runs: Sequence[BlockRun]) -> list[list[int]]:
+    return [[r.src_start, r.dst_start, r.length] for r in runs]
+
+
+def runs_from_wire(raw) -> list[BlockRun]:
+    return [BlockRun(int(a), int(b), int(n)) for a, b, n in raw]
+
+
+class KVLayout:
+    """The registered KV cache of one worker: one tensor per layer shaped
+    [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous (views of one big
+    allocation are fine). A run of consecutive blocks is contiguous within K and within V."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor]):
+        if not kv_caches:
+            raise LayoutError("kv_caches is empty")
+        first = kv_caches[0]
+        for i, t in enumerate(kv_caches):
+            if t.dim() != 5 or t.shape[0] != 2:
+                raise LayoutError(f"layer {i}: expected [2, blocks, block_size, kv_heads, head_dim], got {tuple(t.shape)}")
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise LayoutError(f"layer {i}: shape/dtype/device differ from layer 0")
+            if not t.is_contiguous():
+                raise LayoutError(f"layer {i}: KV tensor must be contiguous")
+        self.kv_caches = list(kv_caches)
+        _, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = first.shape
+        self.num_layers = len(kv_caches)
+        self.dtype = first.dtype
+        self.device = first.device
+        self.layout = KV_LAYOUT
+        self.block_bytes = first[0, 0].numel() * first.element_size()
+
+    def check_block_ids(self, block_ids: Sequence[int], what: str) -> None:
+        if len(set(block_ids)) != len(block_ids):
+            raise BlockIdError(f"{what} block ids repeat")
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise BlockIdError(f"{what} block id {b} outside [0, {self.num_blocks})")
+
+    def check_layers(self, layers: Sequence[int]) -> None:
+        for layer in layers:
+            if not 0 <= layer < self.num_layers:
+                raise BlockIdError(f"layer {layer} outside [0, {self.num_layers})")
+
+    def region(self, layer: int, kv: int, start: int, length: int) -> torch.Tensor:
+        """Flat byte view of `length` blocks from `start` in K (kv=0) or V (kv=1) of a layer."""
+        view = self.kv_caches[layer][kv, start:start + length]
+        return view.reshape(-1).view(torch.uint8)
+
+    def regions(self, runs: Sequence[BlockRun], layers: Sequence[int], side: str) -> Iterator[torch.Tensor]:
+        """Regions of the given layers in wire order (layer, K then V, run); side is src or dst."""
+        for layer in layers:
+            for kv in (0, 1):
+                for run in runs:
+                    start = run.src_start if side == "src" else run.dst_start
+                    yield self.region(layer, kv, start, run.length)
+
+    def bytes_for(self, num_blocks: int, num_layers: int) -> int:
+        return 2 * num_blocks * num_layers * self.block_bytes
+
+
+def region_checksum(region: torch.Tensor) -> int:
+    """xxh3-64 of a region's bytes (device tensors are copied to host first)."""
+    host = region if region.device.type == "cpu" else region.cpu()
+    return xxhash.xxh3_64_intdigest(memoryview(host.numpy()))

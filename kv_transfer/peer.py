@@ -1,0 +1,184 @@
+"""Peer links of one agent: handshake (metadata checked on both ends), and per link a writer
+thread (frames, KV regions, heartbeats) and a reader thread; a dead link fails its transfers.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Optional
+
+from kv_transfer.base import (AgentMetadata, FailureReason, Link, LinkError, LinkState,
+                              LinkTimeoutError, MetadataMismatchError, pack_frame, unpack_frame)
+from kv_transfer.flow import CreditWindow
+
+if TYPE_CHECKING:
+    from kv_transfer.agent import KVTransferAgent
+
+_HEARTBEAT = pack_frame({"t": "hb"})
+
+
+class PeerLink:
+    """Agent-side state of the link to one peer; replaced by a new one on reconnect."""
+
+    def __init__(self, peer_id: str, credits: CreditWindow, peer_timeout_s: float):
+        self.peer_id = peer_id
+        self.state = LinkState.CONNECTING
+        self.reason: Optional[str] = None
+        self.link: Optional[Link] = None
+        self.credits = credits
+        self.out_queue: "queue.Queue" = queue.Queue()
+        self.peer_timeout_s = peer_timeout_s
+
+
+class PeerTable:
+    def __init__(self, agent: "KVTransferAgent", handshake_timeout_s: float, heartbeat_interval_s: float,
+                 peer_timeout_s: float, credit_window_bytes: int, max_queued_sends: int):
+        self.agent = agent
+        self.handshake_timeout_s = handshake_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.peer_timeout_s = peer_timeout_s
+        self.credit_window_bytes = credit_window_bytes
+        self.max_queued_sends = max_queued_sends
+        self._peers: dict[str, PeerLink] = {}
+        self._accepter = threading.Thread(target=self._accept_loop, name="kvt-accept", daemon=True)
+        self._accepter.start()
+
+    def get(self, peer_id: str) -> Optional[PeerLink]:
+        return self._peers.get(peer_id)
+
+    def all(self) -> list[PeerLink]:
+        return list(self._peers.values())
+
+    def state(self, peer_id: str) -> tuple[LinkState, Optional[str]]:
+        peer = self._peers.get(peer_id)
+        return (peer.state, peer.reason) if peer else (LinkState.FAILED, "unknown peer")
+
+    def _new_peer(self, peer_id: str) -> PeerLink:
+        peer = PeerLink(peer_id, CreditWindow(self.credit_window_bytes, self.max_queued_sends), self.peer_timeout_s)
+        with self.agent._lock:
+            old = self._peers.get(peer_id)
+            self._peers[peer_id] = peer
+        if old is not None:
+            self._fail(old, LinkError("replaced by a new link"))
+        return peer
+
+    # ----- outgoing -----
+    def connect(self, peer_meta: AgentMetadata) -> str:
+        self.agent.agent_metadata.check_compatible(peer_meta)
+        with self.agent._lock:
+            current = self._peers.get(peer_meta.engine_id)
+            if current is not None and current.state is not LinkState.FAILED:
+                return peer_meta.engine_id
+        peer = self._new_peer(peer_meta.engine_id)
+        threading.Thread(target=self._connect, args=(peer, peer_meta), daemon=True,
+                         name=f"kvt-connect-{peer.peer_id}").start()
+        return peer.peer_id
+
+    def _connect(self, peer: PeerLink, peer_meta: AgentMetadata) -> None:
+        try:
+            link = self.agent.transport.connect(peer_meta.address, self.handshake_timeout_s)
+            peer.link = link
+            link.send_frame(pack_frame({"t": "hello", "meta": self.agent.metadata()}), self.handshake_timeout_s)
+            reply = unpack_frame(link.recv_frame(self.handshake_timeout_s))
+            if reply["t"] != "welcome":
+                self._fail(peer, LinkError(reply.get("error", "refused")), FailureReason.METADATA_MISMATCH)
+                return
+            self._start(peer, link)
+        except LinkError as exc:
+            self._fail(peer, exc, FailureReason.PEER_LOST)
+
+    # ----- incoming -----
+    def _accept_loop(self) -> None:
+        while not self.agent._closing.is_set():
+            try:
+                link = self.agent.transport.accept(0.1)
+            except LinkError:
+                continue
+            if link is not None:
+                threading.Thread(target=self._answer, args=(link,), daemon=True, name="kvt-handshake").start()
+
+    def _answer(self, link: Link) -> None:
+        try:
+            hello = unpack_frame(link.recv_frame(self.handshake_timeout_s))
+            peer_meta = AgentMetadata.decode(hello["meta"])
+            try:
+                self.agent.agent_metadata.check_compatible(peer_meta)
+            except MetadataMismatchError as exc:
+                link.send_frame(pack_frame({"t": "refuse", "error": str(exc)}), self.handshake_timeout_s)
+                time.sleep(0.1)  # let the refusal reach the peer before the link goes away
+                link.close()
+                return
+            peer = self._new_peer(peer_meta.engine_id)
+            peer.link = link
+            link.send_frame(pack_frame({"t": "welcome", "meta": self.agent.metadata()}), self.handshake_timeout_s)
+            self._start(peer, link)
+        except (LinkError, KeyError, TypeError, ValueError):
+            link.close()
+
+    # ----- running link -----
+    def _start(self, peer: PeerLink, link: Link) -> None:
+        with self.agent._lock:
+            if peer.state is LinkState.FAILED:
+                return
+            peer.state = LinkState.READY
+        threading.Thread(target=self._write_loop, args=(peer, link), daemon=True, name=f"kvt-w-{peer.peer_id}").start()
+        threading.Thread(target=self._read_loop, args=(peer, link), daemon=True, name=f"kvt-r-{peer.peer_id}").start()
+
+    def _write_loop(self, peer: PeerLink, link: Link) -> None:
+        try:
+            while True:
+                try:
+                    item = peer.out_queue.get(timeout=self.heartbeat_interval_s)
+                except queue.Empty:
+                    link.send_frame(_HEARTBEAT, self.peer_timeout_s)
+                    continue
+                if item is None:
+                    return
+                if item[0] == "ctl":
+                    link.send_frame(pack_frame(item[1]), self.peer_timeout_s)
+                else:
+                    self.agent.write_chunk(peer, item[1], item[2])
+        except LinkError as exc:
+            self._fail(peer, exc)
+
+    def _read_loop(self, peer: PeerLink, link: Link) -> None:
+        try:
+            while peer.state is LinkState.READY:
+                frame = unpack_frame(link.recv_frame(self.peer_timeout_s))
+                if frame["t"] == "bye":
+                    raise LinkError("peer closed the link")
+                if frame["t"] != "hb":
+                    self.agent.handle_frame(peer, frame)
+        except LinkError as exc:
+            self._fail(peer, exc)
+
+    def _fail(self, peer: PeerLink, exc: Exception, reason: FailureReason = FailureReason.PEER_LOST) -> None:
+        with self.agent._lock:
+            first = peer.state is not LinkState.FAILED
+            peer.state, peer.reason = LinkState.FAILED, peer.reason or str(exc)
+            if first:
+                if isinstance(exc, LinkTimeoutError):
+                    reason = FailureReason.PEER_LOST
+                self.agent.peer_lost(peer, reason)
+                while True:  # queued chunks hold no lease any more; drop them
+                    try:
+                        item = peer.out_queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item and item[0] == "kv":
+                        peer.credits.dequeued()
+                peer.out_queue.put(None)
+        if first and peer.link is not None:
+            peer.link.close()
+
+    def close_all(self) -> None:
+        for peer in self.all():
+            if peer.state is LinkState.READY:
+                peer.out_queue.put(("ctl", {"t": "bye"}))
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and any(not p.out_queue.empty() for p in self.all() if p.state is LinkState.READY):
+            time.sleep(0.01)
+        for peer in self.all():
+            self._fail(peer, LinkError("agent closed"), FailureReason.SHUTDOWN)

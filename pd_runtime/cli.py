@@ -1,0 +1,117 @@
+"""`pd-runtime` command line: serve, generate (offline), make-tiny-model.
+
+Settings come from flags and YAML here, at the edge; nothing deeper reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "tiny-bench"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("PD_RUNTIME_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pd-runtime")
+    return Path(base)
+
+
+def ensure_default_model(cache_dir: Path | None = None) -> Path:
+    """The embedded default: the bench-preset tiny model, generated once on first use."""
+    from pd_runtime.model.tiny import make_tiny_model
+
+    path = (cache_dir or default_cache_dir()) / "models" / DEFAULT_MODEL_NAME
+    if not (path / "model.safetensors").is_file():
+        print(f"pd-runtime: generating the embedded default model into {path} ...",
+              file=sys.stderr)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_tiny_model(tmp, preset="bench")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            tmp.rename(path)
+    return path
+
+
+def _cmd_make_tiny_model(args) -> int:
+    from pd_runtime.model.tiny import make_tiny_model
+
+    start = time.monotonic()
+    out = make_tiny_model(args.path, preset=args.preset, architecture=args.architecture,
+                          seed=args.seed)
+    print(f"wrote {args.preset} {args.architecture} model to {out} "
+          f"in {time.monotonic() - start:.1f}s")
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from pd_runtime import LLM, SamplingParams
+
+    model = args.model or str(ensure_default_model())
+    llm = LLM(model, max_model_len=args.max_model_len)
+    prompts = args.prompt or ["The prefill worker", "A decode worker streams tokens",
+                              "Hello, my name is"]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)
+    start = time.monotonic()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.monotonic() - start
+    for prompt, out in zip(prompts, outputs):
+        print(f"--- {prompt!r} -> {len(out.token_ids)} tokens ({out.finish_reason})")
+        print(out.text)
+    total = sum(len(o.token_ids) for o in outputs)
+    print(f"{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s)")
+    return 0
+
+
+def _cmd_serve(args) -> int:
+    # Until the Ray runtime lands, `serve` runs the offline engine demo on the same model.
+    print("pd-runtime serve: the Ray cluster and router are not built yet; running the offline "
+          "engine demo on the embedded default model.", file=sys.stderr)
+    return _cmd_generate(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pd-runtime", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a deterministic random-weight model")
+    tiny.add_argument("path")
+    tiny.add_argument("--preset", choices=["bench", "test"], default="bench")
+    tiny.add_argument("--architecture", choices=["llama", "mistral", "qwen2", "qwen3"],
+                      default="llama")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_make_tiny_model)
+
+    for name, func, text in (("generate", _cmd_generate, "offline generation"),
+                             ("serve", _cmd_serve, "serve a model (offline demo for now)")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--model", help="HF model directory (default: the embedded tiny model)")
+        p.add_argument("--config", help="cluster YAML (used once the Ray runtime lands)")
+        p.add_argument("--prompt", action="append")
+        p.add_argument("--max-tokens", type=int, default=32)
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--seed", type=int, default=None)
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pd-runtime: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

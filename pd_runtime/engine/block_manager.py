@@ -1,0 +1,166 @@
+"""Paged KV block accounting with a prefix cache: free list, reference counts, block tables.
+
+Ownership: a request holds one reference to each block in `req.block_ids`; `free()` drops them.
+A full block may be shared (prefix cache); only a request's last, partial block is written to,
+and it is always private. Blocks with no users stay cached and are evicted LRU on demand.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pd_runtime.engine.block_hash import block_hashes, root_hash
+from pd_runtime.engine.sequence import Request
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: Optional[int] = None
+    token_ids: Optional[tuple[int, ...]] = None  # kept so a hash collision can never hit
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    by_salt: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+
+    def record(self, salt: Optional[str], queried: int, hit: int) -> None:
+        self.queried_tokens += queried
+        self.hit_tokens += hit
+        entry = self.by_salt[salt or ""]
+        entry[0] += queried
+        entry[1] += hit
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, model_identity: str,
+                 enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.model_identity = model_identity
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Unreferenced blocks, oldest first; cached ones keep their hash until evicted.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}
+        self.stats = PrefixCacheStats()
+
+    # -- queries -----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def request_hashes(self, req: Request) -> list[int]:
+        """Extend and return the chained hashes of the request's full blocks."""
+        root = root_hash(self.model_identity, None, req.cache_salt)
+        req.block_hashes = block_hashes(req.all_token_ids, self.block_size, root,
+                                        req.block_hashes)
+        return req.block_hashes
+
+    def _lookup(self, token_ids: list[int], hashes: list[int]) -> list[int]:
+        # Leave at least one token to compute: its logits produce the next token.
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hit = []
+        for i, h in enumerate(hashes[:max_blocks]):
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            if self.blocks[block_id].token_ids != tokens:
+                break  # hash collision: never hand back KV of other tokens
+            hit.append(block_id)
+        return hit
+
+    def cached_prefix_tokens(self, token_ids: list[int], cache_salt: Optional[str] = None) -> int:
+        """Tokens of this prompt the cache would serve now; no side effects."""
+        if not self.enable_prefix_caching:
+            return 0
+        root = root_hash(self.model_identity, None, cache_salt)
+        return len(self._lookup(token_ids, block_hashes(token_ids, self.block_size, root))) \
+            * self.block_size
+
+    # -- allocation --------------------------------------------------------------------------
+    def match_prefix(self, req: Request) -> list[int]:
+        """Cached blocks for the start of a request that holds no blocks; not yet referenced."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens = req.all_token_ids
+        hit = self._lookup(tokens, self.request_hashes(req))
+        self.stats.record(req.cache_salt, len(tokens), len(hit) * self.block_size)
+        return hit
+
+    def can_allocate(self, req: Request, num_new_tokens: int, prefix: list[int] = ()) -> bool:
+        held = len(req.block_ids) + len(prefix)
+        need = self.blocks_needed(req.num_computed_tokens + len(prefix) * self.block_size
+                                  + num_new_tokens) - held
+        # Prefix blocks with no users sit in the free list; taking them shrinks it.
+        idle_prefix = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
+        return need <= len(self._free) - idle_prefix
+
+    def allocate(self, req: Request, num_new_tokens: int, prefix: list[int] = ()) -> bool:
+        """Make the block table cover `num_new_tokens` more tokens; False (no change) if full."""
+        if not self.can_allocate(req, num_new_tokens, prefix):
+            return False
+        for block_id in prefix:
+            self._touch(block_id)
+        req.block_ids.extend(prefix)
+        if prefix:
+            req.num_computed_tokens += len(prefix) * self.block_size
+            req.num_cached_tokens = len(prefix) * self.block_size
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        for _ in range(need):
+            req.block_ids.append(self._take_free())
+        return True
+
+    def _touch(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            self.stats.evictions += 1
+            block.block_hash = block.token_ids = None
+        block.ref_count = 1
+        return block_id
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Publish the request's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        hashes = self.request_hashes(req)
+        for i in range(num_full):
+            block = self.blocks[req.block_ids[i]]
+            if block.block_hash is not None:
+                continue
+            h = hashes[i]
+            block.block_hash = h
+            block.token_ids = tuple(req.all_token_ids[i * self.block_size:
+                                                      (i + 1) * self.block_size])
+            self._cached.setdefault(h, block.block_id)
+
+    def free(self, req: Request) -> None:
+        """Drop the request's references; tail blocks first so they are evicted first."""
+        for block_id in reversed(req.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None or not self.enable_prefix_caching:
+                    block.block_hash = block.token_ids = None
+                self._free[block_id] = None
+        req.block_ids = []

@@ -1,0 +1,202 @@
+"""The engine step loop: admit requests, schedule, run the model, sample, detokenize, finish.
+
+Requests are added, stepped and aborted individually; each `step()` returns the new tokens
+and text of every request that progressed, which the offline API and the workers stream out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from pd_runtime.config import EngineConfig
+from pd_runtime.engine.block_manager import BlockManager
+from pd_runtime.engine.detokenizer import detokenize_step
+from pd_runtime.engine.errors import EngineOverloadedError, InvalidRequestError, \
+    RequestTooLargeError
+from pd_runtime.engine.model_runner import ModelRunner
+from pd_runtime.engine.sampler import Sampler
+from pd_runtime.engine.sampling_params import SamplingParams
+from pd_runtime.engine.scheduler import Scheduler
+from pd_runtime.engine.sequence import FinishReason, Request, RequestStatus
+from pd_runtime.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: Optional[str] = None
+    # Per new token: (logprob of the token, {token_id: logprob} of the top-n); None if not asked.
+    new_logprobs: Optional[list[tuple[float, dict[int, float]]]] = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        from pd_runtime.model.model_config import load_model_config
+
+        self.model_config = load_model_config(config.model)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.tokenizer = Tokenizer(config.model)
+        self.runner = ModelRunner(config, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          self.model_config.identity,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
+                                   config.max_num_seqs, self.max_model_len,
+                                   config.priority_aging_steps)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.num_steps = 0
+
+    # -- intake ------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Union[str, list[int]]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})",
+                                          param="prompt")
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids",
+                                      param="prompt")
+        if not ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        return ids
+
+    def add_request(self, request_id: str, prompt: Union[str, list[int]],
+                    params: Optional[SamplingParams] = None, priority: int = 0,
+                    cache_salt: Optional[str] = None) -> Request:
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use",
+                                      param="request_id")
+        ids = self.tokenize_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise RequestTooLargeError(
+                f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
+                f"(max_model_len) including at least one generated token", param="prompt")
+        # Blocks the request needs at its longest; beyond the whole cache it could never run.
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
+            raise RequestTooLargeError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{self.block_manager.blocks_needed(longest)} KV blocks; this worker has "
+                f"{self.block_manager.num_blocks}", param="max_tokens")
+        sched = self.scheduler
+        if len(sched.waiting) >= self.config.max_waiting_requests or \
+                sched.num_waiting_tokens + len(ids) > self.config.max_waiting_tokens:
+            raise EngineOverloadedError(
+                f"engine queue is full ({len(sched.waiting)} requests waiting)",
+                retry_after_s=1.0)
+        req = Request(request_id, ids, params, self.eos_token_ids, priority, cache_salt,
+                      prompt=prompt if isinstance(prompt, str) else None)
+        if params.seed is not None:
+            req.generator = Sampler.make_generator(params.seed)
+        self.requests[request_id] = req
+        sched.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and release all its blocks now; False if it is unknown or done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = FinishReason.ABORT
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        self.num_steps += 1
+        logits = self.runner.execute(plan)
+        sampled = [self.requests[s.request_id] for s in plan.scheduled if s.sample]
+        result = self.sampler(logits, [r.params for r in sampled],
+                              [r.generator for r in sampled]) if sampled else None
+        now = time.monotonic()
+        for s in plan.scheduled:
+            req = self.requests[s.request_id]
+            req.num_computed_tokens += len(s.token_ids)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.block_manager.cache_full_blocks(req)
+        outputs = []
+        for i, req in enumerate(sampled):
+            token = result.token_ids[i]
+            req.output_token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            lp = result.logprobs[i]
+            if lp is not None:
+                req.logprobs.append(lp)
+            outputs.append(self._finish_token(req, token, lp))
+        return outputs
+
+    def _finish_token(self, req: Request, token: int, logprob) -> RequestOutput:
+        params = req.params
+        reason = None
+        if not params.ignore_eos and token in req.eos_token_ids:
+            reason = FinishReason.STOP
+        elif token in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        text_before = len(req.text)
+        detokenize_step(self.tokenizer, req, flush=reason is not None)
+        if params.stop and self._apply_stop_strings(req, text_before):
+            reason = FinishReason.STOP
+        if reason is not None:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = reason
+            self.scheduler.remove(req)
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=[token], new_text=req.text[text_before:],
+            token_ids=list(req.output_token_ids), text=req.text, finished=reason is not None,
+            finish_reason=reason.value if reason else None,
+            new_logprobs=[logprob] if logprob is not None else None,
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+            prompt_token_ids=req.prompt_token_ids)
+
+    @staticmethod
+    def _apply_stop_strings(req: Request, text_before: int) -> bool:
+        """Cut the text before the first stop string that the new text completed."""
+        longest = max(len(s) for s in req.params.stop)
+        window_start = max(0, text_before - longest + 1)
+        best = None
+        for stop in req.params.stop:
+            pos = req.text.find(stop, window_start)
+            if pos != -1 and (best is None or pos < best):
+                best = pos
+        if best is None:
+            return False
+        req.text = req.text[:best]
+        return True

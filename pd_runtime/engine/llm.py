@@ -1,0 +1,81 @@
+"""Offline API: `LLM(model=PATH).generate(prompts, sampling_params)` over the engine loop."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+from pd_runtime.config import EngineConfig
+from pd_runtime.engine.engine import LLMEngine, RequestOutput
+from pd_runtime.engine.sampling_params import SamplingParams
+
+Prompt = Union[str, list[int]]
+
+
+@dataclass
+class CompletionOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[str] = None
+    # One entry per generated token when logprobs were asked:
+    # (logprob of the token, {token_id: logprob} of the top-n).
+    logprobs: Optional[list[tuple[float, dict[int, float]]]] = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = False) -> list[CompletionOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("sampling_params must be one object or one per prompt")
+        engine = self.engine
+        order, results = [], {}
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                rid = f"offline-{next(self._ids)}"
+                req = engine.add_request(rid, prompt, params)
+                order.append(rid)
+                results[rid] = CompletionOutput(req.prompt_token_ids,
+                                                logprobs=[] if params.logprobs is not None
+                                                else None)
+        except Exception:
+            for rid in order:
+                engine.abort(rid)
+            raise
+        done, start = 0, time.monotonic()
+        while done < len(order):
+            for out in engine.step():
+                done += self._collect(results[out.request_id], out)
+            if use_tqdm:
+                print(f"\r{done}/{len(order)} done, {time.monotonic() - start:.1f}s",
+                      end="", file=sys.stderr)
+        if use_tqdm:
+            print(file=sys.stderr)
+        return [results[rid] for rid in order]
+
+    @staticmethod
+    def _collect(result: CompletionOutput, out: RequestOutput) -> int:
+        result.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None:
+            result.logprobs.extend(out.new_logprobs)
+        result.text = out.text
+        result.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            result.finish_reason = out.finish_reason
+            return 1
+        return 0

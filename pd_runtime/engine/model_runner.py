@@ -1,0 +1,86 @@
+"""Executes a scheduler plan: builds the flat token batch and attention metadata, runs the
+model over the paged KV cache, and returns logits for the requests due a sample.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels.attention import AttentionMetadata, PrefillSegment
+from pd_runtime.config import EngineConfig
+from pd_runtime.engine.scheduler import SchedulerOutput
+from pd_runtime.model.loader import load_model
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, max_model_len: int):
+        self.config = config
+        self.block_size = config.block_size
+        self.model = load_model(config.model, config.dtype, config.device, max_model_len)
+        cfg = self.model.cfg
+        self.dtype = self.model.dtype
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+        block_bytes = self.kv_bytes_per_token * self.block_size
+        self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes
+                                                      // block_bytes)
+        # One allocation for all layers; per-layer views are what attention and transfers use.
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, self.block_size,
+                                    cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype,
+                                    device=config.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        log.info("KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d dim x %d B), "
+                 "%d blocks of %d tokens = %.1f MiB", self.kv_bytes_per_token, cfg.num_layers,
+                 cfg.num_kv_heads, cfg.head_dim, elem, self.num_blocks, self.block_size,
+                 self.num_blocks * block_bytes / 2**20)
+
+    def _slots(self, block_ids: list[int], start: int, n: int) -> list[int]:
+        bs = self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    def execute(self, plan: SchedulerOutput) -> torch.Tensor | None:
+        """Run one step; returns logits `[num_sampled, vocab]` in plan order of sample rows."""
+        if not plan.scheduled:
+            return None
+        decodes = [s for s in plan.scheduled if len(s.token_ids) == 1]
+        prefills = [s for s in plan.scheduled if len(s.token_ids) > 1]
+        ordered = decodes + prefills
+        input_ids, positions, slots = [], [], []
+        for s in ordered:
+            n = len(s.token_ids)
+            input_ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.start + n))
+            slots.extend(self._slots(s.block_ids, s.start, n))
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long))
+        if decodes:
+            width = max(len(s.block_ids) for s in decodes)
+            meta.num_decode_tokens = len(decodes)
+            meta.decode_block_tables = torch.tensor(
+                [s.block_ids + [0] * (width - len(s.block_ids)) for s in decodes],
+                dtype=torch.long)
+            meta.decode_context_lens = torch.tensor([s.start + 1 for s in decodes],
+                                                    dtype=torch.long)
+        offset = len(decodes)
+        for s in prefills:
+            n = len(s.token_ids)
+            ctx = s.start + n
+            table = torch.tensor(s.block_ids[:-(-ctx // self.block_size)], dtype=torch.long)
+            meta.prefills.append(PrefillSegment(offset, n, ctx, table))
+            offset += n
+        hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.long),
+                                    torch.tensor(positions, dtype=torch.long),
+                                    self.kv_caches, meta)
+        # Rows to sample, in the order of plan.scheduled (the engine's order).
+        row_of = {}
+        offset = 0
+        for s in ordered:
+            offset += len(s.token_ids)
+            row_of[s.request_id] = offset - 1
+        rows = [row_of[s.request_id] for s in plan.scheduled if s.sample]
+        if not rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)])

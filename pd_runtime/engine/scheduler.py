@@ -1,0 +1,123 @@
+"""Decides each step's work: which requests run and how many tokens each computes. No torch.
+
+Every step is continuous batching under a token budget: running requests first (a decode is
+one token, an unfinished prefill continues with a chunk), then waiting requests by
+(effective priority, arrival) while budget, `max_num_seqs` and KV blocks last. When blocks run
+out, the running request that is least urgent (lowest priority, then latest arrival) is
+preempted by recompute; the most urgent request always progresses, so nothing starves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pd_runtime.engine.block_manager import BlockManager
+from pd_runtime.engine.sequence import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    start: int                 # first position computed this step (= num_computed_tokens)
+    token_ids: list[int]       # tokens at positions [start, start + len)
+    block_ids: list[int]       # the whole block table
+    sample: bool               # this chunk reaches the end: sample the next token
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one step: plain data, picklable, all the runner needs."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_model_len: int, priority_aging_steps: int = 64):
+        self.bm = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.priority_aging_steps = priority_aging_steps
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues and release its blocks (finish or abort)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.bm.free(req)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
+    def _urgency(self, req: Request):
+        aged = req.priority - req.waited_steps // self.priority_aging_steps
+        return (aged, req.arrival_time)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.bm.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_cached_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(victim)
+        out.preempted.append(victim.request_id)
+
+    def _plan(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(req.request_id, start, req.token_slice(start, start + n),
+                                list(req.block_ids), start + n == req.num_tokens)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=self._urgency)
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING or budget == 0:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.bm.allocate(req, n):
+                victim = max(self.running, key=self._urgency)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status == RequestStatus.RUNNING:
+                out.scheduled.append(self._plan(req, n))
+                budget -= n
+
+        self.waiting.sort(key=self._urgency)
+        admitted = []
+        for req in self.waiting:
+            if out.preempted or budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            prefix = self.bm.match_prefix(req) if req.num_computed_tokens == 0 else []
+            n = min(req.num_tokens - req.num_computed_tokens - len(prefix) * self.bm.block_size,
+                    budget)
+            if not self.bm.allocate(req, n, prefix):
+                break
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            out.scheduled.append(self._plan(req, n))
+            budget -= n
+        for req in admitted:
+            self.waiting.remove(req)
+        for req in self.waiting:
+            req.waited_steps += 1
+        return out

@@ -1,0 +1,81 @@
+"""A request's lifecycle as counters: tokens so far, tokens whose KV is computed, blocks held.
+
+Chunked prefill, a prefix-cache hit and KV arriving from a prefill worker all just move
+`num_computed_tokens`; a sample is due when it reaches `num_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pd_runtime.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"   # waiting again, KV freed (recompute) or swapped out
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # eos, stop token or stop string
+    LENGTH = "length"    # max_tokens or max_model_len
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    cache_salt: Optional[str] = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    prompt: Optional[str] = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0         # prompt tokens served by the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: Optional[FinishReason] = None
+    num_preemptions: int = 0
+    waited_steps: int = 0              # steps passed over while waiting (priority aging)
+    generator: Any = None              # torch.Generator for seeded sampling, owned by the sampler
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Detokenizer state (see detokenizer.py).
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]

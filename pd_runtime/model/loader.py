@@ -1,0 +1,121 @@
+"""Loads an HF model directory (config.json + single or sharded safetensors) into LlamaModel.
+
+Every missing file, missing tensor or shape mismatch is a ModelLoadError naming file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pd_runtime.model.llama import LlamaModel
+from pd_runtime.model.model_config import ModelConfig, ModelLoadError, load_model_config
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(requested: str, cfg: ModelConfig) -> torch.dtype:
+    name = cfg.torch_dtype if requested == "auto" else requested
+    return _DTYPES.get(name.replace("torch.", ""), torch.float32)
+
+
+def _shard_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, from the index when the checkpoint is sharded."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = {name: model_dir / fname for name, fname in weight_map.items()}
+        for f in set(files.values()):
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: listed in {index.name} but missing")
+        return files
+    single = model_dir / "model.safetensors"
+    candidates = [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
+    if not candidates:
+        raise ModelLoadError(f"{model_dir}: no model.safetensors or *.safetensors found")
+    files = {}
+    for f in candidates:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                files[name] = f
+    return files
+
+
+class _TensorReader:
+    def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: str):
+        self.files, self.dtype, self.device = files, dtype, device
+        self._handles = {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        path = self.files.get(name)
+        if path is None:
+            raise ModelLoadError(f"tensor {name!r} missing from the checkpoint")
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        tensor = self._handles[path].get_tensor(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise ModelLoadError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"config.json implies {tuple(shape)}")
+        return tensor.to(device=self.device, dtype=self.dtype)
+
+
+def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
+               max_positions: int | None = None) -> LlamaModel:
+    model_dir = Path(model_dir)
+    cfg = load_model_config(model_dir)
+    torch_dtype = resolve_dtype(dtype, cfg)
+    reader = _TensorReader(_shard_files(model_dir), torch_dtype, device)
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        qkv = [reader.get(p + f"self_attn.{n}_proj.weight", (o, h))
+               for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))]
+        layer = {
+            "qkv": torch.cat(qkv, 0),
+            "o": reader.get(p + "self_attn.o_proj.weight", (h, q_out)),
+            "gate_up": torch.cat([reader.get(p + "mlp.gate_proj.weight", (inter, h)),
+                                  reader.get(p + "mlp.up_proj.weight", (inter, h))], 0),
+            "down": reader.get(p + "mlp.down_proj.weight", (h, inter)),
+            "in_norm": reader.get(p + "input_layernorm.weight", (h,)),
+            "post_norm": reader.get(p + "post_attention_layernorm.weight", (h,)),
+        }
+        if cfg.qkv_bias:
+            layer["qkv_bias"] = torch.cat(
+                [reader.get(p + f"self_attn.{n}_proj.bias", (o,))
+                 for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))], 0)
+        if cfg.qk_norm:
+            layer["q_norm"] = reader.get(p + "self_attn.q_norm.weight", (d,))
+            layer["k_norm"] = reader.get(p + "self_attn.k_norm.weight", (d,))
+        layers.append(layer)
+    weights = {
+        "embed": reader.get("model.embed_tokens.weight", (cfg.vocab_size, h)),
+        "final_norm": reader.get("model.norm.weight", (h,)),
+        "layers": layers,
+    }
+    if not cfg.tie_word_embeddings:
+        if "lm_head.weight" in reader.files:
+            weights["lm_head"] = reader.get("lm_head.weight", (cfg.vocab_size, h))
+        else:
+            raise ModelLoadError(f"{model_dir}: config.json says tie_word_embeddings=false but "
+                                 "tensor 'lm_head.weight' is missing")
+    n_params = sum(t.numel() for t in reader_tensors(weights))
+    log.info("loaded %s (%s, %.1fM params, %s) from %s", cfg.family, cfg.identity,
+             n_params / 1e6, torch_dtype, model_dir)
+    return LlamaModel(cfg, weights, torch_dtype, device, max_positions)
+
+
+def reader_tensors(weights: dict):
+    yield weights["embed"]
+    yield weights["final_norm"]
+    if "lm_head" in weights:
+        yield weights["lm_head"]
+    for layer in weights["layers"]:
+        yield from layer.values()

@@ -1,0 +1,130 @@
+"""Reads an HF `config.json` into the one architecture description our decoder understands.
+
+Llama, Mistral, Qwen2 and Qwen3 differ only in the flags below; anything else is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+class ModelLoadError(ValueError):
+    """A model directory we cannot serve; the message names the file and the field or tensor."""
+
+
+# architecture name -> family; model_type is the fallback key.
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    torch_dtype: str
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    sliding_window: Optional[int] = None
+
+    @property
+    def identity(self) -> str:
+        """A short string covering everything that changes the KV layout (used by handshakes)."""
+        return (f"{self.family}-L{self.num_layers}-H{self.hidden_size}-kv{self.num_kv_heads}"
+                f"x{self.head_dim}-V{self.vocab_size}")
+
+
+def _rope_from(raw: dict, path: Path) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (theta inside); older files use rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ModelLoadError(f"{path}: rope type {rope_type!r} is not supported "
+                             "(supported: default, linear, llama3)")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing (expected an HF model directory)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
+    if "text_config" in raw and "hidden_size" not in raw:
+        raw = {**raw, **raw["text_config"]}
+    family = None
+    for arch in raw.get("architectures") or []:
+        family = family or _ARCHITECTURES.get(arch)
+    family = family or _MODEL_TYPES.get(raw.get("model_type", ""))
+    if family is None:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {raw.get('architectures')} / model_type "
+            f"{raw.get('model_type')!r}; supported: {sorted(_ARCHITECTURES)}")
+
+    def need(key):
+        if key not in raw:
+            raise ModelLoadError(f"{path}: missing field {key!r}")
+        return raw[key]
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    head_dim = raw.get("head_dim") or hidden // heads
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    return ModelConfig(
+        family=family,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        rope=_rope_from(raw, path),
+        sliding_window=int(window) if window else None,
+    )
+

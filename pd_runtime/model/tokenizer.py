@@ -1,0 +1,88 @@
+"""Tokenizer of an HF model directory via `tokenizers` (torch-free), with its chat template.
+
+Token ids the tokenizer does not know (padded embedding rows, as in Qwen) decode to nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from pd_runtime.model.model_config import ModelLoadError
+
+
+def _token_text(value) -> Optional[str]:
+    if isinstance(value, dict):  # AddedToken serialised as a dict
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: missing (a fast tokenizer file is required)")
+        self._tok = HFTokenizer.from_file(str(path))
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        cfg_path = model_dir / "tokenizer_config.json"
+        tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.chat_template: Optional[str] = tcfg.get("chat_template")
+        tmpl_file = model_dir / "chat_template.jinja"
+        if self.chat_template is None and tmpl_file.is_file():
+            self.chat_template = tmpl_file.read_text()
+        self.bos_token = _token_text(tcfg.get("bos_token"))
+        self.eos_token = _token_text(tcfg.get("eos_token"))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_ids = self._eos_ids(model_dir)
+        self._special_ids = {t.id if hasattr(t, "id") else k
+                             for k, t in self._tok.get_added_tokens_decoder().items()
+                             if getattr(t, "special", False)}
+        self._template = None
+
+    def _eos_ids(self, model_dir: Path) -> frozenset[int]:
+        ids = set()
+        gen = model_dir / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.eos_token and self._tok.token_to_id(self.eos_token) is not None:
+            ids.add(self._tok.token_to_id(self.eos_token))
+        return frozenset(int(i) for i in ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        known = [t for t in token_ids if 0 <= t < self.vocab_size]
+        return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        if not self.chat_template:
+            raise ModelLoadError("this model directory has no chat template "
+                                 "(tokenizer_config.json chat_template)")
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     **kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The template already carries any BOS; adding special tokens again would double it.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+                           add_special_tokens=False)
+
+
+def _raise_template_error(message: str):
+    from pd_runtime.engine.errors import InvalidRequestError
+
+    raise InvalidRequestError(f"chat template: {message}", param="messages")

@@ -1,0 +1,1 @@
+"""HTTP front door: OpenAI API, colocated/disaggregated routing policy, admission, metrics."""

@@ -1,0 +1,27 @@
+"""Shared fixtures: small random-weight model directories, built once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_runtime.model.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    cache = {}
+
+    def make(architecture: str = "llama", **overrides):
+        key = (architecture, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"model-{architecture}")
+            cache[key] = str(make_tiny_model(path, preset="test", architecture=architecture,
+                                             **overrides))
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_factory):
+    return model_factory("llama")
