@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
+
+# Test models are tiny; with two threads on a shared two-core box, thread barriers cost more
+# than the math (measured 50x slower under load), so tests compute on one thread.
+torch.set_num_threads(1)
 
 from pd_runtime.model.tiny import make_tiny_model
 

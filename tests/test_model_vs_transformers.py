@@ -55,14 +55,29 @@ def our_logits(model, prompts_ids: list[list[int]]) -> list[torch.Tensor]:
     return [logits[s.start:s.start + s.num_tokens] for s in segs]
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+_HF_CACHE: dict = {}
+
+
+def _variant(name: str, model_factory):
+    if name not in _HF_CACHE:
+        arch, overrides = VARIANTS[name]
+        path = model_factory(arch, **overrides)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # Our ignore_eos keeps sampling eos; HF's min_new_tokens would mask it: drop eos instead.
+        hf.generation_config.eos_token_id = None
+        _HF_CACHE[name] = (name, path, hf)
+    return _HF_CACHE[name]
+
+
+@pytest.fixture(params=sorted(VARIANTS))
 def variant(request, model_factory):
-    arch, overrides = VARIANTS[request.param]
-    path = model_factory(arch, **overrides)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # Our ignore_eos keeps sampling eos; HF's min_new_tokens would mask it, so drop eos instead.
-    hf.generation_config.eos_token_id = None
-    return request.param, path, hf
+    return _variant(request.param, model_factory)
+
+
+# Greedy runs cover each family once plus llama3 rope scaling; logits pin every variant.
+@pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope"])
+def greedy_variant(request, model_factory):
+    return _variant(request.param, model_factory)
 
 
 def test_logits_match_transformers(variant):
@@ -78,10 +93,8 @@ def test_logits_match_transformers(variant):
         assert rel < 1e-4, f"{name}: max relative logit error {rel:.2e}"
 
 
-def test_greedy_tokens_match_transformers(variant):
-    name, path, hf = variant
-    if name not in ("llama", "qwen2", "qwen3", "llama3-rope"):
-        pytest.skip("logits already pin this variant; greedy runs cover one per family")
+def test_greedy_tokens_match_transformers(greedy_variant):
+    name, path, hf = greedy_variant
     llm = LLM(path, dtype="float32", num_kv_blocks=512)
     prompts_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     assert len({len(p) for p in prompts_ids}) >= 6, "prompts must differ in length"

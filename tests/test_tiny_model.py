@@ -11,7 +11,8 @@ from pd_runtime.model.tiny import PRESETS, SPECIAL_TOKENS, make_tiny_model
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
 TEXT = "Héllo wörld, it's 2024! Crème brûlée — 你好世界 🙂👩‍💻\n\tdone."
-PROMPTS = ["The quick brown fox", "Hello, world! 你好", "def f(x):", "1, 2, 3,", "Once upon a time", "café 🚀"]
+PROMPTS = ["The quick brown fox", "Hello, world! 你好", "def f(x):", "1, 2, 3,", "Once upon a time",
+           "café 🚀"]
 
 
 @pytest.fixture(scope="module")

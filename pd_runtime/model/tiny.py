@@ -1,5 +1,5 @@
-"""Deterministic random-weight HF model directories (the bench model and the small test models).
-Weights come from a seeded generator, the byte-level BPE tokenizer from a built-in corpus, so any peer can serve the same bytes."""
+"""Deterministic random-weight HF model directories: the bench model and the small test models.
+Seeded weights plus a byte-level BPE trained on a built-in corpus, so every peer serves the same bytes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ PRESETS: dict[str, dict] = {
     # 31.8M parameters: the model every benchmark and peer comparison uses.
     "bench": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=8000, max_position_embeddings=4096, dtype="bfloat16"),
-    # ~0.2M parameters: small enough for unit tests to build in well under a second.
+    # 0.14M parameters: small enough for unit tests to build in well under a second.
     "test": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048, dtype="float32"),
 }
@@ -29,7 +29,8 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
-BOS, EOS, IM_START, IM_END, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
+BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END, PAD]  # ids 0..4, in this order
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -39,8 +40,8 @@ CHAT_TEMPLATE = (
 )
 
 # Logit std across the vocabulary: the final RMSNorm fixes |h| = sqrt(hidden), so an lm_head
-# entry std of LOGIT_STD / sqrt(hidden) gives this spread for every input. Wide spreads keep
-# greedy argmax clear of near-ties when kernels are compared against transformers.
+# entry std of LOGIT_STD / sqrt(hidden) gives this spread for every input. At 4 the top token
+# leads the runner-up by ~1 logit on average, so greedy output is decisive, not a coin toss.
 LOGIT_STD = 4.0
 NORM_NOISE = 0.05  # RMSNorm weights are 1 + noise, so a kernel that drops the weight is caught
 BIAS_STD = 0.1
@@ -61,14 +62,16 @@ def make_tiny_model(path: str | os.PathLike, preset: str = "test", architecture:
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     if architecture not in ARCHITECTURES:
-        raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)}, got {architecture!r}")
+        raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)}, "
+                         f"got {architecture!r}")
     fields = copy.deepcopy({**PRESETS[preset], **overrides})  # transformers edits rope dicts in place
     if dtype is not None:
         fields["dtype"] = dtype
     if tokenizer_vocab_size is None:
         tokenizer_vocab_size = min(PRESETS[preset]["vocab_size"], fields["vocab_size"])
     if tokenizer_vocab_size > fields["vocab_size"]:
-        raise ValueError(f"tokenizer_vocab_size {tokenizer_vocab_size} exceeds vocab_size {fields['vocab_size']}")
+        raise ValueError(f"tokenizer_vocab_size {tokenizer_vocab_size} exceeds "
+                         f"vocab_size {fields['vocab_size']}")
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,10 +119,10 @@ def _write_weights(file: Path, config, seed: int, tokenizer_vocab_size: int) -> 
             value = 1.0 + NORM_NOISE * noise
         elif name.endswith(".bias"):
             value = BIAS_STD * noise
-        elif name == "lm_head.weight" or (name.endswith("embed_tokens.weight") and config.tie_word_embeddings):
-            value = logit_scale * noise
-        elif name.endswith("embed_tokens.weight"):
+        elif name.endswith("embed_tokens.weight") and not config.tie_word_embeddings:
             value = noise  # unit-RMS residual stream from the first layer on
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            value = logit_scale * noise
         else:
             value = noise / math.sqrt(shape[-1])  # variance-preserving for x @ W.T
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
@@ -149,7 +152,8 @@ def _write_config(out: Path, config) -> None:
 
 
 def _write_tokenizer(out: Path, vocab_size: int, model_max_length: int) -> None:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors, trainers
 
     # Qwen2's pre-tokenization (Llama-3-like regex, single digits): transformers 5 rebuilds a
     # qwen2 directory's tokenizer with exactly this pipeline, so every architecture agrees.
@@ -211,7 +215,7 @@ _PUNCT = [".", ",", "!", "?", ";", ":", " -", "'s", "\"", ")", "...", "%", "$"]
 def _corpus(vocab_size: int) -> list[str]:
     """Deterministic English-like lines with digits, punctuation, code and multi-byte text.
 
-    Pseudo-words from syllables give BPE enough distinct pairs to reach any vocab up to ~16k;
+    Pseudo-words from syllables give BPE enough distinct pairs to reach vocabularies past 20k;
     the line count grows with the vocabulary so the small preset stays fast to train.
     """
     rng = random.Random(20240607)
@@ -230,7 +234,8 @@ def _corpus(vocab_size: int) -> list[str]:
             continue
         if kind == 8:
             a, b = rng.choice(coined)[:8], rng.choice(coined)[:8]
-            lines.append(f"def {a}_{b}(x, n={rng.randint(0, 9)}):\n    return [{a}(i) for i in range(n)]  # {b}\n")
+            lines.append(f"def {a}_{b}(x, n={rng.randint(0, 9)}):\n"
+                         f"    return [{a}(i) for i in range(n)]  # {b}\n")
             continue
         words = [rng.choice(lexicon) for _ in range(rng.randint(4, 16))]
         if kind == 9:

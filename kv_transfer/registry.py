@@ -1,0 +1,50 @@
+"""Backends by name: builds the Transport a KVTransferConfig asks for and the agent around it.
+Tests may pass a ready Transport (e.g. one wrapped for fault injection) instead of a name.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from kv_transfer.agent import KVTransferAgent
+from kv_transfer.base import KVTransferError, ReleaseCallback, Transport
+
+_BACKENDS: dict[str, Callable[..., Transport]] = {}
+
+
+def register_backend(name: str, factory: Callable[..., Transport]) -> None:
+    _BACKENDS[name] = factory
+
+
+def _builtin(name: str) -> Callable[..., Transport]:
+    # Imported lazily: ucxx pulls in a large native stack that torch_dist users never need.
+    if name == "local":
+        from kv_transfer.local import LocalTransport
+        return lambda config, device: LocalTransport()
+    if name == "torch_dist":
+        from kv_transfer.torch_dist import TorchDistTransport
+        return lambda config, device: TorchDistTransport(config.host, config.port, device)
+    if name == "ucx":
+        from kv_transfer.ucx import UCXTransport
+        return lambda config, device: UCXTransport(config.host, config.port, config.ucx_mode)
+    raise KVTransferError(f"unknown kv_transfer backend {name!r}; known: local, torch_dist, ucx, {sorted(_BACKENDS)}")
+
+
+def make_transport(config, device: torch.device) -> Transport:
+    factory = _BACKENDS.get(config.backend) or _builtin(config.backend)
+    return factory(config, device)
+
+
+def create_agent(config, kv_caches: Sequence[torch.Tensor], *, engine_id: str, model_id: str,
+                 on_release: Optional[ReleaseCallback] = None, transport: Optional[Transport] = None,
+                 heartbeat_interval_s: float = 0.5, peer_timeout_s: float = 5.0) -> KVTransferAgent:
+    """Build the agent for a worker from its KVTransferConfig (pd_runtime.config)."""
+    transport = transport or make_transport(config, kv_caches[0].device)
+    return KVTransferAgent(
+        transport, kv_caches, engine_id=engine_id, model_id=model_id,
+        handshake_timeout_s=config.handshake_timeout_s, transfer_timeout_s=config.transfer_timeout_s,
+        lease_timeout_s=config.lease_timeout_s, credit_window_bytes=config.credit_window_bytes,
+        max_queued_sends=config.max_queued_sends, checksums=config.checksums, on_release=on_release,
+        heartbeat_interval_s=heartbeat_interval_s, peer_timeout_s=peer_timeout_s)

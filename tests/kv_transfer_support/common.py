@@ -1,0 +1,85 @@
+"""Shared test helpers for kv_transfer: a tiny block allocator that tracks leases, cache
+construction with poison, and polling with a deadline.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from pd_runtime.config import KVTransferConfig
+
+POISON = -7.0
+NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 48, 4, 2, 8
+
+
+def make_caches(dtype=torch.float32, num_layers=NUM_LAYERS, num_blocks=NUM_BLOCKS, fill=POISON):
+    # Per-layer views of one allocation, like the engine does.
+    big = torch.full((num_layers, 2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM), fill, dtype=dtype)
+    return big, [big[i] for i in range(num_layers)]
+
+
+def fill_random(caches, block_ids, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for layer in caches:
+        for b in block_ids:
+            layer[:, b] = torch.randn(layer[:, b].shape, generator=gen).to(layer.dtype)
+
+
+class BlockAllocator:
+    """The engine's free list, reduced to what accounting tests need."""
+
+    def __init__(self, num_blocks, seed=0):
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.start = num_blocks
+
+    def take(self, n):
+        taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+    def give_back(self, ids):
+        assert not set(ids) & set(self.free), "double free"
+        self.free.extend(ids)
+
+    @property
+    def balanced(self):
+        return len(self.free) == self.start
+
+
+def config(backend, **overrides):
+    base = dict(backend=backend, host="127.0.0.1", port=0, handshake_timeout_s=10.0,
+                transfer_timeout_s=5.0, lease_timeout_s=8.0, credit_window_bytes=1 << 20,
+                max_queued_sends=8, checksums=True)
+    base.update(overrides)
+    return KVTransferConfig(**base)
+
+
+def wait_for(predicate, timeout_s=10.0, interval_s=0.01):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError("condition not met within deadline")
+
+
+def collect(agent, request_ids, timeout_s=10.0):
+    """Poll until every request id has finished; returns {request_id: status}."""
+    done = {}
+    def step():
+        for status in agent.poll():
+            done[status.request_id] = status
+        return set(request_ids) <= set(done)
+    wait_for(step, timeout_s)
+    return done
+
+
+def poison_untouched(big, reserved_ids):
+    """True when every block outside reserved_ids still holds only POISON."""
+    mask = torch.ones(big.shape[2], dtype=torch.bool)
+    mask[list(reserved_ids)] = False
+    return bool((big[:, :, mask] == POISON).all())

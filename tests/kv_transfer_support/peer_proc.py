@@ -1,0 +1,107 @@
+"""The second process of kv_transfer's two-process tests: one agent driven by commands over a
+pipe (spawned with multiprocessing, so it is a real separate process with its own transport).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import torch
+
+from tests.kv_transfer_support.common import config, fill_random, make_caches
+
+
+def _serve(conn, backend, overrides, engine_id, num_layers):
+    from kv_transfer.base import LinkState
+    from kv_transfer.registry import create_agent
+
+    big, caches = make_caches(num_layers=num_layers)
+    agent = create_agent(config(backend, **overrides), caches, engine_id=engine_id, model_id="m",
+                         heartbeat_interval_s=0.2, peer_timeout_s=2.0)
+    conn.send(agent.metadata())
+    while True:
+        command, args = conn.recv()
+        try:
+            if command == "connect":
+                peer = agent.connect(args[0])
+                deadline = time.monotonic() + 10
+                while agent.peer_state(peer)[0] is LinkState.CONNECTING and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                result = agent.peer_state(peer)[0].value
+            elif command == "fill":
+                fill_random(caches, args[0], args[1])
+                result = None
+            elif command == "expect":
+                result = agent.expect(*args)
+            elif command == "send":
+                result = agent.send(*args).value
+            elif command == "cancel":
+                result = agent.cancel(*args)
+            elif command == "poll":
+                result = [(s.request_id, s.state.value, s.reason.value if s.reason else None) for s in agent.poll()]
+            elif command == "cache":
+                result = big.clone()
+            elif command == "close":
+                agent.close()
+                conn.send(("ok", None))
+                return
+            conn.send(("ok", result))
+        except Exception as exc:  # report to the test instead of dying silently
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class PeerProcess:
+    """Test-side handle of a spawned agent process."""
+
+    def __init__(self, backend, engine_id, num_layers=3, **overrides):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, backend, overrides, engine_id, num_layers), daemon=True)
+        self.process.start()
+        if not self.conn.poll(60):
+            self.kill()
+            raise TimeoutError("peer process did not start")
+        self.metadata = self.conn.recv()
+
+    def call(self, command, *args, timeout_s=20.0):
+        self.conn.send((command, args))
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"peer process did not answer {command}")
+        kind, value = self.conn.recv()
+        if kind == "error":
+            raise RuntimeError(value)
+        return value
+
+    def collect(self, request_ids, timeout_s=15.0):
+        done = {}
+        deadline = time.monotonic() + timeout_s
+        while not set(request_ids) <= set(done):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peer never finished {set(request_ids) - set(done)}")
+            for rid, state, reason in self.call("poll"):
+                done[rid] = (state, reason)
+            time.sleep(0.02)
+        return done
+
+    def stop(self):
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self):
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def kill(self):
+        if self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGCONT)
+            self.process.kill()
+        self.process.join(10)
+
+    def close(self):
+        try:
+            if self.process.is_alive():
+                self.call("close", timeout_s=5)
+        except (TimeoutError, RuntimeError, OSError, EOFError):
+            pass
+        self.kill()

@@ -1,0 +1,95 @@
+"""The tokens of a request do not depend on its company: batch, chunking, preemption, cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pd_runtime import LLM, SamplingParams
+
+
+def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 500) for _ in range(rng.choice([1, 3, 7, 16, 17, 33, 50, 90]))]
+            for _ in range(n)]
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def seeded(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=1000 + i,
+                          ignore_eos=True)
+
+
+def run_alone(llm: LLM, prompts, params):
+    return [llm.generate([p], [params[i]])[0].token_ids for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    prompts = mixed_prompts(16)
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=512)
+    greedy = run_alone(llm, prompts, [GREEDY] * 16)
+    sampled = run_alone(llm, prompts, [seeded(i) for i in range(16)])
+    assert llm.engine.block_manager.num_free_blocks == 512
+    return prompts, greedy, sampled
+
+
+ENGINE_SETUPS = {
+    "batched": dict(num_kv_blocks=512),
+    "chunked-prefill-5": dict(num_kv_blocks=512, max_num_batched_tokens=5),
+    "chunked-prefill-16-no-prefix-cache": dict(num_kv_blocks=512, max_num_batched_tokens=16,
+                                               enable_prefix_caching=False),
+    "block-pressure": dict(num_kv_blocks=14, max_num_batched_tokens=64),
+    "block-size-4": dict(num_kv_blocks=400, block_size=4, max_num_batched_tokens=32),
+    "max-num-seqs-3": dict(num_kv_blocks=512, max_num_seqs=3),
+}
+
+
+@pytest.mark.parametrize("setup", sorted(ENGINE_SETUPS))
+def test_tokens_identical_in_batch(setup, llama_dir, reference):
+    prompts, greedy, sampled = reference
+    llm = LLM(llama_dir, dtype="float32", **ENGINE_SETUPS[setup])
+    start_free = llm.engine.block_manager.num_free_blocks
+    outs = llm.generate(prompts, [GREEDY] * len(prompts))
+    assert [o.token_ids for o in outs] == greedy
+    outs = llm.generate(prompts, [seeded(i) for i in range(len(prompts))])
+    assert [o.token_ids for o in outs] == sampled
+    if setup == "block-pressure":
+        assert llm.engine.scheduler.num_preemptions > 0, "setup must actually preempt"
+    assert llm.engine.block_manager.num_free_blocks == start_free
+
+
+def test_prefix_cache_hits_and_keeps_tokens(llama_dir):
+    system = list(range(10, 74))  # 64 shared tokens = 4 full blocks
+    prompts = [system + [100 + i, 200 + i, 300 + i] for i in range(6)]
+    cold = LLM(llama_dir, dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
+    expected = [o.token_ids for o in cold.generate(prompts, GREEDY)]
+    warm = LLM(llama_dir, dtype="float32", num_kv_blocks=256)
+    first = warm.generate(prompts[:1], GREEDY)
+    assert first[0].num_cached_tokens == 0
+    outs = warm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.num_cached_tokens == 64 for o in outs)
+    bm = warm.engine.block_manager
+    assert bm.cached_prefix_tokens(prompts[0]) == 64
+    assert bm.cached_prefix_tokens(prompts[0], cache_salt="tenant-b") == 0
+    assert bm.num_free_blocks == 256
+
+
+def test_abort_frees_blocks_at_once(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=64)
+    engine = llm.engine
+    start = engine.block_manager.num_free_blocks
+    for i, p in enumerate(mixed_prompts(6, seed=3)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < start
+    for i in range(6):
+        assert engine.abort(f"r{i}")
+        assert not engine.abort(f"r{i}")
+    assert engine.block_manager.num_free_blocks == start
+    assert not engine.has_unfinished_requests()

@@ -1,0 +1,97 @@
+"""Unit tests of the agent above the wire, over the in-process local backend."""
+
+import pytest
+import torch
+
+from kv_transfer.base import (FailureReason, LinkState, MetadataMismatchError, Role, SendOutcome,
+                              TransferState)
+from kv_transfer.layout import BlockRun, merge_runs
+from kv_transfer.registry import create_agent
+from tests.kv_transfer_support.common import (BlockAllocator, collect, config, fill_random,
+                                              make_caches, poison_untouched, wait_for)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_merge_runs_joins_only_runs_consecutive_on_both_sides():
+    assert merge_runs([4, 5, 6, 9], [10, 11, 13, 14]) == [BlockRun(4, 10, 2), BlockRun(6, 13, 1), BlockRun(9, 14, 1)]
+    assert merge_runs([], []) == []
+
+
+def _pair(**overrides):
+    src_big, src = make_caches()
+    dst_big, dst = make_caches()
+    sender = create_agent(config("local", **overrides), src, engine_id="P", model_id="m", peer_timeout_s=2.0)
+    receiver = create_agent(config("local", **overrides), dst, engine_id="D", model_id="m", peer_timeout_s=2.0)
+    peer = sender.connect(receiver.metadata())
+    wait_for(lambda: sender.peer_state(peer)[0] is LinkState.READY)
+    return sender, receiver, src_big, dst_big
+
+
+def test_whole_and_per_layer_sends_land_in_reserved_blocks_only():
+    sender, receiver, src_big, dst_big = _pair()
+    try:
+        src_alloc, dst_alloc = BlockAllocator(48, 1), BlockAllocator(48, 2)
+        src_ids, dst_ids = src_alloc.take(10), dst_alloc.take(10)
+        fill_random(list(src_big), src_ids, seed=3)
+        receiver.expect("r1", dst_ids)
+        assert sender.send("D", "r1", src_ids, dst_ids) is SendOutcome.ACCEPTED
+        src2, dst2 = src_alloc.take(5), dst_alloc.take(5)
+        fill_random(list(src_big), src2, seed=4)
+        receiver.expect("r2", dst2)
+        for layer in range(3):
+            assert sender.send("D", "r2", src2, dst2, layers=[layer]) is SendOutcome.ACCEPTED
+        got = collect(receiver, ["r1", "r2"])
+        sent = collect(sender, ["r1", "r2"])
+        assert all(s.state is TransferState.DONE for s in list(got.values()) + list(sent.values()))
+        assert torch.equal(dst_big[:, :, dst_ids], src_big[:, :, src_ids])
+        assert torch.equal(dst_big[:, :, dst2], src_big[:, :, src2])
+        assert poison_untouched(dst_big, dst_ids + dst2)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_metadata_mismatch_names_field():
+    _, a = make_caches()
+    _, b = make_caches(num_layers=2)
+    left = create_agent(config("local"), a, engine_id="A", model_id="m")
+    right = create_agent(config("local"), b, engine_id="B", model_id="m")
+    try:
+        with pytest.raises(MetadataMismatchError, match="num_layers"):
+            left.connect(right.metadata())
+    finally:
+        left.close()
+        right.close()
+
+
+def test_cancel_on_receiver_fails_sender_and_releases_both():
+    sender, receiver, src_big, dst_big = _pair(transfer_timeout_s=3.0)
+    try:
+        receiver.expect("r", [1, 2])
+        receiver.cancel("r")
+        assert sender.send("D", "r", [3, 4], [1, 2]) is SendOutcome.ACCEPTED
+        assert collect(receiver, ["r"])["r"].reason is FailureReason.CANCELLED
+        assert collect(sender, ["r"])["r"].reason in (FailureReason.CANCELLED,)
+        assert poison_untouched(dst_big, [])
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_credit_window_reports_would_block_then_drains():
+    sender, receiver, src_big, dst_big = _pair(credit_window_bytes=1, max_queued_sends=2)
+    try:
+        receiver.expect("a", [0])
+        receiver.expect("b", [1])
+        assert sender.send("D", "a", [0], [0]) is SendOutcome.ACCEPTED
+        # Window of one byte: a second transfer must wait until the first is acked.
+        outcome = sender.send("D", "b", [1], [1])
+        if outcome is SendOutcome.WOULD_BLOCK:
+            assert sender.metrics()["would_block"] == 1
+            collect(sender, ["a"])
+            assert sender.send("D", "b", [1], [1]) is SendOutcome.ACCEPTED
+        assert collect(receiver, ["a", "b"])["b"].state is TransferState.DONE
+    finally:
+        sender.close()
+        receiver.close()

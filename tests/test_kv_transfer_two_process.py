@@ -1,0 +1,81 @@
+"""Two real processes on 127.0.0.1, for torch_dist (gloo) and ucx (tcp and shm): random block ids
+and contents arrive bit-exact in exactly the reserved blocks; per-layer and whole-request sends;
+a metadata mismatch is refused by name."""
+
+import random
+
+import pytest
+import torch
+
+from kv_transfer.base import AgentMetadata, LinkState, MetadataMismatchError, SendOutcome, TransferState
+from kv_transfer.registry import create_agent
+from tests.kv_transfer_support.common import (BlockAllocator, collect, config, fill_random,
+                                              make_caches, poison_untouched, wait_for)
+from tests.kv_transfer_support.peer_proc import PeerProcess
+
+BACKENDS = [("torch_dist", {}), ("ucx", {"ucx_mode": "tcp"}), ("ucx", {"ucx_mode": "shm"})]
+IDS = ["gloo", "ucx-tcp", "ucx-shm"]
+
+
+def _local_agent(backend, overrides, engine_id, num_layers=3):
+    big, caches = make_caches(num_layers=num_layers)
+    agent = create_agent(config(backend, **overrides), caches, engine_id=engine_id, model_id="m",
+                         heartbeat_interval_s=0.2, peer_timeout_s=2.0)
+    return agent, big, caches
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend,overrides", BACKENDS, ids=IDS)
+def test_random_blocks_arrive_bit_exact_in_reserved_blocks_only(backend, overrides):
+    rng = random.Random(11)
+    receiver = PeerProcess(backend, "D", **overrides)
+    sender, src_big, src_caches = _local_agent(backend, overrides, "P")
+    try:
+        peer = sender.connect(receiver.metadata)
+        wait_for(lambda: sender.peer_state(peer)[0] is LinkState.READY, 15)
+        src_alloc, dst_alloc = BlockAllocator(48, rng.random()), BlockAllocator(48, rng.random())
+        plans = {}
+        for index, per_layer in enumerate([False, True, False, True]):
+            n = rng.randint(1, 9)
+            src_ids, dst_ids = src_alloc.take(n), dst_alloc.take(n)
+            fill_random(src_caches, src_ids, seed=index)
+            rid = f"r{index}"
+            receiver.call("expect", rid, dst_ids)
+            plans[rid] = (src_ids, dst_ids)
+            if per_layer:
+                for layer in range(3):
+                    assert sender.send(peer, rid, src_ids, dst_ids, layers=[layer]) is SendOutcome.ACCEPTED
+            else:
+                assert sender.send(peer, rid, src_ids, dst_ids) is SendOutcome.ACCEPTED
+        sent = collect(sender, plans, timeout_s=20)
+        got = receiver.collect(plans)
+        assert {s.state for s in sent.values()} == {TransferState.DONE}
+        assert {state for state, _ in got.values()} == {"done"}
+        dst_big = receiver.call("cache")
+        for src_ids, dst_ids in plans.values():
+            assert torch.equal(dst_big[:, :, dst_ids], src_big[:, :, src_ids])
+        assert poison_untouched(dst_big, [b for _, d in plans.values() for b in d])
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend,overrides", BACKENDS[:2], ids=IDS[:2])
+def test_metadata_mismatch_is_refused_on_both_ends(backend, overrides):
+    receiver = PeerProcess(backend, "D", num_layers=2, **overrides)
+    sender, _, _ = _local_agent(backend, overrides, "P")
+    try:
+        with pytest.raises(MetadataMismatchError, match="num_layers"):
+            sender.connect(receiver.metadata)
+        # A peer that lies about its layout gets past our check; the acceptor refuses it.
+        forged = AgentMetadata.decode(receiver.metadata)
+        forged = AgentMetadata(**{**forged.__dict__, "num_layers": 3})
+        peer = sender.connect(forged.encode())
+        wait_for(lambda: sender.peer_state(peer)[0] is not LinkState.CONNECTING, 15)
+        state, reason = sender.peer_state(peer)
+        assert state is LinkState.FAILED and "num_layers" in reason
+        assert sender.send(peer, "r", [0], [0]) is SendOutcome.PEER_UNAVAILABLE
+    finally:
+        sender.close()
+        receiver.close()

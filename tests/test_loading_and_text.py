@@ -1,0 +1,129 @@
+"""Model directories as users bring them: errors, sharding, padded vocab; text that streams."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pd_runtime import LLM, SamplingParams
+from pd_runtime.engine.detokenizer import detokenize_step
+from pd_runtime.engine.sequence import Request
+from pd_runtime.model.loader import load_model
+from pd_runtime.model.model_config import ModelLoadError
+from pd_runtime.model.tokenizer import Tokenizer
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_architecture_names_file(llama_dir, tmp_path):
+    path = copy_model(llama_dir, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"config.json.*GPT2LMHeadModel"):
+        load_model(path)
+
+
+def test_missing_files_named(llama_dir, tmp_path):
+    path = copy_model(llama_dir, tmp_path / "m")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        load_model(path)
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_shape_mismatch_and_missing_tensor_named(llama_dir, tmp_path):
+    path = copy_model(llama_dir, tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"model.safetensors.*down_proj.*shape"):
+        load_model(path)
+    del tensors[name]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="down_proj.weight.*missing"):
+        load_model(path)
+
+
+def test_sharded_checkpoint_loads_identically(llama_dir, tmp_path):
+    path = copy_model(llama_dir, tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for fname, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, path / fname)
+        weight_map.update({k: fname for k in keys})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    prompt = [[5, 9, 33, 70]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    a = LLM(llama_dir, dtype="float32", num_kv_blocks=32).generate(prompt, params)[0].token_ids
+    b = LLM(str(path), dtype="float32", num_kv_blocks=32).generate(prompt, params)[0].token_ids
+    assert a == b
+
+
+def test_padded_vocab_generates_and_decodes(model_factory):
+    # Embedding rows beyond the tokenizer (as in Qwen): sampling may pick them.
+    path = model_factory("qwen2", vocab_size=640, tokenizer_vocab_size=512)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    assert llm.tokenizer.vocab_size == 512 and llm.engine.model_config.vocab_size == 640
+    outs = llm.generate(["hello there"] * 4,
+                        SamplingParams(max_tokens=40, temperature=5.0, seed=1, ignore_eos=True))
+    ids = [t for o in outs for t in o.token_ids]
+    assert any(t >= 512 for t in ids), "high temperature should reach the padded rows"
+    assert all(isinstance(o.text, str) for o in outs)
+    assert llm.tokenizer.decode([600, 601]) == ""
+
+
+def test_incremental_text_never_splits_characters(llama_dir):
+    tok = Tokenizer(llama_dir)
+    text = "naïve café 日本語テキスト 🙂🚀 ünïcödé ∑∫ done"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    req = Request("r", [1], SamplingParams())
+    deltas = []
+    for t in ids:
+        req.output_token_ids.append(t)
+        deltas.append(detokenize_step(tok, req))
+    deltas.append(detokenize_step(tok, req, flush=True))
+    assert "".join(deltas) == text == req.text
+    assert all("\ufffd" not in d for d in deltas)
+    # The text must really contain characters split across tokens, or this proves nothing.
+    assert any(tok.decode(ids[:k]).endswith("\ufffd") for k in range(1, len(ids)))
+
+
+def test_chat_template_and_eos(llama_dir):
+    tok = Tokenizer(llama_dir)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi" in rendered
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids[0] == tok.encode("<|im_start|>", add_special_tokens=False)[0]
+    assert len(tok.eos_token_ids) >= 1
+
+
+def test_cli_make_tiny_model_and_generate(tmp_path):
+    out = tmp_path / "tiny"
+    run = subprocess.run([sys.executable, "-m", "pd_runtime.cli", "make-tiny-model", str(out),
+                          "--preset", "test"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    run = subprocess.run([sys.executable, "-m", "pd_runtime.cli", "generate", "--model",
+                          str(out), "--prompt", "hello", "--max-tokens", "5"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "5 tokens" in run.stdout
+    run = subprocess.run([sys.executable, "-m", "pd_runtime.cli", "generate", "--model",
+                          str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "config.json" in run.stderr
