@@ -1,6 +1,9 @@
 """Attention over the paged KV cache: the torch reference path, correct everywhere, fast on CPU.
 
-Layout of one layer's cache: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K, V).
+Layout of one layer's cache: `[2, num_blocks, kv_heads, block_size, head_dim]` (K, V). A block
+is one contiguous chunk (what kv_transfer ships); inside it each KV head's tokens are
+contiguous, so gathering a sequence's blocks head by head yields `[kv_heads, tokens, head_dim]`
+ready for matmul without a transpose copy.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class PrefillSegment:
 class AttentionMetadata:
     """Everything attention needs for one step; decodes come first in the flat batch."""
 
-    slot_mapping: torch.Tensor                 # [num_tokens] int64: cache slot of each new token
+    slot_mapping: torch.Tensor                 # [num_tokens] int64: block * block_size + offset
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
@@ -34,36 +37,50 @@ class AttentionMetadata:
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V rows ([num_tokens, kv_heads, head_dim]) into their cache slots."""
-    _, num_blocks, block_size, kv_heads, head_dim = kv_layer.shape
-    flat = kv_layer.view(2, num_blocks * block_size, kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    """Scatter new K/V rows (`[num_tokens, kv_heads, head_dim]`) into their cache slots."""
+    block_size = kv_layer.shape[3]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    kv_layer[0, blocks, :, offsets] = k
+    kv_layer[1, blocks, :, offsets] = v
 
 
-def gather_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, length: int):
-    """K and V of one sequence, `[length, kv_heads, head_dim]` each, in token order."""
-    _, _, block_size, kv_heads, head_dim = kv_layer.shape
-    blocks = kv_layer[:, block_table]  # [2, n, block_size, kv_heads, head_dim]
-    kv = blocks.reshape(2, -1, kv_heads, head_dim)[:, :length]
-    return kv[0], kv[1]
+def gather_heads(kv_layer: torch.Tensor, block_tables: torch.Tensor):
+    """K and V of sequences' blocks as `[batch, kv_heads, blocks * block_size, head_dim]`.
+
+    One index_select per K and V over a `[num_blocks * kv_heads, block_size * head_dim]` view;
+    measured several times faster on CPU than advanced indexing plus a transpose copy.
+    """
+    _, num_blocks, kv_heads, block_size, head_dim = kv_layer.shape
+    tables = block_tables.view(-1, block_tables.shape[-1])
+    batch, width = tables.shape
+    heads = torch.arange(kv_heads, device=tables.device)
+    rows = (tables[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
+    shape = (batch, kv_heads, width * block_size, head_dim)
+    k = kv_layer[0].view(num_blocks * kv_heads, -1).index_select(0, rows).view(shape)
+    v = kv_layer[1].view(num_blocks * kv_heads, -1).index_select(0, rows).view(shape)
+    return k, v
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v with `masked` positions excluded; softmax in float32."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    probs = scores.masked_fill_(masked, float("-inf")).softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per sequence: q `[B, heads, head_dim]` -> `[B, heads, head_dim]`."""
     batch, heads, head_dim = q.shape
-    _, _, block_size, kv_heads, _ = kv_layer.shape
-    group = heads // kv_heads
-    max_len = block_tables.shape[1] * block_size
-    kv = kv_layer[:, block_tables]  # [2, B, max_blocks, block_size, kv_heads, head_dim]
-    kv = kv.view(2, batch, max_len, kv_heads, head_dim).transpose(2, 3)
-    # GQA without repeating K/V: the query heads of one group ride along the query-length axis.
-    qg = q.view(batch, kv_heads, group, head_dim)
-    positions = torch.arange(max_len, device=q.device)
-    mask = (positions[None, :] < context_lens[:, None]).view(batch, 1, 1, max_len)
-    out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=scale)
-    return out.reshape(batch, heads, head_dim)
+    kv_heads = kv_layer.shape[2]
+    k, v = gather_heads(kv_layer, block_tables)
+    # GQA without repeating K/V: a group's query heads ride along the query-length axis.
+    qg = q.view(batch, kv_heads, heads // kv_heads, head_dim)
+    positions = torch.arange(k.shape[2], device=q.device)
+    masked = (positions[None, :] >= context_lens[:, None]).view(batch, 1, 1, -1)
+    return _attend(qg, k, v, masked, scale).reshape(batch, heads, head_dim)
 
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -72,31 +89,33 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     n, heads, head_dim = q.shape
     kv_heads = k_new.shape[1]
     cached = seg.context_len - n
+    qh = q.transpose(0, 1).unsqueeze(0)                  # [1, heads, n, d]
     if cached == 0:
-        k, v = k_new, v_new
-    else:
-        k, v = gather_kv(kv_layer, seg.block_table, seg.context_len)
-    qh = q.transpose(0, 1).unsqueeze(0)            # [1, heads, n, d]
-    kh = k.transpose(0, 1).unsqueeze(0)            # [1, kv_heads, L, d]
-    vh = v.transpose(0, 1).unsqueeze(0)
-    gqa = heads != kv_heads
-    if cached == 0:
+        kh = k_new.transpose(0, 1).unsqueeze(0)          # [1, kv_heads, n, d]
+        vh = v_new.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                             enable_gqa=gqa)
-    else:
-        rows = torch.arange(n, device=q.device)[:, None] + cached
-        mask = torch.arange(seg.context_len, device=q.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                             enable_gqa=gqa)
-    return out.squeeze(0).transpose(0, 1)
+                                             enable_gqa=heads != kv_heads)
+        return out.squeeze(0).transpose(0, 1)
+    k, v = gather_heads(kv_layer, seg.block_table)       # [1, kv_heads, blocks*bs, d]
+    k, v = k[:, :, :seg.context_len], v[:, :, :seg.context_len]
+    qg = q.view(n, kv_heads, heads // kv_heads, head_dim).permute(1, 2, 0, 3)  # [kvh, G, n, d]
+    qg = qg.reshape(1, kv_heads, -1, head_dim)
+    rows = (torch.arange(n, device=q.device) + cached).repeat(heads // kv_heads)
+    masked = torch.arange(seg.context_len, device=q.device)[None, :] > rows[:, None]
+    out = _attend(qg, k, v, masked.view(1, 1, *masked.shape), scale)  # [1, kvh, G*n, d]
+    return out.view(kv_heads, heads // kv_heads, n, head_dim).permute(2, 0, 1, 3) \
+        .reshape(n, heads, head_dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend: `[T, heads, d]` -> `[T, heads, d]`."""
     write_kv(kv_layer, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
     nd = meta.num_decode_tokens
+    if nd and not meta.prefills:
+        return decode_attention(q, kv_layer, meta.decode_block_tables,
+                                meta.decode_context_lens, scale)
+    out = torch.empty_like(q)
     if nd:
         out[:nd] = decode_attention(q[:nd], kv_layer, meta.decode_block_tables,
                                     meta.decode_context_lens, scale)

@@ -236,8 +236,7 @@ class KVTransferAgent:
             header = {"t": "kv", "rid": transfer.request_id, "layers": layers,
                       "runs": runs_to_wire(transfer.runs), "sums": sums}
             peer.link.send_frame(pack_frame(header), self._remaining(transfer))
-            for region in regions:
-                peer.link.send_bytes(region, self._remaining(transfer))
+            peer.link.send_many(regions, self._remaining(transfer))
         except LinkTimeoutError:
             failure = FailureReason.TIMEOUT
             raise
@@ -301,19 +300,16 @@ class KVTransferAgent:
         bad_sum = False
         try:
             sums = frame.get("sums")
-            index = 0
-            for layer in layers:
-                for kv in (0, 1):
-                    for run in runs:
-                        if usable:
-                            target = self.layout.region(layer, kv, run.dst_start, run.length)
-                            peer.link.recv_bytes(target, self._remaining(transfer))
-                            if sums is not None and region_checksum(target) != sums[index]:
-                                bad_sum = True
-                        else:
+            if usable:
+                targets = list(self.layout.regions(runs, layers, "dst"))
+                peer.link.recv_many(targets, self._remaining(transfer))
+                bad_sum = sums is not None and [region_checksum(t) for t in targets] != sums
+            else:
+                for _ in layers:
+                    for _kv in (0, 1):
+                        for run in runs:
                             size = run.length * self.layout.block_bytes
                             peer.link.recv_bytes(self._scratch_region(size), peer.peer_timeout_s)
-                        index += 1
         except LinkTimeoutError:
             failure = FailureReason.TIMEOUT
             raise

@@ -23,7 +23,7 @@ import msgpack
 import torch
 
 # Layout tag written into the handshake: kv_caches[layer][k_or_v, block, token, head, dim].
-KV_LAYOUT = "layer_kv_block_token_head_dim"
+KV_LAYOUT = "layer_kv_block_head_token_dim"
 PROTOCOL_VERSION = 1
 
 
@@ -173,6 +173,16 @@ class Link(ABC):
     @abstractmethod
     def recv_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
         """Receive exactly one message into a contiguous tensor of the message's size."""
+
+    def send_many(self, bufs: list, timeout_s: float) -> None:
+        """Send several messages in order; backends that can post them all at once do, so a
+        request's regions pipeline instead of paying one round trip each."""
+        for buf in bufs:
+            self.send_bytes(buf, timeout_s)
+
+    def recv_many(self, bufs: list, timeout_s: float) -> None:
+        for buf in bufs:
+            self.recv_bytes(buf, timeout_s)
 
     @abstractmethod
     def close(self) -> None:

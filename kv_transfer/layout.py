@@ -47,7 +47,7 @@ def runs_from_wire(raw) -> list[BlockRun]:
 
 class KVLayout:
     """The registered KV cache of one worker: one tensor per layer shaped
-    [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous (views of one big
+    [2, num_blocks, num_kv_heads, block_size, head_dim], contiguous (views of one big
     allocation are fine). A run of consecutive blocks is contiguous within K and within V."""
 
     def __init__(self, kv_caches: Sequence[torch.Tensor]):
@@ -56,13 +56,13 @@ class KVLayout:
         first = kv_caches[0]
         for i, t in enumerate(kv_caches):
             if t.dim() != 5 or t.shape[0] != 2:
-                raise LayoutError(f"layer {i}: expected [2, blocks, block_size, kv_heads, head_dim], got {tuple(t.shape)}")
+                raise LayoutError(f"layer {i}: expected [2, blocks, kv_heads, block_size, head_dim], got {tuple(t.shape)}")
             if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
                 raise LayoutError(f"layer {i}: shape/dtype/device differ from layer 0")
             if not t.is_contiguous():
                 raise LayoutError(f"layer {i}: KV tensor must be contiguous")
         self.kv_caches = list(kv_caches)
-        _, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = first.shape
+        _, self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim = first.shape
         self.num_layers = len(kv_caches)
         self.dtype = first.dtype
         self.device = first.device

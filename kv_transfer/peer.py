@@ -27,6 +27,7 @@ class PeerLink:
         self.state = LinkState.CONNECTING
         self.reason: Optional[str] = None
         self.link: Optional[Link] = None
+        self.address: Optional[dict] = None
         self.credits = credits
         self.out_queue: "queue.Queue" = queue.Queue()
         self.peer_timeout_s = peer_timeout_s
@@ -69,9 +70,13 @@ class PeerTable:
         self.agent.agent_metadata.check_compatible(peer_meta)
         with self.agent._lock:
             current = self._peers.get(peer_meta.engine_id)
-            if current is not None and current.state is not LinkState.FAILED:
+            # Same peer, same address: keep the live link. A new address means the peer
+            # restarted; its old link may not have noticed yet, so it is replaced.
+            if (current is not None and current.state is not LinkState.FAILED
+                    and current.address == peer_meta.address):
                 return peer_meta.engine_id
         peer = self._new_peer(peer_meta.engine_id)
+        peer.address = peer_meta.address
         threading.Thread(target=self._connect, args=(peer, peer_meta), daemon=True,
                          name=f"kvt-connect-{peer.peer_id}").start()
         return peer.peer_id
@@ -111,7 +116,7 @@ class PeerTable:
                 link.close()
                 return
             peer = self._new_peer(peer_meta.engine_id)
-            peer.link = link
+            peer.address, peer.link = peer_meta.address, link
             link.send_frame(pack_frame({"t": "welcome", "meta": self.agent.metadata()}), self.handshake_timeout_s)
             self._start(peer, link)
         except (LinkError, KeyError, TypeError, ValueError):
@@ -127,19 +132,43 @@ class PeerTable:
         threading.Thread(target=self._read_loop, args=(peer, link), daemon=True, name=f"kvt-r-{peer.peer_id}").start()
 
     def _write_loop(self, peer: PeerLink, link: Link) -> None:
+        carry = None
         try:
             while True:
-                try:
-                    item = peer.out_queue.get(timeout=self.heartbeat_interval_s)
-                except queue.Empty:
-                    link.send_frame(_HEARTBEAT, self.peer_timeout_s)
-                    continue
+                item, carry = carry, None
+                if item is None:
+                    try:
+                        item = peer.out_queue.get(timeout=self.heartbeat_interval_s)
+                    except queue.Empty:
+                        link.send_frame(_HEARTBEAT, self.peer_timeout_s)
+                        continue
                 if item is None:
                     return
                 if item[0] == "ctl":
                     link.send_frame(pack_frame(item[1]), self.peer_timeout_s)
-                else:
-                    self.agent.write_chunk(peer, item[1], item[2])
+                    continue
+                # Layers of one request queued back to back go out as one chunk: a prefill that
+                # outran the wire pays one header and one ack for its backlog, not one per layer.
+                transfer, layers, merged, stop = item[1], list(item[2]), 0, False
+                while True:
+                    try:
+                        following = peer.out_queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if following is None:
+                        stop = True
+                    elif following[0] == "kv" and following[1] is transfer:
+                        layers.extend(following[2])
+                        merged += 1
+                        continue
+                    else:
+                        carry = following
+                    break
+                for _ in range(merged):
+                    peer.credits.dequeued()
+                self.agent.write_chunk(peer, transfer, layers)
+                if stop:
+                    return
         except LinkError as exc:
             self._fail(peer, exc)
 

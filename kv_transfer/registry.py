@@ -39,8 +39,14 @@ def make_transport(config, device: torch.device) -> Transport:
 
 def create_agent(config, kv_caches: Sequence[torch.Tensor], *, engine_id: str, model_id: str,
                  on_release: Optional[ReleaseCallback] = None, transport: Optional[Transport] = None,
-                 heartbeat_interval_s: float = 0.5, peer_timeout_s: float = 5.0) -> KVTransferAgent:
-    """Build the agent for a worker from its KVTransferConfig (pd_runtime.config)."""
+                 heartbeat_interval_s: Optional[float] = None,
+                 peer_timeout_s: Optional[float] = None) -> KVTransferAgent:
+    """Build the agent for a worker from its KVTransferConfig (pd_runtime.config); the two
+    liveness keywords override the config for tests."""
+    if heartbeat_interval_s is None:
+        heartbeat_interval_s = config.heartbeat_interval_s
+    if peer_timeout_s is None:
+        peer_timeout_s = config.peer_timeout_s
     transport = transport or make_transport(config, kv_caches[0].device)
     return KVTransferAgent(
         transport, kv_caches, engine_id=engine_id, model_id=model_id,

@@ -69,6 +69,23 @@ class TorchDistLink(Link):
             raise LinkError(f"recv failed: {exc}") from exc
         self._wait(work, timeout_s, "recv")
 
+    def send_many(self, bufs: list, timeout_s: float) -> None:
+        self._post_all(bufs, timeout_s, "send")
+
+    def recv_many(self, bufs: list, timeout_s: float) -> None:
+        self._post_all(bufs, timeout_s, "recv")
+
+    def _post_all(self, bufs: list, timeout_s: float, what: str) -> None:
+        if self._closed:
+            raise LinkError("link closed")
+        deadline = time.monotonic() + timeout_s
+        try:
+            works = [getattr(self._group_for(b), what)([b], self._peer, _TAG) for b in bufs]
+        except RuntimeError as exc:
+            raise LinkError(f"{what} failed: {exc}") from exc
+        for work in works:
+            self._wait(work, deadline - time.monotonic(), what)
+
     def close(self) -> None:
         if self._closed:
             return

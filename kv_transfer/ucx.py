@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
+import threading
 import time
 from typing import Optional
 
@@ -74,6 +75,7 @@ class UCXLink(Link):
         self._ep = endpoint
         self._send_tag, self._recv_tag = send_tag, recv_tag
         self._closed = False
+        self._close_lock = threading.Lock()
 
     def send_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
         self._op(buf, timeout_s, "send")
@@ -81,34 +83,51 @@ class UCXLink(Link):
     def recv_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
         self._op(buf, timeout_s, "recv")
 
+    def send_many(self, bufs: list, timeout_s: float) -> None:
+        self._post_all(bufs, timeout_s, "send")
+
+    def recv_many(self, bufs: list, timeout_s: float) -> None:
+        self._post_all(bufs, timeout_s, "recv")
+
     def _op(self, buf: torch.Tensor, timeout_s: float, what: str) -> None:
+        self._post_all([buf], timeout_s, what)
+
+    def _post_all(self, bufs: list, timeout_s: float, what: str) -> None:
         if self._closed:
             raise LinkError("link closed")
         ucx_api, _ = _ucx()
-        array = _host_array(buf)
+        deadline = time.monotonic() + timeout_s
+        arrays = [_host_array(b) for b in bufs]  # kept alive until every request completed
         try:
             if what == "send":
-                request = self._ep.tag_send(array, tag=ucx_api.UCXXTag(self._send_tag))
+                requests = [self._ep.tag_send(a, tag=ucx_api.UCXXTag(self._send_tag)) for a in arrays]
             else:
-                # Endpoint-owned recv: closing the endpoint cancels it, so a timed-out recv can
-                # never land in a block after its transfer was released.
-                request = self._ep.tag_recv(array, tag=ucx_api.UCXXTag(self._recv_tag))
+                # Endpoint-owned recvs: closing the endpoint cancels them, so a timed-out recv
+                # can never land in a block after its transfer was released.
+                requests = [self._ep.tag_recv(a, tag=ucx_api.UCXXTag(self._recv_tag)) for a in arrays]
         except Exception as exc:
             self.close()
             raise LinkError(f"UCX {what} failed: {exc}") from exc
         try:
-            _wait(request, timeout_s, what, self.close)
+            for request in requests:
+                _wait(request, deadline - time.monotonic(), what, self.close)
         except LinkError:
             self.close()
             raise
+        del arrays
 
     def close(self) -> None:
-        if not self._closed:
+        with self._close_lock:  # reader and writer may both give up on the link at once
+            if self._closed:
+                return
             self._closed = True
-            try:
-                self._ep.close()
-            except Exception:
-                pass
+            # An endpoint UCX already failed is torn down by ucxx itself (closing it again
+            # crashes); a live one is closed here, which cancels its pending recvs.
+            if self._ep.alive:
+                try:
+                    self._ep.close()
+                except Exception:
+                    pass
 
 
 class UCXTransport(Transport):

@@ -59,3 +59,7 @@ class KVTransferConfig(_Strict):
     transfer_timeout_s: float = Field(30.0, gt=0)
     lease_timeout_s: float = Field(60.0, gt=0)
     checksums: bool = False
+    # Liveness is ours, not the transport's (UCX shared memory has no peer-failure detection):
+    # a link with no frame for peer_timeout_s is dead and its transfers fail with peer_lost.
+    heartbeat_interval_s: float = Field(0.5, gt=0)
+    peer_timeout_s: float = Field(5.0, gt=0)

@@ -38,7 +38,7 @@ def our_logits(model, prompts_ids: list[list[int]]) -> list[torch.Tensor]:
     cfg = model.cfg
     block_size = 16
     total_blocks = sum(-(-len(p) // block_size) for p in prompts_ids)
-    kv = torch.zeros(cfg.num_layers, 2, total_blocks, block_size, cfg.num_kv_heads,
+    kv = torch.zeros(cfg.num_layers, 2, total_blocks, cfg.num_kv_heads, block_size,
                      cfg.head_dim, dtype=model.dtype)
     ids, pos, slots, segs, next_block = [], [], [], [], 0
     for p in prompts_ids:

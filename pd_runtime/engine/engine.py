@@ -66,6 +66,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.num_steps = 0
+        # Tokens of the last step by kind, for load reports and benchmarks.
+        self.last_step_prefill_tokens = 0
+        self.last_step_decode_tokens = 0
 
     # -- intake ------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Union[str, list[int]]) -> list[int]:
@@ -137,6 +140,9 @@ class LLMEngine:
         if not plan.scheduled:
             return []
         self.num_steps += 1
+        decodes = sum(1 for s in plan.scheduled if len(s.token_ids) == 1)
+        self.last_step_decode_tokens = decodes
+        self.last_step_prefill_tokens = plan.num_tokens - decodes
         logits = self.runner.execute(plan)
         sampled = [self.requests[s.request_id] for s in plan.scheduled if s.sample]
         result = self.sampler(logits, [r.params for r in sampled],

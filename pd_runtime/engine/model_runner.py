@@ -29,8 +29,9 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes
                                                       // block_bytes)
         # One allocation for all layers; per-layer views are what attention and transfers use.
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, self.block_size,
-                                    cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype,
+        # Layout [layers, 2 (K, V), blocks, kv_heads, block_size, head_dim]: see kernels/attention.
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, cfg.num_kv_heads,
+                                    self.block_size, cfg.head_dim, dtype=self.dtype,
                                     device=config.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         log.info("KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d dim x %d B), "

@@ -17,7 +17,7 @@ NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 48, 4, 2, 8
 
 def make_caches(dtype=torch.float32, num_layers=NUM_LAYERS, num_blocks=NUM_BLOCKS, fill=POISON):
     # Per-layer views of one allocation, like the engine does.
-    big = torch.full((num_layers, 2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM), fill, dtype=dtype)
+    big = torch.full((num_layers, 2, num_blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM), fill, dtype=dtype)
     return big, [big[i] for i in range(num_layers)]
 
 

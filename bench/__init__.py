@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput, prefix caching, KV transfer, routing; peers in bench/peers."""

