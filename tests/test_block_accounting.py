@@ -8,13 +8,16 @@ from hypothesis import strategies as st
 
 from pd_runtime import LLM, SamplingParams
 
-NUM_BLOCKS = 24
+NUM_BLOCKS = 16
 
 
-@pytest.fixture(scope="module")
-def llm(llama_dir):
+@pytest.fixture(scope="module", params=["recompute", "swap"])
+def llm(request, llama_dir):
+    # Swap space of 10 blocks (block bytes: 2 layers x K,V x 2 heads x 4 tokens x 16 dims x 4 B):
+    # victims swap while it has room and recompute beyond it.
     return LLM(llama_dir, dtype="float32", num_kv_blocks=NUM_BLOCKS, block_size=4,
-               max_num_batched_tokens=24, max_num_seqs=6)
+               max_num_batched_tokens=24, max_num_seqs=6, preemption_mode=request.param,
+               swap_space_bytes=10 * 2 * 2 * 2 * 4 * 16 * 4)
 
 
 request_st = st.tuples(
@@ -28,6 +31,23 @@ request_st = st.tuples(
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(requests=st.lists(request_st, min_size=1, max_size=10))
 def test_free_blocks_return_to_start(llm, requests):
+    run_workload(llm, requests)
+
+
+def test_heavy_workload_preempts_and_still_balances(llm):
+    """A fixed workload that must preempt (and swap, in swap mode), so the property above is
+    known to cover those paths."""
+    sched = llm.engine.scheduler
+    before = (sched.num_preemptions, sched.num_swapped_out)
+    requests = [(list(range(5 + i, 30 + i)), 12, i % 2 == 0, 3 if i == 4 else None)
+                for i in range(8)]
+    run_workload(llm, requests)
+    assert sched.num_preemptions > before[0]
+    if sched.swap_space is not None:
+        assert sched.num_swapped_out > before[1]
+
+
+def run_workload(llm, requests):
     engine = llm.engine
     bm = engine.block_manager
     assert bm.num_free_blocks == NUM_BLOCKS
@@ -49,8 +69,15 @@ def test_free_blocks_return_to_start(llm, requests):
                 finished.add(out.request_id)
         held = {b for r in engine.requests.values() for b in r.block_ids}
         assert bm.num_free_blocks + len(held) == NUM_BLOCKS, "a block leaked or was double-freed"
+        swap = engine.scheduler.swap_space
+        if swap is not None:
+            parked = sum(len(r.swap_block_ids) for r in engine.requests.values())
+            assert swap.num_free_blocks + parked == swap.num_blocks
         if not engine.has_unfinished_requests():
             break
     assert not engine.has_unfinished_requests()
     assert bm.num_free_blocks == NUM_BLOCKS
     assert all(b.ref_count == 0 for b in bm.blocks)
+    swap = engine.scheduler.swap_space
+    if swap is not None:
+        assert swap.num_free_blocks == swap.num_blocks == 10

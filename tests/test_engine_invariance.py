@@ -43,6 +43,11 @@ ENGINE_SETUPS = {
     "chunked-prefill-16-no-prefix-cache": dict(num_kv_blocks=512, max_num_batched_tokens=16,
                                                enable_prefix_caching=False),
     "block-pressure": dict(num_kv_blocks=14, max_num_batched_tokens=64),
+    "block-pressure-swap": dict(num_kv_blocks=14, max_num_batched_tokens=64,
+                                preemption_mode="swap", swap_space_bytes=1 << 22),
+    # Room for only a few swapped blocks: some victims swap, the rest fall back to recompute.
+    "block-pressure-swap-full": dict(num_kv_blocks=14, max_num_batched_tokens=64,
+                                     preemption_mode="swap", swap_space_bytes=8192 * 5),
     "block-size-4": dict(num_kv_blocks=400, block_size=4, max_num_batched_tokens=32),
     "max-num-seqs-3": dict(num_kv_blocks=512, max_num_seqs=3),
 }
@@ -57,8 +62,14 @@ def test_tokens_identical_in_batch(setup, llama_dir, reference):
     assert [o.token_ids for o in outs] == greedy
     outs = llm.generate(prompts, [seeded(i) for i in range(len(prompts))])
     assert [o.token_ids for o in outs] == sampled
-    if setup == "block-pressure":
-        assert llm.engine.scheduler.num_preemptions > 0, "setup must actually preempt"
+    sched = llm.engine.scheduler
+    if setup.startswith("block-pressure"):
+        assert sched.num_preemptions > 0, "setup must actually preempt"
+    if setup.startswith("block-pressure-swap"):
+        assert sched.num_swapped_out > 0, "setup must actually swap"
+        assert sched.swap_space.num_free_blocks == sched.swap_space.num_blocks
+    if setup == "block-pressure-swap-full":
+        assert sched.num_preemptions > sched.num_swapped_out, "some victims must recompute"
     assert llm.engine.block_manager.num_free_blocks == start_free
 
 
@@ -75,6 +86,11 @@ def test_prefix_cache_hits_and_keeps_tokens(llama_dir):
     assert all(o.num_cached_tokens == 64 for o in outs)
     bm = warm.engine.block_manager
     assert bm.cached_prefix_tokens(prompts[0]) == 64
+    sampled = [seeded(i) for i in range(len(prompts))]
+    cold_sampled = [o.token_ids for o in cold.generate(prompts, sampled)]
+    warm_out = warm.generate(prompts, [seeded(i) for i in range(len(prompts))])
+    assert [o.token_ids for o in warm_out] == cold_sampled
+    assert all(o.num_cached_tokens == 64 for o in warm_out)
     assert bm.cached_prefix_tokens(prompts[0], cache_salt="tenant-b") == 0
     assert bm.num_free_blocks == 256
 

@@ -23,6 +23,7 @@ from pd_runtime.engine.sampler import Sampler
 from pd_runtime.engine.sampling_params import SamplingParams
 from pd_runtime.engine.scheduler import Scheduler
 from pd_runtime.engine.sequence import FinishReason, Request, RequestStatus
+from pd_runtime.engine.swap_space import SwapSpace
 from pd_runtime.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,11 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           self.model_config.identity,
                                           config.enable_prefix_caching)
+        swap = SwapSpace(self.runner.num_swap_blocks) \
+            if config.preemption_mode == "swap" else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.max_model_len,
-                                   config.priority_aging_steps)
+                                   config.priority_aging_steps, swap)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = self.tokenizer.eos_token_ids
@@ -138,6 +141,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
+            if plan.swap_out:
+                self.runner.execute(plan)
             return []
         self.num_steps += 1
         decodes = sum(1 for s in plan.scheduled if len(s.token_ids) == 1)

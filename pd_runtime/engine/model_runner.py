@@ -34,6 +34,11 @@ class ModelRunner:
                                     self.block_size, cfg.head_dim, dtype=self.dtype,
                                     device=config.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self.num_swap_blocks = config.swap_space_bytes // block_bytes \
+            if config.preemption_mode == "swap" else 0
+        self.swap_cache = torch.zeros(cfg.num_layers, 2, self.num_swap_blocks, cfg.num_kv_heads,
+                                      self.block_size, cfg.head_dim, dtype=self.dtype,
+                                      pin_memory=config.device.startswith("cuda"))
         log.info("KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d dim x %d B), "
                  "%d blocks of %d tokens = %.1f MiB", self.kv_bytes_per_token, cfg.num_layers,
                  cfg.num_kv_heads, cfg.head_dim, elem, self.num_blocks, self.block_size,
@@ -45,6 +50,13 @@ class ModelRunner:
 
     def execute(self, plan: SchedulerOutput) -> torch.Tensor | None:
         """Run one step; returns logits `[num_sampled, vocab]` in plan order of sample rows."""
+        if plan.swap_out:
+            dev, host = zip(*plan.swap_out)
+            self.swap_cache[:, :, list(host)] = self.kv_cache[:, :, list(dev)].to("cpu")
+        if plan.swap_in:
+            host, dev = zip(*plan.swap_in)
+            self.kv_cache[:, :, list(dev)] = self.swap_cache[:, :, list(host)].to(
+                self.kv_cache.device)
         if not plan.scheduled:
             return None
         decodes = [s for s in plan.scheduled if len(s.token_ids) == 1]

@@ -4,7 +4,9 @@ Every step is continuous batching under a token budget: running requests first (
 one token, an unfinished prefill continues with a chunk), then waiting requests by
 (effective priority, arrival) while budget, `max_num_seqs` and KV blocks last. When blocks run
 out, the running request that is least urgent (lowest priority, then latest arrival) is
-preempted by recompute; the most urgent request always progresses, so nothing starves.
+preempted: by swap (its blocks are copied to a bounded CPU swap space and back later) when the
+mode is swap and the space has room, else by recompute (blocks freed, prefill redone). The most
+urgent request always progresses and waiting requests age upward, so nothing starves.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pd_runtime.engine.block_manager import BlockManager
 from pd_runtime.engine.sequence import Request, RequestStatus
+from pd_runtime.engine.swap_space import SwapSpace
 
 
 @dataclass
@@ -30,6 +33,10 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # Block copies the runner does before the forward pass: (device block, swap block) out,
+    # (swap block, device block) in. Never both in one step (no admission after a preemption).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -38,8 +45,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int, priority_aging_steps: int = 64):
+                 max_num_seqs: int, max_model_len: int, priority_aging_steps: int = 64,
+                 swap_space: SwapSpace | None = None):
         self.bm = block_manager
+        self.swap_space = swap_space  # None: preemption by recompute only
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -47,6 +56,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_swapped_out = 0
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -59,6 +69,9 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.bm.free(req)
+        if req.swap_block_ids:
+            self.swap_space.free(req.swap_block_ids)
+            req.swap_block_ids = []
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -70,9 +83,15 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
+        swap_ids = self.swap_space.allocate(len(victim.block_ids)) if self.swap_space else None
+        if swap_ids is not None:
+            out.swap_out.extend(zip(victim.block_ids, swap_ids))
+            victim.swap_block_ids = swap_ids
+            self.num_swapped_out += 1
+        else:  # recompute: the KV is gone; the prompt and generated tokens are prefilled again
+            victim.num_computed_tokens = 0
+            victim.num_cached_tokens = 0
         self.bm.free(victim)
-        victim.num_computed_tokens = 0
-        victim.num_cached_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -111,6 +130,10 @@ class Scheduler:
                     budget)
             if not self.bm.allocate(req, n, prefix):
                 break
+            if req.swap_block_ids:  # the first blocks of the fresh table receive the swapped KV
+                out.swap_in.extend(zip(req.swap_block_ids, req.block_ids))
+                self.swap_space.free(req.swap_block_ids)
+                req.swap_block_ids = []
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             admitted.append(req)
