@@ -19,6 +19,7 @@ from pd_runtime.engine.detokenizer import detokenize_step
 from pd_runtime.engine.errors import EngineOverloadedError, InvalidRequestError, \
     RequestTooLargeError
 from pd_runtime.engine.model_runner import ModelRunner
+from pd_runtime.engine.remote_kv import RemoteKVMixin
 from pd_runtime.engine.sampler import Sampler
 from pd_runtime.engine.sampling_params import SamplingParams
 from pd_runtime.engine.scheduler import Scheduler
@@ -45,7 +46,7 @@ class RequestOutput:
     prompt_token_ids: list[int] = field(default_factory=list)
 
 
-class LLMEngine:
+class LLMEngine(RemoteKVMixin):
     def __init__(self, config: EngineConfig):
         self.config = config
         if config.num_threads:
@@ -67,6 +68,8 @@ class LLMEngine:
                                    config.priority_aging_steps, swap)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}            # finished, blocks kept for a transfer
+        self.remote_waiting: dict[str, Request] = {}  # blocks reserved, KV expected from afar
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.num_steps = 0
         # Tokens of the last step by kind, for load reports and benchmarks.
@@ -92,7 +95,25 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Union[str, list[int]],
                     params: Optional[SamplingParams] = None, priority: int = 0,
-                    cache_salt: Optional[str] = None) -> Request:
+                    cache_salt: Optional[str] = None, hold_blocks: bool = False) -> Request:
+        """Queue a request. `hold_blocks`: keep its KV blocks when it finishes (a prefill worker
+        ships them), until `release_held(request_id)`."""
+        req = self._new_request(request_id, prompt, params, priority, cache_salt)
+        sched = self.scheduler
+        if len(sched.waiting) >= self.config.max_waiting_requests or \
+                sched.num_waiting_tokens + req.num_prompt_tokens > self.config.max_waiting_tokens:
+            raise EngineOverloadedError(
+                f"engine queue is full ({len(sched.waiting)} requests waiting)",
+                retry_after_s=1.0)
+        req.hold_blocks = hold_blocks
+        self.requests[request_id] = req
+        sched.add(req)
+        return req
+
+    def _new_request(self, request_id: str, prompt: Union[str, list[int]],
+                     params: Optional[SamplingParams], priority: int,
+                     cache_salt: Optional[str]) -> Request:
+        """Validate everything before anything is allocated; returns an unqueued request."""
         params = params or SamplingParams()
         params.validate()
         if request_id in self.requests:
@@ -110,23 +131,17 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
                 f"{self.block_manager.blocks_needed(longest)} KV blocks; this worker has "
                 f"{self.block_manager.num_blocks}", param="max_tokens")
-        sched = self.scheduler
-        if len(sched.waiting) >= self.config.max_waiting_requests or \
-                sched.num_waiting_tokens + len(ids) > self.config.max_waiting_tokens:
-            raise EngineOverloadedError(
-                f"engine queue is full ({len(sched.waiting)} requests waiting)",
-                retry_after_s=1.0)
         req = Request(request_id, ids, params, self.eos_token_ids, priority, cache_salt,
                       prompt=prompt if isinstance(prompt, str) else None)
         if params.seed is not None:
             req.generator = Sampler.make_generator(params.seed)
-        self.requests[request_id] = req
-        sched.add(req)
         return req
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request and release all its blocks now; False if it is unknown or done."""
-        req = self.requests.pop(request_id, None)
+        """Drop a request and release all its blocks now (queued, running, swapped, waiting for
+        remote KV or held for a transfer); False if it is unknown or already released."""
+        req = self.requests.pop(request_id, None) or self.held.pop(request_id, None)
+        self.remote_waiting.pop(request_id, None)
         if req is None:
             return False
         self.scheduler.remove(req)
@@ -187,8 +202,12 @@ class LLMEngine:
         if reason is not None:
             req.status = RequestStatus.FINISHED
             req.finish_reason = reason
-            self.scheduler.remove(req)
             self.requests.pop(req.request_id, None)
+            if req.hold_blocks:
+                self.scheduler.detach(req)
+                self.held[req.request_id] = req
+            else:
+                self.scheduler.remove(req)
         return RequestOutput(
             request_id=req.request_id, new_token_ids=[token], new_text=req.text[text_before:],
             token_ids=list(req.output_token_ids), text=req.text, finished=reason is not None,

@@ -29,6 +29,12 @@ class Sampler:
     def make_generator(seed: int) -> torch.Generator:
         return torch.Generator().manual_seed(seed)
 
+    @staticmethod
+    def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
+        """Advance a seeded generator past one sample drawn elsewhere (a remote prefill's first
+        token), so the rest of the stream matches a colocated run."""
+        torch.empty(vocab_size).exponential_(generator=generator)
+
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[Optional[torch.Generator]]) -> SampleResult:
         rows, vocab = logits.shape

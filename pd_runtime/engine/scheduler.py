@@ -62,12 +62,16 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        """Take a request out of the queues and release its blocks (finish or abort)."""
+    def detach(self, req: Request) -> None:
+        """Take a request out of the queues; its blocks stay allocated to it."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues and release its blocks (finish or abort)."""
+        self.detach(req)
         self.bm.free(req)
         if req.swap_block_ids:
             self.swap_space.free(req.swap_block_ids)
@@ -125,7 +129,8 @@ class Scheduler:
         for req in self.waiting:
             if out.preempted or budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            prefix = self.bm.match_prefix(req) if req.num_computed_tokens == 0 else []
+            fresh = req.num_computed_tokens == 0 and not req.block_ids
+            prefix = self.bm.match_prefix(req) if fresh else []
             n = min(req.num_tokens - req.num_computed_tokens - len(prefix) * self.bm.block_size,
                     budget)
             if not self.bm.allocate(req, n, prefix):

@@ -43,6 +43,7 @@ class Request:
     num_cached_tokens: int = 0         # prompt tokens served by the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
     swap_block_ids: list[int] = field(default_factory=list)  # KV parked in CPU swap space
+    hold_blocks: bool = False          # keep blocks after finishing (prefill side of a transfer)
     block_hashes: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: Optional[FinishReason] = None

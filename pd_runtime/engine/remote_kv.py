@@ -1,0 +1,109 @@
+"""Engine hooks for disaggregation: reserve blocks for KV computed elsewhere, mark it arrived
+(or fall back to a local prefill), hold a finished prefill's blocks while they are shipped.
+
+The engine knows no transfer backend: the worker moves the bytes and calls these hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from pd_runtime.engine.sampler import Sampler
+from pd_runtime.engine.sampling_params import SamplingParams
+from pd_runtime.engine.sequence import RequestStatus
+
+
+@dataclass
+class RemoteKVReservation:
+    """Blocks a decode engine reserved for a prompt. Blocks covering the first
+    `num_cached_tokens` already hold valid KV (prefix cache); the rest must be filled."""
+
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    block_size: int
+
+    @property
+    def missing_block_ids(self) -> list[int]:
+        return self.block_ids[self.num_cached_tokens // self.block_size:]
+
+
+class RemoteKVMixin:
+    """Mixed into LLMEngine; uses its requests, scheduler, block manager and output path."""
+
+    def reserve_remote_prefill(self, request_id: str, prompt: Union[str, list[int]],
+                               params: Optional[SamplingParams] = None, priority: int = 0,
+                               cache_salt: Optional[str] = None
+                               ) -> Optional[RemoteKVReservation]:
+        """Decode side: admit a request and reserve blocks for its whole prompt now.
+
+        Returns None, holding nothing, when the blocks are not free: the reservation is the
+        backpressure, so the caller waits or routes elsewhere; it never over-commits.
+        Ownership: the request holds the blocks until it finishes or is aborted.
+        """
+        req = self._new_request(request_id, prompt, params, priority, cache_salt)
+        bm = self.block_manager
+        prefix = bm.match_prefix(req)
+        missing = req.num_prompt_tokens - len(prefix) * bm.block_size
+        if not bm.allocate(req, missing, prefix):
+            return None
+        req.status = RequestStatus.WAITING
+        self.requests[request_id] = req
+        self.remote_waiting[request_id] = req
+        return RemoteKVReservation(request_id, list(req.block_ids), req.num_cached_tokens,
+                                   req.num_prompt_tokens, bm.block_size)
+
+    def complete_remote_prefill(self, request_id: str, first_token_id: int,
+                                first_logprob=None):
+        """The KV of the whole prompt is in the reserved blocks and the prefill worker sampled
+        `first_token_id`: continue decoding here. Returns that token's RequestOutput."""
+        req = self.remote_waiting.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.block_manager.cache_full_blocks(req)
+        if req.generator is not None and not req.params.greedy:
+            Sampler.skip_draw(req.generator, self.model_config.vocab_size)
+        req.output_token_ids.append(first_token_id)
+        if first_logprob is not None:
+            req.logprobs.append(first_logprob)
+        output = self._finish_token(req, first_token_id, first_logprob)
+        if not output.finished:
+            self.scheduler.add(req)
+        return output
+
+    def fail_remote_prefill(self, request_id: str) -> None:
+        """The KV will not come (prefill worker lost, transfer failed or timed out): prefill
+        locally into the blocks already reserved, after the cached prefix."""
+        req = self.remote_waiting.pop(request_id)
+        req.num_computed_tokens = req.num_cached_tokens
+        self.scheduler.add(req)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        return list(self.held[request_id].block_ids)
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill side: the transfer of a finished request's blocks ended; free them."""
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return False
+        self.block_manager.free(req)
+        return True
+
+    def load_report(self) -> dict:
+        """Cheap numbers for routing: queues, queued prefill tokens, KV blocks, cache hits."""
+        sched, bm = self.scheduler, self.block_manager
+        queued_prefill = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting) + \
+            sum(r.num_tokens - r.num_computed_tokens - 1 for r in sched.running
+                if r.num_tokens - r.num_computed_tokens > 1)
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting) + len(self.remote_waiting),
+            "queued_prefill_tokens": queued_prefill,
+            "free_blocks": bm.num_free_blocks,
+            "total_blocks": bm.num_blocks,
+            "held_blocks": sum(len(r.block_ids) for r in self.held.values()),
+            "prefix_queried_tokens": bm.stats.queried_tokens,
+            "prefix_hit_tokens": bm.stats.hit_tokens,
+            "num_preemptions": sched.num_preemptions,
+        }

@@ -1,0 +1,112 @@
+"""Engine hooks for disaggregation, two engines in one process: a prefill engine computes the
+prompt's KV, the blocks are copied into the decode engine's reservation, decoding continues.
+The tokens must equal a colocated run; every block comes back on both sides.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pd_runtime import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def seeded(i):
+    return SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=77 + i,
+                          ignore_eos=True)
+
+
+def prompts(n=6, seed=1):
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 500) for _ in range(rng.choice([3, 16, 17, 40, 64]))]
+            for _ in range(n)]
+
+
+@pytest.fixture()
+def pair(llama_dir):
+    prefill = LLM(llama_dir, dtype="float32", num_kv_blocks=128).engine
+    decode = LLM(llama_dir, dtype="float32", num_kv_blocks=128).engine
+    yield prefill, decode
+    assert prefill.block_manager.num_free_blocks == 128
+    assert decode.block_manager.num_free_blocks == 128
+    assert not prefill.held and not decode.remote_waiting
+
+
+def run_to_end(engine, outputs):
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+
+def disaggregated(prefill, decode, items, params):
+    """items: (request_id, prompt); returns {request_id: tokens} decoded on `decode`."""
+    outputs = {}
+    for (rid, prompt), p in zip(items, params):
+        res = decode.reserve_remote_prefill(rid, prompt, p)
+        assert res is not None
+        first_params = SamplingParams(**{**p.__dict__, "max_tokens": 1})
+        prefill.add_request(rid, prompt, first_params, hold_blocks=True)
+        first = {}
+        run_to_end(prefill, first)
+        src = prefill.held_block_ids(rid)
+        skip = res.num_cached_tokens // res.block_size
+        # Ship only what the decode side misses: its own prefix cache counts.
+        src_ids, dst_ids = src[skip:len(res.block_ids)], res.missing_block_ids
+        decode.runner.kv_cache[:, :, dst_ids] = prefill.runner.kv_cache[:, :, src_ids]
+        prefill.release_held(rid)
+        out = decode.complete_remote_prefill(rid, first[rid][0])
+        outputs[rid] = list(out.new_token_ids)
+    run_to_end(decode, outputs)
+    return outputs
+
+
+def test_disaggregated_equals_colocated(pair, llama_dir):
+    prefill, decode = pair
+    ps = prompts()
+    colocated = LLM(llama_dir, dtype="float32", num_kv_blocks=128)
+    for params in ([GREEDY] * len(ps), [seeded(i) for i in range(len(ps))]):
+        want = [o.token_ids for o in colocated.generate(ps, params)]
+        items = [(f"r{i}-{params[0].seed}", p) for i, p in enumerate(ps)]
+        got = disaggregated(prefill, decode, items, params)
+        assert [got[rid] for rid, _ in items] == want
+
+
+def test_decode_prefix_cache_reduces_shipped_blocks(pair):
+    prefill, decode = pair
+    system = list(range(20, 84))  # 4 full blocks
+    disaggregated(prefill, decode, [("a", system + [5, 6, 7])], [GREEDY])
+    res = decode.reserve_remote_prefill("b", system + [8, 9, 10], GREEDY)
+    assert res.num_cached_tokens == 64
+    assert len(res.missing_block_ids) == 1
+    decode.abort("b")
+
+
+def test_failed_transfer_falls_back_to_local_prefill(pair, llama_dir):
+    prefill, decode = pair
+    ps = prompts(4, seed=9)
+    want = [o.token_ids for o in LLM(llama_dir, dtype="float32", num_kv_blocks=128)
+            .generate(ps, GREEDY)]
+    outputs = {}
+    for i, p in enumerate(ps):
+        assert decode.reserve_remote_prefill(f"f{i}", p, GREEDY) is not None
+        decode.fail_remote_prefill(f"f{i}")
+    run_to_end(decode, outputs)
+    assert [outputs[f"f{i}"] for i in range(4)] == want
+
+
+def test_reservation_is_backpressure_and_abort_releases(pair):
+    prefill, decode = pair
+    big = [5 + i % 400 for i in range(16 * 100)]  # 100 blocks
+    assert decode.reserve_remote_prefill("big1", big, GREEDY) is not None
+    free = decode.block_manager.num_free_blocks
+    assert decode.reserve_remote_prefill("big2", big, GREEDY) is None  # no room: refused
+    assert decode.block_manager.num_free_blocks == free and "big2" not in decode.requests
+    assert decode.abort("big1")
+    prefill.add_request("held", big[:40], GREEDY.__class__(max_tokens=1), hold_blocks=True)
+    run_to_end(prefill, {})
+    assert prefill.held_block_ids("held")
+    assert prefill.abort("held")  # cancelling mid-transfer frees the leased blocks
+    assert decode.load_report()["free_blocks"] == 128
