@@ -110,3 +110,41 @@ def test_reservation_is_backpressure_and_abort_releases(pair):
     assert prefill.held_block_ids("held")
     assert prefill.abort("held")  # cancelling mid-transfer frees the leased blocks
     assert decode.load_report()["free_blocks"] == 128
+
+
+def test_transfer_failure_after_first_token_keeps_one_stream(pair, llama_dir):
+    prefill, decode = pair
+    ps = prompts(3, seed=4)
+    params = [seeded(i) for i in range(3)]
+    want = [o.token_ids for o in LLM(llama_dir, dtype="float32", num_kv_blocks=128)
+            .generate(ps, params)]
+    outputs = {}
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        rid = f"t{i}"
+        decode.reserve_remote_prefill(rid, p, sp)
+        prefill.add_request(rid, p, SamplingParams(**{**sp.__dict__, "max_tokens": 1}))
+        first = {}
+        run_to_end(prefill, first)
+        out = decode.complete_remote_prefill(rid, first[rid][0], kv_arrived=False)
+        outputs[rid] = list(out.new_token_ids)
+    run_to_end(decode, outputs)
+    assert [outputs[f"t{i}"] for i in range(3)] == want
+
+
+def test_resume_after_lost_worker_continues_the_stream(llama_dir):
+    ps = prompts(3, seed=5)
+    params = [seeded(i) for i in range(3)]
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=128)
+    full = llm.generate(ps, params)
+    engine = llm.engine
+    outputs, texts = {}, {}
+    for i, (p, sp, f) in enumerate(zip(ps, params, full)):
+        engine.add_request(f"m{i}", p, sp, resume_output_ids=f.token_ids[:7])
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            texts[out.request_id] = texts.get(out.request_id, "") + out.new_text
+    for i, f in enumerate(full):
+        assert f.token_ids[:7] + outputs[f"m{i}"] == f.token_ids
+        assert f.text.endswith(texts[f"m{i}"])
+    assert engine.block_manager.num_free_blocks == 128

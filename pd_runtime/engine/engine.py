@@ -95,10 +95,23 @@ class LLMEngine(RemoteKVMixin):
 
     def add_request(self, request_id: str, prompt: Union[str, list[int]],
                     params: Optional[SamplingParams] = None, priority: int = 0,
-                    cache_salt: Optional[str] = None, hold_blocks: bool = False) -> Request:
+                    cache_salt: Optional[str] = None, hold_blocks: bool = False,
+                    resume_output_ids: Optional[list[int]] = None) -> Request:
         """Queue a request. `hold_blocks`: keep its KV blocks when it finishes (a prefill worker
-        ships them), until `release_held(request_id)`."""
+        ships them), until `release_held(request_id)`. `resume_output_ids`: tokens a lost worker
+        already streamed; generation continues after them as if it had never stopped (they
+        count toward max_tokens, seeded sampling skips their draws, their text is not re-sent).
+        """
         req = self._new_request(request_id, prompt, params, priority, cache_salt)
+        if resume_output_ids:
+            if len(resume_output_ids) >= req.params.max_tokens:
+                raise InvalidRequestError("nothing left to generate after the resumed tokens",
+                                          param="max_tokens")
+            req.output_token_ids = list(resume_output_ids)
+            detokenize_step(self.tokenizer, req, flush=True)
+            if req.generator is not None and not req.params.greedy:
+                for _ in resume_output_ids:
+                    Sampler.skip_draw(req.generator, self.model_config.vocab_size)
         sched = self.scheduler
         if len(sched.waiting) >= self.config.max_waiting_requests or \
                 sched.num_waiting_tokens + req.num_prompt_tokens > self.config.max_waiting_tokens:

@@ -56,11 +56,15 @@ class RemoteKVMixin:
                                    req.num_prompt_tokens, bm.block_size)
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int,
-                                first_logprob=None):
-        """The KV of the whole prompt is in the reserved blocks and the prefill worker sampled
-        `first_token_id`: continue decoding here. Returns that token's RequestOutput."""
+                                first_logprob=None, kv_arrived: bool = True):
+        """The prefill worker sampled `first_token_id`; continue decoding here.
+
+        kv_arrived: the prompt's KV is in the reserved blocks. If not (the transfer failed after
+        the first token was sent on), the prompt is prefilled here again but the token stands,
+        so the client's stream stays one stream. Returns that token's RequestOutput.
+        """
         req = self.remote_waiting.pop(request_id)
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_prompt_tokens if kv_arrived else req.num_cached_tokens
         self.block_manager.cache_full_blocks(req)
         if req.generator is not None and not req.params.greedy:
             Sampler.skip_draw(req.generator, self.model_config.vocab_size)
@@ -73,7 +77,7 @@ class RemoteKVMixin:
         return output
 
     def fail_remote_prefill(self, request_id: str) -> None:
-        """The KV will not come (prefill worker lost, transfer failed or timed out): prefill
+        """No first token and no KV will come (prefill worker lost before sampling): prefill
         locally into the blocks already reserved, after the cached prefix."""
         req = self.remote_waiting.pop(request_id)
         req.num_computed_tokens = req.num_cached_tokens
