@@ -119,21 +119,23 @@ def run_workload(model: str, args) -> None:
     # Fresh user turns for the warm runs: only the system prompt is already cached.
     warm_batch = turns(args.num_requests, args.seed + 3)
     warm_online = turns(args.num_online, args.seed + 4)
-    all_prompts = batch + online
-    shared = len(system) * len(all_prompts) / sum(map(len, all_prompts))
+    shared = len(system) * len(batch) / sum(map(len, batch))
     per_request = -(-(args.system_len + args.user_max + args.output_len) // 16)
     num_kv_blocks = args.num_kv_blocks or max(args.num_requests, args.max_num_seqs) \
         * per_request + 64
     print(f"# workload: system prompt {args.system_len} tokens + user turn {args.user_min}-"
           f"{args.user_max} tokens ({shared:.1%} of prompt tokens shared) -> {args.output_len} "
-          f"tokens; batch phase {args.num_requests} requests at once, online phase "
-          f"{args.num_online} requests at a fixed rate; {num_kv_blocks} KV blocks of 16")
+          f"tokens; batch phase {args.num_requests} requests at once, then an online phase "
+          f"at a fixed rate; {num_kv_blocks} KV blocks of 16")
 
     results: dict[str, list[PhaseResult]] = {}
     engine = new_engine(model, False, num_kv_blocks, args)
     off_batch = run_phase(engine, batch, params, "off-b", None)
     rate = args.request_rate or args.load_factor * off_batch.num_requests / off_batch.elapsed_s
-    print(f"# online rate {rate:.2f} req/s"
+    # A slow (busy) machine gets a lower rate; fewer requests keep the run's length bounded.
+    num_online = min(args.num_online, max(8, int(rate * args.online_seconds)))
+    online, warm_online = online[:num_online], warm_online[:num_online]
+    print(f"# online phase: {num_online} requests at {rate:.2f} req/s"
           + ("" if args.request_rate else
              f" (= {args.load_factor} x the cache-off batch capacity just measured)"))
     results["off"] = [off_batch, run_phase(engine, online, params, "off-o", rate)]
@@ -256,7 +258,9 @@ def main() -> None:
     ap.add_argument("--user-max", type=int, default=80)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--num-requests", type=int, default=32, help="batch phase")
-    ap.add_argument("--num-online", type=int, default=24, help="online phase")
+    ap.add_argument("--num-online", type=int, default=24, help="online phase, at most")
+    ap.add_argument("--online-seconds", type=float, default=20.0,
+                    help="fewer online requests (at least 8) if rate x this is below --num-online")
     ap.add_argument("--request-rate", type=float, default=0.0,
                     help="online req/s; default: --load-factor x measured cache-off capacity")
     ap.add_argument("--load-factor", type=float, default=0.5)

@@ -162,6 +162,20 @@ FRAME_BYTES = 1024
 _LEN_BYTES = 4
 
 
+def frame_buffers(payload: bytes) -> list:
+    """The messages that carry one control frame: a FRAME_BYTES head (length + start of the
+    payload) and, for long payloads only, a tail. A writer may post them together with the
+    KV regions that follow, so the header costs no round of its own."""
+    head = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+    head[:_LEN_BYTES] = torch.frombuffer(bytearray(len(payload).to_bytes(_LEN_BYTES, "little")),
+                                         dtype=torch.uint8)
+    first = payload[: FRAME_BYTES - _LEN_BYTES]
+    if first:
+        head[_LEN_BYTES:_LEN_BYTES + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    tail = payload[FRAME_BYTES - _LEN_BYTES:]
+    return [head, torch.frombuffer(bytearray(tail), dtype=torch.uint8)] if tail else [head]
+
+
 class Link(ABC):
     """One established, bidirectional, ordered connection to one peer. Blocking calls, each
     bounded by a timeout, used by exactly one writer thread and one reader thread."""
@@ -181,6 +195,9 @@ class Link(ABC):
             self.send_bytes(buf, timeout_s)
 
     def recv_many(self, bufs: list, timeout_s: float) -> None:
+        """Receive several messages in order. Once this raises (timeout, reset), the link is
+        dead and no byte lands in bufs afterwards, even if the peer resumes sending: the caller
+        hands those blocks back to its engine."""
         for buf in bufs:
             self.recv_bytes(buf, timeout_s)
 
@@ -189,16 +206,7 @@ class Link(ABC):
         """Abort the link: pending operations fail, nothing is written afterwards."""
 
     def send_frame(self, payload: bytes, timeout_s: float) -> None:
-        head = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
-        head[:_LEN_BYTES] = torch.frombuffer(bytearray(len(payload).to_bytes(_LEN_BYTES, "little")),
-                                             dtype=torch.uint8)
-        first = payload[: FRAME_BYTES - _LEN_BYTES]
-        if first:
-            head[_LEN_BYTES:_LEN_BYTES + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
-        self.send_bytes(head, timeout_s)
-        tail = payload[FRAME_BYTES - _LEN_BYTES:]
-        if tail:
-            self.send_bytes(torch.frombuffer(bytearray(tail), dtype=torch.uint8), timeout_s)
+        self.send_many(frame_buffers(payload), timeout_s)
 
     def recv_frame(self, timeout_s: float) -> bytes:
         head = torch.empty(FRAME_BYTES, dtype=torch.uint8)

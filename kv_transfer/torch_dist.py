@@ -46,7 +46,9 @@ class TorchDistLink(Link):
         try:
             work.wait(datetime.timedelta(seconds=max(timeout_s, 0.001)))
         except RuntimeError as exc:
-            self._closed = True  # gloo closes the pair after a timeout or a reset
+            # A timed-out gloo recv stays posted: a sender that resumes would still write
+            # into its buffer. Aborting the group closes the pair, so nothing lands late.
+            self.close()
             if "Timed out" in str(exc) or "timed out" in str(exc):
                 raise LinkTimeoutError(f"{what} timed out after {timeout_s:.2f}s") from exc
             raise LinkError(f"{what} failed: {exc}") from exc

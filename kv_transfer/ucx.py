@@ -47,27 +47,63 @@ def resolve_mode(requested: str, host: str) -> str:
     return "shm" if loopback else "tcp"
 
 
-def _wait(request, timeout_s: float, what: str, on_timeout) -> None:
-    deadline = time.monotonic() + timeout_s
+# Receives land in a link-owned staging buffer and are copied into the KV blocks only once
+# complete (see UCXLink.recv_many); batches of regions larger than this reuse it in turn.
+_STAGING_CAP_BYTES = 64 << 20
+# Buffers of operations given up on, with their requests: UCX may still read or write them
+# (a matched receive cannot be cancelled), so they stay allocated until UCX is done with them.
+_abandoned: list = []
+_abandoned_lock = threading.Lock()
+
+
+def _abandon(buffers, requests) -> None:
+    with _abandoned_lock:
+        _abandoned[:] = [(b, r) for b, r in _abandoned if not all(x.completed for x in r)]
+        _abandoned.append((buffers, requests))
+
+
+def _wait(request, deadline: float, what: str) -> None:
+    """Poll one request until it completes or the deadline passes. ucxx's synchronous API has
+    no blocking wait; the sleep grows with the time already waited (an idle reader ends up
+    at 1 ms), so polling adds at most a few percent of latency and little CPU."""
+    started = time.monotonic()
     spins = 0
     while not request.completed:
-        if time.monotonic() > deadline:
-            on_timeout()
-            raise LinkTimeoutError(f"UCX {what} timed out after {timeout_s:.2f}s")
-        # Spin briefly for small frames, then back off so two processes on two cores still breathe.
+        now = time.monotonic()
+        if now > deadline:
+            raise LinkTimeoutError(f"UCX {what} timed out after {now - started:.2f}s")
         spins += 1
-        time.sleep(0 if spins < 200 else 0.0002)
+        time.sleep(0 if spins < 50 else min(0.001, max(0.0001, (now - started) / 40)))
     try:
         request.check_error()
     except Exception as exc:  # ucxx raises its own exception family
         raise LinkError(f"UCX {what} failed: {exc}") from exc
 
 
-def _host_array(buf: torch.Tensor):
+def _as_bytes(buf: torch.Tensor) -> torch.Tensor:
     if buf.device.type != "cpu":
         raise KVTransferError("the ucx backend here moves host memory only")
+    return buf.reshape(-1).view(torch.uint8)
+
+
+def _host_array(buf: torch.Tensor):
     _, Array = _ucx()
-    return Array(buf.reshape(-1).view(torch.uint8).numpy())
+    return Array(_as_bytes(buf).numpy())
+
+
+def _batches(bufs: list, cap: int) -> list:
+    """Split bufs into runs of at most cap bytes (a larger buffer forms a batch of its own)."""
+    batches, current, size = [], [], 0
+    for buf in bufs:
+        n = buf.numel() * buf.element_size()
+        if current and size + n > cap:
+            batches.append(current)
+            current, size = [], 0
+        current.append(buf)
+        size += n
+    if current:
+        batches.append(current)
+    return batches
 
 
 class UCXLink(Link):
@@ -76,45 +112,70 @@ class UCXLink(Link):
         self._send_tag, self._recv_tag = send_tag, recv_tag
         self._closed = False
         self._close_lock = threading.Lock()
+        self._staging = torch.empty(0, dtype=torch.uint8)
 
     def send_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
-        self._op(buf, timeout_s, "send")
+        self.send_many([buf], timeout_s)
 
     def recv_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
-        self._op(buf, timeout_s, "recv")
+        self.recv_many([buf], timeout_s)
 
-    def send_many(self, bufs: list, timeout_s: float) -> None:
-        self._post_all(bufs, timeout_s, "send")
-
-    def recv_many(self, bufs: list, timeout_s: float) -> None:
-        self._post_all(bufs, timeout_s, "recv")
-
-    def _op(self, buf: torch.Tensor, timeout_s: float, what: str) -> None:
-        self._post_all([buf], timeout_s, what)
-
-    def _post_all(self, bufs: list, timeout_s: float, what: str) -> None:
+    def _post(self, bufs: list, what: str):
+        """Post every operation at once, so regions pipeline; returns (arrays, requests)."""
         if self._closed:
             raise LinkError("link closed")
         ucx_api, _ = _ucx()
-        deadline = time.monotonic() + timeout_s
-        arrays = [_host_array(b) for b in bufs]  # kept alive until every request completed
+        arrays = [_host_array(b) for b in bufs]
+        requests = []
         try:
-            if what == "send":
-                requests = [self._ep.tag_send(a, tag=ucx_api.UCXXTag(self._send_tag)) for a in arrays]
-            else:
-                # Endpoint-owned recvs: closing the endpoint cancels them, so a timed-out recv
-                # can never land in a block after its transfer was released.
-                requests = [self._ep.tag_recv(a, tag=ucx_api.UCXXTag(self._recv_tag)) for a in arrays]
+            for array in arrays:
+                if what == "send":
+                    requests.append(self._ep.tag_send(array, tag=ucx_api.UCXXTag(self._send_tag)))
+                else:
+                    requests.append(self._ep.tag_recv(array, tag=ucx_api.UCXXTag(self._recv_tag)))
         except Exception as exc:
-            self.close()
+            self._give_up(arrays, requests)
             raise LinkError(f"UCX {what} failed: {exc}") from exc
+        return arrays, requests
+
+    def _give_up(self, buffers, requests) -> None:
+        _abandon(buffers, requests)
+        self.close()
+
+    def send_many(self, bufs: list, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        arrays, requests = self._post(bufs, "send")
         try:
             for request in requests:
-                _wait(request, deadline - time.monotonic(), what, self.close)
+                _wait(request, deadline, "send")
         except LinkError:
-            self.close()
+            # UCX may still read the sources (a rendezvous get); keep them alive.
+            self._give_up(arrays, requests)
             raise
-        del arrays
+
+    def recv_many(self, bufs: list, timeout_s: float) -> None:
+        """Receive into the staging buffer, copying each region out once its request completed.
+        A receive given up on (deadline, reset) may still be written by UCX later: a matched
+        receive is not cancellable, and a sender frozen mid-message can resume. Such late bytes
+        land in the abandoned staging buffer, never in KV blocks the engine has freed."""
+        deadline = time.monotonic() + timeout_s
+        for batch in _batches(bufs, _STAGING_CAP_BYTES):
+            sizes = [b.numel() * b.element_size() for b in batch]
+            if self._staging.numel() < sum(sizes):
+                self._staging = torch.empty(sum(sizes), dtype=torch.uint8)
+            staging, views, offset = self._staging, [], 0
+            for n in sizes:
+                views.append(staging[offset:offset + n])
+                offset += n
+            arrays, requests = self._post(views, "recv")
+            try:
+                for request, view, buf in zip(requests, views, batch):
+                    _wait(request, deadline, "recv")
+                    _as_bytes(buf).copy_(view)
+            except LinkError:
+                self._staging = torch.empty(0, dtype=torch.uint8)  # never reuse what UCX may write
+                self._give_up((staging, arrays), requests)
+                raise
 
     def close(self) -> None:
         with self._close_lock:  # reader and writer may both give up on the link at once
@@ -122,7 +183,7 @@ class UCXLink(Link):
                 return
             self._closed = True
             # An endpoint UCX already failed is torn down by ucxx itself (closing it again
-            # crashes); a live one is closed here, which cancels its pending recvs.
+            # crashes); a live one is closed here, which cancels its unmatched recvs.
             if self._ep.alive:
                 try:
                     self._ep.close()
@@ -173,7 +234,12 @@ class UCXTransport(Transport):
             payload[:4] = torch.tensor(list(len(hello).to_bytes(4, "little")), dtype=torch.uint8)
             payload[4:4 + len(hello)] = torch.frombuffer(bytearray(hello), dtype=torch.uint8)
             array = _host_array(payload)
-            _wait(endpoint.tag_send(array, tag=ucx_api.UCXXTag(_ACCEPT_TAG)), timeout_s, "hello", lambda: None)
+            request = endpoint.tag_send(array, tag=ucx_api.UCXXTag(_ACCEPT_TAG))
+            try:
+                _wait(request, time.monotonic() + timeout_s, "hello")
+            except LinkError:
+                _abandon(array, [request])
+                raise
         except LinkError:
             raise
         except Exception as exc:
@@ -191,7 +257,7 @@ class UCXTransport(Transport):
         while not self._hello_request.completed:
             if time.monotonic() > deadline:
                 return None
-            time.sleep(0.002)
+            time.sleep(0.01)  # handshakes are rare; an idle agent should not spin
         request, self._hello_request = self._hello_request, None
         try:
             request.check_error()

@@ -1,13 +1,20 @@
 """Typed configuration for every part of pd-runtime; the only place defaults live.
 
-YAML files are parsed into these pydantic models at load time; constructors take the models.
+YAML files are parsed into these pydantic models at load time (errors name the file, the dotted
+field and its line); constructors take the models. The YAML loading sits at the end of the file.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+import difflib
+import re
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -15,10 +22,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class EngineConfig(_Strict):
-    """Settings of one engine instance (one worker, or the offline LLM)."""
+class FieldValueError(ValueError):
+    """A cross-field check failed at `loc`, a path relative to the model raising it, so a YAML
+    error points at the offending field's line rather than at the section's."""
 
-    model: str = Field(description="Path to a local HF model directory.")
+    def __init__(self, loc: tuple, reason: str):
+        super().__init__(f"{_dotted(loc)}: {reason}")
+        self.loc = tuple(loc)
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------------------- engine
+class EnginePoolSettings(_Strict):
+    """Engine settings of every worker in a pool: EngineConfig without the cluster-wide model."""
+
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
     seed: int = 0
@@ -45,11 +62,23 @@ class EngineConfig(_Strict):
         return self
 
 
+class EngineConfig(EnginePoolSettings):
+    """Settings of one engine instance (one worker, or the offline LLM)."""
+
+    model: str = Field(description="Path to a local HF model directory.")
+
+
+def _is_cuda(device: str) -> bool:
+    return device == "cuda" or device.startswith("cuda:")
+
+
+# ---------------------------------------------------------------------------------- kv transfer
 class KVTransferConfig(_Strict):
     """Settings of the KV transfer agent of one worker."""
 
     backend: Literal["torch_dist", "ucx", "local"] = "torch_dist"
     # Address the agent listens on (torch_dist store / UCX listener); port 0 picks a free one.
+    # In a cluster file, "auto" means each worker's own Ray node IP (see for_node).
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
     ucx_mode: Literal["auto", "tcp", "shm"] = "auto"
@@ -63,3 +92,397 @@ class KVTransferConfig(_Strict):
     # a link with no frame for peer_timeout_s is dead and its transfers fail with peer_lost.
     heartbeat_interval_s: float = Field(0.5, gt=0)
     peer_timeout_s: float = Field(5.0, gt=0)
+
+    def for_node(self, node_ip: str) -> "KVTransferConfig":
+        """The agent config of a worker on `node_ip`: host "auto" becomes that address."""
+        return self.model_copy(update={"host": node_ip}) if self.host == "auto" else self
+
+
+# ---------------------------------------------------------------------------------- pools
+# Ray owns these names; a custom resource may not reuse them.
+_RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+class ResourcesConfig(_Strict):
+    """What Ray reserves for one worker actor (and its placement-group bundle)."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    custom: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    memory_bytes: Optional[int] = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self):
+        for name in self.custom:
+            if name in _RAY_BUILTIN_RESOURCES:
+                raise FieldValueError(("custom", name), f"{name!r} is a Ray built-in resource; "
+                                      "use num_cpus / num_gpus / memory_bytes")
+        return self
+
+    def ray_options(self) -> dict[str, Any]:
+        """Keyword arguments for `ActorClass.options(...)`."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.custom:
+            options["resources"] = dict(self.custom)
+        if self.memory_bytes is not None:
+            options["memory"] = self.memory_bytes
+        return options
+
+    def bundle(self) -> dict[str, float]:
+        """The placement-group bundle of one worker (Ray rejects zero-only bundles)."""
+        wanted = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.custom,
+                  "memory": float(self.memory_bytes or 0)}
+        return {name: amount for name, amount in wanted.items() if amount > 0}
+
+
+class PlacementConfig(_Strict):
+    """One Ray placement group per pool, one bundle per worker."""
+
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    enabled: bool = True
+    # Waiting for a group the cluster cannot fit must end with an error, not hang.
+    ready_timeout_s: float = Field(120.0, gt=0)
+
+
+class PoolConfig(_Strict):
+    """A pool of identical workers of one role."""
+
+    num_workers: int = Field(ge=0)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    engine: EnginePoolSettings = Field(default_factory=EnginePoolSettings)
+    # Replaces the cluster-wide `placement` for this pool when set.
+    placement: Optional[PlacementConfig] = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        cuda = _is_cuda(self.engine.device)
+        if cuda and self.resources.num_gpus <= 0:
+            raise FieldValueError(("engine", "device"), f"device {self.engine.device!r} needs "
+                                  "resources.num_gpus > 0 (Ray hides GPUs from actors without)")
+        if not cuda and self.resources.num_gpus > 0:
+            raise FieldValueError(("resources", "num_gpus"), "GPUs are reserved but "
+                                  f"engine.device is {self.engine.device!r}; set it to 'cuda'")
+        return self
+
+    def engine_config(self, model: str) -> EngineConfig:
+        return EngineConfig(model=model, **self.engine.model_dump())
+
+
+# ---------------------------------------------------------------------------------- runtime
+# "" starts a local Ray; "auto" joins the cluster of this node; ray://host:port is Ray Client;
+# host:port is the GCS address of an existing cluster.
+_HOST = r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)"
+_RAY_ADDRESS = re.compile(rf"^(auto|(ray://)?{_HOST}:[0-9]{{1,5}})$")
+
+
+class RayConfig(_Strict):
+    address: str = ""
+    namespace: str = Field("pd-runtime", min_length=1)
+    include_dashboard: bool = False
+    # CPUs of a local Ray (address ""); None lets Ray count the machine's.
+    num_cpus: Optional[int] = Field(None, ge=1)
+    runtime_env: Optional[dict[str, Any]] = None
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        if value and not _RAY_ADDRESS.match(value):
+            raise ValueError(f"{value!r} is not '' (local Ray), 'auto', 'ray://host:port' "
+                             "or 'host:port'")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.num_cpus is not None and self.address:
+            raise FieldValueError(("num_cpus",), "only a local Ray (address '') takes num_cpus; "
+                                  "an existing cluster has its own")
+        return self
+
+
+class RecoveryConfig(_Strict):
+    # Ray actor restarts per worker; -1 restarts forever.
+    max_restarts: int = Field(3, ge=-1)
+    # A decode worker waiting this long for a prefill worker's KV prefills locally instead.
+    remote_prefill_timeout_s: float = Field(30.0, gt=0)
+    # How long a disaggregated request may wait for decode blocks before it is refused.
+    reservation_timeout_s: float = Field(30.0, gt=0)
+    health_check_interval_s: float = Field(1.0, gt=0)
+
+
+# ---------------------------------------------------------------------------------- router
+class DecodeCostWeights(_Strict):
+    """Decode worker choice, lowest cost wins: running * weight_running - free * weight_free_blocks
+    - overlap * weight_prefix_overlap, each term a fraction in [0, 1] (running / max_num_seqs,
+    free / total KV blocks, expected prefix hit / prompt tokens)."""
+
+    weight_free_blocks: float = Field(1.0, ge=0)
+    weight_running: float = Field(1.0, ge=0)
+    weight_prefix_overlap: float = Field(2.0, ge=0)
+
+
+class PrefillCostWeights(_Strict):
+    """Prefill worker choice, lowest cost wins: queued * weight_queued_tokens - overlap *
+    weight_prefix_overlap (queued prefill tokens / max_prefill_queue_tokens; hit / prompt)."""
+
+    weight_queued_tokens: float = Field(1.0, ge=0)
+    weight_prefix_overlap: float = Field(1.0, ge=0)
+
+
+class RoutingConfig(_Strict):
+    """Colocated or disaggregated, per request; reloads live (load_routing_config)."""
+
+    mode: Literal["auto", "always_disaggregated", "always_colocated"] = "auto"
+    # auto: disaggregate when the uncached prompt tokens exceed this and the prefill pool's
+    # queued tokens are under max_prefill_queue_tokens.
+    max_local_prefill_tokens: int = Field(512, ge=0)
+    max_prefill_queue_tokens: int = Field(8192, ge=0)
+    decode_cost: DecodeCostWeights = Field(default_factory=DecodeCostWeights)
+    prefill_cost: PrefillCostWeights = Field(default_factory=PrefillCostWeights)
+
+
+class TenantConfig(_Strict):
+    # Also a metric label and the prefix-cache salt, hence the plain alphabet.
+    tenant_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    api_key: str = Field(min_length=1, repr=False)
+    # False: the tenant's cached prefixes are its own (tenant_id salts the block hashes).
+    share_prefix_cache: bool = False
+    requests_per_minute: Optional[int] = Field(None, ge=1)
+    tokens_per_minute: Optional[int] = Field(None, ge=1)
+
+
+class RouterConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # None: the basename of the model directory (see model_name).
+    served_model_name: Optional[str] = Field(None, min_length=1)
+    request_timeout_s: float = Field(600.0, gt=0)
+    # How often the router checks its config file for routing edits (SIGHUP checks at once).
+    reload_interval_s: float = Field(2.0, gt=0)
+    # Empty: no API keys, every request is the anonymous tenant.
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+
+    @model_validator(mode="after")
+    def _check(self):
+        for field in ("tenant_id", "api_key"):
+            seen: set[str] = set()
+            for index, tenant in enumerate(self.tenants):
+                value = getattr(tenant, field)
+                if value in seen:
+                    raise FieldValueError(("tenants", index, field), f"duplicate {field}")
+                seen.add(value)
+        return self
+
+    def model_name(self, model_dir: str) -> str:
+        return self.served_model_name or Path(model_dir).name
+
+
+# ---------------------------------------------------------------------------------- cluster
+ROLES = ("prefill", "decode", "colocated")
+
+
+class ClusterConfig(_Strict):
+    """A whole deployment: model, Ray, the three pools, transfer, recovery and the router."""
+
+    # None: the embedded default (the tiny bench model, generated on first use).
+    model: Optional[str] = None
+    ray: RayConfig = Field(default_factory=RayConfig)
+    prefill: PoolConfig = Field(default_factory=lambda: PoolConfig(num_workers=1))
+    decode: PoolConfig = Field(default_factory=lambda: PoolConfig(num_workers=1))
+    colocated: PoolConfig = Field(default_factory=lambda: PoolConfig(num_workers=0))
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.decode.num_workers + self.colocated.num_workers == 0:
+            raise FieldValueError(("decode", "num_workers"), "no worker can decode: set "
+                                  "decode.num_workers or colocated.num_workers to 1 or more")
+        if self.prefill.num_workers and not self.decode.num_workers:
+            raise FieldValueError(("prefill", "num_workers"), "prefill workers ship KV to decode "
+                                  "workers, and decode.num_workers is 0; set one of them")
+        for name in ("block_size", "dtype"):  # KV blocks move between the pools byte for byte
+            ours, theirs = getattr(self.prefill.engine, name), getattr(self.decode.engine, name)
+            if self.prefill.num_workers and ours != theirs:
+                raise FieldValueError(("prefill", "engine", name), f"{ours!r} differs from "
+                                      f"decode.engine.{name} {theirs!r}; KV moves between them")
+        if self.router.routing.mode == "always_disaggregated" and not self.prefill.num_workers:
+            raise FieldValueError(("router", "routing", "mode"),
+                                  "always_disaggregated needs prefill.num_workers >= 1")
+        for role, pool in self.pools().items():
+            if pool.num_workers and self.placement_for(role).enabled and not pool.resources.bundle():
+                raise FieldValueError((role, "resources"), "a placement-group bundle needs a "
+                                      "resource > 0; reserve some or disable placement")
+        return self
+
+    def pools(self) -> dict[str, PoolConfig]:
+        return {role: getattr(self, role) for role in ROLES}
+
+    def placement_for(self, role: str) -> PlacementConfig:
+        return getattr(self, role).placement or self.placement
+
+
+# ---------------------------------------------------------------------------------- YAML loading
+@dataclass(frozen=True)
+class ConfigIssue:
+    field: str  # dotted path, e.g. decode.engine.block_size; "" for the file as a whole
+    line: Optional[int]  # 1-based line in the file
+    reason: str
+
+
+class ConfigError(ValueError):
+    """A config file that does not validate; each issue names the field and its line."""
+
+    def __init__(self, source: str, issues: list[ConfigIssue]):
+        self.source = str(source)
+        self.issues = list(issues)
+        super().__init__("\n".join(
+            f"{self.source}:{i.line or '?'}: {i.field + ': ' if i.field else ''}{i.reason}"
+            for i in self.issues))
+
+    field = property(lambda self: self.issues[0].field)
+    line = property(lambda self: self.issues[0].line)
+    reason = property(lambda self: self.issues[0].reason)
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    return parse_cluster_config(_read(path), source=str(path))
+
+
+def parse_cluster_config(text: str, source: str = "<string>") -> ClusterConfig:
+    data, root = _compose(text, source)
+    return _validate(ClusterConfig, data, root, source, prefix=())
+
+
+def load_routing_config(path: str | Path) -> RoutingConfig:
+    """Only `router.routing` of a cluster file (defaults when absent): what the router reloads."""
+    return parse_routing_config(_read(path), source=str(path))
+
+
+def parse_routing_config(text: str, source: str = "<string>") -> RoutingConfig:
+    data, root = _compose(text, source)
+    for depth, key in enumerate(("router", "routing")):
+        if key not in data or data[key] is None:
+            return RoutingConfig()
+        data = data[key]
+        if not isinstance(data, dict):
+            loc = ("router", "routing")[:depth + 1]
+            raise ConfigError(source, [ConfigIssue(_dotted(loc), _line_of(root, loc),
+                                                   "must be a mapping")])
+    return _validate(RoutingConfig, data, root, source, prefix=("router", "routing"))
+
+
+def _read(path: str | Path) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        raise ConfigError(str(path), [ConfigIssue("", None, f"cannot read: {error}")]) from None
+
+
+def _compose(text: str, source: str) -> tuple[dict, yaml.Node]:
+    """Data plus the node tree it came from: nodes carry the line of every key."""
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        reason = f"invalid YAML: {getattr(error, 'problem', None) or error}"
+        raise ConfigError(source, [ConfigIssue("", line, reason)]) from None
+    finally:
+        loader.dispose()
+    if root is None:
+        raise ConfigError(source, [ConfigIssue("", 1, "the file is empty; expected a mapping "
+                                               "of sections (model, ray, prefill, decode, ...)")])
+    if not isinstance(data, dict):
+        raise ConfigError(source, [ConfigIssue("", root.start_mark.line + 1,
+                                               "the top level must be a mapping of sections")])
+    duplicates = list(_duplicate_keys(root, ()))
+    if duplicates:
+        raise ConfigError(source, duplicates)
+    return data, root
+
+
+def _duplicate_keys(node: yaml.Node, loc: tuple):
+    # PyYAML keeps the last of two equal keys silently; an edit would then seem to do nothing.
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key, value in node.value:
+            if key.value in seen and key.value != "<<":
+                yield ConfigIssue(_dotted(loc + (key.value,)), key.start_mark.line + 1,
+                                  "duplicate key")
+            seen.add(key.value)
+            yield from _duplicate_keys(value, loc + (key.value,))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            yield from _duplicate_keys(item, loc + (index,))
+
+
+def _validate(model: type[BaseModel], data: dict, root: yaml.Node, source: str, prefix: tuple):
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        issues = [_issue(model, e, root, prefix) for e in error.errors()]
+        raise ConfigError(source, issues) from None
+
+
+def _issue(model: type[BaseModel], error: dict, root: yaml.Node, prefix: tuple) -> ConfigIssue:
+    loc, reason = tuple(error["loc"]), error["msg"]
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldValueError):
+        loc, reason = loc + cause.loc, cause.reason
+    elif error["type"] == "extra_forbidden":
+        allowed = _fields_at(model, loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        reason = "unknown field" + (f"; did you mean {close[0]!r}?" if close
+                                    else f"; expected one of: {', '.join(allowed)}")
+    elif error["type"] != "missing" and not isinstance(error.get("input"), (dict, list)):
+        reason += f" (got {error.get('input')!r})"
+    return ConfigIssue(_dotted(prefix + loc), _line_of(root, prefix + loc), reason)
+
+
+def _fields_at(model: Any, loc: tuple) -> list[str]:
+    """Field names of the model found at `loc` (through Optional, list and dict); [] if none."""
+    for part in loc:
+        model = _unwrap(model)
+        if _is_model(model) and isinstance(part, str):  # else a list index or dict key: same type
+            field = model.model_fields.get(part)
+            model = field.annotation if field else None
+    model = _unwrap(model)
+    return list(model.model_fields) if _is_model(model) else []
+
+
+def _unwrap(annotation: Any) -> Any:
+    while typing.get_origin(annotation) in (typing.Union, list, dict, Annotated):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = args[-1] if typing.get_origin(annotation) in (list, dict) else args[0]
+    return annotation
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _line_of(root: yaml.Node, loc: tuple) -> int:
+    """Line of the deepest key along `loc` that the file spells out."""
+    node, line = root, root.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(
+                node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def _dotted(loc: tuple) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")

@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from kv_transfer.base import FailureReason, LinkState, Role, SendOutcome, TransferState
+from kv_transfer.base import FailureReason, LinkError, LinkState, Role, SendOutcome, TransferState
 from kv_transfer.registry import create_agent, make_transport
 from tests.kv_transfer_support.common import (BlockAllocator, collect, config, fill_random,
                                               make_caches, wait_for)
 from tests.kv_transfer_support.corrupting import CorruptingTransport
-from tests.kv_transfer_support.peer_proc import PeerProcess
+from tests.kv_transfer_support.peer_proc import PeerProcess, RawSenderProcess
 
 BACKENDS = [("torch_dist", {}), ("ucx", {"ucx_mode": "tcp"}), ("ucx", {"ucx_mode": "shm"})]
 IDS = ["gloo", "ucx-tcp", "ucx-shm"]
@@ -231,3 +231,28 @@ def test_cancel_on_either_side(backend, overrides):
     finally:
         side.agent.close()
         proc.close()
+
+
+def test_receive_given_up_is_never_written_later(backend, overrides):
+    # A sender frozen mid-message resumes after the receiver gave up: the late bytes must not
+    # reach the buffer, which the engine has freed by then (SIGSTOP: a real stall, no mock).
+    num_bytes = 96 << 20
+    proc = RawSenderProcess(backend, num_bytes, **overrides)
+    transport = make_transport(config(backend, **overrides), torch.device("cpu"))
+    try:
+        link = transport.connect(proc.address, 15)
+        dst = torch.zeros(num_bytes, dtype=torch.uint8)
+        proc.conn.send("go")
+        time.sleep(0.005)
+        proc.stop()
+        with pytest.raises(LinkError):
+            link.recv_bytes(dst, 0.5)
+        before = dst.clone()
+        proc.resume()
+        assert proc.conn.poll(10) and proc.conn.recv() is not None  # it finished or failed
+        time.sleep(0.3)
+        assert torch.equal(dst, before)
+    finally:
+        proc.resume()
+        proc.close()
+        transport.close()

@@ -165,6 +165,10 @@ class LLMEngine(RemoteKVMixin):
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Something a step would compute (requests waiting for remote KV are not work)."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()

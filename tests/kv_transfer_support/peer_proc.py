@@ -105,3 +105,46 @@ class PeerProcess:
         except (TimeoutError, RuntimeError, OSError, EOFError):
             pass
         self.kill()
+
+
+def _raw_send(conn, backend, overrides, num_bytes):
+    from kv_transfer.base import LinkError
+    from kv_transfer.registry import make_transport
+
+    transport = make_transport(config(backend, **overrides), torch.device("cpu"))
+    conn.send(transport.address())
+    link = None
+    while link is None:
+        link = transport.accept(1.0)
+    payload = torch.full((num_bytes,), 7, dtype=torch.uint8)
+    conn.recv()  # go
+    try:
+        link.send_bytes(payload, 30)
+        conn.send("sent")
+    except LinkError as exc:
+        conn.send(f"failed: {exc}")
+    conn.recv()  # stop
+    link.close()
+    transport.close()
+
+
+class RawSenderProcess(PeerProcess):
+    """A peer that, on go(), sends one num_bytes message over a bare transport link."""
+
+    def __init__(self, backend, num_bytes, **overrides):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_raw_send, args=(child, backend, overrides, num_bytes), daemon=True)
+        self.process.start()
+        if not self.conn.poll(60):
+            self.kill()
+            raise TimeoutError("raw sender did not start")
+        self.address = self.conn.recv()
+
+    def close(self):
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(5)
+        self.kill()

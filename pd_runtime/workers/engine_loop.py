@@ -1,0 +1,124 @@
+"""Runs an engine on its own thread inside a worker: steps continuously while work exists,
+takes commands between steps, and hands each request's outputs to asyncio streams.
+
+The engine is single-threaded by design; every call into it goes through `call()` so it runs
+on the engine thread between two steps. Outputs reach the actor's event loop thread-safely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any, Callable, Optional
+
+from pd_runtime.engine.engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.loop = loop
+        self._commands: "queue.Queue[tuple[Callable, asyncio.Future | None]]" = queue.Queue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._tick_hooks: list[Callable[[LLMEngine], None]] = []
+        self._stopped = threading.Event()
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop ----------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between steps; returns its result."""
+        fut = self.loop.create_future()
+        self._commands.put((fn, fut))
+        return await fut
+
+    def post(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Fire-and-forget `fn(engine)` on the engine thread (callable from any thread)."""
+        self._commands.put((fn, None))
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        """Outputs of `request_id`, in order; open it before the request can produce any."""
+        q = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def add_tick_hook(self, hook: Callable[[LLMEngine], None]) -> None:
+        """Called on the engine thread once per loop iteration (poll transfers, deadlines)."""
+        self._tick_hooks.append(hook)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._commands.put((lambda e: None, None))
+        self._thread.join(timeout=5)
+
+    # -- the engine thread -------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+
+    def _resolve(self, fut: Optional[asyncio.Future], result=None, error=None) -> None:
+        def settle():
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        if fut is not None:
+            self.loop.call_soon_threadsafe(settle)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=_IDLE_WAIT_S) if block else \
+                self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            try:
+                result = fn(self.engine)
+            except Exception as exc:  # the caller gets it; the loop goes on
+                if fut is None:
+                    log.exception("engine command failed")
+                self._resolve(fut, error=exc)
+            else:
+                self._resolve(fut, result)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopped.is_set():
+            busy = engine.has_work()
+            self._run_commands(block=not busy)
+            for hook in self._tick_hooks:
+                try:
+                    hook(engine)
+                except Exception:
+                    log.exception("tick hook failed")
+            if engine.has_work():
+                try:
+                    outputs = engine.step()
+                except Exception:
+                    log.exception("engine step failed")
+                    raise
+                self.steps += 1
+                if outputs:
+                    self.loop.call_soon_threadsafe(self._deliver, outputs)

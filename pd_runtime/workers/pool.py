@@ -1,0 +1,91 @@
+"""Builds the worker pools on Ray from validated config: one placement group per pool, one
+restartable actor per worker, all ready before the first request.
+
+Topology is data: the ClusterConfig says how many workers of each role, with which resources,
+engine settings and placement; this module only turns it into actors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from pd_runtime.config import EngineConfig, KVTransferConfig
+from pd_runtime.workers.client import PoolClient, WorkerRef
+
+log = logging.getLogger(__name__)
+
+
+def worker_actor_class():
+    import ray
+
+    from pd_runtime.workers.worker import PDWorker
+
+    return ray.remote(PDWorker)
+
+
+def start_worker(role: str, worker_id: str, engine_config: EngineConfig,
+                 kv_config: KVTransferConfig, *, num_cpus: float = 1, num_gpus: float = 0,
+                 resources: Optional[dict] = None, max_restarts: int = 3,
+                 remote_prefill_timeout_s: float = 30.0, reservation_timeout_s: float = 30.0,
+                 scheduling_strategy=None, namespace: Optional[str] = None) -> WorkerRef:
+    """Create one worker actor (not yet waited for)."""
+    options = dict(name=f"pd-{worker_id}", num_cpus=num_cpus, num_gpus=num_gpus,
+                   resources=resources or {}, max_restarts=max_restarts,
+                   # Requests are not retried by Ray: a lost stream is migrated by the client.
+                   max_task_retries=0, max_concurrency=1000, lifetime=None)
+    if namespace:
+        options["namespace"] = namespace
+    if scheduling_strategy is not None:
+        options["scheduling_strategy"] = scheduling_strategy
+    if engine_config.num_threads is None:
+        engine_config = engine_config.model_copy(
+            update={"num_threads": max(1, int(num_cpus or 1))})
+    handle = worker_actor_class().options(**options).remote(
+        role, worker_id, engine_config.model_dump(), kv_config.model_dump(),
+        remote_prefill_timeout_s, reservation_timeout_s)
+    return WorkerRef(worker_id, role, handle)
+
+
+def wait_ready(workers: list[WorkerRef], timeout_s: float = 300.0) -> list[dict]:
+    import ray
+
+    infos = ray.get([w.handle.ready.remote() for w in workers], timeout=timeout_s)
+    for info in infos:
+        log.info("worker %s ready (%s, pid %s, %d KV blocks)", info["worker_id"], info["role"],
+                 info["pid"], info["num_blocks"])
+    return infos
+
+
+def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClient:
+    """Start every pool of a ClusterConfig and return a client over them."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pools = {"prefill": [], "decode": [], "colocated": []}
+    for role in pools:
+        pool = getattr(cfg, role)
+        if pool.num_workers == 0:
+            continue
+        res = pool.resources
+        strategy_for = [None] * pool.num_workers
+        if cfg.placement.enabled:
+            bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {}),
+                      **res.custom}
+            pg = placement_group([dict(bundle) for _ in range(pool.num_workers)],
+                                 strategy=cfg.placement.strategy, name=f"pd-{role}")
+            ray.get(pg.ready(), timeout=ready_timeout_s)
+            strategy_for = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                            for i in range(pool.num_workers)]
+        for i in range(pool.num_workers):
+            pools[role].append(start_worker(
+                role, f"{role}-{i}", pool.engine_config(model_dir), cfg.kv_transfer,
+                num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=res.custom,
+                max_restarts=cfg.recovery.max_restarts,
+                remote_prefill_timeout_s=cfg.recovery.remote_prefill_timeout_s,
+                reservation_timeout_s=cfg.recovery.reservation_timeout_s,
+                scheduling_strategy=strategy_for[i], namespace=cfg.ray.namespace))
+    wait_ready([w for ws in pools.values() for w in ws], ready_timeout_s)
+    # Colocated-role workers serve whole requests exactly like decode workers.
+    return PoolClient(pools["prefill"], pools["decode"] + pools["colocated"])

@@ -1,0 +1,126 @@
+"""The two halves of a disaggregated prefill: the decode side's request flow with its
+fallbacks, and the prefill side's shipping of KV blocks under backpressure.
+
+Decode side, in order: reserve blocks (wait while none are free, up to a deadline) -> expect
+them in the transfer agent -> ask the prefill worker -> stream its first token -> wait for the
+KV -> continue decoding. Prefill worker lost or its call failed before a token: prefill here.
+Transfer failed after the token: prefill here too, keeping the token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator, Optional
+
+from pd_runtime.engine.errors import EngineOverloadedError, InvalidRequestError
+from pd_runtime.engine.sampling_params import SamplingParams
+from pd_runtime.workers.stream import error_chunk
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.002
+
+
+async def _reserve(worker, request_id, prompt, params, priority, cache_salt):
+    loop = worker._engine_loop()
+    deadline = time.monotonic() + worker.reservation_timeout_s
+    while True:
+        res = await loop.call(lambda e: e.reserve_remote_prefill(
+            request_id, prompt, params, priority, cache_salt))
+        if res is not None:
+            return res
+        if time.monotonic() > deadline:
+            raise EngineOverloadedError(
+                f"decode worker {worker.worker_id} had no free KV blocks for "
+                f"{worker.reservation_timeout_s:.0f}s", retry_after_s=1.0)
+        await asyncio.sleep(0.005)  # reservation is the backpressure: wait for blocks
+
+
+async def _await_transfer(worker, request_id: str) -> bool:
+    from kv_transfer.base import Role, TransferState
+
+    # The agent fails the transfer itself at its deadline; this bound is only a backstop.
+    deadline = time.monotonic() + worker.agent.transfer_timeout_s + 5.0
+    while time.monotonic() < deadline:
+        status = worker.agent.status(request_id, Role.RECV)
+        if status is not None and status.finished:
+            if status.state is not TransferState.DONE:
+                log.warning("KV transfer for %s failed (%s); prefilling locally", request_id,
+                            status.reason)
+            return status.state is TransferState.DONE
+        await asyncio.sleep(_POLL_S)
+    worker.agent.cancel(request_id)
+    return False
+
+
+async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict, prefill_worker,
+                             priority: int, cache_salt: Optional[str]) -> AsyncIterator[dict]:
+    """Yields the first token's chunk (or an error chunk); the rest streams from the engine."""
+    loop = worker._engine_loop()
+    sampling = SamplingParams(**params)
+    try:
+        res = await _reserve(worker, request_id, prompt, sampling, priority, cache_salt)
+    except (InvalidRequestError, EngineOverloadedError) as exc:
+        yield error_chunk(exc)
+        return
+    worker.agent.expect(request_id, res.missing_block_ids)
+    skip = res.num_cached_tokens // res.block_size
+    started = time.monotonic()
+    try:
+        first = await asyncio.wait_for(
+            prefill_worker.prefill.remote(request_id, prompt, params, worker.agent.metadata(),
+                                          res.missing_block_ids, skip, cache_salt),
+            timeout=worker.remote_prefill_timeout_s)
+        if first.get("error"):
+            raise RuntimeError(first["error"]["message"])
+    except Exception as exc:  # lost, timed out or refused: nothing came, prefill here
+        log.warning("remote prefill of %s failed (%s); prefilling locally", request_id,
+                    type(exc).__name__)
+        worker.agent.cancel(request_id)
+        await loop.call(lambda e: e.fail_remote_prefill(request_id))
+        return
+    token = first["token_ids"][0]
+    logprob = first["logprobs"][0] if first.get("logprobs") else None
+    # Does this first token end the real request? (The prefill ran with max_tokens=1.)
+    done = first["finish_reason"] == "stop" or sampling.max_tokens == 1
+    first_chunk = dict(first, finished=done, finish_reason=first["finish_reason"] if done else None,
+                       num_cached_tokens=res.num_cached_tokens)
+    first_chunk.pop("transfer", None)
+    yield first_chunk
+    arrived = False
+    if not done and first.get("transfer") == "accepted":
+        arrived = await _await_transfer(worker, request_id)
+    else:
+        worker.agent.cancel(request_id)
+    worker.kv_transfer_s[request_id] = time.monotonic() - started
+    # The token was already streamed; the engine records it without sending it again.
+    await loop.call(lambda e: e.complete_remote_prefill(request_id, token, logprob,
+                                                         kv_arrived=arrived))
+
+
+async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int],
+                  skip_blocks: int) -> str:
+    """Send the held blocks; returns the send outcome. Anything but 'accepted' releases them
+    now; after 'accepted' the lease's end releases them."""
+    from kv_transfer.base import LinkState, SendOutcome
+
+    loop = worker._engine_loop()
+    held = await loop.call(lambda e: e.held_block_ids(request_id))
+    src = held[skip_blocks:skip_blocks + len(dst_block_ids)]
+    deadline = time.monotonic() + worker.agent.transfer_timeout_s
+    outcome = SendOutcome.PEER_UNAVAILABLE
+    while time.monotonic() < deadline:
+        state, _ = worker.agent.peer_state(peer_id)
+        if state is LinkState.FAILED:
+            break
+        if state is LinkState.READY:
+            outcome = worker.agent.send(peer_id, request_id, src, dst_block_ids)
+            if outcome is not SendOutcome.WOULD_BLOCK:
+                break
+        await asyncio.sleep(_POLL_S)
+    if outcome is not SendOutcome.ACCEPTED:
+        log.warning("KV send of %s not accepted (%s)", request_id, outcome.value)
+        await loop.call(lambda e: e.release_held(request_id))
+    return outcome.value

@@ -1,0 +1,215 @@
+"""The worker: one Ray actor per engine, with a role (prefill | decode | colocated).
+
+A decode or colocated worker serves whole requests (`generate`); a decode worker also serves
+the decode half of a disaggregated request (`generate_disaggregated`): it reserves blocks, asks
+a prefill worker to fill them (`prefill`), streams the prefill worker's first token at once,
+and decodes once the KV has arrived. Any failure on that path falls back to a local prefill;
+the client sees one stream either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from pd_runtime.config import EngineConfig, KVTransferConfig
+from pd_runtime.engine.errors import EngineOverloadedError, InvalidRequestError
+from pd_runtime.engine.sampling_params import SamplingParams
+from pd_runtime.workers.engine_loop import EngineLoop
+from pd_runtime.workers.stream import error_chunk, output_chunk
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+class PDWorker:
+    def __init__(self, role: str, worker_id: str, engine_config: dict, kv_config: dict,
+                 remote_prefill_timeout_s: float = 30.0, reservation_timeout_s: float = 30.0):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        import torch
+
+        from kv_transfer.registry import create_agent
+        from pd_runtime.engine.engine import LLMEngine
+
+        self.role = role
+        self.worker_id = worker_id
+        self.engine_config = EngineConfig(**engine_config)
+        if self.engine_config.num_threads:
+            torch.set_num_threads(self.engine_config.num_threads)
+        self.engine = LLMEngine(self.engine_config)
+        # A restarted actor is a new incarnation: peers must not mistake it for the old one.
+        self.engine_id = f"{worker_id}-{uuid.uuid4().hex[:8]}"
+        self.remote_prefill_timeout_s = remote_prefill_timeout_s
+        self.reservation_timeout_s = reservation_timeout_s
+        self.agent = create_agent(KVTransferConfig(**kv_config), self.engine.runner.kv_caches,
+                                  engine_id=self.engine_id,
+                                  model_id=self.engine.model_config.identity,
+                                  on_release=self._on_release)
+        self._peers: dict[str, str] = {}  # peer engine_id -> agent peer id
+        # Remote prefill call to KV arrival, per request; reported on its last chunk.
+        self.kv_transfer_s: dict[str, float] = {}
+        self.loop: Optional[EngineLoop] = None
+        self.started = time.time()
+        log.info("worker %s (%s) up: engine %s, %d KV blocks", worker_id, role, self.engine_id,
+                 self.engine.block_manager.num_blocks)
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _engine_loop(self) -> EngineLoop:
+        if self.loop is None:  # the actor's event loop exists only inside async methods
+            self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
+        return self.loop
+
+    def _on_release(self, status) -> None:
+        # Agent thread: a sender lease ended; free the held blocks on the engine thread.
+        from kv_transfer.base import Role
+
+        if status.role is Role.SEND and self.loop is not None:
+            rid = status.request_id
+            self.loop.post(lambda e: e.release_held(rid))
+
+    async def ready(self) -> dict:
+        self._engine_loop()
+        return {"worker_id": self.worker_id, "role": self.role, "engine_id": self.engine_id,
+                "kv_metadata": self.agent.metadata(), "pid": os.getpid(),
+                "num_blocks": self.engine.block_manager.num_blocks}
+
+    async def kv_metadata(self) -> bytes:
+        return self.agent.metadata()
+
+    async def load(self) -> dict:
+        report = await self._engine_loop().call(lambda e: e.load_report())
+        report.update(worker_id=self.worker_id, role=self.role, engine_id=self.engine_id,
+                      kv_transfer=self.agent.metrics())
+        return report
+
+    async def free_blocks(self) -> int:
+        return await self._engine_loop().call(lambda e: e.block_manager.num_free_blocks)
+
+    async def cached_prefix_tokens(self, token_ids: list[int], cache_salt: Optional[str]) -> int:
+        return await self._engine_loop().call(
+            lambda e: e.block_manager.cached_prefix_tokens(token_ids, cache_salt))
+
+    async def abort(self, request_id: str) -> bool:
+        """Cancel a request here; blocks leased to an unfinished transfer are freed when the
+        lease ends (the agent tells the peer, which fails its side)."""
+        self.agent.cancel(request_id)
+
+        def abort(engine):
+            if request_id in engine.held:
+                return True  # the lease end (on_release) frees these blocks
+            return engine.abort(request_id)
+
+        return await self._engine_loop().call(abort)
+
+    async def _stream(self, request_id: str, q: asyncio.Queue, path: str) -> AsyncIterator[dict]:
+        while True:
+            out = await q.get()
+            chunk = output_chunk(out, path)
+            if out.finished and request_id in self.kv_transfer_s:
+                chunk["kv_transfer_s"] = self.kv_transfer_s.pop(request_id)
+            yield chunk
+            if out.finished:
+                return
+
+    async def _abort_unfinished(self, request_id: str) -> None:
+        self.kv_transfer_s.pop(request_id, None)
+        loop = self._engine_loop()
+        loop.close_stream(request_id)
+        self.agent.cancel(request_id)
+        await loop.call(lambda e: e.abort(request_id))
+
+    # -- whole requests (colocated, or resumed after a lost worker) ---------------------------
+    async def generate(self, request_id: str, prompt: Any, params: dict, priority: int = 0,
+                       cache_salt: Optional[str] = None,
+                       resume_output_ids: Optional[list[int]] = None) -> AsyncIterator[dict]:
+        loop = self._engine_loop()
+        q = loop.open_stream(request_id)
+        finished = False
+        try:
+            try:
+                await loop.call(lambda e: e.add_request(
+                    request_id, prompt, SamplingParams(**params), priority, cache_salt,
+                    resume_output_ids=resume_output_ids))
+            except (InvalidRequestError, EngineOverloadedError) as exc:
+                finished = True
+                yield error_chunk(exc)
+                return
+            async for chunk in self._stream(request_id, q, "colocated"):
+                finished = chunk["finished"]
+                yield chunk
+        finally:
+            if not finished:  # the caller went away or the stream broke: release everything
+                await self._abort_unfinished(request_id)
+
+    # -- disaggregated: decode side ----------------------------------------------------------
+    async def generate_disaggregated(self, request_id: str, prompt: Any, params: dict,
+                                     prefill_worker, priority: int = 0,
+                                     cache_salt: Optional[str] = None) -> AsyncIterator[dict]:
+        from pd_runtime.workers.remote_prefill import run_remote_prefill
+
+        loop = self._engine_loop()
+        q = loop.open_stream(request_id)
+        finished = False
+        try:
+            async for chunk in run_remote_prefill(self, request_id, prompt, params,
+                                                  prefill_worker, priority, cache_salt):
+                finished = chunk["finished"]
+                yield chunk
+                if finished:
+                    return
+            async for chunk in self._stream(request_id, q, "disaggregated"):
+                finished = chunk["finished"]
+                yield chunk
+        finally:
+            if not finished:
+                await self._abort_unfinished(request_id)
+                try:
+                    prefill_worker.abort.remote(request_id)
+                except Exception:  # the prefill worker may be gone; nothing of ours is there
+                    pass
+
+    # -- disaggregated: prefill side ---------------------------------------------------------
+    def _peer_for(self, metadata: bytes) -> str:
+        from kv_transfer.base import AgentMetadata, LinkState
+
+        engine_id = AgentMetadata.decode(metadata).engine_id
+        peer_id = self._peers.get(engine_id)
+        if peer_id is None or self.agent.peer_state(peer_id)[0] is LinkState.FAILED:
+            peer_id = self.agent.connect(metadata)
+            self._peers[engine_id] = peer_id
+        return peer_id
+
+    async def prefill(self, request_id: str, prompt: Any, params: dict, decode_metadata: bytes,
+                      dst_block_ids: list[int], skip_blocks: int,
+                      cache_salt: Optional[str] = None) -> dict:
+        """Compute the prompt's KV and first token, return the token at once, and ship the
+        blocks after `skip_blocks` into the decode worker's `dst_block_ids` in the background
+        (the blocks stay held until the transfer's lease ends)."""
+        from pd_runtime.workers.remote_prefill import ship_kv
+
+        loop = self._engine_loop()
+        peer_id = self._peer_for(decode_metadata)
+        first_params = SamplingParams(**{**params, "max_tokens": 1})
+        q = loop.open_stream(request_id)
+        try:
+            await loop.call(lambda e: e.add_request(request_id, prompt, first_params,
+                                                    cache_salt=cache_salt, hold_blocks=True))
+        except (InvalidRequestError, EngineOverloadedError) as exc:
+            loop.close_stream(request_id)
+            return error_chunk(exc)
+        out = await q.get()
+        outcome = await ship_kv(self, request_id, peer_id, dst_block_ids, skip_blocks)
+        chunk = output_chunk(out, "disaggregated")
+        chunk["transfer"] = outcome
+        return chunk
+
+    async def shutdown(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        self.agent.close()

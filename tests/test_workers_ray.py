@@ -1,0 +1,197 @@
+"""The Ray runtime on a local Ray: colocated and disaggregated paths give the same tokens, and
+faults (a worker killed mid-transfer or mid-stream, a cancel) cost latency, never a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from pd_runtime import LLM, SamplingParams
+from pd_runtime.config import EngineConfig, KVTransferConfig
+
+ray = pytest.importorskip("ray")
+
+NUM_BLOCKS = 128
+pytestmark = pytest.mark.timeout(240)
+
+
+def params(i: int, seeded: bool) -> dict:
+    if seeded:
+        return dict(max_tokens=24, temperature=0.8, top_p=0.95, seed=500 + i, ignore_eos=True)
+    return dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n=4, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 500) for _ in range(rng.choice([20, 40, 70]))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cluster(llama_dir):
+    from pd_runtime.workers.client import PoolClient
+    from pd_runtime.workers.pool import start_worker, wait_ready
+
+    ray.init(num_cpus=8, include_dashboard=False, namespace="pd-test",
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    engine = EngineConfig(model=llama_dir, dtype="float32", num_kv_blocks=NUM_BLOCKS,
+                          num_threads=1)
+    kv = KVTransferConfig(backend="torch_dist", transfer_timeout_s=8.0, lease_timeout_s=8.0,
+                          heartbeat_interval_s=0.2, peer_timeout_s=2.0)
+    workers = [start_worker(role, wid, engine, kv, num_cpus=1, max_restarts=5,
+                            remote_prefill_timeout_s=10.0, reservation_timeout_s=5.0)
+               for role, wid in (("prefill", "p0"), ("decode", "d0"), ("decode", "d1"))]
+    wait_ready(workers)
+    client = PoolClient([workers[0]], workers[1:])
+    yield client
+    ray.shutdown()
+
+
+def collect(client, rid, prompt, p, **kw):
+    async def run():
+        chunks = []
+        async for chunk in client.generate(rid, prompt, p, **kw):
+            chunks.append(chunk)
+        return chunks
+
+    return asyncio.run(run())
+
+
+def tokens_of(chunks):
+    assert chunks and chunks[-1]["finished"], chunks[-1:]
+    assert "error" not in chunks[-1], chunks[-1]
+    return [t for c in chunks for t in c["token_ids"]]
+
+
+def free_blocks(client):
+    return {w.worker_id: ray.get(w.handle.free_blocks.remote())
+            for w in client.prefill + client.decode}
+
+
+def wait_free(client, expected, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = free_blocks(client)
+        if got == expected:
+            return
+        time.sleep(0.2)
+    assert free_blocks(client) == expected
+
+
+def wait_alive(client, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        asyncio.run(client.refresh())
+        if all(w.healthy for w in client.prefill + client.decode):
+            return
+        time.sleep(0.5)
+    raise AssertionError("workers did not come back")
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=NUM_BLOCKS)
+    ps = prompts()
+    ref = {}
+    for seeded in (False, True):
+        outs = llm.generate(ps, [SamplingParams(**params(i, seeded)) for i in range(len(ps))])
+        ref[seeded] = [o.token_ids for o in outs]
+    return ps, ref
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_colocated_and_disaggregated_tokens_identical(cluster, reference, seeded):
+    ps, ref = reference
+    start = {w: NUM_BLOCKS for w in ("p0", "d0", "d1")}
+    for i, prompt in enumerate(ps):
+        colo = collect(cluster, f"c{i}-{seeded}", prompt, params(i, seeded),
+                       decode_worker="d0")
+        dis = collect(cluster, f"d{i}-{seeded}", prompt, params(i, seeded), disaggregate=True,
+                      decode_worker="d1")
+        assert tokens_of(colo) == ref[seeded][i]
+        assert tokens_of(dis) == ref[seeded][i]
+        assert {c["path"] for c in colo} == {"colocated"}
+        assert {c["path"] for c in dis} == {"disaggregated"}
+        assert dis[-1].get("kv_transfer_s", 0) > 0
+    wait_free(cluster, start)
+
+
+def _run_with_fault(client, rid, prompt, p, fault, **kw):
+    """Stream a request and inject `fault(chunks_so_far)` once, after the first chunk or before
+    anything arrives (fault_at=0)."""
+    async def run():
+        chunks = []
+        fault_at = kw.pop("fault_at", 1)
+        if fault_at == 0:
+            fault()
+        async for chunk in client.generate(rid, prompt, p, **kw):
+            chunks.append(chunk)
+            if len(chunks) == fault_at:
+                fault()
+        return chunks
+
+    return asyncio.run(run())
+
+
+def test_prefill_worker_killed_during_transfer(cluster, reference):
+    ps, ref = reference
+    p0 = cluster.prefill[0].handle
+    chunks = _run_with_fault(cluster, "kill-p", ps[2], params(2, True),
+                             lambda: ray.kill(p0, no_restart=False),
+                             disaggregate=True, decode_worker="d0")
+    assert tokens_of(chunks) == ref[True][2]
+    wait_alive(cluster)
+    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
+
+
+def test_prefill_worker_killed_before_first_token(cluster, reference):
+    ps, ref = reference
+    p0 = cluster.prefill[0].handle
+    chunks = _run_with_fault(cluster, "kill-p0", ps[1], params(1, False),
+                             lambda: ray.kill(p0, no_restart=False), fault_at=0,
+                             disaggregate=True, decode_worker="d1")
+    assert tokens_of(chunks) == ref[False][1]
+    wait_alive(cluster)
+    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
+
+
+@pytest.mark.parametrize("fault_at", [0, 3])
+def test_decode_worker_killed_migrates_stream(cluster, reference, fault_at):
+    ps, ref = reference
+    d0 = next(w for w in cluster.decode if w.worker_id == "d0")
+    chunks = _run_with_fault(cluster, f"kill-d-{fault_at}", ps[3], params(3, True),
+                             lambda: ray.kill(d0.handle, no_restart=False), fault_at=fault_at,
+                             decode_worker="d0", disaggregate=fault_at == 3)
+    assert tokens_of(chunks) == ref[True][3]  # one stream: nothing lost, nothing repeated
+    assert chunks[-1]["worker_id"] == "d1" and chunks[-1]["migrations"] == 1
+    wait_alive(cluster)
+    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
+
+
+def test_cancel_mid_transfer_releases_both_sides(cluster, reference):
+    ps, _ = reference
+    long_prompt = [5 + i % 400 for i in range(600)]
+
+    async def run():
+        gen = cluster.generate("cancel-1", long_prompt, params(0, False), disaggregate=True,
+                               decode_worker="d0")
+        first = await gen.__anext__()
+        await gen.aclose()  # the caller goes away right after the first token
+        return first
+
+    first = asyncio.run(run())
+    assert first["token_ids"]
+    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
+
+
+def test_no_decode_worker_left_ends_with_clear_error(cluster, reference):
+    from pd_runtime.workers.client import PoolClient, WorkerRef
+
+    ps, _ = reference
+    dead = WorkerRef("gone", "decode", cluster.decode[0].handle, healthy=False)
+    chunks = collect(PoolClient([], [dead]), "orphan", ps[0], params(0, False))
+    assert chunks[-1]["finished"] and chunks[-1]["error"]["status"] == 503
+    assert "no decode worker" in chunks[-1]["error"]["message"]
