@@ -131,7 +131,7 @@ class ResourcesConfig(_Strict):
     def bundle(self) -> dict[str, float]:
         """The placement-group bundle of one worker (Ray rejects zero-only bundles)."""
         wanted = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.custom,
-                  "memory": float(self.memory_bytes or 0)}
+                  "memory": self.memory_bytes or 0}
         return {name: amount for name, amount in wanted.items() if amount > 0}
 
 
@@ -386,6 +386,8 @@ def _compose(text: str, source: str) -> tuple[dict, yaml.Node]:
     loader = yaml.SafeLoader(text)
     try:
         root = loader.get_single_node()
+        # Before construction: it flattens `<<` merges into the nodes, overrides after them.
+        duplicates = list(_duplicate_keys(root, ())) if root is not None else []
         data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
@@ -394,15 +396,14 @@ def _compose(text: str, source: str) -> tuple[dict, yaml.Node]:
         raise ConfigError(source, [ConfigIssue("", line, reason)]) from None
     finally:
         loader.dispose()
+    if duplicates:
+        raise ConfigError(source, duplicates)
     if root is None:
         raise ConfigError(source, [ConfigIssue("", 1, "the file is empty; expected a mapping "
                                                "of sections (model, ray, prefill, decode, ...)")])
     if not isinstance(data, dict):
         raise ConfigError(source, [ConfigIssue("", root.start_mark.line + 1,
                                                "the top level must be a mapping of sections")])
-    duplicates = list(_duplicate_keys(root, ()))
-    if duplicates:
-        raise ConfigError(source, duplicates)
     return data, root
 
 
@@ -471,7 +472,8 @@ def _line_of(root: yaml.Node, loc: tuple) -> int:
     node, line = root, root.start_mark.line + 1
     for part in loc:
         if isinstance(node, yaml.MappingNode):
-            match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
+            # The last match: it is the one the constructor keeps (overrides follow merges).
+            match = next(((k, v) for k, v in reversed(node.value) if k.value == str(part)), None)
             if match is None:
                 break
             line, node = match[0].start_mark.line + 1, match[1]

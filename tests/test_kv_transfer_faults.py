@@ -242,15 +242,22 @@ def test_receive_given_up_is_never_written_later(backend, overrides):
     try:
         link = transport.connect(proc.address, 15)
         dst = torch.zeros(num_bytes, dtype=torch.uint8)
-        proc.conn.send("go")
-        time.sleep(0.005)
-        proc.stop()
+        # Over TCP the stall lands mid-message. UCX shm pulls a message whole once it starts
+        # (even from a stopped sender), so there the sender freezes just before sending.
+        if overrides.get("ucx_mode") == "shm":
+            proc.stop()
+            proc.conn.send("go")
+        else:
+            proc.conn.send("go")
+            time.sleep(0.005)
+            proc.stop()
         with pytest.raises(LinkError):
             link.recv_bytes(dst, 0.5)
         before = dst.clone()
         proc.resume()
-        assert proc.conn.poll(10) and proc.conn.recv() is not None  # it finished or failed
-        time.sleep(0.3)
+        # The sender may not learn that we left (UCX shm has no peer-failure detection), so
+        # give its resumed send time to land, rather than waiting for it to report.
+        proc.conn.poll(1.0)
         assert torch.equal(dst, before)
     finally:
         proc.resume()

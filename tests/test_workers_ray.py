@@ -115,7 +115,7 @@ def test_colocated_and_disaggregated_tokens_identical(cluster, reference, seeded
         assert tokens_of(dis) == ref[seeded][i]
         assert {c["path"] for c in colo} == {"colocated"}
         assert {c["path"] for c in dis} == {"disaggregated"}
-        assert dis[-1].get("kv_transfer_s", 0) > 0
+        assert dis[-1]["kv_transfer_s"] > 0 and dis[-1]["kv_arrived"] is True
     wait_free(cluster, start)
 
 
@@ -139,10 +139,13 @@ def _run_with_fault(client, rid, prompt, p, fault, **kw):
 def test_prefill_worker_killed_during_transfer(cluster, reference):
     ps, ref = reference
     p0 = cluster.prefill[0].handle
+    # Hold the send so the kill lands after the first token, with the transfer outstanding.
+    ray.get(p0.set_fault_injection.remote(delay_kv_send_s=3.0))
     chunks = _run_with_fault(cluster, "kill-p", ps[2], params(2, True),
                              lambda: ray.kill(p0, no_restart=False),
                              disaggregate=True, decode_worker="d0")
     assert tokens_of(chunks) == ref[True][2]
+    assert chunks[0]["path"] == "disaggregated" and chunks[-1]["kv_arrived"] is False
     wait_alive(cluster)
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
@@ -179,11 +182,18 @@ def test_cancel_mid_transfer_releases_both_sides(cluster, reference):
         gen = cluster.generate("cancel-1", long_prompt, params(0, False), disaggregate=True,
                                decode_worker="d0")
         first = await gen.__anext__()
-        await gen.aclose()  # the caller goes away right after the first token
-        return first
+        held = await cluster.prefill[0].handle.load.remote()
+        await gen.aclose()  # the caller goes away after the first token, mid-transfer
+        return first, held
 
-    first = asyncio.run(run())
+    p0 = cluster.prefill[0].handle
+    ray.get(p0.set_fault_injection.remote(delay_kv_send_s=1.0))
+    try:
+        first, load = asyncio.run(run())
+    finally:
+        ray.get(p0.set_fault_injection.remote(delay_kv_send_s=0.0))
     assert first["token_ids"]
+    assert load["held_blocks"] > 0, "the cancel must land while blocks are leased"
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
 

@@ -38,21 +38,43 @@ async def _reserve(worker, request_id, prompt, params, priority, cache_salt):
         await asyncio.sleep(0.005)  # reservation is the backpressure: wait for blocks
 
 
-async def _await_transfer(worker, request_id: str) -> bool:
+async def _await_transfer(worker, request_id: str, prefill_worker) -> bool:
+    """True once the KV is in our blocks; False (and our blocks no longer written) when the
+    transfer failed, the send was refused, or the prefill worker died before finishing it."""
     from kv_transfer.base import Role, TransferState
 
+    outcome_ref = prefill_worker.ship_outcome.remote(request_id)
+    outcome_task = asyncio.ensure_future(_outcome(outcome_ref))
     # The agent fails the transfer itself at its deadline; this bound is only a backstop.
     deadline = time.monotonic() + worker.agent.transfer_timeout_s + 5.0
-    while time.monotonic() < deadline:
-        status = worker.agent.status(request_id, Role.RECV)
-        if status is not None and status.finished:
-            if status.state is not TransferState.DONE:
-                log.warning("KV transfer for %s failed (%s); prefilling locally", request_id,
-                            status.reason)
-            return status.state is TransferState.DONE
-        await asyncio.sleep(_POLL_S)
-    worker.agent.cancel(request_id)
-    return False
+    cancelled = False
+    try:
+        while time.monotonic() < deadline:
+            status = worker.agent.status(request_id, Role.RECV)
+            if status is not None and status.finished:
+                if status.state is not TransferState.DONE:
+                    log.warning("KV transfer for %s failed (%s); prefilling locally",
+                                request_id, status.reason)
+                return status.state is TransferState.DONE
+            if not cancelled and outcome_task.done() and outcome_task.result() != "accepted":
+                # The send never started (refused) or its sender is gone: stop waiting, and
+                # wait only for the agent to confirm nothing more is written.
+                log.warning("KV send for %s: %s; prefilling locally", request_id,
+                            outcome_task.result())
+                worker.agent.cancel(request_id)
+                cancelled = True
+            await asyncio.sleep(_POLL_S)
+        worker.agent.cancel(request_id)
+        return False
+    finally:
+        outcome_task.cancel()
+
+
+async def _outcome(ref) -> str:
+    try:
+        return await ref
+    except Exception as exc:  # the prefill worker died or its method failed
+        return f"lost:{type(exc).__name__}"
 
 
 async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict, prefill_worker,
@@ -85,16 +107,15 @@ async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict,
     logprob = first["logprobs"][0] if first.get("logprobs") else None
     # Does this first token end the real request? (The prefill ran with max_tokens=1.)
     done = first["finish_reason"] == "stop" or sampling.max_tokens == 1
-    first_chunk = dict(first, finished=done, finish_reason=first["finish_reason"] if done else None,
-                       num_cached_tokens=res.num_cached_tokens)
-    first_chunk.pop("transfer", None)
-    yield first_chunk
+    yield dict(first, finished=done, finish_reason=first["finish_reason"] if done else None,
+               num_cached_tokens=res.num_cached_tokens)
     arrived = False
-    if not done and first.get("transfer") == "accepted":
-        arrived = await _await_transfer(worker, request_id)
+    if not done:
+        arrived = await _await_transfer(worker, request_id, prefill_worker)
     else:
         worker.agent.cancel(request_id)
     worker.kv_transfer_s[request_id] = time.monotonic() - started
+    worker.kv_arrived[request_id] = arrived
     # The token was already streamed; the engine records it without sending it again.
     await loop.call(lambda e: e.complete_remote_prefill(request_id, token, logprob,
                                                          kv_arrived=arrived))
@@ -107,6 +128,12 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
     from kv_transfer.base import LinkState, SendOutcome
 
     loop = worker._engine_loop()
+    if worker.fault_delay_kv_send_s:
+        await asyncio.sleep(worker.fault_delay_kv_send_s)
+    if request_id in worker.cancelled:  # the decode side gave up while we prefilled
+        worker.cancelled.discard(request_id)
+        await loop.call(lambda e: e.release_held(request_id))
+        return "cancelled"
     held = await loop.call(lambda e: e.held_block_ids(request_id))
     src = held[skip_blocks:skip_blocks + len(dst_block_ids)]
     deadline = time.monotonic() + worker.agent.transfer_timeout_s

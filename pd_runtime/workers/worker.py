@@ -54,6 +54,11 @@ class PDWorker:
         self._peers: dict[str, str] = {}  # peer engine_id -> agent peer id
         # Remote prefill call to KV arrival, per request; reported on its last chunk.
         self.kv_transfer_s: dict[str, float] = {}
+        self.kv_arrived: dict[str, bool] = {}
+        self.cancelled: set[str] = set()  # aborted while their prefill was still running
+        self.ship_tasks: dict[str, asyncio.Future] = {}  # prefill side: KV sends in progress
+        # Fault injection for chaos tests: hold the KV send this long after the first token.
+        self.fault_delay_kv_send_s = 0.0
         self.loop: Optional[EngineLoop] = None
         self.started = time.time()
         log.info("worker %s (%s) up: engine %s, %d KV blocks", worker_id, role, self.engine_id,
@@ -95,9 +100,14 @@ class PDWorker:
         return await self._engine_loop().call(
             lambda e: e.block_manager.cached_prefix_tokens(token_ids, cache_salt))
 
+    async def set_fault_injection(self, delay_kv_send_s: float = 0.0) -> None:
+        """Chaos testing: widen the window between a prefill's first token and its KV send."""
+        self.fault_delay_kv_send_s = delay_kv_send_s
+
     async def abort(self, request_id: str) -> bool:
         """Cancel a request here; blocks leased to an unfinished transfer are freed when the
         lease ends (the agent tells the peer, which fails its side)."""
+        self.cancelled.add(request_id)
         self.agent.cancel(request_id)
 
         def abort(engine):
@@ -113,12 +123,14 @@ class PDWorker:
             chunk = output_chunk(out, path)
             if out.finished and request_id in self.kv_transfer_s:
                 chunk["kv_transfer_s"] = self.kv_transfer_s.pop(request_id)
+                chunk["kv_arrived"] = self.kv_arrived.pop(request_id, False)
             yield chunk
             if out.finished:
                 return
 
     async def _abort_unfinished(self, request_id: str) -> None:
         self.kv_transfer_s.pop(request_id, None)
+        self.kv_arrived.pop(request_id, None)
         loop = self._engine_loop()
         loop.close_stream(request_id)
         self.agent.cancel(request_id)
@@ -190,7 +202,8 @@ class PDWorker:
                       cache_salt: Optional[str] = None) -> dict:
         """Compute the prompt's KV and first token, return the token at once, and ship the
         blocks after `skip_blocks` into the decode worker's `dst_block_ids` in the background
-        (the blocks stay held until the transfer's lease ends)."""
+        (the blocks stay held until the transfer's lease ends); `ship_outcome` reports how the
+        send went."""
         from pd_runtime.workers.remote_prefill import ship_kv
 
         loop = self._engine_loop()
@@ -204,10 +217,20 @@ class PDWorker:
             loop.close_stream(request_id)
             return error_chunk(exc)
         out = await q.get()
-        outcome = await ship_kv(self, request_id, peer_id, dst_block_ids, skip_blocks)
-        chunk = output_chunk(out, "disaggregated")
-        chunk["transfer"] = outcome
-        return chunk
+        self.ship_tasks[request_id] = asyncio.ensure_future(
+            ship_kv(self, request_id, peer_id, dst_block_ids, skip_blocks))
+        return output_chunk(out, "disaggregated")
+
+    async def ship_outcome(self, request_id: str) -> str:
+        """How the KV send of a prefilled request went: accepted (the transfer runs; the
+        decode side sees its end), or would_block / peer_unavailable / cancelled."""
+        task = self.ship_tasks.get(request_id)
+        if task is None:
+            return "unknown"
+        try:
+            return await task
+        finally:
+            self.ship_tasks.pop(request_id, None)
 
     async def shutdown(self) -> None:
         if self.loop is not None:
