@@ -205,45 +205,57 @@ def run_tenants(model: str, args) -> bool:
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     blocks = -(-(args.tenant_prompt_len + 1) // 16)
-    # Never-seen engine for B cold; A and B share the other one.
+    # A never-seen engine for B cold; A and B share the other one.
     fresh = new_engine(model, True, blocks * (args.tenant_repeats + 2) + 64, args)
     shared = new_engine(model, True, 2 * blocks * (args.tenant_repeats + 2) + 64, args)
-    bm = shared.block_manager
     rows = []
     for rep in range(args.tenant_repeats):
         prompt = random_prompts(model, 1, args.tenant_prompt_len, args.seed + 100 + rep)[0]
-        b_cold, b_cold_cached = first_token_latency(fresh, f"b-cold-{rep}", prompt, params,
-                                                    "tenant-b")
-        a_first, _ = first_token_latency(shared, f"a-{rep}", prompt, params, "tenant-a")
-        b_visible = bm.cached_prefix_tokens(prompt, "tenant-b")
-        b_after, b_after_cached = first_token_latency(shared, f"b-{rep}", prompt, params,
-                                                      "tenant-b")
-        a_repeat, a_repeat_cached = first_token_latency(shared, f"a-again-{rep}", prompt, params,
-                                                        "tenant-a")
-        rows.append((b_cold, a_first, b_after, a_repeat, b_cold_cached, b_visible,
-                     b_after_cached, a_repeat_cached))
+        row = {}
+        row["a_first"], _ = first_token_latency(shared, f"a-{rep}", prompt, params, "tenant-a")
+        # B cold right before B after A: the two compared figures see the same machine load.
+        row["b_cold"], row["b_cold_cached"] = first_token_latency(
+            fresh, f"b-cold-{rep}", prompt, params, "tenant-b")
+        row["b_visible"] = shared.block_manager.cached_prefix_tokens(prompt, "tenant-b")
+        row["b_after"], row["b_after_cached"] = first_token_latency(
+            shared, f"b-{rep}", prompt, params, "tenant-b")
+        row["a_repeat"], row["a_repeat_cached"] = first_token_latency(
+            shared, f"a-again-{rep}", prompt, params, "tenant-a")
+        row["b_ratio"], row["a_ratio"] = (row["b_after"] / row["b_cold"],
+                                          row["a_repeat"] / row["b_cold"])
+        rows.append(row)
 
     print(f"\n# tenant isolation: {args.tenant_prompt_len}-token prompt, tenant A "
-          f"(cache_salt 'tenant-a') then B ('tenant-b') then A again; {args.tenant_repeats} "
-          f"repeats, fresh prompt each")
-    print(f"{'rep':>3} {'B cold ms':>10} {'A first ms':>10} {'B after A ms':>12} "
-          f"{'A repeat ms':>11} {'B cached':>8} {'B visible':>9} {'A cached':>8}")
+          f"(cache_salt 'tenant-a'), then B ('tenant-b') on the same engine and on a fresh one, "
+          f"then A again; {args.tenant_repeats} repeats, fresh prompt each")
+    print(f"{'rep':>3} {'A first ms':>10} {'B cold ms':>10} {'B after A ms':>12} "
+          f"{'A repeat ms':>11} {'B/Bcold':>7} {'A/Bcold':>7} {'B cached':>8} "
+          f"{'B visible':>9} {'A cached':>8}")
+
+    def line(label, r, cached=True):
+        tail = (f" {r['b_after_cached']:>8} {r['b_visible']:>9} {r['a_repeat_cached']:>8}"
+                if cached else "")
+        print(f"{label:>3} {1e3 * r['a_first']:>10.1f} {1e3 * r['b_cold']:>10.1f} "
+              f"{1e3 * r['b_after']:>12.1f} {1e3 * r['a_repeat']:>11.1f} {r['b_ratio']:>7.2f} "
+              f"{r['a_ratio']:>7.2f}{tail}")
+
     for i, r in enumerate(rows):
-        print(f"{i:>3} {1e3 * r[0]:>10.1f} {1e3 * r[1]:>10.1f} {1e3 * r[2]:>12.1f} "
-              f"{1e3 * r[3]:>11.1f} {r[6]:>8} {r[5]:>9} {r[7]:>8}")
-    med = [statistics.median(r[i] for r in rows) for i in range(4)]
-    print(f"{'med':>3} {1e3 * med[0]:>10.1f} {1e3 * med[1]:>10.1f} {1e3 * med[2]:>12.1f} "
-          f"{1e3 * med[3]:>11.1f}")
-    b_ratio, a_ratio = med[2] / med[0], med[3] / med[0]
-    b_cached = [r[4] for r in rows] + [r[5] for r in rows] + [r[6] for r in rows]
-    isolated = b_ratio >= 0.8 and not any(b_cached)
-    a_hits = a_ratio <= 0.5
-    print(f"B after A / B cold = {b_ratio:.2f} (isolation needs >= 0.8); B cached tokens: "
-          f"{sorted(set(b_cached))} (must be [0]); A repeat / B cold = {a_ratio:.2f} "
-          f"(must be <= 0.5)")
+        line(str(i), r)
+    # Ratios are taken per repeat (figures measured a second apart), then the median: a load
+    # burst from other jobs on the box spoils one repeat, not the verdict.
+    med = {k: statistics.median(r[k] for r in rows)
+           for k in ("a_first", "b_cold", "b_after", "a_repeat", "b_ratio", "a_ratio")}
+    line("med", med, cached=False)
+    b_cached = sorted({r[k] for r in rows for k in ("b_cold_cached", "b_visible",
+                                                     "b_after_cached")})
+    isolated = med["b_ratio"] >= 0.8 and b_cached == [0]
+    a_hits = med["a_ratio"] <= 0.5
+    print(f"median B after A / B cold = {med['b_ratio']:.2f} (isolation needs >= 0.8); "
+          f"B cached tokens: {b_cached} (must be [0]); median A repeat / B cold = "
+          f"{med['a_ratio']:.2f} (must be <= 0.5)")
     ok = isolated and a_hits
     print(f"tenant isolation: {'PASS' if ok else 'FAIL'}"
-          + ("" if isolated else " (B is served from A's cache)")
+          + ("" if isolated else " (B got A's cache, or B after A ran faster than B cold)")
           + ("" if a_hits else " (A's own repeat is not faster)"))
     return ok
 
@@ -268,7 +280,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--num-kv-blocks", type=int, default=0, help="default: enough for no eviction")
     ap.add_argument("--tenant-prompt-len", type=int, default=1500)
-    ap.add_argument("--tenant-repeats", type=int, default=5)
+    ap.add_argument("--tenant-repeats", type=int, default=7)
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--tenants", action="store_true", help="only the tenant isolation section")
     mode.add_argument("--no-tenants", action="store_true")

@@ -69,10 +69,16 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    # Until the Ray runtime lands, `serve` runs the offline engine demo on the same model.
-    print("pd-runtime serve: the Ray cluster and router are not built yet; running the offline "
-          "engine demo on the embedded default model.", file=sys.stderr)
-    return _cmd_generate(args)
+    from pd_runtime.config import ClusterConfig, load_cluster_config
+    from pd_runtime.workers.launch import launch, run_demo
+
+    cfg = load_cluster_config(args.config) if args.config else ClusterConfig()
+    model = args.model or cfg.model or str(ensure_default_model())
+    client = launch(cfg, model, inside_job=bool(os.environ.get("RAY_ADDRESS")))
+    # The HTTP router is not built yet: serve proves the pools with a demo through the
+    # Python client of the pools (both paths), then exits.
+    run_demo(client, args.prompt, args.max_tokens)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,10 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_cmd_make_tiny_model)
 
     for name, func, text in (("generate", _cmd_generate, "offline generation"),
-                             ("serve", _cmd_serve, "serve a model (offline demo for now)")):
+                             ("serve", _cmd_serve, "start the Ray pools (then a demo, until the "
+                                                   "router lands)")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--model", help="HF model directory (default: the embedded tiny model)")
-        p.add_argument("--config", help="cluster YAML (used once the Ray runtime lands)")
+        p.add_argument("--config", help="cluster YAML (serve); default: cluster_configs/local.yaml "
+                                        "as built in")
         p.add_argument("--prompt", action="append")
         p.add_argument("--max-tokens", type=int, default=32)
         p.add_argument("--max-model-len", type=int, default=None)

@@ -26,14 +26,17 @@ def worker_actor_class():
 
 def start_worker(role: str, worker_id: str, engine_config: EngineConfig,
                  kv_config: KVTransferConfig, *, num_cpus: float = 1, num_gpus: float = 0,
-                 resources: Optional[dict] = None, max_restarts: int = 3,
-                 remote_prefill_timeout_s: float = 30.0, reservation_timeout_s: float = 30.0,
-                 scheduling_strategy=None, namespace: Optional[str] = None) -> WorkerRef:
+                 resources: Optional[dict] = None, memory: Optional[int] = None,
+                 max_restarts: int = 3, remote_prefill_timeout_s: float = 30.0,
+                 reservation_timeout_s: float = 30.0, scheduling_strategy=None,
+                 namespace: Optional[str] = None) -> WorkerRef:
     """Create one worker actor (not yet waited for)."""
     options = dict(name=f"pd-{worker_id}", num_cpus=num_cpus, num_gpus=num_gpus,
                    resources=resources or {}, max_restarts=max_restarts,
                    # Requests are not retried by Ray: a lost stream is migrated by the client.
-                   max_task_retries=0, max_concurrency=1000, lifetime=None)
+                   max_task_retries=0, max_concurrency=1000)
+    if memory:
+        options["memory"] = memory
     if namespace:
         options["namespace"] = namespace
     if scheduling_strategy is not None:
@@ -63,26 +66,24 @@ def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClie
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    pools = {"prefill": [], "decode": [], "colocated": []}
-    for role in pools:
-        pool = getattr(cfg, role)
+    pools = {role: [] for role in cfg.pools()}
+    for role, pool in cfg.pools().items():
         if pool.num_workers == 0:
             continue
         res = pool.resources
+        placement = cfg.placement_for(role)
         strategy_for = [None] * pool.num_workers
-        if cfg.placement.enabled:
-            bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {}),
-                      **res.custom}
-            pg = placement_group([dict(bundle) for _ in range(pool.num_workers)],
-                                 strategy=cfg.placement.strategy, name=f"pd-{role}")
-            ray.get(pg.ready(), timeout=ready_timeout_s)
+        if placement.enabled:
+            pg = placement_group([res.bundle() for _ in range(pool.num_workers)],
+                                 strategy=placement.strategy, name=f"pd-{role}")
+            ray.get(pg.ready(), timeout=placement.ready_timeout_s)
             strategy_for = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
                             for i in range(pool.num_workers)]
         for i in range(pool.num_workers):
             pools[role].append(start_worker(
                 role, f"{role}-{i}", pool.engine_config(model_dir), cfg.kv_transfer,
                 num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=res.custom,
-                max_restarts=cfg.recovery.max_restarts,
+                memory=res.memory_bytes, max_restarts=cfg.recovery.max_restarts,
                 remote_prefill_timeout_s=cfg.recovery.remote_prefill_timeout_s,
                 reservation_timeout_s=cfg.recovery.reservation_timeout_s,
                 scheduling_strategy=strategy_for[i], namespace=cfg.ray.namespace))

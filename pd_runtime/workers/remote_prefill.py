@@ -107,6 +107,8 @@ async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict,
     logprob = first["logprobs"][0] if first.get("logprobs") else None
     # Does this first token end the real request? (The prefill ran with max_tokens=1.)
     done = first["finish_reason"] == "stop" or sampling.max_tokens == 1
+    first_at = time.monotonic()
+    worker.remote_prefill_s[request_id] = first_at - started
     yield dict(first, finished=done, finish_reason=first["finish_reason"] if done else None,
                num_cached_tokens=res.num_cached_tokens)
     arrived = False
@@ -114,7 +116,8 @@ async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict,
         arrived = await _await_transfer(worker, request_id, prefill_worker)
     else:
         worker.agent.cancel(request_id)
-    worker.kv_transfer_s[request_id] = time.monotonic() - started
+    # After the first token: how long the decode side waited for the KV to land.
+    worker.kv_transfer_s[request_id] = time.monotonic() - first_at
     worker.kv_arrived[request_id] = arrived
     # The token was already streamed; the engine records it without sending it again.
     await loop.call(lambda e: e.complete_remote_prefill(request_id, token, logprob,

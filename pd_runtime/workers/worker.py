@@ -47,7 +47,11 @@ class PDWorker:
         self.engine_id = f"{worker_id}-{uuid.uuid4().hex[:8]}"
         self.remote_prefill_timeout_s = remote_prefill_timeout_s
         self.reservation_timeout_s = reservation_timeout_s
-        self.agent = create_agent(KVTransferConfig(**kv_config), self.engine.runner.kv_caches,
+        import ray
+
+        # host "auto": this node's address, so peers on other nodes can reach the agent.
+        kv = KVTransferConfig(**kv_config).for_node(ray.util.get_node_ip_address())
+        self.agent = create_agent(kv, self.engine.runner.kv_caches,
                                   engine_id=self.engine_id,
                                   model_id=self.engine.model_config.identity,
                                   on_release=self._on_release)
@@ -55,6 +59,7 @@ class PDWorker:
         # Remote prefill call to KV arrival, per request; reported on its last chunk.
         self.kv_transfer_s: dict[str, float] = {}
         self.kv_arrived: dict[str, bool] = {}
+        self.remote_prefill_s: dict[str, float] = {}  # prefill call -> first token back
         self.cancelled: set[str] = set()  # aborted while their prefill was still running
         self.ship_tasks: dict[str, asyncio.Future] = {}  # prefill side: KV sends in progress
         # Fault injection for chaos tests: hold the KV send this long after the first token.
@@ -124,6 +129,7 @@ class PDWorker:
             if out.finished and request_id in self.kv_transfer_s:
                 chunk["kv_transfer_s"] = self.kv_transfer_s.pop(request_id)
                 chunk["kv_arrived"] = self.kv_arrived.pop(request_id, False)
+                chunk["remote_prefill_s"] = self.remote_prefill_s.pop(request_id, None)
             yield chunk
             if out.finished:
                 return
@@ -131,6 +137,7 @@ class PDWorker:
     async def _abort_unfinished(self, request_id: str) -> None:
         self.kv_transfer_s.pop(request_id, None)
         self.kv_arrived.pop(request_id, None)
+        self.remote_prefill_s.pop(request_id, None)
         loop = self._engine_loop()
         loop.close_stream(request_id)
         self.agent.cancel(request_id)
