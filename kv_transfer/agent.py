@@ -12,7 +12,6 @@ with a nack/abort frame, and a lost link fails every transfer on it.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from typing import Optional, Sequence
@@ -22,7 +21,7 @@ import torch
 from kv_transfer.base import (AgentMetadata, DuplicateRequestError, FailureReason, LinkError,
                               LinkState, LinkTimeoutError, ReleaseCallback, Role, SendOutcome,
                               Transport, TransferState, TransferStatus, UnknownPeerError,
-                              pack_frame, unpack_frame)
+                              frame_buffers, pack_frame)
 from kv_transfer.flow import Transfer, TransferMetrics
 from kv_transfer.layout import KVLayout, merge_runs, region_checksum, runs_from_wire, runs_to_wire
 from kv_transfer.peer import PeerLink, PeerTable
@@ -235,8 +234,10 @@ class KVTransferAgent:
             sums = [region_checksum(r) for r in regions] if self.checksums else None
             header = {"t": "kv", "rid": transfer.request_id, "layers": layers,
                       "runs": runs_to_wire(transfer.runs), "sums": sums}
-            peer.link.send_frame(pack_frame(header), self._remaining(transfer))
-            peer.link.send_many(regions, self._remaining(transfer))
+            # Header and regions are posted together: the receiver parses the header while
+            # the first region is already on its way.
+            with peer.send_lock:
+                peer.link.send_many(frame_buffers(pack_frame(header)) + regions, self._remaining(transfer))
         except LinkTimeoutError:
             failure = FailureReason.TIMEOUT
             raise
@@ -266,7 +267,9 @@ class KVTransferAgent:
                 peer.credits.returned(acked)
                 transfer.unacked_bytes -= acked
                 transfer.layers_done.update(frame["layers"])
+                # Acks may overtake each other (see PeerLink.send_control); "done" is final.
                 if frame["done"]:
+                    transfer.layers_done.update(range(transfer.num_layers))
                     self._finalize(transfer, TransferState.DONE, None)
             elif kind in ("nack", "abort"):
                 table = self._sending if kind == "nack" else self._receiving
@@ -318,10 +321,12 @@ class KVTransferAgent:
             raise
         finally:
             with self._lock:
-                self._after_read(peer, transfer if usable else None, request_id, layers, failure, bad_sum)
+                ack = self._after_read(peer, transfer if usable else None, request_id, layers, failure, bad_sum)
+        if ack is not None:  # sent outside the agent lock: the wire may be slow
+            peer.send_control(ack)
 
     def _after_read(self, peer: PeerLink, transfer: Optional[Transfer], request_id: str,
-                    layers: list[int], failure: Optional[FailureReason], bad_sum: bool) -> None:
+                    layers: list[int], failure: Optional[FailureReason], bad_sum: bool) -> Optional[dict]:
         if transfer is None:
             if failure is None:
                 # Not ours to write: tell the sender so it stops and releases its lease.
@@ -331,15 +336,15 @@ class KVTransferAgent:
                     self._fail(stale, FailureReason.REJECTED, notify_peer=False)
                 reason = recent.reason if recent and recent.reason else FailureReason.REJECTED
                 peer.out_queue.put(("ctl", {"t": "nack", "rid": request_id, "reason": reason.value}))
-            return
+            return None
         transfer.wire_busy = False
         reason = failure or (FailureReason.CHECKSUM_MISMATCH if bad_sum else None) or transfer.pending_failure
         if reason is not None:
             self._fail(transfer, reason, notify_peer=failure is None)
-            return
+            return None
         transfer.layers_done.update(layers)
         self.metrics_data.bytes_received += transfer.bytes_per_layer * len(layers)
         done = len(transfer.layers_done) == transfer.num_layers
-        peer.out_queue.put(("ctl", {"t": "ack", "rid": request_id, "layers": layers, "done": done}))
         if done:
             self._finalize(transfer, TransferState.DONE, None)
+        return {"t": "ack", "rid": request_id, "layers": layers, "done": done}

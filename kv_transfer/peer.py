@@ -31,6 +31,21 @@ class PeerLink:
         self.credits = credits
         self.out_queue: "queue.Queue" = queue.Queue()
         self.peer_timeout_s = peer_timeout_s
+        # Held for each group of messages that must stay together on the wire (a frame, or a
+        # chunk's header and regions), so the reader may send acks itself between groups.
+        self.send_lock = threading.Lock()
+
+    def send_control(self, message: dict) -> None:
+        """Send a control frame now from the calling thread when the wire is free (an ack then
+        skips a hand-off to the writer thread), else queue it for the writer. Frames may thus
+        overtake queued ones; receivers do not depend on the order of control frames."""
+        if self.state is LinkState.READY and self.send_lock.acquire(blocking=False):
+            try:
+                self.link.send_frame(pack_frame(message), self.peer_timeout_s)
+            finally:
+                self.send_lock.release()
+        else:
+            self.out_queue.put(("ctl", message))
 
 
 class PeerTable:
@@ -140,12 +155,14 @@ class PeerTable:
                     try:
                         item = peer.out_queue.get(timeout=self.heartbeat_interval_s)
                     except queue.Empty:
-                        link.send_frame(_HEARTBEAT, self.peer_timeout_s)
+                        with peer.send_lock:
+                            link.send_frame(_HEARTBEAT, self.peer_timeout_s)
                         continue
                 if item is None:
                     return
                 if item[0] == "ctl":
-                    link.send_frame(pack_frame(item[1]), self.peer_timeout_s)
+                    with peer.send_lock:
+                        link.send_frame(pack_frame(item[1]), self.peer_timeout_s)
                     continue
                 # Layers of one request queued back to back go out as one chunk: a prefill that
                 # outran the wire pays one header and one ack for its backlog, not one per layer.

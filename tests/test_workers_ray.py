@@ -205,3 +205,41 @@ def test_no_decode_worker_left_ends_with_clear_error(cluster, reference):
     chunks = collect(PoolClient([], [dead]), "orphan", ps[0], params(0, False))
     assert chunks[-1]["finished"] and chunks[-1]["error"]["status"] == 503
     assert "no decode worker" in chunks[-1]["error"]["message"]
+
+
+def test_serve_from_yaml_runs_both_paths(llama_dir, tmp_path):
+    """`pd-runtime serve --config FILE` in its own process: a local Ray, the pools from YAML,
+    and the demo through both paths with the same text."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = yaml.safe_load(open("cluster_configs/local.yaml"))
+    cfg["model"] = llama_dir
+    cfg["ray"]["num_cpus"] = 4
+    for pool in ("prefill", "decode"):
+        cfg[pool]["engine"].update(dtype="float32", num_kv_blocks=64, num_threads=1)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = subprocess.run([sys.executable, "-m", "pd_runtime.cli", "--log-level", "WARNING",
+                          "serve", "--config", str(path), "--max-tokens", "8"],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("[")]
+    assert sum("[colocated]" in ln for ln in lines) == 2
+    assert sum("[disaggregated]" in ln for ln in lines) == 2
+    texts = [ln for ln in run.stdout.splitlines() if ln.startswith("    ")]
+    assert texts[:2] == texts[2:]  # same prompts, same greedy text on both paths
+
+
+def test_serve_rejects_bad_config_naming_field(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("decode:\n  num_workers: 1\n  engine:\n    block_size: -4\n")
+    run = subprocess.run([sys.executable, "-m", "pd_runtime.cli", "serve", "--config", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "decode.engine.block_size" in run.stderr and ":4" in run.stderr

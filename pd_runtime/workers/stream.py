@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pd_runtime.engine.engine import RequestOutput
 from pd_runtime.engine.errors import EngineOverloadedError, InvalidRequestError
 
 
-def output_chunk(out: RequestOutput, path: str) -> dict:
+def output_chunk(out, path: str) -> dict:
+    """A chunk from an engine RequestOutput (duck-typed: this module stays torch-free)."""
     return {
         "request_id": out.request_id,
         "token_ids": list(out.new_token_ids),
