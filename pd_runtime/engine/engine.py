@@ -44,6 +44,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)
+    queue_s: Optional[float] = None  # arrival to first scheduled; on the final output only
 
 
 class LLMEngine(RemoteKVMixin):
@@ -231,7 +232,9 @@ class LLMEngine(RemoteKVMixin):
             finish_reason=reason.value if reason else None,
             new_logprobs=[logprob] if logprob is not None else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-            prompt_token_ids=req.prompt_token_ids)
+            prompt_token_ids=req.prompt_token_ids,
+            queue_s=(req.first_scheduled_time - req.arrival_time)
+            if reason is not None and req.first_scheduled_time is not None else None)
 
     @staticmethod
     def _apply_stop_strings(req: Request, text_before: int) -> bool:

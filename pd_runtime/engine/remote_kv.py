@@ -110,4 +110,6 @@ class RemoteKVMixin:
             "prefix_queried_tokens": bm.stats.queried_tokens,
             "prefix_hit_tokens": bm.stats.hit_tokens,
             "num_preemptions": sched.num_preemptions,
+            "max_num_seqs": sched.max_num_seqs,
+            "block_size": bm.block_size,
         }

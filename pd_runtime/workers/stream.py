@@ -22,6 +22,7 @@ def output_chunk(out, path: str) -> dict:
         "num_prompt_tokens": out.num_prompt_tokens,
         "num_cached_tokens": out.num_cached_tokens,
         "path": path,
+        "queue_s": getattr(out, "queue_s", None),
     }
 
 

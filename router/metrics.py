@@ -1,0 +1,78 @@
+"""Prometheus metrics of the router: latency by path, routing decisions, worker load, KV
+transfer, preemptions, admission refusals by tenant, migrations. One registry per router.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        path = ["path"]
+        self.ttft = Histogram("pd_ttft_seconds", "Time to first token", path, registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("pd_inter_token_latency_seconds", "Time between streamed tokens",
+                             path, registry=r, buckets=_ITL_BUCKETS)
+        self.e2e = Histogram("pd_e2e_latency_seconds", "Request latency, arrival to last token",
+                             path, registry=r, buckets=_LATENCY_BUCKETS)
+        self.queue = Histogram("pd_queue_time_seconds",
+                               "Arrival to first scheduled on a worker", path, registry=r,
+                               buckets=_LATENCY_BUCKETS)
+        self.requests = Counter("pd_requests_total", "Finished requests", ["path", "status"],
+                                registry=r)
+        self.decisions = Counter("pd_routing_decisions_total", "Routing decisions",
+                                 ["path", "reason"], registry=r)
+        self.kv_transfer = Histogram("pd_kv_transfer_seconds",
+                                     "First token to KV arrival on the decode worker",
+                                     registry=r, buckets=_LATENCY_BUCKETS)
+        self.kv_fallbacks = Counter("pd_kv_transfer_fallbacks_total",
+                                    "Disaggregated requests prefilled locally after a failure",
+                                    registry=r)
+        self.refusals = Counter("pd_admission_refusals_total", "Requests refused at admission",
+                                ["tenant", "reason"], registry=r)
+        self.migrations = Counter("pd_requests_migrated_total",
+                                  "Requests moved to another decode worker after a loss",
+                                  registry=r)
+        self.reloads = Counter("pd_config_reloads_total", "Routing config reloads", ["result"],
+                               registry=r)
+        worker = ["worker"]
+        self.kv_usage = Gauge("pd_worker_kv_usage_ratio", "Used KV blocks / total", worker,
+                              registry=r)
+        self.running = Gauge("pd_worker_running", "Running sequences", worker, registry=r)
+        self.waiting = Gauge("pd_worker_waiting", "Waiting sequences", worker, registry=r)
+        self.hit_rate = Gauge("pd_worker_prefix_hit_rate", "Prefix-cache hit tokens / queried",
+                              worker, registry=r)
+        self.preemptions = Gauge("pd_worker_preemptions", "Preemptions since worker start",
+                                 worker, registry=r)
+        self.healthy = Gauge("pd_worker_healthy", "1 if the worker answered its last check",
+                             worker, registry=r)
+        self.kv_bytes = Gauge("pd_worker_kv_transfer_bytes", "KV bytes moved by this worker's "
+                              "agent since it started", worker, registry=r)
+        self.kv_failures = Gauge("pd_worker_kv_transfer_failures",
+                                 "Failed transfers since worker start", ["worker", "reason"],
+                                 registry=r)
+
+    def observe_worker(self, worker_id: str, healthy: bool, load: dict) -> None:
+        self.healthy.labels(worker_id).set(1 if healthy else 0)
+        if not healthy or not load:
+            return
+        total = max(1, load.get("total_blocks", 1))
+        self.kv_usage.labels(worker_id).set(1 - load.get("free_blocks", total) / total)
+        self.running.labels(worker_id).set(load.get("num_running", 0))
+        self.waiting.labels(worker_id).set(load.get("num_waiting", 0))
+        queried = load.get("prefix_queried_tokens", 0)
+        self.hit_rate.labels(worker_id).set(load.get("prefix_hit_tokens", 0) / queried
+                                            if queried else 0)
+        self.preemptions.labels(worker_id).set(load.get("num_preemptions", 0))
+        kv = load.get("kv_transfer") or {}
+        self.kv_bytes.labels(worker_id).set(kv.get("bytes_sent", 0) + kv.get("bytes_received", 0))
+        for reason, count in (kv.get("failures") or {}).items():
+            self.kv_failures.labels(worker_id, reason).set(count)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

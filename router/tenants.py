@@ -1,0 +1,85 @@
+"""Tenants: API keys to tenant ids, prefix-cache isolation salts, per-tenant rate limits.
+
+Limits are token buckets refilled continuously: `requests_per_minute` counts requests,
+`tokens_per_minute` counts prompt plus max_tokens at admission (what a request may cost).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Optional
+
+from pd_runtime.config import TenantConfig
+
+
+class AuthError(Exception):
+    """Missing or wrong API key (HTTP 401)."""
+
+
+class _Bucket:
+    def __init__(self, per_minute: int):
+        self.capacity = float(per_minute)
+        self.level = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.stamp = time.monotonic()
+
+    def take(self, amount: float) -> float:
+        """0 if taken; else seconds until `amount` would be available (nothing taken)."""
+        now = time.monotonic()
+        self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if amount <= self.level:
+            self.level -= amount
+            return 0.0
+        if amount > self.capacity:
+            return float("inf")
+        return (amount - self.level) / self.rate
+
+
+class Tenants:
+    def __init__(self, tenants: list[TenantConfig]):
+        self.by_key = {t.api_key: t for t in tenants}
+        self._requests = {t.tenant_id: _Bucket(t.requests_per_minute)
+                          for t in tenants if t.requests_per_minute}
+        self._tokens = {t.tenant_id: _Bucket(t.tokens_per_minute)
+                        for t in tenants if t.tokens_per_minute}
+
+    @property
+    def keys_required(self) -> bool:
+        return bool(self.by_key)
+
+    def authenticate(self, api_key: Optional[str]) -> Optional[TenantConfig]:
+        if not self.by_key:
+            return None
+        if not api_key:
+            raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
+        for key, tenant in self.by_key.items():
+            if hmac.compare_digest(key.encode(), api_key.encode()):
+                return tenant
+        raise AuthError("invalid API key")
+
+    @staticmethod
+    def cache_salt(tenant: Optional[TenantConfig]) -> Optional[str]:
+        """Each tenant's prefix cache is its own unless it is configured to share."""
+        if tenant is None or tenant.share_prefix_cache:
+            return None
+        return tenant.tenant_id
+
+    def admit(self, tenant: Optional[TenantConfig], tokens: int) -> tuple[Optional[str], float]:
+        """(None, 0) if admitted; else (which limit, seconds to wait)."""
+        if tenant is None:
+            return None, 0.0
+        req = self._requests.get(tenant.tenant_id)
+        tok = self._tokens.get(tenant.tenant_id)
+        if req is not None:
+            wait = req.take(1)
+            if wait:
+                return "requests_per_minute", wait
+        if tok is not None:
+            wait = tok.take(tokens)
+            if wait:
+                if req is not None:
+                    req.level += 1  # give the request back: it was not admitted
+                return "tokens_per_minute", wait
+        return None, 0.0
