@@ -24,6 +24,44 @@ class PrefillSegment:
     block_table: torch.Tensor  # [num_blocks] int64, covers context_len
 
 
+class DecodeKVBuffer:
+    """Contiguous, padded K/V of the running decode batch, per layer `[B, kv_heads, cap, d]`.
+
+    While the batch's requests stay the same, each step appends one token per sequence here
+    instead of gathering every block from the paged cache again (measured: the gather was a
+    quarter of a decode step). The paged cache stays the source of truth; any change of the
+    batch rebuilds the buffer from it. Bounded by `max_bytes`; beyond it the gather path runs.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.request_ids: tuple = ()
+        self.lens: list[int] = []
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        self.capacity = 0
+        self.rebuilds = 0
+
+    def plan(self, request_ids: tuple, context_lens: list[int], num_layers: int,
+             row_bytes: int) -> bool | None:
+        """Decide for this step: False = append to the buffer, True = rebuild it from the
+        paged cache, None = do not use it (too large)."""
+        longest = max(context_lens)
+        reuse = (request_ids == self.request_ids and longest <= self.capacity
+                 and all(n == m + 1 for n, m in zip(context_lens, self.lens)))
+        self.request_ids, self.lens = request_ids, list(context_lens)
+        if reuse:
+            return False
+        capacity = -(-(longest + 64) // 64) * 64  # headroom so appends rarely rebuild
+        if 2 * num_layers * len(request_ids) * capacity * row_bytes > self.max_bytes:
+            self.request_ids, self.capacity = (), 0
+            return None
+        self.capacity = capacity
+        self.k, self.v = [None] * num_layers, [None] * num_layers
+        self.rebuilds += 1
+        return True
+
+
 @dataclass
 class AttentionMetadata:
     """Everything attention needs for one step; decodes come first in the flat batch."""
@@ -33,6 +71,10 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # Decode through the contiguous batch buffer (None: gather from the paged cache).
+    decode_buffer: DecodeKVBuffer | None = None
+    decode_buffer_rebuild: bool = False
+    layer: int = 0  # set by the model before each layer's attention
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -70,12 +112,34 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Ten
     return torch.matmul(probs, v)
 
 
+def _buffered_kv(kv_layer: torch.Tensor, meta: AttentionMetadata, k_new: torch.Tensor,
+                 v_new: torch.Tensor):
+    """This layer's decode K/V from the batch buffer, appending this step's token first."""
+    buf, layer = meta.decode_buffer, meta.layer
+    if meta.decode_buffer_rebuild:
+        k, v = gather_heads(kv_layer, meta.decode_block_tables)  # includes this step's token
+        batch, kv_heads, length, head_dim = k.shape
+        width = min(length, buf.capacity)
+        buf.k[layer] = k.new_zeros(batch, kv_heads, buf.capacity, head_dim)
+        buf.v[layer] = v.new_zeros(batch, kv_heads, buf.capacity, head_dim)
+        buf.k[layer][:, :, :width] = k[:, :, :width]
+        buf.v[layer][:, :, :width] = v[:, :, :width]
+    else:
+        rows = torch.arange(k_new.shape[0])
+        pos = meta.decode_context_lens - 1
+        buf.k[layer][rows, :, pos] = k_new
+        buf.v[layer][rows, :, pos] = v_new
+    longest = int(meta.decode_context_lens.max())
+    return buf.k[layer][:, :, :longest], buf.v[layer][:, :, :longest]
+
+
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence: q `[B, heads, head_dim]` -> `[B, heads, head_dim]`."""
+                     context_lens: torch.Tensor, scale: float, kv=None) -> torch.Tensor:
+    """One query token per sequence: q `[B, heads, head_dim]` -> `[B, heads, head_dim]`.
+    `kv`: this batch's K/V as `[B, kv_heads, L, d]` when already at hand (the buffer)."""
     batch, heads, head_dim = q.shape
     kv_heads = kv_layer.shape[2]
-    k, v = gather_heads(kv_layer, block_tables)
+    k, v = kv if kv is not None else gather_heads(kv_layer, block_tables)
     # GQA without repeating K/V: a group's query heads ride along the query-length axis.
     qg = q.view(batch, kv_heads, heads // kv_heads, head_dim)
     positions = torch.arange(k.shape[2], device=q.device)
@@ -112,13 +176,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     """Write this step's K/V into the cache, then attend: `[T, heads, d]` -> `[T, heads, d]`."""
     write_kv(kv_layer, k, v, meta.slot_mapping)
     nd = meta.num_decode_tokens
+    kv = _buffered_kv(kv_layer, meta, k[:nd], v[:nd]) if nd and meta.decode_buffer else None
     if nd and not meta.prefills:
         return decode_attention(q, kv_layer, meta.decode_block_tables,
-                                meta.decode_context_lens, scale)
+                                meta.decode_context_lens, scale, kv)
     out = torch.empty_like(q)
     if nd:
         out[:nd] = decode_attention(q[:nd], kv_layer, meta.decode_block_tables,
-                                    meta.decode_context_lens, scale)
+                                    meta.decode_context_lens, scale, kv)
     for seg in meta.prefills:
         s, e = seg.start, seg.start + seg.num_tokens
         out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], kv_layer, seg, scale)

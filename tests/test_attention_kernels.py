@@ -70,3 +70,36 @@ def test_prefill_chunk_with_cached_prefix_matches_dense():
     seg2 = PrefillSegment(0, total, total, torch.tensor(table))
     torch.testing.assert_close(prefill_attention(q2, k, v, cache, seg2, 0.3),
                                dense(q2, k, v, 0, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_buffer_appends_and_rebuilds_like_the_gather_path():
+    from kernels.attention import DecodeKVBuffer
+
+    torch.manual_seed(2)
+    cache = make_cache(num_blocks=64)
+    buf = DecodeKVBuffer(max_bytes=1 << 30)
+    tables = {"a": [5, 9, 2, 40, 41], "b": [7, 1, 30, 31, 32], "c": [11, 12, 13, 14, 15]}
+    lens = {"a": 3, "b": 6, "c": 9}
+    for name, n in lens.items():
+        fill(cache, tables[name], torch.randn(n - 1, 2, 8), torch.randn(n - 1, 2, 8))
+    batches = [("a", "b"), ("a", "b"), ("a", "b"), ("a", "b", "c"), ("a", "b", "c"), ("b", "c")]
+    modes = []
+    for batch in batches:
+        q = torch.randn(len(batch), 4, 8)
+        k, v = torch.randn(len(batch), 2, 8), torch.randn(len(batch), 2, 8)
+        ctx = [lens[n] for n in batch]
+        bt = torch.tensor([tables[n] for n in batch])
+        slots = torch.tensor([tables[n][(c - 1) // 4] * 4 + (c - 1) % 4
+                              for n, c in zip(batch, ctx)])
+        rebuild = buf.plan(batch, ctx, 1, 2 * 8 * 4)
+        modes.append(rebuild)
+        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(batch),
+                                 decode_block_tables=bt, decode_context_lens=torch.tensor(ctx),
+                                 decode_buffer=buf, decode_buffer_rebuild=rebuild)
+        got = paged_attention(q, k, v, cache, meta, 0.3)
+        want = decode_attention(q, cache, bt, torch.tensor(ctx), 0.3)  # gathers (K/V written)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for n in batch:
+            lens[n] += 1
+    # Appends while the batch holds, rebuilds when it changes.
+    assert modes == [True, False, False, True, False, True]

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from kernels.attention import AttentionMetadata, PrefillSegment
+from kernels.attention import AttentionMetadata, DecodeKVBuffer, PrefillSegment
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.scheduler import SchedulerOutput
 from pd_runtime.model.loader import load_model
@@ -34,6 +34,10 @@ class ModelRunner:
                                     self.block_size, cfg.head_dim, dtype=self.dtype,
                                     device=config.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        # The decode batch buffer may use up to half the KV cache's size again.
+        self.decode_buffer = DecodeKVBuffer(self.kv_cache.numel()
+                                            * self.kv_cache.element_size() // 2)
+        self._row_bytes = cfg.num_kv_heads * cfg.head_dim * elem
         self.num_swap_blocks = config.swap_space_bytes // block_bytes \
             if config.preemption_mode == "swap" else 0
         self.swap_cache = torch.zeros(cfg.num_layers, 2, self.num_swap_blocks, cfg.num_kv_heads,
@@ -75,8 +79,13 @@ class ModelRunner:
             meta.decode_block_tables = torch.tensor(
                 [s.block_ids + [0] * (width - len(s.block_ids)) for s in decodes],
                 dtype=torch.long)
-            meta.decode_context_lens = torch.tensor([s.start + 1 for s in decodes],
-                                                    dtype=torch.long)
+            lens = [s.start + 1 for s in decodes]
+            meta.decode_context_lens = torch.tensor(lens, dtype=torch.long)
+            rebuild = self.decode_buffer.plan(tuple(s.request_id for s in decodes), lens,
+                                              len(self.kv_caches), self._row_bytes)
+            if rebuild is not None:
+                meta.decode_buffer = self.decode_buffer
+                meta.decode_buffer_rebuild = rebuild
         offset = len(decodes)
         for s in prefills:
             n = len(s.token_ids)

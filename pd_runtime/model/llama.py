@@ -93,7 +93,8 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        for layer, kv_layer in zip(self.layers, kv_caches):
+        for index, (layer, kv_layer) in enumerate(zip(self.layers, kv_caches)):
+            meta.layer = index
             h = h + self._attention(layer, rms_norm(h, layer["in_norm"], eps), cos, sin,
                                     kv_layer, meta)
             h = h + self._mlp(layer, rms_norm(h, layer["post_norm"], eps))
