@@ -54,6 +54,9 @@ class EnginePoolSettings(_Strict):
     # Steps a waiting request may be passed over before its priority is raised by one.
     priority_aging_steps: int = Field(64, ge=1)
     num_threads: Optional[int] = Field(None, ge=1, description="torch CPU threads.")
+    # Decode keeps the running batch's K/V contiguous in a side buffer of up to this fraction
+    # of the KV cache's bytes (appends instead of re-gathering blocks each step); 0 disables.
+    decode_kv_buffer_fraction: float = Field(1.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self):

@@ -106,7 +106,8 @@ def test_engine_config_unchanged():
         "kv_cache_memory_bytes": 512 * 1024 * 1024, "num_kv_blocks": None,
         "enable_prefix_caching": True, "preemption_mode": "recompute",
         "swap_space_bytes": 256 * 1024 * 1024, "max_waiting_requests": 4096,
-        "max_waiting_tokens": 1 << 22, "priority_aging_steps": 64, "num_threads": None}
+        "max_waiting_tokens": 1 << 22, "priority_aging_steps": 64, "num_threads": None,
+        "decode_kv_buffer_fraction": 1.0}
     assert set(EngineConfig.model_fields) == set(EnginePoolSettings.model_fields) | {"model"}
     with pytest.raises(ValueError):
         EngineConfig()  # the model stays required

@@ -34,9 +34,8 @@ class ModelRunner:
                                     self.block_size, cfg.head_dim, dtype=self.dtype,
                                     device=config.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
-        # The decode batch buffer may use up to half the KV cache's size again.
-        self.decode_buffer = DecodeKVBuffer(self.kv_cache.numel()
-                                            * self.kv_cache.element_size() // 2)
+        self.decode_buffer = DecodeKVBuffer(int(self.kv_cache.numel() * elem
+                                                * config.decode_kv_buffer_fraction))
         self._row_bytes = cfg.num_kv_heads * cfg.head_dim * elem
         self.num_swap_blocks = config.swap_space_bytes // block_bytes \
             if config.preemption_mode == "swap" else 0

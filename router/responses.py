@@ -1,0 +1,164 @@
+"""OpenAI response bodies built from worker chunks: completion and chat.completion, their stream
+chunks, logprobs in both formats (with token strings), and usage accounting.
+
+One ResponseBuilder per HTTP request; it accumulates every choice, so streaming and not share it.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Optional
+
+from router.protocol import PreparedRequest
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # per token (logprob, {token_id: logprob})
+    finish_reason: Optional[str] = None
+    num_cached_tokens: int = 0
+    started: bool = False  # a stream event went out for it (chat: the role; completions: echo)
+
+
+class ResponseBuilder:
+    def __init__(self, prepared: PreparedRequest, response_id: str, tokenizer):
+        self.prepared = prepared
+        self.id = response_id
+        self.created = int(time.time())
+        self.choices = [_Choice(c.index, c.prompt_index) for c in prepared.choices]
+        self._token_text = _token_texts(tokenizer)
+
+    # -- accumulation and streaming ----------------------------------------------------------
+    def add(self, index: int, chunk: dict) -> Optional[dict]:
+        """Record a worker chunk of choice `index`; returns the stream event it makes (None when
+        it carries nothing a client would see, e.g. bytes held back by the detokenizer)."""
+        choice = self.choices[index]
+        token_ids = list(chunk.get("token_ids") or [])
+        text = chunk.get("text") or ""
+        entries = list(chunk.get("logprobs") or []) if self.prepared.logprobs is not None else []
+        offset = len(choice.text)
+        prefix = ""
+        if not choice.started and self.prepared.echo_texts is not None:
+            prefix = self.prepared.echo_texts[choice.prompt_index]
+            offset = len(prefix)
+            choice.text = prefix
+        choice.text += text
+        choice.token_ids.extend(token_ids)
+        choice.logprobs.extend(entries)
+        choice.num_cached_tokens = max(choice.num_cached_tokens,
+                                       int(chunk.get("num_cached_tokens") or 0))
+        if chunk.get("finished"):
+            choice.finish_reason = chunk.get("finish_reason") or "stop"
+        first = not choice.started
+        choice.started = True
+        if not (prefix or text or entries or choice.finish_reason or first):
+            return None
+        logprobs = self._logprobs(token_ids[:len(entries)], entries, offset) if entries else None
+        if self.prepared.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text or first:
+                delta["content"] = text
+            item = {"index": index, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason}
+        else:
+            item = {"index": index, "text": prefix + text, "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason}
+        return self._envelope(self._chunk_object, [item], stream=True)
+
+    def usage_event(self) -> dict:
+        """The last stream event when include_usage: no choices, the request's usage."""
+        body = self._envelope(self._chunk_object, [], stream=True)
+        body["usage"] = self.usage()
+        return body
+
+    # -- whole responses ---------------------------------------------------------------------
+    def final_body(self) -> dict:
+        items = []
+        for choice in self.choices:
+            entries = choice.logprobs if self.prepared.logprobs is not None else []
+            start = len(self.prepared.echo_texts[choice.prompt_index]) \
+                if self.prepared.echo_texts is not None else 0
+            logprobs = self._logprobs(choice.token_ids[:len(entries)], entries, start) \
+                if self.prepared.logprobs is not None else None
+            if self.prepared.kind == "chat":
+                items.append({"index": choice.index, "logprobs": logprobs,
+                              "message": {"role": "assistant", "content": choice.text},
+                              "finish_reason": choice.finish_reason})
+            else:
+                items.append({"index": choice.index, "text": choice.text, "logprobs": logprobs,
+                              "finish_reason": choice.finish_reason})
+        body = self._envelope(self._object, items, stream=False)
+        body["usage"] = self.usage()
+        return body
+
+    def usage(self) -> dict:
+        prompt_tokens = sum(len(p) for p in self.prepared.prompts)
+        completion_tokens = sum(len(c.token_ids) for c in self.choices)
+        cached: dict[int, int] = {}  # a prompt's n choices share its prefix: count it once
+        for c in self.choices:
+            cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.num_cached_tokens)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+
+    # -- formats -----------------------------------------------------------------------------
+    @property
+    def _object(self) -> str:
+        return "chat.completion" if self.prepared.kind == "chat" else "text_completion"
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.prepared.kind == "chat" else "text_completion"
+
+    def _envelope(self, obj: str, choices: list, stream: bool) -> dict:
+        body = {"id": self.id, "object": obj, "created": self.created,
+                "model": self.prepared.model, "choices": choices}
+        if stream and self.prepared.include_usage:
+            body["usage"] = None  # OpenAI: null on every chunk but the last
+        return body
+
+    def _logprobs(self, token_ids: list[int], entries: list, offset: int) -> dict:
+        if self.prepared.kind == "chat":
+            return {"content": [self._chat_entry(t, e) for t, e in zip(token_ids, entries)],
+                    "refusal": None}
+        text = self._token_text
+        tokens, offsets = [], []
+        for token in token_ids:
+            tokens.append(text(token))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [float(e[0]) for e in entries],
+                "top_logprobs": [{text(int(k)): float(v) for k, v in e[1].items()}
+                                 for e in entries],
+                "text_offset": offsets}
+
+    def _chat_entry(self, token: int, entry) -> dict:
+        text = self._token_text(token)
+        return {"token": text, "logprob": float(entry[0]), "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self._token_text(int(k)), "logprob": float(v),
+                                  "bytes": list(self._token_text(int(k)).encode())}
+                                 for k, v in entry[1].items()]}
+
+
+_TOKEN_TEXTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _token_texts(tokenizer):
+    """token id -> its text (special tokens included), cached per tokenizer."""
+    cached = _TOKEN_TEXTS.get(tokenizer)
+    if cached is None:
+        owner = weakref.ref(tokenizer)  # a strong one would keep the key alive forever
+
+        @lru_cache(maxsize=65536)
+        def cached(token: int) -> str:
+            return owner().decode([token], skip_special_tokens=False)
+
+        _TOKEN_TEXTS[tokenizer] = cached
+    return cached

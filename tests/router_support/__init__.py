@@ -1,0 +1,1 @@
+"""Helpers for the router's HTTP tests: scripted backends and server fixtures."""
