@@ -52,7 +52,7 @@ class DecodeKVBuffer:
         self.request_ids, self.lens = request_ids, list(context_lens)
         if reuse:
             return False
-        capacity = -(-(longest + 64) // 64) * 64  # headroom so appends rarely rebuild
+        capacity = -(-(longest + 32) // 32) * 32  # headroom: appends for ~32 steps
         if 2 * num_layers * len(request_ids) * capacity * row_bytes > self.max_bytes:
             self.request_ids, self.capacity = (), 0
             return None
@@ -129,8 +129,8 @@ def _buffered_kv(kv_layer: torch.Tensor, meta: AttentionMetadata, k_new: torch.T
         pos = meta.decode_context_lens - 1
         buf.k[layer][rows, :, pos] = k_new
         buf.v[layer][rows, :, pos] = v_new
-    longest = int(meta.decode_context_lens.max())
-    return buf.k[layer][:, :, :longest], buf.v[layer][:, :, :longest]
+    # The whole (contiguous) buffer: a slice would make matmul copy it; the mask hides the tail.
+    return buf.k[layer], buf.v[layer]
 
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,

@@ -1,0 +1,429 @@
+"""The router's HTTP front door end to end on 127.0.0.1: the official `openai` client against an
+in-process engine (LocalBackend), error statuses and bodies (hypothesis-driven), disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pd_runtime import LLM, SamplingParams
+from pd_runtime.config import EngineConfig, RouterConfig, TenantConfig
+from pd_runtime.model.tokenizer import Tokenizer
+from router.app import create_app
+from router.local_backend import LocalBackend
+from router.server import start_in_thread
+from tests.router_support.scripted_backend import ScriptedBackend, error, token_chunk
+
+ENGINE = dict(dtype="float32", num_kv_blocks=256, num_threads=1)
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@contextlib.contextmanager
+def serving(backend, router_config: RouterConfig | None = None):
+    server, port = start_in_thread(create_app(backend, router_config or RouterConfig()))
+    try:
+        yield backend, port
+    finally:
+        server.stop()
+        if hasattr(backend, "close"):
+            backend.close()
+
+
+def local(model_dir: str, router_config: RouterConfig | None = None, **engine):
+    backend = LocalBackend(EngineConfig(model=model_dir, **{**ENGINE, **engine}), router_config)
+    return serving(backend, router_config)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    with local(llama_dir) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    backend, port = server
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir):
+    return LLM(llama_dir, **ENGINE)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def assert_error_body(response: httpx.Response, status: int, param=None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers.get("x-request-id")
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+# ---------------------------------------------------------------------------------- happy paths
+def test_completions_match_offline_greedy(server, client, offline):
+    backend, _ = server
+    prompt = "The quick brown fox"
+    want = offline.generate(prompt, greedy(12))[0]
+    extra = {"ignore_eos": True}
+    got = client.completions.create(model=backend.model_name, prompt=prompt, max_tokens=12,
+                                    temperature=0, extra_body=extra)
+    assert got.id.startswith("cmpl-") and got.choices[0].text == want.text
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == 12
+    by_ids = client.completions.create(model=backend.model_name, prompt=want.prompt_token_ids,
+                                       max_tokens=12, temperature=0, extra_body=extra)
+    assert by_ids.choices[0].text == want.text
+    streamed = list(client.completions.create(model=backend.model_name, prompt=prompt,
+                                              max_tokens=12, temperature=0, stream=True,
+                                              extra_body=extra))
+    assert "".join(c.choices[0].text for c in streamed) == want.text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_matches_offline_greedy(server, client, offline):
+    backend, _ = server
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    ids = backend.tokenizer.encode_chat(messages)
+    want = offline.generate(ids, greedy(10))[0]
+    got = client.chat.completions.create(model=backend.model_name, messages=messages,
+                                         max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert got.id.startswith("chatcmpl-") and got.object == "chat.completion"
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    chunks = list(client.chat.completions.create(
+        model=backend.model_name, messages=messages, max_completion_tokens=10, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_choices_with_seed_differ_and_reproduce(server, client):
+    backend, _ = server
+    args = dict(model=backend.model_name, prompt="Once upon", max_tokens=8, temperature=1.0,
+                extra_body={"ignore_eos": True})
+    two = client.completions.create(n=2, seed=7, **args)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].text != two.choices[1].text
+    assert two.usage.completion_tokens == 16
+    # Choice i runs with seed + i: the same as a single request with that seed.
+    second = client.completions.create(n=1, seed=8, **args)
+    assert second.choices[0].text == two.choices[1].text
+    streamed = list(client.completions.create(n=2, seed=7, stream=True, **args))
+    texts = ["".join(c.choices[0].text for c in streamed if c.choices[0].index == i)
+             for i in range(2)]
+    assert texts == [c.text for c in two.choices]
+
+
+def test_batch_prompts_and_token_id_lists(server, client, offline):
+    backend, _ = server
+    prompts = ["alpha beta", "gamma"]
+    want = [o.text for o in offline.generate(prompts, greedy(6))]
+    got = client.completions.create(model=backend.model_name, prompt=prompts, n=2,
+                                    max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [want[0], want[0], want[1], want[1]]
+    ids = [backend.tokenizer.encode(p) for p in prompts]
+    assert got.usage.prompt_tokens == sum(map(len, ids))
+    by_ids = client.completions.create(model=backend.model_name, prompt=ids, max_tokens=6,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert [c.text for c in by_ids.choices] == want
+
+
+def test_logprobs_formats(server, client):
+    backend, _ = server
+    got = client.completions.create(model=backend.model_name, prompt="hello", max_tokens=5,
+                                    temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    # Greedy: the sampled token is the most likely one.
+    assert all(abs(max(top.values()) - v) < 1e-5 for top, v in zip(lp.top_logprobs,
+                                                                   lp.token_logprobs))
+    assert lp.text_offset[0] == 0
+    chat = client.chat.completions.create(
+        model=backend.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(e.top_logprobs) == 2 for e in content)
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    streamed = list(client.completions.create(model=backend.model_name, prompt="hello",
+                                              max_tokens=5, temperature=0, logprobs=1,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+def test_echo_stop_and_side_endpoints(server, client):
+    backend, port = server
+    got = client.completions.create(model=backend.model_name, prompt="echo me", max_tokens=3,
+                                    temperature=0, echo=True)
+    assert got.choices[0].text.startswith("echo me")
+    models = client.models.list()
+    assert [m.id for m in models.data] == [backend.model_name]
+    base = f"http://127.0.0.1:{port}"
+    assert httpx.get(f"{base}/health").json()["status"] == "ok"
+    assert httpx.get(f"{base}/ready").status_code == 200
+    config = httpx.get(f"{base}/v1/router/config").json()
+    assert config["routing"]["mode"] == "auto"
+    metrics = httpx.get(f"{base}/metrics")
+    assert metrics.status_code == 200
+    assert 'router_http_requests_total{path="/v1/completions",status="200"}' in metrics.text
+
+
+# ---------------------------------------------------------------------------------- errors
+def test_openai_client_sees_typed_400s(server, client):
+    backend, _ = server
+    name = backend.model_name
+    cases = [
+        (dict(model="no-such-model", prompt="x"), "model"),
+        (dict(model=name, prompt="x", temperature=-1), "temperature"),
+        (dict(model=name, prompt="x", top_p=0), "top_p"),
+        (dict(model=name, prompt="x", max_tokens=0), "max_tokens"),
+        (dict(model=name, prompt="x", n=0), "n"),
+        (dict(model=name, prompt="x", logprobs=99), "logprobs"),
+        (dict(model=name, prompt=""), "prompt"),
+        (dict(model=name, prompt=[]), "prompt"),
+        (dict(model=name, prompt=[1] * backend.max_model_len), "prompt"),
+        (dict(model=name, prompt="x", max_tokens=backend.max_model_len), "prompt"),
+        (dict(model=name, prompt="x", stop=[""]), "stop"),
+        (dict(model=name, prompt="x", extra_body={"top_k": "3"}), "top_k"),
+    ]
+    for args, param in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(**{"max_tokens": 2, **args})
+        assert caught.value.status_code == 400
+        assert caught.value.body["param"] == param, (args, caught.value.body)
+        if param == "model":
+            assert caught.value.body["code"] == "model_not_found"
+    for args, param in [(dict(messages=[]), "messages"),
+                        (dict(messages=[{"role": "user", "content": "x"}], logprobs=False,
+                              top_logprobs=2), "top_logprobs"),
+                        (dict(messages=[{"role": "user", "content": "x"}],
+                              max_completion_tokens=0), "max_completion_tokens")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=name, **args)
+        assert caught.value.body["param"] == param
+
+
+def test_raw_http_errors(server):
+    backend, port = server
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    assert_error_body(httpx.post(url, content=b"{not json"), 400)
+    assert_error_body(httpx.post(url, content=b"[1, 2]"), 400)
+    assert_error_body(httpx.post(url, json={"prompt": "x", "max_tokens": "3"}), 400, "max_tokens")
+    assert_error_body(httpx.post(url, json={"prompt": "x", "stream": "yes"}), 400, "stream")
+    assert_error_body(httpx.post(url, json={"prompt": "x", "seed": 1 << 70}), 400, "seed")
+    assert_error_body(httpx.post(url, json={"prompt": [[1, 2], "x", 3]}), 400, "prompt")
+    assert_error_body(httpx.post(url, json={"prompt": "x", "priority": True}), 400, "priority")
+    assert_error_body(httpx.post(url + "x", json={}), 404)
+    not_allowed = httpx.get(url)
+    assert_error_body(not_allowed, 405)
+    assert not_allowed.headers["allow"] == "POST"
+    chat = f"http://127.0.0.1:{port}/v1/chat/completions"
+    assert_error_body(httpx.post(chat, json={"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, "messages")
+    assert_error_body(httpx.post(chat, json={"messages": "hi"}), 400, "messages")
+
+
+_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-3, 6),
+                  st.sampled_from([1 << 63, -(1 << 64), 10 ** 30, 2047]),
+                  st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6))
+_JSON = st.recursive(_LEAF, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+    max_leaves=6)
+_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+           "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n", "stream",
+           "stream_options", "logprobs", "top_logprobs", "echo", "priority", "ignore_eos",
+           "skip_special_tokens", "user"]
+_MESSAGES = st.lists(st.fixed_dictionaries({}, optional={"role": _JSON, "content": _JSON,
+                                                         "name": _JSON}), max_size=2)
+
+
+@pytest.fixture(scope="module")
+def small_server(llama_dir):
+    # A 64-token context bounds every request the fuzzer happens to make valid.
+    with local(llama_dir, max_model_len=64) as served:
+        yield served
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(chat=st.booleans(), edits=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=4),
+       messages=st.one_of(st.none(), _MESSAGES))
+def test_fuzzed_bodies_never_500(small_server, chat, edits, messages):
+    backend, port = small_server
+    base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    body = {**base, "max_tokens": 4, **edits}
+    if messages is not None and chat:
+        body["messages"] = messages
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    response = httpx.post(f"http://127.0.0.1:{port}{path}", content=json.dumps(body),
+                          timeout=30)
+    assert response.status_code in (200, 400), (body, response.status_code, response.text)
+    assert response.headers.get("x-request-id")
+    if response.status_code == 400:
+        assert_error_body(response, 400)
+    elif body.get("stream") is True:
+        assert response.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert response.json()["choices"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(raw=st.binary(max_size=64), chat=st.booleans())
+def test_fuzzed_bytes_are_400(small_server, raw, chat):
+    _, port = small_server
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    response = httpx.post(f"http://127.0.0.1:{port}{path}", content=raw, timeout=30)
+    assert_error_body(response, 400)
+
+
+def test_api_keys(llama_dir):
+    tenants = [TenantConfig(tenant_id="acme", api_key="sk-acme"),
+               TenantConfig(tenant_id="beta", api_key="sk-beta", share_prefix_cache=True)]
+    with local(llama_dir, RouterConfig(tenants=tenants)) as (backend, port):
+        base = f"http://127.0.0.1:{port}"
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert_error_body(httpx.post(f"{base}/v1/completions", json=body), 401)
+        assert_error_body(httpx.post(f"{base}/v1/completions", json=body,
+                                     headers={"Authorization": "Bearer sk-wrong"}), 401)
+        assert_error_body(httpx.get(f"{base}/v1/models"), 401)
+        assert httpx.get(f"{base}/health").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="nope", max_retries=0
+                          ).completions.create(model=backend.model_name, prompt="x")
+        for key in ("sk-acme", "sk-beta"):
+            good = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+            assert good.completions.create(model=backend.model_name, prompt="hi",
+                                           max_tokens=2).choices[0].finish_reason
+
+
+def test_admission_refusal_is_429_with_retry_after(llama_dir):
+    with local(llama_dir, max_num_seqs=1, max_waiting_requests=1) as (backend, port):
+        url = f"http://127.0.0.1:{port}/v1/completions"
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=60) as http:
+                body = {"prompt": "hi", "max_tokens": 40, "ignore_eos": True}
+                return await asyncio.gather(*[
+                    http.post(url, json={**body, "stream": i % 2 == 1}) for i in range(6)])
+
+        responses = asyncio.run(burst())
+        statuses = sorted(r.status_code for r in responses)
+        assert 200 in statuses and 429 in statuses, statuses
+        for refused in (r for r in responses if r.status_code == 429):
+            assert_error_body(refused, 429)
+            assert int(refused.headers["retry-after"]) >= 1
+
+
+def _wait_idle(backend: LocalBackend, free_at_start: int, deadline_s: float = 10.0) -> None:
+    engine = backend.engine
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if not engine.requests and engine.block_manager.num_free_blocks == free_at_start:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"blocks not freed: {engine.block_manager.num_free_blocks} free, "
+                         f"{free_at_start} at start, requests {list(engine.requests)}")
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    backend, port = server
+    engine = backend.engine
+    free_at_start = engine.block_manager.num_free_blocks
+    body = {"prompt": "a long story", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                      timeout=30) as response:
+        assert response.status_code == 200
+        events = response.iter_lines()
+        assert next(e for e in events if e.startswith("data:"))
+        assert engine.requests  # it is running now
+        steps_at_close = engine.num_steps
+    _wait_idle(backend, free_at_start)
+    assert engine.num_steps - steps_at_close < 200  # aborted, not run to its 1500 tokens
+
+
+def test_disconnect_while_waiting_non_streaming_frees_blocks(server):
+    backend, port = server
+    engine = backend.engine
+    free_at_start = engine.block_manager.num_free_blocks
+    body = {"prompt": "another long story", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=0.5)
+    steps_at_close = engine.num_steps
+    _wait_idle(backend, free_at_start)
+    assert engine.num_steps - steps_at_close < 200
+
+
+# ---------------------------------------------------------------------------------- chunk errors
+@pytest.fixture(scope="module")
+def tokenizer(llama_dir):
+    return Tokenizer(llama_dir)
+
+
+@pytest.mark.parametrize("chunk, status", [
+    (error(429, retry_after_s=2.5), 429), (error(503), 503), (error(400, param="prompt"), 400),
+    ({"error": "not a dict", "finished": True}, 503)])
+def test_error_before_first_token_sets_the_status(tokenizer, chunk, status):
+    with serving(ScriptedBackend(tokenizer, [chunk])) as (_, port):
+        for stream in (False, True):
+            response = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                                  json={"prompt": "x", "stream": stream})
+            err = assert_error_body(response, status)
+            if status == 429:
+                assert response.headers["retry-after"] == "3"
+            if status == 400:
+                assert err["param"] == "prompt"
+
+
+def test_error_after_first_token_is_an_sse_error_event(tokenizer):
+    script = [token_chunk("a"), error(503, "worker lost"), token_chunk("never")]
+    with serving(ScriptedBackend(tokenizer, script)) as (_, port):
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                              json={"messages": [{"role": "user", "content": "x"}],
+                                    "stream": True})
+        assert response.status_code == 200
+        events = [line[len("data: "):] for line in response.text.splitlines()
+                  if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[0])["choices"][0]["delta"]["content"] == "a"
+        err = json.loads(events[-2])["error"]
+        assert set(err) == ERROR_KEYS and err["message"] == "worker lost"
+
+
+def test_not_ready_is_503(tokenizer):
+    with serving(ScriptedBackend(tokenizer, [], is_ready=False)) as (_, port):
+        assert_error_body(httpx.get(f"http://127.0.0.1:{port}/ready"), 503)
+
+
+def test_scripted_disconnect_closes_the_backend_stream(tokenizer):
+    script = [token_chunk(str(i)) for i in range(1000)]
+    backend = ScriptedBackend(tokenizer, script, step_s=0.01)
+    with serving(backend) as (_, port):
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                          json={"prompt": "x", "stream": True, "n": 2}, timeout=10) as response:
+            next(line for line in response.iter_lines() if line.startswith("data:"))
+        end = time.monotonic() + 5
+        while len(backend.closed) < 2 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert len(backend.closed) == 2, backend.closed
