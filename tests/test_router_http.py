@@ -263,22 +263,22 @@ _MESSAGES = st.lists(st.fixed_dictionaries({}, optional={"role": _JSON, "content
 @pytest.fixture(scope="module")
 def small_server(llama_dir):
     # A 64-token context bounds every request the fuzzer happens to make valid.
-    with local(llama_dir, max_model_len=64) as served:
-        yield served
+    with local(llama_dir, max_model_len=64) as (backend, port), \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+        yield backend, http
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(chat=st.booleans(), edits=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=4),
        messages=st.one_of(st.none(), _MESSAGES))
 def test_fuzzed_bodies_never_500(small_server, chat, edits, messages):
-    backend, port = small_server
+    _, http = small_server
     base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
     body = {**base, "max_tokens": 4, **edits}
     if messages is not None and chat:
         body["messages"] = messages
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    response = httpx.post(f"http://127.0.0.1:{port}{path}", content=json.dumps(body),
-                          timeout=30)
+    response = http.post(path, content=json.dumps(body))
     assert response.status_code in (200, 400), (body, response.status_code, response.text)
     assert response.headers.get("x-request-id")
     if response.status_code == 400:
@@ -292,9 +292,8 @@ def test_fuzzed_bodies_never_500(small_server, chat, edits, messages):
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(raw=st.binary(max_size=64), chat=st.booleans())
 def test_fuzzed_bytes_are_400(small_server, raw, chat):
-    _, port = small_server
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    response = httpx.post(f"http://127.0.0.1:{port}{path}", content=raw, timeout=30)
+    _, http = small_server
+    response = http.post("/v1/chat/completions" if chat else "/v1/completions", content=raw)
     assert_error_body(response, 400)
 
 
