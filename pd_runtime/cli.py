@@ -75,9 +75,24 @@ def _cmd_serve(args) -> int:
     cfg = load_cluster_config(args.config) if args.config else ClusterConfig()
     model = args.model or cfg.model or str(ensure_default_model())
     client = launch(cfg, model, inside_job=bool(os.environ.get("RAY_ADDRESS")))
-    # The HTTP router is not built yet: serve proves the pools with a demo through the
-    # Python client of the pools (both paths), then exits.
-    run_demo(client, args.prompt, args.max_tokens)
+    if args.demo:  # a smoke test of the pools through both paths, then exit
+        run_demo(client, args.prompt, args.max_tokens)
+        return 0
+    from router.app import create_app
+    from router.core import PoolBackend
+    from router.server import serve_http
+
+    backend = PoolBackend(client, cfg, model, config_path=args.config)
+    backend.start()
+    host = args.host or cfg.router.host
+    port = cfg.router.port if args.port is None else args.port
+    print(f"pd-runtime: serving {backend.model_name!r} at http://{host}:{port}/v1 "
+          f"({len(client.prefill)} prefill, {len(client.decode)} decode workers)",
+          file=sys.stderr, flush=True)
+    try:
+        serve_http(create_app(backend, cfg.router), host, port)
+    finally:
+        backend.stop()
     return 0
 
 
@@ -95,8 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_cmd_make_tiny_model)
 
     for name, func, text in (("generate", _cmd_generate, "offline generation"),
-                             ("serve", _cmd_serve, "start the Ray pools (then a demo, until the "
-                                                   "router lands)")):
+                             ("serve", _cmd_serve, "the Ray pools behind the OpenAI HTTP router")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--model", help="HF model directory (default: the embedded tiny model)")
         p.add_argument("--config", help="cluster YAML (serve); default: cluster_configs/local.yaml "
@@ -106,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--temperature", type=float, default=0.0)
         p.add_argument("--seed", type=int, default=None)
+        if name == "serve":
+            p.add_argument("--host", default=None, help="default: router.host from the config")
+            p.add_argument("--port", type=int, default=None,
+                           help="default: router.port from the config")
+            p.add_argument("--demo", action="store_true",
+                           help="run a few requests through both paths and exit")
         p.set_defaults(func=func)
     return parser
 

@@ -276,9 +276,10 @@ class RequestLogMiddleware:
             path = getattr(route, "path", None) or "unmatched"
             log.info("%s %s %s %d %.1fms", state["request_id"], scope.get("method"),
                      scope.get("path"), status, latency * 1e3)
+            observe = getattr(self.backend, "observe", None)  # optional in the interface
             try:
-                self.backend.observe("http_request", path=path, method=scope.get("method"),
-                                     status=status, latency_s=latency,
-                                     request_id=state["request_id"])
+                if observe is not None:
+                    observe("http_request", path=path, method=scope.get("method"),
+                            status=status, latency_s=latency, request_id=state["request_id"])
             except Exception:  # metrics must never break serving
                 log.exception("backend.observe failed")

@@ -16,8 +16,11 @@ The contract, written once here:
   the backend cancels the request everywhere and frees its blocks; it never raises for that.
 - `authenticate` raises BackendError(401) for a missing or wrong key when keys are configured,
   returns the tenant for a good key, and None when no keys are configured (anonymous).
-- `observe(event, **fields)` is told about HTTP-level events ("http_request" with path, status,
-  latency_s) for the backend's metrics; it must be cheap and never raise.
+- `observe(event, **fields)` (optional: the app skips it when absent) is told about HTTP-level
+  events ("http_request" with path (the route template), method, status, latency_s,
+  request_id) for the backend's metrics; it must be cheap and should not raise.
+- Errors raised (not streamed) from `authenticate` or before `generate`'s first chunk must be
+  BackendError (or subclasses) to get their status; any other exception is answered with 500.
 """
 
 from __future__ import annotations

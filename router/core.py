@@ -9,6 +9,7 @@ import asyncio
 import logging
 import math
 import random
+import threading
 import time
 from typing import AsyncIterator, Optional
 
@@ -52,24 +53,30 @@ class PoolBackend:
         self.inflight: dict[str, int] = {}
         self._engine_ids: dict[str, str] = {}
         self._rng = random.Random()
-        self._health_task: Optional[asyncio.Task] = None
+        self._health_thread: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
-    async def start(self) -> None:
-        await self.refresh()
+    def start(self) -> None:
+        """First load report now, then health checks on their own thread and event loop, so
+        they never wait behind HTTP traffic (and need no particular loop to start from)."""
+        asyncio.run(self.refresh())
         self.reloader.start()
-        self._health_task = asyncio.ensure_future(self._health_loop())
+        self._health_thread = threading.Thread(target=self._health_loop, daemon=True,
+                                               name="router-health")
+        self._health_thread.start()
 
-    async def stop(self) -> None:
+    def stop(self) -> None:
         self.reloader.stop()
-        if self._health_task:
-            self._health_task.cancel()
+        self._stopping.set()
+        if self._health_thread:
+            self._health_thread.join(timeout=10)
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.recovery.health_check_interval_s)
+    def _health_loop(self) -> None:
+        interval = self.cfg.recovery.health_check_interval_s
+        while not self._stopping.wait(interval):
             try:
-                await self.refresh()
+                asyncio.run(self.refresh())
             except Exception:
                 log.exception("worker health check failed")
 
@@ -84,6 +91,7 @@ class PoolBackend:
                 self.index.forget(w.worker_id)  # restarted: its cache is empty again
             self._engine_ids[w.worker_id] = engine_id
             self.index.set_capacity(w.worker_id, w.load.get("total_blocks", 1))
+            # The report now counts what we routed there; count afresh from here.
             self.inflight[w.worker_id] = 0
 
     # -- the Backend interface ---------------------------------------------------------------
@@ -164,8 +172,6 @@ class PoolBackend:
                     self._observe_final(path, chunk)
                 yield chunk
         finally:
-            for w in chosen:
-                self.inflight[w] = max(0, self.inflight.get(w, 0) - 1)
             self.metrics.requests.labels(path, status).inc()
             if status == "ok":
                 self.metrics.e2e.labels(path).observe(time.monotonic() - arrival)

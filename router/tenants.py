@@ -11,10 +11,14 @@ import time
 from typing import Optional
 
 from pd_runtime.config import TenantConfig
+from router.backend import BackendError
 
 
-class AuthError(Exception):
+class AuthError(BackendError):
     """Missing or wrong API key (HTTP 401)."""
+
+    def __init__(self, message: str):
+        super().__init__(401, message, code="invalid_api_key")
 
 
 class _Bucket:

@@ -323,7 +323,7 @@ def test_admission_refusal_is_429_with_retry_after(llama_dir):
 
         async def burst():
             async with httpx.AsyncClient(timeout=60) as http:
-                body = {"prompt": "hi", "max_tokens": 40, "ignore_eos": True}
+                body = {"prompt": "hi", "max_tokens": 100, "ignore_eos": True}
                 return await asyncio.gather(*[
                     http.post(url, json={**body, "stream": i % 2 == 1}) for i in range(6)])
 

@@ -223,7 +223,7 @@ def test_serve_from_yaml_runs_both_paths(llama_dir, tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = subprocess.run([sys.executable, "-m", "pd_runtime.cli", "--log-level", "WARNING",
-                          "serve", "--config", str(path), "--max-tokens", "8"],
+                          "serve", "--config", str(path), "--demo", "--max-tokens", "8"],
                          capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("[")]

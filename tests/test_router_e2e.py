@@ -1,0 +1,177 @@
+"""The whole product on a local Ray: pools from YAML, the router with its policy, the official
+`openai` client over HTTP on 127.0.0.1. Both paths, live reload of the routing section, and a
+client disconnect that frees every block.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import openai
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.timeout(300)
+
+NUM_BLOCKS = 96
+
+
+def write_config(path, model_dir, **routing):
+    cfg = yaml.safe_load(open("cluster_configs/local.yaml"))
+    cfg["model"] = model_dir
+    for pool in ("prefill", "decode"):
+        cfg[pool]["engine"].update(dtype="float32", num_kv_blocks=NUM_BLOCKS, num_threads=1)
+    cfg["router"]["reload_interval_s"] = 0.1
+    cfg["router"]["routing"].update(routing)
+    cfg["recovery"]["health_check_interval_s"] = 0.2
+    path.write_text(yaml.safe_dump(cfg))
+
+
+@pytest.fixture(scope="module")
+def product(llama_dir, tmp_path_factory):
+    from pd_runtime.config import load_cluster_config
+    from pd_runtime.workers.pool import build_pools
+    from router.app import create_app
+    from router.core import PoolBackend
+    from router.server import start_in_thread
+
+    path = tmp_path_factory.mktemp("cfg") / "cluster.yaml"
+    write_config(path, llama_dir, max_local_prefill_tokens=64)
+    cfg = load_cluster_config(path)
+    ray.init(num_cpus=4, include_dashboard=False, namespace="pd-e2e")
+    client = build_pools(cfg, llama_dir)
+    backend = PoolBackend(client, cfg, llama_dir, config_path=str(path))
+    backend.start()
+    server, port = start_in_thread(create_app(backend, cfg.router))
+    yield dict(path=path, backend=backend, port=port, model_dir=llama_dir,
+               client=openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                    max_retries=0))
+    server.stop()
+    backend.stop()
+    ray.shutdown()
+
+
+def decisions(port) -> dict:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    out = {}
+    for path, reason, value in re.findall(
+            r'pd_routing_decisions_total\{path="(\w+)",reason="(\w+)"\} ([0-9.]+)', text):
+        out[(path, reason)] = float(value)
+    return out
+
+
+def free_blocks(backend):
+    c = backend.client
+    return [ray.get(w.handle.free_blocks.remote()) for w in c.prefill + c.decode]
+
+
+SHORT = "The decode worker"
+LONG = " ".join(f"word{i}" for i in range(60))  # well over 64 tokens
+
+
+def fresh_long(tag: str) -> str:
+    """A long prompt no worker has cached (a cached prefix would keep it colocated)."""
+    return " ".join(f"{tag}{i}" for i in range(60))
+
+
+def complete(client, prompt, **kw):
+    return client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                     max_tokens=12, temperature=0, **kw)
+
+
+def test_both_paths_same_greedy_text_and_metrics(product):
+    client, port = product["client"], product["port"]
+    before = decisions(port)
+    short = complete(client, SHORT)
+    long = complete(client, LONG)
+    after = decisions(port)
+    assert after.get(("colocated", "short_prompt"), 0) > before.get(("colocated",
+                                                                     "short_prompt"), 0)
+    assert after.get(("disaggregated", "long_prompt"), 0) > before.get(("disaggregated",
+                                                                        "long_prompt"), 0)
+    from pd_runtime import LLM, SamplingParams
+
+    llm = LLM(product["model_dir"], dtype="float32", num_kv_blocks=NUM_BLOCKS)
+    ref = llm.generate([SHORT, LONG], SamplingParams(max_tokens=12, temperature=0))
+    assert short.choices[0].text == ref[0].text
+    assert long.choices[0].text == ref[1].text
+    # Streaming, chat, on the disaggregated path: the same text as non-streaming.
+    stream = client.completions.create(model=short.model, prompt=LONG, max_tokens=12,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for event in stream:
+        if event.choices:
+            pieces.append(event.choices[0].text)
+        usage = event.usage or usage
+    assert "".join(pieces) == ref[1].text and usage.completion_tokens == 12
+    chat = client.chat.completions.create(model=short.model, max_tokens=8, temperature=0,
+                                          messages=[{"role": "user", "content": LONG}])
+    assert chat.choices[0].message.content is not None
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert 'pd_ttft_seconds_count{path="disaggregated"}' in text
+    assert 'pd_ttft_seconds_count{path="colocated"}' in text
+
+
+def set_routing(product, **routing):
+    write_config(product["path"], product["model_dir"], **routing)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        active = httpx.get(f"http://127.0.0.1:{product['port']}/v1/router/config").json()
+        if all(active["routing"][k] == v for k, v in routing.items()):
+            return active
+        time.sleep(0.05)
+    raise AssertionError(f"routing config not reloaded: {active}")
+
+
+def test_hot_reload_moves_long_prompts_and_rejects_broken_edits(product):
+    port = product["port"]
+    set_routing(product, max_local_prefill_tokens=100_000)
+    before = decisions(port)
+    complete(product["client"], fresh_long("alpha"))
+    mid = decisions(port)
+    assert mid.get(("colocated", "short_prompt"), 0) == before.get(("colocated",
+                                                                    "short_prompt"), 0) + 1
+    set_routing(product, max_local_prefill_tokens=16)  # lowered in the file: no restart
+    complete(product["client"], fresh_long("beta"))
+    after = decisions(port)
+    assert after.get(("disaggregated", "long_prompt"), 0) == mid.get(
+        ("disaggregated", "long_prompt"), 0) + 1
+    # A broken edit: logged and rejected, the previous settings stay in force.
+    product["path"].write_text(product["path"].read_text().replace(
+        "max_local_prefill_tokens: 16", "max_local_prefill_tokens: -5"))
+    deadline = time.monotonic() + 10
+    active = {}
+    while time.monotonic() < deadline:
+        active = httpx.get(f"http://127.0.0.1:{port}/v1/router/config").json()
+        if active["last_reload_error"]:
+            break
+        time.sleep(0.05)
+    assert "max_local_prefill_tokens" in active["last_reload_error"]
+    assert active["routing"]["max_local_prefill_tokens"] == 16
+    set_routing(product, max_local_prefill_tokens=64)
+
+
+def test_client_disconnect_frees_blocks_everywhere(product):
+    backend, client = product["backend"], product["client"]
+    start = [NUM_BLOCKS] * 2
+    deadline = time.monotonic() + 20
+    while free_blocks(backend) != start and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert free_blocks(backend) == start
+    stream = client.completions.create(model=client.models.list().data[0].id, prompt=LONG,
+                                       max_tokens=400, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    got = 0
+    for event in stream:
+        got += 1
+        if got == 3:
+            break
+    stream.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 20
+    while free_blocks(backend) != start and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert free_blocks(backend) == start
