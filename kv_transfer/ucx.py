@@ -22,6 +22,7 @@ import time
 from typing import Optional
 
 import msgpack
+import numpy
 import torch
 
 from kv_transfer.base import KVTransferError, Link, LinkError, LinkTimeoutError, Transport
@@ -171,7 +172,9 @@ class UCXLink(Link):
             try:
                 for request, view, buf in zip(requests, views, batch):
                     _wait(request, deadline, "recv")
-                    _as_bytes(buf).copy_(view)
+                    # numpy's copy runs on this thread alone: torch's would wake its OpenMP
+                    # pool, which spins against the progress threads on a small box.
+                    numpy.copyto(_as_bytes(buf).numpy(), view.numpy())
             except LinkError:
                 self._staging = torch.empty(0, dtype=torch.uint8)  # never reuse what UCX may write
                 self._give_up((staging, arrays), requests)
