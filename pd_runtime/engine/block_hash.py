@@ -6,6 +6,7 @@ cached KV blocks. The root of a chain mixes in everything besides tokens that ch
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Iterable, Optional, Sequence
 
 import msgpack
@@ -14,6 +15,7 @@ import xxhash
 HASH_SEED = 0x5EED_BA5E
 
 
+@lru_cache(maxsize=4096)  # one per (model, adapter, tenant): every request asks again
 def root_hash(model_identity: str, adapter_id: Optional[str] = None,
               cache_salt: Optional[str] = None) -> int:
     """The parent of a request's first block: model, adapter (reserved) and isolation salt."""
