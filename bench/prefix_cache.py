@@ -241,18 +241,24 @@ def run_tenants(model: str, args) -> bool:
 
     for i, r in enumerate(rows):
         line(str(i), r)
-    # Ratios are taken per repeat (figures measured a second apart), then the median: a load
-    # burst from other jobs on the box spoils one repeat, not the verdict.
-    med = {k: statistics.median(r[k] for r in rows)
-           for k in ("a_first", "b_cold", "b_after", "a_repeat", "b_ratio", "a_ratio")}
+    keys = ("a_first", "b_cold", "b_after", "a_repeat")
+    med = {k: statistics.median(r[k] for r in rows) for k in keys + ("b_ratio", "a_ratio")}
     line("med", med, cached=False)
+    # The verdict uses the best of the repeats: load from other jobs only ever adds time, so a
+    # minimum estimates the undisturbed cost (as bench/common.py's best-of does); the median of
+    # the per-repeat ratios is printed next to it.
+    best = {k: min(r[k] for r in rows) for k in keys}
+    best["b_ratio"], best["a_ratio"] = (best["b_after"] / best["b_cold"],
+                                        best["a_repeat"] / best["b_cold"])
+    line("min", best, cached=False)
     b_cached = sorted({r[k] for r in rows for k in ("b_cold_cached", "b_visible",
                                                      "b_after_cached")})
-    isolated = med["b_ratio"] >= 0.8 and b_cached == [0]
-    a_hits = med["a_ratio"] <= 0.5
-    print(f"median B after A / B cold = {med['b_ratio']:.2f} (isolation needs >= 0.8); "
-          f"B cached tokens: {b_cached} (must be [0]); median A repeat / B cold = "
-          f"{med['a_ratio']:.2f} (must be <= 0.5)")
+    isolated = best["b_ratio"] >= 0.8 and b_cached == [0]
+    a_hits = best["a_ratio"] <= 0.5
+    print(f"B after A / B cold = {best['b_ratio']:.2f} best-of, {med['b_ratio']:.2f} median "
+          f"(isolation needs >= 0.8); B cached tokens: {b_cached} (must be [0]); "
+          f"A repeat / B cold = {best['a_ratio']:.2f} best-of, {med['a_ratio']:.2f} median "
+          f"(must be <= 0.5)")
     ok = isolated and a_hits
     print(f"tenant isolation: {'PASS' if ok else 'FAIL'}"
           + ("" if isolated else " (B got A's cache, or B after A ran faster than B cold)")

@@ -93,10 +93,7 @@ class BlockManager:
         """Cached blocks for the start of a request that holds no blocks; not yet referenced."""
         if not self.enable_prefix_caching:
             return []
-        tokens = req.all_token_ids
-        hit = self._lookup(tokens, self.request_hashes(req))
-        self.stats.record(req.cache_salt, len(tokens), len(hit) * self.block_size)
-        return hit
+        return self._lookup(req.all_token_ids, self.request_hashes(req))
 
     def can_allocate(self, req: Request, num_new_tokens: int, prefix: list[int] = ()) -> bool:
         held = len(req.block_ids) + len(prefix)
@@ -110,6 +107,9 @@ class BlockManager:
         """Make the block table cover `num_new_tokens` more tokens; False (no change) if full."""
         if not self.can_allocate(req, num_new_tokens, prefix):
             return False
+        if not req.block_ids and req.num_computed_tokens == 0 and self.enable_prefix_caching:
+            # Counted once per admission that succeeds, not per attempt that found no room.
+            self.stats.record(req.cache_salt, req.num_tokens, len(prefix) * self.block_size)
         for block_id in prefix:
             self._touch(block_id)
         req.block_ids.extend(prefix)
