@@ -111,7 +111,7 @@ def main():
 
     model = bench_model(args.model)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     engine = EngineConfig(model=model, dtype="bfloat16", num_kv_blocks=1024, num_threads=1,
                           max_num_batched_tokens=512)
     kv = KVTransferConfig(backend=args.backend)

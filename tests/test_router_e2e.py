@@ -41,7 +41,7 @@ def product(llama_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "cluster.yaml"
     write_config(path, llama_dir, max_local_prefill_tokens=64)
     cfg = load_cluster_config(path)
-    ray.init(num_cpus=4, include_dashboard=False, namespace="pd-e2e")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="pd-e2e")
     client = build_pools(cfg, llama_dir)
     backend = PoolBackend(client, cfg, llama_dir, config_path=str(path))
     backend.start()

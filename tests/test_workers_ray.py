@@ -35,7 +35,7 @@ def cluster(llama_dir):
     from pd_runtime.workers.client import PoolClient
     from pd_runtime.workers.pool import start_worker, wait_ready
 
-    ray.init(num_cpus=8, include_dashboard=False, namespace="pd-test",
+    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="pd-test",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     engine = EngineConfig(model=llama_dir, dtype="float32", num_kv_blocks=NUM_BLOCKS,
                           num_threads=1)

@@ -50,7 +50,10 @@ class EngineLoop:
         return q
 
     def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        """Stop delivering; a reader still waiting gets None (the request ended elsewhere)."""
+        q = self._streams.pop(request_id, None)
+        if q is not None:
+            q.put_nowait(None)
 
     def add_tick_hook(self, hook: Callable[[LLMEngine], None]) -> None:
         """Called on the engine thread once per loop iteration (poll transfers, deadlines)."""

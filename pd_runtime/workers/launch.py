@@ -29,7 +29,9 @@ def init_ray(cfg: RayConfig, inside_job: bool) -> None:
     elif inside_job:
         ray.init(**common)  # connect to the cluster the job was submitted to
     else:
-        ray.init(num_cpus=cfg.num_cpus, include_dashboard=cfg.include_dashboard, **common)
+        # "local": a new Ray of our own even if another one runs on this machine.
+        ray.init(address="local", num_cpus=cfg.num_cpus,
+                 include_dashboard=cfg.include_dashboard, **common)
     log.info("Ray: %s", ray.cluster_resources())
 
 

@@ -120,11 +120,16 @@ class PDWorker:
                 return True  # the lease end (on_release) frees these blocks
             return engine.abort(request_id)
 
-        return await self._engine_loop().call(abort)
+        loop = self._engine_loop()
+        aborted = await loop.call(abort)
+        loop.close_stream(request_id)  # wake whoever still waits on its output
+        return aborted
 
     async def _stream(self, request_id: str, q: asyncio.Queue, path: str) -> AsyncIterator[dict]:
         while True:
             out = await q.get()
+            if out is None:  # aborted from elsewhere: nothing more will come
+                return
             chunk = output_chunk(out, path)
             if out.finished and request_id in self.kv_transfer_s:
                 chunk["kv_transfer_s"] = self.kv_transfer_s.pop(request_id)
@@ -224,8 +229,15 @@ class PDWorker:
             loop.close_stream(request_id)
             return error_chunk(exc)
         out = await q.get()
-        self.ship_tasks[request_id] = asyncio.ensure_future(
-            ship_kv(self, request_id, peer_id, dst_block_ids, skip_blocks))
+        if out is None:  # aborted while prefilling (abort() already freed its blocks)
+            self.cancelled.discard(request_id)
+            return error_chunk(RuntimeError(f"request {request_id} was cancelled"), 499)
+        task = asyncio.ensure_future(ship_kv(self, request_id, peer_id, dst_block_ids,
+                                             skip_blocks))
+        self.ship_tasks[request_id] = task
+        # Nobody may ask for the outcome (the decode side died): forget it after a while.
+        task.add_done_callback(lambda _: asyncio.get_running_loop().call_later(
+            120, self.ship_tasks.pop, request_id, None))
         return output_chunk(out, "disaggregated")
 
     async def ship_outcome(self, request_id: str) -> str:
