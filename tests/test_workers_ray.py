@@ -243,3 +243,37 @@ def test_serve_rejects_bad_config_naming_field(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     assert "decode.engine.block_size" in run.stderr and ":4" in run.stderr
+
+
+def test_abort_from_elsewhere_ends_the_stream_and_frees(cluster, reference):
+    """A request aborted by a separate call (the router's cancel) must not leave its stream
+    waiting forever, and must give its blocks back."""
+    ps, _ = reference
+    d1 = next(w for w in cluster.decode if w.worker_id == "d1").handle
+
+    async def run():
+        gen = d1.generate.remote("abort-1", ps[0], dict(max_tokens=500, temperature=0.0,
+                                                        ignore_eos=True))
+        chunks = []
+        async for ref in gen:
+            chunks.append(await ref)
+            if len(chunks) == 2:
+                assert await d1.abort.remote("abort-1")
+        return chunks
+
+    chunks = asyncio.run(asyncio.wait_for(run(), timeout=30))
+    assert 2 <= len(chunks) < 500 and not chunks[-1]["finished"]
+    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
+
+
+def test_cancel_before_prefill_releases_the_prefill_side(cluster, reference):
+    ps, _ = reference
+    p0 = cluster.prefill[0].handle
+    d0 = next(w for w in cluster.decode if w.worker_id == "d0").handle
+    meta = ray.get(d0.kv_metadata.remote())
+    ray.get(p0.abort.remote("early-cancel"))  # the decode side gave up before the call
+    first = ray.get(p0.prefill.remote("early-cancel", ps[1], params(1, False), meta,
+                                      [0, 1, 2], 0), timeout=30)
+    assert first["token_ids"]
+    assert ray.get(p0.ship_outcome.remote("early-cancel"), timeout=30) == "cancelled"
+    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
