@@ -114,8 +114,8 @@ class PoolBackend:
         return self.metrics.text()
 
     def _states(self, workers) -> list[WorkerState]:
-        return [WorkerState(w.worker_id, w.role, w.healthy, False, w.load,
-                            self.inflight.get(w.worker_id, 0)) for w in workers]
+        return [WorkerState(w.worker_id, w.role, w.healthy, bool(w.load.get("draining")),
+                            w.load, self.inflight.get(w.worker_id, 0)) for w in workers]
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: dict, *,
                        priority: int = 0, tenant: Optional[TenantConfig] = None

@@ -49,7 +49,7 @@ def test_gpu_examples_say_what_they_promise():
     assert single.kv_transfer.backend == "torch_dist" and single.placement.strategy == "PACK"
 
     multi = load_cluster_config(CONFIGS / "gpu-multi-node.yaml")
-    assert multi.ray.address == "auto" and multi.kv_transfer.backend == "ucx"
+    assert multi.ray.address == "auto" and multi.kv_transfer.backend == "torch_dist"
     assert multi.placement_for("prefill").strategy == "SPREAD"
     assert multi.kv_transfer.for_node("10.0.0.7").host == "10.0.0.7"
     assert [t.tenant_id for t in multi.router.tenants] == ["search", "chat"]

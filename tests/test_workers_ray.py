@@ -277,3 +277,18 @@ def test_cancel_before_prefill_releases_the_prefill_side(cluster, reference):
     assert first["token_ids"]
     assert ray.get(p0.ship_outcome.remote("early-cancel"), timeout=30) == "cancelled"
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
+
+
+def test_draining_worker_gets_nothing_new(cluster, reference):
+    ps, ref = reference
+    d0 = next(w for w in cluster.decode if w.worker_id == "d0")
+    ray.get(d0.handle.set_draining.remote(True))
+    try:
+        asyncio.run(cluster.refresh())
+        assert d0.load["draining"] is True
+        chunks = [collect(cluster, f"drain-{i}", ps[0], params(0, False)) for i in range(4)]
+        assert {c[-1]["worker_id"] for c in chunks} == {"d1"}
+        assert all(tokens_of(c) == ref[False][0] for c in chunks)
+    finally:
+        ray.get(d0.handle.set_draining.remote(False))
+        asyncio.run(cluster.refresh())

@@ -45,7 +45,8 @@ class PoolClient:
     # -- worker choice (the router's policy replaces these) ----------------------------------
     @staticmethod
     def _pick(workers: list[WorkerRef], exclude: set[str]) -> Optional[WorkerRef]:
-        live = [w for w in workers if w.healthy and w.worker_id not in exclude]
+        live = [w for w in workers if w.healthy and not w.load.get("draining")
+                and w.worker_id not in exclude]
         if not live:
             return None
         best = min(w.load.get("num_running", 0) + w.load.get("num_waiting", 0) for w in live)

@@ -65,6 +65,7 @@ class PDWorker:
         # Fault injection for chaos tests: hold the KV send this long after the first token.
         self.fault_delay_kv_send_s = 0.0
         self.loop: Optional[EngineLoop] = None
+        self.draining = False
         self.started = time.time()
         log.info("worker %s (%s) up: engine %s, %d KV blocks", worker_id, role, self.engine_id,
                  self.engine.block_manager.num_blocks)
@@ -95,8 +96,13 @@ class PDWorker:
     async def load(self) -> dict:
         report = await self._engine_loop().call(lambda e: e.load_report())
         report.update(worker_id=self.worker_id, role=self.role, engine_id=self.engine_id,
-                      kv_transfer=self.agent.metrics())
+                      kv_transfer=self.agent.metrics(), draining=self.draining)
         return report
+
+    async def set_draining(self, draining: bool = True) -> None:
+        """A draining worker finishes what it has and is routed nothing new (for a restart
+        or a scale-down); the router sees it in the next load report."""
+        self.draining = draining
 
     async def free_blocks(self) -> int:
         return await self._engine_loop().call(lambda e: e.block_manager.num_free_blocks)
