@@ -17,6 +17,7 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(300)
 
 NUM_BLOCKS = 96
+AUTH = {"Authorization": "Bearer key-acme"}
 
 
 def write_config(path, model_dir, **routing):
@@ -25,6 +26,11 @@ def write_config(path, model_dir, **routing):
     for pool in ("prefill", "decode"):
         cfg[pool]["engine"].update(dtype="float32", num_kv_blocks=NUM_BLOCKS, num_threads=1)
     cfg["router"]["reload_interval_s"] = 0.1
+    cfg["router"]["tenants"] = [
+        {"tenant_id": "acme", "api_key": "key-acme"},
+        {"tenant_id": "other", "api_key": "key-other"},
+        {"tenant_id": "slow", "api_key": "key-slow", "requests_per_minute": 2},
+    ]
     cfg["router"]["routing"].update(routing)
     cfg["recovery"]["health_check_interval_s"] = 0.2
     path.write_text(yaml.safe_dump(cfg))
@@ -47,8 +53,8 @@ def product(llama_dir, tmp_path_factory):
     backend.start()
     server, port = start_in_thread(create_app(backend, cfg.router))
     yield dict(path=path, backend=backend, port=port, model_dir=llama_dir,
-               client=openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                                    max_retries=0))
+               client=openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1",
+                                    api_key="key-acme", max_retries=0))
     server.stop()
     backend.stop()
     ray.shutdown()
@@ -120,7 +126,8 @@ def set_routing(product, **routing):
     write_config(product["path"], product["model_dir"], **routing)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        active = httpx.get(f"http://127.0.0.1:{product['port']}/v1/router/config").json()
+        active = httpx.get(f"http://127.0.0.1:{product['port']}/v1/router/config",
+                           headers=AUTH).json()
         if all(active["routing"][k] == v for k, v in routing.items()):
             return active
         time.sleep(0.05)
@@ -146,7 +153,7 @@ def test_hot_reload_moves_long_prompts_and_rejects_broken_edits(product):
     deadline = time.monotonic() + 10
     active = {}
     while time.monotonic() < deadline:
-        active = httpx.get(f"http://127.0.0.1:{port}/v1/router/config").json()
+        active = httpx.get(f"http://127.0.0.1:{port}/v1/router/config", headers=AUTH).json()
         if active["last_reload_error"]:
             break
         time.sleep(0.05)
@@ -175,3 +182,30 @@ def test_client_disconnect_frees_blocks_everywhere(product):
     while free_blocks(backend) != start and time.monotonic() < deadline:
         time.sleep(0.1)
     assert free_blocks(backend) == start
+
+
+def tenant_client(product, key):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{product['port']}/v1", api_key=key,
+                         max_retries=0)
+
+
+def test_api_keys_tenant_salts_and_rate_limits(product):
+    with pytest.raises(openai.AuthenticationError):
+        complete(tenant_client(product, "wrong-key"), SHORT)
+    # The same long prompt: cached for the tenant that ran it, never for another tenant.
+    prompt = fresh_long("tenantcase")
+    acme, other = product["client"], tenant_client(product, "key-other")
+    complete(acme, prompt)
+    again = complete(acme, prompt)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    theirs = complete(other, prompt)
+    assert theirs.usage.prompt_tokens_details.cached_tokens == 0
+    assert theirs.choices[0].text == again.choices[0].text
+    slow = tenant_client(product, "key-slow")
+    complete(slow, SHORT)
+    complete(slow, SHORT)
+    with pytest.raises(openai.RateLimitError) as err:
+        complete(slow, SHORT)
+    assert float(err.value.response.headers["retry-after"]) > 0
+    text = httpx.get(f"http://127.0.0.1:{product['port']}/metrics").text
+    assert 'pd_admission_refusals_total{reason="requests_per_minute",tenant="slow"}' in text
