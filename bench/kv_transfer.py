@@ -42,17 +42,21 @@ def _caches(num_blocks):
     return big, [big[i] for i in range(LAYERS)]
 
 
-def _raw_recv(link, buf):
-    """A plain receive straight into buf, the figure the agent is held to. (UCX links stage
-    receives so a given-up one cannot write late; the raw figure is a bare tag_recv.)"""
+def _raw_op(link, buf, what):
+    """A plain send or receive of buf as one message, the figure the agent is held to. (UCX
+    links split regions into pieces and stage receives so a given-up one cannot write late;
+    the raw figure is a bare tag_send/tag_recv of the whole buffer.)"""
     from kv_transfer import ucx
     if not isinstance(link, ucx.UCXLink):
-        link.recv_bytes(buf, TIMEOUT_S)
+        (link.send_bytes if what == "send" else link.recv_bytes)(buf, TIMEOUT_S)
         return
     ucx_api, _ = ucx._ucx()
     array = ucx._host_array(buf)
-    request = link._ep.tag_recv(array, tag=ucx_api.UCXXTag(link._recv_tag))
-    ucx._wait(request, time.monotonic() + TIMEOUT_S, "raw recv")
+    if what == "send":
+        request = link._ep.tag_send(array, tag=ucx_api.UCXXTag(link._send_tag))
+    else:
+        request = link._ep.tag_recv(array, tag=ucx_api.UCXXTag(link._recv_tag))
+    ucx._wait([request], time.monotonic() + TIMEOUT_S, f"raw {what}", link.progress)
 
 
 def _serve_raw(conn, cfg, max_bytes):
@@ -65,7 +69,7 @@ def _serve_raw(conn, cfg, max_bytes):
     while True:  # one message in, a one-frame ack out, until a zero-size message
         size = int.from_bytes(link.recv_frame(TIMEOUT_S), "little")
         if size:
-            _raw_recv(link, buf[:size])
+            _raw_op(link, buf[:size], "recv")
         link.send_frame(b"k", TIMEOUT_S)
         if not size:
             break
@@ -112,7 +116,7 @@ def _raw_phase(conn, cfg, tokens_list, iters, latencies):
         for i in range(iters[tokens] + 1):
             start = time.perf_counter()
             link.send_frame(size.to_bytes(8, "little"), TIMEOUT_S)
-            link.send_bytes(payload, TIMEOUT_S)
+            _raw_op(link, payload, "send")
             link.recv_frame(TIMEOUT_S)
             if i:  # first round warms the connection
                 latencies[tokens].append(time.perf_counter() - start)

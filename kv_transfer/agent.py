@@ -155,6 +155,11 @@ class KVTransferAgent:
             finished, self._finished = self._finished, []
             return finished
 
+    def has_transfers(self) -> bool:
+        """True while any transfer is pending here (read without the lock: a hint for how
+        eagerly link readers poll, see Link.set_expecting)."""
+        return bool(self._sending or self._receiving)
+
     def metrics(self) -> dict:
         with self._lock:
             in_flight = sum(p.credits.unacked_bytes for p in self.peers.all())

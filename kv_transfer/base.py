@@ -205,6 +205,10 @@ class Link(ABC):
     def close(self) -> None:
         """Abort the link: pending operations fail, nothing is written afterwards."""
 
+    def set_expecting(self, expecting: Callable[[], bool]) -> None:
+        """expecting() is True while a message may arrive any moment (transfers in flight); a
+        backend that polls may then poll faster. Blocking backends ignore it."""
+
     def send_frame(self, payload: bytes, timeout_s: float) -> None:
         self.send_many(frame_buffers(payload), timeout_s)
 

@@ -1,13 +1,15 @@
 """UCX backend through ucxx's synchronous core API: worker-address endpoints and tag messages,
-one worker per agent with its own progress thread.
+one worker per agent.
 
 Modes (KVTransferConfig.ucx_mode), chosen once per agent because a UCX context is fixed at birth:
 - tcp: UCX_TLS=tcp,self, event-driven progress thread, endpoint error handling on (UCX itself
   reports a dead peer).
-- shm: UCX_TLS=sm,self, polling progress thread (shared-memory transports have no wakeup
-  event; it keeps one core busy), endpoint error handling off, because on this UCX shared
-  memory refuses endpoints with error handling. Peer death is then found by kv_transfer's own
-  heartbeats and deadlines (peer.py), never by UCX.
+- shm: UCX_TLS=sm,self, no progress thread: whichever agent thread waits on a request drives
+  the worker (ucxx workers are thread-safe). Shared-memory transports have no wakeup event, so
+  a progress thread would have to poll and keep a core busy even when idle; here an idle link
+  costs the reader's backed-off polls, and the receiving thread pulls the bytes itself.
+  Endpoint error handling is off, because on this UCX shared memory refuses endpoints with it.
+  Peer death is then found by kv_transfer's own heartbeats and deadlines (peer.py).
 - auto: shm when the agent listens on a loopback host (all peers share the machine) and a
   shared-memory context can be created; tcp otherwise.
 RDMA (rc/dc/ud) would be picked by UCX's own TLS=all on hardware that has it; not on this box.
@@ -30,6 +32,7 @@ from kv_transfer.base import KVTransferError, Link, LinkError, LinkTimeoutError,
 _ACCEPT_TAG = 1
 _HELLO_BYTES = 4096
 _TLS = {"tcp": "tcp,self", "shm": "sm,self"}
+_CALLER_PROGRESS_MODES = ("shm",)  # modes whose waiting threads drive the worker themselves
 
 
 def _ucx():
@@ -49,8 +52,12 @@ def resolve_mode(requested: str, host: str) -> str:
 
 
 # Receives land in a link-owned staging buffer and are copied into the KV blocks only once
-# complete (see UCXLink.recv_many); batches of regions larger than this reuse it in turn.
+# complete (see UCXLink.recv_many); tcp batches larger than this reuse it in turn.
 _STAGING_CAP_BYTES = 64 << 20
+# In shm mode regions travel as messages of at most this size, so that a received piece is
+# still in this core's cache when it is copied out of staging (see UCXLink.recv_many). Over
+# tcp a region is one message (splitting measured no gain there).
+_PIECE_BYTES = 512 << 10
 # Buffers of operations given up on, with their requests: UCX may still read or write them
 # (a matched receive cannot be cancelled), so they stay allocated until UCX is done with them.
 _abandoned: list = []
@@ -63,22 +70,44 @@ def _abandon(buffers, requests) -> None:
         _abandoned.append((buffers, requests))
 
 
-def _wait(request, deadline: float, what: str) -> None:
-    """Poll one request until it completes or the deadline passes. ucxx's synchronous API has
-    no blocking wait; the sleep grows with the time already waited (an idle reader ends up
-    at 1 ms), so polling adds at most a few percent of latency and little CPU."""
+def _no_progress() -> None:
+    """Progress of a worker whose own thread drives it (tcp)."""
+
+
+def _idle() -> bool:
+    return False
+
+
+def _wait(requests: list, deadline: float, what: str, progress=_no_progress, expecting=_idle) -> None:
+    """Poll until every request completed or the deadline passes, calling progress (the
+    worker's, where no progress thread runs) on every poll. ucxx's synchronous API has no
+    blocking wait; the sleep grows with the time already waited (an idle reader ends up at
+    1 ms), so polling adds at most a few percent of latency and little CPU. One wait covers a
+    whole batch: a sender waiting on its regions one by one would restart the fast spin at
+    each, and spin a core for the whole transfer while the receiver does the work. While
+    expecting() (transfers in flight on the agent) the sleep stays at 0.1 ms, so a header or
+    ack is seen within ~0.1 ms rather than up to 1 ms after it landed."""
     started = time.monotonic()
     spins = 0
-    while not request.completed:
+    pending = [r for r in requests if not r.completed]
+    while pending:
+        progress()
+        pending = [r for r in pending if not r.completed]
+        if not pending:
+            break
         now = time.monotonic()
         if now > deadline:
             raise LinkTimeoutError(f"UCX {what} timed out after {now - started:.2f}s")
         spins += 1
-        time.sleep(0 if spins < 50 else min(0.001, max(0.0001, (now - started) / 40)))
-    try:
-        request.check_error()
-    except Exception as exc:  # ucxx raises its own exception family
-        raise LinkError(f"UCX {what} failed: {exc}") from exc
+        if spins < 50:
+            time.sleep(0)
+        else:
+            time.sleep(0.0001 if expecting() else min(0.001, max(0.0001, (now - started) / 40)))
+    for request in requests:
+        try:
+            request.check_error()
+        except Exception as exc:  # ucxx raises its own exception family
+            raise LinkError(f"UCX {what} failed: {exc}") from exc
 
 
 def _as_bytes(buf: torch.Tensor) -> torch.Tensor:
@@ -87,16 +116,27 @@ def _as_bytes(buf: torch.Tensor) -> torch.Tensor:
     return buf.reshape(-1).view(torch.uint8)
 
 
-def _host_array(buf: torch.Tensor):
+def _host_array(buf):
+    """A ucxx Array over a host tensor's (or numpy array's) bytes."""
     _, Array = _ucx()
-    return Array(_as_bytes(buf).numpy())
+    return Array(buf if isinstance(buf, numpy.ndarray) else _as_bytes(buf).numpy())
+
+
+def _pieces(bufs: list, piece_bytes: int) -> list:
+    """The wire messages of bufs: each split into flat numpy byte views of at most piece_bytes.
+    Both ends of a link split alike, so a receive always matches a message of its size."""
+    pieces = []
+    for buf in bufs:
+        flat = _as_bytes(buf).numpy()
+        pieces.extend(flat[i:i + piece_bytes] for i in range(0, flat.size, piece_bytes))
+    return pieces
 
 
 def _batches(bufs: list, cap: int) -> list:
     """Split bufs into runs of at most cap bytes (a larger buffer forms a batch of its own)."""
     batches, current, size = [], [], 0
     for buf in bufs:
-        n = buf.numel() * buf.element_size()
+        n = buf.nbytes
         if current and size + n > cap:
             batches.append(current)
             current, size = [], 0
@@ -108,12 +148,23 @@ def _batches(bufs: list, cap: int) -> list:
 
 
 class UCXLink(Link):
-    def __init__(self, endpoint, send_tag: int, recv_tag: int):
+    def __init__(self, endpoint, send_tag: int, recv_tag: int, progress=_no_progress):
         self._ep = endpoint
+        self.progress = progress  # called while waiting: the worker's own, where no thread drives it
+        # With a progress thread, receives are posted all at once and complete one by one.
+        self._post_ahead = progress is _no_progress
+        self._piece_bytes = 1 << 62 if self._post_ahead else _PIECE_BYTES
+        self._expecting = _idle
+        ucx_api, _ = _ucx()
         self._send_tag, self._recv_tag = send_tag, recv_tag
+        self._tags = {"send": ucx_api.UCXXTag(send_tag), "recv": ucx_api.UCXXTag(recv_tag)}
         self._closed = False
         self._close_lock = threading.Lock()
-        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._staging = numpy.empty(0, dtype=numpy.uint8)
+        self._slots: dict = {}  # (offset, size) -> ucxx Array over that part of _staging
+
+    def set_expecting(self, expecting) -> None:
+        self._expecting = expecting
 
     def send_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
         self.send_many([buf], timeout_s)
@@ -121,23 +172,20 @@ class UCXLink(Link):
     def recv_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
         self.recv_many([buf], timeout_s)
 
-    def _post(self, bufs: list, what: str):
-        """Post every operation at once, so regions pipeline; returns (arrays, requests)."""
+    def _post_into(self, bufs: list, what: str, arrays: list, requests: list) -> None:
+        """Post an operation per buffer, appending to arrays and requests (which a failure
+        hands to _give_up, together with any posted before)."""
         if self._closed:
             raise LinkError("link closed")
-        ucx_api, _ = _ucx()
-        arrays = [_host_array(b) for b in bufs]
-        requests = []
+        post, tag = (self._ep.tag_send if what == "send" else self._ep.tag_recv), self._tags[what]
         try:
-            for array in arrays:
-                if what == "send":
-                    requests.append(self._ep.tag_send(array, tag=ucx_api.UCXXTag(self._send_tag)))
-                else:
-                    requests.append(self._ep.tag_recv(array, tag=ucx_api.UCXXTag(self._recv_tag)))
+            for buf in bufs:
+                # a numpy byte view, or a ucxx Array made already (a staging slot)
+                arrays.append(_host_array(buf) if isinstance(buf, numpy.ndarray) else buf)
+                requests.append(post(arrays[-1], tag=tag))
         except Exception as exc:
             self._give_up(arrays, requests)
             raise LinkError(f"UCX {what} failed: {exc}") from exc
-        return arrays, requests
 
     def _give_up(self, buffers, requests) -> None:
         _abandon(buffers, requests)
@@ -145,40 +193,57 @@ class UCXLink(Link):
 
     def send_many(self, bufs: list, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        arrays, requests = self._post(bufs, "send")
+        arrays, requests = [], []
+        self._post_into(_pieces(bufs, self._piece_bytes), "send", arrays, requests)  # all at once, so they pipeline
         try:
-            for request in requests:
-                _wait(request, deadline, "send")
+            _wait(requests, deadline, "send", self.progress, self._expecting)
         except LinkError:
             # UCX may still read the sources (a rendezvous get); keep them alive.
             self._give_up(arrays, requests)
             raise
 
     def recv_many(self, bufs: list, timeout_s: float) -> None:
-        """Receive into the staging buffer, copying each region out once its request completed.
+        """Receive into staging, copying each piece out once its request completed.
         A receive given up on (deadline, reset) may still be written by UCX later: a matched
         receive is not cancellable, and a sender frozen mid-message can resume. Such late bytes
-        land in the abandoned staging buffer, never in KV blocks the engine has freed."""
+        land in the abandoned staging buffer, never in KV blocks the engine has freed.
+
+        shm: this thread pulls each piece itself (inside progress) into one reused slot and
+        copies it out at once, while it is still in cache: the copy costs little memory
+        traffic beyond the pull's, and no second thread (or GIL hand-off) is involved.
+        tcp: every piece is posted at once into a staging area of the batch's size, so the
+        progress thread keeps the socket busy while this one copies finished pieces out."""
         deadline = time.monotonic() + timeout_s
-        for batch in _batches(bufs, _STAGING_CAP_BYTES):
-            sizes = [b.numel() * b.element_size() for b in batch]
-            if self._staging.numel() < sum(sizes):
-                self._staging = torch.empty(sum(sizes), dtype=torch.uint8)
-            staging, views, offset = self._staging, [], 0
-            for n in sizes:
-                views.append(staging[offset:offset + n])
-                offset += n
-            arrays, requests = self._post(views, "recv")
+        for batch in _batches(_pieces(bufs, self._piece_bytes), _STAGING_CAP_BYTES):
+            window = len(batch) if self._post_ahead else 1
+            slot = max(piece.nbytes for piece in batch)
+            if self._staging.nbytes < window * slot:
+                self._staging, self._slots = numpy.empty(window * slot, dtype=numpy.uint8), {}
+            staging, arrays, requests = self._staging, [], []
             try:
-                for request, view, buf in zip(requests, views, batch):
-                    _wait(request, deadline, "recv")
+                for index, piece in enumerate(batch):
+                    while len(requests) < min(len(batch), index + window):
+                        self._post_into([self._slot(len(requests) % window * slot, batch[len(requests)].nbytes)],
+                                        "recv", arrays, requests)
+                    _wait([requests[index]], deadline, "recv", self.progress, self._expecting)
+                    at = index % window * slot
                     # numpy's copy runs on this thread alone: torch's would wake its OpenMP
-                    # pool, which spins against the progress threads on a small box.
-                    numpy.copyto(_as_bytes(buf).numpy(), view.numpy())
+                    # pool, which spins against the threads driving UCX on a small box.
+                    numpy.copyto(piece, staging[at:at + piece.nbytes])
             except LinkError:
-                self._staging = torch.empty(0, dtype=torch.uint8)  # never reuse what UCX may write
+                # never reuse what UCX may still write
+                self._staging, self._slots = numpy.empty(0, dtype=numpy.uint8), {}
                 self._give_up((staging, arrays), requests)
                 raise
+
+    def _slot(self, offset: int, size: int):
+        """The ucxx Array over staging[offset:offset + size], made once per staging buffer."""
+        array = self._slots.get((offset, size))
+        if array is None:
+            if len(self._slots) > 4096:  # tcp: one per region shape seen; keep it bounded
+                self._slots.clear()
+            array = self._slots[offset, size] = _host_array(self._staging[offset:offset + size])
+        return array
 
     def close(self) -> None:
         with self._close_lock:  # reader and writer may both give up on the link at once
@@ -208,7 +273,12 @@ class UCXTransport(Transport):
             self.mode = "tcp"  # no shared-memory transport here; auto falls back to TCP
             self._context = ucx_api.UCXContext(config_dict={"TLS": _TLS[self.mode]})
         self._worker = ucx_api.UCXWorker(self._context)
-        self._worker.start_progress_thread(polling_mode=self.mode == "shm")
+        # shm: no progress thread; the thread waiting on a request drives the worker itself.
+        if self.mode in _CALLER_PROGRESS_MODES:
+            self._progress = self._worker.progress
+        else:
+            self._worker.start_progress_thread(polling_mode=False)
+            self._progress = _no_progress
         self._error_handling = self.mode == "tcp"
         self._hello = torch.empty(_HELLO_BYTES, dtype=torch.uint8)
         self._hello_request = None
@@ -239,7 +309,7 @@ class UCXTransport(Transport):
             array = _host_array(payload)
             request = endpoint.tag_send(array, tag=ucx_api.UCXXTag(_ACCEPT_TAG))
             try:
-                _wait(request, time.monotonic() + timeout_s, "hello")
+                _wait([request], time.monotonic() + timeout_s, "hello", self._progress)
             except LinkError:
                 _abandon(array, [request])
                 raise
@@ -247,7 +317,7 @@ class UCXTransport(Transport):
             raise
         except Exception as exc:
             raise LinkError(f"cannot reach UCX peer: {exc}") from exc
-        return self._track(UCXLink(endpoint, to_acceptor, to_us))
+        return self._track(self._link(endpoint, to_acceptor, to_us))
 
     def accept(self, timeout_s: float) -> Optional[Link]:
         ucx_api, _ = _ucx()
@@ -258,6 +328,9 @@ class UCXTransport(Transport):
             self._hello_request = self._worker.tag_recv(self._hello_array, tag=ucx_api.UCXXTag(_ACCEPT_TAG))
         deadline = time.monotonic() + timeout_s
         while not self._hello_request.completed:
+            self._progress()  # shm: with no link yet, the accept loop is what drives the worker
+            if self._hello_request.completed:
+                break
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.01)  # handshakes are rare; an idle agent should not spin
@@ -269,7 +342,10 @@ class UCXTransport(Transport):
             endpoint = self._endpoint_to(hello["worker"])
         except Exception as exc:
             raise LinkError(f"bad UCX hello: {exc}") from exc
-        return self._track(UCXLink(endpoint, hello["to_connector"], hello["to_acceptor"]))
+        return self._track(self._link(endpoint, hello["to_connector"], hello["to_acceptor"]))
+
+    def _link(self, endpoint, send_tag: int, recv_tag: int) -> UCXLink:
+        return UCXLink(endpoint, send_tag, recv_tag, self._progress)
 
     def _track(self, link: UCXLink) -> UCXLink:
         # Links close their endpoint once; closing an endpoint twice crashes ucxx.
