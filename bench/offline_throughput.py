@@ -109,7 +109,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = bench_model(args.model)
     prompts = random_prompts(model, args.num_prompts, args.input_len, args.seed)
-    print(f"# {machine_line()}")
+    print(f"# {machine_line()}, load average {os.getloadavg()[0]:.2f} (others' jobs skew it)")
     print(f"# {args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, "
           f"bf16, model {model}")
 

@@ -25,12 +25,16 @@ class PrefillSegment:
 
 
 class DecodeKVBuffer:
-    """Contiguous, padded K/V of the running decode batch, per layer `[B, kv_heads, cap, d]`.
+    """Contiguous, padded K/V of the running decode batch: per layer `[rows, kv_heads, cap, d]`,
+    batch entry i in row i, so the batch is the leading `[:B]` view (no copy for matmul).
 
-    While the batch's requests stay the same, each step appends one token per sequence here
-    instead of gathering every block from the paged cache again (measured: the gather was a
-    quarter of a decode step). The paged cache stays the source of truth; any change of the
-    batch rebuilds the buffer from it. Bounded by `max_bytes`; beyond it the gather path runs.
+    Each step appends one token per sequence here instead of gathering every block from the
+    paged cache again (measured: the gather was a quarter of a decode step). A request that
+    also decoded last step keeps its row (moved up when requests before it left); only requests
+    new to the batch are gathered from the paged cache, which stays the source of truth.
+    (Rebuilding the whole buffer whenever the batch changed cost ~0.1 s a step while prompts
+    were still being admitted.) Rows grow by powers of two, `cap` with ~32 tokens of headroom;
+    bounded by `max_bytes`, beyond which the gather path runs.
     """
 
     def __init__(self, max_bytes: int):
@@ -39,27 +43,47 @@ class DecodeKVBuffer:
         self.lens: list[int] = []
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
-        self.capacity = 0
-        self.rebuilds = 0
+        self.capacity = 0      # tokens per row
+        self.rows = 0
+        self.rebuilds = 0      # reallocations (every row gathered again)
+        # This step's work for each layer: rows moved (sources, destinations), rows gathered.
+        self.moves: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fresh: list[int] = []
 
     def plan(self, request_ids: tuple, context_lens: list[int], num_layers: int,
-             row_bytes: int) -> bool | None:
-        """Decide for this step: False = append to the buffer, True = rebuild it from the
-        paged cache, None = do not use it (too large)."""
-        longest = max(context_lens)
-        reuse = (request_ids == self.request_ids and longest <= self.capacity
-                 and all(n == m + 1 for n, m in zip(context_lens, self.lens)))
-        self.request_ids, self.lens = request_ids, list(context_lens)
-        if reuse:
-            return False
-        capacity = -(-(longest + 32) // 32) * 32  # headroom: appends for ~32 steps
-        if 2 * num_layers * len(request_ids) * capacity * row_bytes > self.max_bytes:
-            self.request_ids, self.capacity = (), 0
-            return None
-        self.capacity = capacity
-        self.k, self.v = [None] * num_layers, [None] * num_layers
-        self.rebuilds += 1
-        return True
+             row_bytes: int) -> list[int] | None:
+        """Decide for this step; returns the batch indices to gather from the paged cache
+        ([]: append only), or None: do not use the buffer (too large)."""
+        old = {rid: (row, n) for row, (rid, n) in enumerate(zip(self.request_ids, self.lens))}
+        self.request_ids, self.lens = tuple(request_ids), list(context_lens)
+        batch, longest = len(request_ids), max(context_lens)
+        self.moves = None
+        if batch > self.rows or longest > self.capacity:
+            capacity = self.capacity if longest <= self.capacity \
+                else -(-(longest + 32) // 32) * 32  # headroom: appends for ~32 steps
+            rows = max(self.rows, 1 << (batch - 1).bit_length())
+            if 2 * num_layers * rows * capacity * row_bytes > self.max_bytes:
+                rows = batch
+            if 2 * num_layers * rows * capacity * row_bytes > self.max_bytes:
+                self.request_ids, self.lens, self.capacity, self.rows = (), [], 0, 0
+                self.k, self.v = [], []
+                return None
+            self.capacity, self.rows = capacity, rows
+            self.k, self.v = [None] * num_layers, [None] * num_layers
+            self.rebuilds += 1
+            self.fresh = list(range(batch))
+            return self.fresh
+        src, dst, self.fresh = [], [], []
+        for i, (rid, n) in enumerate(zip(request_ids, context_lens)):
+            prev = old.get(rid)
+            if prev is None or prev[1] + 1 != n:
+                self.fresh.append(i)
+            elif prev[0] != i:
+                src.append(prev[0])
+                dst.append(i)
+        if src:
+            self.moves = (torch.tensor(src), torch.tensor(dst))
+        return self.fresh
 
 
 @dataclass
@@ -68,12 +92,14 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor                 # [num_tokens] int64: block * block_size + offset
     num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    # [num_decodes, max_blocks] int64; with the buffer, only its fresh rows' tables (or None).
+    decode_block_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
     prefills: list[PrefillSegment] = field(default_factory=list)
     # Decode through the contiguous batch buffer (None: gather from the paged cache).
     decode_buffer: DecodeKVBuffer | None = None
-    decode_buffer_rebuild: bool = False
+    decode_bias: torch.Tensor | None = None     # decode key mask, built by the first layer
+    prefill_runs: list | None = None            # prefill_runs(prefills), built by the first layer
     layer: int = 0  # set by the model before each layer's attention
 
 
@@ -104,47 +130,77 @@ def gather_heads(kv_layer: torch.Tensor, block_tables: torch.Tensor):
     return k, v
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor,
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
             scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v with `masked` positions excluded; softmax in float32."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    probs = scores.masked_fill_(masked, float("-inf")).softmax(dim=-1).to(q.dtype)
+    """softmax(q k^T * scale + bias) v, softmax in float32; `bias` is 0 where a key is visible
+    and -inf where not (every row keeps one key). Scaling and masking in one pass equals
+    scale-then-masked_fill bit for bit (x * scale + 0 rounds once). Measured faster than the
+    fused SDPA kernel for these shapes: for decode (2 query rows per head) ~2x."""
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    probs = torch.add(bias, scores, alpha=scale).softmax(dim=-1).to(q.dtype)
     return torch.matmul(probs, v)
+
+
+def key_bias(visible: torch.Tensor) -> torch.Tensor:
+    """The additive float32 mask of a bool `visible` mask."""
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def _buffered_kv(kv_layer: torch.Tensor, meta: AttentionMetadata, k_new: torch.Tensor,
                  v_new: torch.Tensor):
-    """This layer's decode K/V from the batch buffer, appending this step's token first."""
+    """This layer's decode K/V `[B, kv_heads, cap, d]` from the batch buffer after this step's
+    moves, gathers (`meta.decode_block_tables`: the fresh rows' tables) and appends."""
     buf, layer = meta.decode_buffer, meta.layer
-    if meta.decode_buffer_rebuild:
+    batch = k_new.shape[0]
+    if buf.k[layer] is None:  # zeros, not empty: masked tails must hold finite values
+        _, _, kv_heads, _, head_dim = kv_layer.shape
+        buf.k[layer] = kv_layer.new_zeros(buf.rows, kv_heads, buf.capacity, head_dim)
+        buf.v[layer] = kv_layer.new_zeros(buf.rows, kv_heads, buf.capacity, head_dim)
+    bk, bv = buf.k[layer], buf.v[layer]
+    if buf.moves is not None:  # read all sources before writing: a row may be both
+        src, dst = buf.moves
+        bk.index_copy_(0, dst, bk.index_select(0, src))
+        bv.index_copy_(0, dst, bv.index_select(0, src))
+    if buf.fresh:
         k, v = gather_heads(kv_layer, meta.decode_block_tables)  # includes this step's token
-        batch, kv_heads, length, head_dim = k.shape
-        width = min(length, buf.capacity)
-        buf.k[layer] = k.new_zeros(batch, kv_heads, buf.capacity, head_dim)
-        buf.v[layer] = v.new_zeros(batch, kv_heads, buf.capacity, head_dim)
-        buf.k[layer][:, :, :width] = k[:, :, :width]
-        buf.v[layer][:, :, :width] = v[:, :, :width]
-    else:
-        rows = torch.arange(k_new.shape[0])
-        pos = meta.decode_context_lens - 1
-        buf.k[layer][rows, :, pos] = k_new
-        buf.v[layer][rows, :, pos] = v_new
-    # The whole (contiguous) buffer: a slice would make matmul copy it; the mask hides the tail.
-    return buf.k[layer], buf.v[layer]
+        width = min(k.shape[2], buf.capacity)
+        first, last = buf.fresh[0], buf.fresh[-1]
+        if last - first + 1 == len(buf.fresh):  # a run of rows (the usual: new arrivals last)
+            bk[first:last + 1, :, :width] = k[:, :, :width]
+            bv[first:last + 1, :, :width] = v[:, :, :width]
+        else:
+            rows = torch.tensor(buf.fresh)
+            bk[rows, :, :width] = k[:, :, :width]
+            bv[rows, :, :width] = v[:, :, :width]
+    rows = torch.arange(batch)
+    pos = meta.decode_context_lens - 1
+    bk[rows, :, pos] = k_new
+    bv[rows, :, pos] = v_new
+    # The whole rows (contiguous): a slice of the length would make matmul copy it; the mask
+    # hides the tail.
+    return bk[:batch], bv[:batch]
 
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, kv=None) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, kv=None,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q `[B, heads, head_dim]` -> `[B, heads, head_dim]`.
-    `kv`: this batch's K/V as `[B, kv_heads, L, d]` when already at hand (the buffer)."""
+    `kv`: this batch's K/V as `[B, kv_heads, L, d]` when already at hand (the buffer);
+    `bias`: its `[B, 1, 1, L]` key mask (see decode_bias) when already built (one per step)."""
     batch, heads, head_dim = q.shape
     kv_heads = kv_layer.shape[2]
     k, v = kv if kv is not None else gather_heads(kv_layer, block_tables)
     # GQA without repeating K/V: a group's query heads ride along the query-length axis.
     qg = q.view(batch, kv_heads, heads // kv_heads, head_dim)
-    positions = torch.arange(k.shape[2], device=q.device)
-    masked = (positions[None, :] >= context_lens[:, None]).view(batch, 1, 1, -1)
-    return _attend(qg, k, v, masked, scale).reshape(batch, heads, head_dim)
+    if bias is None or bias.shape[-1] != k.shape[2]:
+        bias = decode_bias(context_lens, k.shape[2])
+    return _attend(qg, k, v, bias, scale).reshape(batch, heads, head_dim)
+
+
+def decode_bias(context_lens: torch.Tensor, length: int) -> torch.Tensor:
+    """`[B, 1, 1, length]`: key j is visible to sequence b iff j < context_lens[b]."""
+    positions = torch.arange(length, device=context_lens.device)
+    return key_bias(positions[None, :] < context_lens[:, None]).view(-1, 1, 1, length)
 
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -153,22 +209,46 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     n, heads, head_dim = q.shape
     kv_heads = k_new.shape[1]
     cached = seg.context_len - n
-    qh = q.transpose(0, 1).unsqueeze(0)                  # [1, heads, n, d]
     if cached == 0:
-        kh = k_new.transpose(0, 1).unsqueeze(0)          # [1, kv_heads, n, d]
-        vh = v_new.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                             enable_gqa=heads != kv_heads)
-        return out.squeeze(0).transpose(0, 1)
+        return causal_prefill(q, k_new, v_new, 1, scale)
     k, v = gather_heads(kv_layer, seg.block_table)       # [1, kv_heads, blocks*bs, d]
     k, v = k[:, :, :seg.context_len], v[:, :, :seg.context_len]
+    # Query heads of a KV group stacked along the rows: measured faster than SDPA with GQA.
     qg = q.view(n, kv_heads, heads // kv_heads, head_dim).permute(1, 2, 0, 3)  # [kvh, G, n, d]
     qg = qg.reshape(1, kv_heads, -1, head_dim)
     rows = (torch.arange(n, device=q.device) + cached).repeat(heads // kv_heads)
-    masked = torch.arange(seg.context_len, device=q.device)[None, :] > rows[:, None]
-    out = _attend(qg, k, v, masked.view(1, 1, *masked.shape), scale)  # [1, kvh, G*n, d]
+    visible = torch.arange(seg.context_len, device=q.device)[None, :] <= rows[:, None]
+    out = _attend(qg, k, v, key_bias(visible), scale)  # [1, kvh, G*n, d]
     return out.view(kv_heads, heads // kv_heads, n, head_dim).permute(2, 0, 1, 3) \
         .reshape(n, heads, head_dim)
+
+
+def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
+                   scale: float) -> torch.Tensor:
+    """`num_seqs` fresh prompts of equal length, back to back in the flat batch, each causal
+    over itself: one SDPA call for all of them (views, no copies) instead of one per prompt."""
+    tokens, heads, head_dim = q.shape
+    n = tokens // num_seqs
+    out = F.scaled_dot_product_attention(
+        q.view(num_seqs, n, heads, head_dim).transpose(1, 2),
+        k.view(num_seqs, n, -1, head_dim).transpose(1, 2),
+        v.view(num_seqs, n, -1, head_dim).transpose(1, 2),
+        is_causal=True, scale=scale, enable_gqa=heads != k.shape[1])
+    return out.transpose(1, 2).reshape(tokens, heads, head_dim)
+
+
+def prefill_runs(prefills: list[PrefillSegment]) -> list[tuple[int, int, PrefillSegment]]:
+    """Group the segments: (start, count, seg) where count > 0 means `count` back-to-back
+    fresh prompts of seg's length (one batched causal call) and 0 a chunk with cached KV."""
+    runs: list[tuple[int, int, PrefillSegment]] = []
+    for seg in prefills:
+        fresh = seg.context_len == seg.num_tokens
+        if runs and fresh and runs[-1][1] and runs[-1][2].num_tokens == seg.num_tokens \
+                and runs[-1][0] + runs[-1][1] * seg.num_tokens == seg.start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+        else:
+            runs.append((seg.start, 1 if fresh else 0, seg))
+    return runs
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
@@ -176,15 +256,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     """Write this step's K/V into the cache, then attend: `[T, heads, d]` -> `[T, heads, d]`."""
     write_kv(kv_layer, k, v, meta.slot_mapping)
     nd = meta.num_decode_tokens
-    kv = _buffered_kv(kv_layer, meta, k[:nd], v[:nd]) if nd and meta.decode_buffer else None
-    if nd and not meta.prefills:
-        return decode_attention(q, kv_layer, meta.decode_block_tables,
-                                meta.decode_context_lens, scale, kv)
+    decoded = None
+    if nd:
+        kv = _buffered_kv(kv_layer, meta, k[:nd], v[:nd]) if meta.decode_buffer else None
+        if meta.decode_bias is None:
+            length = kv[0].shape[2] if kv is not None \
+                else meta.decode_block_tables.shape[1] * kv_layer.shape[3]
+            meta.decode_bias = decode_bias(meta.decode_context_lens, length)
+        decoded = decode_attention(q[:nd], kv_layer, meta.decode_block_tables,
+                                   meta.decode_context_lens, scale, kv, meta.decode_bias)
+        if not meta.prefills:
+            return decoded
+    if meta.prefill_runs is None:
+        meta.prefill_runs = prefill_runs(meta.prefills)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = decode_attention(q[:nd], kv_layer, meta.decode_block_tables,
-                                    meta.decode_context_lens, scale, kv)
-    for seg in meta.prefills:
-        s, e = seg.start, seg.start + seg.num_tokens
-        out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], kv_layer, seg, scale)
+        out[:nd] = decoded
+    for start, count, seg in meta.prefill_runs:
+        if count:
+            e = start + count * seg.num_tokens
+            out[start:e] = causal_prefill(q[start:e], k[start:e], v[start:e], count, scale)
+        else:
+            e = start + seg.num_tokens
+            out[start:e] = prefill_attention(q[start:e], k[start:e], v[start:e], kv_layer, seg,
+                                             scale)
     return out

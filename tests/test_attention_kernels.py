@@ -72,18 +72,20 @@ def test_prefill_chunk_with_cached_prefix_matches_dense():
                                dense(q2, k, v, 0, 0.3), rtol=1e-5, atol=1e-5)
 
 
-def test_decode_buffer_appends_and_rebuilds_like_the_gather_path():
+def test_decode_buffer_keeps_rows_and_matches_the_gather_path():
     from kernels.attention import DecodeKVBuffer
 
     torch.manual_seed(2)
     cache = make_cache(num_blocks=64)
     buf = DecodeKVBuffer(max_bytes=1 << 30)
-    tables = {"a": [5, 9, 2, 40, 41], "b": [7, 1, 30, 31, 32], "c": [11, 12, 13, 14, 15]}
-    lens = {"a": 3, "b": 6, "c": 9}
+    tables = {"a": [5, 9, 2, 40, 41], "b": [7, 1, 30, 31, 32], "c": [11, 12, 13, 14, 15],
+              "d": [16, 17, 18, 19, 20], "e": [21, 22, 23, 24, 25]}
+    lens = {"a": 3, "b": 6, "c": 9, "d": 4, "e": 7}
     for name, n in lens.items():
         fill(cache, tables[name], torch.randn(n - 1, 2, 8), torch.randn(n - 1, 2, 8))
-    batches = [("a", "b"), ("a", "b"), ("a", "b"), ("a", "b", "c"), ("a", "b", "c"), ("b", "c")]
-    modes = []
+    batches = [("a", "b"), ("a", "b"), ("a", "b", "c"), ("a", "b", "c"), ("b", "c"),
+               ("c", "b"), ("c", "b", "a"), ("d", "c", "e", "b")]
+    fresh_rows = []
     for batch in batches:
         q = torch.randn(len(batch), 4, 8)
         k, v = torch.randn(len(batch), 2, 8), torch.randn(len(batch), 2, 8)
@@ -91,15 +93,77 @@ def test_decode_buffer_appends_and_rebuilds_like_the_gather_path():
         bt = torch.tensor([tables[n] for n in batch])
         slots = torch.tensor([tables[n][(c - 1) // 4] * 4 + (c - 1) % 4
                               for n, c in zip(batch, ctx)])
-        rebuild = buf.plan(batch, ctx, 1, 2 * 8 * 4)
-        modes.append(rebuild)
+        fresh = buf.plan(batch, ctx, 1, 2 * 8 * 4)
+        fresh_rows.append(fresh)
         meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(batch),
-                                 decode_block_tables=bt, decode_context_lens=torch.tensor(ctx),
-                                 decode_buffer=buf, decode_buffer_rebuild=rebuild)
+                                 decode_block_tables=bt[fresh] if fresh else None,
+                                 decode_context_lens=torch.tensor(ctx), decode_buffer=buf)
         got = paged_attention(q, k, v, cache, meta, 0.3)
         want = decode_attention(q, cache, bt, torch.tensor(ctx), 0.3)  # gathers (K/V written)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for n in batch:
             lens[n] += 1
-    # Appends while the batch holds, rebuilds when it changes.
-    assert modes == [True, False, False, True, False, True]
+    # Gathers only rows new to the batch (all of them when the rows outgrow the buffer); rows
+    # that stay are appended to and moved, also when requests leave or reorder.
+    assert fresh_rows == [[0, 1], [], [0, 1, 2], [], [], [], [2], [0, 2]]
+    assert buf.rebuilds == 2 and buf.rows == 4
+
+
+def test_mixed_step_with_batched_fresh_prompts_matches_dense():
+    """Decodes, three fresh prompts of one length (one batched causal call), a fresh prompt of
+    another length and a chunk with cached KV, all in one flat batch, as the runner builds it."""
+    from kernels.attention import prefill_runs
+
+    torch.manual_seed(3)
+    cache = make_cache(num_blocks=80)
+    free = torch.randperm(80).tolist()
+    # (cached tokens, new tokens) per sequence; decodes first, as the runner orders them.
+    shapes = [(5, 1), (9, 1), (0, 6), (0, 6), (0, 6), (0, 3), (7, 4)]
+    q_parts, k_parts, v_parts, slots, segs, refs = [], [], [], [], [], []
+    start = 0
+    for cached, n in shapes:
+        total = cached + n
+        table = [free.pop() for _ in range(-(-total // 4))]
+        k, v = torch.randn(total, 2, 8), torch.randn(total, 2, 8)
+        if cached:
+            fill(cache, table, k[:cached], v[:cached])
+        q = torch.randn(n, 4, 8)
+        q_parts.append(q)
+        k_parts.append(k[cached:])
+        v_parts.append(v[cached:])
+        slots += [table[p // 4] * 4 + p % 4 for p in range(cached, total)]
+        if n > 1:
+            segs.append(PrefillSegment(start, n, total, torch.tensor(table)))
+        refs.append((q, k, v, cached, table, total))
+        start += n
+    decodes = [r for r, (_, n) in zip(refs, shapes) if n == 1]
+    width = max(len(r[4]) for r in decodes)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), num_decode_tokens=len(decodes),
+        decode_block_tables=torch.tensor([r[4] + [0] * (width - len(r[4])) for r in decodes]),
+        decode_context_lens=torch.tensor([r[5] for r in decodes]), prefills=segs)
+    runs = prefill_runs(segs)
+    assert [(s, count) for s, count, _ in runs] == [(2, 3), (20, 1), (23, 0)]
+    out = paged_attention(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), cache,
+                          meta, 0.3)
+    want = torch.cat([dense(q, k, v, cached, 0.3) for q, k, v, cached, _, _ in refs])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prepacked_linear_is_bitwise_f_linear_or_absent():
+    """The oneDNN prepacked weight is used only where it reproduces F.linear exactly."""
+    import torch.nn.functional as F
+
+    from pd_runtime.model.llama import linear, prepack_weight
+
+    torch.manual_seed(4)
+    assert prepack_weight(torch.randn(16, 8)) is None  # float32 keeps plain F.linear
+    weight = torch.randn(96, 64).bfloat16()
+    bias = torch.randn(96).bfloat16()
+    for b in (None, bias):
+        packed = prepack_weight(weight, b)
+        if packed is None:  # no oneDNN bf16 path on this CPU: the fallback is F.linear itself
+            continue
+        for rows in (1, 5, 64, 333):
+            x = torch.randn(rows, 64).bfloat16()
+            assert torch.equal(linear(x, weight, packed, b), F.linear(x, weight, b))
