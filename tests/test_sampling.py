@@ -140,3 +140,21 @@ def test_bad_prompts_rejected_before_allocation(llm):
         small.engine.add_request("e5", [7] * 40, SamplingParams(max_tokens=100))
     assert engine.block_manager.num_free_blocks == free
     assert not engine.has_unfinished_requests()
+
+
+def test_streamed_deltas_never_carry_text_a_stop_string_cuts(llm):
+    engine = llm.engine
+    base = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=30, temperature=0,
+                                                                ignore_eos=True))[0]
+    stop = base.text[10:14]
+    assert len(stop) == 4
+    engine.add_request("stream-stop", "The quick brown fox",
+                       SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                      stop=[stop]))
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.new_text)
+            final = out
+    assert final.finished and final.finish_reason == "stop"
+    assert "".join(deltas) == final.text == base.text[:base.text.index(stop)]

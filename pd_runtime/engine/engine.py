@@ -110,6 +110,7 @@ class LLMEngine(RemoteKVMixin):
                                           param="max_tokens")
             req.output_token_ids = list(resume_output_ids)
             detokenize_step(self.tokenizer, req, flush=True)
+            req.emitted_len = len(req.text)  # the lost worker already sent this text
             if req.generator is not None and not req.params.greedy:
                 for _ in resume_output_ids:
                     Sampler.skip_draw(req.generator, self.model_config.vocab_size)
@@ -217,6 +218,12 @@ class LLMEngine(RemoteKVMixin):
         detokenize_step(self.tokenizer, req, flush=reason is not None)
         if params.stop and self._apply_stop_strings(req, text_before):
             reason = FinishReason.STOP
+        # Streamed text holds back a tail that could still grow into a stop string, so no
+        # delta ever carries text the final answer cuts off.
+        safe = len(req.text)
+        if reason is None and params.stop:
+            safe = max(req.emitted_len, safe - max(len(s) for s in params.stop) + 1)
+        new_text, req.emitted_len = req.text[req.emitted_len:safe], safe
         if reason is not None:
             req.status = RequestStatus.FINISHED
             req.finish_reason = reason
@@ -227,7 +234,7 @@ class LLMEngine(RemoteKVMixin):
             else:
                 self.scheduler.remove(req)
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=[token], new_text=req.text[text_before:],
+            request_id=req.request_id, new_token_ids=[token], new_text=new_text,
             token_ids=list(req.output_token_ids), text=req.text, finished=reason is not None,
             finish_reason=reason.value if reason else None,
             new_logprobs=[logprob] if logprob is not None else None,

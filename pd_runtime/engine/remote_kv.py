@@ -72,6 +72,7 @@ class RemoteKVMixin:
         if first_logprob is not None:
             req.logprobs.append(first_logprob)
         output = self._finish_token(req, first_token_id, first_logprob)
+        req.emitted_len = len(req.text)  # the prefill worker sent this token's whole text
         if not output.finished:
             self.scheduler.add(req)
         return output

@@ -53,6 +53,7 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # Detokenizer state (see detokenizer.py).
     text: str = ""
+    emitted_len: int = 0               # characters of `text` already sent out as deltas
     prefix_offset: int = 0
     read_offset: int = 0
     first_scheduled_time: Optional[float] = None
