@@ -69,7 +69,8 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from pd_runtime.config import ClusterConfig, load_cluster_config
+    from pd_runtime.config import ClusterConfig
+    from pd_runtime.config_loading import load_cluster_config
     from pd_runtime.workers.launch import launch, run_demo
 
     cfg = load_cluster_config(args.config) if args.config else ClusterConfig()

@@ -12,7 +12,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
-from pd_runtime.config import ConfigError, RoutingConfig, load_routing_config
+from pd_runtime.config import RoutingConfig
+from pd_runtime.config_loading import ConfigError, load_routing_config
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from pd_runtime import config as cfg
-from pd_runtime.config import (ClusterConfig, ConfigError, EngineConfig, EnginePoolSettings,
-                               KVTransferConfig, ResourcesConfig, RoutingConfig,
-                               load_cluster_config, load_routing_config, parse_cluster_config,
-                               parse_routing_config)
+from pd_runtime import config_loading as loading
+from pd_runtime.config import (ClusterConfig, EngineConfig, EnginePoolSettings, KVTransferConfig,
+                               ResourcesConfig, RoutingConfig)
+from pd_runtime.config_loading import (ConfigError, load_cluster_config, load_routing_config,
+                                       parse_cluster_config, parse_routing_config)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "cluster_configs"
@@ -82,8 +82,8 @@ def test_default_config_is_local_yaml_written_out():
 def _assert_spelled_out(data: dict, model: type[BaseModel], where: str):
     assert set(data) == set(model.model_fields), where
     for name, field in model.model_fields.items():
-        inner = cfg._unwrap(field.annotation)
-        if isinstance(data[name], dict) and cfg._is_model(inner):
+        inner = loading._unwrap(field.annotation)
+        if isinstance(data[name], dict) and loading._is_model(inner):
             _assert_spelled_out(data[name], inner, f"{where}.{name}")
 
 
@@ -95,7 +95,7 @@ def test_local_yaml_spells_out_every_field():
     assert set(data) == set(fields)
     for name, field in fields.items():
         if isinstance(data[name], dict):
-            _assert_spelled_out(data[name], cfg._unwrap(field.annotation), name)
+            _assert_spelled_out(data[name], loading._unwrap(field.annotation), name)
 
 
 def test_engine_config_unchanged():
@@ -342,8 +342,8 @@ def test_broken_routing_edit_names_field_and_line():
 def _models(model: type[BaseModel], seen: dict):
     seen[model.__name__] = model
     for field in model.model_fields.values():
-        inner = cfg._unwrap(field.annotation)
-        if cfg._is_model(inner) and inner.__name__ not in seen:
+        inner = loading._unwrap(field.annotation)
+        if loading._is_model(inner) and inner.__name__ not in seen:
             _models(inner, seen)
     return seen
 

@@ -38,7 +38,7 @@ def write_config(path, model_dir, **routing):
 
 @pytest.fixture(scope="module")
 def product(llama_dir, tmp_path_factory):
-    from pd_runtime.config import load_cluster_config
+    from pd_runtime.config_loading import load_cluster_config
     from pd_runtime.workers.pool import build_pools
     from router.app import create_app
     from router.core import PoolBackend
