@@ -54,6 +54,9 @@ class KVTransferAgent:
         self._finished: list[TransferStatus] = []
         self._recent: dict[tuple, TransferStatus] = {}
         self.metrics_data = TransferMetrics()
+        # Set while any transfer is pending here: link readers poll fast then, and an idle
+        # reader wakes on it (Link.set_activity).
+        self.active = threading.Event()
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._metadata = AgentMetadata(
             engine_id=engine_id, backend=transport.name, address=transport.address(),
@@ -114,6 +117,7 @@ class KVTransferAgent:
                 self.metrics_data.would_block += 1
                 return outcome
             self._sending[request_id] = transfer
+            self.active.set()
             transfer.layers_submitted.update(layers)
             transfer.unacked_bytes += num_bytes
             peer.out_queue.put(("kv", transfer, layers))
@@ -132,6 +136,7 @@ class KVTransferAgent:
                                 time.monotonic() + self.transfer_timeout_s)
             self._receiving[request_id] = transfer
             self._reserved[request_id] = sorted(int(b) for b in dst_block_ids)
+            self.active.set()
 
     # ----- both sides -----
     def cancel(self, request_id: str) -> None:
@@ -155,11 +160,6 @@ class KVTransferAgent:
             finished, self._finished = self._finished, []
             return finished
 
-    def has_transfers(self) -> bool:
-        """True while any transfer is pending here (read without the lock: a hint for how
-        eagerly link readers poll, see Link.set_expecting)."""
-        return bool(self._sending or self._receiving)
-
     def metrics(self) -> dict:
         with self._lock:
             in_flight = sum(p.credits.unacked_bytes for p in self.peers.all())
@@ -182,6 +182,8 @@ class KVTransferAgent:
         table.pop(transfer.request_id, None)
         if transfer.role is Role.RECV:
             self._reserved.pop(transfer.request_id, None)
+        if not self._sending and not self._receiving:
+            self.active.clear()
         peer = self.peers.get(transfer.peer_id)
         if peer is not None and transfer.unacked_bytes:
             peer.credits.returned(transfer.unacked_bytes)

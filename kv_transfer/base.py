@@ -15,6 +15,7 @@ Ownership, written once here and honoured by agent.py:
 from __future__ import annotations
 
 import enum
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -205,9 +206,11 @@ class Link(ABC):
     def close(self) -> None:
         """Abort the link: pending operations fail, nothing is written afterwards."""
 
-    def set_expecting(self, expecting: Callable[[], bool]) -> None:
-        """expecting() is True while a message may arrive any moment (transfers in flight); a
-        backend that polls may then poll faster. Blocking backends ignore it."""
+    def set_activity(self, active: threading.Event) -> None:
+        """active is set while transfers are in flight on the agent (a message may arrive any
+        moment) and clear otherwise; a backend that polls may then poll fast, and an idle
+        poller may sleep on it so that it wakes as soon as a transfer starts. Blocking
+        backends ignore it."""
 
     def send_frame(self, payload: bytes, timeout_s: float) -> None:
         self.send_many(frame_buffers(payload), timeout_s)

@@ -143,7 +143,7 @@ class PeerTable:
             if peer.state is LinkState.FAILED:
                 return
             peer.state = LinkState.READY
-        link.set_expecting(self.agent.has_transfers)
+        link.set_activity(self.agent.active)
         threading.Thread(target=self._write_loop, args=(peer, link), daemon=True, name=f"kvt-w-{peer.peer_id}").start()
         threading.Thread(target=self._read_loop, args=(peer, link), daemon=True, name=f"kvt-r-{peer.peer_id}").start()
 

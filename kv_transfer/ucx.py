@@ -3,11 +3,14 @@ one worker per agent.
 
 Modes (KVTransferConfig.ucx_mode), chosen once per agent because a UCX context is fixed at birth:
 - tcp: UCX_TLS=tcp,self, event-driven progress thread, endpoint error handling on (UCX itself
-  reports a dead peer).
+  reports a dead peer). Receives land in a staging buffer first (see UCXLink.recv_many).
 - shm: UCX_TLS=sm,self, no progress thread: whichever agent thread waits on a request drives
   the worker (ucxx workers are thread-safe). Shared-memory transports have no wakeup event, so
   a progress thread would have to poll and keep a core busy even when idle; here an idle link
   costs the reader's backed-off polls, and the receiving thread pulls the bytes itself.
+  Rendezvous is forced to the get scheme above 4 KiB (the receiver pulls the bytes with CMA),
+  so every write into a receive buffer happens inside this worker's own progress calls; that
+  is what lets shm receive straight into the KV blocks (see UCXLink._drain_receives).
   Endpoint error handling is off, because on this UCX shared memory refuses endpoints with it.
   Peer death is then found by kv_transfer's own heartbeats and deadlines (peer.py).
 - auto: shm when the agent listens on a loopback host (all peers share the machine) and a
@@ -18,6 +21,7 @@ RDMA (rc/dc/ud) would be picked by UCX's own TLS=all on hardware that has it; no
 from __future__ import annotations
 
 import ipaddress
+import logging
 import secrets
 import threading
 import time
@@ -29,10 +33,20 @@ import torch
 
 from kv_transfer.base import KVTransferError, Link, LinkError, LinkTimeoutError, Transport
 
+logger = logging.getLogger(__name__)
+
 _ACCEPT_TAG = 1
 _HELLO_BYTES = 4096
-_TLS = {"tcp": "tcp,self", "shm": "sm,self"}
-_CALLER_PROGRESS_MODES = ("shm",)  # modes whose waiting threads drive the worker themselves
+# shm receives messages of at least this size in place; its context sends them by rendezvous
+# with the receiver pulling (get), smaller ones eagerly through the shared FIFO.
+_DIRECT_MIN_BYTES = 4096
+_CONTEXT_CONFIG = {
+    "tcp": {"TLS": "tcp,self"},
+    "shm": {"TLS": "sm,self", "RNDV_SCHEME": "get_zcopy", "RNDV_THRESH": str(_DIRECT_MIN_BYTES)},
+}
+# How long a given-up shm receive is driven to its end (cancelled, or pulled whole) before the
+# worker is retired instead (see UCXLink._drain_receives).
+_DRAIN_S = 2.0
 
 
 def _ucx():
@@ -51,13 +65,9 @@ def resolve_mode(requested: str, host: str) -> str:
     return "shm" if loopback else "tcp"
 
 
-# Receives land in a link-owned staging buffer and are copied into the KV blocks only once
-# complete (see UCXLink.recv_many); tcp batches larger than this reuse it in turn.
+# tcp receives land in a link-owned staging buffer and are copied into the KV blocks only once
+# complete (see UCXLink.recv_many); batches larger than this reuse it in turn.
 _STAGING_CAP_BYTES = 64 << 20
-# In shm mode regions travel as messages of at most this size, so that a received piece is
-# still in this core's cache when it is copied out of staging (see UCXLink.recv_many). Over
-# tcp a region is one message (splitting measured no gain there).
-_PIECE_BYTES = 512 << 10
 # Buffers of operations given up on, with their requests: UCX may still read or write them
 # (a matched receive cannot be cancelled), so they stay allocated until UCX is done with them.
 _abandoned: list = []
@@ -70,23 +80,40 @@ def _abandon(buffers, requests) -> None:
         _abandoned.append((buffers, requests))
 
 
+# Poll interval while transfers are in flight (see _wait).
+_BUSY_POLL_S = 0.00003
+_thread_state = threading.local()
+
+
+def _precise_sleeps() -> None:
+    """Linux rounds a thread's sleeps up by its timer slack (50 us by default), which doubles
+    a 50 us poll; set this thread's slack to 1 us, once."""
+    if getattr(_thread_state, "precise", False):
+        return
+    _thread_state.precise = True
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, ns
+    except (OSError, AttributeError):
+        pass
+
+
 def _no_progress() -> None:
     """Progress of a worker whose own thread drives it (tcp)."""
 
 
-def _idle() -> bool:
-    return False
-
-
-def _wait(requests: list, deadline: float, what: str, progress=_no_progress, expecting=_idle) -> None:
+def _wait(requests: list, deadline: float, what: str, progress=_no_progress,
+          active: Optional[threading.Event] = None) -> None:
     """Poll until every request completed or the deadline passes, calling progress (the
     worker's, where no progress thread runs) on every poll. ucxx's synchronous API has no
     blocking wait; the sleep grows with the time already waited (an idle reader ends up at
     1 ms), so polling adds at most a few percent of latency and little CPU. One wait covers a
     whole batch: a sender waiting on its regions one by one would restart the fast spin at
     each, and spin a core for the whole transfer while the receiver does the work. While
-    expecting() (transfers in flight on the agent) the sleep stays at 0.1 ms, so a header or
-    ack is seen within ~0.1 ms rather than up to 1 ms after it landed."""
+    `active` is set (transfers in flight on the agent) the poll interval stays at
+    _BUSY_POLL_S, so a header or ack is seen within tens of microseconds; an idle wait sleeps
+    on `active` itself, so the first header of a transfer does not wait out an idle sleep."""
+    _precise_sleeps()
     started = time.monotonic()
     spins = 0
     pending = [r for r in requests if not r.completed]
@@ -101,8 +128,11 @@ def _wait(requests: list, deadline: float, what: str, progress=_no_progress, exp
         spins += 1
         if spins < 50:
             time.sleep(0)
+        elif active is not None and active.is_set():
+            time.sleep(_BUSY_POLL_S)
         else:
-            time.sleep(0.0001 if expecting() else min(0.001, max(0.0001, (now - started) / 40)))
+            idle = min(0.001, max(0.0001, (now - started) / 40))
+            active.wait(idle) if active is not None else time.sleep(idle)
     for request in requests:
         try:
             request.check_error()
@@ -122,14 +152,9 @@ def _host_array(buf):
     return Array(buf if isinstance(buf, numpy.ndarray) else _as_bytes(buf).numpy())
 
 
-def _pieces(bufs: list, piece_bytes: int) -> list:
-    """The wire messages of bufs: each split into flat numpy byte views of at most piece_bytes.
-    Both ends of a link split alike, so a receive always matches a message of its size."""
-    pieces = []
-    for buf in bufs:
-        flat = _as_bytes(buf).numpy()
-        pieces.extend(flat[i:i + piece_bytes] for i in range(0, flat.size, piece_bytes))
-    return pieces
+def _flat(bufs: list) -> list:
+    """Flat numpy byte views of bufs: one wire message each."""
+    return [_as_bytes(buf).numpy() for buf in bufs]
 
 
 def _batches(bufs: list, cap: int) -> list:
@@ -148,13 +173,11 @@ def _batches(bufs: list, cap: int) -> list:
 
 
 class UCXLink(Link):
-    def __init__(self, endpoint, send_tag: int, recv_tag: int, progress=_no_progress):
+    def __init__(self, endpoint, send_tag: int, recv_tag: int, worker: "_Worker"):
         self._ep = endpoint
-        self.progress = progress  # called while waiting: the worker's own, where no thread drives it
-        # With a progress thread, receives are posted all at once and complete one by one.
-        self._post_ahead = progress is _no_progress
-        self._piece_bytes = 1 << 62 if self._post_ahead else _PIECE_BYTES
-        self._expecting = _idle
+        self._worker = worker
+        self.progress = worker.progress  # called while waiting: the worker's own, where no thread drives it
+        self._active: Optional[threading.Event] = None
         ucx_api, _ = _ucx()
         self._send_tag, self._recv_tag = send_tag, recv_tag
         self._tags = {"send": ucx_api.UCXXTag(send_tag), "recv": ucx_api.UCXXTag(recv_tag)}
@@ -163,8 +186,8 @@ class UCXLink(Link):
         self._staging = numpy.empty(0, dtype=numpy.uint8)
         self._slots: dict = {}  # (offset, size) -> ucxx Array over that part of _staging
 
-    def set_expecting(self, expecting) -> None:
-        self._expecting = expecting
+    def set_activity(self, active: threading.Event) -> None:
+        self._active = active
 
     def send_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
         self.send_many([buf], timeout_s)
@@ -173,8 +196,8 @@ class UCXLink(Link):
         self.recv_many([buf], timeout_s)
 
     def _post_into(self, bufs: list, what: str, arrays: list, requests: list) -> None:
-        """Post an operation per buffer, appending to arrays and requests (which a failure
-        hands to _give_up, together with any posted before)."""
+        """Post an operation per buffer, appending to arrays and requests (which the caller
+        hands to its give-up path on failure, together with any posted before)."""
         if self._closed:
             raise LinkError("link closed")
         post, tag = (self._ep.tag_send if what == "send" else self._ep.tag_recv), self._tags[what]
@@ -184,63 +207,110 @@ class UCXLink(Link):
                 arrays.append(_host_array(buf) if isinstance(buf, numpy.ndarray) else buf)
                 requests.append(post(arrays[-1], tag=tag))
         except Exception as exc:
-            self._give_up(arrays, requests)
             raise LinkError(f"UCX {what} failed: {exc}") from exc
-
-    def _give_up(self, buffers, requests) -> None:
-        _abandon(buffers, requests)
-        self.close()
 
     def send_many(self, bufs: list, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         arrays, requests = [], []
-        self._post_into(_pieces(bufs, self._piece_bytes), "send", arrays, requests)  # all at once, so they pipeline
         try:
-            _wait(requests, deadline, "send", self.progress, self._expecting)
+            self._post_into(_flat(bufs), "send", arrays, requests)  # all at once, so they pipeline
+            _wait(requests, deadline, "send", self.progress, self._active)
         except LinkError:
-            # UCX may still read the sources (a rendezvous get); keep them alive.
-            self._give_up(arrays, requests)
+            # UCX may still read the sources (a rendezvous get): keep the arrays alive. A late
+            # read of a source only ever feeds a receive that was given up on as well.
+            _abandon(arrays, requests)
+            self.close()
             raise
 
     def recv_many(self, bufs: list, timeout_s: float) -> None:
-        """Receive into staging, copying each piece out once its request completed.
-        A receive given up on (deadline, reset) may still be written by UCX later: a matched
-        receive is not cancellable, and a sender frozen mid-message can resume. Such late bytes
-        land in the abandoned staging buffer, never in KV blocks the engine has freed.
+        """Contract (base.Link): once this raised, no byte lands in bufs later.
 
-        shm: this thread pulls each piece itself (inside progress) into one reused slot and
-        copies it out at once, while it is still in cache: the copy costs little memory
-        traffic beyond the pull's, and no second thread (or GIL hand-off) is involved.
-        tcp: every piece is posted at once into a staging area of the batch's size, so the
-        progress thread keeps the socket busy while this one copies finished pieces out."""
+        shm (caller-driven worker): every message of 4 KiB or more is received in place, all
+        posted at once; smaller ones (eager) go through staging. A give-up drives the receives
+        to their end before raising (_drain_receives).
+        tcp (progress thread): every message is received into staging, all posted at once so
+        the progress thread keeps the socket busy, and copied out once its request completed.
+        A give-up parks the staging buffer with its requests; late bytes land there."""
         deadline = time.monotonic() + timeout_s
-        for batch in _batches(_pieces(bufs, self._piece_bytes), _STAGING_CAP_BYTES):
-            window = len(batch) if self._post_ahead else 1
-            slot = max(piece.nbytes for piece in batch)
-            if self._staging.nbytes < window * slot:
-                self._staging, self._slots = numpy.empty(window * slot, dtype=numpy.uint8), {}
-            staging, arrays, requests = self._staging, [], []
+        if self._worker.caller_progress:
+            self._recv_in_place(_flat(bufs), deadline)
+            return
+        for batch in _batches(_flat(bufs), _STAGING_CAP_BYTES):
+            self._recv_staged(batch, deadline)
+
+    def _recv_in_place(self, flats: list, deadline: float) -> None:
+        small = [f for f in flats if f.nbytes < _DIRECT_MIN_BYTES]
+        self._ensure_staging(sum(f.nbytes for f in small))
+        targets, staged, offset = [], [], 0
+        for flat in flats:
+            if flat.nbytes >= _DIRECT_MIN_BYTES:
+                targets.append(flat)
+            else:
+                targets.append(self._slot(offset, flat.nbytes))
+                staged.append((flat, offset))
+                offset += flat.nbytes
+        arrays, requests = [], []
+        try:
+            self._post_into(targets, "recv", arrays, requests)
+            _wait(requests, deadline, "recv", self.progress, self._active)
+        except LinkError:
+            self._drain_receives(arrays, requests)
+            raise
+        for flat, at in staged:
+            numpy.copyto(flat, self._staging[at:at + flat.nbytes])
+
+    def _drain_receives(self, arrays: list, requests: list) -> None:
+        """shm give-up. Closing the endpoint cancels the receives no message matched yet; a
+        matched one is a rendezvous this worker pulls itself (get scheme) or an eager message
+        copied out of the shared FIFO, both only inside this worker's progress. So driving
+        progress until every request has ended leaves nothing that could write the buffers
+        afterwards. If that takes longer than _DRAIN_S (not seen: a pull needs no help from
+        the sender), the worker is retired: nothing progresses it again, so nothing it was
+        asked to receive is ever written."""
+        self.close()
+        limit = time.monotonic() + _DRAIN_S
+        while not all(r.completed for r in requests):
+            if time.monotonic() > limit:
+                self._worker.retire(f"{sum(not r.completed for r in requests)} receive(s) still "
+                                    f"pending {_DRAIN_S}s after their link was given up")
+                _abandon(arrays, requests)
+                return
             try:
-                for index, piece in enumerate(batch):
-                    while len(requests) < min(len(batch), index + window):
-                        self._post_into([self._slot(len(requests) % window * slot, batch[len(requests)].nbytes)],
-                                        "recv", arrays, requests)
-                    _wait([requests[index]], deadline, "recv", self.progress, self._expecting)
-                    at = index % window * slot
-                    # numpy's copy runs on this thread alone: torch's would wake its OpenMP
-                    # pool, which spins against the threads driving UCX on a small box.
-                    numpy.copyto(piece, staging[at:at + piece.nbytes])
-            except LinkError:
-                # never reuse what UCX may still write
-                self._staging, self._slots = numpy.empty(0, dtype=numpy.uint8), {}
-                self._give_up((staging, arrays), requests)
-                raise
+                self.progress()
+            except LinkError:  # retired meanwhile by another link: nothing progresses it now
+                _abandon(arrays, requests)
+                return
+            time.sleep(0.0001)
+
+    def _recv_staged(self, batch: list, deadline: float) -> None:
+        self._ensure_staging(sum(piece.nbytes for piece in batch))
+        staging, arrays, requests, offsets, offset = self._staging, [], [], [], 0
+        try:
+            for piece in batch:
+                self._post_into([self._slot(offset, piece.nbytes)], "recv", arrays, requests)
+                offsets.append(offset)
+                offset += piece.nbytes
+            for piece, request, at in zip(batch, requests, offsets):
+                _wait([request], deadline, "recv", self.progress, self._active)
+                # numpy's copy runs on this thread alone: torch's would wake its OpenMP
+                # pool, which spins against the threads driving UCX on a small box.
+                numpy.copyto(piece, staging[at:at + piece.nbytes])
+        except LinkError:
+            # never reuse what UCX may still write
+            self._staging, self._slots = numpy.empty(0, dtype=numpy.uint8), {}
+            _abandon((staging, arrays), requests)
+            self.close()
+            raise
+
+    def _ensure_staging(self, num_bytes: int) -> None:
+        if self._staging.nbytes < num_bytes:
+            self._staging, self._slots = numpy.empty(num_bytes, dtype=numpy.uint8), {}
 
     def _slot(self, offset: int, size: int):
         """The ucxx Array over staging[offset:offset + size], made once per staging buffer."""
         array = self._slots.get((offset, size))
         if array is None:
-            if len(self._slots) > 4096:  # tcp: one per region shape seen; keep it bounded
+            if len(self._slots) > 4096:  # one per region shape seen; keep it bounded
                 self._slots.clear()
             array = self._slots[offset, size] = _host_array(self._staging[offset:offset + size])
         return array
@@ -259,6 +329,35 @@ class UCXLink(Link):
                     pass
 
 
+class _Worker:
+    """A UCX worker and how it progresses: by its own thread (tcp), or by whichever agent
+    thread waits (shm, caller_progress). A caller-driven worker can be retired: from then on
+    nothing progresses it, so it writes no buffer again (UCXLink._drain_receives)."""
+
+    def __init__(self, context, caller_progress: bool):
+        ucx_api, _ = _ucx()
+        self.handle = ucx_api.UCXWorker(context)
+        self.caller_progress = caller_progress
+        self.retired: Optional[str] = None
+        self._lock = threading.Lock()
+        if not caller_progress:
+            self.handle.start_progress_thread(polling_mode=False)
+
+    def progress(self) -> None:
+        if not self.caller_progress:
+            return
+        with self._lock:  # a retire waits for a progress call already running
+            if self.retired is not None:
+                raise LinkError(f"UCX worker retired: {self.retired}")
+            self.handle.progress()
+
+    def retire(self, why: str) -> None:
+        with self._lock:
+            if self.retired is None:
+                self.retired = why
+                logger.error("kv_transfer: UCX worker retired, links on it fail from now on: %s", why)
+
+
 class UCXTransport(Transport):
     name = "ucx"
 
@@ -266,19 +365,16 @@ class UCXTransport(Transport):
         ucx_api, _ = _ucx()
         self.mode = resolve_mode(ucx_mode, host)
         try:
-            self._context = ucx_api.UCXContext(config_dict={"TLS": _TLS[self.mode]})
+            self._context = ucx_api.UCXContext(config_dict=_CONTEXT_CONFIG[self.mode])
         except Exception:
             if ucx_mode != "auto":
                 raise
             self.mode = "tcp"  # no shared-memory transport here; auto falls back to TCP
-            self._context = ucx_api.UCXContext(config_dict={"TLS": _TLS[self.mode]})
-        self._worker = ucx_api.UCXWorker(self._context)
+            self._context = ucx_api.UCXContext(config_dict=_CONTEXT_CONFIG[self.mode])
         # shm: no progress thread; the thread waiting on a request drives the worker itself.
-        if self.mode in _CALLER_PROGRESS_MODES:
-            self._progress = self._worker.progress
-        else:
-            self._worker.start_progress_thread(polling_mode=False)
-            self._progress = _no_progress
+        self._ucx_worker = _Worker(self._context, caller_progress=self.mode == "shm")
+        self._worker = self._ucx_worker.handle
+        self._progress = self._ucx_worker.progress
         self._error_handling = self.mode == "tcp"
         self._hello = torch.empty(_HELLO_BYTES, dtype=torch.uint8)
         self._hello_request = None
@@ -321,7 +417,8 @@ class UCXTransport(Transport):
 
     def accept(self, timeout_s: float) -> Optional[Link]:
         ucx_api, _ = _ucx()
-        if self._closed:
+        if self._closed or self.retired:
+            time.sleep(timeout_s)
             return None
         if self._hello_request is None:
             self._hello_array = _host_array(self._hello)
@@ -345,7 +442,12 @@ class UCXTransport(Transport):
         return self._track(self._link(endpoint, hello["to_connector"], hello["to_acceptor"]))
 
     def _link(self, endpoint, send_tag: int, recv_tag: int) -> UCXLink:
-        return UCXLink(endpoint, send_tag, recv_tag, self._progress)
+        return UCXLink(endpoint, send_tag, recv_tag, self._ucx_worker)
+
+    @property
+    def retired(self) -> Optional[str]:
+        """Why this transport's worker was retired (then no link on it works), or None."""
+        return self._ucx_worker.retired
 
     def _track(self, link: UCXLink) -> UCXLink:
         # Links close their endpoint once; closing an endpoint twice crashes ucxx.

@@ -35,9 +35,12 @@ def test_random_blocks_arrive_bit_exact_in_reserved_blocks_only(backend, overrid
         wait_for(lambda: sender.peer_state(peer)[0] is LinkState.READY, 15)
         src_alloc, dst_alloc = BlockAllocator(48, rng.random()), BlockAllocator(48, rng.random())
         plans = {}
-        for index, per_layer in enumerate([False, True, False, True]):
-            n = rng.randint(1, 9)
-            src_ids, dst_ids = src_alloc.take(n), dst_alloc.take(n)
+        # runs (multi-block regions), then scattered ids (mostly one-block regions)
+        for index, (per_layer, run) in enumerate([(False, True), (True, True), (False, False),
+                                                  (True, False), (False, False), (True, False)]):
+            n = rng.randint(1, 9) if not run else rng.randint(2, 5)
+            take = "take_run" if run else "take"
+            src_ids, dst_ids = getattr(src_alloc, take)(n), getattr(dst_alloc, take)(n)
             fill_random(src_caches, src_ids, seed=index)
             rid = f"r{index}"
             receiver.call("expect", rid, dst_ids)

@@ -12,7 +12,9 @@ import torch
 from pd_runtime.config import KVTransferConfig
 
 POISON = -7.0
-NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 48, 4, 2, 8
+# float32 blocks of 2 KiB per layer and K/V half: single blocks travel as small messages, runs of
+# two or more as large ones (UCX shm receives those in place, the rest through staging).
+NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 48, 4, 2, 64
 
 
 def make_caches(dtype=torch.float32, num_layers=NUM_LAYERS, num_blocks=NUM_BLOCKS, fill=POISON):
@@ -38,6 +40,14 @@ class BlockAllocator:
 
     def take(self, n):
         taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+    def take_run(self, n):
+        """n consecutive free ids (the allocator must have such a run)."""
+        free = set(self.free)
+        start = next(b for b in sorted(free) if all(b + i in free for i in range(n)))
+        taken = list(range(start, start + n))
+        self.free = [b for b in self.free if not start <= b < start + n]
         return taken
 
     def give_back(self, ids):

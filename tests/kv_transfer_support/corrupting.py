@@ -24,8 +24,8 @@ class CorruptingLink(Link):
     def recv_bytes(self, buf, timeout_s):
         self.inner.recv_bytes(buf, timeout_s)
 
-    def set_expecting(self, expecting):
-        self.inner.set_expecting(expecting)
+    def set_activity(self, active):
+        self.inner.set_activity(active)
 
     def close(self):
         self.inner.close()
