@@ -2,14 +2,14 @@
 block 16: 8 KiB per token) against the raw transport in the same run and a local memcpy.
 
 Run: .venv/bin/python bench/kv_transfer.py [--tokens 512 2048 8192] [--modes gloo ucx-tcp ucx-shm]
-The sender is this process, the receiver a spawned process; both bind 127.0.0.1 only. Raw and
-agent phases alternate for --rounds rounds, so a load change on a shared box hits both alike.
+The sender is this process, the receiver a spawned process; both bind 127.0.0.1 only. Each
+holds a bare transport (raw) and an agent side by side; raw, whole-request and per-layer
+transfers alternate one by one, so a load change on a shared box hits all three alike.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import multiprocessing as mp
 import os
 import statistics
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from kv_transfer.base import LinkState, TransferState  # noqa: E402
+from kv_transfer.base import Activity, LinkState, TransferState  # noqa: E402
 from kv_transfer.registry import create_agent, make_transport  # noqa: E402
 from pd_runtime.config import KVTransferConfig  # noqa: E402
 
@@ -56,48 +56,55 @@ def _raw_op(link, buf, what):
         request = link._ep.tag_send(array, tag=ucx_api.UCXXTag(link._send_tag))
     else:
         request = link._ep.tag_recv(array, tag=ucx_api.UCXXTag(link._recv_tag))
-    ucx._wait([request], time.monotonic() + TIMEOUT_S, f"raw {what}", link.progress)
+    ucx._wait([request], time.monotonic() + TIMEOUT_S, f"raw {what}", link.progress, link._active)
 
 
-def _serve_raw(conn, cfg, max_bytes):
-    raw = make_transport(cfg, torch.device("cpu"))
-    conn.send(raw.address())
+def _serve_raw(raw, active, max_bytes):
+    """Receiver side of the raw transport, on its own thread: one message in, a one-frame ack
+    out, until a zero-size message. It polls as an agent's links do: fast once told that a
+    transfer comes (active marked, as expect() marks an agent's), idle in between."""
     link = None
     while link is None:
         link = raw.accept(1.0)
+    link.set_activity(active)
     buf = torch.empty(max_bytes, dtype=torch.uint8)
-    while True:  # one message in, a one-frame ack out, until a zero-size message
+    while True:
         size = int.from_bytes(link.recv_frame(TIMEOUT_S), "little")
         if size:
             _raw_op(link, buf[:size], "recv")
         link.send_frame(b"k", TIMEOUT_S)
+        active.clear()
         if not size:
             break
-    # Both ends know nothing is in flight now; closing then leaves gloo no half-done work.
-    conn.recv()
-    link.close()
-    raw.close()
-
-
-def _serve_agent(conn, cfg, num_blocks):
-    _, caches = _caches(num_blocks)
-    agent = create_agent(cfg, caches, engine_id="D", model_id="bench")
-    conn.send(agent.metadata())
-    while (command := conn.recv()) is not None:
-        agent.expect(*command)
-        conn.send(True)
-        agent.poll()
-    agent.close()
+    return link
 
 
 def _receiver(conn, mode, num_blocks, max_bytes):
+    """The receiving process: a bare transport (raw) and an agent side by side, so that raw and
+    agent transfers can alternate iteration by iteration."""
     cfg = _config(mode)
-    while (phase := conn.recv()) is not None:
-        if phase == "raw":
-            _serve_raw(conn, cfg, max_bytes)
+    raw = make_transport(cfg, torch.device("cpu"))
+    _, caches = _caches(num_blocks)
+    agent = create_agent(cfg, caches, engine_id="D", model_id="bench")
+    conn.send((raw.address(), agent.metadata()))
+    served, raw_active = {}, Activity()
+    server = threading.Thread(target=lambda: served.setdefault("link", _serve_raw(raw, raw_active, max_bytes)),
+                              daemon=True)
+    server.start()
+    while (command := conn.recv()) is not None:
+        if command == "raw":
+            raw_active.mark()
         else:
-            _serve_agent(conn, cfg, num_blocks)
-        gc.collect()  # drop the phase's process groups / workers before the next one starts
+            agent.expect(*command)
+        conn.send(True)
+        agent.poll()
+    server.join(TIMEOUT_S)
+    conn.send("closing")
+    conn.recv()  # the sender has closed its ends: nothing is in flight now
+    agent.close()
+    if "link" in served:
+        served["link"].close()
+    raw.close()
 
 
 def _summary(latencies, num_bytes):
@@ -106,63 +113,67 @@ def _summary(latencies, num_bytes):
     return num_bytes / statistics.median(ordered) / 1e9, statistics.median(ordered) * 1e3, p99 * 1e3
 
 
-def _raw_phase(conn, cfg, tokens_list, iters, latencies):
-    conn.send("raw")
-    raw = make_transport(cfg, torch.device("cpu"))
-    link = raw.connect(conn.recv(), 30)
-    for tokens in tokens_list:
-        size = tokens * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
-        payload = torch.ones(size, dtype=torch.uint8)
-        for i in range(iters[tokens] + 1):
-            start = time.perf_counter()
-            link.send_frame(size.to_bytes(8, "little"), TIMEOUT_S)
-            _raw_op(link, payload, "send")
-            link.recv_frame(TIMEOUT_S)
-            if i:  # first round warms the connection
-                latencies[tokens].append(time.perf_counter() - start)
-    link.send_frame((0).to_bytes(8, "little"), TIMEOUT_S)
-    link.recv_frame(TIMEOUT_S)
-    conn.send("close")
-    link.close()
-    raw.close()
-    del link, raw
-    gc.collect()
+class _Sender:
+    """The sending side of one mode: a raw link and an agent, to the receiver process."""
 
+    def __init__(self, conn, cfg, caches):
+        self.conn = conn
+        self.finished, self.events = {}, {}
+        raw_address, metadata = conn.recv()
+        self.raw = make_transport(cfg, torch.device("cpu"))
+        self.link = self.raw.connect(raw_address, 30)
+        self.raw_active = Activity()
+        self.link.set_activity(self.raw_active)
+        self.agent = create_agent(cfg, caches, engine_id="P", model_id="bench", on_release=self._on_release)
+        self.peer = self.agent.connect(metadata)
+        while self.agent.peer_state(self.peer)[0] is LinkState.CONNECTING:
+            time.sleep(0.01)
+        self.count = 0
 
-def _agent_phase(conn, cfg, tokens_list, iters, big, caches, latencies):
-    finished = {}
-    events: dict[str, threading.Event] = {}
+    def _on_release(self, status):  # wakes the bench thread; no polling loop competing for the CPU
+        self.finished[status.request_id] = status
+        self.events[status.request_id].set()
 
-    def on_release(status):  # wakes the bench thread; no polling loop competing for the CPU
-        finished[status.request_id] = status
-        events[status.request_id].set()
+    def raw_once(self, payload) -> float:
+        self.conn.send("raw")  # as agent_once announces its transfer with expect()
+        self.conn.recv()
+        self.raw_active.mark()
+        start = time.perf_counter()
+        self.link.send_frame(payload.numel().to_bytes(8, "little"), TIMEOUT_S)
+        _raw_op(self.link, payload, "send")
+        self.link.recv_frame(TIMEOUT_S)
+        elapsed = time.perf_counter() - start
+        self.raw_active.clear()
+        return elapsed
 
-    conn.send("agent")
-    agent = create_agent(cfg, caches, engine_id="P", model_id="bench", on_release=on_release)
-    peer = agent.connect(conn.recv())
-    while agent.peer_state(peer)[0] is LinkState.CONNECTING:
-        time.sleep(0.01)
-    for tokens in tokens_list:
-        ids = list(range(tokens // BLOCK))
-        for style in ("whole", "per-layer"):
-            for i in range(iters[tokens] + 1):
-                rid = f"{style}-{tokens}-{i}-{time.monotonic()}"
-                events[rid] = threading.Event()
-                conn.send((rid, ids))
-                conn.recv()
-                start = time.perf_counter()
-                if style == "whole":
-                    agent.send(peer, rid, ids, ids)
-                else:
-                    for layer in range(LAYERS):
-                        agent.send(peer, rid, ids, ids, layers=[layer])
-                if not events[rid].wait(TIMEOUT_S) or finished[rid].state is not TransferState.DONE:
-                    raise RuntimeError(f"{rid}: {finished.get(rid)}")
-                if i:
-                    latencies[tokens, style].append(time.perf_counter() - start)
-                agent.poll()
-    conn.send(None)
-    agent.close()
+    def agent_once(self, ids, style) -> float:
+        self.count += 1
+        rid = f"{style}-{len(ids)}-{self.count}"
+        self.events[rid] = threading.Event()
+        self.conn.send((rid, ids))
+        self.conn.recv()
+        start = time.perf_counter()
+        if style == "whole":
+            self.agent.send(self.peer, rid, ids, ids)
+        else:  # the layers one by one, as a prefill that finished them would
+            for layer in range(LAYERS):
+                self.agent.send(self.peer, rid, ids, ids, layers=[layer])
+        if not self.events[rid].wait(TIMEOUT_S) or self.finished[rid].state is not TransferState.DONE:
+            raise RuntimeError(f"{rid}: {self.finished.get(rid)}")
+        elapsed = time.perf_counter() - start
+        self.agent.poll()
+        return elapsed
+
+    def close(self):
+        self.raw_active.mark()
+        self.link.send_frame((0).to_bytes(8, "little"), TIMEOUT_S)
+        self.link.recv_frame(TIMEOUT_S)
+        self.conn.send(None)
+        self.conn.recv()  # "closing"
+        self.agent.close()
+        self.link.close()
+        self.raw.close()
+        self.conn.send("closed")
 
 
 def _memcpy_rate(size):
@@ -175,23 +186,33 @@ def _memcpy_rate(size):
     return size * 5 / (time.perf_counter() - start) / 1e9
 
 
-def bench_mode(mode, tokens_list, iters, rounds):
+def bench_mode(mode, tokens_list, iters):
+    """Per tokens count, iters rounds; each round runs raw, whole and per-layer once, in an
+    order that rotates, so a change of load on a shared box hits all three alike."""
     blocks_needed = max(tokens_list) // BLOCK
     max_bytes = max(tokens_list) * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=_receiver, args=(child_conn, mode, blocks_needed, max_bytes), daemon=True)
     child.start()
-    cfg = _config(mode)
-    raw_latencies = {t: [] for t in tokens_list}
-    agent_latencies = {(t, s): [] for t in tokens_list for s in ("whole", "per-layer")}
+    latencies = {(t, kind): [] for t in tokens_list for kind in ("raw", "whole", "per-layer")}
     big, caches = _caches(blocks_needed)
     big.normal_()
     try:
-        for _ in range(rounds):
-            _raw_phase(conn, cfg, tokens_list, iters, raw_latencies)
-            _agent_phase(conn, cfg, tokens_list, iters, big, caches, agent_latencies)
-        conn.send(None)
+        sender = _Sender(conn, _config(mode), caches)
+        for tokens in tokens_list:
+            size = tokens * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
+            payload, ids = torch.ones(size, dtype=torch.uint8), list(range(tokens // BLOCK))
+            runs = {"raw": lambda: sender.raw_once(payload),
+                    "whole": lambda: sender.agent_once(ids, "whole"),
+                    "per-layer": lambda: sender.agent_once(ids, "per-layer")}
+            for kind in runs:  # warm-up
+                runs[kind]()
+            kinds = list(runs)
+            for i in range(iters[tokens]):
+                for kind in kinds[i % 3:] + kinds[:i % 3]:
+                    latencies[tokens, kind].append(runs[kind]())
+        sender.close()
     finally:
         child.join(10)
         if child.is_alive():
@@ -200,9 +221,9 @@ def bench_mode(mode, tokens_list, iters, rounds):
     rows = []
     for tokens in tokens_list:
         size = tokens * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
-        rows.append((mode, tokens, size, _summary(raw_latencies[tokens], size),
-                     _summary(agent_latencies[tokens, "whole"], size),
-                     _summary(agent_latencies[tokens, "per-layer"], size), _memcpy_rate(size)))
+        rows.append((mode, tokens, size, _summary(latencies[tokens, "raw"], size),
+                     _summary(latencies[tokens, "whole"], size),
+                     _summary(latencies[tokens, "per-layer"], size), _memcpy_rate(size)))
     return rows
 
 
@@ -210,15 +231,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--iters", type=int, default=20, help="per round, at 2048 tokens and below")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=60,
+                        help="rounds of (raw, whole, per-layer) at 2048 tokens and below; fewer above")
     args = parser.parse_args()
-    iters = {t: max(3, args.iters * 2048 // max(t, 2048)) for t in args.tokens}
-    print(f"| mode | tokens | MiB | raw GB/s | whole GB/s (p50/p99 ms) | per-layer GB/s (p50/p99 ms) "
+    iters = {t: max(6, args.iters * 2048 // max(t, 2048)) for t in args.tokens}
+    print("| mode | tokens | MiB | raw GB/s | whole GB/s (p50/p99 ms) | per-layer GB/s (p50/p99 ms) "
           f"| whole/raw | per-layer/raw | memcpy GB/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
-        for mode_, tokens, size, raw, whole, layered, memcpy in bench_mode(mode, args.tokens, iters, args.rounds):
+        for mode_, tokens, size, raw, whole, layered, memcpy in bench_mode(mode, args.tokens, iters):
             print(f"| {mode_} | {tokens} | {size / 2**20:.0f} | {raw[0]:.2f} | {whole[0]:.2f} "
                   f"({whole[1]:.1f}/{whole[2]:.1f}) | {layered[0]:.2f} ({layered[1]:.1f}/{layered[2]:.1f}) "
                   f"| {whole[0] / raw[0]:.0%} | {layered[0] / raw[0]:.0%} | {memcpy:.1f} |", flush=True)

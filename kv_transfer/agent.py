@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kv_transfer.base import (AgentMetadata, DuplicateRequestError, FailureReason, LinkError,
+from kv_transfer.base import (Activity, AgentMetadata, DuplicateRequestError, FailedPost, FailureReason, LinkError,
                               LinkState, LinkTimeoutError, ReleaseCallback, Role, SendOutcome,
                               Transport, TransferState, TransferStatus, UnknownPeerError,
                               frame_buffers, pack_frame)
@@ -56,7 +56,7 @@ class KVTransferAgent:
         self.metrics_data = TransferMetrics()
         # Set while any transfer is pending here: link readers poll fast then, and an idle
         # reader wakes on it (Link.set_activity).
-        self.active = threading.Event()
+        self.active = Activity()
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._metadata = AgentMetadata(
             engine_id=engine_id, backend=transport.name, address=transport.address(),
@@ -100,14 +100,16 @@ class KVTransferAgent:
             if peer.state is LinkState.FAILED:
                 return SendOutcome.PEER_UNAVAILABLE
             transfer = self._sending.get(request_id)
+            block_ids = (tuple(src_block_ids), tuple(dst_block_ids))
             if transfer is None:
                 self.layout.check_block_ids(src_block_ids, "source")
                 runs = merge_runs(src_block_ids, dst_block_ids)
                 now = time.monotonic()
                 transfer = Transfer(request_id, peer_id, Role.SEND, runs, self.layout.num_layers,
                                     self.layout.bytes_for(len(src_block_ids), 1),
-                                    now + min(self.transfer_timeout_s, self.lease_timeout_s))
-            elif transfer.peer_id != peer_id or transfer.runs != merge_runs(src_block_ids, dst_block_ids):
+                                    now + min(self.transfer_timeout_s, self.lease_timeout_s),
+                                    block_ids=block_ids)
+            elif transfer.peer_id != peer_id or transfer.block_ids != block_ids:
                 raise DuplicateRequestError(f"request {request_id!r} already sending other blocks")
             if transfer.layers_submitted.intersection(layers):
                 raise DuplicateRequestError(f"request {request_id!r}: layers sent twice")
@@ -117,11 +119,30 @@ class KVTransferAgent:
                 self.metrics_data.would_block += 1
                 return outcome
             self._sending[request_id] = transfer
-            self.active.set()
+            self.active.mark()
             transfer.layers_submitted.update(layers)
             transfer.unacked_bytes += num_bytes
+            # Post from this thread when nothing of the request waits or travels already: the
+            # writer thread then only watches for completion, its wake-up off the critical
+            # path. Later layers behind a chunk in flight queue up, and go as one chunk.
+            direct = (peer.state is LinkState.READY and peer.link.posts_async and not transfer.wire_ops
+                      and not transfer.queued_chunks and peer.send_lock.acquire(blocking=False))
+            if direct:
+                transfer.wire_ops += 1
+                transfer.state = TransferState.TRANSFERRING
+            else:
+                transfer.queued_chunks += 1
+        if not direct:
             peer.out_queue.put(("kv", transfer, layers))
             return SendOutcome.ACCEPTED
+        try:
+            posted = self._post_chunk(peer, transfer, layers)
+        except LinkError as exc:
+            posted = FailedPost(exc)
+        finally:
+            peer.send_lock.release()
+        peer.out_queue.put(("posted", transfer, layers, posted))
+        return SendOutcome.ACCEPTED
 
     # ----- receiver side -----
     def expect(self, request_id: str, dst_block_ids: Sequence[int], peer_id: Optional[str] = None) -> None:
@@ -136,7 +157,7 @@ class KVTransferAgent:
                                 time.monotonic() + self.transfer_timeout_s)
             self._receiving[request_id] = transfer
             self._reserved[request_id] = sorted(int(b) for b in dst_block_ids)
-            self.active.set()
+            self.active.mark()
 
     # ----- both sides -----
     def cancel(self, request_id: str) -> None:
@@ -201,7 +222,7 @@ class KVTransferAgent:
         """Fail now, or, while a wire thread is moving its bytes, as soon as that thread is done."""
         if transfer.finished:
             return
-        if transfer.wire_busy:
+        if transfer.wire_ops:
             transfer.pending_failure = transfer.pending_failure or reason
             return
         self._finalize(transfer, TransferState.FAILED, reason)
@@ -229,36 +250,59 @@ class KVTransferAgent:
     def _remaining(self, transfer: Transfer) -> float:
         return max(0.01, transfer.deadline - time.monotonic())
 
-    def write_chunk(self, peer: PeerLink, transfer: Transfer, layers: list[int]) -> None:
+    def _post_chunk(self, peer: PeerLink, transfer: Transfer, layers: list[int]):
+        """Post a chunk's header and regions together (the caller holds peer.send_lock): the
+        receiver parses the header while the first region is already on its way."""
+        regions = list(self.layout.regions(transfer.runs, layers, "src"))
+        sums = [region_checksum(r) for r in regions] if self.checksums else None
+        header = {"t": "kv", "rid": transfer.request_id, "layers": layers,
+                  "runs": runs_to_wire(transfer.runs), "sums": sums}
+        return peer.link.post_many(frame_buffers(pack_frame(header)) + regions, self._remaining(transfer))
+
+    def write_chunk(self, peer: PeerLink, transfer: Transfer, layers: list[int], queued: int):
+        """Writer thread: post a chunk that waited in the queue (`queued` items merged into
+        it); returns its PostedSend, or None when the transfer ended meanwhile."""
         with self._lock:
-            peer.credits.dequeued()
+            transfer.queued_chunks -= queued
+            for _ in range(queued):
+                peer.credits.dequeued()
             if transfer.finished or transfer.pending_failure:
-                return
-            transfer.wire_busy, transfer.state = True, TransferState.TRANSFERRING
-        failure: Optional[FailureReason] = None
+                return None
+            transfer.wire_ops += 1
+            transfer.state = TransferState.TRANSFERRING
         try:
-            regions = list(self.layout.regions(transfer.runs, layers, "src"))
-            sums = [region_checksum(r) for r in regions] if self.checksums else None
-            header = {"t": "kv", "rid": transfer.request_id, "layers": layers,
-                      "runs": runs_to_wire(transfer.runs), "sums": sums}
-            # Header and regions are posted together: the receiver parses the header while
-            # the first region is already on its way.
             with peer.send_lock:
-                peer.link.send_many(frame_buffers(pack_frame(header)) + regions, self._remaining(transfer))
+                return self._post_chunk(peer, transfer, layers)
+        except LinkError as exc:
+            return FailedPost(exc)
+
+    def chunk_sent(self, transfer: Transfer, layers: list[int], posted) -> bool:
+        """Writer thread: whether a posted chunk has left; ends its wire operation when it has,
+        or failed (LinkError; also once the transfer's deadline passed: the link is given up)."""
+        try:
+            if not posted.done():
+                if time.monotonic() <= transfer.deadline:
+                    return False
+                posted.abandon()
+                raise LinkTimeoutError(f"send of {transfer.request_id!r} passed its deadline")
         except LinkTimeoutError:
-            failure = FailureReason.TIMEOUT
+            self.end_chunk(transfer, layers, FailureReason.TIMEOUT)
             raise
         except LinkError:
-            failure = FailureReason.PEER_LOST
+            self.end_chunk(transfer, layers, FailureReason.PEER_LOST)
             raise
-        finally:
-            with self._lock:
-                transfer.wire_busy = False
-                reason = failure or transfer.pending_failure
-                if reason is not None:
-                    self._fail(transfer, reason, notify_peer=failure is None)
-                else:
-                    self.metrics_data.bytes_sent += transfer.bytes_per_layer * len(layers)
+        self.end_chunk(transfer, layers, None)
+        return True
+
+    def end_chunk(self, transfer: Transfer, layers: list[int], failure: Optional[FailureReason]) -> None:
+        with self._lock:
+            transfer.wire_ops -= 1
+            if failure is not None:  # the wire's own failure names the reason (as it came first)
+                transfer.pending_failure = failure
+            elif not transfer.finished:
+                self.metrics_data.bytes_sent += transfer.bytes_per_layer * len(layers)
+            if not transfer.wire_ops and transfer.pending_failure:
+                self._fail(transfer, transfer.pending_failure, notify_peer=failure is None)
 
     def handle_frame(self, peer: PeerLink, frame: dict) -> None:
         kind = frame["t"]
@@ -305,7 +349,8 @@ class KVTransferAgent:
                       and all(0 <= x < self.layout.num_layers for x in layers))
             if usable:
                 transfer.peer_id, transfer.runs = peer.peer_id, runs
-                transfer.wire_busy, transfer.state = True, TransferState.TRANSFERRING
+                transfer.wire_ops += 1
+                transfer.state = TransferState.TRANSFERRING
         failure: Optional[FailureReason] = None
         bad_sum = False
         try:
@@ -344,7 +389,7 @@ class KVTransferAgent:
                 reason = recent.reason if recent and recent.reason else FailureReason.REJECTED
                 peer.out_queue.put(("ctl", {"t": "nack", "rid": request_id, "reason": reason.value}))
             return None
-        transfer.wire_busy = False
+        transfer.wire_ops -= 1
         reason = failure or (FailureReason.CHECKSUM_MISMATCH if bad_sum else None) or transfer.pending_failure
         if reason is not None:
             self._fail(transfer, reason, notify_peer=failure is None)

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import msgpack
+import numpy
 import torch
 
 # Layout tag written into the handshake: kv_caches[layer][k_or_v, block, token, head, dim].
@@ -167,14 +169,67 @@ def frame_buffers(payload: bytes) -> list:
     """The messages that carry one control frame: a FRAME_BYTES head (length + start of the
     payload) and, for long payloads only, a tail. A writer may post them together with the
     KV regions that follow, so the header costs no round of its own."""
-    head = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
-    head[:_LEN_BYTES] = torch.frombuffer(bytearray(len(payload).to_bytes(_LEN_BYTES, "little")),
-                                         dtype=torch.uint8)
+    head = numpy.zeros(FRAME_BYTES, dtype=numpy.uint8)
+    head[:_LEN_BYTES] = numpy.frombuffer(len(payload).to_bytes(_LEN_BYTES, "little"), dtype=numpy.uint8)
     first = payload[: FRAME_BYTES - _LEN_BYTES]
-    if first:
-        head[_LEN_BYTES:_LEN_BYTES + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    head[_LEN_BYTES:_LEN_BYTES + len(first)] = numpy.frombuffer(first, dtype=numpy.uint8)
     tail = payload[FRAME_BYTES - _LEN_BYTES:]
-    return [head, torch.frombuffer(bytearray(tail), dtype=torch.uint8)] if tail else [head]
+    return [head, numpy.frombuffer(bytearray(tail), dtype=numpy.uint8)] if tail else [head]
+
+
+def as_byte_tensor(buf) -> torch.Tensor:
+    """A message buffer as a flat uint8 tensor sharing its memory. Links take either a tensor
+    (host or device) or a flat numpy uint8 array (host; kv_transfer builds host regions and
+    frames as numpy views, which cost a fraction of a microsecond where a torch view costs
+    several)."""
+    if isinstance(buf, numpy.ndarray):
+        return torch.from_numpy(buf)
+    return buf.reshape(-1).view(torch.uint8)
+
+
+class Activity:
+    """Whether transfers are in flight on an agent, and since when a new one last started.
+    Set by the agent on send/expect, cleared when none is left; polling links read it to poll
+    fast right after a transfer starts and to sleep on it while idle (Link.set_activity)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.since = 0.0  # time.monotonic() of the latest mark()
+
+    def mark(self) -> None:
+        self.since = time.monotonic()
+        self.event.set()
+
+    def clear(self) -> None:
+        self.event.clear()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self.event.wait(timeout_s)
+
+
+class PostedSend:
+    """Messages a link has started sending (Link.post_many). The peer's writer thread calls
+    done() until it is True; done() raises LinkError when the send failed. abandon() gives
+    it up with the link: buffers stay alive as long as the backend may still read them."""
+
+    def done(self) -> bool:
+        return True
+
+    def abandon(self) -> None:
+        pass
+
+
+class FailedPost(PostedSend):
+    """A post that raised: the writer thread surfaces the error as the link's failure."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def done(self) -> bool:
+        raise self.error
 
 
 class Link(ABC):
@@ -182,12 +237,12 @@ class Link(ABC):
     bounded by a timeout, used by exactly one writer thread and one reader thread."""
 
     @abstractmethod
-    def send_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
-        """Send a contiguous CPU (or device) tensor's bytes as one message."""
+    def send_bytes(self, buf, timeout_s: float) -> None:
+        """Send a contiguous tensor's (or flat numpy uint8 array's) bytes as one message."""
 
     @abstractmethod
-    def recv_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
-        """Receive exactly one message into a contiguous tensor of the message's size."""
+    def recv_bytes(self, buf, timeout_s: float) -> None:
+        """Receive exactly one message into a contiguous buffer of the message's size."""
 
     def send_many(self, bufs: list, timeout_s: float) -> None:
         """Send several messages in order; backends that can post them all at once do, so a
@@ -202,11 +257,22 @@ class Link(ABC):
         for buf in bufs:
             self.recv_bytes(buf, timeout_s)
 
+    # Whether post_many returns at once (then any thread may post; the writer watches the
+    # sends); where it does not, only the peer's writer thread sends.
+    posts_async = False
+
+    def post_many(self, bufs: list, timeout_s: float) -> PostedSend:
+        """Start sending several messages in order and return without waiting for them where
+        the backend can (posts_async); the caller holds the peer's send lock while posting, so
+        a group stays contiguous on the wire. The default sends them now."""
+        self.send_many(bufs, timeout_s)
+        return PostedSend()
+
     @abstractmethod
     def close(self) -> None:
         """Abort the link: pending operations fail, nothing is written afterwards."""
 
-    def set_activity(self, active: threading.Event) -> None:
+    def set_activity(self, active: "Activity") -> None:
         """active is set while transfers are in flight on the agent (a message may arrive any
         moment) and clear otherwise; a backend that polls may then poll fast, and an idle
         poller may sleep on it so that it wakes as soon as a transfer starts. Blocking
@@ -216,17 +282,17 @@ class Link(ABC):
         self.send_many(frame_buffers(payload), timeout_s)
 
     def recv_frame(self, timeout_s: float) -> bytes:
-        head = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        head = numpy.empty(FRAME_BYTES, dtype=numpy.uint8)
         self.recv_bytes(head, timeout_s)
-        raw = head.numpy().tobytes()
+        raw = head.tobytes()
         length = int.from_bytes(raw[:_LEN_BYTES], "little")
         first = raw[_LEN_BYTES:_LEN_BYTES + min(length, FRAME_BYTES - _LEN_BYTES)]
         rest = length - len(first)
         if rest <= 0:
             return first
-        tail = torch.empty(rest, dtype=torch.uint8)
+        tail = numpy.empty(rest, dtype=numpy.uint8)
         self.recv_bytes(tail, timeout_s)
-        return first + tail.numpy().tobytes()
+        return first + tail.tobytes()
 
 
 class Transport(ABC):

@@ -29,11 +29,14 @@ class Transfer:
     layers_submitted: set = field(default_factory=set)  # sender: layers handed to send()
     layers_done: set = field(default_factory=set)  # acked (sender) or landed (receiver)
     unacked_bytes: int = 0  # sender: bytes counted against the link's credit window
-    # A reader/writer thread is moving this transfer's bytes right now: its blocks may not be
-    # released until that thread finishes the operation (it finalizes the transfer itself).
-    wire_busy: bool = False
+    # Wire operations on this transfer's blocks not finished yet (a receive under way, sends
+    # posted): its blocks may not be released until the last one ends; the thread ending it
+    # applies a failure that came meanwhile (pending_failure).
+    wire_ops: int = 0
+    queued_chunks: int = 0  # sender: chunks waiting in the writer's queue (not posted yet)
     pending_failure: Optional[FailureReason] = None
     started_at: float = field(default_factory=time.monotonic)
+    block_ids: tuple = ()  # sender: (src ids, dst ids) as first sent, to check later layers
 
     @property
     def finished(self) -> bool:

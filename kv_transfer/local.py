@@ -9,9 +9,8 @@ import queue
 import threading
 from typing import Optional
 
-import torch
 
-from kv_transfer.base import Link, LinkError, LinkTimeoutError, Transport
+from kv_transfer.base import Link, LinkError, LinkTimeoutError, Transport, as_byte_tensor
 
 _listeners: dict[str, "LocalTransport"] = {}
 _names = itertools.count()
@@ -24,12 +23,12 @@ class LocalLink(Link):
         self._inbox, self._outbox = inbox, outbox
         self._closed = False
 
-    def send_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
+    def send_bytes(self, buf, timeout_s: float) -> None:
         if self._closed:
             raise LinkError("local link closed")
-        self._outbox.put(buf.detach().reshape(-1).view(torch.uint8).clone())
+        self._outbox.put(as_byte_tensor(buf).detach().clone())
 
-    def recv_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
+    def recv_bytes(self, buf, timeout_s: float) -> None:
         if self._closed:
             raise LinkError("local link closed")
         try:
@@ -40,7 +39,7 @@ class LocalLink(Link):
         if item is _CLOSED:
             self._closed = True
             raise LinkError("local peer closed the link")
-        target = buf.reshape(-1).view(torch.uint8)
+        target = as_byte_tensor(buf)
         if item.numel() != target.numel():
             self.close()
             raise LinkError(f"message of {item.numel()} bytes for a {target.numel()}-byte buffer")

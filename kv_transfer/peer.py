@@ -4,6 +4,7 @@ thread (frames, KV regions, heartbeats) and a reader thread; a dead link fails i
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -17,6 +18,9 @@ if TYPE_CHECKING:
     from kv_transfer.agent import KVTransferAgent
 
 _HEARTBEAT = pack_frame({"t": "hb"})
+# How often the writer looks at posted chunks while some are in flight. Only bookkeeping
+# waits on it (a transfer is done when the receiver acks it), so it need not be fast.
+_SENT_POLL_S = 0.0005
 
 
 class PeerLink:
@@ -148,16 +152,26 @@ class PeerTable:
         threading.Thread(target=self._read_loop, args=(peer, link), daemon=True, name=f"kvt-r-{peer.peer_id}").start()
 
     def _write_loop(self, peer: PeerLink, link: Link) -> None:
+        """Posts queued chunks and control frames, and watches posted chunks until they have
+        left (oldest first) without waiting on them: a chunk can go while earlier ones are
+        still being read by the peer."""
+        inflight: collections.deque = collections.deque()  # (transfer, layers, PostedSend)
         carry = None
         try:
             while True:
+                while inflight:
+                    head = inflight.popleft()  # chunk_sent ends it, also when it raises
+                    if not self.agent.chunk_sent(*head):
+                        inflight.appendleft(head)
+                        break
                 item, carry = carry, None
                 if item is None:
                     try:
-                        item = peer.out_queue.get(timeout=self.heartbeat_interval_s)
+                        item = peer.out_queue.get(timeout=_SENT_POLL_S if inflight else self.heartbeat_interval_s)
                     except queue.Empty:
-                        with peer.send_lock:
-                            link.send_frame(_HEARTBEAT, self.peer_timeout_s)
+                        if not inflight:
+                            with peer.send_lock:
+                                link.send_frame(_HEARTBEAT, self.peer_timeout_s)
                         continue
                 if item is None:
                     return
@@ -165,9 +179,13 @@ class PeerTable:
                     with peer.send_lock:
                         link.send_frame(pack_frame(item[1]), self.peer_timeout_s)
                     continue
+                if item[0] == "posted":  # posted by the sending thread itself
+                    peer.credits.dequeued()
+                    inflight.append(item[1:])
+                    continue
                 # Layers of one request queued back to back go out as one chunk: a prefill that
                 # outran the wire pays one header and one ack for its backlog, not one per layer.
-                transfer, layers, merged, stop = item[1], list(item[2]), 0, False
+                transfer, layers, merged, stop = item[1], list(item[2]), 1, False
                 while True:
                     try:
                         following = peer.out_queue.get_nowait()
@@ -182,13 +200,18 @@ class PeerTable:
                     else:
                         carry = following
                     break
-                for _ in range(merged):
-                    peer.credits.dequeued()
-                self.agent.write_chunk(peer, transfer, layers)
+                posted = self.agent.write_chunk(peer, transfer, layers, merged)
+                if posted is not None:
+                    inflight.append((transfer, layers, posted))
                 if stop:
                     return
         except LinkError as exc:
             self._fail(peer, exc)
+        finally:
+            # The link is gone: what is still posted is given up with it.
+            for transfer, layers, posted in inflight:
+                posted.abandon()
+                self.agent.end_chunk(transfer, layers, FailureReason.PEER_LOST)
 
     def _read_loop(self, peer: PeerLink, link: Link) -> None:
         try:
@@ -216,6 +239,11 @@ class PeerTable:
                         break
                     if item and item[0] == "kv":
                         peer.credits.dequeued()
+                        item[1].queued_chunks -= 1
+                    elif item and item[0] == "posted":
+                        peer.credits.dequeued()
+                        item[3].abandon()
+                        self.agent.end_chunk(item[1], item[2], FailureReason.PEER_LOST)
                 peer.out_queue.put(None)
         if first and peer.link is not None:
             peer.link.close()

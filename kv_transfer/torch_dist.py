@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import Link, LinkError, LinkTimeoutError, Transport
+from kv_transfer.base import Link, LinkError, LinkTimeoutError, Transport, as_byte_tensor
 
 _COUNTER_KEY = "kvt/links"
 _TAG = 0  # one ordered stream per direction; direction is given by the two ranks
@@ -53,18 +53,20 @@ class TorchDistLink(Link):
                 raise LinkTimeoutError(f"{what} timed out after {timeout_s:.2f}s") from exc
             raise LinkError(f"{what} failed: {exc}") from exc
 
-    def send_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
+    def send_bytes(self, buf, timeout_s: float) -> None:
         if self._closed:
             raise LinkError("link closed")
+        buf = as_byte_tensor(buf)
         try:
             work = self._group_for(buf).send([buf], self._peer, _TAG)
         except RuntimeError as exc:
             raise LinkError(f"send failed: {exc}") from exc
         self._wait(work, timeout_s, "send")
 
-    def recv_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
+    def recv_bytes(self, buf, timeout_s: float) -> None:
         if self._closed:
             raise LinkError("link closed")
+        buf = as_byte_tensor(buf)
         try:
             work = self._group_for(buf).recv([buf], self._peer, _TAG)
         except RuntimeError as exc:
@@ -81,6 +83,7 @@ class TorchDistLink(Link):
         if self._closed:
             raise LinkError("link closed")
         deadline = time.monotonic() + timeout_s
+        bufs = [as_byte_tensor(b) for b in bufs]
         try:
             works = [getattr(self._group_for(b), what)([b], self._peer, _TAG) for b in bufs]
         except RuntimeError as exc:

@@ -31,7 +31,8 @@ import msgpack
 import numpy
 import torch
 
-from kv_transfer.base import KVTransferError, Link, LinkError, LinkTimeoutError, Transport
+from kv_transfer.base import (Activity, KVTransferError, Link, LinkError, LinkTimeoutError,
+                              PostedSend, Transport)
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,11 @@ def _abandon(buffers, requests) -> None:
         _abandoned.append((buffers, requests))
 
 
-# Poll interval while transfers are in flight (see _wait).
+# Poll interval while transfers are in flight (see _wait): from 30 us right after a transfer
+# started up to 200 us, a twentieth of the time waited so far. Every poll costs the CPU that
+# the receiving thread needs for the pull itself on a small machine.
 _BUSY_POLL_S = 0.00003
+_BUSY_POLL_MAX_S = 0.0002
 _thread_state = threading.local()
 
 
@@ -103,16 +107,17 @@ def _no_progress() -> None:
 
 
 def _wait(requests: list, deadline: float, what: str, progress=_no_progress,
-          active: Optional[threading.Event] = None) -> None:
+          active: Optional[Activity] = None) -> None:
     """Poll until every request completed or the deadline passes, calling progress (the
     worker's, where no progress thread runs) on every poll. ucxx's synchronous API has no
     blocking wait; the sleep grows with the time already waited (an idle reader ends up at
     1 ms), so polling adds at most a few percent of latency and little CPU. One wait covers a
     whole batch: a sender waiting on its regions one by one would restart the fast spin at
     each, and spin a core for the whole transfer while the receiver does the work. While
-    `active` is set (transfers in flight on the agent) the poll interval stays at
-    _BUSY_POLL_S, so a header or ack is seen within tens of microseconds; an idle wait sleeps
-    on `active` itself, so the first header of a transfer does not wait out an idle sleep."""
+    `active` is set (transfers in flight on the agent) the poll interval starts at
+    _BUSY_POLL_S when a transfer starts, so a header is seen within tens of microseconds, and
+    grows to _BUSY_POLL_MAX_S (an ack comes a twentieth late at most); an idle wait sleeps on
+    `active` itself, so the first header of a transfer does not wait out an idle sleep."""
     _precise_sleeps()
     started = time.monotonic()
     spins = 0
@@ -129,7 +134,9 @@ def _wait(requests: list, deadline: float, what: str, progress=_no_progress,
         if spins < 50:
             time.sleep(0)
         elif active is not None and active.is_set():
-            time.sleep(_BUSY_POLL_S)
+            # fast right after a transfer started, then backing off with the time it has run
+            busy_for = now - max(started, active.since)
+            time.sleep(min(_BUSY_POLL_MAX_S, max(_BUSY_POLL_S, busy_for / 20)))
         else:
             idle = min(0.001, max(0.0001, (now - started) / 40))
             active.wait(idle) if active is not None else time.sleep(idle)
@@ -140,21 +147,24 @@ def _wait(requests: list, deadline: float, what: str, progress=_no_progress,
             raise LinkError(f"UCX {what} failed: {exc}") from exc
 
 
-def _as_bytes(buf: torch.Tensor) -> torch.Tensor:
+def _as_bytes(buf) -> numpy.ndarray:
+    """A flat numpy uint8 view of a host tensor or numpy array."""
+    if isinstance(buf, numpy.ndarray):
+        return buf.reshape(-1).view(numpy.uint8)
     if buf.device.type != "cpu":
         raise KVTransferError("the ucx backend here moves host memory only")
-    return buf.reshape(-1).view(torch.uint8)
+    return buf.reshape(-1).view(torch.uint8).numpy()
 
 
 def _host_array(buf):
     """A ucxx Array over a host tensor's (or numpy array's) bytes."""
     _, Array = _ucx()
-    return Array(buf if isinstance(buf, numpy.ndarray) else _as_bytes(buf).numpy())
+    return Array(_as_bytes(buf))
 
 
 def _flat(bufs: list) -> list:
     """Flat numpy byte views of bufs: one wire message each."""
-    return [_as_bytes(buf).numpy() for buf in bufs]
+    return [_as_bytes(buf) for buf in bufs]
 
 
 def _batches(bufs: list, cap: int) -> list:
@@ -173,11 +183,13 @@ def _batches(bufs: list, cap: int) -> list:
 
 
 class UCXLink(Link):
+    posts_async = True
+
     def __init__(self, endpoint, send_tag: int, recv_tag: int, worker: "_Worker"):
         self._ep = endpoint
         self._worker = worker
         self.progress = worker.progress  # called while waiting: the worker's own, where no thread drives it
-        self._active: Optional[threading.Event] = None
+        self._active: Optional[Activity] = None
         ucx_api, _ = _ucx()
         self._send_tag, self._recv_tag = send_tag, recv_tag
         self._tags = {"send": ucx_api.UCXXTag(send_tag), "recv": ucx_api.UCXXTag(recv_tag)}
@@ -186,7 +198,7 @@ class UCXLink(Link):
         self._staging = numpy.empty(0, dtype=numpy.uint8)
         self._slots: dict = {}  # (offset, size) -> ucxx Array over that part of _staging
 
-    def set_activity(self, active: threading.Event) -> None:
+    def set_activity(self, active: Activity) -> None:
         self._active = active
 
     def send_bytes(self, buf: torch.Tensor, timeout_s: float) -> None:
@@ -221,6 +233,16 @@ class UCXLink(Link):
             _abandon(arrays, requests)
             self.close()
             raise
+
+    def post_many(self, bufs: list, timeout_s: float) -> PostedSend:
+        arrays, requests = [], []
+        try:
+            self._post_into(_flat(bufs), "send", arrays, requests)
+        except LinkError:
+            _abandon(arrays, requests)
+            self.close()
+            raise
+        return _UCXPosted(self, arrays, requests)
 
     def recv_many(self, bufs: list, timeout_s: float) -> None:
         """Contract (base.Link): once this raised, no byte lands in bufs later.
@@ -327,6 +349,28 @@ class UCXLink(Link):
                     self._ep.close()
                 except Exception:
                     pass
+
+
+class _UCXPosted(PostedSend):
+    def __init__(self, link: UCXLink, arrays: list, requests: list):
+        self._link, self._arrays, self._requests = link, arrays, requests
+
+    def done(self) -> bool:
+        self._link.progress()  # shm: the writer drives the worker too while it watches
+        if not all(r.completed for r in self._requests):
+            return False
+        for request in self._requests:
+            try:
+                request.check_error()
+            except Exception as exc:  # ucxx raises its own exception family
+                self.abandon()
+                raise LinkError(f"UCX send failed: {exc}") from exc
+        return True
+
+    def abandon(self) -> None:
+        # UCX may still read the sources (a rendezvous get): keep the arrays alive.
+        _abandon(self._arrays, self._requests)
+        self._link.close()
 
 
 class _Worker:

@@ -4,9 +4,8 @@ region they send (the source blocks stay intact), to prove checksums catch wire 
 
 from __future__ import annotations
 
-import torch
 
-from kv_transfer.base import FRAME_BYTES, Link, Transport
+from kv_transfer.base import FRAME_BYTES, Link, Transport, as_byte_tensor
 
 
 class CorruptingLink(Link):
@@ -15,6 +14,7 @@ class CorruptingLink(Link):
 
     def send_bytes(self, buf, timeout_s):
         # Control frames are exactly FRAME_BYTES; tests size KV regions differently.
+        buf = as_byte_tensor(buf)
         if self.owner.armed and buf.numel() != FRAME_BYTES:
             self.owner.armed = False
             buf = buf.clone()
