@@ -124,13 +124,16 @@ def _wait(requests: list, deadline: float, what: str, progress=_no_progress,
     pending = [r for r in requests if not r.completed]
     while pending:
         progress()
-        pending = [r for r in pending if not r.completed]
-        if not pending:
+        still = [r for r in pending if not r.completed]
+        if not still:
             break
         now = time.monotonic()
         if now > deadline:
             raise LinkTimeoutError(f"UCX {what} timed out after {now - started:.2f}s")
-        spins += 1
+        # A poll that completed something is followed by a fast one: the next message of a
+        # batch is likely there already (an shm pull completes inside one progress call).
+        spins = 0 if len(still) < len(pending) else spins + 1
+        pending = still
         if spins < 50:
             time.sleep(0)
         elif active is not None and active.is_set():
