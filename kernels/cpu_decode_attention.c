@@ -1,0 +1,179 @@
+/* Decode attention over a contiguous bf16 K/V batch, for the CPU (see kernels/native.py).
+ *
+ * One query token per sequence; the query heads of a KV group share that group's K/V.
+ *   q   [batch, kv_heads, group, dim]       bf16
+ *   k,v [rows >= batch, kv_heads, cap, dim]  bf16 (row b holds sequence b, first lens[b] valid)
+ *   out [batch, kv_heads, group, dim]       bf16
+ * For each (sequence, kv head): scores = q k^T * scale over the valid keys, softmax in float32,
+ * out = probs v, accumulated in float32 and rounded to bf16 once. K and V are each read once,
+ * which is what bounds this on a CPU; torch's batched matmuls over these shapes (2 query rows
+ * per head) are dominated by per-matrix overhead instead.
+ *
+ * The (sequence, kv head) pairs are shared out over `threads` OpenMP threads. Built with
+ * -fopenmp, this library needs libgomp.so.1, which resolves to the copy torch has loaded
+ * already: one thread pool for torch's ops and this kernel, no second pool spinning against
+ * the first. Each pair's result depends only on its own inputs: a sequence gets the same
+ * bits whatever else is in the batch.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } x;
+    x.u = (uint32_t)h << 16;
+    return x.f;
+}
+
+static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40u);  /* NaN */
+    x.u += 0x7fffu + ((x.u >> 16) & 1u);
+    return (uint16_t)(x.u >> 16);
+}
+
+/* exp(x) for x <= 0 in plain float arithmetic, so loops over it vectorize: x = n ln2 + r with
+ * |r| <= ln2 / 2 (two-part ln2), exp(r) by its degree-7 Taylor polynomial (relative error
+ * below 2e-7), 2^n from the exponent bits. Inputs below -87 give exp(-87) ~ 1.6e-38. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } two_n;
+    two_n.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * two_n.f;
+}
+
+/* sum of a[d] * b[d]: 16 independent partial sums (vectorizes without reassociation), added
+ * in a fixed order, so the result is the same on every call. dim % 16 == 0. */
+static inline float dot(const float *a, const float *b, int64_t dim) {
+    float part[16] = {0};
+    for (int64_t d = 0; d < dim; d += 16)
+        for (int l = 0; l < 16; l++) part[l] += a[d + l] * b[d + l];
+    float s = 0.0f;
+    for (int l = 0; l < 16; l++) s += part[l];
+    return s;
+}
+
+/* scores[j] -> exp(scores[j] - max) in place; returns their sum. */
+static inline float softmax_numerators(float *s, int64_t n) {
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
+    for (int64_t j = 0; j < n; j++) s[j] = exp_nonpositive(s[j] - top);
+    for (int64_t j = 0; j < n; j++) total += s[j];
+    return total;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 load_bf16x16(const uint16_t *p) {  /* 16 bf16 -> 16 float32, exactly */
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* One (sequence, kv head) pair with G query rows and dim = 16 * C, both compile-time constants
+ * at each call site (see PAIR below), so the V accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_pair(
+        const float *qf, const uint16_t *kp, const uint16_t *vp, int64_t n, float scale,
+        float *scores, int64_t cap, uint16_t *op, const int G, const int C) {
+    const int64_t dim = 16 * C;
+    for (int64_t j = 0; j < n; j++)
+        for (int g = 0; g < G; g++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int c = 0; c < C; c++)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * dim + 16 * c), load_bf16x16(kp + j * dim + 16 * c), a);
+            scores[g * cap + j] = _mm512_reduce_add_ps(a) * scale;
+        }
+    float row_sum[8];
+    for (int g = 0; g < G; g++) row_sum[g] = softmax_numerators(scores + g * cap, n);
+    __m512 acc[8][8];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++)
+        for (int c = 0; c < C; c++) {
+            const __m512 vv = load_bf16x16(vp + j * dim + 16 * c);
+            for (int g = 0; g < G; g++)
+                acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * cap + j]), vv, acc[g][c]);
+        }
+    for (int g = 0; g < G; g++) {
+        const float inv = row_sum[g] > 0.0f ? 1.0f / row_sum[g] : 0.0f;
+        float o[16];
+        for (int c = 0; c < C; c++) {
+            _mm512_storeu_ps(o, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv)));
+            for (int l = 0; l < 16; l++) op[g * dim + 16 * c + l] = float_to_bf16(o[l]);
+        }
+    }
+}
+#endif
+
+/* The portable pair: any group <= 16, dim <= 512 with dim % 16 == 0. */
+static void attend_pair_any(const float *qf, const uint16_t *kp, const uint16_t *vp, int64_t n,
+                            float scale, float *scores, int64_t cap, uint16_t *op,
+                            int64_t group, int64_t dim) {
+    float row[512], acc[512];
+    for (int64_t j = 0; j < n; j++) {  /* K once: every query row's score of key j */
+        for (int64_t d = 0; d < dim; d++) row[d] = bf16_to_float(kp[j * dim + d]);
+        for (int64_t g = 0; g < group; g++) scores[g * cap + j] = dot(qf + g * dim, row, dim) * scale;
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const float total = softmax_numerators(scores + g * cap, n);
+        memset(acc, 0, sizeof(float) * (size_t)dim);
+        for (int64_t j = 0; j < n; j++) {  /* V once per query row (the fast path reads it once) */
+            const float p = scores[g * cap + j];
+            for (int64_t d = 0; d < dim; d++) acc[d] += p * bf16_to_float(vp[j * dim + d]);
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t d = 0; d < dim; d++) op[g * dim + d] = float_to_bf16(acc[d] * inv);
+    }
+}
+
+int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                          const int64_t *lens, uint16_t *out, int64_t kv_heads, int64_t group,
+                          int64_t cap, int64_t dim, float scale, int64_t pairs, int64_t threads) {
+    if (group > 16 || dim > 512 || dim % 16) return -1;
+    int status = 0;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * cap));
+        float *qf = (float *)malloc(sizeof(float) * (size_t)(group * dim));
+        if (!scores || !qf) {
+#pragma omp atomic write
+            status = -2;
+        }
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < pairs; pair++) {
+            if (!scores || !qf) continue;
+            const int64_t b = pair / kv_heads, h = pair % kv_heads;
+            const int64_t n = lens[b] < cap ? lens[b] : cap;
+            const uint16_t *qp = q + pair * group * dim;
+            const uint16_t *kp = k + (b * kv_heads + h) * cap * dim;
+            const uint16_t *vp = v + (b * kv_heads + h) * cap * dim;
+            uint16_t *op = out + pair * group * dim;
+            for (int64_t i = 0; i < group * dim; i++) qf[i] = bf16_to_float(qp[i]);
+#if defined(__AVX512F__)
+#define PAIR(G_, C_) \
+            if (group == G_ && dim == 16 * C_) { \
+                attend_pair(qf, kp, vp, n, scale, scores, cap, op, G_, C_); \
+                continue; \
+            }
+            PAIR(1, 4) PAIR(2, 4) PAIR(4, 4) PAIR(8, 4) PAIR(1, 8) PAIR(2, 8) PAIR(4, 8) PAIR(8, 8)
+#undef PAIR
+#endif
+            attend_pair_any(qf, kp, vp, n, scale, scores, cap, op, group, dim);
+        }
+        free(scores);
+        free(qf);
+    }
+    return status;
+}

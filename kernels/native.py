@@ -1,0 +1,116 @@
+"""Native CPU kernels: C sources beside this file, compiled on first use with the machine's C
+compiler (`cc`, or $CC) for this very CPU, cached under ~/.cache/pd-runtime/kernels, called
+through ctypes (which releases the GIL while the kernel runs on torch's OpenMP threads).
+
+Only for CPU bfloat16 decode attention so far (cpu_decode_attention.c). Where no compiler is
+found or the build fails, `decode_attention_bf16` returns None and callers keep the torch
+reference path in kernels/attention.py; PD_RUNTIME_NATIVE_KERNELS=0 forces that path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+# -fopenmp: the library's libgomp.so.1 is the one torch loaded (see the C source's header).
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fopenmp"]
+_lock = threading.Lock()
+_library: Optional[ctypes.CDLL] = None
+_tried = False
+
+
+def _cpu_identity() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+def _build() -> Optional[ctypes.CDLL]:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.info("native kernels: no C compiler found; using the torch path")
+        return None
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PD_RUNTIME_KERNEL_CACHE", Path.home() / ".cache" / "pd-runtime" / "kernels"))
+    target = cache / f"cpu_decode_attention-{key}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=cache, suffix=".so.partial")
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *_FLAGS, "-o", partial, str(_SOURCE), "-lm"], check=True,
+                           capture_output=True, timeout=120)
+            os.replace(partial, target)  # atomic: processes building at once agree
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            logger.warning("native kernels: build failed (%s %s); using the torch path", exc,
+                           detail.decode(errors="replace")[-500:])
+            return None
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    library = ctypes.CDLL(str(target))  # torch is imported above: libgomp.so.1 is its copy
+    fn = library.decode_attention_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float] + [ctypes.c_int64] * 2
+    return library
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    global _library, _tried
+    if _tried:
+        return _library
+    with _lock:
+        if not _tried:
+            if os.environ.get("PD_RUNTIME_NATIVE_KERNELS", "1") != "0":
+                try:
+                    _library = _build()
+                except OSError as exc:  # a cached library that does not load
+                    logger.warning("native kernels: %s; using the torch path", exc)
+            _tried = True
+    return _library
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def decode_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          context_lens: torch.Tensor, scale: float) -> Optional[torch.Tensor]:
+    """q `[B, kv_heads, group, d]`; k, v `[rows >= B, kv_heads, cap, d]` contiguous bf16 CPU
+    tensors, row b valid for its first context_lens[b] keys -> `[B, kv_heads, group, d]`, or
+    None when the native kernel cannot take these inputs (the caller then runs torch)."""
+    library = _load()
+    batch, kv_heads, group, dim = q.shape
+    if (library is None or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16
+            or v.dtype != torch.bfloat16 or q.device.type != "cpu" or group > 16 or dim > 512
+            or dim % 16 or not (k.is_contiguous() and v.is_contiguous())
+            or k.shape[0] < batch or k.shape[1] != kv_heads or k.shape[3] != dim or v.shape != k.shape):
+        return None
+    q = q.contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    cap = k.shape[2]
+    pairs = batch * kv_heads
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(), out.data_ptr(), kv_heads,
+            group, cap, dim, ctypes.c_float(scale))
+    status = library.decode_attention_bf16(*args, pairs, min(torch.get_num_threads(), pairs))
+    return out if status == 0 else None

@@ -1,0 +1,85 @@
+"""The native CPU decode attention (kernels/native.py, built here with the machine's compiler):
+against float32 attention computed by torch, on the fast paths (group 1/2/4/8, head_dim 64/128)
+and the portable one; the torch path when the kernel is off; and inside the engine, a
+request's bf16 tokens do not depend on its company."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import attention, native
+from pd_runtime import LLM, SamplingParams
+from tests.test_engine_invariance import mixed_prompts
+
+
+def _fp32_attention(q, k, v, lens, scale):
+    """q [B, KH, G, d], k/v [rows, KH, cap, d] -> float32 [B, KH, G, d], keys j < lens[b]."""
+    batch = q.shape[0]
+    scores = torch.matmul(q.float(), k[:batch].float().transpose(-1, -2)) * scale
+    visible = torch.arange(k.shape[2])[None, :] < lens[:, None]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    return torch.matmul(scores.softmax(-1), v[:batch].float())
+
+
+def test_the_kernel_builds_on_this_machine():
+    # CI and the target machines have a C compiler; without one the torch path runs (below).
+    assert native.available()
+
+
+@pytest.mark.parametrize("group,dim", [(1, 64), (2, 64), (4, 128), (8, 64), (3, 32), (2, 48)])
+def test_decode_attention_matches_float32(group, dim):
+    gen = torch.Generator().manual_seed(group * 1000 + dim)
+    batch, kv_heads, cap = 5, 2, 70
+    q = torch.randn(batch, kv_heads, group, dim, generator=gen).to(torch.bfloat16)
+    k = torch.randn(batch + 2, kv_heads, cap, dim, generator=gen).to(torch.bfloat16)  # spare rows
+    v = torch.randn(batch + 2, kv_heads, cap, dim, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor([1, 70, 33, 2, 64])
+    out = native.decode_attention_bf16(q, k, v, lens, dim ** -0.5)
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == q.shape
+    want = _fp32_attention(q, k, v, lens, dim ** -0.5)
+    # one bf16 rounding of values of magnitude <= ~3: 2^-8 relative
+    assert torch.allclose(out.float(), want, atol=2e-2, rtol=1e-2)
+    # a sequence of length 1 sees exactly its one value row
+    assert torch.equal(out[0], v[0, :, :1].expand(kv_heads, group, dim))
+    # keys past a sequence's length are never read: garbage there changes nothing
+    k2, v2 = k.clone(), v.clone()
+    for b, n in enumerate(lens.tolist()):
+        k2[b, :, n:], v2[b, :, n:] = float("nan"), float("inf")
+    assert torch.equal(native.decode_attention_bf16(q, k2, v2, lens, dim ** -0.5), out)
+
+
+def test_inputs_the_kernel_does_not_take_return_none():
+    q = torch.randn(2, 1, 2, 24).to(torch.bfloat16)  # head_dim not a multiple of 16
+    k = torch.randn(2, 1, 8, 24).to(torch.bfloat16)
+    assert native.decode_attention_bf16(q, k, k, torch.tensor([3, 8]), 0.2) is None
+    assert native.decode_attention_bf16(q.float(), k.float(), k.float(), torch.tensor([3, 8]), 0.2) is None
+
+
+def test_decode_attention_falls_back_to_torch_when_the_kernel_is_off(monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 6, 2, 4, 64, generator=gen).to(torch.bfloat16)  # [2, blocks, kvh, bs, d]
+    q = torch.randn(2, 4, 64, generator=gen).to(torch.bfloat16)
+    tables, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 8])
+    fast = attention.decode_attention(q, cache, tables, lens, 0.125)
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert not attention.uses_native_decode(q)
+    slow = attention.decode_attention(q, cache, tables, lens, 0.125)
+    assert torch.allclose(fast.float(), slow.float(), atol=2e-2)
+
+
+@pytest.mark.timeout(300)
+def test_bf16_tokens_identical_alone_and_in_a_batch(model_factory, monkeypatch):
+    # head_dim 64 and 2 query heads per KV head: the kernel's fast path, in the engine's
+    # decode buffer; each request alone, then all 12 in one batch with chunked prefill.
+    model = model_factory("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    ran = []
+    kernel = native.decode_attention_bf16
+    monkeypatch.setattr(native, "decode_attention_bf16", lambda *a: ran.append(kernel(*a)) or ran[-1])
+    prompts = mixed_prompts(12, seed=4)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = LLM(model, dtype="bfloat16", num_kv_blocks=256)
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    batched = LLM(model, dtype="bfloat16", num_kv_blocks=256, max_num_batched_tokens=48)
+    assert [o.token_ids for o in batched.generate(prompts, params)] == alone
+    assert ran and all(out is not None for out in ran)  # every decode went through the kernel
