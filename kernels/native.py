@@ -2,9 +2,10 @@
 compiler (`cc`, or $CC) for this very CPU, cached under ~/.cache/pd-runtime/kernels, called
 through ctypes (which releases the GIL while the kernel runs on torch's OpenMP threads).
 
-Only for CPU bfloat16 decode attention so far (cpu_decode_attention.c). Where no compiler is
-found or the build fails, `decode_attention_bf16` returns None and callers keep the torch
-reference path in kernels/attention.py; PD_RUNTIME_NATIVE_KERNELS=0 forces that path.
+For CPU bfloat16 only: decode attention (cpu_decode_attention.c) and the decoder layer's fused
+RMSNorm and residual add (cpu_elementwise.c). Where no compiler is found or the build fails, every function here
+returns None and callers keep their torch path (kernels/attention.py, pd_runtime/model/llama.py);
+PD_RUNTIME_NATIVE_KERNELS=0 forces that path.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode_attention.c", "cpu_elementwise.c")]
 # -fopenmp: the library's libgomp.so.1 is the one torch loaded (see the C source's header).
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fopenmp"]
 _lock = threading.Lock()
@@ -47,16 +48,16 @@ def _build() -> Optional[ctypes.CDLL]:
     if compiler is None:
         logger.info("native kernels: no C compiler found; using the torch path")
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PD_RUNTIME_KERNEL_CACHE", Path.home() / ".cache" / "pd-runtime" / "kernels"))
-    target = cache / f"cpu_decode_attention-{key}.so"
+    target = cache / f"pd_runtime_cpu-{key}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         fd, partial = tempfile.mkstemp(dir=cache, suffix=".so.partial")
         os.close(fd)
         try:
-            subprocess.run([compiler, *_FLAGS, "-o", partial, str(_SOURCE), "-lm"], check=True,
+            subprocess.run([compiler, *_FLAGS, "-o", partial, *map(str, _SOURCES), "-lm"], check=True,
                            capture_output=True, timeout=120)
             os.replace(partial, target)  # atomic: processes building at once agree
         except (OSError, subprocess.SubprocessError) as exc:
@@ -68,9 +69,15 @@ def _build() -> Optional[ctypes.CDLL]:
             if os.path.exists(partial):
                 os.unlink(partial)
     library = ctypes.CDLL(str(target))  # torch is imported above: libgomp.so.1 is its copy
-    fn = library.decode_attention_bf16
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float] + [ctypes.c_int64] * 2
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    signatures = {
+        "decode_attention_bf16": [ptr] * 5 + [i64] * 4 + [f32] + [i64] * 2,
+        "rms_norm_bf16": [ptr] * 3 + [i64] * 2 + [f32, i64],
+        "add_rms_norm_bf16": [ptr] * 4 + [i64] * 2 + [f32, i64],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(library, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return library
 
 
@@ -114,3 +121,33 @@ def decode_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             group, cap, dim, ctypes.c_float(scale))
     status = library.decode_attention_bf16(*args, pairs, min(torch.get_num_threads(), pairs))
     return out if status == 0 else None
+
+
+def _rows_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
+    """RMSNorm of the rows of a contiguous bf16 x (see cpu_elementwise.c), or None."""
+    library = _load()
+    if library is None or not _rows_ok(x, weight) or weight.numel() != x.shape[-1]:
+        return None
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    library.rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim,
+                          eps, torch.get_num_threads())
+    return out
+
+
+def add_rms_norm_bf16(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> Optional[torch.Tensor]:
+    """h += delta (in place, rounded to bf16), then RMSNorm(h); or None (h untouched)."""
+    library = _load()
+    if library is None or not _rows_ok(h, delta, weight) or delta.shape != h.shape \
+            or weight.numel() != h.shape[-1]:
+        return None
+    out = torch.empty_like(h)
+    dim = h.shape[-1]
+    library.add_rms_norm_bf16(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                              h.numel() // dim, dim, eps, torch.get_num_threads())
+    return out

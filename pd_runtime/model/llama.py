@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from kernels.attention import AttentionMetadata, paged_attention
 from pd_runtime.model.model_config import ModelConfig
 
@@ -16,9 +17,21 @@ from pd_runtime.model.model_config import ModelConfig
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same op order as the reference implementation: normalise in fp32, cast, then scale; the
     # in-place steps only reuse temporaries (`normed` is never `x`, even for fp32 input).
+    # bf16 on the CPU: the same steps fused in one native pass (kernels/native.py) when built.
+    fused = native.rms_norm_bf16(x, weight, eps) if x.dtype == torch.bfloat16 else None
+    if fused is not None:
+        return fused
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
     return normed.to(x.dtype).mul_(weight)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The residual add in place (`h += delta`), then RMSNorm(h); one native pass for bf16."""
+    fused = native.add_rms_norm_bf16(h, delta, weight, eps) if h.dtype == torch.bfloat16 else None
+    if fused is not None:
+        return fused
+    return rms_norm(h.add_(delta), weight, eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -143,14 +156,18 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
+        # The residual stream h is this forward's own tensor (the embedding output), never an
+        # input, so it is updated in place; each block's output is added in front of the next
+        # norm (add_rms_norm), which is where a fused kernel can take both.
+        mlp_out = None
         for index, (layer, packed, kv_layer) in enumerate(zip(self.layers, self.packed,
                                                               kv_caches)):
             meta.layer = index
-            # In place: h is this forward's own tensor (the embedding output), never an input.
-            h.add_(self._attention(layer, packed, rms_norm(h, layer["in_norm"], eps), cos, sin,
-                                   kv_layer, meta))
-            h.add_(self._mlp(layer, packed, rms_norm(h, layer["post_norm"], eps)))
-        return rms_norm(h, self.final_norm, eps)
+            x = rms_norm(h, layer["in_norm"], eps) if mlp_out is None \
+                else add_rms_norm(h, mlp_out, layer["in_norm"], eps)
+            attn_out = self._attention(layer, packed, x, cos, sin, kv_layer, meta)
+            mlp_out = self._mlp(layer, packed, add_rms_norm(h, attn_out, layer["post_norm"], eps))
+        return add_rms_norm(h, mlp_out, self.final_norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
