@@ -153,7 +153,12 @@ def main() -> None:
               f"weights+KV read bound {bound_kv:.1f} ms, matmul bound {bound_mm:.1f} ms "
               f"-> {max(bound_kv, bound_mm) / ours['decode_step_ms']:.0%} of the tighter bound")
     if ours["prefill_tokens_per_s"]:
-        achieved = ours["prefill_tokens_per_s"] * 2 * linear_params / 1e9
+        # Linear work actually done per prefill token: every layer's but the last one's, whose
+        # output projection and MLP run for the sampled rows only (one per prompt), like the
+        # LM head; the last layer computes qkv (the token's K/V) for every token.
+        prefill_params = (layers - 1) * (h * q_kv + cfg.num_heads * cfg.head_dim * h + 3 * h * inter) \
+            + h * q_kv
+        achieved = ours["prefill_tokens_per_s"] * 2 * prefill_params / 1e9
         print(f"prefill: {ours['prefill_tokens_per_s']:.0f} tok/s = {achieved:.0f} GFLOP/s "
               f"in linear layers, {achieved / mm:.0%} of the measured bf16 matmul rate")
 

@@ -94,8 +94,6 @@ class ModelRunner:
             slots.append(table[pos // bs] * bs + pos % bs)
             offset += n
         meta.slot_mapping = _cat_long(slots)
-        hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.long),
-                                    _cat_long(positions), self.kv_caches, meta)
         # Rows to sample, in the order of plan.scheduled (the engine's order).
         row_of = {}
         offset = 0
@@ -103,9 +101,13 @@ class ModelRunner:
             offset += len(s.token_ids)
             row_of[s.request_id] = offset - 1
         rows = [row_of[s.request_id] for s in plan.scheduled if s.sample]
+        # Nothing sampled (a chunk mid-prompt): the forward still writes K/V, for no rows.
+        hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.long),
+                                    _cat_long(positions), self.kv_caches, meta,
+                                    output_rows=torch.tensor(rows, dtype=torch.long))
         if not rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)])
+        return self.model.compute_logits(hidden)
 
 
 def _cat_long(parts: list) -> torch.Tensor:

@@ -127,7 +127,9 @@ class LlamaModel:
         self.sin = emb.sin().to(dtype)
 
     def _attention(self, layer: dict, packed: dict, x: torch.Tensor, cos, sin, kv_layer,
-                   meta) -> torch.Tensor:
+                   meta, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of every token (all of them write K/V); the output projection only for
+        `rows` when given."""
         cfg = self.cfg
         qkv = linear(x, layer["qkv"], packed["qkv"], layer.get("qkv_bias"))
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -143,7 +145,8 @@ class LlamaModel:
                                                                       head_dim), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
         out = paged_attention(q, k, v.contiguous(), kv_layer, meta, self.scale)
-        return linear(out.reshape(-1, self.q_size), layer["o"], packed["o"])
+        out = out.reshape(-1, self.q_size)
+        return linear(out if rows is None else out[rows], layer["o"], packed["o"])
 
     def _mlp(self, layer: dict, packed: dict, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, layer["gate_up"], packed["gate_up"]).chunk(2, dim=-1)
@@ -151,7 +154,14 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of the flat batch, or of `output_rows` only (the rows to be
+        sampled). With output_rows, the last layer still computes every token's K/V, but its
+        output projection and MLP only for those rows: in a prefill chunk only the last token
+        is sampled, so this skips ~80% of the last layer's linear work there, and the rows it
+        returns are exactly what the full computation gives (every op after attention is
+        row-wise)."""
         eps = self.cfg.rms_norm_eps
         h = F.embedding(input_ids, self.embed)
         cos = self.cos[positions].unsqueeze(1)
@@ -160,12 +170,16 @@ class LlamaModel:
         # input, so it is updated in place; each block's output is added in front of the next
         # norm (add_rms_norm), which is where a fused kernel can take both.
         mlp_out = None
+        last = len(self.layers) - 1
         for index, (layer, packed, kv_layer) in enumerate(zip(self.layers, self.packed,
                                                               kv_caches)):
             meta.layer = index
             x = rms_norm(h, layer["in_norm"], eps) if mlp_out is None \
                 else add_rms_norm(h, mlp_out, layer["in_norm"], eps)
-            attn_out = self._attention(layer, packed, x, cos, sin, kv_layer, meta)
+            rows = output_rows if index == last else None
+            attn_out = self._attention(layer, packed, x, cos, sin, kv_layer, meta, rows)
+            if rows is not None:
+                h = h[rows]  # a new tensor: the residual stream of the output rows only
             mlp_out = self._mlp(layer, packed, add_rms_norm(h, attn_out, layer["post_norm"], eps))
         return add_rms_norm(h, mlp_out, self.final_norm, eps)
 
