@@ -1,7 +1,7 @@
 """Offline throughput: our engine vs HF `generate` (static batch) vs vLLM's CPU build, same
 prompts, same model directory, one run; plus the decode-step and prefill physical bounds.
 
-    python bench/offline_throughput.py [--model DIR] [--threads 2] [--no-hf] [--no-vllm]
+    python bench/offline_throughput.py [--model DIR] [--threads 2] [--no-hf] [--no-vllm] [--rounds N]
 """
 
 from __future__ import annotations
@@ -93,6 +93,11 @@ def run_vllm(python: str, model: str, args) -> dict | None:
     return result
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (its own step figures come with it)."""
+    return sorted(runs, key=lambda r: r["output_tokens_per_s"])[(len(runs) - 1) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the embedded bench model")
@@ -105,6 +110,9 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate vLLM and ours this many times; report medians and each "
+                         "round's ratio (a shared box drifts between runs)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = bench_model(args.model)
@@ -113,16 +121,23 @@ def main() -> None:
     print(f"# {args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, "
           f"bf16, model {model}")
 
-    results = []
-    if not args.no_vllm:  # first, while nothing else of ours holds memory
-        r = run_vllm(args.vllm_python, model, args)
-        if r:
-            results.append(r)
-    ours = run_ours(model, prompts, args.output_len, args)
+    results, rounds = [], []
+    for _ in range(args.rounds):
+        peer = None
+        if not args.no_vllm:  # first, while nothing else of ours holds memory
+            peer = run_vllm(args.vllm_python, model, args)
+        ours_round = run_ours(model, prompts, args.output_len, args)
+        rounds.append((peer, ours_round))
+    if rounds[0][0] is not None:
+        results.append(_median_run([p for p, _ in rounds if p is not None]))
+    ours = _median_run([o for _, o in rounds])
     results.append(ours)
     if not args.no_hf:
         results.append(run_hf(model, prompts, args.output_len))
 
+    if args.rounds > 1:
+        print(f"\n{args.rounds} rounds, medians below; ours/vLLM per round: " + ", ".join(
+            f"{o['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}" for p, o in rounds if p))
     print(f"\n{'engine':<40} {'out tok/s':>10} {'elapsed s':>10} {'ours / it':>10}")
     for r in results:
         ratio = ours["output_tokens_per_s"] / r["output_tokens_per_s"]
