@@ -213,16 +213,19 @@ class UCXLink(Link):
     def _post_into(self, bufs: list, what: str, arrays: list, requests: list) -> None:
         """Post an operation per buffer, appending to arrays and requests (which the caller
         hands to its give-up path on failure, together with any posted before)."""
-        if self._closed:
-            raise LinkError("link closed")
         post, tag = (self._ep.tag_send if what == "send" else self._ep.tag_recv), self._tags[what]
-        try:
-            for buf in bufs:
-                # a numpy byte view, or a ucxx Array made already (a staging slot)
-                arrays.append(_host_array(buf) if isinstance(buf, numpy.ndarray) else buf)
-                requests.append(post(arrays[-1], tag=tag))
-        except Exception as exc:
-            raise LinkError(f"UCX {what} failed: {exc}") from exc
+        # Under the close lock: an operation posted on an endpoint that another thread is
+        # closing would escape the close's cancellation and stay pending for good.
+        with self._close_lock:
+            if self._closed:
+                raise LinkError("link closed")
+            try:
+                for buf in bufs:
+                    # a numpy byte view, or a ucxx Array made already (a staging slot)
+                    arrays.append(_host_array(buf) if isinstance(buf, numpy.ndarray) else buf)
+                    requests.append(post(arrays[-1], tag=tag))
+            except Exception as exc:
+                raise LinkError(f"UCX {what} failed: {exc}") from exc
 
     def send_many(self, bufs: list, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

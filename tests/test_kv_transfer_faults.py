@@ -38,7 +38,11 @@ class Side:
 
     def connect(self, metadata):
         peer = self.agent.connect(metadata)
-        wait_for(lambda: self.agent.peer_state(peer)[0] is LinkState.READY, 15)
+        try:
+            wait_for(lambda: self.agent.peer_state(peer)[0] is LinkState.READY, 15)
+        except TimeoutError:
+            raise TimeoutError(f"link not ready: {self.agent.peer_state(peer)}, "
+                               f"transport retired: {getattr(self.transport, 'retired', None)}") from None
         return peer
 
     def send(self, peer, rid, n, dst_ids, layers=None, seed=0):
