@@ -242,6 +242,11 @@ def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: 
     over itself: one SDPA call for all of them (views, no copies) instead of one per prompt."""
     tokens, heads, head_dim = q.shape
     n = tokens // num_seqs
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        # the native kernel: ~3x torch's flash kernel on bf16 here (bf16 pair products)
+        out = native.prefill_attention_bf16(q, k, v, num_seqs, scale)
+        if out is not None:
+            return out
     out = F.scaled_dot_product_attention(
         q.view(num_seqs, n, heads, head_dim).transpose(1, 2),
         k.view(num_seqs, n, -1, head_dim).transpose(1, 2),

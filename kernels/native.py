@@ -2,8 +2,9 @@
 compiler (`cc`, or $CC) for this very CPU, cached under ~/.cache/pd-runtime/kernels, called
 through ctypes (which releases the GIL while the kernel runs on torch's OpenMP threads).
 
-For CPU bfloat16 only: decode attention (cpu_decode_attention.c) and the decoder layer's fused
-RMSNorm and residual add (cpu_elementwise.c). Where no compiler is found or the build fails, every function here
+For CPU bfloat16 only: decode attention (cpu_decode_attention.c), causal attention of fresh
+prompts (cpu_prefill_attention.c) and the decoder layer's fused RMSNorm and residual add
+(cpu_elementwise.c). Where no compiler is found or the build fails, every function here
 returns None and callers keep their torch path (kernels/attention.py, pd_runtime/model/llama.py);
 PD_RUNTIME_NATIVE_KERNELS=0 forces that path.
 """
@@ -26,7 +27,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode_attention.c", "cpu_elementwise.c")]
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_elementwise.c")]
 # -fopenmp: the library's libgomp.so.1 is the one torch loaded (see the C source's header).
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fopenmp"]
 _lock = threading.Lock()
@@ -72,6 +74,7 @@ def _build() -> Optional[ctypes.CDLL]:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
         "decode_attention_bf16": [ptr] * 5 + [i64] * 4 + [f32] + [i64] * 2,
+        "prefill_attention_bf16": [ptr, i64, ptr, i64, ptr, i64, ptr] + [i64] * 5 + [f32, i64],
         "rms_norm_bf16": [ptr] * 3 + [i64] * 2 + [f32, i64],
         "add_rms_norm_bf16": [ptr] * 4 + [i64] * 2 + [f32, i64],
     }
@@ -120,6 +123,31 @@ def decode_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(), out.data_ptr(), kv_heads,
             group, cap, dim, ctypes.c_float(scale))
     status = library.decode_attention_bf16(*args, pairs, min(torch.get_num_threads(), pairs))
+    return out if status == 0 else None
+
+
+def _token_rows(x: torch.Tensor) -> bool:
+    """[tokens, heads, dim] with each token's heads contiguous (a view into qkv is fine)."""
+    return (x.dim() == 3 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.stride(2) == 1 and x.stride(1) == x.shape[2])
+
+
+def prefill_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
+                           scale: float) -> Optional[torch.Tensor]:
+    """Causal attention of `num_seqs` fresh prompts of equal length back to back:
+    q `[T, heads, d]`, k/v `[T, kv_heads, d]` -> `[T, heads, d]`; or None when the kernel
+    cannot take them (no AVX512-BF16, head_dim not 64/128, layouts)."""
+    library = _load()
+    tokens, heads, dim = q.shape
+    if (library is None or not (_token_rows(q) and _token_rows(k) and _token_rows(v))
+            or k.shape != v.shape or k.shape[0] != tokens or heads % k.shape[1]
+            or tokens % num_seqs):
+        return None
+    out = q.new_empty(tokens, heads, dim)
+    status = library.prefill_attention_bf16(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        out.data_ptr(), num_seqs, tokens // num_seqs, heads, k.shape[1], dim, scale,
+        torch.get_num_threads())
     return out if status == 0 else None
 
 

@@ -105,3 +105,26 @@ def test_fused_rms_norm_and_residual_add_match_torch(monkeypatch):
         # the float32 sum of squares adds in another order: at most a last-bit difference
         assert torch.allclose(got.float(), ref.float(), rtol=2 ** -7, atol=0)
         assert (got != ref).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("seqs,n,heads,kv_heads,dim", [(3, 37, 4, 2, 64), (1, 1, 2, 2, 64),
+                                                       (2, 64, 8, 2, 128), (1, 130, 4, 4, 64)])
+def test_prefill_attention_matches_float32(seqs, n, heads, kv_heads, dim):
+    gen = torch.Generator().manual_seed(n * 7 + dim)
+    qkv = torch.randn(seqs * n, (heads + 2 * kv_heads) * dim, generator=gen).to(torch.bfloat16)
+    # views into the fused projection, as the model passes them
+    q = qkv[:, :heads * dim].view(-1, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(-1, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(-1, kv_heads, dim)
+    out = native.prefill_attention_bf16(q, k, v, seqs, dim ** -0.5)
+    assert out is not None and out.shape == q.shape
+    group = heads // kv_heads
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().view(seqs, n, heads, dim).transpose(1, 2),
+        k.float().view(seqs, n, kv_heads, dim).transpose(1, 2).repeat_interleave(group, 1),
+        v.float().view(seqs, n, kv_heads, dim).transpose(1, 2).repeat_interleave(group, 1),
+        is_causal=True, scale=dim ** -0.5).transpose(1, 2).reshape(seqs * n, heads, dim)
+    assert torch.allclose(out.float(), ref, atol=3e-2, rtol=2e-2)
+    # a prompt's first token sees only itself
+    assert torch.equal(out.view(seqs, n, heads, dim)[:, 0],
+                       v.view(seqs, n, kv_heads, dim)[:, 0].repeat_interleave(group, 1))
