@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from kernels import native
 from kernels.attention import AttentionMetadata, DecodeKVBuffer, PrefillSegment
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.scheduler import SchedulerOutput
@@ -23,6 +24,8 @@ class ModelRunner:
         self.model = load_model(config.model, config.dtype, config.device, max_model_len)
         cfg = self.model.cfg
         self.dtype = self.model.dtype
+        if self.dtype == torch.bfloat16 and torch.device(config.device).type == "cpu":
+            native.available()  # build (or find) the native kernels now, not at the first step
         elem = torch.tensor([], dtype=self.dtype).element_size()
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
         block_bytes = self.kv_bytes_per_token * self.block_size
