@@ -85,7 +85,7 @@ def _abandon(buffers, requests) -> None:
 # started up to 200 us, a twentieth of the time waited so far. Every poll costs the CPU that
 # the receiving thread needs for the pull itself on a small machine.
 _BUSY_POLL_S = 0.00003
-_BUSY_POLL_MAX_S = 0.0002
+_BUSY_POLL_MAX_S = 0.0001
 _thread_state = threading.local()
 
 
