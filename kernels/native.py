@@ -113,7 +113,8 @@ def decode_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if (library is None or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16
             or v.dtype != torch.bfloat16 or q.device.type != "cpu" or group > 16 or dim > 512
             or dim % 16 or not (k.is_contiguous() and v.is_contiguous())
-            or k.shape[0] < batch or k.shape[1] != kv_heads or k.shape[3] != dim or v.shape != k.shape):
+            or k.shape[0] < batch or k.shape[1] != kv_heads or k.shape[3] != dim or v.shape != k.shape
+            or context_lens.numel() < batch):
         return None
     q = q.contiguous()
     lens = context_lens.to(torch.int64).contiguous()
@@ -140,8 +141,8 @@ def prefill_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nu
     library = _load()
     tokens, heads, dim = q.shape
     if (library is None or not (_token_rows(q) and _token_rows(k) and _token_rows(v))
-            or k.shape != v.shape or k.shape[0] != tokens or heads % k.shape[1]
-            or tokens % num_seqs):
+            or k.shape != v.shape or k.shape[0] != tokens or k.shape[2] != dim
+            or heads % k.shape[1] or num_seqs < 1 or tokens % num_seqs):
         return None
     out = q.new_empty(tokens, heads, dim)
     status = library.prefill_attention_bf16(

@@ -127,21 +127,27 @@ class KVTransferAgent:
             # path. Later layers behind a chunk in flight queue up, and go as one chunk.
             direct = (peer.state is LinkState.READY and peer.link.posts_async and not transfer.wire_ops
                       and not transfer.queued_chunks and peer.send_lock.acquire(blocking=False))
-            if direct:
-                transfer.wire_ops += 1
-                transfer.state = TransferState.TRANSFERRING
-            else:
+            if not direct:
                 transfer.queued_chunks += 1
-        if not direct:
-            peer.out_queue.put(("kv", transfer, layers))
-            return SendOutcome.ACCEPTED
+                peer.out_queue.put(("kv", transfer, layers))
+                return SendOutcome.ACCEPTED
+            transfer.wire_ops += 1
+            transfer.state = TransferState.TRANSFERRING
         try:
             posted = self._post_chunk(peer, transfer, layers)
-        except LinkError as exc:
-            posted = FailedPost(exc)
+        except Exception as exc:  # any failure to post is the link's: the writer fails it
+            posted = FailedPost(exc if isinstance(exc, LinkError) else LinkError(f"post failed: {exc!r}"))
         finally:
             peer.send_lock.release()
-        peer.out_queue.put(("posted", transfer, layers, posted))
+        with self._lock:
+            # Under the lock, so a link failing meanwhile (PeerTable._fail drains the queue and
+            # stops the writer under it) cannot leave this chunk unwatched.
+            if peer.state is LinkState.FAILED:
+                peer.credits.dequeued()
+                posted.abandon()
+                self.end_chunk(transfer, layers, FailureReason.PEER_LOST)
+            else:
+                peer.out_queue.put(("posted", transfer, layers, posted))
         return SendOutcome.ACCEPTED
 
     # ----- receiver side -----
@@ -273,8 +279,8 @@ class KVTransferAgent:
         try:
             with peer.send_lock:
                 return self._post_chunk(peer, transfer, layers)
-        except LinkError as exc:
-            return FailedPost(exc)
+        except Exception as exc:  # any failure to post is the link's
+            return FailedPost(exc if isinstance(exc, LinkError) else LinkError(f"post failed: {exc!r}"))
 
     def chunk_sent(self, transfer: Transfer, layers: list[int], posted) -> bool:
         """Writer thread: whether a posted chunk has left; ends its wire operation when it has,
@@ -289,8 +295,13 @@ class KVTransferAgent:
             self.end_chunk(transfer, layers, FailureReason.TIMEOUT)
             raise
         except LinkError:
+            posted.abandon()  # keeps its buffers alive while UCX may still read them
             self.end_chunk(transfer, layers, FailureReason.PEER_LOST)
             raise
+        except Exception as exc:  # a backend error of another family: the link is gone too
+            posted.abandon()
+            self.end_chunk(transfer, layers, FailureReason.PEER_LOST)
+            raise LinkError(f"send failed: {exc!r}") from exc
         self.end_chunk(transfer, layers, None)
         return True
 
@@ -299,7 +310,7 @@ class KVTransferAgent:
             transfer.wire_ops -= 1
             if failure is not None:  # the wire's own failure names the reason (as it came first)
                 transfer.pending_failure = failure
-            elif not transfer.finished:
+            elif transfer.state is not TransferState.FAILED:  # (done may come first, by the ack)
                 self.metrics_data.bytes_sent += transfer.bytes_per_layer * len(layers)
             if not transfer.wire_ops and transfer.pending_failure:
                 self._fail(transfer, transfer.pending_failure, notify_peer=failure is None)

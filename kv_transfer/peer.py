@@ -208,10 +208,13 @@ class PeerTable:
         except LinkError as exc:
             self._fail(peer, exc)
         finally:
-            # The link is gone: what is still posted is given up with it.
+            # The link is gone: what is still posted is given up with it, and an item taken
+            # off the queue but not handled yet (carry) is dropped as _fail drops queued ones.
             for transfer, layers, posted in inflight:
                 posted.abandon()
                 self.agent.end_chunk(transfer, layers, FailureReason.PEER_LOST)
+            if carry is not None:
+                self._drop_queued(peer, carry)
 
     def _read_loop(self, peer: PeerLink, link: Link) -> None:
         try:
@@ -237,16 +240,23 @@ class PeerTable:
                         item = peer.out_queue.get_nowait()
                     except queue.Empty:
                         break
-                    if item and item[0] == "kv":
-                        peer.credits.dequeued()
-                        item[1].queued_chunks -= 1
-                    elif item and item[0] == "posted":
-                        peer.credits.dequeued()
-                        item[3].abandon()
-                        self.agent.end_chunk(item[1], item[2], FailureReason.PEER_LOST)
+                    if item:
+                        self._drop_queued(peer, item)
                 peer.out_queue.put(None)
         if first and peer.link is not None:
             peer.link.close()
+
+    def _drop_queued(self, peer: PeerLink, item: tuple) -> None:
+        """A queued item of a failed link: chunks hold no lease any more, posted ones are
+        given up (their transfers fail once nothing of them is on the wire)."""
+        with self.agent._lock:
+            if item[0] == "kv":
+                peer.credits.dequeued()
+                item[1].queued_chunks -= 1
+            elif item[0] == "posted":
+                peer.credits.dequeued()
+                item[3].abandon()
+                self.agent.end_chunk(item[1], item[2], FailureReason.PEER_LOST)
 
     def close_all(self) -> None:
         for peer in self.all():

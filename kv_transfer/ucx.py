@@ -399,7 +399,10 @@ class _Worker:
         with self._lock:  # a retire waits for a progress call already running
             if self.retired is not None:
                 raise LinkError(f"UCX worker retired: {self.retired}")
-            self.handle.progress()
+            try:
+                self.handle.progress()
+            except Exception as exc:  # ucxx's own exception family
+                raise LinkError(f"UCX progress failed: {exc}") from exc
 
     def retire(self, why: str) -> None:
         with self._lock:
@@ -510,8 +513,10 @@ class UCXTransport(Transport):
         self._closed = True
         for link in self._links:
             link.close()
-        try:
-            self._worker.cancel_inflight_requests()
-        except Exception:
-            pass
+        with self._ucx_worker._lock:  # not while another thread progresses, never once retired
+            if self._ucx_worker.retired is None:
+                try:
+                    self._worker.cancel_inflight_requests()
+                except Exception:
+                    pass
         self._worker.stop_progress_thread()
