@@ -84,6 +84,7 @@ def _abandon(buffers, requests) -> None:
 # Poll interval while transfers are in flight (see _wait): from 30 us right after a transfer
 # started up to 200 us, a twentieth of the time waited so far. Every poll costs the CPU that
 # the receiving thread needs for the pull itself on a small machine.
+_SPIN_S = 0.000005
 _BUSY_POLL_S = 0.00003
 _BUSY_POLL_MAX_S = 0.0001
 _thread_state = threading.local()
@@ -135,7 +136,9 @@ def _wait(requests: list, deadline: float, what: str, progress=_no_progress,
         spins = 0 if len(still) < len(pending) else spins + 1
         pending = still
         if spins < 50:
-            time.sleep(0)
+            # a real (if short) sleep: sleep(0) re-takes the GIL before a woken thread of this
+            # process can, which starved the thread waiting for a transfer's end by ~1 ms
+            time.sleep(_SPIN_S)
         elif active is not None and active.is_set():
             # fast right after a transfer started, then backing off with the time it has run
             busy_for = now - max(started, active.since)
