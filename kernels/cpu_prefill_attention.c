@@ -20,19 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } x;
-    x.u = (uint32_t)h << 16;
-    return x.f;
-}
-
-static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40u);  /* NaN */
-    x.u += 0x7fffu + ((x.u >> 16) & 1u);
-    return (uint16_t)(x.u >> 16);
-}
+#include "cpu_bf16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_elementwise.c")]
+_HEADER = Path(__file__).with_name("cpu_bf16.h")
 # -fopenmp: the library's libgomp.so.1 is the one torch loaded (see the C source's header).
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fopenmp"]
 _lock = threading.Lock()
@@ -50,7 +51,7 @@ def _build() -> Optional[ctypes.CDLL]:
     if compiler is None:
         logger.info("native kernels: no C compiler found; using the torch path")
         return None
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in [*_SOURCES, _HEADER])
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PD_RUNTIME_KERNEL_CACHE", Path.home() / ".cache" / "pd-runtime" / "kernels"))
     target = cache / f"pd_runtime_cpu-{key}.so"
