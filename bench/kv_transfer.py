@@ -46,17 +46,17 @@ def _raw_op(link, buf, what):
     """A plain send or receive of buf as one message, the figure the agent is held to. (UCX
     links split regions into pieces and stage receives so a given-up one cannot write late;
     the raw figure is a bare tag_send/tag_recv of the whole buffer.)"""
-    from kv_transfer import ucx
+    from kv_transfer import ucx, ucx_worker
     if not isinstance(link, ucx.UCXLink):
         (link.send_bytes if what == "send" else link.recv_bytes)(buf, TIMEOUT_S)
         return
-    ucx_api, _ = ucx._ucx()
-    array = ucx._host_array(buf)
+    ucx_api, _ = ucx_worker.ucx_modules()
+    array = ucx_worker.host_array(buf)
     if what == "send":
         request = link._ep.tag_send(array, tag=ucx_api.UCXXTag(link._send_tag))
     else:
         request = link._ep.tag_recv(array, tag=ucx_api.UCXXTag(link._recv_tag))
-    ucx._wait([request], time.monotonic() + TIMEOUT_S, f"raw {what}", link.progress, link._active)
+    ucx_worker.wait([request], time.monotonic() + TIMEOUT_S, f"raw {what}", link.progress, link._active)
 
 
 def _serve_raw(raw, active, max_bytes):
@@ -236,7 +236,7 @@ def main():
     args = parser.parse_args()
     iters = {t: max(6, args.iters * 2048 // max(t, 2048)) for t in args.tokens}
     print("| mode | tokens | MiB | raw GB/s | whole GB/s (p50/p99 ms) | per-layer GB/s (p50/p99 ms) "
-          f"| whole/raw | per-layer/raw | memcpy GB/s |")
+          "| whole/raw | per-layer/raw | memcpy GB/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
         for mode_, tokens, size, raw, whole, layered, memcpy in bench_mode(mode, args.tokens, iters):

@@ -31,8 +31,8 @@ import msgpack
 import numpy
 import torch
 
-from kv_transfer.base import (Activity, KVTransferError, Link, LinkError, LinkTimeoutError,
-                              PostedSend, Transport)
+from kv_transfer.base import Activity, Link, LinkError, PostedSend, Transport
+from kv_transfer.ucx_worker import Worker, abandon, flat, host_array, ucx_modules, wait
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +50,6 @@ _CONTEXT_CONFIG = {
 _DRAIN_S = 2.0
 
 
-_modules: tuple = ()
-
-
-def _ucx():
-    """(ucxx's core module, its Array type), imported on first use and kept: importing them in
-    every call cost ~16 us, paid per message."""
-    global _modules
-    if not _modules:
-        import ucxx._lib.libucxx as ucx_api
-        from ucxx._lib.arr import Array
-        _modules = (ucx_api, Array)
-    return _modules
-
-
 def resolve_mode(requested: str, host: str) -> str:
     if requested != "auto":
         return requested
@@ -77,110 +63,6 @@ def resolve_mode(requested: str, host: str) -> str:
 # tcp receives land in a link-owned staging buffer and are copied into the KV blocks only once
 # complete (see UCXLink.recv_many); batches larger than this reuse it in turn.
 _STAGING_CAP_BYTES = 64 << 20
-# Buffers of operations given up on, with their requests: UCX may still read or write them
-# (a matched receive cannot be cancelled), so they stay allocated until UCX is done with them.
-_abandoned: list = []
-_abandoned_lock = threading.Lock()
-
-
-def _abandon(buffers, requests) -> None:
-    with _abandoned_lock:
-        _abandoned[:] = [(b, r) for b, r in _abandoned if not all(x.completed for x in r)]
-        _abandoned.append((buffers, requests))
-
-
-# Poll interval while transfers are in flight (see _wait): from 30 us right after a transfer
-# started up to 200 us, a twentieth of the time waited so far. Every poll costs the CPU that
-# the receiving thread needs for the pull itself on a small machine.
-_SPIN_S = 0.000005
-_BUSY_POLL_S = 0.00003
-_BUSY_POLL_MAX_S = 0.0001
-_thread_state = threading.local()
-
-
-def _precise_sleeps() -> None:
-    """Linux rounds a thread's sleeps up by its timer slack (50 us by default), which doubles
-    a 50 us poll; set this thread's slack to 1 us, once."""
-    if getattr(_thread_state, "precise", False):
-        return
-    _thread_state.precise = True
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, ns
-    except (OSError, AttributeError):
-        pass
-
-
-def _no_progress() -> None:
-    """Progress of a worker whose own thread drives it (tcp)."""
-
-
-def _wait(requests: list, deadline: float, what: str, progress=_no_progress,
-          active: Optional[Activity] = None) -> None:
-    """Poll until every request completed or the deadline passes, calling progress (the
-    worker's, where no progress thread runs) on every poll. ucxx's synchronous API has no
-    blocking wait; the sleep grows with the time already waited (an idle reader ends up at
-    1 ms), so polling adds at most a few percent of latency and little CPU. One wait covers a
-    whole batch: a sender waiting on its regions one by one would restart the fast spin at
-    each, and spin a core for the whole transfer while the receiver does the work. While
-    `active` is set (transfers in flight on the agent) the poll interval starts at
-    _BUSY_POLL_S when a transfer starts, so a header is seen within tens of microseconds, and
-    grows to _BUSY_POLL_MAX_S (an ack comes a twentieth late at most); an idle wait sleeps on
-    `active` itself, so the first header of a transfer does not wait out an idle sleep."""
-    _precise_sleeps()
-    started = time.monotonic()
-    spins = 0
-    pending = [r for r in requests if not r.completed]
-    while pending:
-        progress()
-        still = [r for r in pending if not r.completed]
-        if not still:
-            break
-        now = time.monotonic()
-        if now > deadline:
-            raise LinkTimeoutError(f"UCX {what} timed out after {now - started:.2f}s")
-        # A poll that completed something is followed by a fast one: the next message of a
-        # batch is likely there already (an shm pull completes inside one progress call).
-        spins = 0 if len(still) < len(pending) else spins + 1
-        pending = still
-        if spins < 50:
-            # a real (if short) sleep: sleep(0) re-takes the GIL before a woken thread of this
-            # process can, which starved the thread waiting for a transfer's end by ~1 ms
-            time.sleep(_SPIN_S)
-        elif active is not None and active.is_set():
-            # fast right after a transfer started, then backing off with the time it has run
-            busy_for = now - max(started, active.since)
-            time.sleep(min(_BUSY_POLL_MAX_S, max(_BUSY_POLL_S, busy_for / 20)))
-        else:
-            idle = min(0.001, max(0.0001, (now - started) / 40))
-            active.wait(idle) if active is not None else time.sleep(idle)
-    for request in requests:
-        try:
-            request.check_error()
-        except Exception as exc:  # ucxx raises its own exception family
-            raise LinkError(f"UCX {what} failed: {exc}") from exc
-
-
-def _as_bytes(buf) -> numpy.ndarray:
-    """A flat numpy uint8 view of a host tensor or numpy array."""
-    if isinstance(buf, numpy.ndarray):
-        return buf.reshape(-1).view(numpy.uint8)
-    if buf.device.type != "cpu":
-        raise KVTransferError("the ucx backend here moves host memory only")
-    return buf.reshape(-1).view(torch.uint8).numpy()
-
-
-def _host_array(buf):
-    """A ucxx Array over a host tensor's (or numpy array's) bytes."""
-    _, Array = _ucx()
-    return Array(_as_bytes(buf))
-
-
-def _flat(bufs: list) -> list:
-    """Flat numpy byte views of bufs: one wire message each."""
-    return [_as_bytes(buf) for buf in bufs]
-
-
 def _batches(bufs: list, cap: int) -> list:
     """Split bufs into runs of at most cap bytes (a larger buffer forms a batch of its own)."""
     batches, current, size = [], [], 0
@@ -199,12 +81,12 @@ def _batches(bufs: list, cap: int) -> list:
 class UCXLink(Link):
     posts_async = True
 
-    def __init__(self, endpoint, send_tag: int, recv_tag: int, worker: "_Worker"):
+    def __init__(self, endpoint, send_tag: int, recv_tag: int, worker: "Worker"):
         self._ep = endpoint
         self._worker = worker
         self.progress = worker.progress  # called while waiting: the worker's own, where no thread drives it
         self._active: Optional[Activity] = None
-        ucx_api, _ = _ucx()
+        ucx_api, _ = ucx_modules()
         self._send_tag, self._recv_tag = send_tag, recv_tag
         self._tags = {"send": ucx_api.UCXXTag(send_tag), "recv": ucx_api.UCXXTag(recv_tag)}
         self._closed = False
@@ -233,7 +115,7 @@ class UCXLink(Link):
             try:
                 for buf in bufs:
                     # a numpy byte view, or a ucxx Array made already (a staging slot)
-                    arrays.append(_host_array(buf) if isinstance(buf, numpy.ndarray) else buf)
+                    arrays.append(host_array(buf) if isinstance(buf, numpy.ndarray) else buf)
                     requests.append(post(arrays[-1], tag=tag))
             except Exception as exc:
                 raise LinkError(f"UCX {what} failed: {exc}") from exc
@@ -242,21 +124,21 @@ class UCXLink(Link):
         deadline = time.monotonic() + timeout_s
         arrays, requests = [], []
         try:
-            self._post_into(_flat(bufs), "send", arrays, requests)  # all at once, so they pipeline
-            _wait(requests, deadline, "send", self.progress, self._active)
+            self._post_into(flat(bufs), "send", arrays, requests)  # all at once, so they pipeline
+            wait(requests, deadline, "send", self.progress, self._active)
         except LinkError:
             # UCX may still read the sources (a rendezvous get): keep the arrays alive. A late
             # read of a source only ever feeds a receive that was given up on as well.
-            _abandon(arrays, requests)
+            abandon(arrays, requests)
             self.close()
             raise
 
     def post_many(self, bufs: list, timeout_s: float) -> PostedSend:
         arrays, requests = [], []
         try:
-            self._post_into(_flat(bufs), "send", arrays, requests)
+            self._post_into(flat(bufs), "send", arrays, requests)
         except LinkError:
-            _abandon(arrays, requests)
+            abandon(arrays, requests)
             self.close()
             raise
         return _UCXPosted(self, arrays, requests)
@@ -272,31 +154,30 @@ class UCXLink(Link):
         A give-up parks the staging buffer with its requests; late bytes land there."""
         deadline = time.monotonic() + timeout_s
         if self._worker.caller_progress:
-            self._recv_in_place(_flat(bufs), deadline)
+            self._recv_in_place(flat(bufs), deadline)
             return
-        for batch in _batches(_flat(bufs), _STAGING_CAP_BYTES):
+        for batch in _batches(flat(bufs), _STAGING_CAP_BYTES):
             self._recv_staged(batch, deadline)
 
-    def _recv_in_place(self, flats: list, deadline: float) -> None:
-        small = [f for f in flats if f.nbytes < _DIRECT_MIN_BYTES]
-        self._ensure_staging(sum(f.nbytes for f in small))
+    def _recv_in_place(self, views: list, deadline: float) -> None:
+        self._ensure_staging(sum(v.nbytes for v in views if v.nbytes < _DIRECT_MIN_BYTES))
         targets, staged, offset = [], [], 0
-        for flat in flats:
-            if flat.nbytes >= _DIRECT_MIN_BYTES:
-                targets.append(flat)
+        for view in views:
+            if view.nbytes >= _DIRECT_MIN_BYTES:
+                targets.append(view)
             else:
-                targets.append(self._slot(offset, flat.nbytes))
-                staged.append((flat, offset))
-                offset += flat.nbytes
+                targets.append(self._slot(offset, view.nbytes))
+                staged.append((view, offset))
+                offset += view.nbytes
         arrays, requests = [], []
         try:
             self._post_into(targets, "recv", arrays, requests)
-            _wait(requests, deadline, "recv", self.progress, self._active)
+            wait(requests, deadline, "recv", self.progress, self._active)
         except LinkError:
             self._drain_receives(arrays, requests)
             raise
-        for flat, at in staged:
-            numpy.copyto(flat, self._staging[at:at + flat.nbytes])
+        for view, at in staged:
+            numpy.copyto(view, self._staging[at:at + view.nbytes])
 
     def _drain_receives(self, arrays: list, requests: list) -> None:
         """shm give-up. Closing the endpoint cancels the receives no message matched yet; a
@@ -312,12 +193,12 @@ class UCXLink(Link):
             if time.monotonic() > limit:
                 self._worker.retire(f"{sum(not r.completed for r in requests)} receive(s) still "
                                     f"pending {_DRAIN_S}s after their link was given up")
-                _abandon(arrays, requests)
+                abandon(arrays, requests)
                 return
             try:
                 self.progress()
             except LinkError:  # retired meanwhile by another link: nothing progresses it now
-                _abandon(arrays, requests)
+                abandon(arrays, requests)
                 return
             time.sleep(0.0001)
 
@@ -330,14 +211,14 @@ class UCXLink(Link):
                 offsets.append(offset)
                 offset += piece.nbytes
             for piece, request, at in zip(batch, requests, offsets):
-                _wait([request], deadline, "recv", self.progress, self._active)
+                wait([request], deadline, "recv", self.progress, self._active)
                 # numpy's copy runs on this thread alone: torch's would wake its OpenMP
                 # pool, which spins against the threads driving UCX on a small box.
                 numpy.copyto(piece, staging[at:at + piece.nbytes])
         except LinkError:
             # never reuse what UCX may still write
             self._staging, self._slots = numpy.empty(0, dtype=numpy.uint8), {}
-            _abandon((staging, arrays), requests)
+            abandon((staging, arrays), requests)
             self.close()
             raise
 
@@ -351,7 +232,7 @@ class UCXLink(Link):
         if array is None:
             if len(self._slots) > 4096:  # one per region shape seen; keep it bounded
                 self._slots.clear()
-            array = self._slots[offset, size] = _host_array(self._staging[offset:offset + size])
+            array = self._slots[offset, size] = host_array(self._staging[offset:offset + size])
         return array
 
     def close(self) -> None:
@@ -386,47 +267,15 @@ class _UCXPosted(PostedSend):
 
     def abandon(self) -> None:
         # UCX may still read the sources (a rendezvous get): keep the arrays alive.
-        _abandon(self._arrays, self._requests)
+        abandon(self._arrays, self._requests)
         self._link.close()
-
-
-class _Worker:
-    """A UCX worker and how it progresses: by its own thread (tcp), or by whichever agent
-    thread waits (shm, caller_progress). A caller-driven worker can be retired: from then on
-    nothing progresses it, so it writes no buffer again (UCXLink._drain_receives)."""
-
-    def __init__(self, context, caller_progress: bool):
-        ucx_api, _ = _ucx()
-        self.handle = ucx_api.UCXWorker(context)
-        self.caller_progress = caller_progress
-        self.retired: Optional[str] = None
-        self._lock = threading.Lock()
-        if not caller_progress:
-            self.handle.start_progress_thread(polling_mode=False)
-
-    def progress(self) -> None:
-        if not self.caller_progress:
-            return
-        with self._lock:  # a retire waits for a progress call already running
-            if self.retired is not None:
-                raise LinkError(f"UCX worker retired: {self.retired}")
-            try:
-                self.handle.progress()
-            except Exception as exc:  # ucxx's own exception family
-                raise LinkError(f"UCX progress failed: {exc}") from exc
-
-    def retire(self, why: str) -> None:
-        with self._lock:
-            if self.retired is None:
-                self.retired = why
-                logger.error("kv_transfer: UCX worker retired, links on it fail from now on: %s", why)
 
 
 class UCXTransport(Transport):
     name = "ucx"
 
     def __init__(self, host: str, port: int, ucx_mode: str = "auto"):
-        ucx_api, _ = _ucx()
+        ucx_api, _ = ucx_modules()
         self.mode = resolve_mode(ucx_mode, host)
         try:
             self._context = ucx_api.UCXContext(config_dict=_CONTEXT_CONFIG[self.mode])
@@ -436,7 +285,7 @@ class UCXTransport(Transport):
             self.mode = "tcp"  # no shared-memory transport here; auto falls back to TCP
             self._context = ucx_api.UCXContext(config_dict=_CONTEXT_CONFIG[self.mode])
         # shm: no progress thread; the thread waiting on a request drives the worker itself.
-        self._ucx_worker = _Worker(self._context, caller_progress=self.mode == "shm")
+        self._ucx_worker = Worker(self._context, caller_progress=self.mode == "shm")
         self._worker = self._ucx_worker.handle
         self._progress = self._ucx_worker.progress
         self._error_handling = self.mode == "tcp"
@@ -450,14 +299,14 @@ class UCXTransport(Transport):
                                 else self._worker.address), "mode": self.mode}
 
     def _endpoint_to(self, worker_address: bytes):
-        ucx_api, _ = _ucx()
+        ucx_api, _ = ucx_modules()
         address = ucx_api.UCXAddress.create_from_buffer(worker_address)
         return ucx_api.UCXEndpoint.create_from_worker_address(self._worker, address, self._error_handling)
 
     def connect(self, peer_address: dict, timeout_s: float) -> Link:
         if peer_address.get("mode") != self.mode:
             raise LinkError(f"peer uses UCX mode {peer_address.get('mode')!r}, this agent {self.mode!r}")
-        ucx_api, _ = _ucx()
+        ucx_api, _ = ucx_modules()
         # Random tags name the two directions of this link; the acceptor learns both from hello.
         to_acceptor, to_us = (secrets.randbits(62) | (1 << 62) for _ in range(2))
         hello = msgpack.packb({"worker": self.address()["worker"], "to_acceptor": to_acceptor, "to_connector": to_us})
@@ -466,12 +315,12 @@ class UCXTransport(Transport):
             payload = torch.zeros(_HELLO_BYTES, dtype=torch.uint8)
             payload[:4] = torch.tensor(list(len(hello).to_bytes(4, "little")), dtype=torch.uint8)
             payload[4:4 + len(hello)] = torch.frombuffer(bytearray(hello), dtype=torch.uint8)
-            array = _host_array(payload)
+            array = host_array(payload)
             request = endpoint.tag_send(array, tag=ucx_api.UCXXTag(_ACCEPT_TAG))
             try:
-                _wait([request], time.monotonic() + timeout_s, "hello", self._progress)
+                wait([request], time.monotonic() + timeout_s, "hello", self._progress)
             except LinkError:
-                _abandon(array, [request])
+                abandon(array, [request])
                 raise
         except LinkError:
             raise
@@ -480,12 +329,12 @@ class UCXTransport(Transport):
         return self._track(self._link(endpoint, to_acceptor, to_us))
 
     def accept(self, timeout_s: float) -> Optional[Link]:
-        ucx_api, _ = _ucx()
+        ucx_api, _ = ucx_modules()
         if self._closed or self.retired:
             time.sleep(timeout_s)
             return None
         if self._hello_request is None:
-            self._hello_array = _host_array(self._hello)
+            self._hello_array = host_array(self._hello)
             self._hello_request = self._worker.tag_recv(self._hello_array, tag=ucx_api.UCXXTag(_ACCEPT_TAG))
         deadline = time.monotonic() + timeout_s
         while not self._hello_request.completed:
