@@ -11,6 +11,7 @@ import torch
 from kernels import native
 from kernels.attention import AttentionMetadata, DecodeKVBuffer, PrefillSegment
 from pd_runtime.config import EngineConfig
+from pd_runtime.engine.host_memory import host_zeros
 from pd_runtime.engine.scheduler import SchedulerOutput
 from pd_runtime.model.loader import load_model
 
@@ -33,9 +34,12 @@ class ModelRunner:
                                                       // block_bytes)
         # One allocation for all layers; per-layer views are what attention and transfers use.
         # Layout [layers, 2 (K, V), blocks, kv_heads, block_size, head_dim]: see kernels/attention.
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, cfg.num_kv_heads,
-                                    self.block_size, cfg.head_dim, dtype=self.dtype,
-                                    device=config.device)
+        # On the host it lives in huge pages (host_memory: transfers pull from it 2x faster).
+        kv_shape = (cfg.num_layers, 2, self.num_blocks, cfg.num_kv_heads, self.block_size, cfg.head_dim)
+        if torch.device(config.device).type == "cpu":
+            self.kv_cache = host_zeros(kv_shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=config.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.decode_buffer = DecodeKVBuffer(int(self.kv_cache.numel() * elem
                                                 * config.decode_kv_buffer_fraction))
