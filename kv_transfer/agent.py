@@ -119,20 +119,58 @@ class KVTransferAgent:
                 self.metrics_data.would_block += 1
                 return outcome
             self._sending[request_id] = transfer
-            self.active.mark()
             transfer.layers_submitted.update(layers)
+            transfer.queued_layers.extend(layers)
+            transfer.queued_sends += 1
+            waiting_ack = transfer.unacked_bytes > 0
             transfer.unacked_bytes += num_bytes
-            # Post from this thread when nothing of the request waits or travels already: the
-            # writer thread then only watches for completion, its wake-up off the critical
-            # path. Later layers behind a chunk in flight queue up, and go as one chunk.
-            direct = (peer.state is LinkState.READY and peer.link.posts_async and not transfer.wire_ops
-                      and not transfer.queued_chunks and peer.send_lock.acquire(blocking=False))
-            if not direct:
-                transfer.queued_chunks += 1
-                peer.out_queue.put(("kv", transfer, layers))
+            # Post from this thread when nothing of the request is unacked, and for the request's
+            # last layers (with any still waiting): the writer thread then only watches for
+            # completion, its wake-up off the critical path. Layers sent behind an unacked chunk
+            # wait, and leave together as one chunk when its ack comes (the reader posts them)
+            # or with the last layers: a prefill that outran the wire pays one header and ack
+            # for its backlog, not one per layer, and wakes no thread meanwhile.
+            asynchronous = peer.state is LinkState.READY and peer.link.posts_async
+            if (asynchronous and not transfer.pending_failure
+                    and (not waiting_ack or len(transfer.layers_submitted) == transfer.num_layers)
+                    and peer.send_lock.acquire(blocking=False)):
+                layers = self._take_queued(peer, transfer)
+            else:
+                if not (asynchronous and waiting_ack):
+                    self._kick_writer(peer, transfer)
+                if not self.active.is_set():  # (set by an earlier chunk of it: keep its pace)
+                    self.active.mark()
                 return SendOutcome.ACCEPTED
+        self._post_taken(peer, transfer, layers)
+        with self._lock:
+            # Marked only now: marking wakes this agent's link readers into fast polling (for
+            # the ack), and while the chunk is posted they would only contend for the GIL and
+            # the CPU with this thread. A transfer that already finished is not marked again.
+            if not transfer.finished:
+                self.active.mark()
+        return SendOutcome.ACCEPTED
+
+    def _take_queued(self, peer: PeerLink, transfer: Transfer) -> list[int]:
+        """The layers of a transfer waiting to be posted, taken as one chunk (caller holds the
+        agent lock, and for a chunk it posts itself the peer's send lock); their sends leave
+        the link's queue bound and count as a wire operation until the chunk has left."""
+        layers, transfer.queued_layers = transfer.queued_layers, []
+        peer.credits.dequeued(transfer.queued_sends)
+        transfer.queued_sends = 0
+        if layers:
             transfer.wire_ops += 1
             transfer.state = TransferState.TRANSFERRING
+            self.metrics_data.chunks_sent += 1
+        return layers
+
+    def _kick_writer(self, peer: PeerLink, transfer: Transfer) -> None:
+        if not transfer.kicked:
+            transfer.kicked = True
+            peer.out_queue.put(("kv", transfer))
+
+    def _post_taken(self, peer: PeerLink, transfer: Transfer, layers: list[int]) -> None:
+        """Post taken layers from this thread, which holds the peer's send lock (not the agent
+        lock); the writer watches the chunk until it has left."""
         try:
             posted = self._post_chunk(peer, transfer, layers)
         except Exception as exc:  # any failure to post is the link's: the writer fails it
@@ -140,15 +178,26 @@ class KVTransferAgent:
         finally:
             peer.send_lock.release()
         with self._lock:
-            # Under the lock, so a link failing meanwhile (PeerTable._fail drains the queue and
-            # stops the writer under it) cannot leave this chunk unwatched.
+            # The writer is told of the chunk only when the transfer is acked or fails (_watch):
+            # waking it now would take a core from the transfer on a small machine, and nothing
+            # waits on the chunk's end meanwhile (an ack ends the lease; the receiver acks once
+            # every byte arrived).
+            transfer.unwatched.append((peer, layers, posted))
+            if transfer.finished or transfer.pending_failure or peer.state is LinkState.FAILED:
+                self._watch(transfer)
+
+    def _watch(self, transfer: Transfer) -> None:
+        """Hand the chunks other threads posted for a transfer to their link's writer, which
+        ends each once it has left (caller holds the agent lock). Under the lock, so a link
+        failing meanwhile (PeerTable._fail drains the queue and stops the writer under it)
+        cannot leave a chunk unwatched: on a failed link it is given up here."""
+        chunks, transfer.unwatched = transfer.unwatched, []
+        for peer, layers, posted in chunks:
             if peer.state is LinkState.FAILED:
-                peer.credits.dequeued()
                 posted.abandon()
                 self.end_chunk(transfer, layers, FailureReason.PEER_LOST)
             else:
                 peer.out_queue.put(("posted", transfer, layers, posted))
-        return SendOutcome.ACCEPTED
 
     # ----- receiver side -----
     def expect(self, request_id: str, dst_block_ids: Sequence[int], peer_id: Optional[str] = None) -> None:
@@ -214,7 +263,9 @@ class KVTransferAgent:
         peer = self.peers.get(transfer.peer_id)
         if peer is not None and transfer.unacked_bytes:
             peer.credits.returned(transfer.unacked_bytes)
-        transfer.unacked_bytes = 0
+        if peer is not None and transfer.queued_sends:  # layers that never left
+            peer.credits.dequeued(transfer.queued_sends)
+        transfer.unacked_bytes, transfer.queued_sends, transfer.queued_layers = 0, 0, []
         self.metrics_data.observe_finish(transfer, time.monotonic())
         status = transfer.status()
         self._finished.append(status)
@@ -223,6 +274,7 @@ class KVTransferAgent:
             self._recent.pop(next(iter(self._recent)))
         if self.on_release is not None:
             self.on_release(status)
+        self._watch(transfer)
 
     def _fail(self, transfer: Transfer, reason: FailureReason, notify_peer: bool) -> None:
         """Fail now, or, while a wire thread is moving its bytes, as soon as that thread is done."""
@@ -230,6 +282,7 @@ class KVTransferAgent:
             return
         if transfer.wire_ops:
             transfer.pending_failure = transfer.pending_failure or reason
+            self._watch(transfer)
             return
         self._finalize(transfer, TransferState.FAILED, reason)
         peer = self.peers.get(transfer.peer_id)
@@ -265,22 +318,22 @@ class KVTransferAgent:
                   "runs": runs_to_wire(transfer.runs), "sums": sums}
         return peer.link.post_many(frame_buffers(pack_frame(header)) + regions, self._remaining(transfer))
 
-    def write_chunk(self, peer: PeerLink, transfer: Transfer, layers: list[int], queued: int):
-        """Writer thread: post a chunk that waited in the queue (`queued` items merged into
-        it); returns its PostedSend, or None when the transfer ended meanwhile."""
+    def write_chunk(self, peer: PeerLink, transfer: Transfer):
+        """Writer thread: post the layers of a transfer that wait as one chunk; returns
+        (layers, PostedSend), or None when there is nothing to post: the transfer ended, or
+        another thread posted them already."""
         with self._lock:
-            transfer.queued_chunks -= queued
-            for _ in range(queued):
-                peer.credits.dequeued()
+            transfer.kicked = False
             if transfer.finished or transfer.pending_failure:
                 return None
-            transfer.wire_ops += 1
-            transfer.state = TransferState.TRANSFERRING
+            layers = self._take_queued(peer, transfer)
+            if not layers:
+                return None
         try:
             with peer.send_lock:
-                return self._post_chunk(peer, transfer, layers)
+                return layers, self._post_chunk(peer, transfer, layers)
         except Exception as exc:  # any failure to post is the link's
-            return FailedPost(exc if isinstance(exc, LinkError) else LinkError(f"post failed: {exc!r}"))
+            return layers, FailedPost(exc if isinstance(exc, LinkError) else LinkError(f"post failed: {exc!r}"))
 
     def chunk_sent(self, transfer: Transfer, layers: list[int], posted) -> bool:
         """Writer thread: whether a posted chunk has left; ends its wire operation when it has,
@@ -333,12 +386,26 @@ class KVTransferAgent:
                 if frame["done"]:
                     transfer.layers_done.update(range(transfer.num_layers))
                     self._finalize(transfer, TransferState.DONE, None)
+                    return
+                self._watch(transfer)
+                if not transfer.queued_layers or transfer.pending_failure or transfer.kicked:
+                    return
+                # Layers that waited for this ack go now, from this thread when the wire is free.
+                if not (peer.state is LinkState.READY and peer.link.posts_async
+                        and peer.send_lock.acquire(blocking=False)):
+                    self._kick_writer(peer, transfer)
+                    return
+                layers = self._take_queued(peer, transfer)
             elif kind in ("nack", "abort"):
                 table = self._sending if kind == "nack" else self._receiving
                 transfer = table.get(frame["rid"])
                 if transfer is not None and transfer.peer_id in (peer.peer_id, ""):
                     transfer.peer_id = peer.peer_id
                     self._fail(transfer, FailureReason(frame["reason"]), notify_peer=False)
+                return
+            else:
+                return
+        self._post_taken(peer, transfer, layers)
 
     def _scratch_region(self, num_bytes: int) -> torch.Tensor:
         # Bytes for a transfer that is no longer ours still have to be read off the ordered

@@ -33,7 +33,10 @@ class Transfer:
     # posted): its blocks may not be released until the last one ends; the thread ending it
     # applies a failure that came meanwhile (pending_failure).
     wire_ops: int = 0
-    queued_chunks: int = 0  # sender: chunks waiting in the writer's queue (not posted yet)
+    queued_layers: list = field(default_factory=list)  # sender: accepted, not posted yet
+    queued_sends: int = 0  # sender: send() calls whose layers wait (the link's queue bound)
+    kicked: bool = False  # sender: an item of it waits in the writer's queue
+    unwatched: list = field(default_factory=list)  # sender: (peer, layers, posted) not yet handed to the writer
     pending_failure: Optional[FailureReason] = None
     started_at: float = field(default_factory=time.monotonic)
     block_ids: tuple = ()  # sender: (src ids, dst ids) as first sent, to check later layers
@@ -71,8 +74,8 @@ class CreditWindow:
         self.queued_sends += 1
         return SendOutcome.ACCEPTED
 
-    def dequeued(self) -> None:
-        self.queued_sends -= 1
+    def dequeued(self, count: int = 1) -> None:
+        self.queued_sends -= count
 
     def returned(self, num_bytes: int) -> None:
         self.unacked_bytes = max(0, self.unacked_bytes - num_bytes)
@@ -85,6 +88,7 @@ _LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
 class TransferMetrics:
     bytes_sent: int = 0
     bytes_received: int = 0
+    chunks_sent: int = 0  # headers posted: one per send() when the wire keeps up, fewer when not
     transfers_done: int = 0
     would_block: int = 0
     failures: dict = field(default_factory=dict)  # reason value -> count
@@ -103,6 +107,7 @@ class TransferMetrics:
         return {
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
+            "chunks_sent": self.chunks_sent,
             "transfers_done": self.transfers_done,
             "would_block": self.would_block,
             "failures": dict(self.failures),

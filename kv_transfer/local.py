@@ -19,6 +19,8 @@ _CLOSED = object()
 
 
 class LocalLink(Link):
+    posts_async = True  # a send is a queue put: it never waits, so any thread may post
+
     def __init__(self, inbox: "queue.Queue", outbox: "queue.Queue"):
         self._inbox, self._outbox = inbox, outbox
         self._closed = False

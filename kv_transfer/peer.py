@@ -19,8 +19,10 @@ if TYPE_CHECKING:
 
 _HEARTBEAT = pack_frame({"t": "hb"})
 # How often the writer looks at posted chunks while some are in flight. Only bookkeeping
-# waits on it (a transfer is done when the receiver acks it), so it need not be fast.
-_SENT_POLL_S = 0.0005
+# waits on it (a transfer is done when the receiver acks it, and a later chunk of it is posted
+# once the earlier ones were acked, not once the writer saw them leave), so it need not be
+# fast; every look wakes a thread that would contend for a core with the transfer itself.
+_SENT_POLL_S = 0.005
 
 
 class PeerLink:
@@ -156,16 +158,16 @@ class PeerTable:
         left (oldest first) without waiting on them: a chunk can go while earlier ones are
         still being read by the peer."""
         inflight: collections.deque = collections.deque()  # (transfer, layers, PostedSend)
-        carry = None
         try:
             while True:
-                while inflight:
-                    head = inflight.popleft()  # chunk_sent ends it, also when it raises
-                    if not self.agent.chunk_sent(*head):
-                        inflight.appendleft(head)
-                        break
-                item, carry = carry, None
-                if item is None:
+                try:  # new work first: watching what left already can wait
+                    item = peer.out_queue.get_nowait()
+                except queue.Empty:
+                    while inflight:
+                        head = inflight.popleft()  # chunk_sent ends it, also when it raises
+                        if not self.agent.chunk_sent(*head):
+                            inflight.appendleft(head)
+                            break
                     try:
                         item = peer.out_queue.get(timeout=_SENT_POLL_S if inflight else self.heartbeat_interval_s)
                     except queue.Empty:
@@ -179,42 +181,26 @@ class PeerTable:
                     with peer.send_lock:
                         link.send_frame(pack_frame(item[1]), self.peer_timeout_s)
                     continue
-                if item[0] == "posted":  # posted by the sending thread itself
-                    peer.credits.dequeued()
+                if item[0] == "posted":  # posted by another thread (send(), or the reader on an ack)
                     inflight.append(item[1:])
                     continue
-                # Layers of one request queued back to back go out as one chunk: a prefill that
-                # outran the wire pays one header and one ack for its backlog, not one per layer.
-                transfer, layers, merged, stop = item[1], list(item[2]), 1, False
-                while True:
-                    try:
-                        following = peer.out_queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if following is None:
-                        stop = True
-                    elif following[0] == "kv" and following[1] is transfer:
-                        layers.extend(following[2])
-                        merged += 1
-                        continue
-                    else:
-                        carry = following
-                    break
-                posted = self.agent.write_chunk(peer, transfer, layers, merged)
-                if posted is not None:
-                    inflight.append((transfer, layers, posted))
-                if stop:
-                    return
+                written = self.agent.write_chunk(peer, item[1])  # every layer of it that waits
+                if written is not None:
+                    inflight.append((item[1], *written))
         except LinkError as exc:
             self._fail(peer, exc)
         finally:
-            # The link is gone: what is still posted is given up with it, and an item taken
-            # off the queue but not handled yet (carry) is dropped as _fail drops queued ones.
+            # The link is gone: what is still posted is given up with it. A chunk whose own
+            # post failed (or that left meanwhile) ends as its wire says: a send that timed
+            # out is the transfer's timeout, not a lost peer.
             for transfer, layers, posted in inflight:
+                try:
+                    if self.agent.chunk_sent(transfer, layers, posted):
+                        continue
+                except Exception:  # chunk_sent ended it with the wire's reason
+                    continue
                 posted.abandon()
                 self.agent.end_chunk(transfer, layers, FailureReason.PEER_LOST)
-            if carry is not None:
-                self._drop_queued(peer, carry)
 
     def _read_loop(self, peer: PeerLink, link: Link) -> None:
         try:
@@ -250,11 +236,9 @@ class PeerTable:
         """A queued item of a failed link: chunks hold no lease any more, posted ones are
         given up (their transfers fail once nothing of them is on the wire)."""
         with self.agent._lock:
-            if item[0] == "kv":
-                peer.credits.dequeued()
-                item[1].queued_chunks -= 1
+            if item[0] == "kv":  # its waiting layers hold queue credits until it finalizes
+                item[1].kicked = False
             elif item[0] == "posted":
-                peer.credits.dequeued()
                 item[3].abandon()
                 self.agent.end_chunk(item[1], item[2], FailureReason.PEER_LOST)
 

@@ -97,13 +97,14 @@ def wait(requests: list, deadline: float, what: str, progress=no_progress,
         # batch is likely there already (an shm pull completes inside one progress call).
         spins = 0 if len(still) < len(pending) else spins + 1
         pending = still
-        if spins < 50:
+        busy = active is None or active.is_set()
+        if spins < 50 and busy:
             # a real (if short) sleep: sleep(0) re-takes the GIL before a woken thread of this
             # process can, which starved the thread waiting for a transfer's end by ~1 ms
             time.sleep(_SPIN_S)
-        elif active is not None and active.is_set():
+        elif busy:
             # fast right after a transfer started, then backing off with the time it has run
-            busy_for = now - max(started, active.since)
+            busy_for = now - max(started, active.since if active is not None else 0.0)
             time.sleep(min(_BUSY_POLL_MAX_S, max(_BUSY_POLL_S, busy_for / 20)))
         else:
             idle = min(0.001, max(0.0001, (now - started) / 40))

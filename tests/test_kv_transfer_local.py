@@ -18,9 +18,10 @@ def test_merge_runs_joins_only_runs_consecutive_on_both_sides():
     assert merge_runs([], []) == []
 
 
-def _pair(**overrides):
-    src_big, src = make_caches()
-    dst_big, dst = make_caches()
+def _pair(num_layers=None, **overrides):
+    layers = {} if num_layers is None else {"num_layers": num_layers}
+    src_big, src = make_caches(**layers)
+    dst_big, dst = make_caches(**layers)
     sender = create_agent(config("local", **overrides), src, engine_id="P", model_id="m", peer_timeout_s=2.0)
     receiver = create_agent(config("local", **overrides), dst, engine_id="D", model_id="m", peer_timeout_s=2.0)
     peer = sender.connect(receiver.metadata())
@@ -92,6 +93,40 @@ def test_credit_window_reports_would_block_then_drains():
             collect(sender, ["a"])
             assert sender.send("D", "b", [1], [1]) is SendOutcome.ACCEPTED
         assert collect(receiver, ["a", "b"])["b"].state is TransferState.DONE
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_layers_sent_behind_an_unacked_chunk_leave_together():
+    """Per-layer streaming: layer 0 goes at once; layers sent while it is unacked wait and leave
+    as one chunk, when its ack comes or with the request's last layer."""
+    sender, receiver, src_big, dst_big = _pair(num_layers=4)
+    try:
+        src_ids, dst_ids = [3, 4, 5], [7, 8, 20]
+        fill_random(list(src_big), src_ids, seed=5)
+        for rid in ("flush", "acked"):
+            receiver.expect(rid, dst_ids)
+        # "flush": the receiver is held (its reader waits on the agent lock), so nothing is
+        # acked; layers 1-2 wait and go with layer 3, the last: two chunks in all.
+        with receiver._lock:
+            for layer in range(4):
+                assert sender.send("D", "flush", src_ids, dst_ids, layers=[layer]) is SendOutcome.ACCEPTED
+            assert sender.metrics()["chunks_sent"] == 2
+        assert collect(sender, ["flush"])["flush"].state is TransferState.DONE
+        # "acked": layers 1-2 wait behind layer 0 until the receiver is let go; its ack posts
+        # them as one chunk; layer 3 then goes on its own: three chunks.
+        with receiver._lock:
+            for layer in range(3):
+                sender.send("D", "acked", src_ids, dst_ids, layers=[layer])
+            assert sender.metrics()["chunks_sent"] == 3
+        wait_for(lambda: sender.metrics()["chunks_sent"] == 4)
+        sender.send("D", "acked", src_ids, dst_ids, layers=[3])
+        statuses = {**collect(sender, ["acked"]), **collect(receiver, ["flush", "acked"])}
+        assert all(s.state is TransferState.DONE for s in statuses.values())
+        assert sender.metrics()["chunks_sent"] == 5
+        assert torch.equal(dst_big[:, :, dst_ids], src_big[:, :, src_ids])
+        assert sender.metrics()["in_flight_bytes"] == 0
     finally:
         sender.close()
         receiver.close()
