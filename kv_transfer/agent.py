@@ -114,14 +114,15 @@ class KVTransferAgent:
             if transfer.layers_submitted.intersection(layers):
                 raise DuplicateRequestError(f"request {request_id!r}: layers sent twice")
             num_bytes = transfer.bytes_per_layer * len(layers)
-            outcome = peer.credits.admit(num_bytes)
+            outcome = peer.credits.admit(num_bytes, new_chunk=not transfer.queued_layers)
             if outcome is not SendOutcome.ACCEPTED:
                 self.metrics_data.would_block += 1
                 return outcome
             self._sending[request_id] = transfer
+            transfer.credits = peer.credits
             transfer.layers_submitted.update(layers)
+            transfer.queued_sends = 1
             transfer.queued_layers.extend(layers)
-            transfer.queued_sends += 1
             waiting_ack = transfer.unacked_bytes > 0
             transfer.unacked_bytes += num_bytes
             # Post from this thread when nothing of the request is unacked, and for the request's
@@ -131,12 +132,12 @@ class KVTransferAgent:
             # or with the last layers: a prefill that outran the wire pays one header and ack
             # for its backlog, not one per layer, and wakes no thread meanwhile.
             asynchronous = peer.state is LinkState.READY and peer.link.posts_async
-            if (asynchronous and not transfer.pending_failure
-                    and (not waiting_ack or len(transfer.layers_submitted) == transfer.num_layers)
+            last = len(transfer.layers_submitted) == transfer.num_layers
+            if (asynchronous and not transfer.pending_failure and (not waiting_ack or last)
                     and peer.send_lock.acquire(blocking=False)):
                 layers = self._take_queued(peer, transfer)
             else:
-                if not (asynchronous and waiting_ack):
+                if not (asynchronous and waiting_ack) or last:
                     self._kick_writer(peer, transfer)
                 if not self.active.is_set():  # (set by an earlier chunk of it: keep its pace)
                     self.active.mark()
@@ -155,7 +156,7 @@ class KVTransferAgent:
         agent lock, and for a chunk it posts itself the peer's send lock); their sends leave
         the link's queue bound and count as a wire operation until the chunk has left."""
         layers, transfer.queued_layers = transfer.queued_layers, []
-        peer.credits.dequeued(transfer.queued_sends)
+        transfer.credits.dequeued(transfer.queued_sends)
         transfer.queued_sends = 0
         if layers:
             transfer.wire_ops += 1
@@ -183,7 +184,8 @@ class KVTransferAgent:
             # waits on the chunk's end meanwhile (an ack ends the lease; the receiver acks once
             # every byte arrived).
             transfer.unwatched.append((peer, layers, posted))
-            if transfer.finished or transfer.pending_failure or peer.state is LinkState.FAILED:
+            if (transfer.finished or transfer.pending_failure or peer.state is LinkState.FAILED
+                    or isinstance(posted, FailedPost)):  # no ack will come for a failed post
                 self._watch(transfer)
 
     def _watch(self, transfer: Transfer) -> None:
@@ -193,11 +195,17 @@ class KVTransferAgent:
         cannot leave a chunk unwatched: on a failed link it is given up here."""
         chunks, transfer.unwatched = transfer.unwatched, []
         for peer, layers, posted in chunks:
-            if peer.state is LinkState.FAILED:
-                posted.abandon()
-                self.end_chunk(transfer, layers, FailureReason.PEER_LOST)
-            else:
+            if peer.state is not LinkState.FAILED:
                 peer.out_queue.put(("posted", transfer, layers, posted))
+                continue
+            try:  # a chunk that left before the link failed ends as sent
+                left = posted.done()
+            except Exception:
+                left = False
+            if not left:
+                posted.abandon()
+            # a failure already pending (shutdown, cancel, timeout) keeps its reason
+            self.end_chunk(transfer, layers, None if left else transfer.pending_failure or FailureReason.PEER_LOST)
 
     # ----- receiver side -----
     def expect(self, request_id: str, dst_block_ids: Sequence[int], peer_id: Optional[str] = None) -> None:
@@ -260,11 +268,9 @@ class KVTransferAgent:
             self._reserved.pop(transfer.request_id, None)
         if not self._sending and not self._receiving:
             self.active.clear()
-        peer = self.peers.get(transfer.peer_id)
-        if peer is not None and transfer.unacked_bytes:
-            peer.credits.returned(transfer.unacked_bytes)
-        if peer is not None and transfer.queued_sends:  # layers that never left
-            peer.credits.dequeued(transfer.queued_sends)
+        if transfer.credits is not None:  # the window it was admitted on (a link may be replaced since)
+            transfer.credits.returned(transfer.unacked_bytes)
+            transfer.credits.dequeued(transfer.queued_sends)  # layers that never left
         transfer.unacked_bytes, transfer.queued_sends, transfer.queued_layers = 0, 0, []
         self.metrics_data.observe_finish(transfer, time.monotonic())
         status = transfer.status()
@@ -379,7 +385,7 @@ class KVTransferAgent:
                 if transfer is None or transfer.peer_id != peer.peer_id:
                     return
                 acked = transfer.bytes_per_layer * len(frame["layers"])
-                peer.credits.returned(acked)
+                transfer.credits.returned(acked)
                 transfer.unacked_bytes -= acked
                 transfer.layers_done.update(frame["layers"])
                 # Acks may overtake each other (see PeerLink.send_control); "done" is final.
@@ -391,8 +397,9 @@ class KVTransferAgent:
                 if not transfer.queued_layers or transfer.pending_failure or transfer.kicked:
                     return
                 # Layers that waited for this ack go now, from this thread when the wire is free.
-                if not (peer.state is LinkState.READY and peer.link.posts_async
-                        and peer.send_lock.acquire(blocking=False)):
+                if peer.state is not LinkState.READY:
+                    return  # the link is failing: the transfer fails with it
+                if not (peer.link.posts_async and peer.send_lock.acquire(blocking=False)):
                     self._kick_writer(peer, transfer)
                     return
                 layers = self._take_queued(peer, transfer)

@@ -34,7 +34,8 @@ class Transfer:
     # applies a failure that came meanwhile (pending_failure).
     wire_ops: int = 0
     queued_layers: list = field(default_factory=list)  # sender: accepted, not posted yet
-    queued_sends: int = 0  # sender: send() calls whose layers wait (the link's queue bound)
+    queued_sends: int = 0  # sender: 1 while layers wait (one chunk against the link's queue bound)
+    credits: Optional["CreditWindow"] = None  # sender: the window of the link it was admitted on
     kicked: bool = False  # sender: an item of it waits in the writer's queue
     unwatched: list = field(default_factory=list)  # sender: (peer, layers, posted) not yet handed to the writer
     pending_failure: Optional[FailureReason] = None
@@ -65,13 +66,15 @@ class CreditWindow:
         self.unacked_bytes = 0
         self.queued_sends = 0
 
-    def admit(self, num_bytes: int) -> SendOutcome:
-        if self.queued_sends >= self.max_queued_sends:
+    def admit(self, num_bytes: int, new_chunk: bool = True) -> SendOutcome:
+        """new_chunk: False when the send joins layers of its request that wait already (they
+        leave as one chunk, so the queue does not grow)."""
+        if new_chunk and self.queued_sends >= self.max_queued_sends:
             return SendOutcome.WOULD_BLOCK
         if self.unacked_bytes > 0 and self.unacked_bytes + num_bytes > self.window_bytes:
             return SendOutcome.WOULD_BLOCK
         self.unacked_bytes += num_bytes
-        self.queued_sends += 1
+        self.queued_sends += int(new_chunk)
         return SendOutcome.ACCEPTED
 
     def dequeued(self, count: int = 1) -> None:

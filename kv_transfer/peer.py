@@ -158,11 +158,15 @@ class PeerTable:
         left (oldest first) without waiting on them: a chunk can go while earlier ones are
         still being read by the peer."""
         inflight: collections.deque = collections.deque()  # (transfer, layers, PostedSend)
+        next_watch = 0.0
         try:
             while True:
-                try:  # new work first: watching what left already can wait
+                try:  # new work first: watching what left already can wait (up to _SENT_POLL_S)
+                    if inflight and time.monotonic() >= next_watch:
+                        raise queue.Empty
                     item = peer.out_queue.get_nowait()
                 except queue.Empty:
+                    next_watch = time.monotonic() + _SENT_POLL_S
                     while inflight:
                         head = inflight.popleft()  # chunk_sent ends it, also when it raises
                         if not self.agent.chunk_sent(*head):

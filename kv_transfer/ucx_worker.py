@@ -97,8 +97,9 @@ def wait(requests: list, deadline: float, what: str, progress=no_progress,
         # batch is likely there already (an shm pull completes inside one progress call).
         spins = 0 if len(still) < len(pending) else spins + 1
         pending = still
+        # spins only while a transfer is pending, or for a send (done within microseconds)
         busy = active is None or active.is_set()
-        if spins < 50 and busy:
+        if spins < 50 and (busy or "send" in what):
             # a real (if short) sleep: sleep(0) re-takes the GIL before a woken thread of this
             # process can, which starved the thread waiting for a transfer's end by ~1 ms
             time.sleep(_SPIN_S)

@@ -18,12 +18,14 @@ def test_merge_runs_joins_only_runs_consecutive_on_both_sides():
     assert merge_runs([], []) == []
 
 
-def _pair(num_layers=None, **overrides):
+def _pair(num_layers=None, heartbeat_interval_s=None, **overrides):
     layers = {} if num_layers is None else {"num_layers": num_layers}
+    live = {"peer_timeout_s": 2.0} if heartbeat_interval_s is None else \
+        {"heartbeat_interval_s": heartbeat_interval_s, "peer_timeout_s": 2 * heartbeat_interval_s}
     src_big, src = make_caches(**layers)
     dst_big, dst = make_caches(**layers)
-    sender = create_agent(config("local", **overrides), src, engine_id="P", model_id="m", peer_timeout_s=2.0)
-    receiver = create_agent(config("local", **overrides), dst, engine_id="D", model_id="m", peer_timeout_s=2.0)
+    sender = create_agent(config("local", **overrides), src, engine_id="P", model_id="m", **live)
+    receiver = create_agent(config("local", **overrides), dst, engine_id="D", model_id="m", **live)
     peer = sender.connect(receiver.metadata())
     wait_for(lambda: sender.peer_state(peer)[0] is LinkState.READY)
     return sender, receiver, src_big, dst_big
@@ -100,8 +102,9 @@ def test_credit_window_reports_would_block_then_drains():
 
 def test_layers_sent_behind_an_unacked_chunk_leave_together():
     """Per-layer streaming: layer 0 goes at once; layers sent while it is unacked wait and leave
-    as one chunk, when its ack comes or with the request's last layer."""
-    sender, receiver, src_big, dst_big = _pair(num_layers=4)
+    as one chunk, when its ack comes or with the request's last layer. (No heartbeats: one
+    holding the send lock at a send() would make it wait for the writer instead.)"""
+    sender, receiver, src_big, dst_big = _pair(num_layers=4, heartbeat_interval_s=60.0)
     try:
         src_ids, dst_ids = [3, 4, 5], [7, 8, 20]
         fill_random(list(src_big), src_ids, seed=5)
@@ -130,3 +133,33 @@ def test_layers_sent_behind_an_unacked_chunk_leave_together():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_failures_keep_their_reason_and_credits_stay_with_their_link():
+    """A chunk that left before its link failed does not turn a shutdown into peer_lost, and
+    layers still waiting on a replaced link are not charged to its replacement's window."""
+    sender, receiver, src_big, dst_big = _pair(num_layers=4, heartbeat_interval_s=60.0)
+    restarted = None
+    try:
+        receiver.expect("w", [1, 2])
+        with receiver._lock:  # nothing is acked: layers 1-2 wait behind layer 0
+            for layer in range(3):
+                assert sender.send("D", "w", [5, 6], [1, 2], layers=[layer]) is SendOutcome.ACCEPTED
+            _, restarted_caches = make_caches(num_layers=4)
+            restarted = create_agent(config("local"), restarted_caches, engine_id="D", model_id="m",
+                                     heartbeat_interval_s=60.0, peer_timeout_s=120.0)
+            peer = sender.connect(restarted.metadata())  # the peer came back: the link is replaced
+            wait_for(lambda: sender.peer_state(peer)[0] is LinkState.READY)
+            assert collect(sender, ["w"])["w"].reason is FailureReason.PEER_LOST
+            window = sender.peers.get("D").credits
+            assert (window.queued_sends, window.unacked_bytes) == (0, 0)
+        restarted.expect("s", [3])
+        with restarted._lock:
+            assert sender.send("D", "s", [7], [3]) is SendOutcome.ACCEPTED
+            sender.close()
+            assert collect(sender, ["s"])["s"].reason is FailureReason.SHUTDOWN
+    finally:
+        sender.close()
+        receiver.close()
+        if restarted is not None:
+            restarted.close()
