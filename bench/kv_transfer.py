@@ -118,6 +118,11 @@ def _summary(latencies, num_bytes):
     return num_bytes / statistics.median(ordered) / 1e9, statistics.median(ordered) * 1e3, p99 * 1e3
 
 
+def _sleep_until(moment):
+    while (left := moment - time.perf_counter()) > 0:
+        time.sleep(left)
+
+
 class _Sender:
     """The sending side of one mode: a raw link and an agent, to the receiver process."""
 
@@ -155,7 +160,11 @@ class _Sender:
         self.raw_active.clear()
         return elapsed
 
-    def agent_once(self, ids, style) -> float:
+    def agent_once(self, ids, style, layer_s=0.0) -> float:
+        """One transfer; with layer_s, a prefill that finishes a layer every layer_s seconds
+        (sleeping, as a GPU prefill leaves the CPU free) is simulated: per-layer sends each
+        layer when it is done, whole sends all after the last. Timed from the start, or with
+        layer_s from the moment the last layer is done (the transfer time left exposed)."""
         self.count += 1
         rid = f"{style}-{len(ids)}-{self.count}"
         self.events[rid] = threading.Event()
@@ -163,10 +172,13 @@ class _Sender:
         self.conn.recv()
         start = time.perf_counter()
         if style == "whole":
+            _sleep_until(start + LAYERS * layer_s)
             self.agent.send(self.peer, rid, ids, ids)
         else:  # the layers one by one, as a prefill that finished them would
             for layer in range(LAYERS):
+                _sleep_until(start + (layer + 1) * layer_s)
                 self.agent.send(self.peer, rid, ids, ids, layers=[layer])
+        start += LAYERS * layer_s
         if not self.events[rid].wait(TIMEOUT_S) or self.finished[rid][1].state is not TransferState.DONE:
             raise RuntimeError(f"{rid}: {self.finished.get(rid)}")
         seen = time.perf_counter()
@@ -197,16 +209,18 @@ def _memcpy_rate(size):
     return size * 5 / (time.perf_counter() - start) / 1e9
 
 
-def bench_mode(mode, tokens_list, iters):
-    """Per tokens count, iters rounds; each round runs raw, whole and per-layer once, in an
-    order that rotates, so a change of load on a shared box hits all three alike."""
+def bench_mode(mode, tokens_list, iters, layer_ms=None):
+    """Per tokens count, iters rounds; each round runs raw, whole and per-layer once (and with
+    layer_ms both again behind a simulated prefill), in an order that rotates, so a change of
+    load on a shared box hits all alike."""
     blocks_needed = max(tokens_list) // BLOCK
     max_bytes = max(tokens_list) * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=_receiver, args=(child_conn, mode, blocks_needed, max_bytes), daemon=True)
     child.start()
-    latencies = {(t, kind): [] for t in tokens_list for kind in ("raw", "whole", "per-layer")}
+    latencies = {(t, kind): [] for t in tokens_list
+                 for kind in ("raw", "whole", "per-layer", "whole+prefill", "per-layer+prefill")}
     big, caches = _caches(blocks_needed)
     big.normal_()
     try:
@@ -217,11 +231,15 @@ def bench_mode(mode, tokens_list, iters):
             runs = {"raw": lambda: sender.raw_once(payload),
                     "whole": lambda: sender.agent_once(ids, "whole"),
                     "per-layer": lambda: sender.agent_once(ids, "per-layer")}
+            if layer_ms is not None:
+                runs["whole+prefill"] = lambda: sender.agent_once(ids, "whole", layer_ms / 1e3)
+                runs["per-layer+prefill"] = lambda: sender.agent_once(ids, "per-layer", layer_ms / 1e3)
             for kind in runs:  # warm-up
                 runs[kind]()
             kinds = list(runs)
             for i in range(iters[tokens]):
-                for kind in kinds[i % 3:] + kinds[:i % 3]:
+                turn = i % len(kinds)
+                for kind in kinds[turn:] + kinds[:turn]:
                     latencies[tokens, kind].append(runs[kind]())
         sender.close()
         wakeups = sender.wakeups
@@ -233,9 +251,13 @@ def bench_mode(mode, tokens_list, iters):
     rows = []
     for tokens in tokens_list:
         size = tokens * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
+        prefill = None
+        if layer_ms is not None:
+            prefill = tuple(statistics.median(latencies[tokens, k]) * 1e3
+                            for k in ("whole+prefill", "per-layer+prefill"))
         rows.append((mode, tokens, size, _summary(latencies[tokens, "raw"], size),
                      _summary(latencies[tokens, "whole"], size),
-                     _summary(latencies[tokens, "per-layer"], size), _memcpy_rate(size)))
+                     _summary(latencies[tokens, "per-layer"], size), _memcpy_rate(size), prefill))
     return rows, statistics.median(wakeups)
 
 
@@ -245,6 +267,9 @@ def main():
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--iters", type=int, default=60,
                         help="rounds of (raw, whole, per-layer) at 2048 tokens and below; fewer above")
+    parser.add_argument("--layer-ms", type=float, default=None,
+                        help="also simulate a prefill finishing one layer every this many ms, and "
+                             "time how long each style's transfer runs past its last layer")
     args = parser.parse_args()
     iters = {t: max(6, args.iters * 2048 // max(t, 2048)) for t in args.tokens}
     print("| mode | tokens | MiB | raw GB/s | whole GB/s (p50/p99 ms) | per-layer GB/s (p50/p99 ms) "
@@ -252,9 +277,13 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     notes = []
     for mode in args.modes:
-        rows, wakeup = bench_mode(mode, args.tokens, iters)
+        rows, wakeup = bench_mode(mode, args.tokens, iters, args.layer_ms)
         notes.append(f"{mode}: the bench thread woke {wakeup * 1e3:.2f} ms (median) after on_release")
-        for mode_, tokens, size, raw, whole, layered, memcpy in rows:
+        for mode_, tokens, size, raw, whole, layered, memcpy, prefill in rows:
+            if prefill is not None:
+                notes.append(f"{mode_} {tokens} tokens behind a {args.layer_ms} ms/layer prefill: transfer "
+                             f"left after the last layer (p50) whole {prefill[0]:.2f} ms, "
+                             f"per-layer {prefill[1]:.2f} ms")
             print(f"| {mode_} | {tokens} | {size / 2**20:.0f} | {raw[0]:.2f} | {whole[0]:.2f} "
                   f"({whole[1]:.1f}/{whole[2]:.1f}) | {layered[0]:.2f} ({layered[1]:.1f}/{layered[2]:.1f}) "
                   f"| {whole[0] / raw[0]:.0%} | {layered[0] / raw[0]:.0%} | {memcpy:.1f} |", flush=True)
