@@ -114,3 +114,18 @@ def test_unknown_preset_or_architecture_is_rejected(tmp_path):
         make_tiny_model(tmp_path, preset="huge")
     with pytest.raises(ValueError, match="architecture"):
         make_tiny_model(tmp_path, architecture="gpt2")
+
+
+def test_sliding_window_models_are_capped_at_their_window(tmp_path):
+    """Attention is over the whole context; for a sliding-window model that is exact only up to
+    the window, so contexts stop there (by default) or the config is refused naming the field."""
+    from pd_runtime.config import EngineConfig, FieldValueError
+    from pd_runtime.engine.engine import LLMEngine
+
+    path = make_tiny_model(tmp_path / "swa", architecture="mistral", sliding_window=24)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16))
+    assert engine.max_model_len == 24
+    with pytest.raises(FieldValueError, match="max_model_len.*sliding_window"):
+        LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16, max_model_len=48))
+    full = make_tiny_model(tmp_path / "full", architecture="mistral")  # Mistral v0.2+: no window
+    assert LLMEngine(EngineConfig(model=str(full), dtype="float32", num_kv_blocks=16)).max_model_len > 24
