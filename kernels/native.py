@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -35,6 +36,9 @@ _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fopenmp"]
 _lock = threading.Lock()
 _library: Optional[ctypes.CDLL] = None
 _tried = False
+# Builds of other sources or CPUs nobody loaded for this long are deleted when one is loaded
+# (each load refreshes its build's mtime).
+_PRUNE_AFTER_S = 30 * 24 * 3600
 
 
 def _cpu_identity() -> str:
@@ -72,6 +76,7 @@ def _build() -> Optional[ctypes.CDLL]:
             if os.path.exists(partial):
                 os.unlink(partial)
     library = ctypes.CDLL(str(target))  # torch is imported above: libgomp.so.1 is its copy
+    _prune(cache, target)
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
         "decode_attention_bf16": [ptr] * 5 + [i64] * 4 + [f32] + [i64] * 2,
@@ -83,6 +88,19 @@ def _build() -> Optional[ctypes.CDLL]:
         fn = getattr(library, name)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return library
+
+
+def _prune(cache: Path, current: Path) -> None:
+    """Mark `current` used now; delete other builds unused for _PRUNE_AFTER_S (a process that
+    still has one loaded keeps its mapping; a checkout that needs it again rebuilds it)."""
+    now = time.time()
+    try:
+        os.utime(current, (now, now))
+        for old in cache.glob("pd_runtime_cpu-*.so"):
+            if old != current and now - old.stat().st_mtime > _PRUNE_AFTER_S:
+                old.unlink()
+    except OSError as exc:  # a read-only or shared cache: leave it as it is
+        logger.debug("native kernels: cache not pruned: %s", exc)
 
 
 def _load() -> Optional[ctypes.CDLL]:

@@ -32,6 +32,21 @@ def test_the_kernel_builds_on_this_machine():
     assert native.available()
 
 
+def test_loading_a_build_prunes_builds_unused_for_a_month(tmp_path):
+    import os
+    import time
+    current, recent, stale = (tmp_path / f"pd_runtime_cpu-{n}.so" for n in ("cur", "recent", "stale"))
+    other = tmp_path / "unrelated.so"
+    for path in (current, recent, stale, other):
+        path.write_bytes(b"x")
+    month = 31 * 24 * 3600
+    for path in (current, stale, other):
+        os.utime(path, (time.time() - month, time.time() - month))
+    native._prune(tmp_path, current)
+    assert current.exists() and time.time() - current.stat().st_mtime < 60  # marked used now
+    assert recent.exists() and other.exists() and not stale.exists()
+
+
 @pytest.mark.parametrize("group,dim", [(1, 64), (2, 64), (4, 128), (8, 64), (3, 32), (2, 48)])
 def test_decode_attention_matches_float32(group, dim):
     gen = torch.Generator().manual_seed(group * 1000 + dim)
