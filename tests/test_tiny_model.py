@@ -129,3 +129,10 @@ def test_sliding_window_models_are_capped_at_their_window(tmp_path):
         LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16, max_model_len=48))
     full = make_tiny_model(tmp_path / "full", architecture="mistral")  # Mistral v0.2+: no window
     assert LLMEngine(EngineConfig(model=str(full), dtype="float32", num_kv_blocks=16)).max_model_len > 24
+    # Qwen2 keeps a window in its config that is off unless use_sliding_window says so
+    qwen = make_tiny_model(tmp_path / "qwen", architecture="qwen2", sliding_window=24)
+    config_file = qwen / "config.json"
+    raw = json.loads(config_file.read_text())
+    raw.pop("use_sliding_window", None)  # absent: transformers' default, off
+    config_file.write_text(json.dumps(raw))
+    assert LLMEngine(EngineConfig(model=str(qwen), dtype="float32", num_kv_blocks=16)).max_model_len > 24

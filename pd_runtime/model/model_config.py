@@ -108,7 +108,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     head_dim = raw.get("head_dim") or hidden // heads
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    # Qwen configs carry a sliding_window that applies only with use_sliding_window (default off,
+    # as in transformers); Mistral's applies whenever it is set.
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", family == "mistral") else None
     return ModelConfig(
         family=family,
         vocab_size=int(need("vocab_size")),
