@@ -14,7 +14,7 @@ import time
 from typing import AsyncIterator, Optional
 
 from pd_runtime.config import ClusterConfig, TenantConfig
-from pd_runtime.model.model_config import load_model_config
+from pd_runtime.model.model_config import context_limit, load_model_config
 from pd_runtime.model.tokenizer import Tokenizer
 from pd_runtime.workers.client import PoolClient
 from pd_runtime.workers.stream import error_chunk
@@ -42,8 +42,7 @@ class PoolBackend:
         self.tokenizer = Tokenizer(model_dir)
         model_cfg = load_model_config(model_dir)
         engine = cfg.decode.engine if cfg.decode.num_workers else cfg.colocated.engine
-        limit = engine.max_model_len or model_cfg.max_position_embeddings
-        self.max_model_len = min(limit, model_cfg.max_position_embeddings)
+        self.max_model_len = context_limit(model_cfg, engine.max_model_len, model_dir)  # as the workers'
         self.metrics = RouterMetrics()
         self.tenants = Tenants(cfg.router.tenants)
         self.index = PrefixIndex(model_cfg.identity, engine.block_size)

@@ -129,10 +129,16 @@ def test_sliding_window_models_are_capped_at_their_window(tmp_path):
         LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16, max_model_len=48))
     full = make_tiny_model(tmp_path / "full", architecture="mistral")  # Mistral v0.2+: no window
     assert LLMEngine(EngineConfig(model=str(full), dtype="float32", num_kv_blocks=16)).max_model_len > 24
-    # Qwen2 keeps a window in its config that is off unless use_sliding_window says so
+    # Qwen2 keeps a window in its config that is off unless use_sliding_window says so, and then
+    # applies only to layers from max_window_layers on (transformers' reading)
     qwen = make_tiny_model(tmp_path / "qwen", architecture="qwen2", sliding_window=24)
     config_file = qwen / "config.json"
     raw = json.loads(config_file.read_text())
-    raw.pop("use_sliding_window", None)  # absent: transformers' default, off
-    config_file.write_text(json.dumps(raw))
-    assert LLMEngine(EngineConfig(model=str(qwen), dtype="float32", num_kv_blocks=16)).max_model_len > 24
+    for use, window_layers, capped in [(None, None, False), (True, raw["num_hidden_layers"], False),
+                                       (True, 1, True)]:
+        raw.pop("use_sliding_window", None)  # absent: transformers' default, off
+        if use is not None:  # (transformers writes sliding_window null while it is off)
+            raw.update(use_sliding_window=use, max_window_layers=window_layers, sliding_window=24)
+        config_file.write_text(json.dumps(raw))
+        limit = LLMEngine(EngineConfig(model=str(qwen), dtype="float32", num_kv_blocks=16)).max_model_len
+        assert (limit == 24) is capped, (use, window_layers, limit)

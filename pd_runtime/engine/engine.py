@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from pd_runtime.config import EngineConfig, FieldValueError
+from pd_runtime.config import EngineConfig
 from pd_runtime.engine.block_manager import BlockManager
 from pd_runtime.engine.detokenizer import detokenize_step
 from pd_runtime.engine.errors import EngineOverloadedError, InvalidRequestError, \
@@ -52,22 +52,10 @@ class LLMEngine(RemoteKVMixin):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        from pd_runtime.model.model_config import load_model_config
+        from pd_runtime.model.model_config import context_limit, load_model_config
 
         self.model_config = load_model_config(config.model)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
-        window = self.model_config.sliding_window
-        if window and self.max_model_len > window:
-            # Attention here is over the whole context; within the window that is exactly what
-            # a sliding-window model computes, beyond it not. So contexts stop at the window.
-            if config.max_model_len:
-                raise FieldValueError(("max_model_len",), f"{config.max_model_len} exceeds the model's "
-                                      f"sliding_window ({window}); sliding-window attention is not "
-                                      f"implemented, so max_model_len can be at most {window}")
-            log.warning("%s uses sliding-window attention (window %d), which is not implemented: "
-                        "max_model_len capped at %d (exact up to there)", config.model, window, window)
-            self.max_model_len = window
+        self.max_model_len = context_limit(self.model_config, config.max_model_len, config.model)
         self.tokenizer = Tokenizer(config.model)
         self.runner = ModelRunner(config, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,

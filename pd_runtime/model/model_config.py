@@ -6,6 +6,7 @@ Llama, Mistral, Qwen2 and Qwen3 differ only in the flags below; anything else is
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -108,9 +109,16 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     head_dim = raw.get("head_dim") or hidden // heads
-    # Qwen configs carry a sliding_window that applies only with use_sliding_window (default off,
-    # as in transformers); Mistral's applies whenever it is set.
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", family == "mistral") else None
+    # As transformers reads them: Mistral's sliding_window applies whenever set (4096 when the key
+    # is absent); Qwen's only with use_sliding_window (default off), and only to the layers from
+    # max_window_layers on.
+    if family == "mistral":
+        window = raw.get("sliding_window", 4096)
+    elif raw.get("use_sliding_window", False) and \
+            int(raw.get("max_window_layers") or 0) < int(raw.get("num_hidden_layers", 0)):
+        window = raw.get("sliding_window")
+    else:
+        window = None
     return ModelConfig(
         family=family,
         vocab_size=int(need("vocab_size")),
@@ -130,3 +138,23 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         sliding_window=int(window) if window else None,
     )
 
+
+
+def context_limit(model: ModelConfig, requested: Optional[int], name: str = "") -> int:
+    """The longest sequence (prompt + output) served for a model: `requested` (max_model_len;
+    None = the model's), at most its max_position_embeddings, and at most its sliding window:
+    attention here is over the whole context, which is what a sliding-window model computes only
+    up to its window. An explicit request above the window is refused naming the field."""
+    limit = min(requested or model.max_position_embeddings, model.max_position_embeddings)
+    window = model.sliding_window
+    if window and limit > window:
+        if requested:
+            from pd_runtime.config import FieldValueError
+            raise FieldValueError(("max_model_len",), f"{requested} exceeds the model's sliding_window "
+                                  f"({window}); sliding-window attention is not implemented, so "
+                                  f"max_model_len can be at most {window}")
+        logging.getLogger(__name__).warning(
+            "%s uses sliding-window attention (window %d), which is not implemented: max_model_len "
+            "capped at %d (exact up to there)", name or "the model", window, window)
+        limit = window
+    return limit
