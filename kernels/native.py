@@ -59,7 +59,7 @@ def _build() -> Optional[ctypes.CDLL]:
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PD_RUNTIME_KERNEL_CACHE", Path.home() / ".cache" / "pd-runtime" / "kernels"))
     target = cache / f"pd_runtime_cpu-{key}.so"
-    if not target.exists():
+    if not _mark_used(target):  # (marked first, so no other process prunes it meanwhile)
         cache.mkdir(parents=True, exist_ok=True)
         fd, partial = tempfile.mkstemp(dir=cache, suffix=".so.partial")
         os.close(fd)
@@ -90,17 +90,30 @@ def _build() -> Optional[ctypes.CDLL]:
     return library
 
 
-def _prune(cache: Path, current: Path) -> None:
-    """Mark `current` used now; delete other builds unused for _PRUNE_AFTER_S (a process that
-    still has one loaded keeps its mapping; a checkout that needs it again rebuilds it)."""
-    now = time.time()
+def _mark_used(build: Path) -> bool:
+    """Refresh a build's mtime (its last use); False when there is no such build."""
     try:
-        os.utime(current, (now, now))
-        for old in cache.glob("pd_runtime_cpu-*.so"):
+        os.utime(build)
+    except FileNotFoundError:
+        return False
+    except OSError:  # a read-only cache: the build is there all the same
+        return build.exists()
+    return True
+
+
+def _prune(cache: Path, current: Path) -> None:
+    """Delete builds other than `current` unused for _PRUNE_AFTER_S, and partial builds that
+    old (a process that still has one loaded keeps its mapping; a checkout that needs it again
+    rebuilds it). A server that runs longer than that without restarting does not refresh its
+    build: another checkout may prune it, and a restart then builds it again."""
+    now = time.time()
+    _mark_used(current)
+    for old in [*cache.glob("pd_runtime_cpu-*.so"), *cache.glob("*.so.partial")]:
+        try:
             if old != current and now - old.stat().st_mtime > _PRUNE_AFTER_S:
                 old.unlink()
-    except OSError as exc:  # a read-only or shared cache: leave it as it is
-        logger.debug("native kernels: cache not pruned: %s", exc)
+        except OSError as exc:  # gone meanwhile, another user's, a read-only cache
+            logger.debug("native kernels: %s not pruned: %s", old.name, exc)
 
 
 def _load() -> Optional[ctypes.CDLL]:

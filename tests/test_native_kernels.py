@@ -36,15 +36,16 @@ def test_loading_a_build_prunes_builds_unused_for_a_month(tmp_path):
     import os
     import time
     current, recent, stale = (tmp_path / f"pd_runtime_cpu-{n}.so" for n in ("cur", "recent", "stale"))
-    other = tmp_path / "unrelated.so"
-    for path in (current, recent, stale, other):
+    other, partial = tmp_path / "unrelated.so", tmp_path / "tmpab12.so.partial"
+    for path in (current, recent, stale, other, partial):
         path.write_bytes(b"x")
     month = 31 * 24 * 3600
-    for path in (current, stale, other):
+    for path in (current, stale, other, partial):
         os.utime(path, (time.time() - month, time.time() - month))
     native._prune(tmp_path, current)
     assert current.exists() and time.time() - current.stat().st_mtime < 60  # marked used now
-    assert recent.exists() and other.exists() and not stale.exists()
+    assert recent.exists() and other.exists() and not stale.exists() and not partial.exists()
+    assert not native._mark_used(tmp_path / "pd_runtime_cpu-missing.so")
 
 
 @pytest.mark.parametrize("group,dim", [(1, 64), (2, 64), (4, 128), (8, 64), (3, 32), (2, 48)])

@@ -39,9 +39,11 @@ def _populate(view: numpy.ndarray) -> None:
 
 def host_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed, contiguous CPU tensor in its own anonymous mapping, advised to huge pages.
-    The mapping lives as long as the tensor (or any view of it)."""
+    The mapping lives as long as the tensor (or any view of it). Do not move it to shared
+    memory (share_memory_(), torch.multiprocessing): that copies the storage elsewhere, and
+    views taken before (a transfer agent's regions) would keep pointing here."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
+    if nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # (Windows: plain memory)
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
