@@ -81,3 +81,29 @@ def run_workload(llm, requests):
     swap = engine.scheduler.swap_space
     if swap is not None:
         assert swap.num_free_blocks == swap.num_blocks == 10
+
+
+def test_full_blocks_are_published_once_each_and_again_after_a_free():
+    """cache_full_blocks offers a block to the prefix cache when it fills (skipping the ones
+    offered before), and a request whose blocks were freed (preempted) starts over."""
+    from pd_runtime.engine.block_manager import BlockManager
+    from pd_runtime.engine.sequence import Request
+
+    bm = BlockManager(num_blocks=16, block_size=4, model_identity="m")
+    req = Request("r", list(range(100, 110)), SamplingParams(max_tokens=8))
+    assert bm.allocate(req, 10)
+    for computed, published in [(3, 0), (4, 1), (7, 1), (10, 2)]:
+        req.num_computed_tokens = computed
+        bm.cache_full_blocks(req)
+        assert req.num_published_blocks == published
+        assert [bm.blocks[b].block_hash is not None for b in req.block_ids] == \
+            [i < published for i in range(len(req.block_ids))]
+    other = Request("o", list(range(100, 110)), SamplingParams(max_tokens=8))
+    assert bm.match_prefix(other) == req.block_ids[:2]  # both full blocks are found
+    bm.free(req)
+    assert req.num_published_blocks == 0
+    req.num_computed_tokens = 0
+    assert bm.allocate(req, 2, bm.match_prefix(req)) and req.num_computed_tokens == 8
+    req.num_computed_tokens = 10
+    bm.cache_full_blocks(req)
+    assert req.num_published_blocks == 2

@@ -143,8 +143,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        if num_full <= req.num_published_blocks:  # (every decode step but one in block_size)
+            return
         hashes = self.request_hashes(req)
-        for i in range(num_full):
+        for i in range(req.num_published_blocks, num_full):
             block = self.blocks[req.block_ids[i]]
             if block.block_hash is not None:
                 continue
@@ -153,6 +155,7 @@ class BlockManager:
             block.token_ids = tuple(req.all_token_ids[i * self.block_size:
                                                       (i + 1) * self.block_size])
             self._cached.setdefault(h, block.block_id)
+        req.num_published_blocks = num_full
 
     def free(self, req: Request) -> None:
         """Drop the request's references; tail blocks first so they are evicted first."""
@@ -164,3 +167,4 @@ class BlockManager:
                     block.block_hash = block.token_ids = None
                 self._free[block_id] = None
         req.block_ids = []
+        req.num_published_blocks = 0

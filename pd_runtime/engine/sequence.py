@@ -45,6 +45,7 @@ class Request:
     swap_block_ids: list[int] = field(default_factory=list)  # KV parked in CPU swap space
     hold_blocks: bool = False          # keep blocks after finishing (prefill side of a transfer)
     block_hashes: list[int] = field(default_factory=list)
+    num_published_blocks: int = 0  # leading full blocks already offered to the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: Optional[FinishReason] = None
     num_preemptions: int = 0
