@@ -57,6 +57,9 @@ class EnginePoolSettings(_Strict):
     # Decode keeps the running batch's K/V contiguous in a side buffer of up to this fraction
     # of the KV cache's bytes (appends instead of re-gathering blocks each step); 0 disables.
     decode_kv_buffer_fraction: float = Field(1.0, ge=0)
+    # Outputs independent of batch composition, chunk boundaries and prefix-cache hits in
+    # every dtype: per-sequence reduction orders fixed (see docs/configuration.md for its cost).
+    batch_invariant: bool = True
 
     @model_validator(mode="after")
     def _check(self):
@@ -95,6 +98,9 @@ class KVTransferConfig(_Strict):
     # a link with no frame for peer_timeout_s is dead and its transfers fail with peer_lost.
     heartbeat_interval_s: float = Field(0.5, gt=0)
     peer_timeout_s: float = Field(5.0, gt=0)
+    # Testing only: wrap the transport so faults (drop, delay, corrupt, duplicate) can be
+    # injected at the link at run time (PDWorker.set_fault_injection); off in production.
+    fault_injection: bool = False
 
     def for_node(self, node_ip: str) -> "KVTransferConfig":
         """The agent config of a worker on `node_ip`: host "auto" becomes that address."""
@@ -205,11 +211,20 @@ class RayConfig(_Strict):
 class RecoveryConfig(_Strict):
     # Ray actor restarts per worker; -1 restarts forever.
     max_restarts: int = Field(3, ge=-1)
-    # A decode worker waiting this long for a prefill worker's KV prefills locally instead.
+    # Hedged prefill: a decode worker that has no first token from its prefill worker after
+    # hedge_min_s + hedge_factor x (the prompt's expected remote prefill time, from the
+    # measured rate) prefills locally into its reservation and aborts the remote prefill.
+    hedge_min_s: float = Field(1.0, gt=0)
+    hedge_factor: float = Field(3.0, ge=1.0)
+    # The hard ceiling on that wait, whatever the estimate says.
     remote_prefill_timeout_s: float = Field(30.0, gt=0)
     # How long a disaggregated request may wait for decode blocks before it is refused.
     reservation_timeout_s: float = Field(30.0, gt=0)
     health_check_interval_s: float = Field(1.0, gt=0)
+    # A request whose decode worker died (or that finds none up) waits this long for one to
+    # serve it (another, or the restarted actor) before it fails with Retry-After; covers an
+    # actor restart (~3-4 s measured on the 2-core box).
+    decode_recovery_wait_s: float = Field(20.0, ge=0)
 
 
 # ---------------------------------------------------------------------------------- router
@@ -259,6 +274,8 @@ class RouterConfig(_Strict):
     # None: the basename of the model directory (see model_name).
     served_model_name: Optional[str] = Field(None, min_length=1)
     request_timeout_s: float = Field(600.0, gt=0)
+    # Larger request bodies are refused with 413 while they are read, before any parsing.
+    max_request_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     # How often the router checks its config file for routing edits (SIGHUP checks at once).
     reload_interval_s: float = Field(2.0, gt=0)
     # Empty: no API keys, every request is the anonymous tenant.

@@ -184,7 +184,9 @@ class LLMEngine(RemoteKVMixin):
         logits = self.runner.execute(plan)
         sampled = [self.requests[s.request_id] for s in plan.scheduled if s.sample]
         result = self.sampler(logits, [r.params for r in sampled],
-                              [r.generator for r in sampled]) if sampled else None
+                              [r.generator for r in sampled],
+                              [(r.prompt_token_ids, r.output_token_ids) for r in sampled]
+                              ) if sampled else None
         now = time.monotonic()
         for s in plan.scheduled:
             req = self.requests[s.request_id]

@@ -36,7 +36,8 @@ class Sampler:
         torch.empty(vocab_size).exponential_(generator=generator)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[Optional[torch.Generator]]) -> SampleResult:
+                 generators: list[Optional[torch.Generator]],
+                 histories: Optional[list[tuple[list[int], list[int]]]] = None) -> SampleResult:
         rows, vocab = logits.shape
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None

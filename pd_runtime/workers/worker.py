@@ -96,7 +96,8 @@ class PDWorker:
     async def load(self) -> dict:
         report = await self._engine_loop().call(lambda e: e.load_report())
         report.update(worker_id=self.worker_id, role=self.role, engine_id=self.engine_id,
-                      kv_transfer=self.agent.metrics(), draining=self.draining)
+                      kv_transfer=self.agent.metrics(), draining=self.draining,
+                      pid=os.getpid())
         return report
 
     async def set_draining(self, draining: bool = True) -> None:
