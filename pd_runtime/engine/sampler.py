@@ -1,7 +1,9 @@
-"""Turns logits into next tokens: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Turns logits into next tokens: logit bias and repetition penalties, then greedy, temperature,
+top-k, top-p, min-p, seeds, logprobs.
 
-A seeded request draws its noise from its own generator, one draw per sampled token, so its
-tokens do not depend on what else shares the batch (or on preemption and recompute).
+A seeded request draws its noise from its own generator, one draw per sampled token, and every
+adjustment is computed row by row, so its tokens do not depend on what else shares the batch
+(or on preemption and recompute).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from typing import Optional
 import torch
 
 from pd_runtime.engine.sampling_params import SamplingParams
+
+# Per row: (prompt token ids, generated token ids so far).
+History = tuple[list[int], list[int]]
 
 
 @dataclass
@@ -37,10 +42,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[Optional[torch.Generator]],
-                 histories: Optional[list[tuple[list[int], list[int]]]] = None) -> SampleResult:
+                 histories: Optional[list[History]] = None) -> SampleResult:
         rows, vocab = logits.shape
         want_logprobs = [p.logprobs is not None for p in params]
+        # Logprobs are those of the model's raw logits, before bias, penalties and temperature:
+        # what vLLM reports by default (logprobs_mode "raw_logprobs").
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logits = self.adjust_logits(logits, params, histories)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -63,6 +71,25 @@ class Sampler:
                 top = dict(zip(ids.tolist(), values.tolist()))
             logprobs[i] = (row[token_list[i]].item(), top)
         return SampleResult(token_list, logprobs)
+
+    @staticmethod
+    def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
+                      histories: Optional[list[History]]) -> torch.Tensor:
+        """The logits to choose from: each row with its logit bias, then its repetition,
+        frequency and presence penalties (vLLM's order). `logits` itself is left unchanged; with
+        nothing to adjust it is returned as it is, at no cost."""
+        adjusted_rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+        if not adjusted_rows:
+            return logits
+        out = logits.clone()
+        for i in adjusted_rows:
+            p = params[i]
+            if histories is None and (p.presence_penalty or p.frequency_penalty
+                                      or p.repetition_penalty != 1.0):
+                raise ValueError("repetition penalties need the token histories")
+            prompt_ids, output_ids = histories[i] if histories is not None else ((), ())
+            _adjust_row(out[i], p, prompt_ids, output_ids)
+        return out
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -89,3 +116,24 @@ class Sampler:
                                                                                keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs
+
+
+def _adjust_row(row: torch.Tensor, p: SamplingParams, prompt_ids, output_ids) -> None:
+    """In place on one row: its result depends on nothing but the row and its own history."""
+    vocab = row.shape[0]
+    if p.logit_bias:
+        # The router refuses ids past the vocabulary; one that slips through (a model whose
+        # logits are narrower than its tokenizer) is skipped rather than failing the step.
+        biased = [(t, b) for t, b in p.logit_bias.items() if t < vocab]
+        if biased:
+            ids, values = zip(*biased)
+            row[torch.tensor(ids)] += torch.tensor(values, dtype=row.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(list(prompt_ids) + list(output_ids), dtype=torch.long)] = True
+        penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row.copy_(torch.where(seen, penalized, row))
+    if (p.frequency_penalty or p.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long),
+                                minlength=vocab)[:vocab].to(row.dtype)
+        row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty

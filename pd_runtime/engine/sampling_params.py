@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 from pd_runtime.engine.errors import InvalidRequestError
+
+MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI: a bias is a handful of tokens, not a vocabulary
 
 
 @dataclass
@@ -21,6 +24,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # top-n logprobs per generated token (0: only the sampled one)
     skip_special_tokens: bool = True
+    # OpenAI: subtracted once per earlier occurrence (frequency) or once if present (presence),
+    # counting generated tokens only.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM: over prompt and generated tokens, positive logits divided by it, negative multiplied.
+    repetition_penalty: float = 1.0
+    # token id -> added to its logit; keys may arrive as strings (JSON object keys).
+    logit_bias: Optional[dict[int, float]] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -29,25 +40,36 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _token_keys(self.logit_bias) or None
         self.validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler must change this row's logits before choosing (penalties, bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
+
     def validate(self) -> None:
         def bad(param: str, msg: str):
             raise InvalidRequestError(f"{param} {msg}", param=param)
 
+        def number_in(value, low: float, high: float) -> bool:  # NaN fails every comparison
+            return isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and low <= value <= high
+
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
+        if not number_in(self.temperature, 0.0, 100.0):
             bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+        if not (number_in(self.top_p, 0.0, 1.0) and self.top_p > 0.0):
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+        if not number_in(self.min_p, 0.0, 1.0):
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
@@ -58,3 +80,39 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not number_in(getattr(self, name), -2.0, 2.0):
+                bad(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
+        if not (number_in(self.repetition_penalty, 0.0, math.inf)
+                and 0.0 < self.repetition_penalty < math.inf):
+            bad("repetition_penalty", f"must be a finite number > 0, got "
+                f"{self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                bad("logit_bias", f"may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got "
+                    f"{len(self.logit_bias)}")
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or token < 0:
+                    bad("logit_bias", f"keys must be token ids (non-negative integers), got "
+                        f"{token!r}")
+                if not number_in(bias, -100.0, 100.0):
+                    bad("logit_bias", f"values must be in [-100, 100], got {bias!r} for token "
+                        f"{token}")
+
+
+def _token_keys(bias) -> Optional[dict]:
+    """logit_bias with integer keys: JSON gives "123"; anything that is not a plain decimal
+    token id is left as it is for validate() to name."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(f"logit_bias must be an object of token id -> bias, got "
+                                  f"{type(bias).__name__}", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 20:
+            key = int(key)
+        if key in out:  # "7" and "007" both name token 7
+            raise InvalidRequestError(f"logit_bias names token {key} twice", param="logit_bias")
+        out[key] = value
+    return out
