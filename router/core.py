@@ -101,8 +101,17 @@ class PoolBackend:
         return any(w.healthy for w in self.client.decode)
 
     def health(self) -> dict:
-        return {"workers": {w.worker_id: {"role": w.role, "healthy": w.healthy}
-                            for w in self.client.prefill + self.client.decode}}
+        """Every worker's state: up, unreachable (restarting, stopped or slow to answer) or
+        dead (its restarts are used up: it will not come back); "degraded" unless all are up.
+        """
+        workers = {}
+        for w in self.client.prefill + self.client.decode:
+            state = "up" if w.healthy else "dead" if w.dead else "unreachable"
+            workers[w.worker_id] = {"role": w.role, "healthy": w.healthy, "state": state,
+                                    "pid": w.load.get("pid"),
+                                    "engine_id": w.load.get("engine_id")}
+        up = all(w["state"] == "up" for w in workers.values())
+        return {"status": "ok" if up else "degraded", "workers": workers}
 
     def active_config(self) -> dict:
         return {"routing": self.reloader.current.model_dump(),
@@ -135,10 +144,19 @@ class PoolBackend:
         decision = decide(len(prompt_ids), self._states(self.client.decode),
                           self._states(self.client.prefill), hits, self.reloader.current,
                           self._rng)
+        if decision.decode_worker is None and self.client.decode:
+            # None up right now (one is restarting?): wait a bounded time for one, then decide.
+            deadline = arrival + self.client.recovery_wait_s
+            if await self.client.wait_for_decode(set(), deadline) is not None:
+                decision = decide(len(prompt_ids), self._states(self.client.decode),
+                                  self._states(self.client.prefill), hits,
+                                  self.reloader.current, self._rng)
         self.metrics.decisions.labels(decision.path, decision.reason).inc()
         if decision.decode_worker is None:
             self.metrics.refusals.labels(tenant_id, "no_worker").inc()
-            yield _refusal(503, "unavailable", "no decode worker is available")
+            yield _refusal(503, "unavailable", "no decode worker is available"
+                           + (f" (waited {self.client.recovery_wait_s:.0f}s)"
+                              if self.client.decode else ""), retry_after_s=2.0)
             return
         chosen = [w for w in (decision.decode_worker, decision.prefill_worker) if w]
         for w in chosen:
@@ -170,6 +188,9 @@ class PoolBackend:
                     status = "ok"
                     self._observe_final(path, chunk)
                 yield chunk
+        except (GeneratorExit, asyncio.CancelledError):
+            status = "cancelled"  # the client went away: not an error of ours
+            raise
         finally:
             self.metrics.requests.labels(path, status).inc()
             if status == "ok":

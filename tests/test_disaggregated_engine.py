@@ -35,15 +35,19 @@ def pair(llama_dir):
     assert not prefill.held and not decode.remote_waiting
 
 
-def run_to_end(engine, outputs):
+def run_to_end(engine, outputs, texts=None):
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if texts is not None:
+                texts[out.request_id] = texts.get(out.request_id, "") + out.new_text
 
 
-def disaggregated(prefill, decode, items, params):
-    """items: (request_id, prompt); returns {request_id: tokens} decoded on `decode`."""
+def disaggregated(prefill, decode, items, params, texts=None):
+    """items: (request_id, prompt); returns {request_id: tokens} decoded on `decode`, and
+    fills `texts` with the text streamed for each."""
     outputs = {}
+    texts = {} if texts is None else texts
     for (rid, prompt), p in zip(items, params):
         res = decode.reserve_remote_prefill(rid, prompt, p)
         assert res is not None
@@ -57,9 +61,11 @@ def disaggregated(prefill, decode, items, params):
         src_ids, dst_ids = src[skip:len(res.block_ids)], res.missing_block_ids
         decode.runner.kv_cache[:, :, dst_ids] = prefill.runner.kv_cache[:, :, src_ids]
         prefill.release_held(rid)
-        out = decode.complete_remote_prefill(rid, first[rid][0])
+        out = decode.accept_remote_first_token(rid, first[rid][0])
+        decode.complete_remote_prefill(rid, kv_arrived=True)
         outputs[rid] = list(out.new_token_ids)
-    run_to_end(decode, outputs)
+        texts[rid] = out.new_text
+    run_to_end(decode, outputs, texts)
     return outputs
 
 
@@ -68,10 +74,12 @@ def test_disaggregated_equals_colocated(pair, llama_dir):
     ps = prompts()
     colocated = LLM(llama_dir, dtype="float32", num_kv_blocks=128)
     for params in ([GREEDY] * len(ps), [seeded(i) for i in range(len(ps))]):
-        want = [o.token_ids for o in colocated.generate(ps, params)]
+        outs = colocated.generate(ps, params)
         items = [(f"r{i}-{params[0].seed}", p) for i, p in enumerate(ps)]
-        got = disaggregated(prefill, decode, items, params)
-        assert [got[rid] for rid, _ in items] == want
+        texts = {}
+        got = disaggregated(prefill, decode, items, params, texts)
+        assert [got[rid] for rid, _ in items] == [o.token_ids for o in outs]
+        assert [texts[rid] for rid, _ in items] == [o.text for o in outs]
 
 
 def test_decode_prefix_cache_reduces_shipped_blocks(pair):
@@ -125,7 +133,8 @@ def test_transfer_failure_after_first_token_keeps_one_stream(pair, llama_dir):
         prefill.add_request(rid, p, SamplingParams(**{**sp.__dict__, "max_tokens": 1}))
         first = {}
         run_to_end(prefill, first)
-        out = decode.complete_remote_prefill(rid, first[rid][0], kv_arrived=False)
+        out = decode.accept_remote_first_token(rid, first[rid][0])
+        decode.complete_remote_prefill(rid, kv_arrived=False)
         outputs[rid] = list(out.new_token_ids)
     run_to_end(decode, outputs)
     assert [outputs[f"t{i}"] for i in range(3)] == want
@@ -148,3 +157,53 @@ def test_resume_after_lost_worker_continues_the_stream(llama_dir):
         assert f.token_ids[:7] + outputs[f"m{i}"] == f.token_ids
         assert f.text.endswith(texts[f"m{i}"])
     assert engine.block_manager.num_free_blocks == 128
+
+
+def _stream(engine, rid, prompt, params, **kw):
+    """(token ids, text deltas) of one request run alone to its end."""
+    engine.add_request(rid, prompt, params, **kw)
+    tokens, deltas = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+            deltas.append(out.new_text)
+    return tokens, deltas
+
+
+def _seam_cases(llama_dir):
+    """Seeded hot sampling over a vocabulary with multi-byte characters and stop strings: many
+    streams end tokens inside a UTF-8 character or hold text back for a possible stop."""
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=128)
+    ps = prompts(8, seed=21)
+    cases = []
+    for i, p in enumerate(ps):
+        sp = SamplingParams(max_tokens=24, temperature=1.5, seed=300 + i, ignore_eos=True,
+                            stop=["ab", "\u4e16\u754c"] if i % 2 else [])
+        tokens, deltas = _stream(llm.engine, f"ref{i}", p, sp)
+        cases.append((p, sp, tokens, deltas))
+    return llm, cases
+
+
+def test_text_is_exact_across_prefill_handoff_and_migration(pair, llama_dir):
+    """Text is a function of the token ids: the decode worker detokenizes a remote prefill's
+    first token itself, and a resumed stream sends exactly what the lost worker held back."""
+    prefill, decode = pair
+    llm, cases = _seam_cases(llama_dir)
+    partial_seams = 0
+    for i, (p, sp, tokens, deltas) in enumerate(cases):
+        full = "".join(deltas)
+        texts = {}
+        got = disaggregated(prefill, decode, [(f"h{i}", p)], [sp], texts)
+        assert got[f"h{i}"] == tokens and texts[f"h{i}"] == full
+        for cut in range(1, len(tokens)):
+            sent = "".join(deltas[:cut])
+            held = llm.engine.tokenizer.decode(tokens[:cut]) != sent
+            partial_seams += held
+            rest, rest_deltas = _stream(llm.engine, f"m{i}-{cut}", p, sp,
+                                        resume_output_ids=tokens[:cut],
+                                        resume_text_len=len(sent))
+            assert tokens[:cut] + rest == tokens
+            assert sent + "".join(rest_deltas) == full, (i, cut)
+    # The seams must really include text held back (partial characters or stop prefixes).
+    assert partial_seams > 0
+    assert llm.engine.block_manager.num_free_blocks == 128

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from pd_runtime import LLM, SamplingParams
-from pd_runtime.config import EngineConfig, KVTransferConfig
+from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
 
 ray = pytest.importorskip("ray")
 
@@ -41,8 +41,9 @@ def cluster(llama_dir):
                           num_threads=1)
     kv = KVTransferConfig(backend="torch_dist", transfer_timeout_s=8.0, lease_timeout_s=8.0,
                           heartbeat_interval_s=0.2, peer_timeout_s=2.0)
+    recovery = RecoveryConfig(remote_prefill_timeout_s=10.0, reservation_timeout_s=5.0)
     workers = [start_worker(role, wid, engine, kv, num_cpus=1, max_restarts=5,
-                            remote_prefill_timeout_s=10.0, reservation_timeout_s=5.0)
+                            recovery=recovery)
                for role, wid in (("prefill", "p0"), ("decode", "d0"), ("decode", "d1"))]
     wait_ready(workers)
     client = PoolClient([workers[0]], workers[1:])
@@ -95,11 +96,16 @@ def wait_alive(client, timeout_s=60.0):
 def reference(llama_dir):
     llm = LLM(llama_dir, dtype="float32", num_kv_blocks=NUM_BLOCKS)
     ps = prompts()
-    ref = {}
+    ref = {"text": {}}
     for seeded in (False, True):
         outs = llm.generate(ps, [SamplingParams(**params(i, seeded)) for i in range(len(ps))])
         ref[seeded] = [o.token_ids for o in outs]
+        ref["text"][seeded] = [o.text for o in outs]
     return ps, ref
+
+
+def text_of(chunks):
+    return "".join(c["text"] for c in chunks)
 
 
 @pytest.mark.parametrize("seeded", [False, True])
@@ -113,6 +119,7 @@ def test_colocated_and_disaggregated_tokens_identical(cluster, reference, seeded
                       decode_worker="d1")
         assert tokens_of(colo) == ref[seeded][i]
         assert tokens_of(dis) == ref[seeded][i]
+        assert text_of(colo) == text_of(dis) == ref["text"][seeded][i]
         assert {c["path"] for c in colo} == {"colocated"}
         assert {c["path"] for c in dis} == {"disaggregated"}
         assert dis[-1]["kv_transfer_s"] > 0 and dis[-1]["kv_arrived"] is True
@@ -169,6 +176,7 @@ def test_decode_worker_killed_migrates_stream(cluster, reference, fault_at):
                              lambda: ray.kill(d0.handle, no_restart=False), fault_at=fault_at,
                              decode_worker="d0", disaggregate=fault_at == 3)
     assert tokens_of(chunks) == ref[True][3]  # one stream: nothing lost, nothing repeated
+    assert text_of(chunks) == ref["text"][True][3]
     assert chunks[-1]["worker_id"] == "d1" and chunks[-1]["migrations"] == 1
     wait_alive(cluster)
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
@@ -202,7 +210,8 @@ def test_no_decode_worker_left_ends_with_clear_error(cluster, reference):
 
     ps, _ = reference
     dead = WorkerRef("gone", "decode", cluster.decode[0].handle, healthy=False)
-    chunks = collect(PoolClient([], [dead]), "orphan", ps[0], params(0, False))
+    chunks = collect(PoolClient([], [dead], recovery_wait_s=0), "orphan", ps[0],
+                     params(0, False))
     assert chunks[-1]["finished"] and chunks[-1]["error"]["status"] == 503
     assert "no decode worker" in chunks[-1]["error"]["message"]
 
@@ -272,10 +281,13 @@ def test_cancel_before_prefill_releases_the_prefill_side(cluster, reference):
     d0 = next(w for w in cluster.decode if w.worker_id == "d0").handle
     meta = ray.get(d0.kv_metadata.remote())
     ray.get(p0.abort.remote("early-cancel"))  # the decode side gave up before the call
+    steps = ray.get(p0.load.remote())["num_steps"]
     first = ray.get(p0.prefill.remote("early-cancel", ps[1], params(1, False), meta,
                                       [0, 1, 2], 0), timeout=30)
-    assert first["token_ids"]
-    assert ray.get(p0.ship_outcome.remote("early-cancel"), timeout=30) == "cancelled"
+    # Refused before anything is computed: a hedged request is not prefilled twice.
+    assert not first["token_ids"] and first["error"]["status"] == 499
+    assert ray.get(p0.load.remote())["num_steps"] == steps
+    assert ray.get(p0.ship_outcome.remote("early-cancel"), timeout=30) == "unknown"
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
 
@@ -292,3 +304,50 @@ def test_draining_worker_gets_nothing_new(cluster, reference):
     finally:
         ray.get(d0.handle.set_draining.remote(False))
         asyncio.run(cluster.refresh())
+
+
+def test_only_decode_worker_killed_continues_on_its_restart(cluster, reference):
+    """One decode worker, killed mid-stream: the request waits for Ray to restart it and
+    continues there; the caller sees one exact stream and no error."""
+    from pd_runtime.workers.client import PoolClient
+
+    ps, ref = reference
+    d0 = next(w for w in cluster.decode if w.worker_id == "d0")
+    alone = PoolClient(cluster.prefill, [d0], recovery_wait_s=60)
+    chunks = _run_with_fault(alone, "kill-only-d", ps[3], params(3, True),
+                             lambda: ray.kill(d0.handle, no_restart=False), fault_at=3)
+    assert tokens_of(chunks) == ref[True][3]
+    assert text_of(chunks) == ref["text"][True][3]
+    assert chunks[-1]["worker_id"] == "d0" and chunks[-1]["migrations"] == 1
+    wait_alive(cluster)
+    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
+
+
+def test_stopped_prefill_worker_is_hedged_on_the_decode_worker(cluster, reference):
+    """The prefill worker stops (SIGSTOP) with a request handed to it: the decode worker that
+    reserved the blocks prefills it itself after the hedge deadline, and the remote prefill is
+    aborted, not computed later."""
+    import os
+    import signal
+
+    ps, ref = reference
+    p0 = cluster.prefill[0].handle
+    d1 = next(w for w in cluster.decode if w.worker_id == "d1").handle
+    pid = ray.get(p0.load.remote())["pid"]
+    steps = ray.get(p0.load.remote())["num_steps"]
+    hedged = ray.get(d1.load.remote())["hedged_prefills"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        chunks = collect(cluster, "hedge-1", ps[2], params(2, True), disaggregate=True,
+                         decode_worker="d1", prefill_worker="p0")
+        waited = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert tokens_of(chunks) == ref[True][2]
+    assert text_of(chunks) == ref["text"][True][2]
+    assert ray.get(d1.load.remote())["hedged_prefills"] == hedged + 1
+    assert waited < 10.0  # well before the 10 s remote_prefill_timeout_s ceiling
+    time.sleep(1.0)  # the stopped worker wakes up to the abort
+    assert ray.get(p0.load.remote())["num_steps"] == steps, "the aborted prefill ran anyway"
+    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})

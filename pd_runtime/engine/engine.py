@@ -96,20 +96,26 @@ class LLMEngine(RemoteKVMixin):
     def add_request(self, request_id: str, prompt: Union[str, list[int]],
                     params: Optional[SamplingParams] = None, priority: int = 0,
                     cache_salt: Optional[str] = None, hold_blocks: bool = False,
-                    resume_output_ids: Optional[list[int]] = None) -> Request:
+                    resume_output_ids: Optional[list[int]] = None,
+                    resume_text_len: Optional[int] = None) -> Request:
         """Queue a request. `hold_blocks`: keep its KV blocks when it finishes (a prefill worker
         ships them), until `release_held(request_id)`. `resume_output_ids`: tokens a lost worker
         already streamed; generation continues after them as if it had never stopped (they
-        count toward max_tokens, seeded sampling skips their draws, their text is not re-sent).
+        count toward max_tokens, seeded sampling skips their draws). `resume_text_len`: how
+        many characters of their text the client already has (None: all of it); text held
+        back there (a partial UTF-8 character, a possible stop string) is sent from here.
         """
         req = self._new_request(request_id, prompt, params, priority, cache_salt)
         if resume_output_ids:
             if len(resume_output_ids) >= req.params.max_tokens:
                 raise InvalidRequestError("nothing left to generate after the resumed tokens",
                                           param="max_tokens")
-            req.output_token_ids = list(resume_output_ids)
-            detokenize_step(self.tokenizer, req, flush=True)
-            req.emitted_len = len(req.text)  # the lost worker already sent this text
+            # Token by token, as the lost worker did: the same ids give the same text.
+            for token in resume_output_ids:
+                req.output_token_ids.append(token)
+                detokenize_step(self.tokenizer, req)
+            req.emitted_len = len(req.text) if resume_text_len is None else \
+                min(resume_text_len, len(req.text))
             if req.generator is not None and not req.params.greedy:
                 for _ in resume_output_ids:
                     Sampler.skip_draw(req.generator, self.model_config.vocab_size)

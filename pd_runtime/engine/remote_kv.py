@@ -55,27 +55,41 @@ class RemoteKVMixin:
         return RemoteKVReservation(request_id, list(req.block_ids), req.num_cached_tokens,
                                    req.num_prompt_tokens, bm.block_size)
 
-    def complete_remote_prefill(self, request_id: str, first_token_id: int,
-                                first_logprob=None, kv_arrived: bool = True):
-        """The prefill worker sampled `first_token_id`; continue decoding here.
+    def accept_remote_first_token(self, request_id: str, first_token_id: int,
+                                  first_logprob=None):
+        """The prefill worker sampled `first_token_id`: record it here as if sampled here.
 
-        kv_arrived: the prompt's KV is in the reserved blocks. If not (the transfer failed after
-        the first token was sent on), the prompt is prefilled here again but the token stands,
-        so the client's stream stays one stream. Returns that token's RequestOutput.
+        Its text comes from this request's own detokenizer, with the real stop strings and
+        max_tokens, so text stays a function of the token ids on every path (the prefill
+        worker's own text is never used). Returns the token's RequestOutput. If the token ends
+        the request, its blocks stay held until `complete_remote_prefill` (the transfer may
+        still be writing them).
         """
-        req = self.remote_waiting.pop(request_id)
-        req.num_computed_tokens = req.num_prompt_tokens if kv_arrived else req.num_cached_tokens
-        self.block_manager.cache_full_blocks(req)
+        req = self.remote_waiting[request_id]
         if req.generator is not None and not req.params.greedy:
             Sampler.skip_draw(req.generator, self.model_config.vocab_size)
         req.output_token_ids.append(first_token_id)
         if first_logprob is not None:
             req.logprobs.append(first_logprob)
+        req.hold_blocks = True
         output = self._finish_token(req, first_token_id, first_logprob)
-        req.emitted_len = len(req.text)  # the prefill worker sent this token's whole text
-        if not output.finished:
-            self.scheduler.add(req)
+        req.hold_blocks = False
         return output
+
+    def complete_remote_prefill(self, request_id: str, kv_arrived: bool = True) -> None:
+        """The transfer ended (no more writes into the reserved blocks): decode on from here.
+
+        kv_arrived: the prompt's KV is in the reserved blocks. If not (the transfer failed after
+        the first token was sent on), the prompt is prefilled here again but the token stands,
+        so the client's stream stays one stream. A request its first token finished is freed.
+        """
+        req = self.remote_waiting.pop(request_id)
+        if req.is_finished:
+            self.release_held(request_id)
+            return
+        req.num_computed_tokens = req.num_prompt_tokens if kv_arrived else req.num_cached_tokens
+        self.block_manager.cache_full_blocks(req)
+        self.scheduler.add(req)
 
     def fail_remote_prefill(self, request_id: str) -> None:
         """No first token and no KV will come (prefill worker lost before sampling): prefill
@@ -111,6 +125,7 @@ class RemoteKVMixin:
             "prefix_queried_tokens": bm.stats.queried_tokens,
             "prefix_hit_tokens": bm.stats.hit_tokens,
             "num_preemptions": sched.num_preemptions,
+            "num_steps": self.num_steps,
             "max_num_seqs": sched.max_num_seqs,
             "block_size": bm.block_size,
         }

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
@@ -32,13 +33,31 @@ class WorkerRef:
     handle: Any
     healthy: bool = True
     load: dict = field(default_factory=dict)
+    # Consecutive probes that found the actor dead: a new call to an actor that Ray is
+    # restarting waits for it, so a probe fails at once only once its restarts are used up.
+    dead_probes: int = 0
+
+    @property
+    def dead(self) -> bool:
+        """Gone for good, as far as two probes in a row can tell."""
+        return self.dead_probes >= 2
+
+
+def _actor_died(exc: BaseException) -> bool:
+    import ray.exceptions as rex
+
+    return isinstance(exc, rex.ActorDiedError)
 
 
 class PoolClient:
-    def __init__(self, prefill: list[WorkerRef], decode: list[WorkerRef], max_migrations: int = 3):
+    def __init__(self, prefill: list[WorkerRef], decode: list[WorkerRef], max_migrations: int = 3,
+                 recovery_wait_s: float = 20.0, probe_interval_s: float = 0.25):
         self.prefill = prefill
         self.decode = decode
         self.max_migrations = max_migrations
+        # How long a request waits for a decode worker (after losing one, or finding none).
+        self.recovery_wait_s = recovery_wait_s
+        self.probe_interval_s = probe_interval_s
         self.migrations = 0
         self._rr = itertools.count()
 
@@ -53,17 +72,36 @@ class PoolClient:
         return random.choice([w for w in live if w.load.get("num_running", 0)
                               + w.load.get("num_waiting", 0) == best])
 
-    async def refresh(self, timeout_s: float = 2.0) -> None:
-        """Poll every worker's load; a worker that does not answer is marked unhealthy until it
-        answers again (a restarted actor rejoins this way)."""
-        async def one(w: WorkerRef):
-            try:
-                w.load = await asyncio.wait_for(w.handle.load.remote(), timeout_s)
-                w.healthy = True
-            except Exception:
-                w.healthy = False
+    async def probe(self, w: WorkerRef, timeout_s: float = 2.0) -> bool:
+        """Ask one worker for its load; a worker that does not answer is marked unhealthy until
+        it answers again (a restarted actor rejoins this way), one whose restarts are used up
+        is marked dead."""
+        try:
+            w.load = await asyncio.wait_for(w.handle.load.remote(), timeout_s)
+            w.healthy, w.dead_probes = True, 0
+        except Exception as exc:
+            w.healthy = False
+            w.dead_probes = w.dead_probes + 1 if _actor_died(exc) else 0
+        return w.healthy
 
-        await asyncio.gather(*(one(w) for w in self.prefill + self.decode))
+    async def refresh(self, timeout_s: float = 2.0) -> None:
+        """Poll every worker's load (see probe)."""
+        await asyncio.gather(*(self.probe(w, timeout_s) for w in self.prefill + self.decode))
+
+    async def wait_for_decode(self, exclude: set[str], deadline: float) -> Optional[WorkerRef]:
+        """A decode worker to serve a request: at once if one is up, else the first that comes
+        back (another one, or a restarted actor) before `deadline` (time.monotonic())."""
+        while True:
+            d = self._pick(self.decode, exclude) or self._pick(self.decode, set())
+            if d is not None:
+                return d
+            if time.monotonic() >= deadline or all(w.dead for w in self.decode):
+                return None
+            await asyncio.sleep(self.probe_interval_s)
+            remaining = deadline - time.monotonic()
+            down = [w for w in self.decode if not w.healthy]
+            await asyncio.gather(*(self.probe(w, max(0.1, min(1.0, remaining)))
+                                   for w in down))
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: Any, params: dict,
@@ -72,35 +110,53 @@ class PoolClient:
                        decode_worker: Optional[str] = None,
                        prefill_worker: Optional[str] = None) -> AsyncIterator[dict]:
         """Chunks of the request, in order, each with `token_ids`, `text`, `finished`; an error
-        chunk (with `error`) ends the stream when the request cannot be served."""
+        chunk (with `error`) ends the stream when the request cannot be served.
+
+        A decode worker lost mid-request costs latency, not the request: it continues on
+        another decode worker, or on the restarted one, with the prompt and every token (and
+        the exact text) already streamed, for up to `recovery_wait_s` without a worker.
+        """
         streamed: list[int] = []
+        text_len = 0  # characters of text the caller already has
         lost: set[str] = set()
         migrations = 0
+        deadline = time.monotonic() + self.recovery_wait_s
         while True:
             d = next((w for w in self.decode if w.worker_id == decode_worker), None) \
-                if decode_worker and decode_worker not in lost else self._pick(self.decode, lost)
+                if decode_worker and not lost else None
+            if d is None or not d.healthy:
+                d = await self.wait_for_decode(lost, deadline)
             if d is None:
                 yield error_chunk(RuntimeError(
                     "no decode worker is available to serve this request"
-                    + (f" (lost {len(lost)} during it)" if lost else "")))
+                    + (f" (lost {len(lost)} during it)" if lost else "")
+                    + f"; waited {self.recovery_wait_s:.0f}s"), retry_after_s=1.0)
                 return
+            # A retry is a new request on its worker; the old one may linger there a moment.
+            rid = request_id if not migrations else f"{request_id}~{migrations}"
             p = None
             if disaggregate and not streamed:
-                p = next((w for w in self.prefill if w.worker_id == prefill_worker), None) \
-                    or self._pick(self.prefill, set())
+                p = next((w for w in self.prefill if w.worker_id == prefill_worker
+                          and w.healthy), None) or self._pick(self.prefill, set())
             if streamed:
-                gen = d.handle.generate.remote(request_id, prompt, params, priority, cache_salt,
-                                               resume_output_ids=list(streamed))
+                gen = d.handle.generate.remote(rid, prompt, params, priority, cache_salt,
+                                               resume_output_ids=list(streamed),
+                                               resume_text_len=text_len)
             elif p is not None:
-                gen = d.handle.generate_disaggregated.remote(request_id, prompt, params,
+                gen = d.handle.generate_disaggregated.remote(rid, prompt, params,
                                                              p.handle, priority, cache_salt)
             else:
-                gen = d.handle.generate.remote(request_id, prompt, params, priority, cache_salt)
+                gen = d.handle.generate.remote(rid, prompt, params, priority, cache_salt)
             finished = False
             try:
                 async for ref in gen:
                     chunk = await ref
+                    if "error" in chunk:  # a refusal or bad input: the answer, not a loss
+                        yield chunk
+                        return
                     streamed.extend(chunk.get("token_ids", []))
+                    text_len += len(chunk.get("text") or "")
+                    chunk["request_id"] = request_id
                     chunk["worker_id"] = d.worker_id
                     chunk["migrations"] = migrations
                     finished = chunk.get("finished", False)
@@ -113,7 +169,7 @@ class PoolClient:
                     return
                 if isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
                     # The caller went away: release the request wherever it lives.
-                    d.handle.abort.remote(request_id)
+                    d.handle.abort.remote(rid)
                     raise
                 if not (_actor_lost(exc) or isinstance(exc, RuntimeError)):
                     raise
@@ -121,9 +177,14 @@ class PoolClient:
                             d.worker_id, request_id, type(exc).__name__, len(streamed))
                 d.healthy = False
                 lost.add(d.worker_id)
+                try:
+                    d.handle.abort.remote(rid)  # if it still lives, free what it holds
+                except Exception:
+                    pass
                 migrations += 1
                 self.migrations += 1
+                deadline = time.monotonic() + self.recovery_wait_s
                 if migrations > self.max_migrations:
                     yield error_chunk(RuntimeError(f"request {request_id} lost {migrations} "
-                                                   "workers; giving up"))
+                                                   "workers; giving up"), retry_after_s=1.0)
                     return

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from pd_runtime.config import EngineConfig, KVTransferConfig
+from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
 from pd_runtime.workers.client import PoolClient, WorkerRef
 
 log = logging.getLogger(__name__)
@@ -27,9 +27,8 @@ def worker_actor_class():
 def start_worker(role: str, worker_id: str, engine_config: EngineConfig,
                  kv_config: KVTransferConfig, *, num_cpus: float = 1, num_gpus: float = 0,
                  resources: Optional[dict] = None, memory: Optional[int] = None,
-                 max_restarts: int = 3, remote_prefill_timeout_s: float = 30.0,
-                 reservation_timeout_s: float = 30.0, scheduling_strategy=None,
-                 namespace: Optional[str] = None) -> WorkerRef:
+                 max_restarts: int = 3, recovery: Optional[RecoveryConfig] = None,
+                 scheduling_strategy=None, namespace: Optional[str] = None) -> WorkerRef:
     """Create one worker actor (not yet waited for)."""
     options = dict(name=f"pd-{worker_id}", num_cpus=num_cpus, num_gpus=num_gpus,
                    resources=resources or {}, max_restarts=max_restarts,
@@ -46,7 +45,7 @@ def start_worker(role: str, worker_id: str, engine_config: EngineConfig,
             update={"num_threads": max(1, int(num_cpus or 1))})
     handle = worker_actor_class().options(**options).remote(
         role, worker_id, engine_config.model_dump(), kv_config.model_dump(),
-        remote_prefill_timeout_s, reservation_timeout_s)
+        (recovery or RecoveryConfig()).model_dump())
     return WorkerRef(worker_id, role, handle)
 
 
@@ -84,9 +83,9 @@ def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClie
                 role, f"{role}-{i}", pool.engine_config(model_dir), cfg.kv_transfer,
                 num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=res.custom,
                 memory=res.memory_bytes, max_restarts=cfg.recovery.max_restarts,
-                remote_prefill_timeout_s=cfg.recovery.remote_prefill_timeout_s,
-                reservation_timeout_s=cfg.recovery.reservation_timeout_s,
+                recovery=cfg.recovery,
                 scheduling_strategy=strategy_for[i], namespace=cfg.ray.namespace))
     wait_ready([w for ws in pools.values() for w in ws], ready_timeout_s)
     # Colocated-role workers serve whole requests exactly like decode workers.
-    return PoolClient(pools["prefill"], pools["decode"] + pools["colocated"])
+    return PoolClient(pools["prefill"], pools["decode"] + pools["colocated"],
+                      recovery_wait_s=cfg.recovery.decode_recovery_wait_s)

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Optional
 
 from pd_runtime.engine.errors import EngineOverloadedError, InvalidRequestError
 from pd_runtime.engine.sampling_params import SamplingParams
-from pd_runtime.workers.stream import error_chunk
+from pd_runtime.workers.stream import error_chunk, output_chunk
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,23 @@ async def _outcome(ref) -> str:
         return f"lost:{type(exc).__name__}"
 
 
+class PrefillRate:
+    """Seconds per uncached prompt token of remote prefills, call to first token, as this
+    decode worker measured them (queueing at the prefill worker included): the hedge's clock.
+    """
+
+    def __init__(self, prior_s_per_token: float = 1e-3, weight: float = 0.2):
+        self.s_per_token = prior_s_per_token
+        self.weight = weight
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        sample = seconds / max(tokens, 1)
+        self.s_per_token += self.weight * (sample - self.s_per_token)
+
+    def hedge_after_s(self, tokens: int, min_s: float, factor: float, ceiling_s: float) -> float:
+        return min(ceiling_s, min_s + factor * tokens * self.s_per_token)
+
+
 async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict, prefill_worker,
                              priority: int, cache_salt: Optional[str]) -> AsyncIterator[dict]:
     """Yields the first token's chunk (or an error chunk); the rest streams from the engine."""
@@ -89,39 +106,48 @@ async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict,
         return
     worker.agent.expect(request_id, res.missing_block_ids)
     skip = res.num_cached_tokens // res.block_size
+    uncached = res.num_prompt_tokens - res.num_cached_tokens
+    hedge_s = worker.prefill_rate.hedge_after_s(
+        uncached, worker.hedge_min_s, worker.hedge_factor, worker.remote_prefill_timeout_s)
     started = time.monotonic()
     try:
         first = await asyncio.wait_for(
             prefill_worker.prefill.remote(request_id, prompt, params, worker.agent.metadata(),
                                           res.missing_block_ids, skip, cache_salt),
-            timeout=worker.remote_prefill_timeout_s)
+            timeout=hedge_s)
         if first.get("error"):
             raise RuntimeError(first["error"]["message"])
-    except Exception as exc:  # lost, timed out or refused: nothing came, prefill here
-        log.warning("remote prefill of %s failed (%s); prefilling locally", request_id,
-                    type(exc).__name__)
+    except Exception as exc:  # lost, late or refused: prefill here, into our reservation
+        late = isinstance(exc, asyncio.TimeoutError)
+        log.warning("remote prefill of %s %s; prefilling locally", request_id,
+                    f"late after {hedge_s:.2f}s (hedged)" if late else
+                    f"failed ({type(exc).__name__})")
         worker.agent.cancel(request_id)
+        if late:
+            worker.hedged_prefills += 1
+            try:  # so it is not computed twice; a stopped worker drops it when it wakes
+                prefill_worker.abort.remote(request_id)
+            except Exception:
+                pass
         await loop.call(lambda e: e.fail_remote_prefill(request_id))
         return
+    first_at = time.monotonic()
+    worker.prefill_rate.observe(uncached, first_at - started)
+    worker.remote_prefill_s[request_id] = first_at - started
     token = first["token_ids"][0]
     logprob = first["logprobs"][0] if first.get("logprobs") else None
-    # Does this first token end the real request? (The prefill ran with max_tokens=1.)
-    done = first["finish_reason"] == "stop" or sampling.max_tokens == 1
-    first_at = time.monotonic()
-    worker.remote_prefill_s[request_id] = first_at - started
-    yield dict(first, finished=done, finish_reason=first["finish_reason"] if done else None,
-               num_cached_tokens=res.num_cached_tokens)
+    # Our engine decides what the token means (text, stop strings, the end of the request).
+    out = await loop.call(lambda e: e.accept_remote_first_token(request_id, token, logprob))
+    yield output_chunk(out, "disaggregated")
     arrived = False
-    if not done:
+    if not out.finished:
         arrived = await _await_transfer(worker, request_id, prefill_worker)
     else:
         worker.agent.cancel(request_id)
     # After the first token: how long the decode side waited for the KV to land.
     worker.kv_transfer_s[request_id] = time.monotonic() - first_at
     worker.kv_arrived[request_id] = arrived
-    # The token was already streamed; the engine records it without sending it again.
-    await loop.call(lambda e: e.complete_remote_prefill(request_id, token, logprob,
-                                                         kv_arrived=arrived))
+    await loop.call(lambda e: e.complete_remote_prefill(request_id, kv_arrived=arrived))
 
 
 async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int],

@@ -26,7 +26,8 @@ def output_chunk(out, path: str) -> dict:
     }
 
 
-def error_chunk(exc: Exception, status: Optional[int] = None) -> dict:
+def error_chunk(exc: Exception, status: Optional[int] = None,
+                retry_after_s: Optional[float] = None) -> dict:
     if isinstance(exc, EngineOverloadedError):
         kind, code = "overloaded", status or 429
         extra = {"retry_after_s": exc.retry_after_s}
@@ -35,7 +36,7 @@ def error_chunk(exc: Exception, status: Optional[int] = None) -> dict:
         extra = {"param": exc.param}
     else:
         kind, code = "unavailable", status or 503
-        extra = {}
+        extra = {} if retry_after_s is None else {"retry_after_s": retry_after_s}
     return {"finished": True, "finish_reason": "error", "token_ids": [], "text": "",
             "error": {"type": kind, "message": str(exc), "status": code, **extra}}
 

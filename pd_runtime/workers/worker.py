@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
-from pd_runtime.config import EngineConfig, KVTransferConfig
+from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
 from pd_runtime.engine.errors import EngineOverloadedError, InvalidRequestError
 from pd_runtime.engine.sampling_params import SamplingParams
 from pd_runtime.workers.engine_loop import EngineLoop
@@ -29,7 +29,7 @@ ROLES = ("prefill", "decode", "colocated")
 
 class PDWorker:
     def __init__(self, role: str, worker_id: str, engine_config: dict, kv_config: dict,
-                 remote_prefill_timeout_s: float = 30.0, reservation_timeout_s: float = 30.0):
+                 recovery: Optional[dict] = None):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         import torch
@@ -45,8 +45,14 @@ class PDWorker:
         self.engine = LLMEngine(self.engine_config)
         # A restarted actor is a new incarnation: peers must not mistake it for the old one.
         self.engine_id = f"{worker_id}-{uuid.uuid4().hex[:8]}"
-        self.remote_prefill_timeout_s = remote_prefill_timeout_s
-        self.reservation_timeout_s = reservation_timeout_s
+        from pd_runtime.workers.remote_prefill import PrefillRate
+
+        rec = RecoveryConfig(**(recovery or {}))
+        self.remote_prefill_timeout_s = rec.remote_prefill_timeout_s
+        self.reservation_timeout_s = rec.reservation_timeout_s
+        self.hedge_min_s, self.hedge_factor = rec.hedge_min_s, rec.hedge_factor
+        self.prefill_rate = PrefillRate()  # measured remote prefill speed: when to hedge
+        self.hedged_prefills = 0
         import ray
 
         # host "auto": this node's address, so peers on other nodes can reach the agent.
@@ -97,7 +103,7 @@ class PDWorker:
         report = await self._engine_loop().call(lambda e: e.load_report())
         report.update(worker_id=self.worker_id, role=self.role, engine_id=self.engine_id,
                       kv_transfer=self.agent.metrics(), draining=self.draining,
-                      pid=os.getpid())
+                      pid=os.getpid(), hedged_prefills=self.hedged_prefills)
         return report
 
     async def set_draining(self, draining: bool = True) -> None:
@@ -158,7 +164,8 @@ class PDWorker:
     # -- whole requests (colocated, or resumed after a lost worker) ---------------------------
     async def generate(self, request_id: str, prompt: Any, params: dict, priority: int = 0,
                        cache_salt: Optional[str] = None,
-                       resume_output_ids: Optional[list[int]] = None) -> AsyncIterator[dict]:
+                       resume_output_ids: Optional[list[int]] = None,
+                       resume_text_len: Optional[int] = None) -> AsyncIterator[dict]:
         loop = self._engine_loop()
         q = loop.open_stream(request_id)
         finished = False
@@ -166,7 +173,7 @@ class PDWorker:
             try:
                 await loop.call(lambda e: e.add_request(
                     request_id, prompt, SamplingParams(**params), priority, cache_salt,
-                    resume_output_ids=resume_output_ids))
+                    resume_output_ids=resume_output_ids, resume_text_len=resume_text_len))
             except (InvalidRequestError, EngineOverloadedError) as exc:
                 finished = True
                 yield error_chunk(exc)
@@ -188,12 +195,15 @@ class PDWorker:
         q = loop.open_stream(request_id)
         finished = False
         try:
+            # Run to its end even when the first chunk finishes the request: what follows the
+            # yield ends the transfer and frees the reservation.
             async for chunk in run_remote_prefill(self, request_id, prompt, params,
                                                   prefill_worker, priority, cache_salt):
                 finished = chunk["finished"]
                 yield chunk
-                if finished:
-                    return
+            if finished:
+                loop.close_stream(request_id)
+                return
             async for chunk in self._stream(request_id, q, "disaggregated"):
                 finished = chunk["finished"]
                 yield chunk
@@ -226,6 +236,9 @@ class PDWorker:
         from pd_runtime.workers.remote_prefill import ship_kv
 
         loop = self._engine_loop()
+        if request_id in self.cancelled:  # the decode side hedged before we began
+            self.cancelled.discard(request_id)
+            return error_chunk(RuntimeError(f"request {request_id} was cancelled"), 499)
         peer_id = self._peer_for(decode_metadata)
         first_params = SamplingParams(**{**params, "max_tokens": 1})
         q = loop.open_stream(request_id)
