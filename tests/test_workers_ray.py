@@ -351,3 +351,33 @@ def test_stopped_prefill_worker_is_hedged_on_the_decode_worker(cluster, referenc
     time.sleep(1.0)  # the stopped worker wakes up to the abort
     assert ray.get(p0.load.remote())["num_steps"] == steps, "the aborted prefill ran anyway"
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
+
+
+def test_health_reports_a_worker_gone_for_good(cluster, llama_dir):
+    """A decode worker whose restarts are used up is reported dead on /health and /ready,
+    and a request fails at once with Retry-After instead of waiting for it."""
+    from pd_runtime.config import ClusterConfig
+    from pd_runtime.workers.client import PoolClient
+    from pd_runtime.workers.pool import start_worker, wait_ready
+    from router.core import PoolBackend
+
+    engine = EngineConfig(model=llama_dir, dtype="float32", num_kv_blocks=32, num_threads=1)
+    kv = KVTransferConfig(backend="torch_dist")
+    mortal = start_worker("decode", "mortal", engine, kv, num_cpus=1, max_restarts=0)
+    wait_ready([mortal])
+    client = PoolClient([], [mortal], recovery_wait_s=30)
+    backend = PoolBackend(client, ClusterConfig(), llama_dir)
+    asyncio.run(client.refresh())
+    assert backend.health()["workers"]["mortal"]["state"] == "up" and backend.ready()
+    ray.kill(mortal.handle, no_restart=True)
+    deadline = time.monotonic() + 20
+    while not mortal.dead and time.monotonic() < deadline:
+        asyncio.run(client.refresh())
+        time.sleep(0.2)
+    health = backend.health()
+    assert health["status"] == "degraded" and health["workers"]["mortal"]["state"] == "dead"
+    assert not backend.ready()
+    started = time.monotonic()
+    chunks = collect(client, "to-the-dead", [5, 6, 7], params(0, False))
+    assert chunks[-1]["error"]["status"] == 503 and chunks[-1]["error"]["retry_after_s"] > 0
+    assert time.monotonic() - started < 10, "a dead pool must not make requests wait it out"
