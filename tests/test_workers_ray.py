@@ -72,14 +72,25 @@ def free_blocks(client):
             for w in client.prefill + client.decode}
 
 
+def records(client):
+    """Per-request state left on any worker (none once every request has ended)."""
+    out = {}
+    for w in client.prefill + client.decode:
+        left = {k: v for k, v in ray.get(w.handle.load.remote())["records"].items() if v}
+        if left:
+            out[w.worker_id] = left
+    return out
+
+
 def wait_free(client, expected, timeout_s=20.0):
+    """Every block back and no per-request record left behind, on every worker."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        got = free_blocks(client)
-        if got == expected:
+        if free_blocks(client) == expected and not records(client):
             return
         time.sleep(0.2)
     assert free_blocks(client) == expected
+    assert records(client) == {}
 
 
 def wait_alive(client, timeout_s=60.0):

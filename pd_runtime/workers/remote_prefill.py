@@ -113,7 +113,8 @@ async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict,
     try:
         first = await asyncio.wait_for(
             prefill_worker.prefill.remote(request_id, prompt, params, worker.agent.metadata(),
-                                          res.missing_block_ids, skip, cache_salt),
+                                          res.missing_block_ids, skip, cache_salt,
+                                          not_after=time.time() + hedge_s),
             timeout=hedge_s)
         if first.get("error"):
             raise RuntimeError(first["error"]["message"])
@@ -144,6 +145,7 @@ async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict,
         arrived = await _await_transfer(worker, request_id, prefill_worker)
     else:
         worker.agent.cancel(request_id)
+        prefill_worker.ship_outcome.remote(request_id)  # so the sender forgets the send
     # After the first token: how long the decode side waited for the KV to land.
     worker.kv_transfer_s[request_id] = time.monotonic() - first_at
     worker.kv_arrived[request_id] = arrived
@@ -160,7 +162,7 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
     if worker.fault_delay_kv_send_s:
         await asyncio.sleep(worker.fault_delay_kv_send_s)
     if request_id in worker.cancelled:  # the decode side gave up while we prefilled
-        worker.cancelled.discard(request_id)
+        worker.cancelled.pop(request_id, None)
         await loop.call(lambda e: e.release_held(request_id))
         return "cancelled"
     held = await loop.call(lambda e: e.held_block_ids(request_id))

@@ -66,7 +66,9 @@ class PDWorker:
         self.kv_transfer_s: dict[str, float] = {}
         self.kv_arrived: dict[str, bool] = {}
         self.remote_prefill_s: dict[str, float] = {}  # prefill call -> first token back
-        self.cancelled: set[str] = set()  # aborted while their prefill was still running
+        # Prefill side: aborted before or while their prefill ran, with when (pruned after a
+        # minute: an abort that arrives after the whole prefill has nothing left to stop).
+        self.cancelled: dict[str, float] = {}
         self.ship_tasks: dict[str, asyncio.Future] = {}  # prefill side: KV sends in progress
         # Fault injection for chaos tests: hold the KV send this long after the first token.
         self.fault_delay_kv_send_s = 0.0
@@ -101,10 +103,20 @@ class PDWorker:
 
     async def load(self) -> dict:
         report = await self._engine_loop().call(lambda e: e.load_report())
+        report["records"] = self._records()
         report.update(worker_id=self.worker_id, role=self.role, engine_id=self.engine_id,
                       kv_transfer=self.agent.metrics(), draining=self.draining,
                       pid=os.getpid(), hedged_prefills=self.hedged_prefills)
         return report
+
+    def _records(self) -> dict:
+        """Per-request state this worker keeps; all zero when it is idle (a leak shows here)."""
+        e = self.engine
+        return {"engine_requests": len(e.requests), "held": len(e.held),
+                "remote_waiting": len(e.remote_waiting),
+                "streams": len(self.loop._streams) if self.loop else 0,
+                "transfer_records": len(self.kv_transfer_s) + len(self.kv_arrived)
+                + len(self.remote_prefill_s), "ship_tasks": len(self.ship_tasks)}
 
     async def set_draining(self, draining: bool = True) -> None:
         """A draining worker finishes what it has and is routed nothing new (for a restart
@@ -125,7 +137,10 @@ class PDWorker:
     async def abort(self, request_id: str) -> bool:
         """Cancel a request here; blocks leased to an unfinished transfer are freed when the
         lease ends (the agent tells the peer, which fails its side)."""
-        self.cancelled.add(request_id)
+        if self.role == "prefill":
+            now = time.monotonic()
+            self.cancelled = {r: t for r, t in self.cancelled.items() if now - t < 60.0}
+            self.cancelled[request_id] = now
         self.agent.cancel(request_id)
 
         def abort(engine):
@@ -203,6 +218,9 @@ class PDWorker:
                 yield chunk
             if finished:
                 loop.close_stream(request_id)
+                self.kv_transfer_s.pop(request_id, None)
+                self.kv_arrived.pop(request_id, None)
+                self.remote_prefill_s.pop(request_id, None)
                 return
             async for chunk in self._stream(request_id, q, "disaggregated"):
                 finished = chunk["finished"]
@@ -228,17 +246,21 @@ class PDWorker:
 
     async def prefill(self, request_id: str, prompt: Any, params: dict, decode_metadata: bytes,
                       dst_block_ids: list[int], skip_blocks: int,
-                      cache_salt: Optional[str] = None) -> dict:
+                      cache_salt: Optional[str] = None,
+                      not_after: Optional[float] = None) -> dict:
         """Compute the prompt's KV and first token, return the token at once, and ship the
         blocks after `skip_blocks` into the decode worker's `dst_block_ids` in the background
         (the blocks stay held until the transfer's lease ends); `ship_outcome` reports how the
-        send went."""
+        send went. `not_after` (time.time()): the decode side hedges then, so a call that
+        starts later (this worker was stopped or stalled) is refused, not computed twice."""
         from pd_runtime.workers.remote_prefill import ship_kv
 
         loop = self._engine_loop()
-        if request_id in self.cancelled:  # the decode side hedged before we began
-            self.cancelled.discard(request_id)
-            return error_chunk(RuntimeError(f"request {request_id} was cancelled"), 499)
+        late = not_after is not None and time.time() > not_after
+        if self.cancelled.pop(request_id, None) is not None or late:
+            return error_chunk(RuntimeError(f"request {request_id} was cancelled"
+                                            + (" (started after its hedge)" if late else "")),
+                               499)
         peer_id = self._peer_for(decode_metadata)
         first_params = SamplingParams(**{**params, "max_tokens": 1})
         q = loop.open_stream(request_id)
@@ -250,7 +272,7 @@ class PDWorker:
             return error_chunk(exc)
         out = await q.get()
         if out is None:  # aborted while prefilling (abort() already freed its blocks)
-            self.cancelled.discard(request_id)
+            self.cancelled.pop(request_id, None)
             return error_chunk(RuntimeError(f"request {request_id} was cancelled"), 499)
         task = asyncio.ensure_future(ship_kv(self, request_id, peer_id, dst_block_ids,
                                              skip_blocks))
