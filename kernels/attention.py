@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import fixed_order, native
 
 
 @dataclass
@@ -103,6 +103,8 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None = None     # decode key mask, built by the first layer
     prefill_runs: list | None = None            # prefill_runs(prefills), built by the first layer
     layer: int = 0  # set by the model before each layer's attention
+    # Batch-invariant mode: every token through the fixed-order kernel (kernels/fixed_order.py).
+    fixed_order: fixed_order.FixedOrderRows | None = None
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -273,6 +275,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend: `[T, heads, d]` -> `[T, heads, d]`."""
     write_kv(kv_layer, k, v, meta.slot_mapping)
+    if meta.fixed_order is not None:
+        return fixed_order.attend(q, kv_layer, meta.fixed_order, scale)
     nd = meta.num_decode_tokens
     decoded = None
     if nd:

@@ -2,10 +2,12 @@
 compiler (`cc`, or $CC) for this very CPU, cached under ~/.cache/pd-runtime/kernels, called
 through ctypes (which releases the GIL while the kernel runs on torch's OpenMP threads).
 
-For CPU bfloat16 only: decode attention (cpu_decode_attention.c), causal attention of fresh
+For CPU bfloat16: decode attention (cpu_decode_attention.c), causal attention of fresh
 prompts (cpu_prefill_attention.c) and the decoder layer's fused RMSNorm and residual add
-(cpu_elementwise.c). Where no compiler is found or the build fails, every function here
-returns None and callers keep their torch path (kernels/attention.py, pd_runtime/model/llama.py);
+(cpu_elementwise.c). For CPU bfloat16 and float32, the batch-invariant mode's fixed-order
+attention over the paged cache (cpu_fixed_order_attention.c) and MLP activation
+(cpu_silu_mul.c). Where no compiler is found or the build fails, every function here returns
+None and callers keep their torch path (kernels/attention.py, pd_runtime/model/llama.py);
 PD_RUNTIME_NATIVE_KERNELS=0 forces that path.
 """
 
@@ -29,8 +31,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name)
-            for name in ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_elementwise.c")]
-_HEADER = Path(__file__).with_name("cpu_bf16.h")
+            for name in ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_elementwise.c",
+                         "cpu_fixed_order_attention.c", "cpu_silu_mul.c")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_bf16.h", "cpu_vf8.h")]
 # -fopenmp: the library's libgomp.so.1 is the one torch loaded (see the C source's header).
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fopenmp"]
 _lock = threading.Lock()
@@ -55,7 +58,7 @@ def _build() -> Optional[ctypes.CDLL]:
     if compiler is None:
         logger.info("native kernels: no C compiler found; using the torch path")
         return None
-    source = b"".join(path.read_bytes() for path in [*_SOURCES, _HEADER])
+    source = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PD_RUNTIME_KERNEL_CACHE", Path.home() / ".cache" / "pd-runtime" / "kernels"))
     target = cache / f"pd_runtime_cpu-{key}.so"
@@ -83,6 +86,9 @@ def _build() -> Optional[ctypes.CDLL]:
         "prefill_attention_bf16": [ptr, i64, ptr, i64, ptr, i64, ptr] + [i64] * 5 + [f32, i64],
         "rms_norm_bf16": [ptr] * 3 + [i64] * 2 + [f32, i64],
         "add_rms_norm_bf16": [ptr] * 4 + [i64] * 2 + [f32, i64],
+        "fixed_order_attention": [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr] + [i64] * 6
+                                 + [f32, i64, i64],
+        "silu_mul": [ptr, i64, ptr] + [i64] * 4,
     }
     for name, argtypes in signatures.items():
         fn = getattr(library, name)
@@ -211,4 +217,49 @@ def add_rms_norm_bf16(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     dim = h.shape[-1]
     library.add_rms_norm_bf16(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
                               h.numel() // dim, dim, eps, torch.get_num_threads())
+    return out
+
+
+def _fixed_order_dtype(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.bfloat16, torch.float32) and t.device.type == "cpu"
+
+
+def fixed_order_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                          seq: torch.Tensor, lens: torch.Tensor, scale: float,
+                          tile: int = 16) -> Optional[torch.Tensor]:
+    """Attention of every query token over its own sequence's paged K/V, one fixed reduction
+    order per row (cpu_fixed_order_attention.c): q `[T, heads, d]` (each token's heads
+    contiguous), kv_layer `[2, blocks, kv_heads, block_size, d]`, block_tables `[S, W]`, token t
+    of sequence seq[t] sees keys 0..lens[t]-1 -> `[T, heads, d]`; bf16 or float32 on the CPU.
+    None when the kernel cannot take these inputs."""
+    library = _load()
+    tokens, heads, dim = q.shape
+    if (library is None or not _fixed_order_dtype(q) or kv_layer.dtype != q.dtype
+            or not kv_layer.is_contiguous() or kv_layer.dim() != 5 or kv_layer.shape[4] != dim
+            or q.stride(2) != 1 or q.stride(1) != dim or seq.numel() != tokens
+            or lens.numel() != tokens or block_tables.dim() != 2):
+        return None
+    tables = block_tables.to(torch.int64).contiguous()
+    seq = seq.to(torch.int64).contiguous()
+    lens = lens.to(torch.int64).contiguous()
+    _, num_blocks, kv_heads, block_size, _ = kv_layer.shape
+    out = q.new_empty(tokens, heads, dim)
+    status = library.fixed_order_attention(
+        q.data_ptr(), q.stride(0), kv_layer.data_ptr(), num_blocks, tables.data_ptr(),
+        tables.shape[1], seq.data_ptr(), lens.data_ptr(), out.data_ptr(), tokens, heads, kv_heads,
+        dim, block_size, int(q.dtype == torch.bfloat16), scale, tile, torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def silu_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+    """silu(gate) * up of a fused `[rows, 2 * inter]` projection (cpu_silu_mul.c), every element
+    by the same code; bf16 or float32 rows with contiguous elements. None when not taken."""
+    library = _load()
+    if library is None or not _fixed_order_dtype(gate_up) or gate_up.dim() != 2 \
+            or gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
+        return None
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, inter)
+    library.silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter,
+                     int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels.attention import (AttentionMetadata, PrefillSegment, decode_attention,
@@ -167,3 +168,26 @@ def test_prepacked_linear_is_bitwise_f_linear_or_absent():
         for rows in (1, 5, 64, 333):
             x = torch.randn(rows, 64).bfloat16()
             assert torch.equal(linear(x, weight, packed, b), F.linear(x, weight, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_stable_linear_rows_do_not_depend_on_the_row_count(dtype):
+    """The batch-invariant mode's matmuls: padded to the probed row count, a row's bits are the
+    same in a call of any size, at any place (float32 `F.linear` alone is not, see
+    kernels/row_stable.py)."""
+    from kernels import row_stable
+    from pd_runtime.model.llama import linear, prepack_weight
+
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(192, 96, generator=gen).to(dtype)
+    bias = torch.randn(192, generator=gen).to(dtype)
+    packed = prepack_weight(weight, bias)
+    min_rows = row_stable.stable_min_rows(lambda x: linear(x, weight, packed, bias), 96, dtype,
+                                          "cpu", key=("test_row_stable", dtype))
+    assert min_rows is not None
+    x = torch.randn(300, 96, generator=gen).to(dtype)
+    whole = linear(x, weight, packed, bias, min_rows)
+    for rows in [*range(1, 41), 77, 150, 297]:
+        for start in (0, 3):
+            part = linear(x[start:start + rows], weight, packed, bias, min_rows)
+            assert torch.equal(part, whole[start:start + rows]), (rows, start)

@@ -92,18 +92,19 @@ def test_decode_attention_falls_back_to_torch_when_the_kernel_is_off(monkeypatch
 @pytest.mark.timeout(300)
 def test_bf16_tokens_identical_alone_and_in_a_batch(model_factory, monkeypatch):
     # head_dim 64 and 2 query heads per KV head: the kernel's fast path, in the engine's
-    # decode buffer; each request alone, then all 12 in one batch. (Not with chunked prefill:
-    # a chunk that attends to cached KV takes another attention path than a whole prompt, and
-    # in bf16 the two round differently; that invariance is shown in float32.)
+    # decode buffer (the regular paths: batch_invariant off); each request alone, then all 12
+    # in one batch. (Not with chunked prefill: a chunk that attends to cached KV takes another
+    # attention path than a whole prompt, and in bf16 the two round differently; the
+    # batch-invariant mode shows that invariance, tests/test_batch_invariance.py.)
     model = model_factory("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     ran = []
     kernel = native.decode_attention_bf16
     monkeypatch.setattr(native, "decode_attention_bf16", lambda *a: ran.append(kernel(*a)) or ran[-1])
     prompts = mixed_prompts(12, seed=4)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    llm = LLM(model, dtype="bfloat16", num_kv_blocks=256)
+    llm = LLM(model, dtype="bfloat16", num_kv_blocks=256, batch_invariant=False)
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
-    batched = LLM(model, dtype="bfloat16", num_kv_blocks=256)
+    batched = LLM(model, dtype="bfloat16", num_kv_blocks=256, batch_invariant=False)
     assert [o.token_ids for o in batched.generate(prompts, params)] == alone
     assert ran and all(out is not None for out in ran)  # every decode went through the kernel
 
@@ -153,3 +154,89 @@ def test_prefill_attention_matches_float32(seqs, n, heads, kv_heads, dim):
     # a prompt's first token sees only itself
     assert torch.equal(out.view(seqs, n, heads, dim)[:, 0],
                        v.view(seqs, n, kv_heads, dim)[:, 0].repeat_interleave(group, 1))
+
+
+def _paged(cache_blocks, kv_heads, block_size, dim, dtype, gen):
+    """A random one-layer cache `[2, blocks, kv_heads, block_size, dim]`."""
+    return torch.randn(2, cache_blocks, kv_heads, block_size, dim, generator=gen).to(dtype)
+
+
+def _dense_keys(cache, table, length):
+    """K and V of a sequence's first `length` positions as `[length, kv_heads, dim]`."""
+    _, _, kv_heads, block_size, dim = cache.shape
+    k = cache[0, table].permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)[:length]
+    v = cache[1, table].permute(0, 2, 1, 3).reshape(-1, kv_heads, dim)[:length]
+    return k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(4, 2, 64, 16), (4, 2, 16, 4),
+                                                           (8, 8, 128, 16), (6, 2, 24, 8)])
+def test_fixed_order_attention_rows_do_not_depend_on_their_company(dtype, heads, kv_heads, dim,
+                                                                    block_size):
+    from kernels.fixed_order import FixedOrderRows
+
+    gen = torch.Generator().manual_seed(heads * 100 + dim + block_size)
+    cache = _paged(96, kv_heads, block_size, dim, dtype, gen)
+    length, scale = 83, dim ** -0.5
+    table = torch.randperm(96, generator=gen)[:-(-length // block_size)].tolist()
+    other = [b for b in range(96) if b not in table][:12]
+    q = torch.randn(length, heads, dim, generator=gen).to(dtype)
+
+    def attend(tables, starts, counts, q_rows):
+        rows = FixedOrderRows.build(tables, starts, counts)
+        out = native.fixed_order_attention(q_rows, cache, rows.block_tables, rows.seq, rows.lens,
+                                           scale)
+        assert out is not None and out.dtype == dtype
+        return out
+
+    whole = attend([table], [0], [length], q)  # a fresh prompt
+    k, v = _dense_keys(cache, table, length)
+    group = heads // kv_heads
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k.double().repeat_interleave(group, 1))
+    causal = torch.arange(length)[None, :] <= torch.arange(length)[:, None]
+    probs = (scores * scale).masked_fill(~causal, float("-inf")).softmax(-1)
+    want = torch.einsum("hnl,lhd->nhd", probs, v.double().repeat_interleave(group, 1))
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(whole.double(), want, atol=tolerance, rtol=tolerance)
+    # the same rows as decodes, one at a time: bit for bit
+    for t in (0, 1, 15, 16, 17, 40, length - 1):
+        assert torch.equal(attend([table], [t], [1], q[t:t + 1]), whole[t:t + 1])
+    # as chunks over their cached prefix, batched behind another sequence's decode and chunk
+    noise = torch.randn(5, heads, dim, generator=gen).to(dtype)
+    for start, end in ((0, 9), (9, 37), (37, 38), (38, length)):
+        rows = torch.cat([noise[:1], q[start:end], noise[1:]])
+        out = attend([other, table, other[::-1]], [30, start, 11], [1, end - start, 4], rows)
+        assert torch.equal(out[1:1 + end - start], whole[start:end])
+
+
+def test_fixed_order_attention_reads_only_its_own_keys():
+    from kernels.fixed_order import FixedOrderRows
+
+    gen = torch.Generator().manual_seed(11)
+    cache = _paged(8, 2, 16, 64, torch.bfloat16, gen)
+    q = torch.randn(3, 4, 64, generator=gen).to(torch.bfloat16)
+    rows = FixedOrderRows.build([[5, 2]], [18], [3])  # positions 18-20 see 19-21 keys
+    out = native.fixed_order_attention(q, cache, rows.block_tables, rows.seq, rows.lens, 0.125)
+    spoiled = cache.clone()
+    spoiled[:, 2, :, 5:] = float("nan")  # past position 20 (block 2 holds 16-31)
+    spoiled[:, [0, 1, 3, 4, 6, 7]] = float("inf")
+    again = native.fixed_order_attention(q, spoiled, rows.block_tables, rows.seq, rows.lens, 0.125)
+    assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_matches_torch_and_each_element_stands_alone(dtype):
+    gen = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(37, 2 * 100, generator=gen) * 4).to(dtype)  # 100: a partial lane group
+    out = native.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate.double()) * up.double()
+    tolerance = 2 ** -7 if dtype == torch.bfloat16 else 1e-6
+    assert torch.allclose(out.double(), want, rtol=tolerance, atol=tolerance)
+    # any row subset, any row count: the same bits
+    for rows in ([0], [36], list(range(5)), list(range(3, 37))):
+        assert torch.equal(native.silu_mul(gate_up[rows]), out[rows])
+    # an element alone equals itself inside a row (no remainder loop that rounds differently)
+    single = torch.stack([native.silu_mul(gate_up[2:3, [i, 100 + i]])[0, 0] for i in range(100)])
+    assert torch.equal(single, out[2])
