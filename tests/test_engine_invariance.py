@@ -1,4 +1,6 @@
-"""The tokens of a request do not depend on its company: batch, chunking, preemption, cache."""
+"""The tokens of a request do not depend on its company: batch, chunking, preemption, cache;
+float32, in the batch-invariant mode (the default) and on the regular paths. bf16 with long
+prompts: tests/test_batch_invariance.py."""
 
 from __future__ import annotations
 
@@ -28,13 +30,22 @@ def run_alone(llm: LLM, prompts, params):
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir):
-    prompts = mixed_prompts(16)
-    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=512)
-    greedy = run_alone(llm, prompts, [GREEDY] * 16)
-    sampled = run_alone(llm, prompts, [seeded(i) for i in range(16)])
-    assert llm.engine.block_manager.num_free_blocks == 512
-    return prompts, greedy, sampled
+def references(llama_dir):
+    """Each prompt alone, per batch_invariant mode (computed when first asked for)."""
+    cache = {}
+
+    def get(batch_invariant: bool):
+        if batch_invariant not in cache:
+            prompts = mixed_prompts(16)
+            llm = LLM(llama_dir, dtype="float32", num_kv_blocks=512,
+                      batch_invariant=batch_invariant)
+            greedy = run_alone(llm, prompts, [GREEDY] * 16)
+            sampled = run_alone(llm, prompts, [seeded(i) for i in range(16)])
+            assert llm.engine.block_manager.num_free_blocks == 512
+            cache[batch_invariant] = prompts, greedy, sampled
+        return cache[batch_invariant]
+
+    return get
 
 
 ENGINE_SETUPS = {
@@ -50,13 +61,21 @@ ENGINE_SETUPS = {
                                      preemption_mode="swap", swap_space_bytes=8192 * 5),
     "block-size-4": dict(num_kv_blocks=400, block_size=4, max_num_batched_tokens=32),
     "max-num-seqs-3": dict(num_kv_blocks=512, max_num_seqs=3),
+    # The regular attention paths (decode side buffer, batched causal prefill, chunk over a
+    # cached prefix): float32 keeps them invariant on these short prompts, bf16 does not.
+    "regular-paths-batched": dict(num_kv_blocks=512, batch_invariant=False),
+    "regular-paths-chunked-prefill-5": dict(num_kv_blocks=512, max_num_batched_tokens=5,
+                                            batch_invariant=False),
+    "regular-paths-block-pressure": dict(num_kv_blocks=14, max_num_batched_tokens=64,
+                                         batch_invariant=False),
 }
 
 
 @pytest.mark.parametrize("setup", sorted(ENGINE_SETUPS))
-def test_tokens_identical_in_batch(setup, llama_dir, reference):
-    prompts, greedy, sampled = reference
-    llm = LLM(llama_dir, dtype="float32", **ENGINE_SETUPS[setup])
+def test_tokens_identical_in_batch(setup, llama_dir, references):
+    setup_args = ENGINE_SETUPS[setup]
+    prompts, greedy, sampled = references(setup_args.get("batch_invariant", True))
+    llm = LLM(llama_dir, dtype="float32", **setup_args)
     start_free = llm.engine.block_manager.num_free_blocks
     outs = llm.generate(prompts, [GREEDY] * len(prompts))
     assert [o.token_ids for o in outs] == greedy
@@ -73,12 +92,14 @@ def test_tokens_identical_in_batch(setup, llama_dir, reference):
     assert llm.engine.block_manager.num_free_blocks == start_free
 
 
-def test_prefix_cache_hits_and_keeps_tokens(llama_dir):
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_prefix_cache_hits_and_keeps_tokens(llama_dir, batch_invariant):
     system = list(range(10, 74))  # 64 shared tokens = 4 full blocks
     prompts = [system + [100 + i, 200 + i, 300 + i] for i in range(6)]
-    cold = LLM(llama_dir, dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
+    cold = LLM(llama_dir, dtype="float32", num_kv_blocks=256, enable_prefix_caching=False,
+               batch_invariant=batch_invariant)
     expected = [o.token_ids for o in cold.generate(prompts, GREEDY)]
-    warm = LLM(llama_dir, dtype="float32", num_kv_blocks=256)
+    warm = LLM(llama_dir, dtype="float32", num_kv_blocks=256, batch_invariant=batch_invariant)
     first = warm.generate(prompts[:1], GREEDY)
     assert first[0].num_cached_tokens == 0
     outs = warm.generate(prompts, GREEDY)

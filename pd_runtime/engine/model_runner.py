@@ -1,5 +1,9 @@
 """Executes a scheduler plan: builds the flat token batch and attention metadata, runs the
 model over the paged KV cache, and returns logits for the requests due a sample.
+
+With `batch_invariant` (EngineConfig), every token's attention goes through the fixed-order
+kernel (kernels/fixed_order.py) and the model's matmuls are row-stable, so a request's logits
+do not depend on its company, its chunking or its prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -8,7 +12,7 @@ import logging
 
 import torch
 
-from kernels import native
+from kernels import fixed_order, native
 from kernels.attention import AttentionMetadata, DecodeKVBuffer, PrefillSegment
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.host_memory import host_zeros
@@ -22,11 +26,19 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, max_model_len: int):
         self.config = config
         self.block_size = config.block_size
-        self.model = load_model(config.model, config.dtype, config.device, max_model_len)
+        self.model = load_model(config.model, config.dtype, config.device, max_model_len,
+                                config.batch_invariant)
         cfg = self.model.cfg
         self.dtype = self.model.dtype
-        if self.dtype == torch.bfloat16 and torch.device(config.device).type == "cpu":
+        if self.dtype in (torch.bfloat16, torch.float32) and torch.device(config.device).type == "cpu":
             native.available()  # build (or find) the native kernels now, not at the first step
+        self.fixed_order = config.batch_invariant
+        if config.batch_invariant:
+            reason = fixed_order.unsupported_reason(self.dtype, config.device, cfg.head_dim)
+            if reason is not None:
+                log.warning("batch_invariant: %s; attention runs the regular paths, whose "
+                            "results can depend on the batch", reason)
+                self.fixed_order = False
         elem = torch.tensor([], dtype=self.dtype).element_size()
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
         block_bytes = self.kv_bytes_per_token * self.block_size
@@ -75,7 +87,11 @@ class ModelRunner:
         positions = [[s.start for s in decodes]]
         slots = [[s.block_ids[s.start // bs] * bs + s.start % bs for s in decodes]]
         meta = AttentionMetadata(slot_mapping=None)
-        if decodes:
+        if self.fixed_order:  # every token reads the paged cache in place: no decode buffer
+            meta.fixed_order = fixed_order.FixedOrderRows.build(
+                [s.block_ids for s in ordered], [s.start for s in ordered],
+                [len(s.token_ids) for s in ordered])
+        elif decodes:
             meta.num_decode_tokens = len(decodes)
             lens = [s.start + 1 for s in decodes]
             meta.decode_context_lens = torch.tensor(lens, dtype=torch.long)

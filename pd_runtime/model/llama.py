@@ -2,6 +2,9 @@
 
 Runs a flat batch of tokens from many sequences against the paged KV cache; weights are fused
 (qkv, gate_up) at load time so every layer is four matmuls, in bf16 on prepacked oneDNN weights.
+With `batch_invariant`, every row's result is independent of the rows batched with it: matmuls
+padded to a row count the library is stable from (kernels/row_stable.py), the MLP activation
+and attention by fixed-order native kernels (the runner passes their metadata).
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import native, row_stable
 from kernels.attention import AttentionMetadata, paged_attention
 from pd_runtime.model.model_config import ModelConfig
 
@@ -93,17 +96,22 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    if packed is not None:
-        return packed_linear(x, packed, bias)
-    return F.linear(x, weight, bias)
+           bias: torch.Tensor | None = None, min_rows: int = 1) -> torch.Tensor:
+    """`x @ weight.T + bias`, computed in a call of at least `min_rows` rows (zero rows padded
+    on: the batch-invariant mode's row-stable count, kernels/row_stable.py)."""
+    rows = x.shape[0]
+    if rows < min_rows:
+        x = row_stable.pad_rows(x, min_rows)
+    out = packed_linear(x, packed, bias) if packed is not None else F.linear(x, weight, bias)
+    return out if rows >= min_rows else out[:rows]
 
 
 class LlamaModel:
     """Holds the fused weights; `forward` returns final hidden states for the flat batch."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: str = "cpu", max_positions: int | None = None):
+                 device: str = "cpu", max_positions: int | None = None,
+                 batch_invariant: bool = False):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -120,18 +128,41 @@ class LlamaModel:
         self.packed = [{name: prepack_weight(layer[name], layer.get(name + "_bias"))
                         for name in ("qkv", "o", "gate_up", "down")} for layer in self.layers]
         self.lm_head_packed = prepack_weight(self.lm_head)
+        self.batch_invariant = batch_invariant
+        # Rows each matmul is padded to (1: as called); the activation in one native pass.
+        self.min_rows = {name: 1 for name in ("qkv", "o", "gate_up", "down", "lm_head")}
+        self.native_silu = False
+        if batch_invariant:
+            self._probe_row_stability()
         n_pos = max_positions or cfg.max_position_embeddings
         freqs = torch.arange(n_pos, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1).to(device)
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
 
+    def _probe_row_stability(self) -> None:
+        """Find each matmul shape's stable row count (the first layer stands for all: same
+        shapes, same paths) and whether the native activation runs here."""
+        layer, packed = self.layers[0], self.packed[0]
+        for name in ("qkv", "o", "gate_up", "down", "lm_head"):
+            weight = self.lm_head if name == "lm_head" else layer[name]
+            pack = self.lm_head_packed if name == "lm_head" else packed[name]
+            bias = None if name == "lm_head" else layer.get(name + "_bias")
+            key = (tuple(weight.shape), weight.dtype, str(weight.device), pack is not None,
+                   bias is not None)
+            found = row_stable.stable_min_rows(
+                lambda x: linear(x, weight, pack, bias), weight.shape[1], self.dtype,
+                self.device, key)
+            self.min_rows[name] = found or 1
+        probe = torch.zeros(1, 2 * self.cfg.intermediate_size, dtype=self.dtype, device=self.device)
+        self.native_silu = native.silu_mul(probe) is not None
+
     def _attention(self, layer: dict, packed: dict, x: torch.Tensor, cos, sin, kv_layer,
                    meta, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of every token (all of them write K/V); the output projection only for
         `rows` when given."""
         cfg = self.cfg
-        qkv = linear(x, layer["qkv"], packed["qkv"], layer.get("qkv_bias"))
+        qkv = linear(x, layer["qkv"], packed["qkv"], layer.get("qkv_bias"), self.min_rows["qkv"])
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         v = qkv[:, self.q_size + self.kv_size:].view(-1, kv_heads, head_dim)
         if cfg.qk_norm:
@@ -146,11 +177,16 @@ class LlamaModel:
             q, k = qk[:, :heads], qk[:, heads:]
         out = paged_attention(q, k, v.contiguous(), kv_layer, meta, self.scale)
         out = out.reshape(-1, self.q_size)
-        return linear(out if rows is None else out[rows], layer["o"], packed["o"])
+        return linear(out if rows is None else out[rows], layer["o"], packed["o"],
+                      min_rows=self.min_rows["o"])
 
     def _mlp(self, layer: dict, packed: dict, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, layer["gate_up"], packed["gate_up"]).chunk(2, dim=-1)
-        return linear(F.silu(gate).mul_(up), layer["down"], packed["down"])
+        gate_up = linear(x, layer["gate_up"], packed["gate_up"], min_rows=self.min_rows["gate_up"])
+        act = native.silu_mul(gate_up) if self.native_silu else None
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate).mul_(up)
+        return linear(act, layer["down"], packed["down"], min_rows=self.min_rows["down"])
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -185,4 +221,5 @@ class LlamaModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head, self.lm_head_packed).float()
+        return linear(hidden, self.lm_head, self.lm_head_packed,
+                      min_rows=self.min_rows["lm_head"]).float()

@@ -66,7 +66,7 @@ class _TensorReader:
 
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
-               max_positions: int | None = None) -> LlamaModel:
+               max_positions: int | None = None, batch_invariant: bool = False) -> LlamaModel:
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg)
@@ -109,7 +109,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
     n_params = sum(t.numel() for t in reader_tensors(weights))
     log.info("loaded %s (%s, %.1fM params, %s) from %s", cfg.family, cfg.identity,
              n_params / 1e6, torch_dtype, model_dir)
-    return LlamaModel(cfg, weights, torch_dtype, device, max_positions)
+    return LlamaModel(cfg, weights, torch_dtype, device, max_positions, batch_invariant)
 
 
 def reader_tensors(weights: dict):
