@@ -25,10 +25,15 @@ def prompts(n=6, seed=1):
             for _ in range(n)]
 
 
+@pytest.fixture(params=["float32", "bfloat16"])
+def dtype(request):
+    return request.param
+
+
 @pytest.fixture()
-def pair(llama_dir):
-    prefill = LLM(llama_dir, dtype="float32", num_kv_blocks=128).engine
-    decode = LLM(llama_dir, dtype="float32", num_kv_blocks=128).engine
+def pair(llama_dir, dtype):
+    prefill = LLM(llama_dir, dtype=dtype, num_kv_blocks=128).engine
+    decode = LLM(llama_dir, dtype=dtype, num_kv_blocks=128).engine
     yield prefill, decode
     assert prefill.block_manager.num_free_blocks == 128
     assert decode.block_manager.num_free_blocks == 128
@@ -69,10 +74,11 @@ def disaggregated(prefill, decode, items, params, texts=None):
     return outputs
 
 
-def test_disaggregated_equals_colocated(pair, llama_dir):
+def test_disaggregated_equals_colocated(pair, llama_dir, dtype):
+    """Token ids and text, greedy and seeded, in both dtypes (bf16 by batch invariance)."""
     prefill, decode = pair
-    ps = prompts()
-    colocated = LLM(llama_dir, dtype="float32", num_kv_blocks=128)
+    ps = prompts() + [[5 + (i * 7) % 400 for i in range(300)]]  # and one of many blocks
+    colocated = LLM(llama_dir, dtype=dtype, num_kv_blocks=128)
     for params in ([GREEDY] * len(ps), [seeded(i) for i in range(len(ps))]):
         outs = colocated.generate(ps, params)
         items = [(f"r{i}-{params[0].seed}", p) for i, p in enumerate(ps)]
@@ -92,10 +98,10 @@ def test_decode_prefix_cache_reduces_shipped_blocks(pair):
     decode.abort("b")
 
 
-def test_failed_transfer_falls_back_to_local_prefill(pair, llama_dir):
+def test_failed_transfer_falls_back_to_local_prefill(pair, llama_dir, dtype):
     prefill, decode = pair
     ps = prompts(4, seed=9)
-    want = [o.token_ids for o in LLM(llama_dir, dtype="float32", num_kv_blocks=128)
+    want = [o.token_ids for o in LLM(llama_dir, dtype=dtype, num_kv_blocks=128)
             .generate(ps, GREEDY)]
     outputs = {}
     for i, p in enumerate(ps):
@@ -120,11 +126,11 @@ def test_reservation_is_backpressure_and_abort_releases(pair):
     assert decode.load_report()["free_blocks"] == 128
 
 
-def test_transfer_failure_after_first_token_keeps_one_stream(pair, llama_dir):
+def test_transfer_failure_after_first_token_keeps_one_stream(pair, llama_dir, dtype):
     prefill, decode = pair
     ps = prompts(3, seed=4)
     params = [seeded(i) for i in range(3)]
-    want = [o.token_ids for o in LLM(llama_dir, dtype="float32", num_kv_blocks=128)
+    want = [o.token_ids for o in LLM(llama_dir, dtype=dtype, num_kv_blocks=128)
             .generate(ps, params)]
     outputs = {}
     for i, (p, sp) in enumerate(zip(ps, params)):
@@ -170,10 +176,10 @@ def _stream(engine, rid, prompt, params, **kw):
     return tokens, deltas
 
 
-def _seam_cases(llama_dir):
+def _seam_cases(llama_dir, dtype):
     """Seeded hot sampling over a vocabulary with multi-byte characters and stop strings: many
     streams end tokens inside a UTF-8 character or hold text back for a possible stop."""
-    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=128)
+    llm = LLM(llama_dir, dtype=dtype, num_kv_blocks=128)
     ps = prompts(8, seed=21)
     cases = []
     for i, p in enumerate(ps):
@@ -184,11 +190,11 @@ def _seam_cases(llama_dir):
     return llm, cases
 
 
-def test_text_is_exact_across_prefill_handoff_and_migration(pair, llama_dir):
+def test_text_is_exact_across_prefill_handoff_and_migration(pair, llama_dir, dtype):
     """Text is a function of the token ids: the decode worker detokenizes a remote prefill's
     first token itself, and a resumed stream sends exactly what the lost worker held back."""
     prefill, decode = pair
-    llm, cases = _seam_cases(llama_dir)
+    llm, cases = _seam_cases(llama_dir, dtype)
     partial_seams = 0
     for i, (p, sp, tokens, deltas) in enumerate(cases):
         full = "".join(deltas)
