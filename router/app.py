@@ -2,17 +2,20 @@
 metrics and the active router config, served through a Backend (router/backend.py).
 
 Every response carries X-Request-Id and every error an OpenAI error body; user input never
-yields a 500. Request flow: auth -> parse -> validate -> n backend streams -> SSE or JSON.
+yields a 500. Request flow: auth -> read (size limit) -> parse and validate (router/intake.py,
+off the event loop for large bodies) -> n backend streams -> SSE or JSON.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import math
 import time
 import uuid
-from typing import Callable, Optional
+from typing import Optional
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -23,31 +26,41 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pd_runtime.config import RouterConfig
 from router.backend import Backend, BackendError
-from router.protocol import InvalidRequest, PreparedRequest, parse_json, prepare_chat, \
-    prepare_completion
+from router.intake import Intake
+from router.protocol import InvalidRequest
 from router.responses import ResponseBuilder
 from router.streaming import SSE_DONE, ClientDisconnected, SSEResponse, merge_streams, sse, \
     until_disconnect
 
 log = logging.getLogger("router.http")
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; only logs see it
 
 
 def create_app(backend: Backend, router_config: RouterConfig) -> FastAPI:
-    app = FastAPI(title="pd-runtime", docs_url=None, redoc_url=None, openapi_url=None)
+    intake = Intake(backend, router_config.max_request_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            yield
+        finally:
+            intake.close()
+
+    app = FastAPI(title="pd-runtime", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.intake = intake  # for servers that run the app without its lifespan
     app.add_middleware(RequestLogMiddleware, backend=backend)
     _install_error_handlers(app)
     timeout_s = router_config.request_timeout_s
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generation(request, backend, "cmpl", prepare_completion, timeout_s)
+        return await _generation(request, backend, intake, "completion", timeout_s)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generation(request, backend, "chatcmpl", prepare_chat, timeout_s)
+        return await _generation(request, backend, intake, "chat", timeout_s)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -92,13 +105,15 @@ def _model_card(backend: Backend) -> dict:
 
 
 # ---------------------------------------------------------------------------------- generation
-async def _generation(request: Request, backend: Backend, id_prefix: str,
-                      prepare: Callable[..., PreparedRequest], timeout_s: float) -> Response:
-    response_id = _name_request(request, id_prefix)
+_ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
+
+
+async def _generation(request: Request, backend: Backend, intake: Intake, kind: str,
+                      timeout_s: float) -> Response:
+    response_id = _name_request(request, _ID_PREFIX[kind])
     deadline = asyncio.get_running_loop().time() + timeout_s
     tenant = backend.authenticate(_api_key(request))
-    data = parse_json(await _read_body(request))
-    prepared = prepare(data, backend.tokenizer, backend.model_name, backend.max_model_len)
+    prepared = await intake.prepare(kind, await intake.read_body(request))
     builder = ResponseBuilder(prepared, response_id, backend.tokenizer)
     merged = merge_streams([
         backend.generate(f"{response_id}-{choice.index}", prepared.prompts[choice.prompt_index],
@@ -190,24 +205,13 @@ def _api_key(request: Request) -> Optional[str]:
     return key.strip() or None
 
 
-async def _read_body(request: Request) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise BackendError(413, f"the body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise BackendError(413, f"the body exceeds {MAX_BODY_BYTES} bytes",
-                               code="body_too_large")
-    return bytes(body)
-
-
-def error_response(error: BackendError) -> JSONResponse:
+def error_response(error: BackendError) -> Response:
     headers = {}
     if error.retry_after_s is not None:  # Retry-After takes whole seconds
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    # ASCII-escaped JSON: a message quoting client text can never fail to encode.
+    return Response(json.dumps(error.body()), status_code=error.status, headers=headers,
+                    media_type="application/json")
 
 
 def _install_error_handlers(app: FastAPI) -> None:

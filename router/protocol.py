@@ -2,7 +2,8 @@
 token ids, SamplingParams fields and one entry per choice, validated with errors naming the param.
 
 Typed fields are validated strictly (no "1" for 1, no true for 1); unknown fields are allowed and
-ignored, as OpenAI clients send extras. Response bodies live in router/responses.py.
+ignored, as OpenAI clients send extras, but OpenAI fields this server does not implement are
+refused unless they hold their "off" value. Response bodies live in router/responses.py.
 """
 
 from __future__ import annotations
@@ -16,10 +17,31 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pd_runtime.engine.errors import InvalidRequestError
 from pd_runtime.engine.sampling_params import SamplingParams
 from router.backend import BackendError
+from router.text_checks import lone_surrogate_field, min_tokens
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_N = 128  # choices per request: each is a whole engine request
 MAX_SUB_REQUESTS = 1024  # prompts x n
+# The engine checks every stop condition after every token: keep the lists short.
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
+
+# OpenAI fields this server does not implement, with the values that mean "not used": anything
+# else is refused naming the field, rather than accepted and silently ignored.
+_OFF_VALUES: dict[str, tuple] = {
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True),  # OpenAI's default; without tools it does nothing
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
 
 
 class InvalidRequest(BackendError):
@@ -53,6 +75,12 @@ class _SamplingBody(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # extension: lower values are scheduled first
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None  # extension (vLLM)
+    logit_bias: Optional[dict[str, float]] = None
+    best_of: Optional[int] = None  # only as many as n: every choice is returned
+    user: Optional[str] = None  # an end-user id for the client's own bookkeeping; no effect
 
 
 class CompletionRequest(_SamplingBody):
@@ -100,13 +128,24 @@ class PreparedRequest:
     echo_texts: Optional[list[str]] = None  # completions with echo: the text of each prompt
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def parse_json(raw: bytes) -> dict:
+    """The body as a dict of JSON values: no NaN or Infinity (Python's json extension) and no
+    lone UTF-16 surrogates (valid JSON escapes, but not text anything downstream can encode)."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object", code="invalid_json")
+    key = lone_surrogate_field(raw, data)
+    if key is not None:
+        name = key.encode("utf-8", "backslashreplace").decode()  # the key may be the culprit
+        raise InvalidRequest(f"{name}: a string holds a lone UTF-16 surrogate, which is not a "
+                             f"Unicode character", param=name)
     return data
 
 
@@ -136,19 +175,55 @@ def _int64(value: Optional[int], param: str) -> None:
         raise InvalidRequest(f"{param} must fit in a signed 64-bit integer", param=param)
 
 
-def _sampling_fields(body: _SamplingBody, max_tokens: Optional[int]) -> dict:
+def _refuse_unimplemented(body: _SamplingBody, data: dict) -> None:
+    for name, off in _OFF_VALUES.items():
+        value = data.get(name)
+        if not any(_same_json(value, o) for o in off):
+            allowed = " or ".join(json.dumps(o) for o in off)
+            raise InvalidRequest(f"{name} is not supported by this server (only {allowed})",
+                                 param=name, code="unsupported_parameter")
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidRequest(f"best_of is not supported by this server (only null or n, which "
+                             f"is {body.n})", param="best_of", code="unsupported_parameter")
+
+
+def _same_json(value: Any, off: Any) -> bool:
+    """Equal as JSON values: true is not 1 here, unlike in Python."""
+    if type(value) is not type(off):
+        return False
+    return value is None or json.dumps(value, sort_keys=True) == json.dumps(off, sort_keys=True)
+
+
+def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[str, float]:
+    for key in bias:
+        if not (key.isascii() and key.isdigit() and len(key) <= 20 and int(key) < vocab_size):
+            raise InvalidRequest(f"logit_bias keys must be token ids in [0, {vocab_size}), got "
+                                 f"{key[:40]!r}", param="logit_bias")
+    return dict(bias)
+
+
+def _sampling_fields(body: _SamplingBody, max_tokens: Optional[int], vocab_size: int) -> dict:
     params: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
         value = getattr(body, name)
         if value is not None:
             params[name] = value
     for name in ("top_k", "seed", "priority"):
         _int64(getattr(body, name), name)
+    if body.logit_bias:
+        params["logit_bias"] = _logit_bias(body.logit_bias, vocab_size)
     if body.stop is not None:
         params["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+        if len(params["stop"]) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop may hold at most {MAX_STOP_STRINGS} strings",
+                                 param="stop")
     if body.stop_token_ids:
         if any(not 0 <= t <= INT64_MAX for t in body.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be non-negative 64-bit integers",
+                                 param="stop_token_ids")
+        if len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids",
                                  param="stop_token_ids")
         params["stop_token_ids"] = list(body.stop_token_ids)
     params["ignore_eos"] = body.ignore_eos
@@ -177,14 +252,27 @@ def _check_n(body: _SamplingBody, num_prompts: int) -> None:
 
 
 def _check_length(prompt: list[int], max_tokens: int, max_model_len: int, param: str) -> None:
-    if len(prompt) >= max_model_len:
-        raise InvalidRequest(f"the prompt has {len(prompt)} tokens; this model's context is "
-                             f"{max_model_len} tokens, including at least one generated token",
-                             param=param, code="context_length_exceeded")
+    _refuse_long_prompt(len(prompt), "", max_model_len, param)
     if len(prompt) + max_tokens > max_model_len:
         raise InvalidRequest(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
                              f"exceeds this model's context of {max_model_len} tokens",
                              param=param, code="context_length_exceeded")
+
+
+def _refuse_long_prompt(num_tokens: int, at_least: str, max_model_len: int, param: str) -> None:
+    if num_tokens >= max_model_len:
+        raise InvalidRequest(f"the prompt has {at_least}{num_tokens} tokens; this model's context "
+                             f"is {max_model_len} tokens, including at least one generated token",
+                             param=param, code="context_length_exceeded")
+
+
+def _encode(text: str, tokenizer, max_model_len: int, param: str,
+            add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`, refusing first, from its length alone, a text that cannot fit:
+    tokenizing megabytes only to count them would take seconds."""
+    _refuse_long_prompt(min_tokens(text, tokenizer, max_model_len), "at least ", max_model_len,
+                        param)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens) if text else []
 
 
 def _choices(prompts: list[list[int]], n: int, params: dict) -> list[ChoiceSpec]:
@@ -200,9 +288,13 @@ def _choices(prompts: list[list[int]], n: int, params: dict) -> list[ChoiceSpec]
     return choices
 
 
-def _completion_prompts(prompt: Any, tokenizer) -> tuple[list[list[int]], list[Optional[str]]]:
+def _completion_prompts(prompt: Any, tokenizer, max_model_len: int
+                        ) -> tuple[list[list[int]], list[Optional[str]]]:
     """Token ids of each prompt (and its text when given as text)."""
     def is_ids(value):
+        if isinstance(value, list) and value and isinstance(value[0], int):
+            # Length first: checking the type of every id of a huge list costs seconds.
+            _refuse_long_prompt(len(value), "", max_model_len, "prompt")
         return isinstance(value, list) and value and all(
             isinstance(t, int) and not isinstance(t, bool) for t in value)
 
@@ -219,7 +311,7 @@ def _completion_prompts(prompt: Any, tokenizer) -> tuple[list[list[int]], list[O
     prompts, texts = [], []
     for item in items:
         if isinstance(item, str):
-            ids = tokenizer.encode(item) if item else []
+            ids = _encode(item, tokenizer, max_model_len, "prompt")
             texts.append(item)
         else:
             if any(t < 0 or t > INT64_MAX for t in item):
@@ -238,10 +330,11 @@ def prepare_completion(data: dict, tokenizer, model_name: str,
     _check_model(body.model, model_name)
     if body.prompt is None:
         raise InvalidRequest("prompt is required", param="prompt")
-    prompts, texts = _completion_prompts(body.prompt, tokenizer)
+    _refuse_unimplemented(body, data)
+    prompts, texts = _completion_prompts(body.prompt, tokenizer, max_model_len)
     _check_n(body, len(prompts))
     max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
-    params = _sampling_fields(body, max_tokens)
+    params = _sampling_fields(body, max_tokens, tokenizer.vocab_size)
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
         if body.echo:
@@ -273,17 +366,19 @@ def _message_dict(message: ChatMessage, index: int) -> dict:
     return out
 
 
-def _chat_prompt(messages: list[ChatMessage], tokenizer) -> list[int]:
+def _chat_prompt(messages: list[ChatMessage], tokenizer, max_model_len: int) -> list[int]:
     if not messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     dicts = [_message_dict(m, i) for i, m in enumerate(messages)]
     try:
-        ids = tokenizer.encode_chat(dicts)
+        text = tokenizer.apply_chat_template(dicts)
     except InvalidRequestError as exc:
         raise InvalidRequest(str(exc), param="messages") from None
     except Exception as exc:  # the template is user-influenced code: any failure is a bad request
         raise InvalidRequest(f"the chat template failed on these messages: {exc}",
                              param="messages") from None
+    # As Tokenizer.encode_chat: the template already carries any BOS.
+    ids = _encode(text, tokenizer, max_model_len, "messages", add_special_tokens=False)
     if not ids:
         raise InvalidRequest("the chat prompt is empty", param="messages")
     return ids
@@ -292,14 +387,15 @@ def _chat_prompt(messages: list[ChatMessage], tokenizer) -> list[int]:
 def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int) -> PreparedRequest:
     body: ChatCompletionRequest = _validate(ChatCompletionRequest, data)
     _check_model(body.model, model_name)
-    prompt = _chat_prompt(body.messages, tokenizer)
+    _refuse_unimplemented(body, data)
+    prompt = _chat_prompt(body.messages, tokenizer, max_model_len)
     _check_n(body, 1)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     # OpenAI's default for chat: as much as the context leaves.
     max_tokens = requested if requested is not None else max(1, max_model_len - len(prompt))
-    params = _sampling_fields(body, max_tokens)
+    params = _sampling_fields(body, max_tokens, tokenizer.vocab_size)
     logprobs = None
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")

@@ -16,8 +16,9 @@ GRACEFUL_SHUTDOWN_S = 2.0
 
 def _config(app, host: str, port: int, log_level: str) -> uvicorn.Config:
     # Our middleware logs one line per request with its id; uvicorn's access log would repeat it.
+    # lifespan "on": the app's shutdown stops what it started (the request parser process).
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                          lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                          lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 
 
 def serve_http(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

@@ -1,46 +1,24 @@
 """The router's HTTP front door end to end on 127.0.0.1: the official `openai` client against an
-in-process engine (LocalBackend), error statuses and bodies (hypothesis-driven), disconnects.
+in-process engine (LocalBackend), error statuses and bodies, disconnects. Body limits and what
+is accepted: tests/test_http_intake.py; the schema fuzzer: tests/test_http_fuzz.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 
 import httpx
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from pd_runtime import LLM, SamplingParams
-from pd_runtime.config import EngineConfig, RouterConfig, TenantConfig
+from pd_runtime.config import RouterConfig, TenantConfig
 from pd_runtime.model.tokenizer import Tokenizer
-from router.app import create_app
 from router.local_backend import LocalBackend
-from router.server import start_in_thread
 from tests.router_support.scripted_backend import ScriptedBackend, error, token_chunk
-
-ENGINE = dict(dtype="float32", num_kv_blocks=256, num_threads=1)
-ERROR_KEYS = {"message", "type", "param", "code"}
-
-
-@contextlib.contextmanager
-def serving(backend, router_config: RouterConfig | None = None):
-    server, port = start_in_thread(create_app(backend, router_config or RouterConfig()))
-    try:
-        yield backend, port
-    finally:
-        server.stop()
-        if hasattr(backend, "close"):
-            backend.close()
-
-
-def local(model_dir: str, router_config: RouterConfig | None = None, **engine):
-    backend = LocalBackend(EngineConfig(model=model_dir, **{**ENGINE, **engine}), router_config)
-    return serving(backend, router_config)
+from tests.router_support.serving import ENGINE, ERROR_KEYS, assert_error_body, local, serving
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +40,6 @@ def offline(llama_dir):
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def assert_error_body(response: httpx.Response, status: int, param=None) -> dict:
-    assert response.status_code == status, response.text
-    assert response.headers.get("x-request-id")
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    if param is not None:
-        assert body["error"]["param"] == param, body
-    return body["error"]
 
 
 # ---------------------------------------------------------------------------------- happy paths
@@ -244,57 +211,6 @@ def test_raw_http_errors(server):
     assert_error_body(httpx.post(chat, json={"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, "messages")
     assert_error_body(httpx.post(chat, json={"messages": "hi"}), 400, "messages")
-
-
-_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-3, 6),
-                  st.sampled_from([1 << 63, -(1 << 64), 10 ** 30, 2047]),
-                  st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6))
-_JSON = st.recursive(_LEAF, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)),
-    max_leaves=6)
-_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
-           "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n", "stream",
-           "stream_options", "logprobs", "top_logprobs", "echo", "priority", "ignore_eos",
-           "skip_special_tokens", "user"]
-_MESSAGES = st.lists(st.fixed_dictionaries({}, optional={"role": _JSON, "content": _JSON,
-                                                         "name": _JSON}), max_size=2)
-
-
-@pytest.fixture(scope="module")
-def small_server(llama_dir):
-    # A 64-token context bounds every request the fuzzer happens to make valid.
-    with local(llama_dir, max_model_len=64) as (backend, port), \
-            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-        yield backend, http
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(chat=st.booleans(), edits=st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=4),
-       messages=st.one_of(st.none(), _MESSAGES))
-def test_fuzzed_bodies_never_500(small_server, chat, edits, messages):
-    _, http = small_server
-    base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
-    body = {**base, "max_tokens": 4, **edits}
-    if messages is not None and chat:
-        body["messages"] = messages
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    response = http.post(path, content=json.dumps(body))
-    assert response.status_code in (200, 400), (body, response.status_code, response.text)
-    assert response.headers.get("x-request-id")
-    if response.status_code == 400:
-        assert_error_body(response, 400)
-    elif body.get("stream") is True:
-        assert response.text.rstrip().endswith("data: [DONE]")
-    else:
-        assert response.json()["choices"]
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(raw=st.binary(max_size=64), chat=st.booleans())
-def test_fuzzed_bytes_are_400(small_server, raw, chat):
-    _, http = small_server
-    response = http.post("/v1/chat/completions" if chat else "/v1/completions", content=raw)
-    assert_error_body(response, 400)
 
 
 def test_api_keys(llama_dir):

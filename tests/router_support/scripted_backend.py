@@ -31,6 +31,7 @@ class ScriptedBackend:
         self.is_ready = is_ready
         self.step_s = step_s
         self.closed: list[str] = []  # request ids whose stream the consumer closed early
+        self.observed: list[dict] = []  # what the app reported through observe()
 
     def authenticate(self, api_key: Optional[str]) -> Optional[TenantConfig]:
         return None
@@ -60,4 +61,4 @@ class ScriptedBackend:
         return b""
 
     def observe(self, event: str, **fields: Any) -> None:
-        pass
+        self.observed.append({"event": event, **fields})

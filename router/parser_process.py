@@ -1,0 +1,42 @@
+"""The child process that prepares large request bodies for router/intake.py: it lowers its own
+priority first, then imports the request schema and keeps the tokenizer it was given.
+
+This module imports nothing heavy at the top: a spawned child imports it before its
+initializer runs, and those imports would otherwise compete with the serving process at full
+priority.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from array import array
+
+_tokenizer = None
+
+
+def init(tokenizer_state: bytes) -> None:
+    global _tokenizer
+    # Parsing a huge body is background work: when cores are short, the serving loop wins.
+    os.nice(10)
+    import router.protocol  # noqa: F401  (the schema, imported once at low priority)
+
+    _tokenizer = pickle.loads(tokenizer_state)
+
+
+def prepare(kind: str, body_path: str, model_name: str, max_model_len: int):
+    """A PreparedRequest with array-packed prompts (unpickled without a per-int cost), or the
+    fields of the error to answer with (an exception that needs keyword arguments does not
+    survive pickling)."""
+    from router.backend import BackendError
+    from router.protocol import parse_json, prepare_chat, prepare_completion
+
+    with open(body_path, "rb") as file:
+        raw = file.read()
+    build = prepare_chat if kind == "chat" else prepare_completion
+    try:
+        prepared = build(parse_json(raw), _tokenizer, model_name, max_model_len)
+    except BackendError as exc:
+        return exc.status, exc.message, exc.type, exc.param, exc.code
+    prepared.prompts = [array("q", prompt) for prompt in prepared.prompts]
+    return prepared
