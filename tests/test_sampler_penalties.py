@@ -55,7 +55,7 @@ def test_adjusted_logits_match_the_reference():
                   torch.randint(vocab, (13,), generator=gen).tolist())
                  for _ in PENALTIES]
     params = [SamplingParams(temperature=0, **kw) for kw in PENALTIES]
-    adjusted = Sampler.adjust_logits(logits, params, histories)
+    adjusted = Sampler().adjust_logits(logits, params, histories)
     for i, (p, (prompt, output)) in enumerate(zip(params, histories)):
         want = reference(logits[i].tolist(), p, prompt, output)
         assert adjusted[i].tolist() == pytest.approx(want, abs=1e-5), PENALTIES[i]
@@ -68,7 +68,7 @@ def test_adjusted_logits_match_the_reference():
 def test_no_adjustment_returns_the_same_tensor():
     logits = torch.randn(3, 32)
     params = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_k=3)]
-    assert Sampler.adjust_logits(logits, params, None) is logits
+    assert Sampler().adjust_logits(logits, params, None) is logits
 
 
 def test_rows_adjust_the_same_alone_and_in_any_batch():
@@ -77,9 +77,9 @@ def test_rows_adjust_the_same_alone_and_in_any_batch():
     logits = torch.randn(len(PENALTIES) + 1, vocab, generator=gen)
     params = [SamplingParams(**kw) for kw in PENALTIES] + [SamplingParams()]
     histories = [([1, 2, 3], list(range(i, 20 + i))) for i in range(len(params))]
-    together = Sampler.adjust_logits(logits, params, histories)
+    together = Sampler().adjust_logits(logits, params, histories)
     for i in range(len(params)):
-        alone = Sampler.adjust_logits(logits[i:i + 1], params[i:i + 1], histories[i:i + 1])
+        alone = Sampler().adjust_logits(logits[i:i + 1], params[i:i + 1], histories[i:i + 1])
         assert torch.equal(alone[0], together[i])
     # And sampling: a seeded row draws the same token alone as next to other rows.
     seeded = SamplingParams(temperature=0.9, seed=4, frequency_penalty=1.0)
