@@ -53,6 +53,18 @@ def _serve(conn, backend, overrides, engine_id, num_layers):
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
+def _all_threads_stopped(pid) -> bool:
+    """Whether every thread of pid is in the stopped state (T, or t under a tracer)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        except OSError:  # the thread ended meanwhile
+            continue
+    return bool(states) and all(state in "Tt" for state in states)
+
+
 class PeerProcess:
     """Test-side handle of a spawned agent process."""
 
@@ -86,8 +98,17 @@ class PeerProcess:
             time.sleep(0.02)
         return done
 
-    def stop(self):
+    def stop(self, timeout_s=5.0):
+        """SIGSTOP the peer and return once every one of its threads has stopped. A stop takes
+        effect only after the thread picked for the signal has run, and the others keep going
+        until then (1.6-14 ms after kill() on this loaded box): a receiver's reader, polling its
+        link, was traced reading a chunk sent after kill() had returned."""
         os.kill(self.process.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not _all_threads_stopped(self.process.pid):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peer process {self.process.pid} not stopped after {timeout_s}s")
+            time.sleep(0.0002)
 
     def resume(self):
         os.kill(self.process.pid, signal.SIGCONT)
