@@ -21,6 +21,7 @@ import torch
 from kv_transfer.base import (Activity, AgentMetadata, DuplicateRequestError, FailureReason, LinkState,
                               ReleaseCallback, Role, SendOutcome, Transport, TransferState,
                               TransferStatus, UnknownPeerError)
+from kv_transfer.faults import FaultInjectingTransport, FaultSettingsError, LinkFaults
 from kv_transfer.flow import Transfer, TransferMetrics
 from kv_transfer.layout import KVLayout, merge_runs
 from kv_transfer.peer import PeerLink, PeerTable
@@ -191,7 +192,28 @@ class KVTransferAgent(WireWork):
     def metrics(self) -> dict:
         with self._lock:
             in_flight = sum(p.credits.unacked_bytes for p in self.peers.all())
-            return self.metrics_data.snapshot(in_flight)
+            snapshot = self.metrics_data.snapshot(in_flight)
+        if isinstance(self.transport, FaultInjectingTransport):
+            snapshot["link_faults"] = self.transport.counts()
+        return snapshot
+
+    def set_link_faults(self, *, drop: float = 0.0, corrupt: float = 0.0, duplicate: float = 0.0,
+                        delay: float = 1.0, delay_s: float = 0.0, seed: int = 0,
+                        max_faults: Optional[int] = None) -> None:
+        """Testing only (KVTransferConfig.fault_injection). From now on each KV chunk this agent
+        sends, on every link, is dropped, corrupted or duplicated with these probabilities, and
+        held delay_s seconds with probability delay; after max_faults faulty chunks the links
+        are clean again. No arguments: clean links. kv_transfer/faults.py says what each fault
+        leads to. Raises FaultSettingsError for values out of range, corrupt without checksums,
+        or an agent built without fault injection."""
+        if not isinstance(self.transport, FaultInjectingTransport):
+            raise FaultSettingsError("link faults need an agent built with kv_transfer.fault_injection: true")
+        faults = LinkFaults(drop=drop, corrupt=corrupt, duplicate=duplicate, delay=delay,
+                            delay_s=delay_s, seed=seed, max_faults=max_faults)
+        if faults.corrupt and not self.checksums:
+            raise FaultSettingsError("link fault 'corrupt' needs kv_transfer.checksums: true "
+                                     "(without them the flipped byte would land unnoticed)")
+        self.transport.set_faults(faults)
 
     def close(self) -> None:
         self._closing.set()

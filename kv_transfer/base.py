@@ -177,6 +177,12 @@ def frame_buffers(payload: bytes) -> list:
     return [head, numpy.frombuffer(bytearray(tail), dtype=numpy.uint8)] if tail else [head]
 
 
+def frame_message_count(head) -> int:
+    """How many messages carry the frame whose FRAME_BYTES head this is: 1, or 2 with a tail."""
+    length = int.from_bytes(as_byte_tensor(head)[:_LEN_BYTES].numpy().tobytes(), "little")
+    return 1 if length <= FRAME_BYTES - _LEN_BYTES else 2
+
+
 def as_byte_tensor(buf) -> torch.Tensor:
     """A message buffer as a flat uint8 tensor sharing its memory. Links take either a tensor
     (host or device) or a flat numpy uint8 array (host; kv_transfer builds host regions and

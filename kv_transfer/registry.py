@@ -1,5 +1,5 @@
-"""Backends by name: builds the Transport a KVTransferConfig asks for and the agent around it.
-Tests may pass a ready Transport (e.g. one wrapped for fault injection) instead of a name.
+"""Backends by name: builds the Transport a KVTransferConfig asks for and the agent around it,
+wrapped for link fault injection where the config asks (testing only; kv_transfer/faults.py).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 
 from kv_transfer.agent import KVTransferAgent
 from kv_transfer.base import KVTransferError, ReleaseCallback, Transport
+from kv_transfer.faults import FaultInjectingTransport
 
 _BACKENDS: dict[str, Callable[..., Transport]] = {}
 
@@ -48,6 +49,8 @@ def create_agent(config, kv_caches: Sequence[torch.Tensor], *, engine_id: str, m
     if peer_timeout_s is None:
         peer_timeout_s = config.peer_timeout_s
     transport = transport or make_transport(config, kv_caches[0].device)
+    if config.fault_injection and not isinstance(transport, FaultInjectingTransport):
+        transport = FaultInjectingTransport(transport)
     return KVTransferAgent(
         transport, kv_caches, engine_id=engine_id, model_id=model_id,
         handshake_timeout_s=config.handshake_timeout_s, transfer_timeout_s=config.transfer_timeout_s,

@@ -9,55 +9,15 @@ import time
 import pytest
 import torch
 
-from kv_transfer.base import FailureReason, LinkError, LinkState, Role, SendOutcome, TransferState
-from kv_transfer.registry import create_agent, make_transport
-from tests.kv_transfer_support.common import (BlockAllocator, collect, config, fill_random,
-                                              make_caches, wait_for)
-from tests.kv_transfer_support.corrupting import CorruptingTransport
+from kv_transfer.base import FailureReason, LinkError, Role, SendOutcome, TransferState
+from kv_transfer.registry import make_transport
+from tests.kv_transfer_support.common import BlockAllocator, collect, config, fill_random, wait_for
 from tests.kv_transfer_support.peer_proc import PeerProcess, RawSenderProcess
+from tests.kv_transfer_support.side import Side
 
 BACKENDS = [("torch_dist", {}), ("ucx", {"ucx_mode": "tcp"}), ("ucx", {"ucx_mode": "shm"})]
 IDS = ["gloo", "ucx-tcp", "ucx-shm"]
 pytestmark = [pytest.mark.timeout(90), pytest.mark.parametrize("backend,overrides", BACKENDS, ids=IDS)]
-
-
-class Side:
-    """The in-test agent plus the allocator that models its engine's free list."""
-
-    def __init__(self, backend, overrides, engine_id, peer_timeout_s=2.0, corrupt=False):
-        self.big, self.caches = make_caches()
-        cfg = config(backend, **overrides)
-        self.transport = make_transport(cfg, torch.device("cpu"))
-        if corrupt:
-            self.transport = CorruptingTransport(self.transport)
-        self.agent = create_agent(cfg, self.caches, engine_id=engine_id, model_id="m",
-                                  transport=self.transport, heartbeat_interval_s=0.2,
-                                  peer_timeout_s=peer_timeout_s)
-        self.alloc = BlockAllocator(48, seed=5)
-        self.leased = {}
-
-    def connect(self, metadata):
-        peer = self.agent.connect(metadata)
-        try:
-            wait_for(lambda: self.agent.peer_state(peer)[0] is LinkState.READY, 15)
-        except TimeoutError:
-            raise TimeoutError(f"link not ready: {self.agent.peer_state(peer)}, "
-                               f"transport retired: {getattr(self.transport, 'retired', None)}") from None
-        return peer
-
-    def send(self, peer, rid, n, dst_ids, layers=None, seed=0):
-        src = self.alloc.take(n)
-        fill_random(self.caches, src, seed)
-        assert self.agent.send(peer, rid, src, dst_ids, layers) is SendOutcome.ACCEPTED
-        self.leased[rid] = src
-        return src
-
-    def settle(self, rids, timeout_s=15):
-        """Wait for the transfers to finish and free their leased blocks, as the engine does."""
-        done = collect(self.agent, rids, timeout_s)
-        for rid in rids:
-            self.alloc.give_back(self.leased.pop(rid))
-        return done
 
 
 def _receiver(backend, overrides, dst_alloc, rid, n):
@@ -194,13 +154,13 @@ def test_slow_receiver_with_small_credit_window(backend, overrides):
 
 
 def test_corrupted_payload_fails_checksum_on_both_sides(backend, overrides):
-    side = Side(backend, overrides, "P", corrupt=True)
+    side = Side(backend, {**overrides, "fault_injection": True}, "P")
     proc = PeerProcess(backend, "D", **overrides)
     try:
         peer = side.connect(proc.metadata)
-        dst = [3, 4, 5, 6, 7]  # 5 blocks: regions are not frame-sized, so the wrapper hits one
+        dst = [3, 4, 5, 6, 7]
         proc.call("expect", "bad", dst)
-        side.transport.armed = True
+        side.agent.set_link_faults(corrupt=1.0, max_faults=1)  # one byte of the next chunk
         side.send(peer, "bad", 5, dst)
         assert side.settle(["bad"])["bad"].reason is FailureReason.CHECKSUM_MISMATCH
         assert proc.collect(["bad"])["bad"] == ("failed", "checksum_mismatch")

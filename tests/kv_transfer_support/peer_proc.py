@@ -44,6 +44,8 @@ def _serve(conn, backend, overrides, engine_id, num_layers):
                 result = [(s.request_id, s.state.value, s.reason.value if s.reason else None) for s in agent.poll()]
             elif command == "cache":
                 result = big.clone()
+            elif command == "pending":  # transfers and reservations the agent still holds
+                result = len(agent._sending) + len(agent._receiving) + len(agent._reserved)
             elif command == "close":
                 agent.close()
                 conn.send(("ok", None))
