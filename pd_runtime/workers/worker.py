@@ -130,9 +130,15 @@ class PDWorker:
         return await self._engine_loop().call(
             lambda e: e.block_manager.cached_prefix_tokens(token_ids, cache_salt))
 
-    async def set_fault_injection(self, delay_kv_send_s: float = 0.0) -> None:
-        """Chaos testing: widen the window between a prefill's first token and its KV send."""
+    async def set_fault_injection(self, delay_kv_send_s: float = 0.0,
+                                  link_faults: Optional[dict] = None) -> None:
+        """Chaos testing: widen the window between a prefill's first token and its KV send;
+        `link_faults`: the keywords of KVTransferAgent.set_link_faults (drop, corrupt,
+        duplicate, delay, delay_s, seed, max_faults) for the KV this worker sends from now on,
+        {} for clean links (needs kv_transfer.fault_injection: true)."""
         self.fault_delay_kv_send_s = delay_kv_send_s
+        if link_faults is not None:
+            self.agent.set_link_faults(**link_faults)
 
     async def abort(self, request_id: str) -> bool:
         """Cancel a request here; blocks leased to an unfinished transfer are freed when the
