@@ -66,33 +66,46 @@ def health_polls(port: int):
 def test_twenty_megabyte_bodies_do_not_stall_health(server, tmp_path):
     _, port = server
     intake = APPS[port].state.intake
-    bodies = [  # each ~21 MB and far beyond the 2048-token context
-        ("/v1/completions", {"prompt": "lorem ipsum " * 1_750_000, "max_tokens": 4}, "prompt"),
-        ("/v1/completions", {"prompt": [17] * 7_000_000, "max_tokens": 4}, "prompt"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "dolor " * 3_500_000}]},
+    # Each ~21 MB and far beyond the 2048-token context. Written as JSON text: a Python list of
+    # 7M ints in this process would make every garbage collection here (and so the server on
+    # its thread) walk 7M entries, a stall of the test's own making.
+    ids = "[" + "17, " * 6_999_999 + "17]"
+    bodies = [
+        ("/v1/completions", '{"prompt": "' + "lorem ipsum " * 1_750_000 + '", "max_tokens": 4}',
+         "prompt"),
+        ("/v1/completions", '{"prompt": ' + ids + ', "max_tokens": 4}', "prompt"),
+        ("/v1/chat/completions",
+         '{"messages": [{"role": "user", "content": "' + "dolor " * 3_500_000 + '"}]}',
          "messages")]
     files = []
     for i, (_, body, _) in enumerate(bodies):
         files.append(tmp_path / f"body{i}.json")
-        files[-1].write_text(json.dumps(body))
+        files[-1].write_text(body)
         assert 20 * MB < files[-1].stat().st_size < 32 * 1024 * 1024
+    targets = [(path, param) for path, _, param in bodies]
+    del ids, bodies
     in_child = intake.prepared_in_child
     windows = []
     with health_polls(port) as polls:
         time.sleep(0.5)  # idle polls, before and after: the baseline
-        for (path, _, param), file in zip(bodies, files):
-            start = time.monotonic()  # sent from another process: the test holds no GIL meanwhile
-            sent = subprocess.run([sys.executable, str(POSTER), str(port), path, str(file)],
-                                  capture_output=True, text=True, timeout=300, check=True)
+        for (path, param), file in zip(targets, files):
+            # Sent from another process: the test holds no GIL meanwhile.
+            poster = subprocess.Popen([sys.executable, str(POSTER), str(port), path, str(file)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert poster.stdout.readline().strip() == "ready"
+            start = time.monotonic()
+            out, _ = poster.communicate("go\n", timeout=300)
             windows.append((start, time.monotonic()))
-            status, answer = sent.stdout.split("\n", 1)
-            assert status == "400", sent.stdout[:300]
+            status, answer = out.split("\n", 1)
+            assert status == "400", out[:300]
             error = json.loads(answer)["error"]
             assert error["param"] == param and error["code"] == "context_length_exceeded", error
         busy_s = sum(end - start for start, end in windows)
         idle_from = time.monotonic()
         time.sleep(min(busy_s, IDLE_BASELINE_MAX_S))
-    assert intake.prepared_in_child == in_child + len(bodies)
+    for file in files:
+        file.unlink()
+    assert intake.prepared_in_child == in_child + len(targets)
     during = [latency for sent, latency in polls
               if any(start <= sent <= end for start, end in windows)]
     idle = [latency for sent, latency in polls if sent < windows[0][0] or sent > idle_from]
