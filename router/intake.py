@@ -79,15 +79,16 @@ class Intake:
         self.prepared_in_child += 1
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(None, _write_temporary, raw)
+        pool = self._executor()
         try:
             # Submitting from a thread too: the first submit starts the child, and writing a
             # large tokenizer to a child still starting up would block the loop.
             future = await loop.run_in_executor(None, functools.partial(
-                self._executor().submit, parser_process.prepare, kind, path,
-                backend.model_name, backend.max_model_len))
+                pool.submit, parser_process.prepare, kind, path, backend.model_name,
+                backend.max_model_len))
             outcome = await asyncio.wrap_future(future)
         except BrokenProcessPool:  # the child died (killed, out of memory): a new one next time
-            self._reset()
+            self._discard(pool)
             raise BackendError(503, "the request parser process failed; retry",
                                code="parser_unavailable", retry_after_s=1.0) from None
         finally:
@@ -117,11 +118,11 @@ class Intake:
                     initializer=parser_process.init, initargs=(self._tokenizer_state,))
             return self._pool
 
-    def _reset(self) -> None:
+    def _discard(self, broken: ProcessPoolExecutor) -> None:
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            if self._pool is broken:  # not a newer one another request has started since
+                self._pool = None
+        broken.shutdown(wait=False, cancel_futures=True)
 
 
 def _write_temporary(data: bytearray) -> str:

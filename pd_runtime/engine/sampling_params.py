@@ -8,7 +8,8 @@ from typing import Optional
 
 from pd_runtime.engine.errors import InvalidRequestError
 
-MAX_LOGIT_BIAS_ENTRIES = 300  # as OpenAI: a bias is a handful of tokens, not a vocabulary
+# A bias names a handful of tokens, not a vocabulary; this bounds the sampler's work per step.
+MAX_LOGIT_BIAS_ENTRIES = 300
 
 
 @dataclass
