@@ -216,3 +216,15 @@ def test_invalid_penalties_rejected(kwargs, param):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**kwargs)
     assert err.value.param == param
+
+
+def test_engine_refuses_logit_bias_beyond_the_vocabulary(llama_dir):
+    from pd_runtime import LLM
+    from pd_runtime.engine.errors import InvalidRequestError
+
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=16)
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(InvalidRequestError) as err:
+        llm.engine.add_request("lb", [5, 6, 7], SamplingParams(logit_bias={vocab: 1.0}))
+    assert err.value.param == "logit_bias"
+    assert llm.engine.block_manager.num_free_blocks == 16 and not llm.engine.requests

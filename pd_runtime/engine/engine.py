@@ -139,6 +139,10 @@ class LLMEngine(RemoteKVMixin):
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})",
+                                      param="logit_bias")
         ids = self.tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise RequestTooLargeError(

@@ -54,8 +54,14 @@ class Tokenizer:
             ids.add(self._tok.token_to_id(self.eos_token))
         return frozenset(int(i) for i in ids)
 
+    def __getstate__(self) -> dict:
+        # The compiled chat template does not pickle; a copy in another process compiles its own.
+        return {**self.__dict__, "_template": None}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it: ~0.7 s for 310k chars),
+        # so a long prompt tokenized on a thread does not stall the router's event loop.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         known = [t for t in token_ids if 0 <= t < self.vocab_size]
