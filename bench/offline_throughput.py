@@ -2,6 +2,10 @@
 prompts, same model directory, one run; plus the decode-step and prefill physical bounds.
 
     python bench/offline_throughput.py [--model DIR] [--threads 2] [--no-hf] [--no-vllm] [--rounds N]
+        [--batch-invariant on|off|compare] [--dtype bfloat16|float32]
+
+`--batch-invariant compare` runs our engine with the mode off and on in every round (in
+alternating order: the box drifts) and reports the on/off throughput ratio of each round.
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ from bench.common import (bench_model, bf16_matmul_gflops, copy_bandwidth_gbs,  
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_ours(model: str, prompts, output_len: int, args) -> dict:
+def run_ours(model: str, prompts, output_len: int, args, batch_invariant: bool) -> dict:
     from pd_runtime import LLM, SamplingParams
 
     total = len(prompts) * (len(prompts[0]) + output_len)
-    llm = LLM(model, dtype="bfloat16", max_num_seqs=len(prompts),
+    llm = LLM(model, dtype=args.dtype, max_num_seqs=len(prompts),
               max_num_batched_tokens=args.max_num_batched_tokens,
-              num_kv_blocks=total // 16 + len(prompts) + 16, enable_prefix_caching=False)
+              num_kv_blocks=total // 16 + len(prompts) + 16, enable_prefix_caching=False,
+              batch_invariant=batch_invariant)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:4], params)  # warm-up: kernels, allocator
     engine = llm.engine
@@ -50,7 +55,9 @@ def run_ours(model: str, prompts, output_len: int, args) -> dict:
             decode_steps.append(dt)
     elapsed = time.perf_counter() - start
     assert produced == len(prompts) * output_len, produced
-    return {"engine": "pd-runtime", "output_tokens": produced, "elapsed_s": elapsed,
+    mode = "on" if batch_invariant else "off"
+    return {"engine": f"pd-runtime (batch_invariant {mode})", "output_tokens": produced,
+            "elapsed_s": elapsed,
             "output_tokens_per_s": produced / elapsed,
             "decode_step_ms": 1e3 * statistics.median(decode_steps) if decode_steps else None,
             "prefill_tokens_per_s": prefill_tokens / prefill_time if prefill_time else None}
@@ -113,31 +120,50 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="alternate vLLM and ours this many times; report medians and each "
                          "round's ratio (a shared box drifts between runs)")
+    ap.add_argument("--batch-invariant", choices=["on", "off", "compare"], default="on",
+                    help="our engine's batch_invariant mode; compare: both, every round")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="our engine's dtype (peers run the model's bf16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = bench_model(args.model)
     prompts = random_prompts(model, args.num_prompts, args.input_len, args.seed)
     print(f"# {machine_line()}, load average {os.getloadavg()[0]:.2f} (others' jobs skew it)")
     print(f"# {args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, "
-          f"bf16, model {model}")
+          f"{args.dtype}, model {model}")
 
-    results, rounds = [], []
-    for _ in range(args.rounds):
+    modes = {"on": [True], "off": [False], "compare": [False, True]}[args.batch_invariant]
+    results, rounds, by_mode = [], [], {mode: [] for mode in modes}
+    for index in range(args.rounds):
         peer = None
         if not args.no_vllm:  # first, while nothing else of ours holds memory
             peer = run_vllm(args.vllm_python, model, args)
-        ours_round = run_ours(model, prompts, args.output_len, args)
-        rounds.append((peer, ours_round))
+        for mode in modes if index % 2 == 0 else modes[::-1]:
+            by_mode[mode].append(run_ours(model, prompts, args.output_len, args, mode))
+        rounds.append((peer, by_mode[modes[-1]][-1]))
     if rounds[0][0] is not None:
         results.append(_median_run([p for p, _ in rounds if p is not None]))
-    ours = _median_run([o for _, o in rounds])
-    results.append(ours)
+    for mode in modes:
+        results.append(_median_run(by_mode[mode]))
+    ours = results[-1]  # the mode on when compared
     if not args.no_hf:
         results.append(run_hf(model, prompts, args.output_len))
 
     if args.rounds > 1:
         print(f"\n{args.rounds} rounds, medians below; ours/vLLM per round: " + ", ".join(
             f"{o['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}" for p, o in rounds if p))
+    if len(modes) == 2:
+        ratios = [on["output_tokens_per_s"] / off["output_tokens_per_s"]
+                  for off, on in zip(by_mode[False], by_mode[True])]
+        print(f"\nbatch_invariant on / off, output tokens/s, per round: "
+              + ", ".join(f"{r:.3f}" for r in ratios)
+              + f"; median {statistics.median(ratios):.3f}")
+        for mode in modes:  # where the difference goes
+            steps = [r["decode_step_ms"] for r in by_mode[mode] if r["decode_step_ms"]]
+            prefill = [r["prefill_tokens_per_s"] for r in by_mode[mode] if r["prefill_tokens_per_s"]]
+            print(f"  batch_invariant {'on' if mode else 'off'}: decode step (full batch) "
+                  f"median {statistics.median(steps) if steps else float('nan'):.1f} ms, prefill "
+                  f"median {statistics.median(prefill) if prefill else float('nan'):.0f} tok/s")
     print(f"\n{'engine':<40} {'out tok/s':>10} {'elapsed s':>10} {'ours / it':>10}")
     for r in results:
         ratio = ours["output_tokens_per_s"] / r["output_tokens_per_s"]

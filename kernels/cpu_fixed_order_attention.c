@@ -34,11 +34,12 @@
 
 #define MAX_DIM 256
 
-/* `rows` elements (bf16 or float32) widened to float32, exactly */
+/* `count` (a multiple of 8) elements, bf16 or float32, widened to float32, exactly */
 static inline void widen(const void *src, int is_bf16, float *dst, int64_t count) {
     if (is_bf16) {
         const uint16_t *s = (const uint16_t *)src;
-        for (int64_t i = 0; i < count; i++) dst[i] = bf16_to_float(s[i]);
+#pragma GCC unroll 8
+        for (int64_t i = 0; i < count; i += 8) vf8_store(dst + i, vf8_load_bf16(s + i));
     } else {
         memcpy(dst, src, sizeof(float) * (size_t)count);
     }
@@ -63,23 +64,32 @@ static inline int64_t key_offset(const Problem *P, const int64_t *table, int64_t
     return ((table[block] * P->kv_heads + h) * bs + j - block * bs) * P->dim;
 }
 
+static inline void prefetch(const char *p, int64_t bytes) {
+#pragma GCC unroll 8
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+}
+
 /* the 8 keys of group g (key 8g + k) of a sequence's KV head: float32 rows into dst[k * dim];
  * keys at or past `n` read as zeros (their scores are never used). The next group's rows are
- * prefetched: reading the cache is what this kernel waits on. */
+ * prefetched: reading the cache is what this kernel waits on. (Staging only converts, so the
+ * whole-group path and the key-by-key path give the same values.) */
 static inline void stage_keys(const Problem *P, const char *base, const int64_t *table,
                               int64_t h, int64_t g, int64_t n, float *dst) {
-    const int64_t dim = P->dim, row_bytes = dim * P->elem;
+    const int64_t dim = P->dim, row_bytes = dim * P->elem, j0 = 8 * g;
+    if (j0 + 8 <= n && P->block_size % 8 == 0) {  /* the group lies in one block: contiguous */
+        widen(base + key_offset(P, table, h, j0) * P->elem, P->is_bf16, dst, 8 * dim);
+        if (j0 + 16 <= n)
+            prefetch(base + key_offset(P, table, h, j0 + 8) * P->elem, 8 * row_bytes);
+        return;
+    }
     for (int k = 0; k < 8; k++) {
-        const int64_t j = 8 * g + k;
+        const int64_t j = j0 + k;
         if (j >= n) {
             memcpy(dst + k * dim, zero_row, sizeof(float) * (size_t)dim);
             continue;
         }
         widen(base + key_offset(P, table, h, j) * P->elem, P->is_bf16, dst + k * dim, dim);
-        if (j + 8 < n) {
-            const char *next = base + key_offset(P, table, h, j + 8) * P->elem;
-            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b);
-        }
+        if (j + 8 < n) prefetch(base + key_offset(P, table, h, j + 8) * P->elem, row_bytes);
     }
 }
 
@@ -138,12 +148,21 @@ static void attend_item(const Problem *P, int64_t t0, int64_t count, int64_t h, 
         for (int64_t r = 0; r < rows; r++) {
             const int64_t live = P->len[t0 + r / group] - 8 * g;
             if (live <= 0) continue;
-            const int keys = live < 8 ? (int)live : 8;
             const float *pr = s + r * span + 8 * g;
             float *ar = acc + r * dim;
+            if (live >= 8) {  /* the common case, unrolled; the same chain as below */
+                vf8 p[8];
+                for (int k = 0; k < 8; k++) p[k] = vf8_set1(pr[k]);
+                for (int64_t c = 0; c < chunks; c++) {
+                    vf8 o = vf8_load(ar + 8 * c);
+                    for (int k = 0; k < 8; k++) o = vf8_fma(p[k], vf8_load(kf + k * dim + 8 * c), o);
+                    vf8_store(ar + 8 * c, o);
+                }
+                continue;
+            }
             for (int64_t c = 0; c < chunks; c++) {
                 vf8 o = vf8_load(ar + 8 * c);
-                for (int k = 0; k < keys; k++) o = vf8_fma(vf8_set1(pr[k]), vf8_load(kf + k * dim + 8 * c), o);
+                for (int k = 0; k < live; k++) o = vf8_fma(vf8_set1(pr[k]), vf8_load(kf + k * dim + 8 * c), o);
                 vf8_store(ar + 8 * c, o);
             }
         }

@@ -14,6 +14,11 @@
 #include <immintrin.h>
 typedef __m256 vf8;
 static inline vf8 vf8_load(const float *p) { return _mm256_loadu_ps(p); }
+/* 8 bf16 -> 8 float32, exactly */
+static inline vf8 vf8_load_bf16(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
 static inline void vf8_store(float *p, vf8 x) { _mm256_storeu_ps(p, x); }
 static inline vf8 vf8_zero(void) { return _mm256_setzero_ps(); }
 static inline vf8 vf8_set1(float x) { return _mm256_set1_ps(x); }
@@ -57,6 +62,15 @@ static inline vf8 vf8_tree8x8(const vf8 *a) {
 #else  /* the same arithmetic lane by lane */
 typedef struct { float v[8]; } vf8;
 static inline vf8 vf8_load(const float *p) { vf8 r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline vf8 vf8_load_bf16(const uint16_t *p) {
+    vf8 r;
+    for (int l = 0; l < 8; l++) {
+        union { uint32_t u; float f; } x;
+        x.u = (uint32_t)p[l] << 16;
+        r.v[l] = x.f;
+    }
+    return r;
+}
 static inline void vf8_store(float *p, vf8 x) { memcpy(p, x.v, sizeof x.v); }
 static inline vf8 vf8_zero(void) { vf8 r = {{0}}; return r; }
 static inline vf8 vf8_set1(float x) { vf8 r; for (int l = 0; l < 8; l++) r.v[l] = x; return r; }
