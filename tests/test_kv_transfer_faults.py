@@ -100,7 +100,7 @@ def test_receiver_that_never_reads_times_out(backend, overrides):
         assert time.monotonic() - started < 4 and side.alloc.balanced
         proc.kill()
         proc = PeerProcess(backend, "D", **overrides)
-        _roundtrip_works(side, side.connect(proc.metadata), proc)
+        _roundtrip_works(side, side.connect(proc.metadata, peer_proc=proc), proc)
     finally:
         side.agent.close()
         proc.close()

@@ -4,6 +4,8 @@ allocator that models its engine's free list, with helpers to send, settle and c
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kv_transfer.base import LinkState, SendOutcome
@@ -24,13 +26,26 @@ class Side:
         self.alloc = BlockAllocator(48, seed=5)
         self.leased = {}
 
-    def connect(self, metadata):
+    def connect(self, metadata, peer_proc=None):
+        """Connect and wait until the link is ready. Where it is not and peer_proc (the peer's
+        PeerProcess) is given, the peer then connects back: whether that works tells a sender
+        that can no longer receive at all from a hello lost in one direction."""
         peer = self.agent.connect(metadata)
+        started = time.monotonic()
         try:
             wait_for(lambda: self.agent.peer_state(peer)[0] is LinkState.READY, 15)
         except TimeoutError:
-            raise TimeoutError(f"link not ready: {self.agent.peer_state(peer)}, "
-                               f"transport retired: {getattr(self.transport, 'retired', None)}") from None
+            links = getattr(self.transport, "_links", [])
+            detail = (f"link not ready after {time.monotonic() - started:.1f}s: {self.agent.peer_state(peer)}, "
+                      f"transport retired: {getattr(self.transport, 'retired', None)}, "
+                      f"open transport links: {sum(not x._closed for x in links)} of {len(links)}, "
+                      f"peers: {[(p.peer_id, p.state.value, p.reason) for p in self.agent.peers.all()]}")
+            if peer_proc is not None:
+                try:
+                    detail += f"; reverse connect from the peer: {peer_proc.call('connect', self.agent.metadata())}"
+                except (TimeoutError, RuntimeError) as exc:
+                    detail += f"; reverse connect from the peer: {exc}"
+            raise TimeoutError(detail) from None
         return peer
 
     def send(self, peer, rid, n, dst_ids, layers=None, seed=0):
