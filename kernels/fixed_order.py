@@ -28,16 +28,24 @@ class FixedOrderRows:
     @classmethod
     def build(cls, tables: list[list[int]], starts: list[int], counts: list[int]) -> "FixedOrderRows":
         """Sequences in flat-batch order: sequence i owns `counts[i]` consecutive tokens at
-        positions starts[i], starts[i] + 1, ...; its block ids are tables[i]."""
+        positions starts[i], starts[i] + 1, ...; its block ids are tables[i]. A run of decodes
+        (one token each) takes one tensor, a prefill chunk one range: no per-token Python."""
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        count = torch.tensor(counts, dtype=torch.long)
-        seq = torch.repeat_interleave(torch.arange(len(counts)), count)
-        # position + 1 of each token: its sequence's start + its offset inside the sequence + 1
-        first = torch.cumsum(count, 0) - count
-        offsets = torch.arange(int(count.sum())) - torch.repeat_interleave(first, count)
-        lens = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long), count) + offsets + 1
-        return cls(block_tables, seq, lens)
+        seq, lens, i = [], [], 0
+        while i < len(counts):
+            if counts[i] == 1:
+                end = i
+                while end < len(counts) and counts[end] == 1:
+                    end += 1
+                seq.append(torch.arange(i, end))
+                lens.append(torch.tensor([start + 1 for start in starts[i:end]], dtype=torch.long))
+                i = end
+            else:
+                seq.append(torch.full((counts[i],), i, dtype=torch.long))
+                lens.append(torch.arange(starts[i] + 1, starts[i] + counts[i] + 1))
+                i += 1
+        return cls(block_tables, torch.cat(seq), torch.cat(lens))
 
 
 def unsupported_reason(dtype: torch.dtype, device: str, head_dim: int) -> Optional[str]:
