@@ -146,4 +146,8 @@ def test_link_faults_lose_nothing(chaos, kind):
     unsupported = faults.link_faults_unsupported()
     if unsupported:
         pytest.skip(unsupported)
-    check(run(chaos, f"link-{kind}"), failed_allowed=True)
+    phase = run(chaos, f"link-{kind}")
+    counted = "delay" if kind == "delay_s" else kind
+    assert phase.link_faults_applied.get(counted, 0) > 0, \
+        f"no chunk was {counted}: {phase.link_faults_applied}"
+    check(phase, failed_allowed=True)

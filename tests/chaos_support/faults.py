@@ -14,10 +14,6 @@ from typing import Optional
 from tests.chaos_support.product import ServedProduct
 
 LINK_FAULT_KINDS = ("drop", "delay_s", "corrupt", "duplicate")
-# The worker methods that may carry link faults (kv_transfer/faults.py LinkFaults fields: drop,
-# corrupt, duplicate as per-chunk probabilities, delay_s seconds per chunk, seed), first found
-# wins; the link phases run once one of them takes every kind.
-LINK_FAULT_METHODS = ("set_link_faults", "set_fault_injection")
 
 
 def kill(pid: int) -> None:
@@ -43,39 +39,29 @@ def set_kv_send_delay(product: ServedProduct, worker_id: str, seconds: float,
     product.ray.get(actor.set_fault_injection.remote(delay_kv_send_s=seconds), timeout=timeout_s)
 
 
-def _link_fault_method() -> Optional[str]:
+def link_faults_unsupported() -> Optional[str]:
+    """None when workers take link faults (set_fault_injection(link_faults=...)), else why not."""
     from pd_runtime.workers.worker import PDWorker
 
-    for name in LINK_FAULT_METHODS:
-        method = getattr(PDWorker, name, None)
-        if method is None:
-            continue
-        params = inspect.signature(method).parameters
-        if all(k in params for k in LINK_FAULT_KINDS) or any(
-                p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return name
-    return None
-
-
-def link_faults_unsupported() -> Optional[str]:
-    """None when a worker method takes every link fault kind, else why the phase cannot run."""
-    if _link_fault_method() is None:
-        return (f"no PDWorker method among {LINK_FAULT_METHODS} takes the link fault kinds "
-                f"{LINK_FAULT_KINDS} (link fault injection is not exposed on the worker yet)")
+    if "link_faults" not in inspect.signature(PDWorker.set_fault_injection).parameters:
+        return "PDWorker.set_fault_injection takes no link_faults (link faults not exposed)"
     return None
 
 
 def set_link_faults(product: ServedProduct, worker_id: str, timeout_s: float = 10.0,
                     **faults: float) -> None:
-    """Set the link faults of one worker's agent: the kinds given, every other kind off (no
-    kinds given: all off)."""
+    """Faults on the KV this worker sends from now on (kv_transfer/faults.py LinkFaults:
+    drop, corrupt, duplicate per-chunk probabilities, delay_s per chunk, seed); no kinds
+    given: clean links again."""
     unknown = set(faults) - set(LINK_FAULT_KINDS) - {"seed"}
     if unknown:
         raise ValueError(f"unknown link fault kinds {sorted(unknown)}")
-    method = _link_fault_method()
-    if method is None:
-        raise RuntimeError(link_faults_unsupported())
-    settings = {k: float(faults.get(k, 0.0)) for k in LINK_FAULT_KINDS}
-    settings["seed"] = int(faults.get("seed", 0))
     actor = product.actor(worker_id)
-    product.ray.get(getattr(actor, method).remote(**settings), timeout=timeout_s)
+    product.ray.get(actor.set_fault_injection.remote(link_faults=dict(faults)),
+                    timeout=timeout_s)
+
+
+def link_fault_counts(product: ServedProduct, worker_id: str, timeout_s: float = 10.0) -> dict:
+    """Chunks this worker's links saw and the faults they applied, since the worker started."""
+    load = product.ray.get(product.actor(worker_id).load.remote(), timeout=timeout_s)
+    return dict((load.get("kv_transfer") or {}).get("link_faults") or {})

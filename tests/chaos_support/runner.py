@@ -43,6 +43,7 @@ class PhaseResult:
     quiescent: bool = False
     quiesce_detail: str = ""
     notes: list[str] = field(default_factory=list)
+    link_faults_applied: dict = field(default_factory=dict)  # link phases: kind -> chunks
 
     @property
     def counts(self) -> Counter:
@@ -103,7 +104,8 @@ class _Phase:
                    self.settings.hung_bound_s)
         cls = classify(r, self.refs[r.spec.label], self.ambiguous, self.settings.logprob_tol)
         res = self.res
-        if cls == "correct" and res.fault_at is not None and r.sent_at >= res.fault_at and \
+        if cls == "correct" and self.plan.fault.action in ("kill", "stop") and \
+                res.fault_at is not None and r.sent_at >= res.fault_at and \
                 (res.recovered_at is None or r.ended_at < res.recovered_at):
             res.recovered_at = r.ended_at
 
@@ -202,6 +204,7 @@ class _Phase:
                 await asyncio.to_thread(faults.set_kv_send_delay, product, prefill_id,
                                         fault.delay_kv_send_s)
             if fault.action == "link":
+                before = await asyncio.to_thread(faults.link_fault_counts, product, prefill_id)
                 await asyncio.to_thread(faults.set_link_faults, product, prefill_id,
                                         **fault.link)
                 res.fault_at = res.window_start = time.monotonic()
@@ -218,6 +221,10 @@ class _Phase:
                 fire = asyncio.ensure_future(self._fire(by_label, t0))
                 probe = asyncio.ensure_future(self._probe())
                 await asyncio.gather(fire, *sends, probe)
+            if fault.action == "link":
+                after = await asyncio.to_thread(faults.link_fault_counts, product, prefill_id)
+                res.link_faults_applied = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                res.notes.append(f"link chunks and faults applied: {res.link_faults_applied}")
         finally:
             for pid in list(self.stopped):
                 faults.cont(pid)
