@@ -323,7 +323,9 @@ class ClusterConfig(_Strict):
         if self.prefill.num_workers and not self.decode.num_workers:
             raise FieldValueError(("prefill", "num_workers"), "prefill workers ship KV to decode "
                                   "workers, and decode.num_workers is 0; set one of them")
-        for name in ("block_size", "dtype"):  # KV blocks move between the pools byte for byte
+        # KV blocks move between the pools byte for byte, and a disaggregated request must
+        # give what a colocated one gives (the same arithmetic on both sides).
+        for name in ("block_size", "dtype", "batch_invariant"):
             ours, theirs = getattr(self.prefill.engine, name), getattr(self.decode.engine, name)
             if self.prefill.num_workers and ours != theirs:
                 raise FieldValueError(("prefill", "engine", name), f"{ours!r} differs from "

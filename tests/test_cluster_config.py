@@ -202,6 +202,13 @@ BROKEN = {
           engine:
             block_size: 32
         """, "prefill.engine.block_size", 4, "differs from decode.engine.block_size"),
+    "batch invariance differs": ("""\
+        prefill:
+          num_workers: 1
+          engine:
+            batch_invariant: false
+        """, "prefill.engine.batch_invariant", 4,
+        "differs from decode.engine.batch_invariant"),
     "missing worker count": ("""\
         model: /m
         colocated:
