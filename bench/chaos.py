@@ -114,6 +114,11 @@ def main() -> int:
     ap.add_argument("--hung-s", type=float, default=180.0)
     ap.add_argument("--reference", choices=["alone", "batch"], default="alone",
                     help="offline reference: each request alone (any dtype) or one batch")
+    ap.add_argument("--check-alone", type=int, default=24,
+                    help="with --reference batch: recompute this many at random alone and "
+                         "report any that differ (batch invariance of the reference itself)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the offline reference (two lose on a busy box)")
     ap.add_argument("--phases", nargs="*", help="run only these (fault-free always runs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every request's record here")
@@ -126,10 +131,24 @@ def main() -> int:
         print(f"# link phases skipped: {unsupported}", file=sys.stderr)
         phase_plans = [p for p in phase_plans if p.fault.action != "link"]
     specs = [s for p in phase_plans for s in p.specs()]
+    import torch
+
+    torch.set_num_threads(args.threads)
     start = time.monotonic()
     refs = references(model, args.dtype, specs, alone=args.reference == "alone")
     print(f"# {len(specs)} references ({args.reference}) in {time.monotonic() - start:.0f}s",
           file=sys.stderr)
+    if args.reference == "batch" and args.check_alone:
+        sample = random.Random(args.seed).sample(specs, min(args.check_alone, len(specs)))
+        alone = references(model, args.dtype, sample, alone=True)
+        differ = [s.label for s in sample if alone[s.label] != refs[s.label]]
+        tokens = [lbl for lbl in differ if (alone[lbl].token_ids, alone[lbl].text)
+                  != (refs[lbl].token_ids, refs[lbl].text)]
+        logprobs_only = sorted(set(differ) - set(tokens))
+        print(f"# reference check: {len(sample) - len(differ)} of {len(sample)} requests alone "
+              f"equal their batched reference (tokens, text, logprobs); tokens or text differ "
+              f"for {tokens or 'none'}"
+              + (f", logprobs only for {logprobs_only}" if logprobs_only else ""))
     ambiguous = ambiguous_token_strings(model)
     settings = RunSettings(hung_bound_s=args.hung_s, back_timeout_s=180.0,
                            quiesce_timeout_s=120.0, trigger_timeout_s=args.phase_s + 60)
