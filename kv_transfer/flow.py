@@ -97,9 +97,15 @@ class TransferMetrics:
     failures: dict = field(default_factory=dict)  # reason value -> count
     latency_buckets: list = field(default_factory=lambda: [0] * (len(_LATENCY_BUCKETS_S) + 1))
 
+    send_gbps: float = 0.0  # sent transfers' bytes / their time, averaged (routing's cost model)
+
     def observe_finish(self, transfer: Transfer, now: float) -> None:
         if transfer.state is TransferState.DONE:
             self.transfers_done += 1
+            took = now - transfer.started_at
+            if transfer.role is Role.SEND and took > 0:
+                gbps = transfer.bytes_per_layer * transfer.num_layers / took / 1e9
+                self.send_gbps = gbps if not self.send_gbps else 0.8 * self.send_gbps + 0.2 * gbps
             index = bisect.bisect_left(_LATENCY_BUCKETS_S, now - transfer.started_at)
             self.latency_buckets[index] += 1
         else:
@@ -112,6 +118,7 @@ class TransferMetrics:
             "bytes_received": self.bytes_received,
             "chunks_sent": self.chunks_sent,
             "transfers_done": self.transfers_done,
+            "send_gbps": self.send_gbps,
             "would_block": self.would_block,
             "failures": dict(self.failures),
             "in_flight_bytes": in_flight_bytes,

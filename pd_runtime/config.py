@@ -246,10 +246,38 @@ class PrefillCostWeights(_Strict):
     weight_prefix_overlap: float = Field(1.0, ge=0)
 
 
+class SLOTarget(_Strict):
+    """Latency targets a request should meet: time to first token, and time per output token
+    after the first (the mean gap, (end - first token) / (tokens - 1))."""
+
+    ttft_s: float = Field(2.5, gt=0)
+    tpot_s: float = Field(0.1, gt=0)
+
+
+class SLOClass(_Strict):
+    """Targets for the requests whose prompt has at least `min_prompt_tokens` tokens (the class
+    with the largest such bound that a prompt reaches wins; tenant targets win over classes)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    min_prompt_tokens: int = Field(0, ge=0)
+    ttft_s: float = Field(gt=0)
+    tpot_s: float = Field(gt=0)
+
+
 class RoutingConfig(_Strict):
     """Colocated or disaggregated, per request; reloads live (load_routing_config)."""
 
-    mode: Literal["auto", "always_disaggregated", "always_colocated"] = "auto"
+    # slo: per request, the option (colocated on a decode worker, or a prefill/decode pair)
+    # whose predicted TTFT and TPOT (router/cost_model.py) meet the targets with the most
+    # headroom; none meets them: `overload`. auto: the length threshold below.
+    mode: Literal["slo", "auto", "always_disaggregated", "always_colocated"] = "slo"
+    slo: SLOTarget = Field(default_factory=SLOTarget)
+    slo_classes: list[SLOClass] = Field(default_factory=list)
+    tenant_slos: dict[str, SLOTarget] = Field(default_factory=dict)  # tenant_id -> targets
+    # When no option meets the targets: refuse at once with 429 and a Retry-After computed from
+    # the queues, or hold the request at the router until one does, for up to max_queue_s.
+    overload: Literal["reject", "queue"] = "reject"
+    max_queue_s: float = Field(2.0, ge=0)
     # auto: disaggregate when the uncached prompt tokens exceed this and the prefill pool's
     # queued tokens are under max_prefill_queue_tokens.
     max_local_prefill_tokens: int = Field(512, ge=0)

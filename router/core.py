@@ -18,8 +18,10 @@ from pd_runtime.model.model_config import context_limit, load_model_config
 from pd_runtime.model.tokenizer import Tokenizer
 from pd_runtime.workers.client import PoolClient
 from pd_runtime.workers.stream import error_chunk
+from router.cost_model import CostModel
+from router.ledger import Ledgers
 from router.metrics import RouterMetrics
-from router.policy import WorkerState, decide
+from router.policy import Decision, WorkerState, decide, decide_slo, slo_target
 from router.prefix_index import PrefixIndex
 from router.reload import RoutingReloader
 from router.tenants import Tenants
@@ -50,6 +52,8 @@ class PoolBackend:
                                         cfg.router.reload_interval_s,
                                         on_result=lambda r: self.metrics.reloads.labels(r).inc())
         self.inflight: dict[str, int] = {}
+        self.costs = CostModel()
+        self.ledgers = Ledgers()
         self._engine_ids: dict[str, str] = {}
         self._rng = random.Random()
         self._health_thread: Optional[threading.Thread] = None
@@ -90,6 +94,10 @@ class PoolBackend:
                 self.index.forget(w.worker_id)  # restarted: its cache is empty again
             self._engine_ids[w.worker_id] = engine_id
             self.index.set_capacity(w.worker_id, w.load.get("total_blocks", 1))
+            self.costs.update(w.worker_id, w.load)
+            c = self.costs.costs(w.worker_id)
+            self.metrics.observe_costs(w.worker_id, c.prefill_tokens_per_s(),
+                                       self.costs.transfer_gbps.get(w.worker_id, 0.0))
             # The report now counts what we routed there; count afresh from here.
             self.inflight[w.worker_id] = 0
 
@@ -141,17 +149,15 @@ class PoolBackend:
         workers = self.client.prefill + self.client.decode
         hits = {w.worker_id: self.index.expected_hit_tokens(w.worker_id, hashes,
                                                             len(prompt_ids)) for w in workers}
-        decision = decide(len(prompt_ids), self._states(self.client.decode),
-                          self._states(self.client.prefill), hits, self.reloader.current,
-                          self._rng)
-        if decision.decode_worker is None and self.client.decode:
-            # None up right now (one is restarting?): wait a bounded time for one, then decide.
-            deadline = arrival + self.client.recovery_wait_s
-            if await self.client.wait_for_decode(set(), deadline) is not None:
-                decision = decide(len(prompt_ids), self._states(self.client.decode),
-                                  self._states(self.client.prefill), hits,
-                                  self.reloader.current, self._rng)
+        decision = await self._route(prompt_ids, params, hits, tenant_id, arrival)
         self.metrics.decisions.labels(decision.path, decision.reason).inc()
+        if decision.path == "none" and decision.retry_after_s is not None:
+            self.metrics.refusals.labels(tenant_id, decision.reason).inc()
+            yield _refusal(429, "overloaded", "no worker can meet the latency targets now "
+                           f"(best option: TTFT {decision.predicted_ttft_s:.2f}s, TPOT "
+                           f"{decision.predicted_tpot_s * 1000:.0f}ms predicted)",
+                           retry_after_s=decision.retry_after_s)
+            return
         if decision.decode_worker is None:
             self.metrics.refusals.labels(tenant_id, "no_worker").inc()
             yield _refusal(503, "unavailable", "no decode worker is available"
@@ -163,6 +169,12 @@ class PoolBackend:
             self.inflight[w] = self.inflight.get(w, 0) + 1
             self.index.record(w, hashes)
         path = decision.path
+        runner = decision.prefill_worker or decision.decode_worker  # who computes the prompt
+        dispatched = time.monotonic()
+        self.ledgers[runner].add_prefill(request_id, decision.prefill_s or self._prefill_s(
+            runner, len(prompt_ids) - decision.expected_hit_tokens), dispatched)
+        decode_ledger = self.ledgers[decision.decode_worker]
+        decode_ledger.start(request_id, len(prompt_ids))
         first = last = None
         status = "error"
         try:
@@ -177,9 +189,14 @@ class PoolBackend:
                     yield chunk
                     return
                 if chunk["token_ids"]:
+                    decode_ledger.grow(request_id, len(chunk["token_ids"]))
                     if first is None:
                         first = now
+                        self.ledgers[runner].prefill_done(request_id, now)
                         self.metrics.ttft.labels(path).observe(now - arrival)
+                        if decision.predicted_ttft_s is not None:
+                            self.metrics.ttft_error.labels(path).observe(
+                                now - dispatched - decision.predicted_ttft_s)
                     else:
                         self.metrics.itl.labels(path).observe(now - last)
                     last = now
@@ -192,9 +209,45 @@ class PoolBackend:
             status = "cancelled"  # the client went away: not an error of ours
             raise
         finally:
+            now = time.monotonic()
+            self.ledgers[runner].finish(request_id, now)
+            decode_ledger.finish(request_id, now)
             self.metrics.requests.labels(path, status).inc()
             if status == "ok":
                 self.metrics.e2e.labels(path).observe(time.monotonic() - arrival)
+
+    def _prefill_s(self, worker_id: str, uncached: int) -> float:
+        return self.costs.costs(worker_id).prefill_s(uncached)
+
+    def _decide(self, prompt_ids: list[int], params: dict, hits: dict[str, int],
+                tenant_id: str) -> Decision:
+        cfg = self.reloader.current
+        decode, prefill = self._states(self.client.decode), self._states(self.client.prefill)
+        if cfg.mode != "slo":
+            return decide(len(prompt_ids), decode, prefill, hits, cfg, self._rng)
+        target = slo_target(cfg, tenant_id, len(prompt_ids))
+        return decide_slo(len(prompt_ids), params.get("max_tokens") or 16, decode, prefill,
+                          hits, cfg, target, self.costs, self.ledgers, time.monotonic(),
+                          self._rng)
+
+    async def _route(self, prompt_ids: list[int], params: dict, hits: dict[str, int],
+                     tenant_id: str, arrival: float) -> Decision:
+        """The policy's decision; with no decode worker up, waits a bounded time for one (one
+        is restarting?); slo mode with `overload: queue`: holds the request until an option
+        meets its targets, for up to max_queue_s."""
+        decision = self._decide(prompt_ids, params, hits, tenant_id)
+        if decision.decode_worker is None and decision.retry_after_s is None \
+                and self.client.decode:
+            deadline = arrival + self.client.recovery_wait_s
+            if await self.client.wait_for_decode(set(), deadline) is not None:
+                decision = self._decide(prompt_ids, params, hits, tenant_id)
+        while decision.retry_after_s is not None:
+            cfg = self.reloader.current
+            if cfg.overload != "queue" or time.monotonic() - arrival >= cfg.max_queue_s:
+                break
+            await asyncio.sleep(0.02)
+            decision = self._decide(prompt_ids, params, hits, tenant_id)
+        return decision
 
     def _observe_final(self, path: str, chunk: dict) -> None:
         if chunk.get("queue_s") is not None:

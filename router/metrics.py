@@ -53,6 +53,31 @@ class RouterMetrics:
                              worker, registry=r)
         self.kv_bytes = Gauge("pd_worker_kv_transfer_bytes", "KV bytes moved by this worker's "
                               "agent since it started", worker, registry=r)
+        self.step_s = Gauge("pd_worker_step_seconds", "Engine step time, recent average",
+                            worker, registry=r)
+        self.batch = Gauge("pd_worker_batch_size", "Sequences per engine step, recent average",
+                           worker, registry=r)
+        self.tokens_per_step = Gauge("pd_worker_tokens_per_step",
+                                     "Tokens computed per engine step, recent average", worker,
+                                     registry=r)
+        self.steps = Gauge("pd_worker_steps", "Engine steps since worker start", worker,
+                           registry=r)
+        self.busy = Gauge("pd_worker_busy_seconds", "Seconds spent in engine steps since "
+                          "worker start", worker, registry=r)
+        self.cost = Gauge("pd_cost_model_seconds", "The live cost model: seconds per step, per "
+                          "prompt token, per prompt token x context token, per decoded "
+                          "sequence, per context token of a decoded sequence",
+                          ["worker", "term"], registry=r)
+        self.prefill_rate = Gauge("pd_cost_model_prefill_tokens_per_second",
+                                  "Predicted prefill rate of a 1024-token prompt", worker,
+                                  registry=r)
+        self.transfer_gbps = Gauge("pd_cost_model_transfer_gbps",
+                                   "KV sent per second by this worker's transfers, averaged",
+                                   worker, registry=r)
+        self.ttft_error = Histogram("pd_ttft_prediction_error_seconds",
+                                    "Measured minus predicted TTFT (slo mode)", path,
+                                    registry=r, buckets=(-5, -2, -1, -0.5, -0.25, -0.1, -0.05,
+                                                         0, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
         self.kv_failures = Gauge("pd_worker_kv_transfer_failures",
                                  "Failed transfers since worker start", ["worker", "reason"],
                                  registry=r)
@@ -69,10 +94,25 @@ class RouterMetrics:
         self.hit_rate.labels(worker_id).set(load.get("prefix_hit_tokens", 0) / queried
                                             if queried else 0)
         self.preemptions.labels(worker_id).set(load.get("num_preemptions", 0))
+        costs = load.get("step_costs") or {}
+        if costs:
+            self.step_s.labels(worker_id).set(costs.get("step_s_ewma", 0))
+            self.batch.labels(worker_id).set(costs.get("batch_ewma", 0))
+            self.tokens_per_step.labels(worker_id).set(costs.get("tokens_per_step_ewma", 0))
+            self.steps.labels(worker_id).set(costs.get("steps", 0))
+            self.busy.labels(worker_id).set(costs.get("busy_s", 0))
+            for term, value in (costs.get("coefficients") or {}).items():
+                self.cost.labels(worker_id, term).set(value)
         kv = load.get("kv_transfer") or {}
         self.kv_bytes.labels(worker_id).set(kv.get("bytes_sent", 0) + kv.get("bytes_received", 0))
         for reason, count in (kv.get("failures") or {}).items():
             self.kv_failures.labels(worker_id, reason).set(count)
+
+    def observe_costs(self, worker_id: str, prefill_tokens_per_s: float,
+                      transfer_gbps: float) -> None:
+        self.prefill_rate.labels(worker_id).set(prefill_tokens_per_s)
+        if transfer_gbps:
+            self.transfer_gbps.labels(worker_id).set(transfer_gbps)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,10 +1,18 @@
 """Per-request routing: colocated or disaggregated, and which workers, from live settings.
 
-Decision: uncached = prompt tokens - best expected prefix hit on a decode worker; disaggregate
-when uncached > max_local_prefill_tokens and the prefill pool's queued tokens are under
-max_prefill_queue_tokens (mode `auto`), or always / never by mode. Worker choice: lowest cost
-(see DecodeCostWeights / PrefillCostWeights), ties broken at random; unhealthy or draining
-workers never chosen.
+Mode `slo` (decide_slo): every option (colocated on each decode worker; each prefill worker
+with each decode worker) gets a predicted TTFT (the worker's prefill queue + this prefill, from
+the live cost model) and a predicted TPOT (the decode worker's step with one more sequence, plus
+the prefill work done on it over the request's output horizon, plus the KV transfer spread the
+same way; what its running requests will see too). The options that meet the request's targets
+compete on headroom, ttft/target + tpot/target, lowest wins; when none meets them the request
+is refused (or held, `overload: queue`) with a Retry-After from the predicted excess.
+
+Mode `auto` (decide): uncached = prompt tokens - best expected prefix hit on a decode worker;
+disaggregate when uncached > max_local_prefill_tokens and the prefill pool's queued tokens are
+under max_prefill_queue_tokens, or always / never by mode. Worker choice: lowest cost (see
+DecodeCostWeights / PrefillCostWeights), ties broken at random. Unhealthy or draining workers
+are never chosen.
 """
 
 from __future__ import annotations
@@ -13,7 +21,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pd_runtime.config import RoutingConfig
+from pd_runtime.config import RoutingConfig, SLOTarget
+from router.cost_model import CostModel
+from router.ledger import Ledgers
 
 
 @dataclass
@@ -38,6 +48,10 @@ class Decision:
     prefill_worker: Optional[str]
     prompt_tokens: int
     expected_hit_tokens: int
+    predicted_ttft_s: Optional[float] = None   # slo mode: of the chosen (or best) option
+    predicted_tpot_s: Optional[float] = None
+    prefill_s: float = 0.0                     # slo mode: predicted compute of this prefill
+    retry_after_s: Optional[float] = None      # slo mode, refused: when to try again
 
 
 def _fraction(num: float, den: float) -> float:
@@ -102,3 +116,96 @@ def decide(prompt_len: int, decode: list[WorkerState], prefill: list[WorkerState
     if queued >= cfg.max_prefill_queue_tokens:
         return make("colocated", "prefill_saturated")
     return make("disaggregated", "long_prompt", p)
+
+
+# ------------------------------------------------------------------------------ SLO mode
+def slo_target(cfg: RoutingConfig, tenant_id: Optional[str], prompt_len: int) -> SLOTarget:
+    """The tenant's targets, else the largest prompt-length class the prompt reaches, else the
+    deployment's."""
+    if tenant_id is not None and tenant_id in cfg.tenant_slos:
+        return cfg.tenant_slos[tenant_id]
+    reached = [c for c in cfg.slo_classes if prompt_len >= c.min_prompt_tokens]
+    if reached:
+        c = max(reached, key=lambda c: c.min_prompt_tokens)
+        return SLOTarget(ttft_s=c.ttft_s, tpot_s=c.tpot_s)
+    return cfg.slo
+
+
+@dataclass
+class Option:
+    path: str
+    decode_worker: str
+    prefill_worker: Optional[str]
+    ttft_s: float
+    tpot_s: float
+    prefill_s: float  # compute of this prefill, on the worker that runs it
+    hit_tokens: int
+
+    def meets(self, target: SLOTarget) -> bool:
+        return self.ttft_s <= target.ttft_s and self.tpot_s <= target.tpot_s
+
+    def pressure(self, target: SLOTarget) -> float:
+        return self.ttft_s / target.ttft_s + self.tpot_s / target.tpot_s
+
+
+def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
+                prefill: list[WorkerState], hits: dict[str, int], costs: CostModel,
+                ledgers: Ledgers, now: float) -> list[Option]:
+    """Every way to serve the request on the available workers, with its predictions."""
+    horizon = min(512, max(16, max_tokens))  # the steps over which a running request pays
+    options = []
+    for d in (w for w in decode if w.available):
+        cd, ld = costs.costs(d.worker_id), ledgers[d.worker_id]
+        batch, context = len(ld.running), ld.context_tokens
+        step = cd.decode_step_s(batch + 1, context + prompt_len)
+        window = horizon * step
+        # Prefill work this worker does while the request decodes: what is queued, plus what
+        # it did lately (running requests are still paying for it).
+        backlog = ld.backlog_s(now)
+        shared = backlog + ld.recent_prefill_s(now, window)
+        hit_d = hits.get(d.worker_id, 0)
+        own = cd.prefill_s(prompt_len - hit_d, hit_d)
+        chunks = -(-(prompt_len - hit_d) // max(1, cd.max_batched_tokens))
+        # Colocated: behind the queue, chunks interleaved with the running decodes.
+        options.append(Option("colocated", d.worker_id, None,
+                              ttft_s=backlog + own + chunks * (step - cd.step_s) + costs.rpc_s,
+                              tpot_s=step + (shared + own) / horizon, prefill_s=own,
+                              hit_tokens=hit_d))
+        for p in (w for w in prefill if w.available):
+            cp, lp = costs.costs(p.worker_id), ledgers[p.worker_id]
+            hit_p = hits.get(p.worker_id, 0)
+            prefill_s = cp.prefill_s(prompt_len - hit_p, hit_p)
+            transfer = costs.transfer_s(p.worker_id, prompt_len - hit_d)
+            options.append(Option("disaggregated", d.worker_id, p.worker_id,
+                                  ttft_s=lp.backlog_s(now) + prefill_s + 2 * costs.rpc_s,
+                                  tpot_s=step + (shared + transfer) / horizon,
+                                  prefill_s=prefill_s, hit_tokens=hit_p))
+    return options
+
+
+def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
+               prefill: list[WorkerState], hits: dict[str, int], cfg: RoutingConfig,
+               target: SLOTarget, costs: CostModel, ledgers: Ledgers, now: float,
+               rng: random.Random) -> Decision:
+    options = slo_options(prompt_len, max_tokens, decode, prefill, hits, costs, ledgers, now)
+    if not options:
+        return Decision("none", "no_decode_worker", None, None, prompt_len, 0)
+    met = [o for o in options if o.meets(target)]
+    if met:
+        best = min(met, key=lambda o: (o.pressure(target), rng.random()))
+        reason = "slo_" + ("local" if best.path == "colocated" else "remote")
+        return Decision(best.path, reason, best.decode_worker, best.prefill_worker, prompt_len,
+                        hits.get(best.decode_worker, 0), best.ttft_s, best.tpot_s,
+                        best.prefill_s)
+    # None meets the targets: say when one would, from the option closest to meeting them.
+    def wait(o: Option) -> float:
+        late_ttft = max(0.0, o.ttft_s - target.ttft_s)
+        # Over on TPOT: its running requests must thin out; they need about their horizon.
+        late_tpot = 0.0 if o.tpot_s <= target.tpot_s else \
+            (o.tpot_s / target.tpot_s - 1.0) * min(512, max(16, max_tokens)) * target.tpot_s
+        return late_ttft + late_tpot
+
+    best = min(options, key=wait)
+    reason = "slo_ttft_unmet" if best.ttft_s > target.ttft_s else "slo_tpot_unmet"
+    return Decision("none", reason, None, None, prompt_len, 0, best.ttft_s, best.tpot_s,
+                    best.prefill_s, retry_after_s=min(60.0, max(0.5, wait(best))))

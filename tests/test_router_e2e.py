@@ -31,7 +31,8 @@ def write_config(path, model_dir, **routing):
         {"tenant_id": "other", "api_key": "key-other"},
         {"tenant_id": "slow", "api_key": "key-slow", "requests_per_minute": 2},
     ]
-    cfg["router"]["routing"].update(routing)
+    # The length rule, unless a test asks for another mode: its reasons are easy to assert.
+    cfg["router"]["routing"].update({"mode": "auto", **routing})
     cfg["recovery"]["health_check_interval_s"] = 0.2
     path.write_text(yaml.safe_dump(cfg))
 
@@ -209,3 +210,30 @@ def test_api_keys_tenant_salts_and_rate_limits(product):
     assert float(err.value.response.headers["retry-after"]) > 0
     text = httpx.get(f"http://127.0.0.1:{product['port']}/metrics").text
     assert 'pd_admission_refusals_total{reason="requests_per_minute",tenant="slow"}' in text
+
+
+def test_slo_mode_routes_by_prediction_and_refuses_early(product):
+    client, port = product["client"], product["port"]
+    set_routing(product, mode="slo", slo={"ttft_s": 30.0, "tpot_s": 5.0})
+    before = decisions(port)
+    assert complete(client, SHORT).choices[0].text
+    assert complete(client, fresh_long("gamma")).choices[0].text
+    after = decisions(port)
+    routed = sum(after.get((path, reason), 0) - before.get((path, reason), 0)
+                 for path in ("colocated", "disaggregated") for reason in ("slo_local", "slo_remote"))
+    assert routed == 2
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    rates = re.findall(r'pd_cost_model_prefill_tokens_per_second\{worker="([^"]+)"\} ([0-9.e+]+)', text)
+    assert len(rates) == 2 and all(float(v) > 0 for _, v in rates)
+    assert re.search(r'pd_worker_step_seconds\{worker="[^"]+"\} [0-9.e-]+', text)
+    # Targets no option can meet: refused at once, 429 with Retry-After, not queued.
+    set_routing(product, mode="slo", slo={"ttft_s": 0.0005, "tpot_s": 5.0})
+    start = time.monotonic()
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.completions.create(model=client.models.list().data[0].id,
+                                  prompt=fresh_long("delta"), max_tokens=4)
+    assert time.monotonic() - start < 1.0
+    assert int(refused.value.response.headers["Retry-After"]) >= 1
+    assert "latency targets" in refused.value.response.json()["error"]["message"]
+    assert decisions(port).get(("none", "slo_ttft_unmet"), 0) >= 1
+    set_routing(product, max_local_prefill_tokens=64)

@@ -152,7 +152,7 @@ def test_echo_stop_and_side_endpoints(server, client):
     assert httpx.get(f"{base}/health").json()["status"] == "ok"
     assert httpx.get(f"{base}/ready").status_code == 200
     config = httpx.get(f"{base}/v1/router/config").json()
-    assert config["routing"]["mode"] == "auto"
+    assert config["routing"]["mode"] == "slo"
     metrics = httpx.get(f"{base}/metrics")
     assert metrics.status_code == 200
     assert 'router_http_requests_total{path="/v1/completions",status="200"}' in metrics.text

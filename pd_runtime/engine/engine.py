@@ -23,6 +23,7 @@ from pd_runtime.engine.remote_kv import RemoteKVMixin
 from pd_runtime.engine.sampler import Sampler
 from pd_runtime.engine.sampling_params import SamplingParams
 from pd_runtime.engine.scheduler import Scheduler
+from pd_runtime.engine.step_costs import StepCostModel, StepWork
 from pd_runtime.engine.sequence import FinishReason, Request, RequestStatus
 from pd_runtime.engine.swap_space import SwapSpace
 from pd_runtime.model.tokenizer import Tokenizer
@@ -72,6 +73,7 @@ class LLMEngine(RemoteKVMixin):
         self.remote_waiting: dict[str, Request] = {}  # blocks reserved, KV expected from afar
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.num_steps = 0
+        self.step_costs = StepCostModel()  # what a step costs here, for routing and /metrics
         # Tokens of the last step by kind, for load reports and benchmarks.
         self.last_step_prefill_tokens = 0
         self.last_step_decode_tokens = 0
@@ -182,15 +184,24 @@ class LLMEngine(RemoteKVMixin):
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             if plan.swap_out:
                 self.runner.execute(plan)
             return []
         self.num_steps += 1
-        decodes = sum(1 for s in plan.scheduled if len(s.token_ids) == 1)
-        self.last_step_decode_tokens = decodes
-        self.last_step_prefill_tokens = plan.num_tokens - decodes
+        work = StepWork()
+        for s in plan.scheduled:
+            n = len(s.token_ids)
+            if n == 1:
+                work.decode_seqs += 1
+                work.decode_context += s.start + 1
+            else:
+                work.prefill_tokens += n
+                work.prefill_attention += n * s.start + n * (n + 1) // 2
+        self.last_step_decode_tokens = work.decode_seqs
+        self.last_step_prefill_tokens = work.prefill_tokens
         logits = self.runner.execute(plan)
         sampled = [self.requests[s.request_id] for s in plan.scheduled if s.sample]
         result = self.sampler(logits, [r.params for r in sampled],
@@ -214,6 +225,7 @@ class LLMEngine(RemoteKVMixin):
             if lp is not None:
                 req.logprobs.append(lp)
             outputs.append(self._finish_token(req, token, lp))
+        self.step_costs.observe(work, time.perf_counter() - started)
         return outputs
 
     def _finish_token(self, req: Request, token: int, logprob) -> RequestOutput:

@@ -126,6 +126,10 @@ class RemoteKVMixin:
             "prefix_hit_tokens": bm.stats.hit_tokens,
             "num_preemptions": sched.num_preemptions,
             "num_steps": self.num_steps,
+            "running_context_tokens": sum(r.num_tokens for r in sched.running),
+            "step_costs": self.step_costs.report(),
             "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "kv_bytes_per_token": self.runner.kv_bytes_per_token,
             "block_size": bm.block_size,
         }

@@ -1,0 +1,105 @@
+"""What an engine step costs, learned from the steps it runs: the live cost model routing uses.
+
+A step's seconds are fitted, by recursive least squares with exponential forgetting, to what it
+computed:
+
+    seconds = step + prefill_token * P + prefill_attention * P*ctx + decode_seq * D
+              + decode_context * sum(ctx of the decoded sequences)
+
+where P is the prompt tokens computed in the step, ctx the context each of them attends to, and
+D the sequences that decoded one token. The forgetting (half-life ~`half_life_steps`) follows a
+machine whose speed changes (a neighbour's load, thermal limits); the prior keeps coefficients
+sane until a kind of step has been seen. Predictions never use a negative coefficient.
+
+Also kept: step-time, batch-size and tokens-per-step averages, and a histogram of step times,
+for /metrics.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("step_s", "prefill_token_s", "prefill_attention_s", "decode_seq_s",
+            "decode_context_s")
+# Units the features are counted in, so the fit is well conditioned (coefficients per unit).
+_UNITS = np.array([1.0, 1e3, 1e6, 10.0, 1e4])
+STEP_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass
+class StepWork:
+    prefill_tokens: int = 0
+    prefill_attention: int = 0   # sum over prefill tokens of the context each attends to
+    decode_seqs: int = 0
+    decode_context: int = 0      # sum of the decoded sequences' context lengths
+
+    def vector(self) -> np.ndarray:
+        raw = np.array([1.0, self.prefill_tokens, self.prefill_attention, self.decode_seqs,
+                        self.decode_context])
+        return raw / _UNITS
+
+
+# A cautious prior (a small model on two CPU cores): 5 ms a step, 5k prompt tokens/s, 1 ms per
+# decoded sequence. Weak: a few dozen steps of each kind outweigh it.
+_PRIOR = np.array([5e-3, 0.2, 0.0, 1e-2, 0.0])
+
+
+class StepCostModel:
+    def __init__(self, half_life_steps: float = 500.0, prior_weight: float = 1e-2):
+        self.forget = 0.5 ** (1.0 / half_life_steps)
+        self.theta = _PRIOR.copy()  # seconds per feature unit
+        self._prior_P = np.eye(len(FEATURES)) / prior_weight  # inverse information: large = unsure
+        self.P = self._prior_P.copy()
+        self._max_trace = float(np.trace(self.P))
+        self.steps = 0
+        self.seconds = 0.0
+        self.tokens = 0
+        self.batch = 0
+        self.step_counts = [0] * (len(STEP_BUCKETS_S) + 1)
+        self._ewma_step_s = None
+        self._ewma_batch = None
+        self._ewma_tokens = None
+
+    def observe(self, work: StepWork, seconds: float) -> None:
+        x = work.vector()
+        Px = self.P @ x
+        gain = Px / (self.forget + x @ Px)
+        self.theta = self.theta + gain * (seconds - x @ self.theta)
+        self.P = self.P - np.outer(gain, Px)
+        if np.trace(self.P) < self._max_trace:  # forget only while it cannot wind up: a
+            self.P /= self.forget                # feature never seen would grow without end
+        if not np.all(np.isfinite(self.theta)):  # numerically lost: start over from the prior
+            self.theta, self.P = _PRIOR.copy(), self._prior_P.copy()
+        batch = work.decode_seqs + (1 if work.prefill_tokens else 0)
+        tokens = work.prefill_tokens + work.decode_seqs
+        self.steps += 1
+        self.seconds += seconds
+        self.tokens += tokens
+        self.batch += batch
+        self.step_counts[bisect.bisect_left(STEP_BUCKETS_S, seconds)] += 1
+        a = 0.05
+        self._ewma_step_s = seconds if self._ewma_step_s is None else \
+            (1 - a) * self._ewma_step_s + a * seconds
+        self._ewma_batch = batch if self._ewma_batch is None else \
+            (1 - a) * self._ewma_batch + a * batch
+        self._ewma_tokens = tokens if self._ewma_tokens is None else \
+            (1 - a) * self._ewma_tokens + a * tokens
+
+    def coefficients(self) -> dict:
+        """Seconds per unit of each feature (per step, per prompt token, per prompt token x
+        context token, per decoded sequence, per context token of a decoded sequence)."""
+        return {name: max(0.0, float(c / u)) for name, c, u in zip(FEATURES, self.theta, _UNITS)}
+
+    def predict(self, work: StepWork) -> float:
+        return float(np.maximum(self.theta, 0.0) @ work.vector())
+
+    def report(self) -> dict:
+        """Plain numbers for the load report (the router's cost model reads these)."""
+        return {"coefficients": self.coefficients(), "steps": self.steps,
+                "busy_s": self.seconds, "tokens": self.tokens, "batch_sum": self.batch,
+                "step_s_ewma": self._ewma_step_s or 0.0, "batch_ewma": self._ewma_batch or 0.0,
+                "tokens_per_step_ewma": self._ewma_tokens or 0.0,
+                "step_buckets_s": list(STEP_BUCKETS_S), "step_counts": list(self.step_counts)}

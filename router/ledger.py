@@ -1,0 +1,77 @@
+"""What the router has sent each worker and not seen finish: the queues the SLO policy predicts
+from. The router is the only way in, so its own ledger is current to the request (load reports
+lag by up to a health interval, which a burst outruns).
+
+Prefill work is kept as a queue of predicted finish times: a request joins at the end of its
+worker's queue, and when its first token arrives the error (actual - predicted) shifts every
+request behind it, so the queue stays honest without a model of the worker's scheduler.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Prefill:
+    seconds: float
+    finish_at: float
+
+
+@dataclass
+class WorkerLedger:
+    prefills: dict[str, _Prefill] = field(default_factory=dict)
+    free_at: float = 0.0                     # predicted end of the prefill queue
+    running: dict[str, int] = field(default_factory=dict)  # decode side: id -> context tokens
+    context_tokens: int = 0
+    # (time, seconds) of prefills done here lately: running requests paid for them.
+    done: collections.deque = field(default_factory=collections.deque)
+
+    def backlog_s(self, now: float) -> float:
+        return max(0.0, self.free_at - now) if self.prefills else 0.0
+
+    def add_prefill(self, request_id: str, seconds: float, now: float) -> float:
+        """Queue a prefill; returns its predicted finish time."""
+        start = max(now, self.free_at) if self.prefills else now
+        self.free_at = start + seconds
+        self.prefills[request_id] = _Prefill(seconds, self.free_at)
+        return self.free_at
+
+    def prefill_done(self, request_id: str, now: float, ran: bool = True) -> None:
+        p = self.prefills.pop(request_id, None)
+        if p is None:
+            return
+        # Ran: the ones behind it move by its error; did not: they move up by what it had left.
+        error = now - p.finish_at if ran else -min(p.seconds, max(0.0, p.finish_at - now))
+        for other in self.prefills.values():
+            if other.finish_at > p.finish_at:
+                other.finish_at += error
+        self.free_at = max((o.finish_at for o in self.prefills.values()), default=now)
+        if ran:
+            self.done.append((now, p.seconds))
+
+    def recent_prefill_s(self, now: float, window_s: float) -> float:
+        while self.done and self.done[0][0] < now - 60.0:
+            self.done.popleft()
+        return sum(s for t, s in self.done if t >= now - window_s)
+
+    def start(self, request_id: str, context: int) -> None:
+        self.running[request_id] = context
+        self.context_tokens += context
+
+    def grow(self, request_id: str, tokens: int) -> None:
+        if request_id in self.running:
+            self.running[request_id] += tokens
+            self.context_tokens += tokens
+
+    def finish(self, request_id: str, now: float) -> None:
+        self.prefill_done(request_id, now, ran=False)  # ended (refused, failed) before it
+        self.context_tokens -= self.running.pop(request_id, 0)
+
+
+class Ledgers(collections.defaultdict):
+    """worker id -> WorkerLedger, made on first use."""
+
+    def __init__(self):
+        super().__init__(WorkerLedger)

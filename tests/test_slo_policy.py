@@ -1,0 +1,215 @@
+"""The SLO-aware policy and its live cost model, with a fake clock and scripted load reports
+(no Ray): it picks the option the cost model predicts, refuses with a Retry-After when nothing
+meets the targets, keeps its queues honest as first tokens arrive, and reloads targets live."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pd_runtime.config import RoutingConfig, SLOClass, SLOTarget
+from pd_runtime.config_loading import ConfigError, load_routing_config
+from pd_runtime.engine.step_costs import StepCostModel, StepWork
+from router.cost_model import CostModel
+from router.ledger import Ledgers
+from router.policy import WorkerState, decide_slo, slo_options, slo_target
+from router.reload import RoutingReloader
+
+# A worker that prefills 5,000 tokens/s and decodes a sequence for 1 ms a step over 5 ms.
+FAST = dict(step_s=0.005, prefill_token_s=2e-4, prefill_attention_s=0.0, decode_seq_s=1e-3,
+            decode_context_s=0.0)
+
+
+def report(coefficients=None, **load):
+    """A load report as a worker sends it (engine load_report + worker fields)."""
+    return {"num_running": 0, "num_waiting": 0, "max_num_batched_tokens": 2048,
+            "kv_bytes_per_token": 8192, "kv_transfer": {"send_gbps": 2.0},
+            "step_costs": {"coefficients": coefficients or FAST, "step_s_ewma": 0.0,
+                           "steps": 100}, **load}
+
+
+class Cluster:
+    """Scripted workers: their reports feed the cost model; the ledger is the router's."""
+
+    def __init__(self, decode=("d0",), prefill=("p0",), **coefficients):
+        self.costs, self.ledgers, self.now = CostModel(), Ledgers(), 1000.0
+        self.decode = [WorkerState(w, "decode") for w in decode]
+        self.prefill = [WorkerState(w, "prefill") for w in prefill]
+        for w in self.decode + self.prefill:
+            self.costs.update(w.worker_id, report(coefficients.get(w.worker_id)))
+
+    def decide(self, prompt_len, target=SLOTarget(), max_tokens=64, hits=None, cfg=None):
+        return decide_slo(prompt_len, max_tokens, self.decode, self.prefill, hits or {},
+                          cfg or RoutingConfig(), target, self.costs, self.ledgers, self.now,
+                          random.Random(0))
+
+    def run(self, decision, request_id):
+        """Book a decision as the router does when it sends the request."""
+        runner = decision.prefill_worker or decision.decode_worker
+        self.ledgers[runner].add_prefill(request_id, decision.prefill_s, self.now)
+        self.ledgers[decision.decode_worker].start(request_id, decision.prompt_tokens)
+
+
+def test_predictions_follow_the_cost_model():
+    c = Cluster()
+    options = {o.path: o for o in slo_options(1000, 64, c.decode, c.prefill, {}, c.costs,
+                                              c.ledgers, c.now)}
+    # 1000 tokens at 0.2 ms + one chunk's 5 ms step.
+    assert options["colocated"].prefill_s == pytest.approx(0.205)
+    assert options["disaggregated"].prefill_s == pytest.approx(0.205)
+    assert options["disaggregated"].ttft_s == pytest.approx(0.205 + 2 * c.costs.rpc_s)
+    # Decode step with one sequence: 5 + 1 ms; the colocated prefill is spread over 64 steps.
+    assert options["colocated"].tpot_s == pytest.approx(0.006 + 0.205 / 64)
+    transfer = 1000 * 8192 / 2e9 + c.costs.rpc_s
+    assert options["disaggregated"].tpot_s == pytest.approx(0.006 + transfer / 64)
+
+
+def test_long_prompt_goes_to_the_idle_prefill_worker_and_short_stays_when_it_is_busy():
+    c = Cluster()
+    long = c.decide(2048)
+    assert (long.path, long.prefill_worker, long.reason) == ("disaggregated", "p0", "slo_remote")
+    c.run(long, "long-1")
+    # The prefill worker now has ~0.42 s queued: a short prompt is better off on the decode
+    # worker (its own prefill is 26 ms; waiting for p0 would cost far more TTFT headroom).
+    short = c.decide(128)
+    assert (short.path, short.reason) == ("colocated", "slo_local")
+    assert short.predicted_ttft_s < 0.1
+
+
+def test_picks_the_decode_worker_the_model_says_is_faster():
+    slow = dict(FAST, decode_seq_s=4e-3, step_s=0.02)
+    c = Cluster(decode=("d0", "d1"), prefill=(), d0=slow)
+    d = c.decide(100)
+    assert d.decode_worker == "d1" and d.path == "colocated"
+    # Load d1 until its predicted TPOT is worse than d0's: the choice follows.
+    for i in range(40):
+        c.ledgers["d1"].start(f"r{i}", 500)
+    assert c.decide(100).decode_worker == "d0"
+
+
+def test_refuses_with_retry_after_when_no_option_meets_the_ttft_target():
+    c = Cluster()
+    for i in range(20):  # 20 long prompts queued on each worker: ~4 s of prefill on both
+        c.ledgers["p0"].add_prefill(f"p{i}", 0.2, c.now)
+        c.ledgers["d0"].add_prefill(f"d{i}", 0.2, c.now)
+    refused = c.decide(2048, target=SLOTarget(ttft_s=2.5, tpot_s=10.0))
+    assert refused.path == "none" and refused.reason == "slo_ttft_unmet"
+    # The best option would start in 4 s and take 0.42 s: 1.9 s over the 2.5 s target.
+    assert refused.retry_after_s == pytest.approx(4.0 + 0.415 + 2 * c.costs.rpc_s - 2.5, abs=0.01)
+    # Time passes and the queues drain: the same request is served.
+    c.now += 3.0
+    assert c.decide(2048, target=SLOTarget(ttft_s=2.5, tpot_s=10.0)).path != "none"
+
+
+def test_refuses_when_the_decode_worker_would_miss_tpot():
+    c = Cluster()
+    for i in range(120):  # 120 sequences at 1 ms each: a 125 ms step
+        c.ledgers["d0"].start(f"r{i}", 100)
+    refused = c.decide(128)
+    assert (refused.path, refused.reason) == ("none", "slo_tpot_unmet")
+    assert refused.retry_after_s >= 0.5
+    # A looser TPOT target for this tenant admits it.
+    cfg = RoutingConfig(tenant_slos={"batch": SLOTarget(ttft_s=10, tpot_s=0.5)})
+    assert c.decide(128, target=slo_target(cfg, "batch", 128), cfg=cfg).path != "none"
+
+
+def test_ledger_queue_shifts_with_measured_first_tokens():
+    c = Cluster()
+    lp = c.ledgers["p0"]
+    lp.add_prefill("a", 1.0, c.now)
+    lp.add_prefill("b", 1.0, c.now)
+    assert lp.backlog_s(c.now) == pytest.approx(2.0)
+    # "a" took 1.5 s, not 1: "b" is now predicted to end 0.5 s later too.
+    c.now += 1.5
+    lp.prefill_done("a", c.now)
+    assert lp.backlog_s(c.now) == pytest.approx(1.0)
+    # "b" is cancelled before it ran: the queue is empty again.
+    lp.finish("b", c.now)
+    assert lp.backlog_s(c.now) == 0.0 and not lp.prefills
+    # Prefill work done lately still counts against a decode worker's TPOT.
+    assert lp.recent_prefill_s(c.now, 10.0) == pytest.approx(1.0)
+    assert lp.recent_prefill_s(c.now + 20, 10.0) == 0.0
+
+
+def test_slo_targets_tenant_then_class_then_default():
+    cfg = RoutingConfig(slo=SLOTarget(ttft_s=2.5, tpot_s=0.1),
+                        slo_classes=[SLOClass(name="long", min_prompt_tokens=1024, ttft_s=6,
+                                              tpot_s=0.1),
+                                     SLOClass(name="huge", min_prompt_tokens=8192, ttft_s=20,
+                                              tpot_s=0.2)],
+                        tenant_slos={"gold": SLOTarget(ttft_s=1.0, tpot_s=0.05)})
+    assert slo_target(cfg, None, 100).ttft_s == 2.5
+    assert slo_target(cfg, None, 2000).ttft_s == 6
+    assert slo_target(cfg, None, 9000).ttft_s == 20
+    assert slo_target(cfg, "gold", 9000).ttft_s == 1.0
+
+
+def test_targets_reload_live_and_bad_edits_name_the_field(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("router:\n  routing:\n    slo: {ttft_s: 2.5, tpot_s: 0.1}\n")
+    reloader = RoutingReloader(str(path), load_routing_config(str(path)), interval_s=0.05)
+    c = Cluster()
+    for i in range(8):  # ~1.7 s queued on each worker
+        c.ledgers["p0"].add_prefill(f"p{i}", 0.21, c.now)
+        c.ledgers["d0"].add_prefill(f"d{i}", 0.21, c.now)
+    assert c.decide(2048, target=slo_target(reloader.current, None, 2048)).path != "none"
+    path.write_text("router:\n  routing:\n    slo: {ttft_s: 1.0, tpot_s: 0.1}\n"
+                    "    overload: queue\n")
+    assert reloader.check(force=True)
+    assert reloader.current.overload == "queue"
+    assert c.decide(2048, target=slo_target(reloader.current, None, 2048)).path == "none"
+    path.write_text("router:\n  routing:\n    slo: {ttft_s: -1, tpot_s: 0.1}\n")
+    assert not reloader.check(force=True)
+    assert "router.routing.slo.ttft_s" in reloader.last_error
+    assert reloader.current.slo.ttft_s == 1.0
+    path.write_text("router:\n  routing:\n    overload: wait\n")
+    with pytest.raises(ConfigError, match="router.routing.overload"):
+        load_routing_config(str(path))
+
+
+def test_step_cost_model_recovers_coefficients_and_follows_a_slowdown():
+    rng = random.Random(0)
+    truth = dict(step_s=0.004, prefill_token_s=1.5e-4, prefill_attention_s=2e-9,
+                 decode_seq_s=8e-4, decode_context_s=1e-7)
+
+    def seconds(w, scale=1.0):
+        return scale * (truth["step_s"] + w.prefill_tokens * truth["prefill_token_s"]
+                        + w.prefill_attention * truth["prefill_attention_s"]
+                        + w.decode_seqs * truth["decode_seq_s"]
+                        + w.decode_context * truth["decode_context_s"])
+
+    def random_step():
+        n, start = rng.choice([0, 0, 64, 512, 2048]), rng.randrange(0, 1024)
+        seqs = rng.randrange(0 if n else 1, 48)
+        return StepWork(n, n * start + n * (n + 1) // 2, seqs,
+                        sum(rng.randrange(100, 2500) for _ in range(seqs)))
+
+    model = StepCostModel()
+    for _ in range(600):
+        w = random_step()
+        model.observe(w, seconds(w) * rng.uniform(0.97, 1.03))
+    fitted = model.coefficients()
+    # Context and sequences of a decode batch move together; their sum is what is identified.
+    for name in ("step_s", "prefill_token_s", "prefill_attention_s"):
+        assert fitted[name] == pytest.approx(truth[name], rel=0.25), name
+    probes = [StepWork(2048, 2048 * 2049 // 2, 16, 16 * 1500), StepWork(0, 0, 32, 32 * 1300),
+              StepWork(128, 128 * 129 // 2, 1, 700), StepWork(0, 0, 4, 4 * 2000)]
+    for probe in probes:
+        assert model.predict(probe) == pytest.approx(seconds(probe), rel=0.05)
+    probe = probes[0]
+    # The machine gets 2x slower (a noisy neighbour): within a few hundred steps, so does the model.
+    for _ in range(1000):
+        w = random_step()
+        model.observe(w, seconds(w, 2.0))
+    assert model.predict(probe) == pytest.approx(seconds(probe, 2.0), rel=0.1)
+    report = model.report()
+    assert report["steps"] == 1600 and sum(report["step_counts"]) == 1600
+
+
+def test_step_cost_model_stays_sane_on_a_worker_that_only_decodes():
+    model = StepCostModel()
+    for i in range(20000):  # never a prefill: that direction must not wind up
+        model.observe(StepWork(0, 0, 8 + i % 8, 8000), 0.01 + 0.001 * (i % 8))
+    c = model.coefficients()
+    assert 0 < c["prefill_token_s"] < 1e-3 and c["decode_seq_s"] == pytest.approx(1e-3, rel=0.2)
