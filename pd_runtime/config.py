@@ -60,6 +60,10 @@ class EnginePoolSettings(_Strict):
     # Outputs independent of batch composition, chunk boundaries and prefix-cache hits in
     # every dtype: per-sequence reduction orders fixed (see docs/configuration.md for its cost).
     batch_invariant: bool = True
+    # A worker runs a throwaway prompt of this many tokens before it reports ready: first-use
+    # costs (kernel builds, allocations) are paid before any request, and the live cost model
+    # starts from measured steps. 0: no warm-up.
+    warmup_tokens: int = Field(512, ge=0)
 
     @model_validator(mode="after")
     def _check(self):

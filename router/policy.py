@@ -140,6 +140,9 @@ class Option:
     tpot_s: float
     prefill_s: float  # compute of this prefill, on the worker that runs it
     hit_tokens: int
+    backlog_s: float = 0.0   # prefill queued ahead of it on the worker that runs its prefill
+    idle_meets: bool = True  # whether it would meet the targets with every queue empty
+
 
     def meets(self, target: SLOTarget) -> bool:
         return self.ttft_s <= target.ttft_s and self.tpot_s <= target.tpot_s
@@ -150,7 +153,7 @@ class Option:
 
 def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                 prefill: list[WorkerState], hits: dict[str, int], costs: CostModel,
-                ledgers: Ledgers, now: float) -> list[Option]:
+                ledgers: Ledgers, now: float, target: SLOTarget) -> list[Option]:
     """Every way to serve the request on the available workers, with its predictions."""
     horizon = min(512, max(16, max_tokens))  # the steps over which a running request pays
     options = []
@@ -167,10 +170,13 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         own = cd.prefill_s(prompt_len - hit_d, hit_d)
         chunks = -(-(prompt_len - hit_d) // max(1, cd.max_batched_tokens))
         # Colocated: behind the queue, chunks interleaved with the running decodes.
+        idle_step = cd.decode_step_s(1, prompt_len)
         options.append(Option("colocated", d.worker_id, None,
                               ttft_s=backlog + own + chunks * (step - cd.step_s) + costs.rpc_s,
                               tpot_s=step + (shared + own) / horizon, prefill_s=own,
-                              hit_tokens=hit_d))
+                              hit_tokens=hit_d, backlog_s=backlog,
+                              idle_meets=own + costs.rpc_s <= target.ttft_s
+                              and idle_step + own / horizon <= target.tpot_s))
         for p in (w for w in prefill if w.available):
             cp, lp = costs.costs(p.worker_id), ledgers[p.worker_id]
             hit_p = hits.get(p.worker_id, 0)
@@ -179,7 +185,10 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
             options.append(Option("disaggregated", d.worker_id, p.worker_id,
                                   ttft_s=lp.backlog_s(now) + prefill_s + 2 * costs.rpc_s,
                                   tpot_s=step + (shared + transfer) / horizon,
-                                  prefill_s=prefill_s, hit_tokens=hit_p))
+                                  prefill_s=prefill_s, hit_tokens=hit_p,
+                                  backlog_s=lp.backlog_s(now),
+                                  idle_meets=prefill_s + 2 * costs.rpc_s <= target.ttft_s
+                                  and idle_step + transfer / horizon <= target.tpot_s))
     return options
 
 
@@ -187,7 +196,8 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                prefill: list[WorkerState], hits: dict[str, int], cfg: RoutingConfig,
                target: SLOTarget, costs: CostModel, ledgers: Ledgers, now: float,
                rng: random.Random) -> Decision:
-    options = slo_options(prompt_len, max_tokens, decode, prefill, hits, costs, ledgers, now)
+    options = slo_options(prompt_len, max_tokens, decode, prefill, hits, costs, ledgers, now,
+                          target)
     if not options:
         return Decision("none", "no_decode_worker", None, None, prompt_len, 0)
     met = [o for o in options if o.meets(target)]
@@ -197,6 +207,16 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         return Decision(best.path, reason, best.decode_worker, best.prefill_worker, prompt_len,
                         hits.get(best.decode_worker, 0), best.ttft_s, best.tpot_s,
                         best.prefill_s)
+    if not any(o.idle_meets for o in options):
+        # No worker could meet these targets even idle (a prompt too long for this TTFT on this
+        # hardware): waiting would not help, so refusing would refuse it for ever. Serve it
+        # when a worker has nothing queued, one such request at a time per worker.
+        free = [o for o in options if o.backlog_s == 0.0]
+        if free:
+            best = min(free, key=lambda o: (o.pressure(target), rng.random()))
+            return Decision(best.path, "slo_best_effort", best.decode_worker,
+                            best.prefill_worker, prompt_len, hits.get(best.decode_worker, 0),
+                            best.ttft_s, best.tpot_s, best.prefill_s)
     # None meets the targets: say when one would, from the option closest to meeting them.
     def wait(o: Option) -> float:
         late_ttft = max(0.0, o.ttft_s - target.ttft_s)

@@ -5,6 +5,8 @@ client disconnect that frees every block.
 
 from __future__ import annotations
 
+import asyncio
+
 import re
 import time
 
@@ -155,7 +157,9 @@ def test_hot_reload_moves_long_prompts_and_rejects_broken_edits(product):
     active = {}
     while time.monotonic() < deadline:
         active = httpx.get(f"http://127.0.0.1:{port}/v1/router/config", headers=AUTH).json()
-        if active["last_reload_error"]:
+        # (A check can land mid-write and see an empty file first: also rejected, then the
+        # next check sees the whole edit.)
+        if "max_local_prefill_tokens" in (active["last_reload_error"] or ""):
             break
         time.sleep(0.05)
     assert "max_local_prefill_tokens" in active["last_reload_error"]
@@ -226,14 +230,28 @@ def test_slo_mode_routes_by_prediction_and_refuses_early(product):
     rates = re.findall(r'pd_cost_model_prefill_tokens_per_second\{worker="([^"]+)"\} ([0-9.e+]+)', text)
     assert len(rates) == 2 and all(float(v) > 0 for _, v in rates)
     assert re.search(r'pd_worker_step_seconds\{worker="[^"]+"\} [0-9.e-]+', text)
-    # Targets no option can meet: refused at once, 429 with Retry-After, not queued.
+    # Targets no worker could meet even idle: served one at a time per worker (waiting would
+    # not help, so a refusal would be for ever)...
     set_routing(product, mode="slo", slo={"ttft_s": 0.0005, "tpot_s": 5.0})
-    start = time.monotonic()
-    with pytest.raises(openai.RateLimitError) as refused:
-        client.completions.create(model=client.models.list().data[0].id,
-                                  prompt=fresh_long("delta"), max_tokens=4)
-    assert time.monotonic() - start < 1.0
-    assert int(refused.value.response.headers["Retry-After"]) >= 1
-    assert "latency targets" in refused.value.response.json()["error"]["message"]
-    assert decisions(port).get(("none", "slo_ttft_unmet"), 0) >= 1
+    assert complete(client, fresh_long("delta")).choices[0].text
+    assert decisions(port).get(("colocated", "slo_best_effort"), 0) \
+        + decisions(port).get(("disaggregated", "slo_best_effort"), 0) >= 1
+    # ...and the others, while those are queued, refused at once: 429 with Retry-After.
+    model = client.models.list().data[0].id
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1", headers=AUTH,
+                                     timeout=60) as http:
+            return await asyncio.gather(*(http.post("/completions", json={
+                "model": model, "prompt": fresh_long(f"eps{i}"), "max_tokens": 4})
+                for i in range(16)))
+
+    started = time.monotonic()
+    answers = asyncio.run(burst())
+    refused = [r for r in answers if r.status_code == 429]
+    assert refused and all(r.status_code in (200, 429) for r in answers)
+    assert all(int(r.headers["Retry-After"]) >= 1 for r in refused)
+    assert "latency targets" in refused[0].json()["error"]["message"]
+    assert time.monotonic() - started < 30
+    assert decisions(port).get(("none", "slo_ttft_unmet"), 0) >= len(refused)
     set_routing(product, max_local_prefill_tokens=64)

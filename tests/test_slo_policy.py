@@ -54,7 +54,7 @@ class Cluster:
 def test_predictions_follow_the_cost_model():
     c = Cluster()
     options = {o.path: o for o in slo_options(1000, 64, c.decode, c.prefill, {}, c.costs,
-                                              c.ledgers, c.now)}
+                                              c.ledgers, c.now, SLOTarget())}
     # 1000 tokens at 0.2 ms + one chunk's 5 ms step.
     assert options["colocated"].prefill_s == pytest.approx(0.205)
     assert options["disaggregated"].prefill_s == pytest.approx(0.205)
@@ -112,6 +112,24 @@ def test_refuses_when_the_decode_worker_would_miss_tpot():
     # A looser TPOT target for this tenant admits it.
     cfg = RoutingConfig(tenant_slos={"batch": SLOTarget(ttft_s=10, tpot_s=0.5)})
     assert c.decide(128, target=slo_target(cfg, "batch", 128), cfg=cfg).path != "none"
+
+
+def test_a_prompt_no_idle_worker_could_serve_in_time_is_served_when_one_is_free():
+    # 10,000 tokens at 5,000/s: 2 s of prefill, over a 1 s TTFT target even on idle workers.
+    # Refusing would refuse it for ever; it is served, one at a time per worker.
+    c = Cluster()
+    target = SLOTarget(ttft_s=1.0, tpot_s=0.1)
+    first = c.decide(10_000, target=target)
+    assert first.path != "none" and first.reason == "slo_best_effort"
+    c.run(first, "huge-1")
+    second = c.decide(10_000, target=target)
+    assert second.path != "none" and second.reason == "slo_best_effort"
+    assert (second.path == "colocated") != (first.path == "colocated")  # the other worker
+    c.run(second, "huge-2")
+    third = c.decide(10_000, target=target)
+    assert third.path == "none" and third.retry_after_s > 0.5  # both busy: come back later
+    # Both queues now hold 2 s: a short prompt cannot meet 1 s either, and is told to wait.
+    assert c.decide(128, target=target).path == "none"
 
 
 def test_ledger_queue_shifts_with_measured_first_tokens():
@@ -190,8 +208,9 @@ def test_step_cost_model_recovers_coefficients_and_follows_a_slowdown():
         w = random_step()
         model.observe(w, seconds(w) * rng.uniform(0.97, 1.03))
     fitted = model.coefficients()
-    # Context and sequences of a decode batch move together; their sum is what is identified.
-    for name in ("step_s", "prefill_token_s", "prefill_attention_s"):
+    # Context and sequences of a decode batch move together (their sum is what is identified),
+    # and the attention term is a few ms under 3% noise: predictions are checked for those.
+    for name in ("step_s", "prefill_token_s"):
         assert fitted[name] == pytest.approx(truth[name], rel=0.25), name
     probes = [StepWork(2048, 2048 * 2049 // 2, 16, 16 * 1500), StepWork(0, 0, 32, 32 * 1300),
               StepWork(128, 128 * 129 // 2, 1, 700), StepWork(0, 0, 4, 4 * 2000)]
@@ -205,6 +224,17 @@ def test_step_cost_model_recovers_coefficients_and_follows_a_slowdown():
     assert model.predict(probe) == pytest.approx(seconds(probe, 2.0), rel=0.1)
     report = model.report()
     assert report["steps"] == 1600 and sum(report["step_counts"]) == 1600
+
+
+def test_step_cost_model_shrugs_off_a_lone_outlier():
+    model = StepCostModel()
+    work = [StepWork(512, 512 * 513 // 2, 4, 4000), StepWork(0, 0, 8, 8000)]
+    for i in range(400):
+        w = work[i % 2]
+        model.observe(w, 0.002 + 2e-4 * w.prefill_tokens + 1e-3 * w.decode_seqs)
+    before = model.predict(work[0])
+    model.observe(work[0], 30.0)  # one step stalled for 30 s (a stopped process, a swap storm)
+    assert model.predict(work[0]) == pytest.approx(before, rel=0.25)
 
 
 def test_step_cost_model_stays_sane_on_a_worker_that_only_decodes():

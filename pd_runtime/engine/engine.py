@@ -182,6 +182,34 @@ class LLMEngine(RemoteKVMixin):
         """Something a step would compute (requests waiting for remote KV are not work)."""
         return bool(self.scheduler.running or self.scheduler.waiting)
 
+    def warm_up(self, prompt_tokens: int) -> float:
+        """Two throwaway requests before serving: a short one pays the first-use costs (native
+        kernel build or load, allocations) and is forgotten, then one of `prompt_tokens` whose
+        steps seed the cost model. Their blocks are salted (no request can hit them) and stay
+        only as evictable cache. Returns the seconds it took."""
+        import random
+
+        started = time.perf_counter()
+        block_size = self.block_manager.block_size
+        n = min(prompt_tokens, self.max_model_len - 8,
+                (self.block_manager.num_blocks - 2) * block_size)
+        if n < 2 or self.has_work():
+            return 0.0
+        rng = random.Random(0)
+        vocab = self.model_config.vocab_size
+        for i, length in enumerate((min(n, 2 * block_size), n)):
+            prompt = [rng.randrange(vocab) for _ in range(length)]
+            self.add_request(f"warm-up-{i}", prompt,
+                             SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                             cache_salt="pd-runtime-warm-up")
+            while self.has_work():
+                self.step()
+            if i == 0:
+                self.step_costs = StepCostModel()
+        self.block_manager.stats = type(self.block_manager.stats)()
+        self.num_steps = 0
+        return time.perf_counter() - started
+
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()

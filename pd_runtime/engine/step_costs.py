@@ -54,6 +54,7 @@ class StepCostModel:
         self._prior_P = np.eye(len(FEATURES)) / prior_weight  # inverse information: large = unsure
         self.P = self._prior_P.copy()
         self._max_trace = float(np.trace(self.P))
+        self._error_scale = 0.01  # seconds: typical |error| of a prediction lately
         self.steps = 0
         self.seconds = 0.0
         self.tokens = 0
@@ -67,7 +68,14 @@ class StepCostModel:
         x = work.vector()
         Px = self.P @ x
         gain = Px / (self.forget + x @ Px)
-        self.theta = self.theta + gain * (seconds - x @ self.theta)
+        # A lone outlier (a page fault storm, a neighbour's burst) moves the fit by a bounded
+        # step; a lasting change raises the scale and gets through within a few dozen steps.
+        predicted = x @ self.theta
+        error = seconds - predicted
+        bound = max(4.0 * self._error_scale, 0.5 * abs(predicted)) if self.steps >= 32 \
+            else float("inf")  # the first steps learn freely from the prior
+        self._error_scale = 0.9 * self._error_scale + 0.1 * min(abs(error), 10 * bound)
+        self.theta = self.theta + gain * max(-bound, min(bound, error))
         self.P = self.P - np.outer(gain, Px)
         if np.trace(self.P) < self._max_trace:  # forget only while it cannot wind up: a
             self.P /= self.forget                # feature never seen would grow without end

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from pd_runtime.engine.engine import LLMEngine, RequestOutput
@@ -18,6 +19,7 @@ from pd_runtime.engine.engine import LLMEngine, RequestOutput
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
+_REPORT_EVERY_S = 0.02  # how often the engine thread republishes its load report
 
 
 class EngineLoop:
@@ -29,6 +31,8 @@ class EngineLoop:
         self._tick_hooks: list[Callable[[LLMEngine], None]] = []
         self._stopped = threading.Event()
         self.steps = 0
+        self._report: Optional[dict] = None  # the engine's load report, as of _report_at
+        self._report_at = 0.0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -54,6 +58,14 @@ class EngineLoop:
         q = self._streams.pop(request_id, None)
         if q is not None:
             q.put_nowait(None)
+
+    def latest_report(self) -> Optional[dict]:
+        """The engine's load report as of the last loop iteration (at most one step old), with
+        its age; None before the first."""
+        report = self._report
+        if report is None:
+            return None
+        return {**report, "report_age_s": time.monotonic() - self._report_at}
 
     def add_tick_hook(self, hook: Callable[[LLMEngine], None]) -> None:
         """Called on the engine thread once per loop iteration (poll transfers, deadlines)."""
@@ -125,3 +137,6 @@ class EngineLoop:
                 self.steps += 1
                 if outputs:
                     self.loop.call_soon_threadsafe(self._deliver, outputs)
+            now = time.monotonic()
+            if now - self._report_at >= _REPORT_EVERY_S:
+                self._report, self._report_at = engine.load_report(), now

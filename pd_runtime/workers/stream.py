@@ -26,6 +26,17 @@ def output_chunk(out, path: str) -> dict:
     }
 
 
+def merge_chunks(into: dict, later: dict) -> dict:
+    """`into` followed by `later`, as one chunk (consecutive outputs of one request)."""
+    into["token_ids"] = into["token_ids"] + later["token_ids"]
+    into["text"] = (into["text"] or "") + (later["text"] or "")
+    if into["logprobs"] is not None or later["logprobs"] is not None:
+        into["logprobs"] = (into["logprobs"] or []) + (later["logprobs"] or [])
+    for key in ("finished", "finish_reason", "queue_s"):
+        into[key] = later[key]
+    return into
+
+
 def error_chunk(exc: Exception, status: Optional[int] = None,
                 retry_after_s: Optional[float] = None) -> dict:
     if isinstance(exc, EngineOverloadedError):

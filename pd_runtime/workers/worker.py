@@ -20,7 +20,7 @@ from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
 from pd_runtime.engine.errors import EngineOverloadedError, InvalidRequestError
 from pd_runtime.engine.sampling_params import SamplingParams
 from pd_runtime.workers.engine_loop import EngineLoop
-from pd_runtime.workers.stream import error_chunk, output_chunk
+from pd_runtime.workers.stream import error_chunk, merge_chunks, output_chunk
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class PDWorker:
         if self.engine_config.num_threads:
             torch.set_num_threads(self.engine_config.num_threads)
         self.engine = LLMEngine(self.engine_config)
+        warm_s = self.engine.warm_up(self.engine_config.warmup_tokens)
         # A restarted actor is a new incarnation: peers must not mistake it for the old one.
         self.engine_id = f"{worker_id}-{uuid.uuid4().hex[:8]}"
         from pd_runtime.workers.remote_prefill import PrefillRate
@@ -75,8 +76,9 @@ class PDWorker:
         self.loop: Optional[EngineLoop] = None
         self.draining = False
         self.started = time.time()
-        log.info("worker %s (%s) up: engine %s, %d KV blocks", worker_id, role, self.engine_id,
-                 self.engine.block_manager.num_blocks)
+        log.info("worker %s (%s) up: engine %s, %d KV blocks, %s, warm-up %.1fs", worker_id,
+                 role, self.engine_id, self.engine.block_manager.num_blocks,
+                 self.engine.runner.dtype, warm_s)
 
     # -- plumbing ----------------------------------------------------------------------------
     def _engine_loop(self) -> EngineLoop:
@@ -102,7 +104,12 @@ class PDWorker:
         return self.agent.metadata()
 
     async def load(self) -> dict:
-        report = await self._engine_loop().call(lambda e: e.load_report())
+        """The engine's latest load report (published by its thread between steps, so a long
+        step does not make this worker look dead) with the worker's own fields."""
+        loop = self._engine_loop()
+        report = loop.latest_report()
+        if report is None:
+            report = await loop.call(lambda e: e.load_report())
         report["records"] = self._records()
         report.update(worker_id=self.worker_id, role=self.role, engine_id=self.engine_id,
                       kv_transfer=self.agent.metrics(), draining=self.draining,
@@ -165,6 +172,14 @@ class PDWorker:
             if out is None:  # aborted from elsewhere: nothing more will come
                 return
             chunk = output_chunk(out, path)
+            # Outputs that queued up while the caller read the last chunk leave as one: a Ray
+            # object per chunk is the streaming path's main cost when the router falls behind.
+            while not out.finished and not q.empty():
+                out = q.get_nowait()
+                if out is None:
+                    yield chunk
+                    return
+                merge_chunks(chunk, output_chunk(out, path))
             if out.finished and request_id in self.kv_transfer_s:
                 chunk["kv_transfer_s"] = self.kv_transfer_s.pop(request_id)
                 chunk["kv_arrived"] = self.kv_arrived.pop(request_id, False)
