@@ -63,7 +63,7 @@ class EnginePoolSettings(_Strict):
     # A worker runs a throwaway prompt of this many tokens before it reports ready: first-use
     # costs (kernel builds, allocations) are paid before any request, and the live cost model
     # starts from measured steps. 0: no warm-up.
-    warmup_tokens: int = Field(512, ge=0)
+    warmup_tokens: int = Field(1024, ge=0)
 
     @model_validator(mode="after")
     def _check(self):

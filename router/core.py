@@ -151,6 +151,11 @@ class PoolBackend:
                                                             len(prompt_ids)) for w in workers}
         decision = await self._route(prompt_ids, params, hits, tenant_id, arrival)
         self.metrics.decisions.labels(decision.path, decision.reason).inc()
+        if decision.predicted_ttft_s is not None:
+            log.debug("route %s (%d tokens): %s %s decode=%s prefill=%s predicted ttft %.3fs "
+                      "tpot %.1fms", request_id, len(prompt_ids), decision.path, decision.reason,
+                      decision.decode_worker, decision.prefill_worker, decision.predicted_ttft_s,
+                      decision.predicted_tpot_s * 1000)
         if decision.path == "none" and decision.retry_after_s is not None:
             self.metrics.refusals.labels(tenant_id, decision.reason).inc()
             yield _refusal(429, "overloaded", "no worker can meet the latency targets now "
@@ -197,6 +202,8 @@ class PoolBackend:
                         if decision.predicted_ttft_s is not None:
                             self.metrics.ttft_error.labels(path).observe(
                                 now - dispatched - decision.predicted_ttft_s)
+                            log.debug("first token %s: ttft %.3fs from dispatch", request_id,
+                                      now - dispatched)
                     else:
                         self.metrics.itl.labels(path).observe(now - last)
                     last = now

@@ -17,12 +17,17 @@ from dataclasses import dataclass, field
 class _Prefill:
     seconds: float
     finish_at: float
+    booked_at: float
+    predicted_s: float  # booking to first token, as predicted then
 
 
 @dataclass
 class WorkerLedger:
     prefills: dict[str, _Prefill] = field(default_factory=dict)
     free_at: float = 0.0                     # predicted end of the prefill queue
+    # Measured / predicted time to first token of this worker's prefills lately: what the cost
+    # model misses (a busy neighbour, a misfit) scales its next predictions.
+    slowdown: float = 1.0
     running: dict[str, int] = field(default_factory=dict)  # decode side: id -> context tokens
     context_tokens: int = 0
     # (time, seconds) of prefills done here lately: running requests paid for them.
@@ -35,7 +40,7 @@ class WorkerLedger:
         """Queue a prefill; returns its predicted finish time."""
         start = max(now, self.free_at) if self.prefills else now
         self.free_at = start + seconds
-        self.prefills[request_id] = _Prefill(seconds, self.free_at)
+        self.prefills[request_id] = _Prefill(seconds, self.free_at, now, self.free_at - now)
         return self.free_at
 
     def prefill_done(self, request_id: str, now: float, ran: bool = True) -> None:
@@ -50,6 +55,9 @@ class WorkerLedger:
         self.free_at = max((o.finish_at for o in self.prefills.values()), default=now)
         if ran:
             self.done.append((now, p.seconds))
+            if p.predicted_s >= 0.05:  # short ones are mostly fixed costs: not informative
+                ratio = (now - p.booked_at) / p.predicted_s
+                self.slowdown = min(4.0, max(0.5, 0.8 * self.slowdown + 0.2 * ratio))
 
     def recent_prefill_s(self, now: float, window_s: float) -> float:
         while self.done and self.done[0][0] < now - 60.0:

@@ -167,7 +167,7 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         backlog = ld.backlog_s(now)
         shared = backlog + ld.recent_prefill_s(now, window)
         hit_d = hits.get(d.worker_id, 0)
-        own = cd.prefill_s(prompt_len - hit_d, hit_d)
+        own = cd.prefill_s(prompt_len - hit_d, hit_d) * ld.slowdown
         chunks = -(-(prompt_len - hit_d) // max(1, cd.max_batched_tokens))
         # Colocated: behind the queue, chunks interleaved with the running decodes.
         idle_step = cd.decode_step_s(1, prompt_len)
@@ -180,7 +180,7 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         for p in (w for w in prefill if w.available):
             cp, lp = costs.costs(p.worker_id), ledgers[p.worker_id]
             hit_p = hits.get(p.worker_id, 0)
-            prefill_s = cp.prefill_s(prompt_len - hit_p, hit_p)
+            prefill_s = cp.prefill_s(prompt_len - hit_p, hit_p) * lp.slowdown
             transfer = costs.transfer_s(p.worker_id, prompt_len - hit_d)
             options.append(Option("disaggregated", d.worker_id, p.worker_id,
                                   ttft_s=lp.backlog_s(now) + prefill_s + 2 * costs.rpc_s,

@@ -150,6 +150,23 @@ def test_ledger_queue_shifts_with_measured_first_tokens():
     assert lp.recent_prefill_s(c.now + 20, 10.0) == 0.0
 
 
+def test_predictions_learn_what_the_cost_model_misses():
+    # The prefill worker runs 2x slower than its cost model says (a busy neighbour): its
+    # measured first tokens raise its predictions until they match.
+    c = Cluster()
+    before = c.decide(2048).predicted_ttft_s
+    for i in range(15):
+        d = c.decide(2048, target=SLOTarget(ttft_s=100, tpot_s=1))
+        lp = c.ledgers[d.prefill_worker or d.decode_worker]
+        lp.add_prefill(f"r{i}", d.prefill_s, c.now)
+        c.now += 2 * d.prefill_s
+        lp.prefill_done(f"r{i}", c.now)
+    assert c.ledgers["p0"].slowdown == pytest.approx(2.0, rel=0.1)
+    options = {o.path: o for o in slo_options(2048, 64, c.decode, c.prefill, {}, c.costs,
+                                              c.ledgers, c.now, SLOTarget())}
+    assert options["disaggregated"].ttft_s == pytest.approx(2 * before, rel=0.1)
+
+
 def test_slo_targets_tenant_then_class_then_default():
     cfg = RoutingConfig(slo=SLOTarget(ttft_s=2.5, tpot_s=0.1),
                         slo_classes=[SLOClass(name="long", min_prompt_tokens=1024, ttft_s=6,

@@ -183,9 +183,9 @@ class LLMEngine(RemoteKVMixin):
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     def warm_up(self, prompt_tokens: int) -> float:
-        """Two throwaway requests before serving: a short one pays the first-use costs (native
-        kernel build or load, allocations) and is forgotten, then one of `prompt_tokens` whose
-        steps seed the cost model. Their blocks are salted (no request can hit them) and stay
+        """Throwaway requests before serving: a short one pays the first-use costs (native
+        kernel build or load, allocations) and is forgotten, then one of `prompt_tokens` and
+        one of a quarter of that, whose steps seed the cost model. Their blocks are salted (no request can hit them) and stay
         only as evictable cache. Returns the seconds it took."""
         import random
 
@@ -197,7 +197,9 @@ class LLMEngine(RemoteKVMixin):
             return 0.0
         rng = random.Random(0)
         vocab = self.model_config.vocab_size
-        for i, length in enumerate((min(n, 2 * block_size), n)):
+        # A long and a short prompt: the cost model tells the quadratic attention term from
+        # the linear one only with both.
+        for i, length in enumerate((min(n, 2 * block_size), n, max(2, n // 4))):
             prompt = [rng.randrange(vocab) for _ in range(length)]
             self.add_request(f"warm-up-{i}", prompt,
                              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
