@@ -72,7 +72,7 @@ class PoolClient:
         return random.choice([w for w in live if w.load.get("num_running", 0)
                               + w.load.get("num_waiting", 0) == best])
 
-    async def probe(self, w: WorkerRef, timeout_s: float = 2.0) -> bool:
+    async def probe(self, w: WorkerRef, timeout_s: float = 1.0) -> bool:
         """Ask one worker for its load; a worker that does not answer is marked unhealthy until
         it answers again (a restarted actor rejoins this way), one whose restarts are used up
         is marked dead."""
@@ -84,7 +84,7 @@ class PoolClient:
             w.dead_probes = w.dead_probes + 1 if _actor_died(exc) else 0
         return w.healthy
 
-    async def refresh(self, timeout_s: float = 2.0) -> None:
+    async def refresh(self, timeout_s: float = 1.0) -> None:
         """Poll every worker's load (see probe)."""
         await asyncio.gather(*(self.probe(w, timeout_s) for w in self.prefill + self.decode))
 

@@ -94,6 +94,38 @@ class PrefillRate:
         return min(ceiling_s, min_s + factor * tokens * self.s_per_token)
 
 
+# A prefill that has not answered by then is checked on: its worker must answer a load
+# report (a snapshot; no engine step in the way) within _ALIVE_TIMEOUT_S, or it is taken for
+# stopped and the prefill is hedged at once rather than at the hedge deadline.
+_ALIVE_CHECK_AFTER_S = 0.4
+_ALIVE_TIMEOUT_S = 0.3
+
+
+async def _first_token(prefill_worker, call, hedge_s: float) -> dict:
+    """The prefill call's answer; asyncio.TimeoutError at hedge_s, or sooner when the prefill
+    worker stops answering (stopped, hung, or its node gone)."""
+    task = asyncio.ensure_future(call)
+    deadline = time.monotonic() + hedge_s
+    try:
+        done, _ = await asyncio.wait({task}, timeout=min(hedge_s, _ALIVE_CHECK_AFTER_S))
+        while not done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            try:
+                await asyncio.wait_for(prefill_worker.load.remote(), _ALIVE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                if not task.done():
+                    raise
+            except Exception:  # dead: the call itself fails and says so
+                pass
+            done, _ = await asyncio.wait({task}, timeout=min(max(0.0, left), 0.5))
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict, prefill_worker,
                              priority: int, cache_salt: Optional[str]) -> AsyncIterator[dict]:
     """Yields the first token's chunk (or an error chunk); the rest streams from the engine."""
@@ -110,12 +142,13 @@ async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict,
     hedge_s = worker.prefill_rate.hedge_after_s(
         uncached, worker.hedge_min_s, worker.hedge_factor, worker.remote_prefill_timeout_s)
     started = time.monotonic()
+    # A call the prefill worker starts later than its liveness check gives it may have been
+    # hedged already: it is refused there, never computed twice.
+    start_by = min(hedge_s, _ALIVE_CHECK_AFTER_S + _ALIVE_TIMEOUT_S)
     try:
-        first = await asyncio.wait_for(
-            prefill_worker.prefill.remote(request_id, prompt, params, worker.agent.metadata(),
-                                          res.missing_block_ids, skip, cache_salt,
-                                          not_after=time.time() + hedge_s),
-            timeout=hedge_s)
+        first = await _first_token(prefill_worker, prefill_worker.prefill.remote(
+            request_id, prompt, params, worker.agent.metadata(), res.missing_block_ids, skip,
+            cache_salt, not_after=time.time() + start_by), hedge_s)
         if first.get("error"):
             raise RuntimeError(first["error"]["message"])
     except Exception as exc:  # lost, late or refused: prefill here, into our reservation

@@ -272,8 +272,9 @@ class PDWorker:
         """Compute the prompt's KV and first token, return the token at once, and ship the
         blocks after `skip_blocks` into the decode worker's `dst_block_ids` in the background
         (the blocks stay held until the transfer's lease ends); `ship_outcome` reports how the
-        send went. `not_after` (time.time()): the decode side hedges then, so a call that
-        starts later (this worker was stopped or stalled) is refused, not computed twice."""
+        send went. `not_after` (time.time()): the decode side may hedge from then on, so a
+        call that starts later (this worker was stopped or stalled) is refused, not computed
+        twice."""
         from pd_runtime.workers.remote_prefill import ship_kv
 
         loop = self._engine_loop()
