@@ -227,8 +227,8 @@ class RecoveryConfig(_Strict):
     health_check_interval_s: float = Field(1.0, gt=0)
     # A request whose decode worker died (or that finds none up) waits this long for one to
     # serve it (another, or the restarted actor) before it fails with Retry-After; covers an
-    # actor restart (~3-4 s measured on the 2-core box).
-    decode_recovery_wait_s: float = Field(20.0, ge=0)
+    # actor restart (9-21 s measured on the 2-core AVX2 box under load, warm-up included).
+    decode_recovery_wait_s: float = Field(40.0, ge=0)
 
 
 # ---------------------------------------------------------------------------------- router
