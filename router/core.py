@@ -92,6 +92,7 @@ class PoolBackend:
             engine_id = w.load.get("engine_id")
             if self._engine_ids.get(w.worker_id) not in (None, engine_id):
                 self.index.forget(w.worker_id)  # restarted: its cache is empty again
+                self.ledgers[w.worker_id].slowdown = 1.0  # and what it measured is moot
             self._engine_ids[w.worker_id] = engine_id
             self.index.set_capacity(w.worker_id, w.load.get("total_blocks", 1))
             self.costs.update(w.worker_id, w.load)
@@ -158,6 +159,7 @@ class PoolBackend:
                       decision.predicted_tpot_s * 1000)
         if decision.path == "none" and decision.retry_after_s is not None:
             self.metrics.refusals.labels(tenant_id, decision.reason).inc()
+            self.tenants.refund(tenant, len(prompt_ids) + params.get("max_tokens", 16))
             yield _refusal(429, "overloaded", "no worker can meet the latency targets now "
                            f"(best option: TTFT {decision.predicted_ttft_s:.2f}s, TPOT "
                            f"{decision.predicted_tpot_s * 1000:.0f}ms predicted)",
@@ -227,7 +229,7 @@ class PoolBackend:
         return self.costs.costs(worker_id).prefill_s(uncached)
 
     def _decide(self, prompt_ids: list[int], params: dict, hits: dict[str, int],
-                tenant_id: str) -> Decision:
+                tenant_id: str, waited_s: float = 0.0) -> Decision:
         cfg = self.reloader.current
         decode, prefill = self._states(self.client.decode), self._states(self.client.prefill)
         if cfg.mode != "slo":
@@ -235,7 +237,7 @@ class PoolBackend:
         target = slo_target(cfg, tenant_id, len(prompt_ids))
         return decide_slo(len(prompt_ids), params.get("max_tokens") or 16, decode, prefill,
                           hits, cfg, target, self.costs, self.ledgers, time.monotonic(),
-                          self._rng)
+                          self._rng, waited_s)
 
     async def _route(self, prompt_ids: list[int], params: dict, hits: dict[str, int],
                      tenant_id: str, arrival: float) -> Decision:
@@ -253,7 +255,8 @@ class PoolBackend:
             if cfg.overload != "queue" or time.monotonic() - arrival >= cfg.max_queue_s:
                 break
             await asyncio.sleep(0.02)
-            decision = self._decide(prompt_ids, params, hits, tenant_id)
+            decision = self._decide(prompt_ids, params, hits, tenant_id,
+                                    time.monotonic() - arrival)
         return decision
 
     def _observe_final(self, path: str, chunk: dict) -> None:

@@ -56,7 +56,7 @@ class WorkerCosts:
         return self.step_s + batch * self.decode_seq_s + context * self.decode_context_s
 
     def prefill_tokens_per_s(self, tokens: int = 1024) -> float:
-        return tokens / self.prefill_s(tokens)
+        return tokens / max(self.prefill_s(tokens), 1e-9)
 
 
 class CostModel:

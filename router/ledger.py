@@ -13,6 +13,10 @@ import collections
 from dataclasses import dataclass, field
 
 
+_RECENT_S = 60.0               # how long done prefills are remembered
+_SLOWDOWN_HALF_LIFE_S = 30.0
+
+
 @dataclass
 class _Prefill:
     seconds: float
@@ -28,6 +32,7 @@ class WorkerLedger:
     # Measured / predicted time to first token of this worker's prefills lately: what the cost
     # model misses (a busy neighbour, a misfit) scales its next predictions.
     slowdown: float = 1.0
+    slowdown_at: float = 0.0  # when it was last measured; it decays toward 1 from then
     running: dict[str, int] = field(default_factory=dict)  # decode side: id -> context tokens
     context_tokens: int = 0
     # (time, seconds) of prefills done here lately: running requests paid for them.
@@ -55,12 +60,22 @@ class WorkerLedger:
         self.free_at = max((o.finish_at for o in self.prefills.values()), default=now)
         if ran:
             self.done.append((now, p.seconds))
+            while self.done and self.done[0][0] < now - _RECENT_S:
+                self.done.popleft()
             if p.predicted_s >= 0.05:  # short ones are mostly fixed costs: not informative
+                # The prediction had the slowdown in it already: what is left scales it.
                 ratio = (now - p.booked_at) / p.predicted_s
-                self.slowdown = min(4.0, max(0.5, 0.8 * self.slowdown + 0.2 * ratio))
+                self.slowdown = min(4.0, max(0.5, self.current_slowdown(now) * ratio ** 0.2))
+                self.slowdown_at = now
+
+    def current_slowdown(self, now: float) -> float:
+        """The learned slowdown, halving its distance to 1 every _SLOWDOWN_HALF_LIFE_S without
+        a new measurement (a worker predicted slow is chosen less, so it may measure rarely)."""
+        age = max(0.0, now - self.slowdown_at)
+        return 1.0 + (self.slowdown - 1.0) * 0.5 ** (age / _SLOWDOWN_HALF_LIFE_S)
 
     def recent_prefill_s(self, now: float, window_s: float) -> float:
-        while self.done and self.done[0][0] < now - 60.0:
+        while self.done and self.done[0][0] < now - _RECENT_S:
             self.done.popleft()
         return sum(s for t, s in self.done if t >= now - window_s)
 

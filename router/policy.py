@@ -141,6 +141,7 @@ class Option:
     prefill_s: float  # compute of this prefill, on the worker that runs it
     hit_tokens: int
     backlog_s: float = 0.0   # prefill queued ahead of it on the worker that runs its prefill
+    queued: int = 0          # prefills pending there (some may be overdue: backlog_s 0)
     idle_meets: bool = True  # whether it would meet the targets with every queue empty
 
 
@@ -167,26 +168,26 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         backlog = ld.backlog_s(now)
         shared = backlog + ld.recent_prefill_s(now, window)
         hit_d = hits.get(d.worker_id, 0)
-        own = cd.prefill_s(prompt_len - hit_d, hit_d) * ld.slowdown
+        own = cd.prefill_s(prompt_len - hit_d, hit_d) * ld.current_slowdown(now)
         chunks = -(-(prompt_len - hit_d) // max(1, cd.max_batched_tokens))
         # Colocated: behind the queue, chunks interleaved with the running decodes.
         idle_step = cd.decode_step_s(1, prompt_len)
         options.append(Option("colocated", d.worker_id, None,
                               ttft_s=backlog + own + chunks * (step - cd.step_s) + costs.rpc_s,
                               tpot_s=step + (shared + own) / horizon, prefill_s=own,
-                              hit_tokens=hit_d, backlog_s=backlog,
+                              hit_tokens=hit_d, backlog_s=backlog, queued=len(ld.prefills),
                               idle_meets=own + costs.rpc_s <= target.ttft_s
                               and idle_step + own / horizon <= target.tpot_s))
         for p in (w for w in prefill if w.available):
             cp, lp = costs.costs(p.worker_id), ledgers[p.worker_id]
             hit_p = hits.get(p.worker_id, 0)
-            prefill_s = cp.prefill_s(prompt_len - hit_p, hit_p) * lp.slowdown
+            prefill_s = cp.prefill_s(prompt_len - hit_p, hit_p) * lp.current_slowdown(now)
             transfer = costs.transfer_s(p.worker_id, prompt_len - hit_d)
             options.append(Option("disaggregated", d.worker_id, p.worker_id,
                                   ttft_s=lp.backlog_s(now) + prefill_s + 2 * costs.rpc_s,
                                   tpot_s=step + (shared + transfer) / horizon,
                                   prefill_s=prefill_s, hit_tokens=hit_p,
-                                  backlog_s=lp.backlog_s(now),
+                                  backlog_s=lp.backlog_s(now), queued=len(lp.prefills),
                                   idle_meets=prefill_s + 2 * costs.rpc_s <= target.ttft_s
                                   and idle_step + transfer / horizon <= target.tpot_s))
     return options
@@ -195,7 +196,11 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
 def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                prefill: list[WorkerState], hits: dict[str, int], cfg: RoutingConfig,
                target: SLOTarget, costs: CostModel, ledgers: Ledgers, now: float,
-               rng: random.Random) -> Decision:
+               rng: random.Random, waited_s: float = 0.0) -> Decision:
+    """waited_s: how long the request has been held at the router already (overload: queue);
+    it counts against its TTFT target."""
+    if waited_s > 0:
+        target = SLOTarget(ttft_s=max(1e-3, target.ttft_s - waited_s), tpot_s=target.tpot_s)
     options = slo_options(prompt_len, max_tokens, decode, prefill, hits, costs, ledgers, now,
                           target)
     if not options:
@@ -211,7 +216,7 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         # No worker could meet these targets even idle (a prompt too long for this TTFT on this
         # hardware): waiting would not help, so refusing would refuse it for ever. Serve it
         # when a worker has nothing queued, one such request at a time per worker.
-        free = [o for o in options if o.backlog_s == 0.0]
+        free = [o for o in options if not o.queued]
         if free:
             best = min(free, key=lambda o: (o.pressure(target), rng.random()))
             return Decision(best.path, "slo_best_effort", best.decode_worker,
@@ -227,5 +232,8 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
 
     best = min(options, key=wait)
     reason = "slo_ttft_unmet" if best.ttft_s > target.ttft_s else "slo_tpot_unmet"
+    retry = wait(best)
+    if not any(o.idle_meets for o in options):  # it will be served once a worker is free
+        retry = min(o.backlog_s for o in options)
     return Decision("none", reason, None, None, prompt_len, 0, best.ttft_s, best.tpot_s,
-                    best.prefill_s, retry_after_s=min(60.0, max(0.5, wait(best))))
+                    best.prefill_s, retry_after_s=min(60.0, max(0.5, retry)))

@@ -87,3 +87,13 @@ class Tenants:
                     req.level += 1  # give the request back: it was not admitted
                 return "tokens_per_minute", wait
         return None, 0.0
+
+    def refund(self, tenant: Optional[TenantConfig], tokens: int) -> None:
+        """Give back what admit() took for a request that was then refused, not served (a
+        client retrying an overload 429 must not drain its own rate limit)."""
+        if tenant is None:
+            return
+        for bucket, amount in ((self._requests.get(tenant.tenant_id), 1),
+                               (self._tokens.get(tenant.tenant_id), tokens)):
+            if bucket is not None:
+                bucket.level = min(bucket.capacity, bucket.level + amount)

@@ -132,6 +132,30 @@ def test_a_prompt_no_idle_worker_could_serve_in_time_is_served_when_one_is_free(
     assert c.decide(128, target=target).path == "none"
 
 
+def test_time_held_at_the_router_counts_against_the_ttft_target():
+    c = Cluster()
+    c.ledgers["p0"].add_prefill("queued", 1.5, c.now)
+    c.ledgers["d0"].add_prefill("queued-too", 1.5, c.now)
+    target = SLOTarget(ttft_s=2.5, tpot_s=0.1)
+    assert c.decide(2048, target=target).path != "none"  # ~1.9 s: meets 2.5 s
+    held = decide_slo(2048, 64, c.decode, c.prefill, {}, RoutingConfig(), target, c.costs,
+                      c.ledgers, c.now, random.Random(0), waited_s=1.0)
+    assert held.path == "none"  # 1 s already spent: 1.9 s more would miss it
+
+
+def test_tenant_budget_is_given_back_for_a_refusal():
+    from pd_runtime.config import TenantConfig
+    from router.tenants import Tenants
+
+    tenant = TenantConfig(tenant_id="a", api_key="k", requests_per_minute=2)
+    tenants = Tenants([tenant])
+    for _ in range(5):  # refused each time (an overload 429): the budget is not spent
+        assert tenants.admit(tenant, 10)[0] is None
+        tenants.refund(tenant, 10)
+    assert tenants.admit(tenant, 10)[0] is None and tenants.admit(tenant, 10)[0] is None
+    assert tenants.admit(tenant, 10)[0] == "requests_per_minute"
+
+
 def test_ledger_queue_shifts_with_measured_first_tokens():
     c = Cluster()
     lp = c.ledgers["p0"]
@@ -155,16 +179,19 @@ def test_predictions_learn_what_the_cost_model_misses():
     # measured first tokens raise its predictions until they match.
     c = Cluster()
     before = c.decide(2048).predicted_ttft_s
-    for i in range(15):
+    true_s = 2 * c.costs.costs("p0").prefill_s(2048)  # what each prefill really takes
+    for i in range(40):
         d = c.decide(2048, target=SLOTarget(ttft_s=100, tpot_s=1))
         lp = c.ledgers[d.prefill_worker or d.decode_worker]
         lp.add_prefill(f"r{i}", d.prefill_s, c.now)
-        c.now += 2 * d.prefill_s
+        c.now += true_s
         lp.prefill_done(f"r{i}", c.now)
-    assert c.ledgers["p0"].slowdown == pytest.approx(2.0, rel=0.1)
+    assert c.ledgers["p0"].current_slowdown(c.now) == pytest.approx(2.0, rel=0.1)
     options = {o.path: o for o in slo_options(2048, 64, c.decode, c.prefill, {}, c.costs,
                                               c.ledgers, c.now, SLOTarget())}
     assert options["disaggregated"].ttft_s == pytest.approx(2 * before, rel=0.1)
+    # Unmeasured for a while (chosen less because predicted slow), it drifts back toward 1.
+    assert c.ledgers["p0"].current_slowdown(c.now + 60) == pytest.approx(1.25, rel=0.1)
 
 
 def test_slo_targets_tenant_then_class_then_default():

@@ -77,6 +77,7 @@ class StepCostModel:
         self._error_scale = 0.9 * self._error_scale + 0.1 * min(abs(error), 10 * bound)
         self.theta = self.theta + gain * max(-bound, min(bound, error))
         self.P = self.P - np.outer(gain, Px)
+        self.P = 0.5 * (self.P + self.P.T)  # rounding would slowly make it asymmetric
         if np.trace(self.P) < self._max_trace:  # forget only while it cannot wind up: a
             self.P /= self.forget                # feature never seen would grow without end
         if not np.all(np.isfinite(self.theta)):  # numerically lost: start over from the prior

@@ -59,9 +59,14 @@ class EngineLoop:
         if q is not None:
             q.put_nowait(None)
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def latest_report(self) -> Optional[dict]:
         """The engine's load report as of the last loop iteration (at most one step old), with
         its age; None before the first."""
+        if not self._thread.is_alive():  # a step raised: this worker serves nothing any more
+            raise RuntimeError("the engine thread has stopped")
         report = self._report
         if report is None:
             return None

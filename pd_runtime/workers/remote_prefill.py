@@ -94,9 +94,9 @@ class PrefillRate:
         return min(ceiling_s, min_s + factor * tokens * self.s_per_token)
 
 
-# A prefill that has not answered by then is checked on: its worker must answer a load
-# report (a snapshot; no engine step in the way) within _ALIVE_TIMEOUT_S, or it is taken for
-# stopped and the prefill is hedged at once rather than at the hedge deadline.
+# A prefill that has not answered by then is checked on: its worker must answer a ping (no
+# engine step in the way) within _ALIVE_TIMEOUT_S, or it is taken for stopped and the prefill
+# is hedged at once rather than at the hedge deadline.
 _ALIVE_CHECK_AFTER_S = 0.4
 _ALIVE_TIMEOUT_S = 0.3
 
@@ -113,7 +113,7 @@ async def _first_token(prefill_worker, call, hedge_s: float) -> dict:
             if left <= 0:
                 raise asyncio.TimeoutError
             try:
-                await asyncio.wait_for(prefill_worker.load.remote(), _ALIVE_TIMEOUT_S)
+                await asyncio.wait_for(prefill_worker.ping.remote(), _ALIVE_TIMEOUT_S)
             except asyncio.TimeoutError:
                 if not task.done():
                     raise
@@ -144,7 +144,7 @@ async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict,
     started = time.monotonic()
     # A call the prefill worker starts later than its liveness check gives it may have been
     # hedged already: it is refused there, never computed twice.
-    start_by = min(hedge_s, _ALIVE_CHECK_AFTER_S + _ALIVE_TIMEOUT_S)
+    start_by = min(hedge_s, _ALIVE_CHECK_AFTER_S + _ALIVE_TIMEOUT_S - 0.1)  # before any hedge
     try:
         first = await _first_token(prefill_worker, prefill_worker.prefill.remote(
             request_id, prompt, params, worker.agent.metadata(), res.missing_block_ids, skip,

@@ -100,6 +100,13 @@ class PDWorker:
                 "kv_metadata": self.agent.metadata(), "pid": os.getpid(),
                 "num_blocks": self.engine.block_manager.num_blocks}
 
+    async def ping(self) -> bool:
+        """Liveness, as cheap as a call gets: answers unless the actor is stopped or its
+        engine thread has died (then it raises)."""
+        if self.loop is not None and not self.loop.alive():
+            raise RuntimeError(f"worker {self.worker_id}: the engine thread has stopped")
+        return True
+
     async def kv_metadata(self) -> bytes:
         return self.agent.metadata()
 
