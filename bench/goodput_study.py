@@ -156,6 +156,11 @@ def run_system(name: str, args, out: Path, model_dir: str) -> dict:
         result["error"] = str(exc)
         print(f"## {name}: {exc}", flush=True)
     finally:
+        try:  # what the server says about itself (routing reasons, cost model, ...)
+            (out / f"{name}.metrics.txt").write_text(
+                httpx.get(server.base_url + "/metrics", timeout=5).text)
+        except httpx.HTTPError:
+            pass
         server.stop()
     return result
 

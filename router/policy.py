@@ -2,9 +2,10 @@
 
 Mode `slo` (decide_slo): every option (colocated on each decode worker; each prefill worker
 with each decode worker) gets a predicted TTFT (the worker's prefill queue + this prefill, from
-the live cost model) and a predicted TPOT (the decode worker's step with one more sequence, plus
-the prefill work done on it over the request's output horizon, plus the KV transfer spread the
-same way; what its running requests will see too). The options that meet the request's targets
+the live cost model) and a predicted TPOT (the decode worker's measured step lately, or the
+model's when it is idle, with one more sequence, plus the prefill queued on it and this one's
+spread over the request's output horizon, plus the KV transfer spread the same way; what its
+running requests will see too). The options that meet the request's targets
 compete on headroom, ttft/target + tpot/target, lowest wins; when none meets them the request
 is refused (or held, `overload: queue`) with a Retry-After from the predicted excess.
 
@@ -161,12 +162,18 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
     for d in (w for w in decode if w.available):
         cd, ld = costs.costs(d.worker_id), ledgers[d.worker_id]
         batch, context = len(ld.running), ld.context_tokens
-        step = cd.decode_step_s(batch + 1, context + prompt_len)
-        window = horizon * step
-        # Prefill work this worker does while the request decodes: what is queued, plus what
-        # it did lately (running requests are still paying for it).
         backlog = ld.backlog_s(now)
-        shared = backlog + ld.recent_prefill_s(now, window)
+        if batch and cd.step_s_ewma > 0:
+            # Busy: its measured step lately (prefill chunks included: what its running
+            # requests see), plus one more sequence; then the prefill queued there.
+            step = cd.step_s_ewma + cd.decode_step_s(batch + 1, context + prompt_len) \
+                - cd.decode_step_s(batch, context)
+            shared = backlog
+        else:
+            # Idle as far as measured: the model, and the prefill work it did lately (running
+            # requests are still paying for it) besides what is queued.
+            step = cd.decode_step_s(batch + 1, context + prompt_len)
+            shared = backlog + ld.recent_prefill_s(now, horizon * step)
         hit_d = hits.get(d.worker_id, 0)
         own = cd.prefill_s(prompt_len - hit_d, hit_d) * ld.current_slowdown(now)
         chunks = -(-(prompt_len - hit_d) // max(1, cd.max_batched_tokens))

@@ -21,11 +21,11 @@ FAST = dict(step_s=0.005, prefill_token_s=2e-4, prefill_attention_s=0.0, decode_
             decode_context_s=0.0)
 
 
-def report(coefficients=None, **load):
+def report(coefficients=None, step_s_ewma=0.0, **load):
     """A load report as a worker sends it (engine load_report + worker fields)."""
     return {"num_running": 0, "num_waiting": 0, "max_num_batched_tokens": 2048,
             "kv_bytes_per_token": 8192, "kv_transfer": {"send_gbps": 2.0},
-            "step_costs": {"coefficients": coefficients or FAST, "step_s_ewma": 0.0,
+            "step_costs": {"coefficients": coefficients or FAST, "step_s_ewma": step_s_ewma,
                            "steps": 100}, **load}
 
 
@@ -154,6 +154,17 @@ def test_tenant_budget_is_given_back_for_a_refusal():
         tenants.refund(tenant, 10)
     assert tenants.admit(tenant, 10)[0] is None and tenants.admit(tenant, 10)[0] is None
     assert tenants.admit(tenant, 10)[0] == "requests_per_minute"
+
+
+def test_a_busy_decode_worker_is_judged_by_its_measured_step():
+    c = Cluster()
+    for i in range(120):  # the model says 125 ms a step with these...
+        c.ledgers["d0"].start(f"r{i}", 100)
+    assert c.decide(128).path == "none"
+    c.costs.update("d0", report(step_s_ewma=0.03))  # ...it measures 30 ms: room for more
+    assert c.decide(128).path != "none"
+    c.costs.update("d0", report(step_s_ewma=0.2))   # 200 ms measured: no room
+    assert c.decide(128).reason == "slo_tpot_unmet"
 
 
 def test_ledger_queue_shifts_with_measured_first_tokens():
