@@ -6,7 +6,8 @@ the live cost model) and a predicted TPOT (the decode worker's measured step lat
 model's when it is idle, with one more sequence, plus the prefill queued on it and this one's
 spread over the request's output horizon, plus the KV transfer spread the same way; what its
 running requests will see too). The options that meet the request's targets
-compete on headroom, ttft/target + tpot/target, lowest wins; when none meets them the request
+compete on headroom, ttft/target + tpot/target + the TPOT they add to the decode worker's running
+requests (summed over them)/target, lowest wins; when none meets them the request
 is refused (or held, `overload: queue`) with a Retry-After from the predicted excess.
 
 Mode `auto` (decide): uncached = prompt tokens - best expected prefix hit on a decode worker;
@@ -144,13 +145,17 @@ class Option:
     backlog_s: float = 0.0   # prefill queued ahead of it on the worker that runs its prefill
     queued: int = 0          # prefills pending there (some may be overdue: backlog_s 0)
     idle_meets: bool = True  # whether it would meet the targets with every queue empty
+    harm_s: float = 0.0      # TPOT it adds to the decode worker's running requests, summed
 
 
     def meets(self, target: SLOTarget) -> bool:
         return self.ttft_s <= target.ttft_s and self.tpot_s <= target.tpot_s
 
     def pressure(self, target: SLOTarget) -> float:
-        return self.ttft_s / target.ttft_s + self.tpot_s / target.tpot_s
+        """Headroom used: its own TTFT and TPOT against the targets, plus the TPOT it adds to
+        every request already running on its decode worker (harm_s, summed over them)."""
+        return (self.ttft_s / target.ttft_s + self.tpot_s / target.tpot_s
+                + self.harm_s / target.tpot_s)
 
 
 def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
@@ -163,11 +168,12 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         cd, ld = costs.costs(d.worker_id), ledgers[d.worker_id]
         batch, context = len(ld.running), ld.context_tokens
         backlog = ld.backlog_s(now)
+        one_more = cd.decode_step_s(batch + 1, context + prompt_len) \
+            - cd.decode_step_s(batch, context)
         if batch and cd.step_s_ewma > 0:
             # Busy: its measured step lately (prefill chunks included: what its running
             # requests see), plus one more sequence; then the prefill queued there.
-            step = cd.step_s_ewma + cd.decode_step_s(batch + 1, context + prompt_len) \
-                - cd.decode_step_s(batch, context)
+            step = cd.step_s_ewma + one_more
             shared = backlog
         else:
             # Idle as far as measured: the model, and the prefill work it did lately (running
@@ -184,7 +190,8 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                               tpot_s=step + (shared + own) / horizon, prefill_s=own,
                               hit_tokens=hit_d, backlog_s=backlog, queued=len(ld.prefills),
                               idle_meets=own + costs.rpc_s <= target.ttft_s
-                              and idle_step + own / horizon <= target.tpot_s))
+                              and idle_step + own / horizon <= target.tpot_s,
+                              harm_s=batch * (one_more + own / horizon)))
         for p in (w for w in prefill if w.available):
             cp, lp = costs.costs(p.worker_id), ledgers[p.worker_id]
             hit_p = hits.get(p.worker_id, 0)
@@ -196,7 +203,8 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                                   prefill_s=prefill_s, hit_tokens=hit_p,
                                   backlog_s=lp.backlog_s(now), queued=len(lp.prefills),
                                   idle_meets=prefill_s + 2 * costs.rpc_s <= target.ttft_s
-                                  and idle_step + transfer / horizon <= target.tpot_s))
+                                  and idle_step + transfer / horizon <= target.tpot_s,
+                                  harm_s=batch * one_more))
     return options
 
 

@@ -77,6 +77,18 @@ def test_long_prompt_goes_to_the_idle_prefill_worker_and_short_stays_when_it_is_
     assert short.predicted_ttft_s < 0.1
 
 
+def test_a_long_prompt_is_not_colocated_on_top_of_running_requests():
+    c = Cluster()
+    c.ledgers["p0"].add_prefill("queued", 0.8, c.now)  # the prefill worker is 0.8 s behind
+    # Nothing runs on d0: prefilling there is quickest and stalls nobody.
+    assert c.decide(2048).path == "colocated"
+    for i in range(8):
+        c.ledgers["d0"].start(f"r{i}", 300)
+    # Eight streams would each wait out its 0.4 s prefill: the prefill worker, queue and all.
+    d = c.decide(2048)
+    assert d.path == "disaggregated" and d.predicted_ttft_s > 1.0
+
+
 def test_picks_the_decode_worker_the_model_says_is_faster():
     slow = dict(FAST, decode_seq_s=4e-3, step_s=0.02)
     c = Cluster(decode=("d0", "d1"), prefill=(), d0=slow)
