@@ -5,10 +5,12 @@ with each decode worker) gets a predicted TTFT (the worker's prefill queue + thi
 the live cost model) and a predicted TPOT (the decode worker's measured step lately, or the
 model's when it is idle, with one more sequence, plus the prefill queued on it and this one's
 spread over the request's output horizon, plus the KV transfer spread the same way; what its
-running requests will see too). The options that meet the request's targets
-compete on headroom, ttft/target + tpot/target + the TPOT they add to the decode worker's running
-requests (summed over them)/target, lowest wins; when none meets them the request
-is refused (or held, `overload: queue`) with a Retry-After from the predicted excess.
+running requests will see too). Among the options that meet the request's targets, those of its
+usual path (disaggregated when the uncached prompt exceeds max_local_prefill_tokens, else
+colocated) come first, the other path only when none of them does; they compete on headroom,
+ttft/target + tpot/target + the TPOT they add to the decode worker's running requests (summed
+over them)/target, lowest wins. When none meets them the request is refused (or held,
+`overload: queue`) with a Retry-After from the predicted excess.
 
 Mode `auto` (decide): uncached = prompt tokens - best expected prefix hit on a decode worker;
 disaggregate when uncached > max_local_prefill_tokens and the prefill pool's queued tokens are
@@ -222,8 +224,15 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         return Decision("none", "no_decode_worker", None, None, prompt_len, 0)
     met = [o for o in options if o.meets(target)]
     if met:
-        best = min(met, key=lambda o: (o.pressure(target), rng.random()))
-        reason = "slo_" + ("local" if best.path == "colocated" else "remote")
+        # Each path does what it is for while it can: uncached prompts longer than
+        # max_local_prefill_tokens to a prefill worker, shorter ones on the decode worker
+        # (a long prefill there stalls every stream it runs, and the ones that arrive during
+        # it); the other path when the usual one cannot meet the targets.
+        usual = [o for o in met if (o.path == "disaggregated")
+                 == (prompt_len - o.hit_tokens > cfg.max_local_prefill_tokens)]
+        best = min(usual or met, key=lambda o: (o.pressure(target), rng.random()))
+        reason = "slo_" + ("local" if best.path == "colocated" else "remote") \
+            + ("" if usual else "_fallback")
         return Decision(best.path, reason, best.decode_worker, best.prefill_worker, prompt_len,
                         hits.get(best.decode_worker, 0), best.ttft_s, best.tpot_s,
                         best.prefill_s)

@@ -77,16 +77,23 @@ def test_long_prompt_goes_to_the_idle_prefill_worker_and_short_stays_when_it_is_
     assert short.predicted_ttft_s < 0.1
 
 
-def test_a_long_prompt_is_not_colocated_on_top_of_running_requests():
+def test_each_path_does_its_job_while_it_can_meet_the_targets():
     c = Cluster()
     c.ledgers["p0"].add_prefill("queued", 0.8, c.now)  # the prefill worker is 0.8 s behind
-    # Nothing runs on d0: prefilling there is quickest and stalls nobody.
-    assert c.decide(2048).path == "colocated"
-    for i in range(8):
-        c.ledgers["d0"].start(f"r{i}", 300)
-    # Eight streams would each wait out its 0.4 s prefill: the prefill worker, queue and all.
+    # A long prompt goes to the prefill worker while it still meets the TTFT target...
     d = c.decide(2048)
-    assert d.path == "disaggregated" and d.predicted_ttft_s > 1.0
+    assert (d.path, d.reason) == ("disaggregated", "slo_remote")
+    # ...and only when it cannot, falls back to the decode worker.
+    c.ledgers["p0"].add_prefill("queued-2", 2.0, c.now)
+    d = c.decide(2048)
+    assert (d.path, d.reason) == ("colocated", "slo_local_fallback")
+    # With streams running there, a colocated prefill also costs each of them: among decode
+    # workers the one with fewer streams is chosen.
+    c2 = Cluster(decode=("d0", "d1"))
+    c2.ledgers["p0"].add_prefill("queued", 3.0, c2.now)
+    for i in range(8):
+        c2.ledgers["d0"].start(f"r{i}", 300)
+    assert c2.decide(2048).decode_worker == "d1"
 
 
 def test_picks_the_decode_worker_the_model_says_is_faster():
