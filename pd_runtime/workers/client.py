@@ -43,6 +43,44 @@ class WorkerRef:
         return self.dead_probes >= 2
 
 
+class _WorkerLost(RuntimeError):
+    """Ray's control store says the worker is not alive while its stream still waits."""
+
+
+def _actor_state(handle) -> Optional[str]:
+    """The actor's state in Ray's control store (ALIVE, RESTARTING, DEAD, ...); None when it
+    cannot be told (private API: best effort)."""
+    try:
+        from ray._private import state
+
+        return state.actors(actor_id=handle._actor_id.hex()).get("State")
+    except Exception:
+        return None
+
+
+async def _stream_items(gen, handle, stall_s: float):
+    """The items of a worker's stream. When none has come for `stall_s` and the control store
+    says the actor was killed (restarting or dead), raises _WorkerLost: a stream notices that by
+    itself only after many seconds (~17 s measured), which a request would wait out."""
+    it = gen.__aiter__()
+    nxt = None
+    try:
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            while not (await asyncio.wait({nxt}, timeout=stall_s))[0]:
+                state = await asyncio.to_thread(_actor_state, handle)
+                if state in ("RESTARTING", "DEAD"):
+                    raise _WorkerLost(f"its actor is {state.lower()}")
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+
+
 def _actor_died(exc: BaseException) -> bool:
     import ray.exceptions as rex
 
@@ -51,13 +89,15 @@ def _actor_died(exc: BaseException) -> bool:
 
 class PoolClient:
     def __init__(self, prefill: list[WorkerRef], decode: list[WorkerRef], max_migrations: int = 3,
-                 recovery_wait_s: float = 20.0, probe_interval_s: float = 0.25):
+                 recovery_wait_s: float = 20.0, probe_interval_s: float = 0.25,
+                 stall_check_s: float = 2.0):
         self.prefill = prefill
         self.decode = decode
         self.max_migrations = max_migrations
         # How long a request waits for a decode worker (after losing one, or finding none).
         self.recovery_wait_s = recovery_wait_s
         self.probe_interval_s = probe_interval_s
+        self.stall_check_s = stall_check_s  # a stream this quiet is checked on (see _stream_items)
         self.migrations = 0
         self._rr = itertools.count()
 
@@ -149,7 +189,7 @@ class PoolClient:
                 gen = d.handle.generate.remote(rid, prompt, params, priority, cache_salt)
             finished = False
             try:
-                async for ref in gen:
+                async for ref in _stream_items(gen, d.handle, self.stall_check_s):
                     chunk = await ref
                     if "error" in chunk:  # a refusal or bad input: the answer, not a loss
                         yield chunk
