@@ -94,6 +94,11 @@ def test_each_path_does_its_job_while_it_can_meet_the_targets():
     for i in range(8):
         c2.ledgers["d0"].start(f"r{i}", 300)
     assert c2.decide(2048).decode_worker == "d1"
+    # With streams on every decode worker, it waits for the prefill worker (told when).
+    c2.ledgers["d1"].start("r-d1", 300)
+    refused = c2.decide(2048)
+    assert (refused.path, refused.reason) == ("none", "slo_would_stall")
+    assert 0.5 <= refused.retry_after_s < 2.0  # 3 s queued + 0.4 s against 2.5 s
 
 
 def test_picks_the_decode_worker_the_model_says_is_faster():
