@@ -129,6 +129,7 @@ def goodput(base_url: str, label: str, out: Path, *args: str) -> subprocess.Pope
 def run_system(name: str, args, out: Path, model_dir: str) -> dict:
     server = Server(name, out, args.port, model_dir)
     result = {"system": name}
+    loads: list[subprocess.Popen] = []  # the load generators, stopped whatever happens
     try:
         result["startup_s"] = server.wait_ready()
         print(f"## {name}: ready in {result['startup_s']:.0f}s", flush=True)
@@ -151,11 +152,16 @@ def run_system(name: str, args, out: Path, model_dir: str) -> dict:
                             "--burst", str(args.burst), "--workload", "fixed", "--input-len",
                             str(args.long_len), "--output-len", "64", "--settle-s", "0",
                             *common[:-1], str(args.seed + 2))
+            loads += [shorts, longs]
             result["burst"] = [shorts.wait(), longs.wait()]
     except Exception as exc:  # one system failing must not lose the others' results
         result["error"] = str(exc)
         print(f"## {name}: {exc}", flush=True)
     finally:
+        for load in loads:
+            if load.poll() is None:
+                load.kill()
+                load.wait()
         try:  # what the server says about itself (routing reasons, cost model, ...)
             (out / f"{name}.metrics.txt").write_text(
                 httpx.get(server.base_url + "/metrics", timeout=5).text)
