@@ -147,12 +147,13 @@ def run_system(name: str, args, out: Path, model_dir: str) -> dict:
                              str(args.burst_window_s), "--workload", "fixed", "--input-len",
                              str(args.short_len), "--output-len", "64", "--settle-s", "0",
                              *common[:-1], str(args.seed + 1))
+            loads.append(shorts)
             time.sleep(3.0)
             longs = goodput(server.base_url, f"{name} burst", out / f"{name}.burst-longs.json",
                             "--burst", str(args.burst), "--workload", "fixed", "--input-len",
                             str(args.long_len), "--output-len", "64", "--settle-s", "0",
                             *common[:-1], str(args.seed + 2))
-            loads += [shorts, longs]
+            loads.append(longs)
             result["burst"] = [shorts.wait(), longs.wait()]
     except Exception as exc:  # one system failing must not lose the others' results
         result["error"] = str(exc)
