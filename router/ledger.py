@@ -60,8 +60,7 @@ class WorkerLedger:
         self.free_at = max((o.finish_at for o in self.prefills.values()), default=now)
         if ran:
             self.done.append((now, p.seconds))
-            while self.done and self.done[0][0] < now - _RECENT_S:
-                self.done.popleft()
+            self._forget_old(now)
             if p.predicted_s >= 0.05:  # short ones are mostly fixed costs: not informative
                 # The prediction had the slowdown in it already: what is left scales it.
                 ratio = (now - p.booked_at) / p.predicted_s
@@ -75,9 +74,12 @@ class WorkerLedger:
         return 1.0 + (self.slowdown - 1.0) * 0.5 ** (age / _SLOWDOWN_HALF_LIFE_S)
 
     def recent_prefill_s(self, now: float, window_s: float) -> float:
+        self._forget_old(now)
+        return sum(s for t, s in self.done if t >= now - window_s)
+
+    def _forget_old(self, now: float) -> None:
         while self.done and self.done[0][0] < now - _RECENT_S:
             self.done.popleft()
-        return sum(s for t, s in self.done if t >= now - window_s)
 
     def start(self, request_id: str, context: int) -> None:
         self.running[request_id] = context

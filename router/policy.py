@@ -160,11 +160,16 @@ class Option:
                 + self.harm_s / target.tpot_s)
 
 
+def _horizon(max_tokens: int) -> int:
+    """The decode steps over which a request's share of prefill work is spread: its length."""
+    return min(512, max(16, max_tokens))
+
+
 def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                 prefill: list[WorkerState], hits: dict[str, int], costs: CostModel,
                 ledgers: Ledgers, now: float, target: SLOTarget) -> list[Option]:
     """Every way to serve the request on the available workers, with its predictions."""
-    horizon = min(512, max(16, max_tokens))  # the steps over which a running request pays
+    horizon = _horizon(max_tokens)
     options = []
     for d in (w for w in decode if w.available):
         cd, ld = costs.costs(d.worker_id), ledgers[d.worker_id]
@@ -256,7 +261,7 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         late_ttft = max(0.0, o.ttft_s - target.ttft_s)
         # Over on TPOT: its running requests must thin out; they need about their horizon.
         late_tpot = 0.0 if o.tpot_s <= target.tpot_s else \
-            (o.tpot_s / target.tpot_s - 1.0) * min(512, max(16, max_tokens)) * target.tpot_s
+            (o.tpot_s / target.tpot_s - 1.0) * _horizon(max_tokens) * target.tpot_s
         return late_ttft + late_tpot
 
     best = min(options, key=wait)

@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bench import goodput, goodput_plot
+from bench import goodput, goodput_plot, goodput_summary
 
 STUB_TTFT_S = 0.2
 STUB_ITL_S = 0.02
@@ -58,11 +58,11 @@ def _record(i, outcome="completed", ttft=0.5, tpot=0.05, tokens=11, end=10.0, se
 
 def test_percentile_interpolates_between_ranks():
     values = list(range(1, 101))
-    assert goodput.percentile(values, 50) == pytest.approx(50.5)
-    assert goodput.percentile(values, 99) == pytest.approx(99.01)
-    assert goodput.percentile(values, 90) == pytest.approx(90.1)
-    assert goodput.percentile([3.0], 99) == 3.0
-    assert goodput.percentile([], 50) is None
+    assert goodput_summary.percentile(values, 50) == pytest.approx(50.5)
+    assert goodput_summary.percentile(values, 99) == pytest.approx(99.01)
+    assert goodput_summary.percentile(values, 90) == pytest.approx(90.1)
+    assert goodput_summary.percentile([3.0], 99) == 3.0
+    assert goodput_summary.percentile([], 50) is None
 
 
 def test_goodput_counts_requests_within_both_slos_over_the_duration():
@@ -72,14 +72,14 @@ def test_goodput_counts_requests_within_both_slos_over_the_duration():
                _record(4, outcome="refused", end=4.05), _record(5, outcome="failed", end=20.0),
                _record(6), _record(7)]
     plan = goodput.PointPlan("1/s", 1.0, [float(i) for i in range(8)])
-    s = goodput.summarize(plan, records, slo_ttft=2.5, slo_tpot=0.1)
+    s = goodput_summary.summarize(plan, records, slo_ttft=2.5, slo_tpot=0.1)
     assert (s["sent"], s["completed"], s["refused"], s["failed"]) == (8, 6, 1, 1)
     assert s["duration_s"] == pytest.approx(20.0)            # first scheduled 0 -> last end 20
     assert s["good"] == 4 and s["goodput_rps"] == pytest.approx(4 / 20)
     assert s["throughput_rps"] == pytest.approx(6 / 20)
     assert s["output_tok_s"] == pytest.approx(66 / 20)
     assert s["ttft_s"]["p50"] == pytest.approx(0.5)
-    assert s["tpot_s"]["p99"] == pytest.approx(goodput.percentile([0.05] * 4 + [0.2, 0.1], 99))
+    assert s["tpot_s"]["p99"] == pytest.approx(goodput_summary.percentile([0.05] * 4 + [0.2, 0.1], 99))
     assert s["refusal_s"]["max"] == pytest.approx(0.05)
     assert s["lag_s"]["max"] == pytest.approx(0.007)
     assert "by_kind" not in s
@@ -264,7 +264,7 @@ def test_stub_latencies_are_recovered(stub, tmp_path, capsys):
         assert body["stream_options"] == {"include_usage": True}
         assert len(body["prompt"]) == 16 and all(5 <= t < 100 for t in body["prompt"])
     table = capsys.readouterr().out.splitlines()
-    assert table[1] == goodput.TABLE_HEADER and table[2].split()[:5] == ["20/s", "8", "8", "0",
+    assert table[1] == goodput_summary.TABLE_HEADER and table[2].split()[:5] == ["20/s", "8", "8", "0",
                                                                         "0"]
 
 

@@ -185,8 +185,8 @@ class LLMEngine(RemoteKVMixin):
     def warm_up(self, prompt_tokens: int) -> float:
         """Throwaway requests before serving: a short one pays the first-use costs (native
         kernel build or load, allocations) and is forgotten, then one of `prompt_tokens` and
-        one of a quarter of that, whose steps seed the cost model. Their blocks are salted (no request can hit them) and stay
-        only as evictable cache. Returns the seconds it took."""
+        one of a quarter of that, whose steps seed the cost model. Their blocks are salted (no
+        request can hit them) and stay only as evictable cache. Returns the seconds it took."""
         import random
 
         started = time.perf_counter()
