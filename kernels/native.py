@@ -6,7 +6,8 @@ For CPU bfloat16: decode attention (cpu_decode_attention.c), causal attention of
 prompts (cpu_prefill_attention.c) and the decoder layer's fused RMSNorm and residual add
 (cpu_elementwise.c). For CPU bfloat16 and float32, the batch-invariant mode's fixed-order
 attention over the paged cache (cpu_fixed_order_attention.c) and MLP activation
-(cpu_silu_mul.c). Where no compiler is found or the build fails, every function here returns
+(cpu_silu_mul.c). For CPU float32, the linear layers over prepacked weights (cpu_linear.c).
+Where no compiler is found or the build fails, every function here returns
 None and callers keep their torch path (kernels/attention.py, pd_runtime/model/llama.py);
 PD_RUNTIME_NATIVE_KERNELS=0 forces that path.
 """
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_elementwise.c",
-                         "cpu_fixed_order_attention.c", "cpu_silu_mul.c")]
+                         "cpu_fixed_order_attention.c", "cpu_silu_mul.c", "cpu_linear.c")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("cpu_bf16.h", "cpu_vf8.h")]
 # -fopenmp: the library's libgomp.so.1 is the one torch loaded (see the C source's header).
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fopenmp"]
@@ -89,6 +90,7 @@ def _build() -> Optional[ctypes.CDLL]:
         "fixed_order_attention": [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr] + [i64] * 6
                                  + [f32, i64, i64],
         "silu_mul": [ptr, i64, ptr] + [i64] * 4,
+        "linear_f32": [ptr, i64, ptr, i64, ptr, ptr] + [i64] * 4,
     }
     for name, argtypes in signatures.items():
         fn = getattr(library, name)
@@ -263,3 +265,63 @@ def silu_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
     library.silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter,
                      int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())
     return out
+
+
+# The bf16 panels hold each 16 columns in the order cpu_linear.c's widening unpack yields them.
+_WIDEN_ORDER = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+
+
+class PackedLinear:
+    """A float32 weight `[n, k]` in cpu_linear.c's panels, in bf16 when every value is a bf16
+    (a bf16 checkpoint run in float32: half the bytes, the same products; measured as fast as
+    float32 panels at prefill-sized calls too), else in float32."""
+
+    def __init__(self, weight: torch.Tensor):
+        n, k = weight.shape
+        self.n, self.k = n, k
+        self.n_padded = -(-n // 16) * 16
+        w = weight.detach().contiguous()
+        if self.n_padded != n:
+            w = torch.cat([w, w.new_zeros(self.n_padded - n, k)])
+        panels = w.view(self.n_padded // 16, 16, k).transpose(1, 2).contiguous()
+        narrow = panels.to(torch.bfloat16)
+        self.is_bf16 = torch.equal(narrow.float(), panels)
+        self.panels = narrow[..., _WIDEN_ORDER].contiguous() if self.is_bf16 else panels
+
+
+def pack_linear(weight: torch.Tensor) -> Optional[PackedLinear]:
+    """cpu_linear.c's layout of a float32 CPU weight, or None where the kernel does not run
+    (no build, no AVX2 + FMA, another dtype or device)."""
+    library = _load()
+    if library is None or weight.dtype != torch.float32 or weight.device.type != "cpu" \
+            or weight.dim() != 2:
+        return None
+    packed = PackedLinear(weight)
+    if linear_f32(torch.zeros(1, packed.k), packed) is None:
+        return None
+    return packed
+
+
+def linear_f32(x: torch.Tensor, packed: PackedLinear,
+               bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """`x @ weight.T + bias` for float32 rows `[m, k]`; every row by the same fixed order
+    (cpu_linear.c). None when the kernel does not run here."""
+    library = _load()
+    if library is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != packed.k:
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows = x.shape[0]
+    y = x.new_empty(rows, packed.n_padded)
+    if bias is not None:
+        bias = bias.to(torch.float32)
+        if packed.n_padded != packed.n:
+            bias = torch.cat([bias, bias.new_zeros(packed.n_padded - packed.n)])
+        bias = bias.contiguous()
+    status = library.linear_f32(x.data_ptr(), x.stride(0), packed.panels.data_ptr(),
+                                int(packed.is_bf16), bias.data_ptr() if bias is not None else None,
+                                y.data_ptr(), rows, packed.n_padded, packed.k,
+                                torch.get_num_threads())
+    if status != 0:
+        return None
+    return y if packed.n_padded == packed.n else y[:, :packed.n].contiguous()

@@ -1,7 +1,8 @@
 """One decoder for the Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
 
 Runs a flat batch of tokens from many sequences against the paged KV cache; weights are fused
-(qkv, gate_up) at load time so every layer is four matmuls, in bf16 on prepacked oneDNN weights.
+(qkv, gate_up) at load time so every layer is four matmuls over prepacked weights (float32:
+the native kernel, kernels/cpu_linear.c; bf16: oneDNN's layout).
 With `batch_invariant`, every row's result is independent of the rows batched with it: matmuls
 padded to a row count the library is stable from (kernels/row_stable.py), the MLP activation
 and attention by fixed-order native kernels (the runner passes their metadata).
@@ -69,13 +70,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def prepack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """oneDNN's blocked layout of a bf16 CPU weight, or None to keep plain `F.linear`.
+    """A CPU weight in the layout its fastest matmul reads, or None to keep plain `F.linear`.
 
-    Reordering once at load spares oneDNN a per-call weight reorder and primitive setup:
-    measured 0-5% on prefill-sized matmuls, 10-20% on decode-sized ones. Only used when a
-    probe shows it reproduces `F.linear` bit for bit at several row counts, so results never
-    depend on which path ran (and any op or CPU without the path falls back).
+    float32: the native kernel's panels (kernels/cpu_linear.c), in bf16 when the values are
+    bf16: measured 1.5-3x torch's GEMM at decode-sized calls, equal at prefill-sized ones,
+    and every row by one fixed order, so the batch-invariant mode needs no padding. bfloat16:
+    oneDNN's blocked layout, spared a per-call weight reorder (0-5% on prefill-sized matmuls,
+    10-20% on decode-sized ones), used only when a probe shows it reproduces `F.linear` bit for
+    bit at several row counts. Either way, once packed every call of the layer takes that path.
     """
+    if weight.dtype == torch.float32 and weight.device.type == "cpu":
+        return native.pack_linear(weight)
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" \
             or not torch.backends.mkldnn.is_available():
         return None
@@ -91,12 +96,17 @@ def prepack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None):
     return packed
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None):
+def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None):
+    if isinstance(packed, native.PackedLinear):
+        out = native.linear_f32(x, packed, bias)
+        if out is None:  # the same kernel ran at load: only a caller's bad input gets here
+            raise ValueError(f"native linear cannot take {tuple(x.shape)} {x.dtype}")
+        return out
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-           bias: torch.Tensor | None = None, min_rows: int = 1) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None = None,
+           min_rows: int = 1) -> torch.Tensor:
     """`x @ weight.T + bias`, computed in a call of at least `min_rows` rows (zero rows padded
     on: the batch-invariant mode's row-stable count, kernels/row_stable.py)."""
     rows = x.shape[0]
@@ -124,7 +134,8 @@ class LlamaModel:
         self.lm_head = w.get("lm_head", self.embed)
         self.layers = w["layers"]
         # Kept beside the plain weights (which loading, transfers and tests read): a second
-        # copy of the linear weights, 64 MB for the bench model.
+        # copy of the linear weights (the bench model's: 64 MB, as bf16 or as float32 bf16
+        # values).
         self.packed = [{name: prepack_weight(layer[name], layer.get(name + "_bias"))
                         for name in ("qkv", "o", "gate_up", "down")} for layer in self.layers]
         self.lm_head_packed = prepack_weight(self.lm_head)
