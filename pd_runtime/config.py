@@ -282,6 +282,9 @@ class RoutingConfig(_Strict):
     # the queues, or hold the request at the router until one does, for up to max_queue_s.
     overload: Literal["reject", "queue"] = "reject"
     max_queue_s: float = Field(2.0, ge=0)
+    # Admit a request only where its predicted TTFT and TPOT are within this fraction of the
+    # targets: predictions are of the load now, and the requests arriving after it slow it too.
+    slo_margin: float = Field(0.9, gt=0, le=1)
     # auto: disaggregate when the uncached prompt tokens exceed this and the prefill pool's
     # queued tokens are under max_prefill_queue_tokens.
     max_local_prefill_tokens: int = Field(512, ge=0)

@@ -215,14 +215,22 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
     return options
 
 
+def _stalls_no_stream(o: Option) -> bool:
+    """Whether a best-effort prefill may run there: never on a decode worker's running
+    streams, since a prefill that misses its own target would make them all miss theirs."""
+    return o.path == "disaggregated" or o.harm_s == 0.0
+
+
 def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                prefill: list[WorkerState], hits: dict[str, int], cfg: RoutingConfig,
                target: SLOTarget, costs: CostModel, ledgers: Ledgers, now: float,
                rng: random.Random, waited_s: float = 0.0) -> Decision:
     """waited_s: how long the request has been held at the router already (overload: queue);
-    it counts against its TTFT target."""
-    if waited_s > 0:
-        target = SLOTarget(ttft_s=max(1e-3, target.ttft_s - waited_s), tpot_s=target.tpot_s)
+    it counts against its TTFT target. Options are judged against the targets times
+    cfg.slo_margin."""
+    # Planned against the targets less the margin (cfg.slo_margin) and the time already held.
+    target = SLOTarget(ttft_s=max(1e-3, target.ttft_s * cfg.slo_margin - waited_s),
+                       tpot_s=target.tpot_s * cfg.slo_margin)
     options = slo_options(prompt_len, max_tokens, decode, prefill, hits, costs, ledgers, now,
                           target)
     if not options:
@@ -250,7 +258,7 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         # No worker could meet these targets even idle (a prompt too long for this TTFT on this
         # hardware): waiting would not help, so refusing would refuse it for ever. Serve it
         # when a worker has nothing queued, one such request at a time per worker.
-        free = [o for o in options if not o.queued]
+        free = [o for o in options if not o.queued and _stalls_no_stream(o)]
         if free:
             best = min(free, key=lambda o: (o.pressure(target), rng.random()))
             return Decision(best.path, "slo_best_effort", best.decode_worker,
@@ -272,6 +280,6 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         retry = min((max(0.0, o.ttft_s - target.ttft_s) for o in options
                      if o.path == "disaggregated"), default=1.0)
     elif not any(o.idle_meets for o in options):  # served once a worker is free
-        retry = min(o.backlog_s for o in options)
+        retry = min((o.backlog_s for o in options if _stalls_no_stream(o)), default=1.0)
     return Decision("none", reason, None, None, prompt_len, 0, best.ttft_s, best.tpot_s,
                     best.prefill_s, retry_after_s=min(60.0, max(0.5, retry)))
