@@ -215,38 +215,39 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
     return options
 
 
-def _stalls_no_stream(o: Option) -> bool:
-    """Whether a best-effort prefill may run there: never on a decode worker's running
-    streams, since a prefill that misses its own target would make them all miss theirs."""
-    return o.path == "disaggregated" or o.harm_s == 0.0
-
-
 def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                prefill: list[WorkerState], hits: dict[str, int], cfg: RoutingConfig,
                target: SLOTarget, costs: CostModel, ledgers: Ledgers, now: float,
                rng: random.Random, waited_s: float = 0.0) -> Decision:
     """waited_s: how long the request has been held at the router already (overload: queue);
-    it counts against its TTFT target. Options are judged against the targets times
-    cfg.slo_margin."""
-    # Planned against the targets less the margin (cfg.slo_margin) and the time already held.
+    it counts against its TTFT target. Options are admitted against the targets times
+    cfg.slo_margin (predictions are of the load now; what arrives later slows them too);
+    whether a request could be served in time at all is judged against the targets."""
+    full = SLOTarget(ttft_s=max(1e-3, target.ttft_s - waited_s), tpot_s=target.tpot_s)
     target = SLOTarget(ttft_s=max(1e-3, target.ttft_s * cfg.slo_margin - waited_s),
                        tpot_s=target.tpot_s * cfg.slo_margin)
     options = slo_options(prompt_len, max_tokens, decode, prefill, hits, costs, ledgers, now,
-                          target)
+                          full)
     if not options:
         return Decision("none", "no_decode_worker", None, None, prompt_len, 0)
     met = [o for o in options if o.meets(target)]
     # Each path does what it is for while it can: uncached prompts longer than
     # max_local_prefill_tokens to a prefill worker, shorter ones on the decode worker; the other
     # path when the usual one cannot meet the targets. A long prefill falls back to a decode
-    # worker only where no stream runs: the stall would land on every one of them and on every
-    # request arriving meanwhile (measured: at saturation such fallbacks pushed the decode
-    # worker's TPOT p50 from ~40 to ~100 ms and cut goodput by half).
+    # worker only where no stream runs (or where no prefill worker is up to take it): the stall
+    # would land on every one of them and on every request arriving meanwhile (measured: at
+    # saturation such fallbacks pushed the decode worker's TPOT p50 from ~40 to ~100 ms and cut
+    # goodput by half).
     def long(o: Option) -> bool:
         return prompt_len - o.hit_tokens > cfg.max_local_prefill_tokens
 
+    prefill_up = any(o.path == "disaggregated" for o in options)
+
+    def spares_streams(o: Option) -> bool:
+        return o.path == "disaggregated" or not long(o) or o.harm_s == 0.0 or not prefill_up
+
     usual = [o for o in met if (o.path == "disaggregated") == long(o)]
-    fallback = [o for o in met if o.path == "disaggregated" or not long(o) or o.harm_s == 0.0]
+    fallback = [o for o in met if spares_streams(o)]
     if usual or fallback:
         best = min(usual or fallback, key=lambda o: (o.pressure(target), rng.random()))
         reason = "slo_" + ("local" if best.path == "colocated" else "remote") \
@@ -257,8 +258,10 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
     if not any(o.idle_meets for o in options):
         # No worker could meet these targets even idle (a prompt too long for this TTFT on this
         # hardware): waiting would not help, so refusing would refuse it for ever. Serve it
-        # when a worker has nothing queued, one such request at a time per worker.
-        free = [o for o in options if not o.queued and _stalls_no_stream(o)]
+        # when a worker has nothing queued, one such request at a time per worker, and a long
+        # one not on a decode worker's streams (measured at 8 req/s: one such 2048-token
+        # prefill there pushed every short request's TPOT to 140-190 ms).
+        free = [o for o in options if not o.queued and spares_streams(o)]
         if free:
             best = min(free, key=lambda o: (o.pressure(target), rng.random()))
             return Decision(best.path, "slo_best_effort", best.decode_worker,
@@ -280,6 +283,6 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         retry = min((max(0.0, o.ttft_s - target.ttft_s) for o in options
                      if o.path == "disaggregated"), default=1.0)
     elif not any(o.idle_meets for o in options):  # served once a worker is free
-        retry = min((o.backlog_s for o in options if _stalls_no_stream(o)), default=1.0)
+        retry = min((o.backlog_s for o in options if spares_streams(o)), default=1.0)
     return Decision("none", reason, None, None, prompt_len, 0, best.ttft_s, best.tpot_s,
                     best.prefill_s, retry_after_s=min(60.0, max(0.5, retry)))
