@@ -284,22 +284,31 @@ class PackedLinear:
         if self.n_padded != n:
             w = torch.cat([w, w.new_zeros(self.n_padded - n, k)])
         panels = w.view(self.n_padded // 16, 16, k).transpose(1, 2).contiguous()
-        narrow = panels.to(torch.bfloat16)
-        self.is_bf16 = torch.equal(narrow.float(), panels)
-        self.panels = narrow[..., _WIDEN_ORDER].contiguous() if self.is_bf16 else panels
+        # bf16 values: the low 16 bits of every float32 are zero.
+        self.is_bf16 = not bool((panels.view(torch.int32) & 0xFFFF).any())
+        self.panels = panels.to(torch.bfloat16)[..., _WIDEN_ORDER].contiguous() \
+            if self.is_bf16 else panels
 
 
 def pack_linear(weight: torch.Tensor) -> Optional[PackedLinear]:
     """cpu_linear.c's layout of a float32 CPU weight, or None where the kernel does not run
     (no build, no AVX2 + FMA, another dtype or device)."""
-    library = _load()
-    if library is None or weight.dtype != torch.float32 or weight.device.type != "cpu" \
-            or weight.dim() != 2:
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 \
+            or not _linear_runs():
         return None
-    packed = PackedLinear(weight)
-    if linear_f32(torch.zeros(1, packed.k), packed) is None:
-        return None
-    return packed
+    return PackedLinear(weight)
+
+
+_linear_ran: Optional[bool] = None
+
+
+def _linear_runs() -> bool:
+    """Whether the kernel runs here (built, and the CPU has AVX2 + FMA); asked once."""
+    global _linear_ran
+    if _linear_ran is None:
+        _linear_ran = _load() is not None and \
+            linear_f32(torch.zeros(1, 8), PackedLinear(torch.zeros(16, 8))) is not None
+    return _linear_ran
 
 
 def linear_f32(x: torch.Tensor, packed: PackedLinear,
@@ -307,7 +316,9 @@ def linear_f32(x: torch.Tensor, packed: PackedLinear,
     """`x @ weight.T + bias` for float32 rows `[m, k]`; every row by the same fixed order
     (cpu_linear.c). None when the kernel does not run here."""
     library = _load()
-    if library is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != packed.k:
+    if library is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 \
+            or x.shape[1] != packed.k or (bias is not None and (bias.device.type != "cpu"
+                                                                or bias.numel() != packed.n)):
         return None
     if x.stride(1) != 1:
         x = x.contiguous()

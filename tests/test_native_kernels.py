@@ -246,50 +246,55 @@ def _cpu_has_avx2_fma() -> bool:
     return _cpu_has("avx2") and _cpu_has("fma")
 
 
-@pytest.mark.parametrize("n, k, bias", [(96, 64, False), (200, 600, True), (1000, 300, True)])
-def test_native_linear_matches_torch_and_rows_do_not_depend_on_their_company(n, k, bias):
+@pytest.mark.parametrize("n, k, bias, bf16_values", [(96, 64, False, True), (200, 600, True, True),
+                                                     (1000, 300, True, True), (40, 600, True, False)])
+def test_native_linear_matches_torch_and_rows_do_not_depend_on_their_company(n, k, bias,
+                                                                            bf16_values):
     """cpu_linear.c: float32 `x @ W.T + b` within float32 rounding of torch's, and each row
     bit-identical whatever the row count (and so the register tile it fell in), the row's place
-    or the thread count. n not a multiple of the 16-column panel,
-    k crossing a 512-wide k block."""
+    or the thread count; weights packed as bf16 (a bf16 checkpoint's values) or float32. n not
+    a multiple of the 16-column panel; k crossing a 512-wide k block."""
     import torch.nn.functional as F
 
     from pd_runtime.model.llama import linear, prepack_weight
 
     gen = torch.Generator().manual_seed(n + k)
-    weight = torch.randn(n, k, generator=gen).bfloat16().float()  # a bf16 checkpoint's values
+    weight = torch.randn(n, k, generator=gen)
+    if bf16_values:
+        weight = weight.bfloat16().float()
     b = torch.randn(n, generator=gen) if bias else None
     packed = prepack_weight(weight, b)
     if not _cpu_has_avx2_fma():  # the kernel needs AVX2 + FMA; without them torch's GEMM runs
         assert packed is None
         return
-    assert isinstance(packed, native.PackedLinear) and packed.is_bf16
+    assert isinstance(packed, native.PackedLinear) and packed.is_bf16 == bf16_values
     x = torch.randn(64, k, generator=gen)
-    full = linear(x, weight, packed, b)
-    torch.testing.assert_close(full, F.linear(x, weight, b), rtol=1e-4, atol=1e-4)
-    for rows in (*range(1, 20), 33):
-        for offset in (0, 7):
-            part = linear(x[offset:offset + rows], weight, packed, b)
-            assert torch.equal(part, full[offset:offset + rows]), (rows, offset)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
-        assert torch.equal(linear(x, weight, packed, b), full)
-        assert torch.equal(linear(x[:3], weight, packed, b), full[:3])
+        torch.set_num_threads(1)
+        full = linear(x, weight, packed, b)
+        torch.testing.assert_close(full, F.linear(x, weight, b), rtol=1e-4, atol=1e-4)
+        for rows in (*range(1, 20), 33):
+            for offset in (0, 7):
+                part = linear(x[offset:offset + rows], weight, packed, b)
+                assert torch.equal(part, full[offset:offset + rows]), (rows, offset)
+        for count in (2, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(linear(x, weight, packed, b), full)
+            assert torch.equal(linear(x[:3], weight, packed, b), full[:3])
     finally:
         torch.set_num_threads(threads)
 
 
-def test_native_linear_keeps_float32_weights_that_are_not_bf16():
-    """Weights with float32-only values are packed in float32 (bf16 would round them)."""
-    import torch.nn.functional as F
-
-    weight = torch.randn(48, 40, generator=torch.Generator().manual_seed(1))
+def test_native_linear_declines_what_it_cannot_take():
+    """Inputs the kernel does not take give None (the caller's error), never a bad read."""
+    weight = torch.randn(32, 16)
     packed = native.pack_linear(weight)
     if not _cpu_has_avx2_fma():
         assert packed is None
         return
-    assert not packed.is_bf16
-    x = torch.randn(5, 40)
-    torch.testing.assert_close(native.linear_f32(x, packed), F.linear(x, weight),
-                               rtol=1e-5, atol=1e-5)
+    assert native.linear_f32(torch.randn(2, 15), packed) is None            # wrong k
+    assert native.linear_f32(torch.randn(2, 16).double(), packed) is None   # not float32
+    assert native.linear_f32(torch.randn(2, 16), packed, torch.randn(31)) is None  # bias size
+    assert native.pack_linear(weight.bfloat16()) is None  # bf16 weights: oneDNN's path
+    assert native.linear_f32(torch.randn(0, 16), packed).shape == (0, 32)

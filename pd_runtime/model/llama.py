@@ -134,8 +134,8 @@ class LlamaModel:
         self.lm_head = w.get("lm_head", self.embed)
         self.layers = w["layers"]
         # Kept beside the plain weights (which loading, transfers and tests read): a second
-        # copy of the linear weights (the bench model's: 64 MB, as bf16 or as float32 bf16
-        # values).
+        # copy of the linear weights, half their size for bf16 values run in float32, their
+        # size otherwise (the bench model's: 64 MB; its float32 weights 128 MB).
         self.packed = [{name: prepack_weight(layer[name], layer.get(name + "_bias"))
                         for name in ("qkv", "o", "gate_up", "down")} for layer in self.layers]
         self.lm_head_packed = prepack_weight(self.lm_head)
