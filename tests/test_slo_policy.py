@@ -39,6 +39,12 @@ class Cluster:
         for w in self.decode + self.prefill:
             self.costs.update(w.worker_id, report(coefficients.get(w.worker_id)))
 
+    def report(self, worker_id, **fields):
+        """A new load report from a worker: the router's cost model and worker state take it."""
+        load = report(**fields)
+        self.costs.update(worker_id, load)
+        next(w for w in self.decode + self.prefill if w.worker_id == worker_id).load = load
+
     def decide(self, prompt_len, target=SLOTarget(), max_tokens=64, hits=None, cfg=None):
         return decide_slo(prompt_len, max_tokens, self.decode, self.prefill, hits or {},
                           cfg or RoutingConfig(), target, self.costs, self.ledgers, self.now,
@@ -195,10 +201,28 @@ def test_a_busy_decode_worker_is_judged_by_its_measured_step():
     for i in range(120):  # the model says 125 ms a step with these...
         c.ledgers["d0"].start(f"r{i}", 100)
     assert c.decide(128).path == "none"
-    c.costs.update("d0", report(step_s_ewma=0.03))  # ...it measures 30 ms: room for more
-    assert c.decide(128).path != "none"
-    c.costs.update("d0", report(step_s_ewma=0.2))   # 200 ms measured: no room
+    c.report("d0", step_s_ewma=0.03, num_running=120)  # ...it measures 30 ms:
+    assert c.decide(128).path != "none"                                # room for more
+    c.report("d0", step_s_ewma=0.2, num_running=120)   # 200 ms: no room
     assert c.decide(128).reason == "slo_tpot_unmet"
+
+
+def test_requests_sent_since_the_last_report_count_on_top_of_the_measured_step():
+    """A burst is not admitted on one stale measurement: the step measured with 4 running,
+    plus the model's cost of every sequence sent since."""
+    c = Cluster()
+    c.report("d0", step_s_ewma=0.03, num_running=4)
+    for i in range(4):
+        c.ledgers["d0"].start(f"r{i}", 128)
+    assert c.decide(128).predicted_tpot_s == pytest.approx(0.03 + 1e-3, abs=2e-3)
+    admitted = 0
+    while c.decide(128).path != "none" and admitted < 200:
+        d = c.decide(128)
+        c.run(d, f"burst-{admitted}")
+        admitted += 1
+    # 30 ms + 1 ms per sequence sent since (and the prefills queued, spread over 64 steps)
+    # reaches 90 ms (the 100 ms target less the margin) well before 60 more.
+    assert 20 <= admitted < 60
 
 
 def test_ledger_queue_shifts_with_measured_first_tokens():
