@@ -137,8 +137,10 @@ def run_system(name: str, args, out: Path, model_dir: str) -> dict:
                   "--slo-tpot", str(args.slo_tpot), "--seed", str(args.seed)]
         sweep = out / f"{name}.json"
         if args.rates:
-            rc = goodput(server.base_url, name, sweep, "--rates", *map(str, args.rates),
-                         "--num-requests", str(args.num_requests), *common).wait()
+            size = ["--duration", str(args.duration)] if args.duration \
+                else ["--num-requests", str(args.num_requests)]
+            rc = goodput(server.base_url, name, sweep, "--rates", *map(str, args.rates), *size,
+                         *common).wait()
             result["sweep"] = str(sweep) if rc == 0 else f"failed rc={rc}"
         if args.burst and name in (args.burst_systems or args.systems):
             # Shorts keep arriving; the burst of long prompts lands a few seconds in.
@@ -179,6 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--rates", nargs="*", type=float, default=[1, 2, 4, 6, 8, 10, 12, 14],
                    help="none: only the burst")
     p.add_argument("--num-requests", type=int, default=96)
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds of arrivals per point instead of --num-requests (a sustained load)")
     p.add_argument("--slo-ttft", type=float, default=2.5)
     p.add_argument("--slo-tpot", type=float, default=0.1)
     p.add_argument("--burst", type=int, default=200, help="0: no burst run")

@@ -295,8 +295,9 @@ def _completion_prompts(prompt: Any, tokenizer, max_model_len: int
         if isinstance(value, list) and value and isinstance(value[0], int):
             # Length first: checking the type of every id of a huge list costs seconds.
             _refuse_long_prompt(len(value), "", max_model_len, "prompt")
-        return isinstance(value, list) and value and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value)
+        # The set of the items' types, built in C: a per-item Python check cost ~1 ms per
+        # 1,000 ids, one request at a time on the event loop. (bool is its own type here.)
+        return isinstance(value, list) and value and set(map(type, value)) == {int}
 
     if isinstance(prompt, str):
         items = [prompt]
@@ -314,7 +315,7 @@ def _completion_prompts(prompt: Any, tokenizer, max_model_len: int
             ids = _encode(item, tokenizer, max_model_len, "prompt")
             texts.append(item)
         else:
-            if any(t < 0 or t > INT64_MAX for t in item):
+            if min(item) < 0 or max(item) > INT64_MAX:
                 raise InvalidRequest("prompt token ids must be non-negative", param="prompt")
             ids = list(item)
             texts.append(None)

@@ -180,9 +180,10 @@ def test_large_valid_bodies_are_served_from_the_parser_process(server, url):
     prompts = [[(7 * i + j) % 500 + 1 for j in range(300)] for i in range(24)]
     body = {"prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
     pad = {"padding": "p" * INLINE_MAX_BYTES}  # an unknown field: ignored, but makes it large
-    in_child = intake.prepared_in_child
+    in_child, inline_ids = intake.prepared_in_child, intake.prepared_inline_ids
     with httpx.Client(base_url=url, timeout=120) as http:
-        batch = http.post("/v1/completions", json=body).json()
+        batch = http.post("/v1/completions", json=body).json()  # token ids: nothing to tokenize
+        assert intake.prepared_inline_ids == inline_ids + 1
         assert batch["usage"]["prompt_tokens"] == 24 * 300
         for i in (0, 13, 23):
             one = http.post("/v1/completions", json={**body, "prompt": prompts[i]}).json()
@@ -195,7 +196,7 @@ def test_large_valid_bodies_are_served_from_the_parser_process(server, url):
             padded = http.post(path, json={**small, **pad}).json()
             assert padded["choices"] == inline["choices"] and padded["usage"] == inline["usage"]
             assert_error_body(http.post(path, json={**small, **pad, "n": 0}), 400, "n")
-    assert intake.prepared_in_child == in_child + 5
+    assert intake.prepared_in_child == in_child + 4  # the padded text bodies
 
 
 def _parser_processes() -> set[int]:
