@@ -5,14 +5,45 @@ transfer, preemptions, admission refusals by tenant, migrations. One registry pe
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
+class _EngineSteps:
+    """The workers' own step counts, exported as they report them (cumulative since each
+    worker started): a histogram of step times, and prompt and decoded tokens computed."""
+
+    def __init__(self):
+        self.reports: dict[str, dict] = {}  # worker id -> its latest step_costs report
+
+    def collect(self):
+        steps = HistogramMetricFamily("pd_worker_step_duration_seconds",
+                                      "Engine step time, as measured by the worker",
+                                      labels=["worker"])
+        prefill = CounterMetricFamily("pd_worker_prefill_tokens", "Prompt tokens computed",
+                                      labels=["worker"])
+        decode = CounterMetricFamily("pd_worker_decode_tokens", "Tokens decoded",
+                                     labels=["worker"])
+        for worker_id, report in sorted(self.reports.items()):
+            bounds, counts = report.get("step_buckets_s"), report.get("step_counts")
+            if bounds and counts and len(counts) == len(bounds) + 1:
+                cumulative, buckets = 0, []
+                for bound, count in zip([*map(str, bounds), "+Inf"], counts):
+                    cumulative += count
+                    buckets.append((bound, cumulative))
+                steps.add_metric([worker_id], buckets, report.get("busy_s", 0.0))
+            prefill.add_metric([worker_id], report.get("prefill_tokens", 0))
+            decode.add_metric([worker_id], report.get("decode_tokens", 0))
+        return [steps, prefill, decode]
+
+
 class RouterMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
+        self.engine_steps = _EngineSteps()
+        r.register(self.engine_steps)
         path = ["path"]
         self.ttft = Histogram("pd_ttft_seconds", "Time to first token", path, registry=r,
                               buckets=_LATENCY_BUCKETS)
@@ -96,6 +127,7 @@ class RouterMetrics:
         self.preemptions.labels(worker_id).set(load.get("num_preemptions", 0))
         costs = load.get("step_costs") or {}
         if costs:
+            self.engine_steps.reports[worker_id] = costs
             self.step_s.labels(worker_id).set(costs.get("step_s_ewma", 0))
             self.batch.labels(worker_id).set(costs.get("batch_ewma", 0))
             self.tokens_per_step.labels(worker_id).set(costs.get("tokens_per_step_ewma", 0))

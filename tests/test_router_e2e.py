@@ -230,6 +230,13 @@ def test_slo_mode_routes_by_prediction_and_refuses_early(product):
     rates = re.findall(r'pd_cost_model_prefill_tokens_per_second\{worker="([^"]+)"\} ([0-9.e+]+)', text)
     assert len(rates) == 2 and all(float(v) > 0 for _, v in rates)
     assert re.search(r'pd_worker_step_seconds\{worker="[^"]+"\} [0-9.e-]+', text)
+    # The workers' own step histograms and token counters, as vLLM exports them.
+    steps = dict(re.findall(r'pd_worker_step_duration_seconds_count\{worker="([^"]+)"\} ([0-9.e+]+)',
+                            text))
+    assert len(steps) == 2 and all(float(v) > 0 for v in steps.values())
+    for kind in ("prefill", "decode"):
+        counts = re.findall(rf'pd_worker_{kind}_tokens_total\{{worker="[^"]+"\}} ([0-9.e+]+)', text)
+        assert len(counts) == 2 and sum(float(v) for v in counts) > 0
     # Targets no worker could meet even idle: served one at a time per worker (waiting would
     # not help, so a refusal would be for ever)...
     set_routing(product, mode="slo", slo={"ttft_s": 0.0005, "tpot_s": 5.0})

@@ -59,6 +59,8 @@ class StepCostModel:
         self.seconds = 0.0
         self.tokens = 0
         self.batch = 0
+        self.prefill_tokens = 0  # prompt tokens computed, since start
+        self.decode_tokens = 0   # tokens decoded (one per decoded sequence per step)
         self.step_counts = [0] * (len(STEP_BUCKETS_S) + 1)
         self._ewma_step_s = None
         self._ewma_batch = None
@@ -88,6 +90,8 @@ class StepCostModel:
         self.seconds += seconds
         self.tokens += tokens
         self.batch += batch
+        self.prefill_tokens += work.prefill_tokens
+        self.decode_tokens += work.decode_seqs
         self.step_counts[bisect.bisect_left(STEP_BUCKETS_S, seconds)] += 1
         a = 0.05
         self._ewma_step_s = seconds if self._ewma_step_s is None else \
@@ -111,4 +115,5 @@ class StepCostModel:
                 "busy_s": self.seconds, "tokens": self.tokens, "batch_sum": self.batch,
                 "step_s_ewma": self._ewma_step_s or 0.0, "batch_ewma": self._ewma_batch or 0.0,
                 "tokens_per_step_ewma": self._ewma_tokens or 0.0,
-                "step_buckets_s": list(STEP_BUCKETS_S), "step_counts": list(self.step_counts)}
+                "step_buckets_s": list(STEP_BUCKETS_S), "step_counts": list(self.step_counts),
+                "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens}
