@@ -64,6 +64,12 @@ class EnginePoolSettings(_Strict):
     # costs (kernel builds, allocations) are paid before any request, and the live cost model
     # starts from measured steps. 0: no warm-up.
     warmup_tokens: int = Field(1024, ge=0)
+    # While sequences are decoding, a step's prompt tokens are cut so that the step's predicted
+    # time (the live step-cost model) stays within this: a decode never waits behind a prefill
+    # chunk longer than the TPOT target allows (at least one block of prompt per step still
+    # runs). None: only max_num_batched_tokens; `pd-runtime serve` in routing mode `slo` sets
+    # it on decode and colocated workers to routing.slo.tpot_s x slo_margin, at start.
+    step_time_target_s: Optional[float] = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _check(self):

@@ -215,7 +215,7 @@ class LLMEngine(RemoteKVMixin):
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self._prompt_budget())
         if not plan.scheduled:
             if plan.swap_out:
                 self.runner.execute(plan)
@@ -257,6 +257,26 @@ class LLMEngine(RemoteKVMixin):
             outputs.append(self._finish_token(req, token, lp))
         self.step_costs.observe(work, time.perf_counter() - started)
         return outputs
+
+    def _prompt_budget(self) -> Optional[int]:
+        """Prompt tokens this step may take so that, with the sequences decoding, it stays
+        within config.step_time_target_s as the step-cost model predicts (None: no limit).
+        At least one block, so prompts always progress."""
+        target = self.config.step_time_target_s
+        if not target:
+            return None
+        decoding = [r for r in self.scheduler.running
+                    if r.num_tokens - r.num_computed_tokens == 1]
+        if not decoding:
+            return None
+        costs = self.step_costs
+        spare = target - costs.predict(StepWork(decode_seqs=len(decoding), decode_context=sum(
+            r.num_tokens for r in decoding)))
+        per_token = costs.coefficients()["prefill_token_s"]
+        floor = self.block_manager.block_size
+        if per_token <= 0:
+            return None
+        return max(floor, int(spare / per_token)) if spare > 0 else floor
 
     def _finish_token(self, req: Request, token: int, logprob) -> RequestOutput:
         params = req.params

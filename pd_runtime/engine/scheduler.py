@@ -12,6 +12,7 @@ urgent request always progresses and waiting requests age upward, so nothing sta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from pd_runtime.engine.block_manager import BlockManager
 from pd_runtime.engine.sequence import Request, RequestStatus
@@ -107,14 +108,20 @@ class Scheduler:
         return ScheduledRequest(req.request_id, start, req.token_slice(start, start + n),
                                 list(req.block_ids), start + n == req.num_tokens)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, prompt_budget: Optional[int] = None) -> SchedulerOutput:
+        """prompt_budget: at most this many prompt tokens this step (decodes are not counted;
+        None: only the token budget)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        prompt = budget if prompt_budget is None else max(0, prompt_budget)
         self.running.sort(key=self._urgency)
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or budget == 0:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            left = req.num_tokens - req.num_computed_tokens
+            n = min(left, budget) if left == 1 else min(left, budget, prompt)
+            if n == 0:
+                continue
             while not self.bm.allocate(req, n):
                 victim = max(self.running, key=self._urgency)
                 self._preempt(victim, out)
@@ -123,16 +130,18 @@ class Scheduler:
             if req.status == RequestStatus.RUNNING:
                 out.scheduled.append(self._plan(req, n))
                 budget -= n
+                if left > 1:
+                    prompt -= n
 
         self.waiting.sort(key=self._urgency)
         admitted = []
         for req in self.waiting:
-            if out.preempted or budget == 0 or len(self.running) >= self.max_num_seqs:
+            if out.preempted or min(budget, prompt) == 0 or len(self.running) >= self.max_num_seqs:
                 break
             fresh = req.num_computed_tokens == 0 and not req.block_ids
             prefix = self.bm.match_prefix(req) if fresh else []
             n = min(req.num_tokens - req.num_computed_tokens - len(prefix) * self.bm.block_size,
-                    budget)
+                    budget, prompt)
             if not self.bm.allocate(req, n, prefix):
                 break
             if req.swap_block_ids:  # the first blocks of the fresh table receive the swapped KV
@@ -144,6 +153,7 @@ class Scheduler:
             admitted.append(req)
             out.scheduled.append(self._plan(req, n))
             budget -= n
+            prompt -= n
         for req in admitted:
             self.waiting.remove(req)
         for req in self.waiting:

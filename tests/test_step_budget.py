@@ -1,0 +1,54 @@
+"""The SLO's step-time target in the scheduler (EngineConfig.step_time_target_s): while
+sequences decode, a step takes only the prompt tokens the live step-cost model says fit in the
+target, at least one block; the tokens themselves do not change (batch-invariant mode)."""
+
+from __future__ import annotations
+
+from pd_runtime import LLM, SamplingParams
+from pd_runtime.engine.step_costs import StepWork
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> tuple[dict, list[int]]:
+    """One request decoding, then a long prompt arrives: tokens of each, and the prompt tokens
+    of every step that ran while the first request was decoding."""
+    engine = llm.engine
+    engine.add_request("first", prompts[0], PARAMS)
+    while engine.requests["first"].num_computed_tokens < len(prompts[0]):
+        engine.step()
+    engine.add_request("long", prompts[1], PARAMS)
+    tokens, chunks = {"first": [], "long": []}, []
+    while engine.has_unfinished_requests():
+        decoding = "first" in engine.requests and engine.requests["first"].output_token_ids
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        if decoding and engine.last_step_prefill_tokens:
+            chunks.append(engine.last_step_prefill_tokens)
+    return tokens, chunks
+
+
+def test_prompt_chunks_shrink_to_the_step_target_and_tokens_do_not_change(llama_dir):
+    prompts = [[7 + i % 400 for i in range(20)], [11 + (3 * i) % 450 for i in range(200)]]
+    free = LLM(llama_dir, dtype="float32", num_kv_blocks=256)
+    want, free_chunks = _run(free, prompts)
+    assert free_chunks == [200]  # no target: the whole prompt in one step beside the decode
+
+    # A target the decode alone already fills: one block of prompt per step.
+    tight = LLM(llama_dir, dtype="float32", num_kv_blocks=256, step_time_target_s=1e-6)
+    got, chunks = _run(tight, prompts)
+    assert got == want
+    block = tight.engine.block_manager.block_size
+    assert len(chunks) >= 5 and all(c <= block for c in chunks)
+
+    # A target with room for ~50 prompt tokens: chunks of about that (the model keeps learning
+    # from the steps it runs, so the budget moves a little).
+    costs = tight.engine.step_costs
+    per_token = costs.coefficients()["prefill_token_s"]
+    decode = costs.predict(StepWork(decode_seqs=1, decode_context=21))
+    target = decode + 50 * per_token
+    roomy = LLM(llama_dir, dtype="float32", num_kv_blocks=256, step_time_target_s=target)
+    roomy.engine.step_costs = costs  # the same measured costs, so the budget is known
+    got, chunks = _run(roomy, prompts)
+    assert got == want
+    assert len(chunks) >= 3 and max(chunks) < 100
