@@ -67,8 +67,8 @@ class EnginePoolSettings(_Strict):
     # While sequences are decoding, a step's prompt tokens are cut so that the step's predicted
     # time (the live step-cost model) stays within this: a decode never waits behind a prefill
     # chunk longer than the TPOT target allows (at least one block of prompt per step still
-    # runs). None: only max_num_batched_tokens; `pd-runtime serve` in routing mode `slo` sets
-    # it on decode and colocated workers to routing.slo.tpot_s x slo_margin, at start.
+    # runs). None: only max_num_batched_tokens. (Measured with the SLO router on the 2-core
+    # box, 0.09 s: ITL p99 -35%, goodput -5 to -14%: shorter chunks delay first tokens.)
     step_time_target_s: Optional[float] = Field(None, gt=0)
 
     @model_validator(mode="after")

@@ -78,14 +78,9 @@ def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClie
             ray.get(pg.ready(), timeout=placement.ready_timeout_s)
             strategy_for = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
                             for i in range(pool.num_workers)]
-        engine_config = pool.engine_config(model_dir)
-        routing = cfg.router.routing
-        if role != "prefill" and routing.mode == "slo" and engine_config.step_time_target_s is None:
-            engine_config = engine_config.model_copy(update={
-                "step_time_target_s": routing.slo.tpot_s * routing.slo_margin})
         for i in range(pool.num_workers):
             pools[role].append(start_worker(
-                role, f"{role}-{i}", engine_config, cfg.kv_transfer,
+                role, f"{role}-{i}", pool.engine_config(model_dir), cfg.kv_transfer,
                 num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=res.custom,
                 memory=res.memory_bytes, max_restarts=cfg.recovery.max_restarts,
                 recovery=cfg.recovery,
