@@ -142,6 +142,9 @@ class EngineLoop:
                 self.steps += 1
                 if outputs:
                     self.loop.call_soon_threadsafe(self._deliver, outputs)
+            # Republished every _REPORT_EVERY_S while busy, and whenever it goes idle: the
+            # state a step or command left (blocks held for a transfer, a queue emptied) must
+            # not wait for the next command to show.
             now = time.monotonic()
-            if now - self._report_at >= _REPORT_EVERY_S:
+            if now - self._report_at >= _REPORT_EVERY_S or not engine.has_work():
                 self._report, self._report_at = engine.load_report(), now
