@@ -26,7 +26,7 @@ def random_prompts(model_dir: str, num_prompts: int, input_len: int, seed: int =
     return [[rng.randrange(5, vocab) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def _best_of(fn, repeats: int = 5) -> float:
+def best_of(fn, repeats: int = 5) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -40,19 +40,19 @@ def copy_bandwidth_gbs(num_bytes: int = 1 << 28) -> float:
     """Bytes copied per second by `copy_` (what a weight read + write costs), best of 5."""
     src = torch.empty(num_bytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
-    return num_bytes / _best_of(lambda: dst.copy_(src)) / 1e9
+    return num_bytes / best_of(lambda: dst.copy_(src)) / 1e9
 
 
 def read_bandwidth_gbs(num_bytes: int = 1 << 28) -> float:
     """Bytes read per second by a reduction (the decode-step bound: weights are only read)."""
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
-    return num_bytes / _best_of(lambda: src.sum()) / 1e9
+    return num_bytes / best_of(lambda: src.sum()) / 1e9
 
 
 def bf16_matmul_gflops(n: int = 2048) -> float:
     a = torch.randn(n, n).bfloat16()
     b = torch.randn(n, n).bfloat16()
-    return 2 * n ** 3 / _best_of(lambda: a @ b, 3) / 1e9
+    return 2 * n ** 3 / best_of(lambda: a @ b, 3) / 1e9
 
 
 def machine_line() -> str:

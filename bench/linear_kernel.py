@@ -15,24 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import bench_model, machine_line, read_bandwidth_gbs  # noqa: E402
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+from bench.common import bench_model, best_of, machine_line, read_bandwidth_gbs  # noqa: E402
 
 
 def main() -> None:
