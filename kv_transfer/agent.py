@@ -58,7 +58,7 @@ class KVTransferAgent(WireWork):
         # Set while any transfer is pending here: link readers poll fast then, and an idle
         # reader wakes on it (Link.set_activity).
         self.active = Activity()
-        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._scratch = torch.empty(0, dtype=torch.uint8, device=self.layout.device)
         self._metadata = AgentMetadata(
             engine_id=engine_id, backend=transport.name, address=transport.address(),
             model_id=model_id, dtype=str(self.layout.dtype).replace("torch.", ""),

@@ -184,9 +184,12 @@ class WireWork:
 
     def _scratch_region(self, num_bytes: int) -> torch.Tensor:
         # Bytes for a transfer that is no longer ours still have to be read off the ordered
-        # stream; they land here, never in a block.
-        if self._scratch.numel() < num_bytes:
-            self._scratch = torch.empty(num_bytes, dtype=torch.uint8)
+        # stream; they land here, never in a block. On the cache's device: a link picks its
+        # group by the buffer's device (NCCL for CUDA), and the sender posted them from the
+        # cache, so a host scratch would wait on the wrong group.
+        device = self.layout.device
+        if self._scratch.numel() < num_bytes or self._scratch.device != device:
+            self._scratch = torch.empty(num_bytes, dtype=torch.uint8, device=device)
         return self._scratch[:num_bytes]
 
     def _read_chunk(self, peer: PeerLink, frame: dict) -> None:

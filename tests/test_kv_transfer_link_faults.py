@@ -209,3 +209,21 @@ def test_draws_follow_the_seed():
         assert [transport.draw().drop for _ in range(4)] == [True, True, False, False]
     finally:
         transport.close()
+
+
+def test_discarded_bytes_are_read_into_a_buffer_on_the_cache_device():
+    """A chunk no longer wanted is still read off the ordered stream, into scratch on the KV
+    cache's device, as the sender posted it from the cache: a link picks its group by the
+    buffer's device (NCCL for CUDA, gloo for host memory), so the read waits on the group the
+    chunk was sent on. `meta` stands in for a device other than the host."""
+    from types import SimpleNamespace
+
+    from kv_transfer.layout import KVLayout
+    from kv_transfer.wire import WireWork
+
+    layout = KVLayout([torch.empty(2, 4, 2, 16, 8, device="meta") for _ in range(2)])
+    owner = SimpleNamespace(layout=layout, _scratch=torch.empty(0, dtype=torch.uint8))
+    scratch = WireWork._scratch_region(owner, 3 * layout.block_bytes)
+    region = layout.region(0, 0, 1, 3)
+    assert scratch.device == region.device
+    assert scratch.dtype == region.dtype and scratch.numel() == region.numel()
