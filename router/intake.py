@@ -28,7 +28,8 @@ from starlette.requests import ClientDisconnect, Request
 
 from router import parser_process
 from router.backend import Backend, BackendError
-from router.protocol import PreparedRequest, parse_json, prepare_chat, prepare_completion
+from router.protocol import (PreparedRequest, is_token_ids, parse_json, prepare_chat,
+                             prepare_completion)
 from router.streaming import ClientDisconnected
 
 log = logging.getLogger(__name__)
@@ -172,9 +173,5 @@ def _tokenizer_state(tokenizer) -> Optional[bytes]:
 
 def _token_id_prompts(prompt) -> bool:
     """A completion prompt of token ids (one list of ints, or a list of them): no text."""
-    if not isinstance(prompt, list) or not prompt:
-        return False
-    if set(map(type, prompt)) == {int}:
-        return True
-    return all(isinstance(p, list) and set(map(type, p)) == {int} for p in prompt)
-
+    return is_token_ids(prompt) or (isinstance(prompt, list) and bool(prompt)
+                                    and all(is_token_ids(p) for p in prompt))
