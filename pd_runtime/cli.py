@@ -92,6 +92,8 @@ def _cmd_serve(args) -> int:
           file=sys.stderr, flush=True)
     try:
         serve_http(create_app(backend, cfg.router), host, port)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        print("pd-runtime: stopped", file=sys.stderr, flush=True)
     finally:
         backend.stop()
     return 0
