@@ -89,6 +89,20 @@ class DecodeKVBuffer:
 
 
 @dataclass
+class DeviceAttention:
+    """Metadata of the GPU kernels (kernels/triton_paged.py), all int32 on the device: the
+    decodes' block tables and lengths, and the prefill segments as one varlen batch (query
+    offsets relative to the first prefill token, context lengths, block tables)."""
+
+    decode_block_tables: torch.Tensor  # [num_decodes, width]
+    decode_context_lens: torch.Tensor  # [num_decodes]
+    query_start_loc: torch.Tensor      # [num_segments + 1]
+    context_lens: torch.Tensor         # [num_segments]
+    block_tables: torch.Tensor         # [num_segments, width]
+    max_query_len: int                 # a host int: the longest segment (the launch grid)
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs for one step; decodes come first in the flat batch."""
 
@@ -105,6 +119,9 @@ class AttentionMetadata:
     layer: int = 0  # set by the model before each layer's attention
     # Batch-invariant mode: every token through the fixed-order kernel (kernels/fixed_order.py).
     fixed_order: fixed_order.FixedOrderRows | None = None
+    # On CUDA: the Triton kernels module and their metadata (the paths above are not used).
+    device_attention: DeviceAttention | None = None
+    device_kernels: object = None
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -274,6 +291,8 @@ def prefill_runs(prefills: list[PrefillSegment]) -> list[tuple[int, int, Prefill
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend: `[T, heads, d]` -> `[T, heads, d]`."""
+    if meta.device_attention is not None:
+        return device_paged_attention(q, k, v, kv_layer, meta, scale)
     write_kv(kv_layer, k, v, meta.slot_mapping)
     if meta.fixed_order is not None:
         return fixed_order.attend(q, kv_layer, meta.fixed_order, scale)
@@ -302,4 +321,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
             e = start + seg.num_tokens
             out[start:e] = prefill_attention(q[start:e], k[start:e], v[start:e], kv_layer, seg,
                                              scale)
+    return out
+
+
+def device_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           kv_layer: torch.Tensor, meta: AttentionMetadata,
+                           scale: float) -> torch.Tensor:
+    """The GPU path: the same computation as paged_attention's, by the Triton kernels, which
+    read the blocks in place (the decodes first in the batch, then the prefill segments)."""
+    kernels, dev, nd = meta.device_kernels, meta.device_attention, meta.num_decode_tokens
+    kernels.write_kv(kv_layer, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    if nd:
+        kernels.decode_attention(q[:nd], kv_layer, dev.decode_block_tables,
+                                 dev.decode_context_lens, scale, out=out[:nd])
+    if q.shape[0] > nd:
+        kernels.prefill_attention(q[nd:], kv_layer, dev.query_start_loc, dev.context_lens,
+                                  dev.block_tables, scale, max_query_len=dev.max_query_len,
+                                  out=out[nd:])
     return out

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from kernels import fixed_order, native
-from kernels.attention import AttentionMetadata, DecodeKVBuffer, PrefillSegment
+from kernels.attention import AttentionMetadata, DecodeKVBuffer, DeviceAttention, PrefillSegment
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.host_memory import host_zeros
 from pd_runtime.engine.scheduler import SchedulerOutput
@@ -26,14 +26,33 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, max_model_len: int):
         self.config = config
         self.block_size = config.block_size
+        # Every tensor a step reads is on this device: built on the host and copied once
+        # (`_put`), or built there. On CUDA, attention is the Triton kernels (kernels/
+        # triton_paged.py) over device-side block tables; on the host, the native/torch paths.
+        self.device = torch.device(config.device)
+        self.on_host = self.device.type == "cpu"
+        self.max_blocks_per_seq = -(-max_model_len // config.block_size)
+        if config.batch_invariant and not self.on_host:
+            log.warning("batch_invariant: the fixed-order paths are the host's; on %s results "
+                        "can depend on the batch", config.device)
         self.model = load_model(config.model, config.dtype, config.device, max_model_len,
-                                config.batch_invariant)
+                                config.batch_invariant and self.on_host)
         cfg = self.model.cfg
         self.dtype = self.model.dtype
-        if self.dtype in (torch.bfloat16, torch.float32) and torch.device(config.device).type == "cpu":
+        if self.dtype in (torch.bfloat16, torch.float32) and self.on_host:
             native.available()  # build (or find) the native kernels now, not at the first step
-        self.fixed_order = config.batch_invariant
-        if config.batch_invariant:
+        self.triton = None
+        if self.device.type == "cuda":
+            from kernels import triton_paged
+
+            reason = triton_paged.unsupported_reason(self.dtype, cfg.head_dim, self.block_size,
+                                                     cfg.num_heads, cfg.num_kv_heads)
+            if reason is not None:
+                raise ValueError(f"engine.device {config.device!r}: the GPU attention kernels "
+                                 f"cannot run this model: {reason}")
+            self.triton = triton_paged
+        self.fixed_order = config.batch_invariant and self.on_host
+        if self.fixed_order:
             reason = fixed_order.unsupported_reason(self.dtype, config.device, cfg.head_dim)
             if reason is not None:
                 log.warning("batch_invariant: %s; attention runs the regular paths, whose "
@@ -48,13 +67,15 @@ class ModelRunner:
         # Layout [layers, 2 (K, V), blocks, kv_heads, block_size, head_dim]: see kernels/attention.
         # On the host it lives in huge pages (host_memory: transfers pull from it 2x faster).
         kv_shape = (cfg.num_layers, 2, self.num_blocks, cfg.num_kv_heads, self.block_size, cfg.head_dim)
-        if torch.device(config.device).type == "cpu":
+        if self.on_host:
             self.kv_cache = host_zeros(kv_shape, self.dtype)
         else:
             self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=config.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        # The decode side buffer is a host-path device: off the host, the paged kernels read
+        # the blocks in place and it would only take memory (kernels/attention.py).
         self.decode_buffer = DecodeKVBuffer(int(self.kv_cache.numel() * elem
-                                                * config.decode_kv_buffer_fraction))
+                                                * self.decode_buffer_fraction(config)))
         self._row_bytes = cfg.num_kv_heads * cfg.head_dim * elem
         self.num_swap_blocks = config.swap_space_bytes // block_bytes \
             if config.preemption_mode == "swap" else 0
@@ -81,6 +102,30 @@ class ModelRunner:
         decodes = [s for s in plan.scheduled if len(s.token_ids) == 1]
         prefills = [s for s in plan.scheduled if len(s.token_ids) > 1]
         ordered = decodes + prefills
+        # Rows to sample, in the order of plan.scheduled (the engine's order).
+        row_of = {}
+        offset = 0
+        for s in ordered:
+            offset += len(s.token_ids)
+            row_of[s.request_id] = offset - 1
+        rows = [row_of[s.request_id] for s in plan.scheduled if s.sample]
+        if self.triton is not None:
+            hidden = self._forward_device(decodes, prefills, rows)
+        else:
+            hidden = self._forward_host(decodes, prefills, ordered, rows)
+        if not rows:
+            return None
+        return self.model.compute_logits(hidden)
+
+    def _put(self, t: torch.Tensor) -> torch.Tensor:
+        """A host-built tensor on the engine's device (one copy; none on the host)."""
+        return t if self.on_host else t.to(self.device, non_blocking=True)
+
+    def _forward_host(self, decodes, prefills, ordered, rows) -> torch.Tensor:
+        """The host attention paths' metadata (decode buffer, fixed-order rows, per-segment
+        tables); also what runs on a non-CUDA device (tests place it on `meta`)."""
+        bs = self.block_size
+        put = self._put
         # Decodes (one token each) as plain lists; prefill chunks as tensor ranges: per-token
         # Python lists cost ~1 ms per 2048 tokens.
         input_ids = [s.token_ids[0] for s in decodes]
@@ -94,7 +139,7 @@ class ModelRunner:
         elif decodes:
             meta.num_decode_tokens = len(decodes)
             lens = [s.start + 1 for s in decodes]
-            meta.decode_context_lens = torch.tensor(lens, dtype=torch.long)
+            meta.decode_context_lens = put(torch.tensor(lens, dtype=torch.long))
             fresh = self.decode_buffer.plan(tuple(s.request_id for s in decodes), lens,
                                             len(self.kv_caches), self._row_bytes)
             if fresh is not None:
@@ -102,35 +147,84 @@ class ModelRunner:
             gathered = decodes if fresh is None else [decodes[i] for i in fresh]
             if gathered:  # block tables only of the rows read from the paged cache
                 width = max(len(s.block_ids) for s in gathered)
-                meta.decode_block_tables = torch.tensor(
+                meta.decode_block_tables = put(torch.tensor(
                     [s.block_ids + [0] * (width - len(s.block_ids)) for s in gathered],
-                    dtype=torch.long)
+                    dtype=torch.long))
         offset = len(decodes)
         for s in prefills:
             n = len(s.token_ids)
             ctx = s.start + n
             table = torch.tensor(s.block_ids[:-(-ctx // bs)], dtype=torch.long)
-            meta.prefills.append(PrefillSegment(offset, n, ctx, table))
+            meta.prefills.append(PrefillSegment(offset, n, ctx, put(table)))
             input_ids.extend(s.token_ids)
             pos = torch.arange(s.start, ctx, dtype=torch.long)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             offset += n
-        meta.slot_mapping = _cat_long(slots)
-        # Rows to sample, in the order of plan.scheduled (the engine's order).
-        row_of = {}
-        offset = 0
-        for s in ordered:
-            offset += len(s.token_ids)
-            row_of[s.request_id] = offset - 1
-        rows = [row_of[s.request_id] for s in plan.scheduled if s.sample]
+        meta.slot_mapping = put(_cat_long(slots))
         # Nothing sampled (a chunk mid-prompt): the forward still writes K/V, for no rows.
-        hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.long),
-                                    _cat_long(positions), self.kv_caches, meta,
-                                    output_rows=torch.tensor(rows, dtype=torch.long))
-        if not rows:
-            return None
-        return self.model.compute_logits(hidden)
+        return self.model.forward(put(torch.tensor(input_ids, dtype=torch.long)),
+                                  put(_cat_long(positions)), self.kv_caches, meta,
+                                  output_rows=put(torch.tensor(rows, dtype=torch.long)))
+
+    def _forward_device(self, decodes, prefills, rows) -> torch.Tensor:
+        """CUDA: one host buffer of every index the step needs (ids, positions, slots, block
+        tables, lengths), copied to the device in one transfer; the Triton kernels take
+        block tables as they are (no gathers, no side buffer)."""
+        bs = self.block_size
+        nd = len(decodes)
+        input_ids = [s.token_ids[0] for s in decodes]
+        positions = [[s.start for s in decodes]]
+        slots = [[s.block_ids[s.start // bs] * bs + s.start % bs for s in decodes]]
+        seg_starts, seg_lens, seg_tables = [0], [], []
+        for s in prefills:
+            n = len(s.token_ids)
+            ctx = s.start + n
+            table = s.block_ids[:-(-ctx // bs)]
+            seg_tables.append(table)
+            seg_lens.append(ctx)
+            seg_starts.append(seg_starts[-1] + n)
+            input_ids.extend(s.token_ids)
+            pos = torch.arange(s.start, ctx, dtype=torch.long)
+            positions.append(pos)
+            slots.append(torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs)
+        dec_width = max((len(s.block_ids) for s in decodes), default=0)
+        pre_width = max((len(t) for t in seg_tables), default=0)
+        parts = [torch.tensor(input_ids, dtype=torch.long), _cat_long(positions),
+                 _cat_long(slots), torch.tensor(rows, dtype=torch.long),
+                 torch.tensor([s.start + 1 for s in decodes], dtype=torch.long),
+                 torch.tensor([b for s in decodes
+                               for b in s.block_ids + [0] * (dec_width - len(s.block_ids))],
+                              dtype=torch.long),
+                 torch.tensor(seg_starts, dtype=torch.long),
+                 torch.tensor(seg_lens, dtype=torch.long),
+                 torch.tensor([b for t in seg_tables for b in t + [0] * (pre_width - len(t))],
+                              dtype=torch.long)]
+        sizes = [len(p) for p in parts]
+        flat = torch.cat(parts)
+        if flat.device != self.device:
+            flat = flat.pin_memory().to(self.device, non_blocking=True) \
+                if self.device.type == "cuda" else flat.to(self.device)
+        (ids, pos, slot_mapping, out_rows, dec_lens, dec_tables, qsl, pre_lens,
+         pre_tables) = flat.split(sizes)
+        dev = DeviceAttention(
+            decode_block_tables=dec_tables.view(nd, dec_width).to(torch.int32),
+            decode_context_lens=dec_lens.to(torch.int32),
+            query_start_loc=qsl.to(torch.int32), context_lens=pre_lens.to(torch.int32),
+            block_tables=pre_tables.view(len(prefills), pre_width).to(torch.int32),
+            max_query_len=max((len(s.token_ids) for s in prefills), default=0))
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=nd,
+                                 device_attention=dev, device_kernels=self.triton)
+        sample_all = rows == list(range(len(input_ids)))  # every row, in order: no gather
+        return self.model.forward(ids, pos, self.kv_caches, meta,
+                                  output_rows=None if sample_all else out_rows)
+
+    @staticmethod
+    def decode_buffer_fraction(config: EngineConfig) -> float:
+        """The decode side buffer's size as a fraction of the KV cache: as configured on the
+        host, 0 on any other device."""
+        return config.decode_kv_buffer_fraction if torch.device(config.device).type == "cpu" \
+            else 0.0
 
 
 def _cat_long(parts: list) -> torch.Tensor:

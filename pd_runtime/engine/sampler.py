@@ -28,52 +28,91 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)
+    """Works on the logits' device; the one device-to-host copy of a step is the packed result
+    (token ids, and the logprobs when a row asks for them): see `sample_on_device`."""
+
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        # None on a device without generators (`meta`, where the tests place a step): its
+        # draws then use the device's default one.
+        self.generator = torch.Generator(self.device).manual_seed(seed) \
+            if self.device.type != "meta" else None
         # The distinct ids of each prompt under a repetition penalty, kept while its request
         # keeps being sampled: converting a long prompt every step costs milliseconds.
         self._prompt_ids: dict[int, tuple[list[int], torch.Tensor]] = {}
 
     @staticmethod
-    def make_generator(seed: int) -> torch.Generator:
-        return torch.Generator().manual_seed(seed)
+    def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+        return torch.Generator(device).manual_seed(seed)
 
     @staticmethod
     def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
         """Advance a seeded generator past one sample drawn elsewhere (a remote prefill's first
         token), so the rest of the stream matches a colocated run."""
-        torch.empty(vocab_size).exponential_(generator=generator)
+        torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[Optional[torch.Generator]],
                  histories: Optional[list[History]] = None) -> SampleResult:
+        packed = self.sample_on_device(logits, params, generators, histories)
+        return self.unpack(packed.cpu() if packed.device.type != "cpu" else packed, params)
+
+    def sample_on_device(self, logits: torch.Tensor, params: list[SamplingParams],
+                         generators: list[Optional[torch.Generator]],
+                         histories: Optional[list[History]] = None) -> torch.Tensor:
+        """Everything on the logits' device, into one float64 tensor (`unpack` reads it): the
+        sampled ids, then for the rows asking for logprobs the sampled token's logprob and the
+        top-n (values, ids), n the largest asked. float64 holds ids and float32 logprobs
+        exactly, so one copy brings the whole result to the host."""
         rows, vocab = logits.shape
-        want_logprobs = [p.logprobs is not None for p in params]
+        device = logits.device
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
         # Logprobs are those of the model's raw logits, before bias, penalties and temperature:
         # what vLLM reports by default (logprobs_mode "raw_logprobs").
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        raw_logprobs = torch.log_softmax(logits[_long(want, device)], dim=-1) if want else None
         logits = self.adjust_logits(logits, params, histories)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            idx = torch.tensor(random_rows)
+            idx = _long(random_rows, device)
             probs = self._filtered_probs(logits[idx], [params[i] for i in random_rows])
             noise = torch.empty_like(probs)
             for j, i in enumerate(random_rows):
-                noise[j].exponential_(generator=generators[i] or self.generator)
+                generator = generators[i] or self.generator
+                if generator is not None and generator.device.type != device.type:
+                    raise ValueError(f"a generator on {generator.device} cannot draw the "
+                                     f"noise of logits on {device}")
+                noise[j].exponential_(generator=generator)
             # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race).
             tokens[idx] = (probs / noise).argmax(dim=-1)
-        token_list = tokens.tolist()
+        parts = [tokens.double()]
+        if want:
+            chosen = raw_logprobs.gather(1, tokens[_long(want, device)][:, None])
+            parts.append(chosen.double().view(-1))
+            top_n = min(max(params[i].logprobs for i in want), vocab)
+            if top_n:
+                values, ids = raw_logprobs.topk(top_n, dim=-1)
+                parts += [values.double().reshape(-1), ids.double().reshape(-1)]
+        return torch.cat(parts)
+
+    @staticmethod
+    def unpack(packed: torch.Tensor, params: list[SamplingParams]) -> SampleResult:
+        """The host side of `sample_on_device`'s result."""
+        rows = len(params)
+        flat = packed.tolist()
+        token_list = [int(t) for t in flat[:rows]]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs: list = [None] * rows
-        for i, p in enumerate(params):
-            if p.logprobs is None:
-                continue
-            row = raw_logprobs[i]
-            top = {}
-            if p.logprobs > 0:
-                values, ids = row.topk(p.logprobs)
-                top = dict(zip(ids.tolist(), values.tolist()))
-            logprobs[i] = (row[token_list[i]].item(), top)
+        if want:
+            chosen = flat[rows:rows + len(want)]
+            top_n = (len(flat) - rows - len(want)) // (2 * len(want))
+            values = flat[rows + len(want):rows + len(want) * (1 + top_n)]
+            ids = flat[rows + len(want) * (1 + top_n):]
+            for j, i in enumerate(want):
+                n = params[i].logprobs
+                row_ids = ids[j * top_n:j * top_n + n]
+                row_values = values[j * top_n:j * top_n + n]
+                logprobs[i] = (chosen[j], {int(t): v for t, v in zip(row_ids, row_values)})
         return SampleResult(token_list, logprobs)
 
     def adjust_logits(self, logits: torch.Tensor, params: list[SamplingParams],
@@ -92,7 +131,8 @@ class Sampler:
                                      or p.repetition_penalty != 1.0 for p in chosen):
             raise ValueError("repetition penalties need the token histories")
         out = logits.clone()
-        sub = out[rows]
+        index = _long(rows, out.device)
+        sub = out[index]
         vocab = sub.shape[1]
         bias_rows, bias_ids, bias_values = [], [], []
         for j, p in enumerate(chosen):
@@ -104,11 +144,11 @@ class Sampler:
                     bias_ids.append(token)
                     bias_values.append(bias)
         if bias_rows:
-            where = (_long(bias_rows), _long(bias_ids))
-            sub[where] += torch.tensor(bias_values, dtype=sub.dtype)
+            where = (_long(bias_rows, sub.device), _long(bias_ids, sub.device))
+            sub[where] += torch.tensor(bias_values, dtype=sub.dtype, device=sub.device)
         if histories is not None:
             self._penalize(sub, chosen, [histories[i] for i in rows])
-        out[rows] = sub
+        out[index] = sub
         return out
 
     def _penalize(self, sub: torch.Tensor, params: list[SamplingParams],
@@ -116,6 +156,7 @@ class Sampler:
         """Repetition penalty over prompt and output tokens, then frequency and presence over
         output tokens, in place on the rows of `sub`; the work is per history entry, not per
         vocabulary entry."""
+        device = sub.device
         seen_rows, seen_ids, out_rows, out_ids = [], [], [], []
         prompts: dict[int, tuple[list[int], torch.Tensor]] = {}
         for j, (p, (prompt_ids, output_ids)) in enumerate(zip(params, histories)):
@@ -129,18 +170,22 @@ class Sampler:
                 out_ids.extend(output_ids)
         self._prompt_ids = prompts  # only the prompts still being sampled stay
         if seen_rows:
-            where = (torch.cat(seen_rows), torch.cat(seen_ids))
+            where = (torch.cat(seen_rows).to(device), torch.cat(seen_ids).to(device))
             penalty = torch.tensor([p.repetition_penalty for p in params],
-                                   dtype=sub.dtype)[where[0]]
+                                   dtype=sub.dtype, device=device)[where[0]]
             values = sub[where]  # a token seen twice is written twice with the same value
             sub[where] = torch.where(values > 0, values / penalty, values * penalty)
         if out_rows:
             vocab = sub.shape[1]
-            places, counts = torch.unique(_long(out_rows) * vocab + _long(out_ids),
-                                          return_counts=True)
+            # On the host, where the histories are: a unique on the device would wait for it.
+            places, counts = np.unique(np.array(out_rows, dtype=np.int64) * vocab
+                                       + np.array(out_ids, dtype=np.int64), return_counts=True)
+            places, counts = _long(places, device), _long(counts, device)
             rows = places // vocab
-            frequency = torch.tensor([p.frequency_penalty for p in params], dtype=sub.dtype)
-            presence = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype)
+            frequency = torch.tensor([p.frequency_penalty for p in params], dtype=sub.dtype,
+                                     device=device)
+            presence = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype,
+                                    device=device)
             where = (rows, places % vocab)
             sub[where] -= counts.to(sub.dtype) * frequency[rows] + presence[rows]
 
@@ -156,7 +201,8 @@ class Sampler:
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+        device = logits.device
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
         logits = logits / temps[:, None]
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
@@ -164,23 +210,25 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             vocab = logits.shape[-1]
-            ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
-            ranks = torch.arange(vocab)[None, :]
+            ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device)
+            ranks = torch.arange(vocab, device=device)[None, :]
             sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
             sorted_probs = sorted_logits.softmax(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop = mass_before > torch.tensor(top_p, dtype=logits.dtype)[:, None]
+            drop = mass_before > torch.tensor(top_p, dtype=logits.dtype, device=device)[:, None]
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
         if any(m > 0 for m in min_p):
-            floor = torch.tensor(min_p, dtype=probs.dtype)[:, None] * probs.max(dim=-1,
-                                                                               keepdim=True).values
+            floor = torch.tensor(min_p, dtype=probs.dtype, device=device)[:, None] \
+                * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs
 
 
-def _long(values: list[int]) -> torch.Tensor:
-    # numpy converts a list of ints ~30x faster than torch.tensor does.
-    return torch.from_numpy(np.array(values, dtype=np.int64))
+def _long(values: list[int], device: torch.device | None = None) -> torch.Tensor:
+    # numpy converts a list of ints ~30x faster than torch.tensor does; then one copy to the
+    # device when it is not the host.
+    out = torch.from_numpy(np.asarray(values, dtype=np.int64))
+    return out if device is None or device.type == "cpu" else out.to(device)
