@@ -70,6 +70,10 @@ class EnginePoolSettings(_Strict):
     # runs). None: only max_num_batched_tokens. (Measured with the SLO router on the 2-core
     # box, 0.09 s: ITL p99 -35%, goodput -5 to -14%: shorter chunks delay first tokens.)
     step_time_target_s: Optional[float] = Field(None, gt=0)
+    # CUDA only: decode steps of up to this many sequences replay CUDA graphs captured at
+    # start-up (one per batch-size bucket; larger batches and prompt steps run eagerly).
+    cuda_graphs: bool = True
+    cuda_graph_max_batch_size: int = Field(256, ge=1)
 
     @model_validator(mode="after")
     def _check(self):

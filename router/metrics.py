@@ -109,6 +109,9 @@ class RouterMetrics:
                                     "Measured minus predicted TTFT (slo mode)", path,
                                     registry=r, buckets=(-5, -2, -1, -0.5, -0.25, -0.1, -0.05,
                                                          0, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+        self.graph_capture = Gauge("pd_worker_cuda_graph_capture_seconds",
+                                   "Start-up time capturing the decode CUDA graphs", ["worker"],
+                                   registry=r)
         self.kv_failures = Gauge("pd_worker_kv_transfer_failures",
                                  "Failed transfers since worker start", ["worker", "reason"],
                                  registry=r)
@@ -125,6 +128,8 @@ class RouterMetrics:
         self.hit_rate.labels(worker_id).set(load.get("prefix_hit_tokens", 0) / queried
                                             if queried else 0)
         self.preemptions.labels(worker_id).set(load.get("num_preemptions", 0))
+        if load.get("cuda_graph_capture_s") is not None:
+            self.graph_capture.labels(worker_id).set(load["cuda_graph_capture_s"])
         costs = load.get("step_costs") or {}
         if costs:
             self.engine_steps.reports[worker_id] = costs

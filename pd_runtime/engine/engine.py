@@ -67,7 +67,7 @@ class LLMEngine(RemoteKVMixin):
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.max_model_len,
                                    config.priority_aging_steps, swap)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, config.device)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}            # finished, blocks kept for a transfer
         self.remote_waiting: dict[str, Request] = {}  # blocks reserved, KV expected from afar
@@ -160,7 +160,7 @@ class LLMEngine(RemoteKVMixin):
         req = Request(request_id, ids, params, self.eos_token_ids, priority, cache_salt,
                       prompt=prompt if isinstance(prompt, str) else None)
         if params.seed is not None:
-            req.generator = Sampler.make_generator(params.seed)
+            req.generator = Sampler.make_generator(params.seed, self.config.device)
         return req
 
     def abort(self, request_id: str) -> bool:

@@ -82,6 +82,15 @@ class ModelRunner:
         self.swap_cache = torch.zeros(cfg.num_layers, 2, self.num_swap_blocks, cfg.num_kv_heads,
                                       self.block_size, cfg.head_dim, dtype=self.dtype,
                                       pin_memory=config.device.startswith("cuda"))
+        # CUDA graphs of decode steps, captured now so that no request waits for them.
+        self.graphs = None
+        self.graph_capture_s: float | None = None
+        if self.triton is not None and config.cuda_graphs:
+            from pd_runtime.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, min(config.cuda_graph_max_batch_size,
+                                                 config.max_num_seqs))
+            self.graph_capture_s = self.graphs.capture()
         log.info("KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d dim x %d B), "
                  "%d blocks of %d tokens = %.1f MiB", self.kv_bytes_per_token, cfg.num_layers,
                  cfg.num_kv_heads, cfg.head_dim, elem, self.num_blocks, self.block_size,
@@ -109,6 +118,11 @@ class ModelRunner:
             offset += len(s.token_ids)
             row_of[s.request_id] = offset - 1
         rows = [row_of[s.request_id] for s in plan.scheduled if s.sample]
+        if self.graphs is not None and not prefills:
+            logits = self.graphs.run(decodes)
+            if logits is not None:  # rows in plan order (every decode row is sampled)
+                return logits if rows == list(range(len(rows))) \
+                    else logits[torch.tensor(rows, device=self.device)]
         if self.triton is not None:
             hidden = self._forward_device(decodes, prefills, rows)
         else:

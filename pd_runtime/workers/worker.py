@@ -120,7 +120,8 @@ class PDWorker:
         report["records"] = self._records()
         report.update(worker_id=self.worker_id, role=self.role, engine_id=self.engine_id,
                       kv_transfer=self.agent.metrics(), draining=self.draining,
-                      pid=os.getpid(), hedged_prefills=self.hedged_prefills)
+                      pid=os.getpid(), hedged_prefills=self.hedged_prefills,
+                      cuda_graph_capture_s=self.engine.runner.graph_capture_s)
         return report
 
     def _records(self) -> dict:
