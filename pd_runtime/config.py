@@ -133,9 +133,15 @@ class ResourcesConfig(_Strict):
     num_gpus: float = Field(0.0, ge=0)
     custom: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     memory_bytes: Optional[int] = Field(None, ge=1)
+    # The GPU model each worker must get, by Ray's name for it ("H100", "A100-80G", ...): Ray
+    # places the worker only on nodes that have one, and the memory arithmetic of the pool
+    # (pd_runtime/engine/memory_plan.py) is checked against it.
+    accelerator_type: Optional[str] = None
 
     @model_validator(mode="after")
     def _check(self):
+        if self.accelerator_type is not None and self.num_gpus <= 0:
+            raise FieldValueError(("accelerator_type",), "needs num_gpus > 0")
         for name in self.custom:
             if name in _RAY_BUILTIN_RESOURCES:
                 raise FieldValueError(("custom", name), f"{name!r} is a Ray built-in resource; "
@@ -149,12 +155,16 @@ class ResourcesConfig(_Strict):
             options["resources"] = dict(self.custom)
         if self.memory_bytes is not None:
             options["memory"] = self.memory_bytes
+        if self.accelerator_type is not None:
+            options["accelerator_type"] = self.accelerator_type
         return options
 
     def bundle(self) -> dict[str, float]:
         """The placement-group bundle of one worker (Ray rejects zero-only bundles)."""
         wanted = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.custom,
                   "memory": self.memory_bytes or 0}
+        if self.accelerator_type is not None:  # how Ray spells the constraint in a bundle
+            wanted[f"accelerator_type:{self.accelerator_type}"] = 0.001
         return {name: amount for name, amount in wanted.items() if amount > 0}
 
 

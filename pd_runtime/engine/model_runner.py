@@ -66,6 +66,13 @@ class ModelRunner:
         # One allocation for all layers; per-layer views are what attention and transfers use.
         # Layout [layers, 2 (K, V), blocks, kv_heads, block_size, head_dim]: see kernels/attention.
         # On the host it lives in huge pages (host_memory: transfers pull from it 2x faster).
+        if self.device.type == "cuda":  # fail here, naming the settings, not at a long prompt
+            from pd_runtime.engine.memory_plan import check_fits, plan_memory
+
+            plan = plan_memory(config, cfg, max_model_len)
+            check_fits(plan, torch.cuda.get_device_properties(self.device).total_memory,
+                       f"engine.device {config.device!r}")
+            log.info("GPU memory plan:\n%s", plan.table())
         kv_shape = (cfg.num_layers, 2, self.num_blocks, cfg.num_kv_heads, self.block_size, cfg.head_dim)
         if self.on_host:
             self.kv_cache = host_zeros(kv_shape, self.dtype)

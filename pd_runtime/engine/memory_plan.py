@@ -1,0 +1,114 @@
+"""What one engine holds in GPU memory, from its settings and the model's config.json alone:
+weights, KV cache, side buffers, the transient activations of its largest step, the CUDA-graph
+pool and the CUDA context. A worker on a GPU checks it against the device before allocating
+(ModelRunner), and a cluster file that names its GPUs (`resources.accelerator_type`) is checked
+by the tests, so a configuration that cannot fit fails with the field to change, not with an
+out-of-memory error at the first long prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from pd_runtime.config import EngineConfig
+from pd_runtime.model.model_config import ModelConfig
+
+GIB = 1 << 30
+MIB = 1 << 20
+# Memory of one device as the driver reports it (nvidia-smi), by Ray's accelerator type name.
+GPU_MEMORY_BYTES = {
+    "H200": 143_771 * MIB,
+    "H100": 81_559 * MIB,
+    "A100-80G": 81_920 * MIB,
+    "A100-40G": 40_960 * MIB,
+    "L40S": 46_068 * MIB,
+    "A10G": 23_028 * MIB,
+    "L4": 23_034 * MIB,
+}
+# The CUDA context, cuBLAS workspaces and Triton's compiled kernels: measured ~0.5-0.8 GiB
+# per process on recent drivers; 1 GiB is kept for them.
+RUNTIME_BYTES = 1 * GIB
+# Vocabulary-wide float32 rows alive at once while sampling (logits, raw logprobs, adjusted
+# copy, probabilities, noise, the sort of top-k/top-p and its scatter).
+SAMPLER_ROW_COPIES = 7
+# Split-K partials of the decode kernel: at most this many splits per (sequence, head).
+MAX_DECODE_SPLITS = 64
+
+
+@dataclass
+class MemoryPlan:
+    weights: int
+    kv_cache: int
+    side_buffers: int       # the decode side buffer (host paths only: 0 on a GPU)
+    activations: int        # the largest eager step's transient tensors
+    cuda_graphs: int        # the captured decode graphs' memory pool (kept for the run)
+    runtime: int            # CUDA context and library workspaces
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def table(self) -> str:
+        rows = [f"{f.name:>13}: {getattr(self, f.name) / GIB:7.2f} GiB" for f in fields(self)]
+        return "\n".join(rows + [f"{'total':>13}: {self.total / GIB:7.2f} GiB"])
+
+
+def weight_bytes(cfg: ModelConfig, elem: int) -> int:
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    per_layer = h * (q + 2 * kv) + q * h + 2 * h * inter + inter * h + 2 * h
+    per_layer += (q + 2 * kv) if cfg.qkv_bias else 0
+    per_layer += 2 * cfg.head_dim if cfg.qk_norm else 0
+    embed = cfg.vocab_size * h
+    return elem * (cfg.num_layers * per_layer + embed * (1 if cfg.tie_word_embeddings else 2) + h)
+
+
+def step_activation_bytes(cfg: ModelConfig, elem: int, tokens: int, rows: int) -> int:
+    """Peak transient bytes of a step of `tokens` tokens sampling `rows` rows: the residual
+    stream and norm output, qkv and the rotated q/k, attention output, the MLP's gate_up,
+    activation and down outputs (all alive around the MLP), then the logits and the
+    sampler's vocabulary-wide rows, and the decode kernel's split partials."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    layer = tokens * (3 * h + 2 * (q + 2 * kv) + q + 3 * inter) * elem
+    sampler = rows * cfg.vocab_size * 4 * SAMPLER_ROW_COPIES
+    splits = rows * cfg.num_heads * MAX_DECODE_SPLITS * (cfg.head_dim + 2) * 4
+    return layer + sampler + splits
+
+
+def plan_memory(engine: EngineConfig, cfg: ModelConfig, max_model_len: int) -> MemoryPlan:
+    """The plan of one engine; `max_model_len` as the engine resolves it."""
+    from pd_runtime.model.loader import resolve_dtype
+
+    dtype = resolve_dtype(engine.dtype, cfg, engine.device)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+    block_bytes = kv_per_token * engine.block_size
+    num_blocks = engine.num_kv_blocks or max(1, engine.kv_cache_memory_bytes // block_bytes)
+    kv = num_blocks * block_bytes
+    on_gpu = torch.device(engine.device).type == "cuda"
+    side = 0 if on_gpu else int(kv * engine.decode_kv_buffer_fraction)
+    rows = engine.max_num_seqs
+    eager = step_activation_bytes(cfg, elem, engine.max_num_batched_tokens, rows)
+    graphs = 0
+    if on_gpu and engine.cuda_graphs:
+        batch = min(engine.cuda_graph_max_batch_size, engine.max_num_seqs)
+        graphs = step_activation_bytes(cfg, elem, batch, batch) \
+            + batch * (-(-max_model_len // engine.block_size) * 4 + 64)  # static buffers
+    return MemoryPlan(weights=weight_bytes(cfg, elem), kv_cache=kv, side_buffers=side,
+                      activations=eager, cuda_graphs=graphs,
+                      runtime=RUNTIME_BYTES if on_gpu else 0)
+
+
+def check_fits(plan: MemoryPlan, device_bytes: int, where: str) -> None:
+    """Raise a ValueError naming the settings to change when the plan exceeds the device."""
+    if plan.total <= device_bytes:
+        return
+    over = plan.total - device_bytes
+    raise ValueError(
+        f"{where}: this engine needs {plan.total / GIB:.1f} GiB of GPU memory and the device "
+        f"has {device_bytes / GIB:.1f} GiB ({over / GIB:.1f} GiB over); lower "
+        f"engine.kv_cache_memory_bytes (or num_kv_blocks), max_num_batched_tokens, "
+        f"max_num_seqs or cuda_graph_max_batch_size:\n{plan.table()}")

@@ -1,0 +1,85 @@
+"""The GPU memory arithmetic of the shipped GPU cluster files (issue 13): weights + KV + side
+buffers + activations + CUDA graphs + context fit the GPU each pool names in
+`resources.accelerator_type`, computed from the model's config.json (Llama 3.1 8B's, as
+published) without its weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pd_runtime.config import EngineConfig, ResourcesConfig
+from pd_runtime.config_loading import load_cluster_config
+from pd_runtime.engine.memory_plan import (GIB, GPU_MEMORY_BYTES, check_fits, plan_memory,
+                                           weight_bytes)
+from pd_runtime.model.model_config import load_model_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "cluster_configs"
+
+# Meta-Llama-3.1-8B-Instruct/config.json, the fields the plan reads.
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}
+
+
+@pytest.fixture(scope="module")
+def llama_8b(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama-3.1-8b")
+    (path / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    return load_model_config(path)
+
+
+def test_weight_count_is_the_published_one(llama_8b):
+    assert weight_bytes(llama_8b, 2) == 2 * 8_030_261_248  # 8.03B parameters, bf16
+
+
+@pytest.mark.parametrize("name", ["gpu-single-node.yaml", "gpu-multi-node.yaml"])
+def test_every_gpu_pool_fits_the_gpu_it_names(name, llama_8b):
+    config = load_cluster_config(CONFIGS / name)
+    pools = [p for p in (config.prefill, config.decode, config.colocated)
+             if p is not None and p.num_workers and p.resources.num_gpus]
+    assert pools, f"{name} has no GPU pool"
+    for pool in pools:
+        gpu = pool.resources.accelerator_type
+        assert gpu in GPU_MEMORY_BYTES, f"{name}: a GPU pool names no known accelerator_type"
+        engine = pool.engine_config(config.model)
+        plan = plan_memory(engine, llama_8b, engine.max_model_len)
+        check_fits(plan, GPU_MEMORY_BYTES[gpu], name)  # raises with the table when over
+        assert plan.side_buffers == 0  # no second copy of the KV on a GPU
+        assert plan.kv_cache <= engine.kv_cache_memory_bytes
+        # The KV cache is most of what is left after the weights (the point of the file).
+        assert plan.kv_cache > 0.6 * (GPU_MEMORY_BYTES[gpu] - plan.weights)
+
+
+def test_a_plan_over_the_device_names_the_fields(llama_8b):
+    engine = EngineConfig(model="/m", device="cuda", dtype="bfloat16",
+                          kv_cache_memory_bytes=70 * GIB, max_model_len=32768)
+    plan = plan_memory(engine, llama_8b, 32768)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes") as err:
+        check_fits(plan, GPU_MEMORY_BYTES["H100"], "decode")
+    assert "GiB over" in str(err.value) and "weights" in str(err.value)
+    # The same engine without CUDA graphs and with 60 GiB of KV fits.
+    smaller = engine.model_copy(update={"kv_cache_memory_bytes": 60 * GIB})
+    check_fits(plan_memory(smaller, llama_8b, 32768), GPU_MEMORY_BYTES["H100"], "decode")
+
+
+def test_the_cpu_side_buffer_is_counted_where_it_exists(llama_8b):
+    engine = EngineConfig(model="/m", dtype="bfloat16", kv_cache_memory_bytes=GIB)
+    plan = plan_memory(engine, llama_8b, 8192)
+    assert plan.side_buffers == plan.kv_cache and plan.cuda_graphs == 0 and plan.runtime == 0
+
+
+def test_accelerator_type_reaches_ray():
+    res = ResourcesConfig(num_gpus=1, accelerator_type="H100")
+    assert res.ray_options()["accelerator_type"] == "H100"
+    assert res.bundle()["accelerator_type:H100"] > 0
+    with pytest.raises(ValueError, match="accelerator_type"):
+        ResourcesConfig(accelerator_type="H100")  # no GPU reserved
