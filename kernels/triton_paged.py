@@ -1,0 +1,373 @@
+"""Attention over the paged KV cache in Triton: the GPU path of kernels/attention.py.
+
+Same cache layout and semantics as the torch reference there (`write_kv`, `decode_attention`,
+`prefill_attention`); on CPU the tests run these kernels under `TRITON_INTERPRET=1`.
+Softmax and accumulation are float32; outputs are in q's dtype.
+
+Every launch takes only static shapes from the host (no `.item()`, no data-dependent sizes):
+sequence lengths are read inside the kernels, so decode can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_HEAD_DIMS = (64, 128)
+MIN_BLOCK_SIZE = 16          # tl.dot needs every tile dimension >= 16
+# tl.dot's smallest M: a decode program pads its GQA group of query heads up to this.
+MIN_GROUP_ROWS = 16
+PREFILL_BLOCK_M = 64         # query rows (tokens x heads of a group) per prefill program
+# Split-K for decode: enough programs for about two waves over the SMs, each split reading
+# at least MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits.
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 16
+DEFAULT_SM_COUNT = 132       # an H100/H200; used where the device is not CUDA (interpreter)
+NUM_WARPS = 4
+LOG2E = 1.4426950408889634
+
+
+def unsupported_reason(dtype: torch.dtype, head_dim: int, block_size: int, num_heads: int,
+                       num_kv_heads: int) -> str | None:
+    """None when the kernels take this shape, else a message naming the field."""
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype}: the Triton kernels take bfloat16 or float16"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {head_dim}: the Triton kernels take 64 or 128"
+    if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
+        return f"block_size {block_size}: 16 or 32 (or another power of two >= 16)"
+    if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
+        return f"num_heads {num_heads}: not a multiple of num_kv_heads {num_kv_heads}"
+    return None
+
+
+def _check(kv_layer: torch.Tensor, q: torch.Tensor | None = None) -> None:
+    """ValueError naming the field when the kernels do not take this cache (and query)."""
+    _, _, kv_heads, block_size, head_dim = kv_layer.shape
+    heads = kv_heads if q is None else q.shape[1]
+    reason = unsupported_reason(kv_layer.dtype, head_dim, block_size, heads, kv_heads)
+    if reason is None and kv_layer.stride(4) != 1:
+        reason = "kv_layer: head_dim must be its contiguous dimension"
+    if reason is None and q is not None and q.dtype != kv_layer.dtype:
+        reason = f"q dtype {q.dtype} differs from the cache's {kv_layer.dtype}"
+    if reason is None and q is not None and q.shape[2] != head_dim:
+        reason = f"q head_dim {q.shape[2]} differs from the cache's {head_dim}"
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def _check_inner_strides(**tensors: torch.Tensor) -> None:
+    """The kernels step only the outer dimensions by stride: the last one must be dense."""
+    for name, tensor in tensors.items():
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name}: its last dimension must be contiguous")
+
+
+# ---------------------------------------------------------------------------------------------
+# write_kv
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kv, stride_blk, stride_head, stride_tok,
+                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    keep = (dims < HEAD_DIM) & (slot >= 0)  # slot < 0: a padding row, nothing written
+    block = slot // BLOCK_SIZE
+    dest = kv_ptr + block * stride_blk + head * stride_head + (slot % BLOCK_SIZE) * stride_tok
+    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dims, mask=keep)
+    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dims, mask=keep)
+    tl.store(dest + dims, k, mask=keep)
+    tl.store(dest + stride_kv + dims, v, mask=keep)
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V rows (`[T, kv_heads, head_dim]`) into their slots
+    (`block * block_size + offset`); a slot < 0 is skipped (padding rows of a graph batch)."""
+    _check(kv_layer)
+    tokens, kv_heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    _check_inner_strides(k=k, v=v, slot_mapping=slot_mapping)
+    _write_kv_kernel[(tokens, kv_heads)](
+        k, v, kv_layer, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *kv_layer.stride()[:4],
+        BLOCK_SIZE=kv_layer.shape[3], HEAD_DIM=head_dim, num_warps=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces of the attention kernels
+
+
+@triton.jit
+def _load_block(kv_ptr, table_ptr, index, kv_head, context_len,
+                stride_blk, stride_head, stride_tok,
+                BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """K or V of logical block `index` of a sequence: `[BLOCK_SIZE, HEAD_DIM]`, zeros past the
+    context (those slots may hold anything, NaN included)."""
+    block = tl.load(table_ptr + index).to(tl.int64)
+    positions = index * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    ptrs = (kv_ptr + block * stride_blk + kv_head * stride_head
+            + tl.arange(0, BLOCK_SIZE)[:, None] * stride_tok + tl.arange(0, HEAD_DIM)[None, :])
+    return tl.load(ptrs, mask=(positions < context_len)[:, None], other=0.0)
+
+
+@triton.jit
+def _dot(a, b, IN_F32: tl.constexpr):
+    """tl.dot with float32 accumulation. IN_F32 (the interpreter only): triton 3.7.1's
+    interpreter multiplies bfloat16 operands as their raw uint16 bits, so they go in as float32
+    there; bf16/fp16 products are exact in float32, so the result is what the GPU computes."""
+    if IN_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IN_F32: tl.constexpr):
+    """One key block into the running (max, sum, output) of each query row, flash-attention
+    style, in float32 and base 2 (`qk_scale` includes log2 e). A row none of whose keys is
+    visible yet keeps max -inf and contributes nothing."""
+    scores = _dot(q, tl.trans(k), DOT_IN_F32) * qk_scale
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    probs = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(probs, 1)
+    acc = acc * alpha[:, None] + _dot(probs.to(v.dtype), v, DOT_IN_F32)
+    return m_new, l_i, acc
+
+
+# ---------------------------------------------------------------------------------------------
+# decode: split-K over the context, then a reduction over the splits
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
+                         max_ptr, sum_ptr, part_ptr,
+                         qk_scale, blocks_per_split,
+                         stride_qb, stride_qh, stride_ob, stride_oh, stride_table,
+                         stride_kv, stride_blk, stride_head, stride_tok,
+                         GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, DOT_IN_F32: tl.constexpr):
+    """Program (sequence b, kv head, split): the group's query heads against the split's range
+    of cache blocks. One split writes the normalized output; several write float32 partials
+    (running max, sum, unnormalized output) per (b, head, split) for the reduction."""
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(lens_ptr + b).to(tl.int32)
+    rows = tl.arange(0, GROUP_ROWS)
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = rows < GROUP
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, (context_len + BLOCK_SIZE - 1) // BLOCK_SIZE)
+    table = table_ptr + b * stride_table
+    m_i = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
+    l_i = tl.full([GROUP_ROWS], 0.0, tl.float32)
+    acc = tl.full([GROUP_ROWS, HEAD_DIM], 0.0, tl.float32)
+    for index in range(first, last):
+        k = _load_block(kv_ptr, table, index, kv_head, context_len,
+                        stride_blk, stride_head, stride_tok, BLOCK_SIZE, HEAD_DIM)
+        v = _load_block(kv_ptr + stride_kv, table, index, kv_head, context_len,
+                        stride_blk, stride_head, stride_tok, BLOCK_SIZE, HEAD_DIM)
+        positions = index * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        visible = (positions < context_len)[None, :]
+        m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
+                                             DOT_IN_F32)
+
+    if NUM_SPLITS == 1:
+        # context_len 0 (a padding row): l = 0, acc = 0 -> zeros, not NaN
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        tl.store(max_ptr + part, m_i, mask=row_ok)
+        tl.store(sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(max_ptr, sum_ptr, part_ptr, out_ptr, stride_ob, stride_oh,
+                          NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                          HEAD_DIM: tl.constexpr):
+    """Program (sequence b, head): rescale each split's partial to the global max and sum.
+    Empty splits (max -inf) weigh 0; a row with no keys at all writes zeros."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_POW2)
+    dims = tl.arange(0, HEAD_DIM)
+    base = (b * tl.num_programs(1) + head) * NUM_SPLITS
+    ok = splits < NUM_SPLITS
+    m = tl.load(max_ptr + base + splits, mask=ok, other=float("-inf"))
+    s = tl.load(sum_ptr + base + splits, mask=ok, other=0.0)
+    part = tl.load(part_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+                   mask=ok[:, None], other=0.0)
+    m_all = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))
+    total = tl.sum(s * weight, 0)
+    out = tl.sum(part * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+# Whether the kernels were decorated under TRITON_INTERPRET=1 (they run on CPU tensors).
+INTERPRETED = not isinstance(_decode_split_kernel, triton.runtime.JITFunction)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SM_COUNT
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int,
+                       sm_count: int = DEFAULT_SM_COUNT) -> int:
+    """Splits per (sequence, kv head) from static shapes only (a CUDA graph replays with other
+    lengths): about two waves of programs over the SMs, each split at least
+    MIN_BLOCKS_PER_SPLIT blocks of the block table's width, at most MAX_SPLITS."""
+    programs = max(1, batch * num_kv_heads)
+    wanted = -(-2 * sm_count // programs)
+    by_width = max(1, max_blocks // MIN_BLOCKS_PER_SPLIT)
+    return max(1, min(wanted, by_width, MAX_SPLITS))
+
+
+def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """One query token per sequence (its key already written): q `[B, heads, head_dim]` ->
+    `[B, heads, head_dim]`; keys 0..context_lens[b]-1 visible; context_len 0 writes zeros."""
+    _check(kv_layer, q)
+    batch, heads, head_dim = q.shape
+    _, _, kv_heads, block_size, _ = kv_layer.shape
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    _check_inner_strides(q=q, out=out, block_tables=block_tables, context_lens=context_lens)
+    max_blocks = block_tables.shape[1]
+    if num_splits is None:
+        num_splits = default_num_splits(batch, kv_heads, max_blocks, _sm_count(q.device))
+    num_splits = max(1, min(num_splits, max_blocks))
+    group = heads // kv_heads
+    if num_splits == 1:
+        maxes = sums = parts = out  # unused
+    else:
+        maxes = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+        sums = torch.empty_like(maxes)
+        parts = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32,
+                            device=q.device)
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, kv_layer, block_tables, context_lens, out, maxes, sums, parts,
+        scale * LOG2E, -(-max_blocks // num_splits),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *kv_layer.stride()[:4],
+        GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+        NUM_SPLITS=num_splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        DOT_IN_F32=INTERPRETED, num_warps=NUM_WARPS)
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, heads)](
+            maxes, sums, parts, out, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, num_warps=NUM_WARPS)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill: S segments (chunks, possibly after a cached prefix) in one launch
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+                    stride_kv, stride_blk, stride_head, stride_tok,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, DOT_IN_F32: tl.constexpr):
+    """Program (row tile, segment, kv head). A segment's rows are its (query token, query head
+    of the group) pairs, token-major, so each K/V block is loaded once for the whole group;
+    row r is token r // GROUP, head kv_head * GROUP + r % GROUP. Keys are read block by block
+    through the segment's table, up to the tile's last query position (causal)."""
+    tile = tl.program_id(0)
+    seg = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    start = tl.load(starts_ptr + seg).to(tl.int64)
+    num_queries = (tl.load(starts_ptr + seg + 1) - start).to(tl.int32)
+    context_len = tl.load(lens_ptr + seg).to(tl.int32)
+    cached = context_len - num_queries
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tokens = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_ok = tokens < num_queries
+    positions_q = cached + tokens
+    dims = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + (start + tokens)[:, None] * stride_qt + heads[:, None] * stride_qh \
+        + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+    # The tile's last query position bounds its keys; an empty tile loops zero times.
+    last_token = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, num_queries - 1)
+    num_blocks = tl.where(tile * BLOCK_M < num_queries * GROUP,
+                          (cached + last_token + BLOCK_SIZE) // BLOCK_SIZE, 0)
+    table = table_ptr + seg * stride_table
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
+    for index in range(0, num_blocks):
+        k = _load_block(kv_ptr, table, index, kv_head, context_len,
+                        stride_blk, stride_head, stride_tok, BLOCK_SIZE, HEAD_DIM)
+        v = _load_block(kv_ptr + stride_kv, table, index, kv_head, context_len,
+                        stride_blk, stride_head, stride_tok, BLOCK_SIZE, HEAD_DIM)
+        positions_k = index * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        visible = (positions_k[None, :] <= positions_q[:, None]) \
+            & (positions_k < context_len)[None, :]
+        m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
+                                             DOT_IN_F32)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_ptrs = out_ptr + (start + tokens)[:, None] * stride_ot + heads[:, None] * stride_oh \
+        + dims[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: torch.Tensor,
+                      context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
+                      max_query_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """S prefill segments in one launch; their own K/V already in the cache (write_kv first).
+    q `[T, heads, head_dim]`: segment s is q[qsl[s]:qsl[s+1]], its query i at position
+    context_lens[s] - n_s + i, attending causally to keys 0..that position."""
+    _check(kv_layer, q)
+    tokens, heads, head_dim = q.shape
+    _, _, kv_heads, block_size, _ = kv_layer.shape
+    if out is None:
+        out = torch.empty_like(q)
+    segments = context_lens.shape[0]
+    if tokens == 0 or segments == 0 or max_query_len <= 0:
+        return out
+    _check_inner_strides(q=q, out=out, block_tables=block_tables, context_lens=context_lens,
+                         query_start_loc=query_start_loc)
+    group = heads // kv_heads
+    grid = (triton.cdiv(max_query_len * group, PREFILL_BLOCK_M), segments, kv_heads)
+    _prefill_kernel[grid](
+        q, kv_layer, out, query_start_loc, context_lens, block_tables, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *kv_layer.stride()[:4],
+        GROUP=group, BLOCK_M=PREFILL_BLOCK_M, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        DOT_IN_F32=INTERPRETED, num_warps=NUM_WARPS)
+    return out
