@@ -40,7 +40,8 @@ class TorchDistLink(Link):
         self._closed = False
 
     def _group_for(self, buf: torch.Tensor):
-        return self._data if buf.device.type == "cuda" else self._control
+        """Device memory goes over the data group (NCCL for CUDA), host memory over gloo."""
+        return self._control if buf.device.type == "cpu" else self._data
 
     def _wait(self, work, timeout_s: float, what: str) -> None:
         try:

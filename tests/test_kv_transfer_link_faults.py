@@ -227,3 +227,25 @@ def test_discarded_bytes_are_read_into_a_buffer_on_the_cache_device():
     region = layout.region(0, 0, 1, 3)
     assert scratch.device == region.device
     assert scratch.dtype == region.dtype and scratch.numel() == region.numel()
+
+
+def test_discarded_bytes_are_read_on_the_group_they_were_sent_on():
+    """The torch_dist link's group choice: the sender posts a chunk from the cache's blocks,
+    so for a device cache on its data group (NCCL for CUDA); the receiver that no longer
+    wants it reads it into scratch, which must pick the same group. A host scratch (the old
+    discard path) picks gloo and would wait there for ever. `meta` stands in for the device."""
+    from types import SimpleNamespace
+
+    from kv_transfer.layout import KVLayout
+    from kv_transfer.torch_dist import TorchDistLink
+    from kv_transfer.wire import WireWork
+
+    link = SimpleNamespace(_data="nccl group", _control="gloo group")
+    layout = KVLayout([torch.empty(2, 4, 2, 16, 8, device="meta") for _ in range(2)])
+    sent = layout.region(1, 0, 2, 2)  # what the sender posts: bytes of the cache's blocks
+    owner = SimpleNamespace(layout=layout, _scratch=torch.empty(0, dtype=torch.uint8))
+    scratch = WireWork._scratch_region(owner, sent.numel())
+    assert TorchDistLink._group_for(link, sent) == "nccl group"
+    assert TorchDistLink._group_for(link, scratch) == "nccl group"
+    host = torch.empty(sent.numel(), dtype=torch.uint8)  # the old scratch
+    assert TorchDistLink._group_for(link, host) == "gloo group"
