@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# The Triton kernels (kernels/triton_paged.py) run on CPU tensors only when this is set before
+# triton is first imported; nothing on the CPU path uses triton otherwise.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

@@ -45,7 +45,8 @@ class DecodeGraphs:
         self.ids, self.pos, self.slots, self.lens64 = self.flat.split(n)
         self.lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
-        self.staging = torch.zeros(4 * n, dtype=torch.long, pin_memory=True)
+        self.staging = torch.zeros(4 * n, dtype=torch.long,
+                                   pin_memory=device.type == "cuda")
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s: float | None = None
         self.replays = 0
