@@ -40,6 +40,8 @@ class PDWorker:
         self.role = role
         self.worker_id = worker_id
         self.engine_config = EngineConfig(**engine_config)
+        if role == "prefill":  # it computes prompts and first tokens: no decode steps to replay
+            self.engine_config = self.engine_config.model_copy(update={"cuda_graphs": False})
         if self.engine_config.num_threads:
             torch.set_num_threads(self.engine_config.num_threads)
         self.engine = LLMEngine(self.engine_config)
