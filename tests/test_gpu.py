@@ -1,0 +1,384 @@
+"""The CUDA path on a GPU: the Triton kernels against the torch reference at real shapes, and the
+engine on CUDA (graphs on and off, batched and alone, against transformers, seeded sampling).
+
+Every GPU test skips without CUDA (bench/gpu_check.py runs this file on a lent GPU); the
+token-comparison helper's own tests run everywhere. bf16 on a GPU gives bits that depend on the
+batch (GEMM shapes differ), so greedy runs are compared as vLLM's tests do: equal token for
+token, with matching logprobs, up to a first difference that must be a near tie.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from bench import gpu_kernels as gk
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICE = "cuda"
+if torch.cuda.is_available():
+    # tests/conftest.py turns the Triton interpreter on for the CPU suite (it is read when the
+    # kernels are first imported); on a GPU these tests are about the compiled kernels.
+    os.environ["TRITON_INTERPRET"] = "0"
+
+
+# ---------------------------------------------------------------------------------- comparing
+@dataclass
+class Trace:
+    """One generated sequence: its tokens, each one's logprob, and the top-n at each step."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[dict[int, float]]
+
+
+def compare_traces(a: list[Trace], b: list[Trace], tol: float, min_shared: float,
+                   tie_at_divergence: bool = True) -> list[str]:
+    """Problems found (none: the runs agree). Per sequence, before the first differing token
+    each token's logprob must agree within `tol` nats (a broken kernel moves them far more);
+    at that token, for greedy runs (`tie_at_divergence`), the other run's token must be in this
+    run's top-n within `tol` of the chosen one, or the other way round. Over all sequences at
+    least `min_shared` of the tokens come before any difference: a broken path parts early."""
+    problems, shared, total = [], 0, 0
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        n = min(len(x.tokens), len(y.tokens))
+        total += max(len(x.tokens), len(y.tokens))
+        first = next((t for t in range(n) if x.tokens[t] != y.tokens[t]), n)
+        shared += first
+        for t in range(first):
+            if abs(x.logprobs[t] - y.logprobs[t]) > tol:
+                problems.append(f"sequence {i} step {t}: token {x.tokens[t]} has logprob "
+                                f"{x.logprobs[t]:.3f} in one run, {y.logprobs[t]:.3f} in the other")
+                break
+        if first < n and tie_at_divergence and not (_near_tie(x, y, first, tol)
+                                                    or _near_tie(y, x, first, tol)):
+            problems.append(f"sequence {i} parts at step {first} ({x.tokens[first]} vs "
+                            f"{y.tokens[first]}) where no run has the two within {tol} nats")
+        if first == n and len(x.tokens) != len(y.tokens):
+            problems.append(f"sequence {i}: {len(x.tokens)} tokens vs {len(y.tokens)}")
+    if shared < min_shared * total:
+        problems.append(f"only {shared} of {total} tokens before the runs part "
+                        f"(at least {min_shared:.0%} expected)")
+    return problems
+
+
+def _near_tie(x: Trace, y: Trace, t: int, tol: float) -> bool:
+    other = x.top[t].get(y.tokens[t])
+    return other is not None and x.logprobs[t] - other <= tol
+
+
+def ours_traces(outs) -> list[Trace]:
+    return [Trace(list(o.token_ids), [lp for lp, _ in o.logprobs], [top for _, top in o.logprobs])
+            for o in outs]
+
+
+def logits_traces(tokens: list[list[int]], logits: list[torch.Tensor], top_n: int = 5):
+    """Traces from per-step logits `[steps, vocab]` of each sequence (transformers' scores)."""
+    traces = []
+    for seq, steps in zip(tokens, logits):
+        lps = torch.log_softmax(steps.float(), dim=-1)
+        values, ids = lps.topk(top_n, dim=-1)
+        traces.append(Trace(list(seq), [lps[t, tok].item() for t, tok in enumerate(seq)],
+                            [dict(zip(i.tolist(), v.tolist())) for v, i in zip(values, ids)]))
+    return traces
+
+
+def _trace(tokens, top_gap=0.5, lp=-1.0):
+    return Trace(list(tokens), [lp] * len(tokens),
+                 [{tok: lp, 10_000 + tok: lp - top_gap} for tok in tokens])
+
+
+def test_compare_traces_accepts_equal_runs_and_near_ties():
+    a = [_trace([5, 6, 7, 8]), _trace([1, 2, 3])]
+    assert compare_traces(a, a, tol=0.1, min_shared=0.9) == []
+    tied = [_trace([5, 6, 7, 8], top_gap=0.05), _trace([1, 2, 3])]
+    parted = [_trace([5, 6, 10_007, 9]), _trace([1, 2, 3])]
+    assert compare_traces(tied, parted, tol=0.1, min_shared=0.5) == []
+
+
+def test_compare_traces_catches_far_divergence_drift_and_early_parting():
+    a = [_trace([5, 6, 7, 8], top_gap=2.0)]
+    far = [_trace([5, 6, 10_007, 9])]
+    assert "parts at step 2" in compare_traces(a, far, tol=0.1, min_shared=0.0)[0]
+    drift = [Trace([5, 6, 7, 8], [-1.0, -1.5, -1.0, -1.0], a[0].top)]
+    assert "step 1" in compare_traces(a, drift, tol=0.1, min_shared=0.0)[0]
+    early = [_trace([9, 6, 7, 8])]
+    assert any("before the runs part" in p for p in compare_traces(
+        a, early, tol=0.1, min_shared=0.5, tie_at_divergence=False))
+    assert compare_traces(a, [_trace([5, 6])], tol=0.1, min_shared=0.0) \
+        == ["sequence 0: 4 tokens vs 2"]
+
+
+def test_logits_traces_reads_greedy_scores():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    (trace,) = logits_traces([[1, 0]], [logits], top_n=2)
+    assert trace.tokens == [1, 0]
+    assert trace.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
+    assert set(trace.top[0]) == {1, 2}
+
+
+# ---------------------------------------------------------------------------------- kernels
+# A covering set: head_dim 64/128, bf16/fp16, GQA 1/4/8, block 16/32, each at least twice.
+KERNEL_SHAPES = [
+    gk.Shape(32, 8, 128, 16, torch.bfloat16),   # Llama-3-8B: GQA 4
+    gk.Shape(32, 4, 128, 32, torch.float16),    # GQA 8
+    gk.Shape(8, 8, 64, 32, torch.bfloat16),     # GQA 1
+    gk.Shape(16, 4, 64, 16, torch.float16),     # GQA 4
+    gk.Shape(16, 16, 128, 32, torch.bfloat16),  # GQA 1
+    gk.Shape(32, 4, 64, 16, torch.bfloat16),    # GQA 8
+]
+SHAPE_IDS = [f"d{s.head_dim}-{str(s.dtype)[6:]}-gqa{s.heads // s.kv_heads}-bs{s.block_size}"
+             for s in KERNEL_SHAPES]
+
+
+@pytest.fixture(scope="module")
+def tp():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kernels import triton_paged
+
+    if any(isinstance(v, InterpretedFunction) for v in vars(triton_paged).values()):
+        pytest.fail("the Triton kernels were imported under TRITON_INTERPRET=1; on a GPU run "
+                    "this file alone, or with TRITON_INTERPRET=0")
+    return triton_paged
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    result = gk.compare(out, ref)
+    assert result["ok"], f"{what}: {result}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", KERNEL_SHAPES[:3], ids=SHAPE_IDS[:3])
+def test_write_kv_matches_reference_exactly(tp, shape):
+    result = gk.check_write_kv(tp, shape, DEVICE, tokens=300, seed=11)
+    assert result["ok"], result
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=SHAPE_IDS)
+def test_decode_matches_reference(tp, shape):
+    lens = [1, 15, 16, 17, 300, 1023, 2049, 5000]  # around block edges; several splits each
+    case = gk.decode_case(shape, lens, DEVICE, seed=12)
+    ref = gk.reference_decode(case)
+    for splits in (None, 1):
+        _assert_close(gk.run_decode(tp, case, splits), ref, f"splits {splits}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", [KERNEL_SHAPES[0], KERNEL_SHAPES[3]], ids=[SHAPE_IDS[0],
+                                                                           SHAPE_IDS[3]])
+def test_decode_long_contexts_split_and_reduce(tp, shape):
+    case = gk.decode_case(shape, [32768, 20000, 7], DEVICE, seed=13)
+    ref = gk.reference_decode(case)
+    for splits in (None, 16):
+        _assert_close(gk.run_decode(tp, case, splits), ref, f"splits {splits}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=SHAPE_IDS)
+def test_prefill_matches_reference(tp, shape):
+    # fresh prompts, chunks over cached prefixes (mid-block starts too), one-token chunks
+    segments = [(1, 0), (17, 0), (300, 0), (128, 1000), (1, 4095), (513, 31), (2048, 6000)]
+    case = gk.prefill_case(shape, segments, DEVICE, seed=14)
+    _assert_close(gk.run_prefill(tp, case), gk.reference_prefill(case), str(segments))
+
+
+@requires_cuda
+def test_decode_replays_from_a_cuda_graph_with_new_lengths(tp):
+    """Captured once; the block tables, lengths and queries change in place, as they do between
+    replays of the engine's decode graph."""
+    shape = KERNEL_SHAPES[0]
+    bs = shape.block_size
+    lens_a, lens_b = [5, 300, 1000, 77], [900, 1, 64, 513]
+    width = -(-1000 // bs)
+    gen = torch.Generator().manual_seed(15)
+    num_blocks = sum(-(-n // bs) for n in lens_a + lens_b) + 1
+    kv = torch.randn(2, num_blocks, shape.kv_heads, bs, shape.head_dim,
+                     generator=gen).to(DEVICE, shape.dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()  # a's and b's blocks disjoint
+
+    def case(lens):
+        rows = []
+        for n in lens:
+            count = -(-n // bs)
+            rows.append([free.pop() for _ in range(count)] + [0] * (width - count))
+        tables = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+        gk._poison_tails(kv, tables, lens)
+        q = torch.randn(len(lens), shape.heads, shape.head_dim, generator=gen)
+        return gk.PagedCase(shape, q.to(DEVICE, shape.dtype), kv, tables,
+                            torch.tensor(lens, dtype=torch.int32, device=DEVICE))
+
+    a, b = case(lens_a), case(lens_b)
+    q, tables, lens = a.q.clone(), a.block_tables.clone(), a.context_lens.clone()
+    out = torch.empty_like(q)
+
+    def launch():
+        tp.decode_attention(q, kv, tables, lens, shape.scale, out=out)
+
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for current in (a, b):
+        q.copy_(current.q)
+        tables.copy_(current.block_tables)
+        lens.copy_(current.context_lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out, gk.reference_decode(current),
+                      f"replay with lens {current.context_lens.tolist()}")
+
+
+# ---------------------------------------------------------------------------------- engine
+MODELS = {
+    # head_dim 64, GQA 4 / head_dim 128, GQA 2
+    "d64": dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                num_key_value_heads=1),
+    "d128": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4,
+                 num_key_value_heads=2),
+}
+PROMPT_LENS = [3, 17, 64, 100, 129, 250, 31, 8]  # ragged, around block edges
+MAX_TOKENS = 32
+# Calibrated on CPU (our bf16 vs transformers' fp32, these models): a shared token's logprob
+# differed by up to 0.07 nats, runs parted where the top two were within 0.05.
+TOL_VS_FP32 = 0.15
+TOL_BF16 = 0.1  # two bf16 runs of ours: the same kernels, other GEMM shapes
+
+
+def _prompts(seed: int, lens=PROMPT_LENS, vocab: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(n)] for n in lens]
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory):
+    from pd_runtime.model.tiny import make_tiny_model
+
+    paths = {}
+
+    def get(name: str) -> str:
+        if name not in paths:
+            paths[name] = str(make_tiny_model(tmp_path_factory.mktemp(name), preset="test",
+                                              dtype="bfloat16", **MODELS[name]))
+        return paths[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """LLM(device="cuda") per (model, graphs), built once for the module."""
+    from pd_runtime.config import EngineConfig
+    from pd_runtime.engine.llm import LLM
+
+    built = {}
+
+    def get(path: str, graphs: bool):
+        if (path, graphs) not in built:
+            kwargs = dict(device=DEVICE, dtype="bfloat16", batch_invariant=False,
+                          max_num_seqs=16, max_num_batched_tokens=1024,
+                          kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
+            if "cuda_graphs" in EngineConfig.model_fields:
+                kwargs["cuda_graphs"] = graphs
+            elif graphs:
+                pytest.fail("EngineConfig has no cuda_graphs switch")
+            built[path, graphs] = LLM(path, **kwargs)
+        return built[path, graphs]
+
+    yield get
+    built.clear()
+    torch.cuda.empty_cache()
+
+
+def _greedy(max_tokens: int = MAX_TOKENS):
+    from pd_runtime.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_same_with_cuda_graphs_on_and_off(gpu_model, engine, name):
+    path = gpu_model(name)
+    on, off = engine(path, True), engine(path, False)
+    capture = on.engine.runner.graph_capture_s
+    assert isinstance(capture, float) and capture > 0, capture
+    assert off.engine.runner.graph_capture_s is None
+    prompts = _prompts(1)
+    a = ours_traces(on.generate(prompts, _greedy()))
+    b = ours_traces(off.generate(prompts, _greedy()))
+    assert compare_traces(a, b, TOL_BF16, min_shared=0.5) == []
+
+
+@requires_cuda
+def test_greedy_same_batched_and_alone(gpu_model, engine):
+    llm = engine(gpu_model("d128"), True)
+    prompts = _prompts(2)
+    batched = ours_traces(llm.generate(prompts, _greedy()))
+    alone = [ours_traces(llm.generate([p], _greedy()))[0] for p in prompts]
+    assert compare_traces(batched, alone, TOL_BF16, min_shared=0.5) == []
+
+
+@requires_cuda
+def test_same_batch_twice_gives_identical_tokens(gpu_model, engine):
+    """Same inputs, same schedule, same kernels: bit for bit (a stale graph input or a race
+    would show here first)."""
+    llm = engine(gpu_model("d64"), True)
+    prompts = _prompts(3)
+    first = [o.token_ids for o in llm.generate(prompts, _greedy())]
+    assert [o.token_ids for o in llm.generate(prompts, _greedy())] == first
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_close_to_transformers_on_the_same_gpu(gpu_model, engine, name):
+    """Ours in bf16 against transformers in float32 (the reference) on the same device, as
+    tests/test_model_vs_transformers.py does on CPU (eos dropped, our ignore_eos)."""
+    from transformers import AutoModelForCausalLM
+
+    path = gpu_model(name)
+    prompts = _prompts(4)
+    ours = ours_traces(engine(path, True).generate(prompts, _greedy()))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
+    hf.generation_config.eos_token_id = None
+    tokens, logits = [], []
+    with torch.inference_mode():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p], device=DEVICE), max_new_tokens=MAX_TOKENS,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True)
+            tokens.append(out.sequences[0, len(p):].tolist())
+            logits.append(torch.cat(out.logits).cpu())
+    del hf
+    assert compare_traces(ours, logits_traces(tokens, logits), TOL_VS_FP32,
+                          min_shared=0.3) == []
+
+
+@requires_cuda
+def test_seeded_sampling_alone_and_in_a_batch(gpu_model, engine):
+    """Each seeded request draws from its own generator: alone or among others (greedy and
+    other seeds), the same tokens, bar a rare flip where the batch's bf16 bits move a near tie
+    of the draw (that run still agrees on every earlier token and logprob). A shared or
+    ignored generator parts on the first tokens: at least half of all tokens must come before
+    any parting, and the same batch twice must repeat exactly."""
+    from pd_runtime.engine.sampling_params import SamplingParams
+
+    llm = engine(gpu_model("d128"), True)
+    prompts = _prompts(5)
+    seeded = [SamplingParams(max_tokens=16, temperature=0.8, seed=100 + i, ignore_eos=True,
+                             logprobs=5) for i in range(len(prompts))]
+    fillers = _prompts(6, lens=[40, 7, 200, 90])
+    batch = [*prompts, *fillers]
+    params = [*seeded, *[_greedy(16)] * len(fillers)]
+    together = llm.generate(batch, params)
+    again = llm.generate(batch, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in together]
+    alone = [llm.generate([p], s)[0] for p, s in zip(prompts, seeded)]
+    assert compare_traces(ours_traces(together[:len(prompts)]), ours_traces(alone), TOL_BF16,
+                          min_shared=0.5, tie_at_divergence=False) == []

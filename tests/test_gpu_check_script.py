@@ -1,0 +1,151 @@
+"""bench/gpu_check.py, the prepared GPU run, proven on CPU: its CPU twin runs every stage at toy
+sizes and reports a figure for each; a stage that hangs, fails or finds nothing to run is
+reported and the next one still runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_check
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_cpu_twin_reports_every_stage_with_a_figure(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--cpu-twin",
+                           "--out", str(out), "--model-dir", str(tmp_path / "model")],
+                          cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    assert summary["mode"] == "cpu-twin"
+    stages = summary["stages"]
+    assert list(stages) == [s.name for s in gpu_check.STAGES]
+    assert {name: s["status"] for name, s in stages.items()} == \
+        {s.name: "ok" for s in gpu_check.STAGES}
+    rows = {r["stage"]: r for r in summary["rows"]}
+    for prefix in ("environment", "tests/test_gpu.py", "kernels vs torch reference",
+                   "device ceilings", "decode attn", "prefill attn, prompt",
+                   "prefill attn, chunk", "bench model", "engine, CUDA graphs on",
+                   "engine, CUDA graphs off", "HF generate", "P->D transfer",
+                   "ours (graphs on) / HF generate", "ours (graphs off) / HF generate"):
+        matching = [r for name, r in rows.items() if name.startswith(prefix)]
+        assert matching, f"no row for {prefix}: {sorted(rows)}"
+        assert all(r["figure"] and r["result"] in ("pass", "info") for r in matching), matching
+    # the kernels' checks ran against the reference, and the engines made their tokens
+    kernels = stages["kernels"]["data"]
+    assert kernels["checks"] and all(c["ok"] for c in kernels["checks"])
+    assert stages["engine_graphs"]["data"]["output_tokens"] == \
+        stages["hf"]["data"]["output_tokens"] > 0
+    assert summary["table"] in proc.stdout  # the one table, printed last
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert all(f"===== {s.name}: ok" in log for s in gpu_check.STAGES)
+
+
+def _fake_stage(name: str, code: str, needs: tuple[str, ...] = ()) -> gpu_check.Stage:
+    def rows(ctx, run):
+        if run.status != "ok":
+            return gpu_check._failed_rows(name, run)
+        return [gpu_check.Row(name, str(run.data), "runs", "pass")]
+    return gpu_check.Stage(name, lambda ctx: [sys.executable, "-c", code], rows, needs)
+
+
+def _context(tmp_path, limits: dict) -> gpu_check.Context:
+    sizes = dict(gpu_check.SIZES["cpu"], stage_s=limits)
+    return gpu_check.Context("cpu", sizes, str(tmp_path), "ucx")
+
+
+def test_a_hung_failed_or_missing_stage_does_not_stop_the_others(tmp_path):
+    # the hung stage starts a child of its own: the timeout must end the whole group
+    pidfile = tmp_path / "child.pid"
+    hang = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(120)']); "
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    stages = [
+        _fake_stage("hang", hang),
+        _fake_stage("fail", "import sys; print('boom'); sys.exit(1)"),
+        gpu_check.Stage("absent", lambda ctx: "what it runs is not there",
+                        lambda ctx, run: gpu_check._failed_rows("absent", run)),
+        _fake_stage("model", "import sys; sys.exit(2)"),
+        _fake_stage("needs_model", "print('{}')", needs=("model",)),
+        _fake_stage("fine", "import json; print('noise'); print(json.dumps({'x': 1}))"),
+    ]
+    ctx = _context(tmp_path, {s.name: 3 if s.name == "hang" else 30 for s in stages})
+    log = (tmp_path / "log").open("w")
+    start = time.monotonic()
+    rows = gpu_check.run_all(ctx, stages, budget_s=60, log=log)
+    assert time.monotonic() - start < 30
+    status = {name: run.status for name, run in ctx.runs.items()}
+    assert status == {"hang": "timeout", "fail": "failed", "absent": "missing",
+                      "model": "failed", "needs_model": "skipped", "fine": "ok"}
+    assert ctx.runs["fail"].note == "boom"
+    assert "model did not pass" in ctx.runs["needs_model"].note
+    assert ctx.runs["fine"].data == {"x": 1}
+    assert [r.result for r in rows if r.stage == "fine"] == ["pass"]
+    child = int(pidfile.read_text())
+    time.sleep(0.5)
+    assert not Path(f"/proc/{child}").exists() or \
+        Path(f"/proc/{child}/stat").read_text().split()[2] == "Z", "the hung stage's child lives"
+
+
+def test_stages_past_the_global_budget_are_not_started(tmp_path):
+    stages = [_fake_stage("slow", "import time; time.sleep(1.5); print('{}')"),
+              _fake_stage("late", "print('{}')")]
+    ctx = _context(tmp_path, {"slow": 30, "late": 30})
+    rows = gpu_check.run_all(ctx, stages, budget_s=gpu_check.MIN_STAGE_S + 1.0,
+                             log=(tmp_path / "log").open("w"))
+    assert ctx.runs["slow"].status == "ok"
+    assert ctx.runs["late"].status == "skipped"
+    assert "budget" in ctx.runs["late"].note
+    assert [r.result for r in rows if r.stage == "late"] == ["skipped"]
+
+
+def test_pytest_summary_and_ratio_verdicts(tmp_path):
+    ctx = _context(tmp_path, {})
+    ctx.mode = "gpu"
+    run = gpu_check.StageRun("tests", "ok", returncode=0,
+                             output="....\n12 passed, 1 skipped in 30.1s\n")
+    (row,) = gpu_check._tests_rows(ctx, run)
+    assert row.figure == "12 passed, 1 skipped" and row.result == "FAIL"  # a skip on the GPU
+    run.output = "....\n3 failed, 10 passed in 30.1s\n"
+    run.returncode = 1
+    assert gpu_check._tests_rows(ctx, run)[0].result == "FAIL"
+    run.output, run.returncode = "13 passed in 9.0s\n", 0
+    assert gpu_check._tests_rows(ctx, run)[0].result == "pass"
+
+    def ratio(ours: float, hf: float) -> str:
+        ctx.runs = {"engine_graphs": gpu_check.StageRun("engine_graphs", "ok",
+                                                        data={"tokens_per_s": ours}),
+                    "hf": gpu_check.StageRun("hf", "ok", data={"tokens_per_s": hf})}
+        (row,) = gpu_check.ratio_rows(ctx)
+        return row.result
+
+    assert ratio(3500.0, 1000.0) == "pass"
+    assert ratio(2500.0, 1000.0) == "FAIL"
+    ctx.mode = "cpu"
+    assert ratio(2500.0, 1000.0) == "info"  # the twin's speeds carry no target
+
+
+@pytest.mark.parametrize("rows", [[gpu_check.Row("a", "b" * 200, "c", "pass")]])
+def test_table_keeps_one_line_per_row(rows):
+    table = gpu_check.format_table(rows)
+    assert len(table.splitlines()) == 3 and "stage" in table.splitlines()[0]
+
+
+def test_a_stage_whose_output_cannot_be_read_is_one_error_row(tmp_path):
+    def unexpected(ctx, run):
+        return [gpu_check.Row("odd", run.data["a field it never printed"], "runs", "pass")]
+
+    stages = [gpu_check.Stage("odd", lambda ctx: [sys.executable, "-c", "print('{}')"],
+                              unexpected),
+              _fake_stage("after", "print('{}')")]
+    ctx = _context(tmp_path, {"odd": 30, "after": 30})
+    rows = gpu_check.run_all(ctx, stages, budget_s=60, log=(tmp_path / "log").open("w"))
+    assert rows[0].result == "error" and "KeyError" in rows[0].figure
+    assert ctx.runs["after"].status == "ok"
