@@ -13,14 +13,23 @@ Modes (KVTransferConfig.ucx_mode), chosen once per agent because a UCX context i
   is what lets shm receive straight into the KV blocks (see UCXLink._drain_receives).
   Endpoint error handling is off, because on this UCX shared memory refuses endpoints with it.
   Peer death is then found by kv_transfer's own heartbeats and deadlines (peer.py).
-- auto: shm when the agent listens on a loopback host (all peers share the machine) and a
-  shared-memory context can be created; tcp otherwise.
+- cuda: chosen whenever the KV cache is on a CUDA device (a host mode cannot carry device
+  memory). UCX_TLS=cuda_ipc,cuda_copy,sm,tcp,self: cuda_ipc moves KV between processes on one
+  GPU, or GPUs of one node with peer access; cuda_copy lets UCX detect device memory (ucxx
+  refuses a device buffer without it) and stage it where no direct path exists (tcp between
+  nodes); sm/tcp carry control frames. As shm otherwise: caller-driven progress (no transport
+  here has a wakeup event), error handling off, receives in place. The get scheme matters
+  more here: UCX's default for device-to-device over cuda_ipc is put (the sender's copy
+  writes the receiver's blocks); with get the receiver's progress issues the copy out of the
+  sender's mapped memory. UCX_MEMTYPE_CACHE stays n, as importing ucxx sets it (a global
+  option a context cannot change): the cache can mistake device memory for host memory.
+- auto: cuda for a CUDA cache; else shm when the agent listens on a loopback host (all peers
+  share the machine) and a shared-memory context can be created; tcp otherwise.
 RDMA (rc/dc/ud) would be picked by UCX's own TLS=all on hardware that has it; not on this box.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import secrets
 import threading
@@ -32,32 +41,17 @@ import numpy
 import torch
 
 from kv_transfer.base import Activity, Link, LinkError, PostedSend, Transport
-from kv_transfer.ucx_worker import Worker, abandon, flat, host_array, ucx_modules, wait
+from kv_transfer.ucx_worker import (DIRECT_MIN_BYTES, DeviceBytes, Worker, abandon,
+                                    check_cuda_transports, context_config, cuda_device, device_array,
+                                    flat, host_array, resolve_mode, ucx_modules, wait)
 
 logger = logging.getLogger(__name__)
 
 _ACCEPT_TAG = 1
 _HELLO_BYTES = 4096
-# shm receives messages of at least this size in place; its context sends them by rendezvous
-# with the receiver pulling (get), smaller ones eagerly through the shared FIFO.
-_DIRECT_MIN_BYTES = 4096
-_CONTEXT_CONFIG = {
-    "tcp": {"TLS": "tcp,self"},
-    "shm": {"TLS": "sm,self", "RNDV_SCHEME": "get_zcopy", "RNDV_THRESH": str(_DIRECT_MIN_BYTES)},
-}
 # How long a given-up shm receive is driven to its end (cancelled, or pulled whole) before the
 # worker is retired instead (see UCXLink._drain_receives).
 _DRAIN_S = 2.0
-
-
-def resolve_mode(requested: str, host: str) -> str:
-    if requested != "auto":
-        return requested
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    return "shm" if loopback else "tcp"
 
 
 # tcp receives land in a link-owned staging buffer and are copied into the KV blocks only once
@@ -84,6 +78,7 @@ class UCXLink(Link):
     def __init__(self, endpoint, send_tag: int, recv_tag: int, worker: "Worker"):
         self._ep = endpoint
         self._worker = worker
+        self._device_ok = worker.device is not None  # device tensors travel as they are
         self.progress = worker.progress  # called while waiting: the worker's own, where no thread drives it
         self._active: Optional[Activity] = None
         ucx_api, _ = ucx_modules()
@@ -113,9 +108,12 @@ class UCXLink(Link):
             if self._closed:
                 raise LinkError("link closed")
             try:
+                if self._device_ok:
+                    self._worker.bind_thread()
                 for buf in bufs:
-                    # a numpy byte view, or a ucxx Array made already (a staging slot)
-                    arrays.append(host_array(buf) if isinstance(buf, numpy.ndarray) else buf)
+                    # a numpy byte view, device bytes, or a ucxx Array made already (a staging slot)
+                    arrays.append(host_array(buf) if isinstance(buf, numpy.ndarray) else
+                                  device_array(buf) if type(buf) is DeviceBytes else buf)
                     requests.append(post(arrays[-1], tag=tag))
             except Exception as exc:
                 raise LinkError(f"UCX {what} failed: {exc}") from exc
@@ -124,7 +122,10 @@ class UCXLink(Link):
         deadline = time.monotonic() + timeout_s
         arrays, requests = [], []
         try:
-            self._post_into(flat(bufs), "send", arrays, requests)  # all at once, so they pipeline
+            views = flat(bufs, self._device_ok)
+            if self._device_ok:
+                self._worker.sources_ready(views)
+            self._post_into(views, "send", arrays, requests)  # all at once, so they pipeline
             wait(requests, deadline, "send", self.progress, self._active)
         except LinkError:
             # UCX may still read the sources (a rendezvous get): keep the arrays alive. A late
@@ -136,7 +137,10 @@ class UCXLink(Link):
     def post_many(self, bufs: list, timeout_s: float) -> PostedSend:
         arrays, requests = [], []
         try:
-            self._post_into(flat(bufs), "send", arrays, requests)
+            views = flat(bufs, self._device_ok)
+            if self._device_ok:
+                self._worker.sources_ready(views)
+            self._post_into(views, "send", arrays, requests)
         except LinkError:
             abandon(arrays, requests)
             self.close()
@@ -146,24 +150,24 @@ class UCXLink(Link):
     def recv_many(self, bufs: list, timeout_s: float) -> None:
         """Contract (base.Link): once this raised, no byte lands in bufs later.
 
-        shm (caller-driven worker): every message of 4 KiB or more is received in place, all
-        posted at once; smaller ones (eager) go through staging. A give-up drives the receives
-        to their end before raising (_drain_receives).
+        shm, cuda (caller-driven worker): every message of 4 KiB or more, and every device
+        message, is received in place, all posted at once; smaller host ones (eager) go through
+        staging. A give-up drives the receives to their end before raising (_drain_receives).
         tcp (progress thread): every message is received into staging, all posted at once so
         the progress thread keeps the socket busy, and copied out once its request completed.
         A give-up parks the staging buffer with its requests; late bytes land there."""
         deadline = time.monotonic() + timeout_s
         if self._worker.caller_progress:
-            self._recv_in_place(flat(bufs), deadline)
+            self._recv_in_place(flat(bufs, self._device_ok), deadline)
             return
         for batch in _batches(flat(bufs), _STAGING_CAP_BYTES):
             self._recv_staged(batch, deadline)
 
     def _recv_in_place(self, views: list, deadline: float) -> None:
-        self._ensure_staging(sum(v.nbytes for v in views if v.nbytes < _DIRECT_MIN_BYTES))
+        self._ensure_staging(sum(v.nbytes for v in views if v.nbytes < DIRECT_MIN_BYTES))
         targets, staged, offset = [], [], 0
         for view in views:
-            if view.nbytes >= _DIRECT_MIN_BYTES:
+            if view.nbytes >= DIRECT_MIN_BYTES or type(view) is DeviceBytes:
                 targets.append(view)
             else:
                 targets.append(self._slot(offset, view.nbytes))
@@ -186,7 +190,7 @@ class UCXLink(Link):
         progress until every request has ended leaves nothing that could write the buffers
         afterwards. If that takes longer than _DRAIN_S (not seen: a pull needs no help from
         the sender), the worker is retired: nothing progresses it again, so nothing it was
-        asked to receive is ever written."""
+        asked to receive is ever written (a device copy already started is waited for)."""
         self.close()
         limit = time.monotonic() + _DRAIN_S
         while not all(r.completed for r in requests):
@@ -274,18 +278,22 @@ class _UCXPosted(PostedSend):
 class UCXTransport(Transport):
     name = "ucx"
 
-    def __init__(self, host: str, port: int, ucx_mode: str = "auto"):
+    def __init__(self, host: str, port: int, ucx_mode: str = "auto",
+                 device: Optional[torch.device] = None):
         ucx_api, _ = ucx_modules()
-        self.mode = resolve_mode(ucx_mode, host)
+        self.mode = resolve_mode(ucx_mode, host, device)
         try:
-            self._context = ucx_api.UCXContext(config_dict=_CONTEXT_CONFIG[self.mode])
+            self._context = ucx_api.UCXContext(config_dict=context_config(self.mode))
         except Exception:
-            if ucx_mode != "auto":
+            if ucx_mode != "auto" or self.mode == "cuda":
                 raise
             self.mode = "tcp"  # no shared-memory transport here; auto falls back to TCP
-            self._context = ucx_api.UCXContext(config_dict=_CONTEXT_CONFIG[self.mode])
-        # shm: no progress thread; the thread waiting on a request drives the worker itself.
-        self._ucx_worker = Worker(self._context, caller_progress=self.mode == "shm")
+            self._context = ucx_api.UCXContext(config_dict=context_config(self.mode))
+        device = cuda_device(device)
+        if device is not None:
+            check_cuda_transports(self._context, device)
+        # shm, cuda: no progress thread; the thread waiting on a request drives the worker itself.
+        self._ucx_worker = Worker(self._context, caller_progress=self.mode != "tcp", device=device)
         self._worker = self._ucx_worker.handle
         self._progress = self._ucx_worker.progress
         self._error_handling = self.mode == "tcp"
@@ -300,6 +308,7 @@ class UCXTransport(Transport):
 
     def _endpoint_to(self, worker_address: bytes):
         ucx_api, _ = ucx_modules()
+        self._ucx_worker.bind_thread()  # wireup of a CUDA lane runs in this thread's context
         address = ucx_api.UCXAddress.create_from_buffer(worker_address)
         return ucx_api.UCXEndpoint.create_from_worker_address(self._worker, address, self._error_handling)
 
