@@ -15,8 +15,9 @@ from kv_transfer import ucx as ucx_module, ucx_worker
 from kv_transfer.base import KVTransferError, LinkError, LinkState, SendOutcome, TransferState
 from kv_transfer.registry import create_agent, make_transport, same_gpu_reason
 from kv_transfer.ucx import UCXTransport
-from kv_transfer.ucx_worker import (DIRECT_MIN_BYTES, DeviceBytes, Worker, as_bytes, context_config,
-                                    context_transports, device_array, flat, resolve_mode, ucx_modules)
+from kv_transfer.ucx_worker import (DIRECT_MIN_BYTES, DeviceBytes, Worker, as_bytes,
+                                    check_cuda_transports, context_config, context_transports,
+                                    device_array, flat, resolve_mode, ucx_modules)
 from tests.kv_transfer_support.common import (collect, config, fill_random, make_caches,
                                               poison_untouched, wait_for)
 
@@ -80,14 +81,39 @@ def test_cuda_context_settings_and_ucx_takes_them():
     assert effective["RNDV_THRESH"] == "intra:4K,inter:4K"
 
 
-def test_a_cuda_cache_where_ucx_has_no_cuda_transport_is_refused_at_start():
-    # The registry hands the cache's device to the transport, which takes the cuda mode and
-    # then finds no usable cuda_copy on this machine (UCX itself only warns).
+class _Context:
+    """A UCX context as check_cuda_transports reads it: its resource list."""
+
+    def __init__(self, *transports):
+        self.info = "\n".join(f"#      resource {i}  :  md {i}  dev {i}  flags -- {name}"
+                               for i, name in enumerate(transports))
+
+
+def test_a_context_without_usable_cuda_copy_is_refused(caplog):
     with pytest.raises(KVTransferError, match="no CUDA transport.*cuda:0.*'torch_dist'"):
-        make_transport(config("ucx"), CUDA0)
+        check_cuda_transports(_Context("self/memory", "tcp/lo", "posix/memory"), CUDA0)
+    check_cuda_transports(_Context("cuda_copy/cuda", "tcp/lo"), CUDA0)  # staged: a warning
+    assert "no cuda_ipc" in caplog.text
+    caplog.clear()
+    check_cuda_transports(_Context("cuda_copy/cuda", "cuda_ipc/cuda", "sm/memory"), CUDA0)
+    assert not caplog.text
+    # a real context lists what this machine has (without a CUDA driver: no cuda_* at all)
     ucx_api, _ = ucx_modules()
     found = context_transports(ucx_api.UCXContext(config_dict=context_config("cuda")))
-    assert {"self", "tcp", "posix", "cma"} <= found and not {"cuda_copy", "cuda_ipc"} & found
+    assert {"self", "tcp"} <= found
+
+
+def test_the_registry_gives_a_cuda_cache_a_cuda_mode_transport(monkeypatch):
+    checked = []
+    monkeypatch.setattr(ucx_module, "check_cuda_transports", lambda context, device: checked.append(device))
+    transport = make_transport(config("ucx"), CUDA0)  # nothing here touches CUDA until it progresses
+    try:
+        assert checked == [CUDA0]
+        assert transport.mode == "cuda" and transport.address()["mode"] == "cuda"
+        assert transport._ucx_worker.device == CUDA0 and transport._ucx_worker.caller_progress
+        assert not transport._error_handling
+    finally:
+        transport.close()
 
 
 def test_a_host_cache_keeps_its_host_mode_transport():
