@@ -33,24 +33,6 @@ def _builtin(name: str) -> Callable[..., Transport]:
     raise KVTransferError(f"unknown kv_transfer backend {name!r}; known: local, torch_dist, ucx, {sorted(_BACKENDS)}")
 
 
-def same_gpu_reason(backend: str, prefill_num_gpus: float, decode_num_gpus: float,
-                    device: str | torch.device) -> Optional[str]:
-    """Why KV transfer cannot work between a prefill and a decode worker that may share one
-    GPU, or None. Ray packs fractional GPU requests onto one device, so a pair shares a GPU
-    only when both pools ask for a fraction (num_gpus < 1); NCCL, which torch_dist uses for
-    CUDA tensors, refuses two ranks on one device. UCX moves such KV with CUDA IPC. Pure: no
-    CUDA needed to call it (config validation runs anywhere)."""
-    if backend != "torch_dist" or torch.device(device).type != "cuda":
-        return None
-    if prefill_num_gpus >= 1 or decode_num_gpus >= 1:
-        return None
-    return (f"kv_transfer.backend 'torch_dist' moves CUDA KV with NCCL, which refuses two ranks on "
-            f"one GPU, and prefill.resources.num_gpus {prefill_num_gpus:g} with "
-            f"decode.resources.num_gpus {decode_num_gpus:g} lets a prefill and a decode worker "
-            "share one; set kv_transfer.backend to 'ucx' (CUDA IPC), or give one of the pools "
-            "whole GPUs (num_gpus >= 1)")
-
-
 def make_transport(config, device: torch.device) -> Transport:
     factory = _BACKENDS.get(config.backend) or _builtin(config.backend)
     return factory(config, device)
