@@ -137,10 +137,12 @@ SHAPE_IDS = [f"d{s.head_dim}-{str(s.dtype)[6:]}-gqa{s.heads // s.kv_heads}-bs{s.
 
 @pytest.fixture(scope="module")
 def tp():
-    from triton.runtime.interpreter import InterpretedFunction
-
     from kernels import triton_paged
 
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # another triton layout: nothing to check against
+        InterpretedFunction = ()
     if any(isinstance(v, InterpretedFunction) for v in vars(triton_paged).values()):
         pytest.fail("the Triton kernels were imported under TRITON_INTERPRET=1; on a GPU run "
                     "this file alone, or with TRITON_INTERPRET=0")
