@@ -122,6 +122,9 @@ class AttentionMetadata:
     # On CUDA: the Triton kernels module and their metadata (the paths above are not used).
     device_attention: DeviceAttention | None = None
     device_kernels: object = None
+    # Called with a layer's index once its K/V are in the cache (the layer's attention ran):
+    # a prefill worker ships each layer of a finishing prompt while the next ones compute.
+    on_layer: object = None
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

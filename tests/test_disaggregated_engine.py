@@ -213,3 +213,40 @@ def test_text_is_exact_across_prefill_handoff_and_migration(pair, llama_dir, dty
     # The seams must really include text held back (partial characters or stop prefixes).
     assert partial_seams > 0
     assert llm.engine.block_manager.num_free_blocks == 128
+
+
+def test_layers_ship_as_the_last_prompt_step_computes_them(llama_dir):
+    """The layer sink (what a prefill worker streams from): called once per layer, in order,
+    only in the step that completes the prompt (here the third of three chunks), each time
+    with that layer's K/V already in the cache; copying layer by layer at those moments into
+    the decode engine's reservation gives the colocated tokens. Layers the hook has not reached
+    are not final yet: the copy of each layer is taken inside the call."""
+    prefill = LLM(llama_dir, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=32).engine
+    decode = LLM(llama_dir, dtype="float32", num_kv_blocks=128).engine
+    prompt = [5 + (i * 11) % 400 for i in range(80)]  # 3 steps of <= 32 prompt tokens
+    want = LLM(llama_dir, dtype="float32", num_kv_blocks=128).generate([prompt], GREEDY)[0]
+    res = decode.reserve_remote_prefill("s", prompt, GREEDY)
+    calls, steps = [], []
+
+    def sink(layer, block_ids):
+        calls.append((prefill.num_steps, layer))
+        src = block_ids[:len(res.missing_block_ids)]
+        decode.runner.kv_cache[layer, :, res.missing_block_ids] = \
+            prefill.runner.kv_cache[layer, :, src]
+
+    prefill.add_request("s", prompt, SamplingParams(**{**GREEDY.__dict__, "max_tokens": 1}),
+                        hold_blocks=True, layer_sink=sink)
+    first = {}
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            first.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps.append(prefill.num_steps)
+    layers = prefill.model_config.num_layers
+    assert len(steps) == 3
+    assert calls == [(3, layer) for layer in range(layers)]
+    prefill.release_held("s")
+    out = decode.accept_remote_first_token("s", first["s"][0])
+    decode.complete_remote_prefill("s", kv_arrived=True)
+    got = {"s": list(out.new_token_ids)}
+    run_to_end(decode, got)
+    assert got["s"] == want.token_ids

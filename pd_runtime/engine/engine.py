@@ -99,13 +99,15 @@ class LLMEngine(RemoteKVMixin):
                     params: Optional[SamplingParams] = None, priority: int = 0,
                     cache_salt: Optional[str] = None, hold_blocks: bool = False,
                     resume_output_ids: Optional[list[int]] = None,
-                    resume_text_len: Optional[int] = None) -> Request:
+                    resume_text_len: Optional[int] = None, layer_sink=None) -> Request:
         """Queue a request. `hold_blocks`: keep its KV blocks when it finishes (a prefill worker
         ships them), until `release_held(request_id)`. `resume_output_ids`: tokens a lost worker
         already streamed; generation continues after them as if it had never stopped (they
         count toward max_tokens, seeded sampling skips their draws). `resume_text_len`: how
         many characters of their text the client already has (None: all of it); text held
         back there (a partial UTF-8 character, a possible stop string) is sent from here.
+        `layer_sink(layer, block_ids)`: called in the step that completes the prompt, as each
+        layer's K/V land in the cache (a prefill worker ships them while later layers compute).
         """
         req = self._new_request(request_id, prompt, params, priority, cache_salt)
         if resume_output_ids:
@@ -128,6 +130,7 @@ class LLMEngine(RemoteKVMixin):
                 f"engine queue is full ({len(sched.waiting)} requests waiting)",
                 retry_after_s=1.0)
         req.hold_blocks = hold_blocks
+        req.layer_sink = layer_sink
         self.requests[request_id] = req
         sched.add(req)
         return req
@@ -213,6 +216,19 @@ class LLMEngine(RemoteKVMixin):
         return time.perf_counter() - started
 
     # -- the step ----------------------------------------------------------------------------
+    def _layer_hook(self, plan):
+        """The per-layer callback of a step that completes prompts with a layer sink, or None."""
+        sinks = [(req.layer_sink, req.block_ids) for req in
+                 (self.requests[s.request_id] for s in plan.scheduled if s.sample)
+                 if req.layer_sink is not None and not req.output_token_ids]
+        if not sinks:
+            return None
+
+        def on_layer(layer: int) -> None:
+            for sink, block_ids in sinks:
+                sink(layer, block_ids)
+        return on_layer
+
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         plan = self.scheduler.schedule(self._prompt_budget())
@@ -232,7 +248,7 @@ class LLMEngine(RemoteKVMixin):
                 work.prefill_attention += n * s.start + n * (n + 1) // 2
         self.last_step_decode_tokens = work.decode_seqs
         self.last_step_prefill_tokens = work.prefill_tokens
-        logits = self.runner.execute(plan)
+        logits = self.runner.execute(plan, self._layer_hook(plan))
         sampled = [self.requests[s.request_id] for s in plan.scheduled if s.sample]
         result = self.sampler(logits, [r.params for r in sampled],
                               [r.generator for r in sampled],

@@ -103,8 +103,10 @@ class ModelRunner:
                  cfg.num_kv_heads, cfg.head_dim, elem, self.num_blocks, self.block_size,
                  self.num_blocks * block_bytes / 2**20)
 
-    def execute(self, plan: SchedulerOutput) -> torch.Tensor | None:
-        """Run one step; returns logits `[num_sampled, vocab]` in plan order of sample rows."""
+    def execute(self, plan: SchedulerOutput, on_layer=None) -> torch.Tensor | None:
+        """Run one step; returns logits `[num_sampled, vocab]` in plan order of sample rows.
+        `on_layer(i)`: called once layer i's K/V of this step are in the cache."""
+        self._on_layer = on_layer
         if plan.swap_out:
             dev, host = zip(*plan.swap_out)
             self.swap_cache[:, :, list(host)] = self.kv_cache[:, :, list(dev)].to("cpu")
@@ -183,6 +185,7 @@ class ModelRunner:
             slots.append(table[pos // bs] * bs + pos % bs)
             offset += n
         meta.slot_mapping = put(_cat_long(slots))
+        meta.on_layer = self._on_layer
         # Nothing sampled (a chunk mid-prompt): the forward still writes K/V, for no rows.
         return self.model.forward(put(torch.tensor(input_ids, dtype=torch.long)),
                                   put(_cat_long(positions)), self.kv_caches, meta,
@@ -235,7 +238,8 @@ class ModelRunner:
             block_tables=pre_tables.view(len(prefills), pre_width).to(torch.int32),
             max_query_len=max((len(s.token_ids) for s in prefills), default=0))
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=nd,
-                                 device_attention=dev, device_kernels=self.triton)
+                                 device_attention=dev, device_kernels=self.triton,
+                                 on_layer=self._on_layer)
         sample_all = rows == list(range(len(input_ids)))  # every row, in order: no gather
         return self.model.forward(ids, pos, self.kv_caches, meta,
                                   output_rows=None if sample_all else out_rows)

@@ -44,6 +44,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     swap_block_ids: list[int] = field(default_factory=list)  # KV parked in CPU swap space
     hold_blocks: bool = False          # keep blocks after finishing (prefill side of a transfer)
+    # Prefill side of a transfer: called as layer_sink(layer, block_ids) once each layer's K/V
+    # of the prompt's last step are in the cache (the worker ships them as they come).
+    layer_sink: Any = None
     block_hashes: list[int] = field(default_factory=list)
     num_published_blocks: int = 0  # leading full blocks already offered to the prefix cache
     status: RequestStatus = RequestStatus.WAITING

@@ -225,6 +225,8 @@ class LlamaModel:
                 else add_rms_norm(h, mlp_out, layer["in_norm"], eps)
             rows = output_rows if index == last else None
             attn_out = self._attention(layer, packed, x, cos, sin, kv_layer, meta, rows)
+            if meta.on_layer is not None:
+                meta.on_layer(index)
             if rows is not None:
                 h = h[rows]  # a new tensor: the residual stream of the output rows only
             mlp_out = self._mlp(layer, packed, add_rms_norm(h, attn_out, layer["post_norm"], eps))
