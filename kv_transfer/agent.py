@@ -18,22 +18,26 @@ from typing import Optional, Sequence
 
 import torch
 
-from kv_transfer.base import (Activity, AgentMetadata, DuplicateRequestError, FailureReason, LinkState,
-                              ReleaseCallback, Role, SendOutcome, Transport, TransferState,
-                              TransferStatus, UnknownPeerError)
+from kv_transfer.base import (AgentMetadata, DuplicateRequestError, FailureReason, LinkState,
+                              ReleaseCallback, Role, SendOutcome, Transport, TransferStatus,
+                              UnknownPeerError)
 from kv_transfer.faults import FaultInjectingTransport, FaultSettingsError, LinkFaults
-from kv_transfer.flow import Transfer, TransferMetrics
+from kv_transfer.flow import Transfer
 from kv_transfer.layout import KVLayout, merge_runs
-from kv_transfer.peer import PeerLink, PeerTable
-from kv_transfer.wire import WireWork
+from kv_transfer.peer import PeerTable
+from kv_transfer.transfers import TransferBook
+from kv_transfer.wire import Wire
 
 
-class KVTransferAgent(WireWork):
+class KVTransferAgent:
     """One per worker. Thread-safe; every public method returns without waiting on the wire.
 
     on_release(status) is called on an agent thread exactly once per transfer when it finishes
     (the same statuses poll() returns): for a sender that is the end of the source-block lease,
-    for a receiver the moment the destination blocks are no longer written. Keep it short."""
+    for a receiver the moment the destination blocks are no longer written. Keep it short.
+
+    Composed of: a TransferBook (transfer state and the lock), a PeerTable (links and their
+    threads) and a Wire (what those threads, and send(), do with a transfer's bytes)."""
 
     def __init__(self, transport: Transport, kv_caches: Sequence[torch.Tensor], *, engine_id: str,
                  model_id: str, handshake_timeout_s: float, transfer_timeout_s: float,
@@ -47,26 +51,25 @@ class KVTransferAgent(WireWork):
         self.lease_timeout_s = lease_timeout_s
         self.checksums = checksums
         self.on_release = on_release
-        self._lock = threading.RLock()
+        self.book = TransferBook(on_release)
+        self._lock = self.book.lock
+        # The book's tables, by the names the tests count them with.
+        self._sending, self._receiving, self._reserved = self.book.sending, self.book.receiving, self.book.reserved
+        self.metrics_data = self.book.metrics
+        self.active = self.book.active
         self._closing = threading.Event()
-        self._sending: dict[str, Transfer] = {}
-        self._receiving: dict[str, Transfer] = {}
-        self._reserved: dict[str, list[int]] = {}
-        self._finished: list[TransferStatus] = []
-        self._recent: dict[tuple, TransferStatus] = {}
-        self.metrics_data = TransferMetrics()
-        # Set while any transfer is pending here: link readers poll fast then, and an idle
-        # reader wakes on it (Link.set_activity).
-        self.active = Activity()
-        self._scratch = torch.empty(0, dtype=torch.uint8, device=self.layout.device)
         self._metadata = AgentMetadata(
             engine_id=engine_id, backend=transport.name, address=transport.address(),
             model_id=model_id, dtype=str(self.layout.dtype).replace("torch.", ""),
             block_size=self.layout.block_size, num_layers=self.layout.num_layers,
             num_kv_heads=self.layout.num_kv_heads, head_dim=self.layout.head_dim,
             num_blocks=self.layout.num_blocks)
-        self.peers = PeerTable(self, handshake_timeout_s, heartbeat_interval_s, peer_timeout_s,
-                               credit_window_bytes, max_queued_sends)
+        self.peers = PeerTable(transport, self._metadata, lock=self._lock, closing=self._closing,
+                               active=self.active, handshake_timeout_s=handshake_timeout_s,
+                               heartbeat_interval_s=heartbeat_interval_s, peer_timeout_s=peer_timeout_s,
+                               credit_window_bytes=credit_window_bytes, max_queued_sends=max_queued_sends)
+        self.wire = Wire(self.layout, self.book, self.peers, checksums=checksums)
+        self.peers.start(self.wire)
         self._monitor = threading.Thread(target=self._monitor_loop, name=f"kvt-monitor-{engine_id}", daemon=True)
         self._monitor.start()
 
@@ -100,7 +103,7 @@ class KVTransferAgent(WireWork):
                 raise UnknownPeerError(f"no link to peer {peer_id!r}; connect() first")
             if peer.state is LinkState.FAILED:
                 return SendOutcome.PEER_UNAVAILABLE
-            transfer = self._sending.get(request_id)
+            transfer = self.book.sending.get(request_id)
             block_ids = (tuple(src_block_ids), tuple(dst_block_ids))
             if transfer is None:
                 self.layout.check_block_ids(src_block_ids, "source")
@@ -119,7 +122,7 @@ class KVTransferAgent(WireWork):
             if outcome is not SendOutcome.ACCEPTED:
                 self.metrics_data.would_block += 1
                 return outcome
-            self._sending[request_id] = transfer
+            self.book.sending[request_id] = transfer
             transfer.credits = peer.credits
             transfer.layers_submitted.update(layers)
             transfer.queued_sends = 1
@@ -136,14 +139,14 @@ class KVTransferAgent(WireWork):
             last = len(transfer.layers_submitted) == transfer.num_layers
             if (asynchronous and not transfer.pending_failure and (not waiting_ack or last)
                     and peer.send_lock.acquire(blocking=False)):
-                layers = self._take_queued(peer, transfer)
+                layers = self.wire.take_queued(peer, transfer)
             else:
                 if not (asynchronous and waiting_ack) or last:
-                    self._kick_writer(peer, transfer)
+                    self.wire.kick_writer(peer, transfer)
                 if not self.active.is_set():  # (set by an earlier chunk of it: keep its pace)
                     self.active.mark()
                 return SendOutcome.ACCEPTED
-        self._post_taken(peer, transfer, layers)
+        self.wire.post_taken(peer, transfer, layers)
         with self._lock:
             # Marked only now: marking wakes this agent's link readers into fast polling (for
             # the ack), and while the chunk is posted they would only contend for the GIL and
@@ -158,36 +161,32 @@ class KVTransferAgent(WireWork):
         write them. Fails with TIMEOUT if nothing completes within transfer_timeout_s."""
         self.layout.check_block_ids(dst_block_ids, "destination")
         with self._lock:
-            if request_id in self._receiving:
+            if request_id in self.book.receiving:
                 raise DuplicateRequestError(f"request {request_id!r} already expected")
             transfer = Transfer(request_id, peer_id or "", Role.RECV, [], self.layout.num_layers,
                                 self.layout.bytes_for(len(dst_block_ids), 1),
                                 time.monotonic() + self.transfer_timeout_s)
-            self._receiving[request_id] = transfer
-            self._reserved[request_id] = sorted(int(b) for b in dst_block_ids)
+            self.book.receiving[request_id] = transfer
+            self.book.reserved[request_id] = sorted(int(b) for b in dst_block_ids)
             self.active.mark()
 
     # ----- both sides -----
     def cancel(self, request_id: str) -> None:
         """Cancel on this side; the peer is told and fails its side with CANCELLED."""
         with self._lock:
-            for table in (self._sending, self._receiving):
+            for table in (self.book.sending, self.book.receiving):
                 transfer = table.get(request_id)
                 if transfer is not None:
-                    self._fail(transfer, FailureReason.CANCELLED, notify_peer=True)
+                    self.wire.fail(transfer, FailureReason.CANCELLED, notify_peer=True)
 
     def status(self, request_id: str, role: Role) -> Optional[TransferStatus]:
         with self._lock:
-            table = self._sending if role is Role.SEND else self._receiving
-            if request_id in table:
-                return table[request_id].status()
-            return self._recent.get((role, request_id))
+            return self.book.status(request_id, role)
 
     def poll(self) -> list[TransferStatus]:
         """Transfers finished since the last poll; each ends its lease/reservation (see class doc)."""
         with self._lock:
-            finished, self._finished = self._finished, []
-            return finished
+            return self.book.drain()
 
     def metrics(self) -> dict:
         with self._lock:
@@ -219,60 +218,14 @@ class KVTransferAgent(WireWork):
         self._closing.set()
         self.peers.close_all()
         with self._lock:
-            for transfer in list(self._sending.values()) + list(self._receiving.values()):
-                self._fail(transfer, FailureReason.SHUTDOWN, notify_peer=False)
+            for transfer in self.book.pending():
+                self.wire.fail(transfer, FailureReason.SHUTDOWN, notify_peer=False)
         self.transport.close()
-
-    # ----- state transitions (caller holds the lock) -----
-    def _finalize(self, transfer: Transfer, state: TransferState, reason: Optional[FailureReason]) -> None:
-        if transfer.finished:
-            return
-        transfer.state, transfer.reason = state, reason
-        table = self._sending if transfer.role is Role.SEND else self._receiving
-        table.pop(transfer.request_id, None)
-        if transfer.role is Role.RECV:
-            self._reserved.pop(transfer.request_id, None)
-        if not self._sending and not self._receiving:
-            self.active.clear()
-        if transfer.credits is not None:  # the window it was admitted on (a link may be replaced since)
-            transfer.credits.returned(transfer.unacked_bytes)
-            transfer.credits.dequeued(transfer.queued_sends)  # layers that never left
-        transfer.unacked_bytes, transfer.queued_sends, transfer.queued_layers = 0, 0, []
-        self.metrics_data.observe_finish(transfer, time.monotonic())
-        status = transfer.status()
-        self._finished.append(status)
-        self._recent[(transfer.role, transfer.request_id)] = status
-        if len(self._recent) > 4096:
-            self._recent.pop(next(iter(self._recent)))
-        if self.on_release is not None:
-            self.on_release(status)
-        self._watch(transfer)
-
-    def _fail(self, transfer: Transfer, reason: FailureReason, notify_peer: bool) -> None:
-        """Fail now, or, while a wire thread is moving its bytes, as soon as that thread is done."""
-        if transfer.finished:
-            return
-        if transfer.wire_ops:
-            transfer.pending_failure = transfer.pending_failure or reason
-            self._watch(transfer)
-            return
-        self._finalize(transfer, TransferState.FAILED, reason)
-        peer = self.peers.get(transfer.peer_id)
-        if notify_peer and peer is not None and peer.state is not LinkState.FAILED:
-            kind = "abort" if transfer.role is Role.SEND else "nack"
-            peer.out_queue.put(("ctl", {"t": kind, "rid": transfer.request_id, "reason": reason.value}))
 
     def _monitor_loop(self) -> None:
         while not self._closing.wait(0.05):
             now = time.monotonic()
             with self._lock:
-                for transfer in list(self._sending.values()) + list(self._receiving.values()):
+                for transfer in self.book.pending():
                     if now > transfer.deadline:
-                        self._fail(transfer, FailureReason.TIMEOUT, notify_peer=True)
-
-    def peer_lost(self, peer: PeerLink, reason: FailureReason) -> None:
-        """Called by the peer table when a link dies: every transfer on it fails."""
-        with self._lock:
-            for transfer in list(self._sending.values()) + list(self._receiving.values()):
-                if transfer.peer_id == peer.peer_id:
-                    self._fail(transfer, reason, notify_peer=False)
+                        self.wire.fail(transfer, FailureReason.TIMEOUT, notify_peer=True)

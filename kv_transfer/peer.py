@@ -1,5 +1,7 @@
 """Peer links of one agent: handshake (metadata checked on both ends), and per link a writer
 thread (frames, KV regions, heartbeats) and a reader thread; a dead link fails its transfers.
+The threads hand chunks and frames to a LinkHandler (the agent's Wire) and know nothing else
+of the agent: the lock, the closing event and the local metadata are given to the table.
 """
 
 from __future__ import annotations
@@ -8,14 +10,12 @@ import collections
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
-from kv_transfer.base import (AgentMetadata, FailureReason, Link, LinkError, LinkState,
-                              LinkTimeoutError, MetadataMismatchError, pack_frame, unpack_frame)
-from kv_transfer.flow import CreditWindow
-
-if TYPE_CHECKING:
-    from kv_transfer.agent import KVTransferAgent
+from kv_transfer.base import (Activity, AgentMetadata, FailureReason, Link, LinkError, LinkState,
+                              LinkTimeoutError, MetadataMismatchError, PostedSend, Transport,
+                              pack_frame, unpack_frame)
+from kv_transfer.flow import CreditWindow, Transfer
 
 _HEARTBEAT = pack_frame({"t": "hb"})
 # How often the writer looks at posted chunks while some are in flight. Only bookkeeping
@@ -40,6 +40,9 @@ class PeerLink:
         # Held for each group of messages that must stay together on the wire (a frame, or a
         # chunk's header and regions), so the reader may send acks itself between groups.
         self.send_lock = threading.Lock()
+        # (transfer, layers, PostedSend): chunks posted on this link that the writer thread
+        # watches until they have left, oldest first. Only that thread changes it.
+        self.posted: collections.deque = collections.deque()
 
     def send_control(self, message: dict) -> None:
         """Send a control frame now from the calling thread when the wire is free (an ack then
@@ -54,10 +57,39 @@ class PeerLink:
             self.out_queue.put(("ctl", message))
 
 
+class LinkHandler(Protocol):
+    """What a link's threads hand their work to; every method takes the agent lock itself."""
+
+    def write_chunk(self, peer: PeerLink, transfer: Transfer) -> Optional[tuple]:
+        """Writer: post the layers of a transfer that wait; (layers, PostedSend) or None."""
+
+    def chunk_sent(self, transfer: Transfer, layers: list, posted: PostedSend) -> bool:
+        """Writer: whether a posted chunk has left (ends it); raises LinkError when it failed."""
+
+    def end_chunk(self, transfer: Transfer, layers: list, failure: Optional[FailureReason]) -> None:
+        """A posted chunk given up (failure) or gone."""
+
+    def handle_frame(self, peer: PeerLink, frame: dict) -> None:
+        """Reader: a frame other than a heartbeat arrived (its regions follow on the link)."""
+
+    def peer_lost(self, peer: PeerLink, reason: FailureReason) -> None:
+        """The link died: every transfer on it fails."""
+
+
 class PeerTable:
-    def __init__(self, agent: "KVTransferAgent", handshake_timeout_s: float, heartbeat_interval_s: float,
+    """The links of one agent, by peer id. `lock` is the agent's transfer lock (peer state
+    changes and a dead link's clean-up happen under it, as the transfers they touch do);
+    `closing` is set when the agent closes. Links are accepted once start() named the handler."""
+
+    def __init__(self, transport: Transport, local: AgentMetadata, *, lock, closing: threading.Event,
+                 active: Activity, handshake_timeout_s: float, heartbeat_interval_s: float,
                  peer_timeout_s: float, credit_window_bytes: int, max_queued_sends: int):
-        self.agent = agent
+        self.transport = transport
+        self.local = local
+        self._lock = lock
+        self._closing = closing
+        self._active = active
+        self._handler: Optional[LinkHandler] = None
         self.handshake_timeout_s = handshake_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.peer_timeout_s = peer_timeout_s
@@ -65,6 +97,10 @@ class PeerTable:
         self.max_queued_sends = max_queued_sends
         self._peers: dict[str, PeerLink] = {}
         self._accepter = threading.Thread(target=self._accept_loop, name="kvt-accept", daemon=True)
+
+    def start(self, handler: LinkHandler) -> None:
+        """Accept links from now on (and allow connect()); their threads call handler."""
+        self._handler = handler
         self._accepter.start()
 
     def get(self, peer_id: str) -> Optional[PeerLink]:
@@ -79,7 +115,7 @@ class PeerTable:
 
     def _new_peer(self, peer_id: str) -> PeerLink:
         peer = PeerLink(peer_id, CreditWindow(self.credit_window_bytes, self.max_queued_sends), self.peer_timeout_s)
-        with self.agent._lock:
+        with self._lock:
             old = self._peers.get(peer_id)
             self._peers[peer_id] = peer
         if old is not None:
@@ -88,8 +124,8 @@ class PeerTable:
 
     # ----- outgoing -----
     def connect(self, peer_meta: AgentMetadata) -> str:
-        self.agent.agent_metadata.check_compatible(peer_meta)
-        with self.agent._lock:
+        self.local.check_compatible(peer_meta)
+        with self._lock:
             current = self._peers.get(peer_meta.engine_id)
             # Same peer, same address: keep the live link. A new address means the peer
             # restarted; its old link may not have noticed yet, so it is replaced.
@@ -104,9 +140,9 @@ class PeerTable:
 
     def _connect(self, peer: PeerLink, peer_meta: AgentMetadata) -> None:
         try:
-            link = self.agent.transport.connect(peer_meta.address, self.handshake_timeout_s)
+            link = self.transport.connect(peer_meta.address, self.handshake_timeout_s)
             peer.link = link
-            link.send_frame(pack_frame({"t": "hello", "meta": self.agent.metadata()}), self.handshake_timeout_s)
+            link.send_frame(pack_frame({"t": "hello", "meta": self.local.encode()}), self.handshake_timeout_s)
             reply = unpack_frame(link.recv_frame(self.handshake_timeout_s))
             if reply["t"] != "welcome":
                 self._fail(peer, LinkError(reply.get("error", "refused")), FailureReason.METADATA_MISMATCH)
@@ -117,9 +153,9 @@ class PeerTable:
 
     # ----- incoming -----
     def _accept_loop(self) -> None:
-        while not self.agent._closing.is_set():
+        while not self._closing.is_set():
             try:
-                link = self.agent.transport.accept(0.1)
+                link = self.transport.accept(0.1)
             except LinkError:
                 continue
             if link is not None:
@@ -130,7 +166,7 @@ class PeerTable:
             hello = unpack_frame(link.recv_frame(self.handshake_timeout_s))
             peer_meta = AgentMetadata.decode(hello["meta"])
             try:
-                self.agent.agent_metadata.check_compatible(peer_meta)
+                self.local.check_compatible(peer_meta)
             except MetadataMismatchError as exc:
                 link.send_frame(pack_frame({"t": "refuse", "error": str(exc)}), self.handshake_timeout_s)
                 time.sleep(0.1)  # let the refusal reach the peer before the link goes away
@@ -138,18 +174,18 @@ class PeerTable:
                 return
             peer = self._new_peer(peer_meta.engine_id)
             peer.address, peer.link = peer_meta.address, link
-            link.send_frame(pack_frame({"t": "welcome", "meta": self.agent.metadata()}), self.handshake_timeout_s)
+            link.send_frame(pack_frame({"t": "welcome", "meta": self.local.encode()}), self.handshake_timeout_s)
             self._start(peer, link)
         except (LinkError, KeyError, TypeError, ValueError):
             link.close()
 
     # ----- running link -----
     def _start(self, peer: PeerLink, link: Link) -> None:
-        with self.agent._lock:
+        with self._lock:
             if peer.state is LinkState.FAILED:
                 return
             peer.state = LinkState.READY
-        link.set_activity(self.agent.active)
+        link.set_activity(self._active)
         threading.Thread(target=self._write_loop, args=(peer, link), daemon=True, name=f"kvt-w-{peer.peer_id}").start()
         threading.Thread(target=self._read_loop, args=(peer, link), daemon=True, name=f"kvt-r-{peer.peer_id}").start()
 
@@ -157,7 +193,7 @@ class PeerTable:
         """Posts queued chunks and control frames, and watches posted chunks until they have
         left (oldest first) without waiting on them: a chunk can go while earlier ones are
         still being read by the peer."""
-        inflight: collections.deque = collections.deque()  # (transfer, layers, PostedSend)
+        inflight = peer.posted  # (transfer, layers, PostedSend)
         next_watch = 0.0
         try:
             while True:
@@ -169,7 +205,7 @@ class PeerTable:
                     next_watch = time.monotonic() + _SENT_POLL_S
                     while inflight:
                         head = inflight.popleft()  # chunk_sent ends it, also when it raises
-                        if not self.agent.chunk_sent(*head):
+                        if not self._handler.chunk_sent(*head):
                             inflight.appendleft(head)
                             break
                     try:
@@ -188,7 +224,7 @@ class PeerTable:
                 if item[0] == "posted":  # posted by another thread (send(), or the reader on an ack)
                     inflight.append(item[1:])
                     continue
-                written = self.agent.write_chunk(peer, item[1])  # every layer of it that waits
+                written = self._handler.write_chunk(peer, item[1])  # every layer of it that waits
                 if written is not None:
                     inflight.append((item[1], *written))
         except LinkError as exc:
@@ -197,14 +233,15 @@ class PeerTable:
             # The link is gone: what is still posted is given up with it. A chunk whose own
             # post failed (or that left meanwhile) ends as its wire says: a send that timed
             # out is the transfer's timeout, not a lost peer.
-            for transfer, layers, posted in inflight:
+            while inflight:
+                transfer, layers, posted = inflight.popleft()
                 try:
-                    if self.agent.chunk_sent(transfer, layers, posted):
+                    if self._handler.chunk_sent(transfer, layers, posted):
                         continue
                 except Exception:  # chunk_sent ended it with the wire's reason
                     continue
                 posted.abandon()
-                self.agent.end_chunk(transfer, layers, FailureReason.PEER_LOST)
+                self._handler.end_chunk(transfer, layers, FailureReason.PEER_LOST)
 
     def _read_loop(self, peer: PeerLink, link: Link) -> None:
         try:
@@ -213,18 +250,18 @@ class PeerTable:
                 if frame["t"] == "bye":
                     raise LinkError("peer closed the link")
                 if frame["t"] != "hb":
-                    self.agent.handle_frame(peer, frame)
+                    self._handler.handle_frame(peer, frame)
         except LinkError as exc:
             self._fail(peer, exc)
 
     def _fail(self, peer: PeerLink, exc: Exception, reason: FailureReason = FailureReason.PEER_LOST) -> None:
-        with self.agent._lock:
+        with self._lock:
             first = peer.state is not LinkState.FAILED
             peer.state, peer.reason = LinkState.FAILED, peer.reason or str(exc)
             if first:
                 if isinstance(exc, LinkTimeoutError):
                     reason = FailureReason.PEER_LOST
-                self.agent.peer_lost(peer, reason)
+                self._handler.peer_lost(peer, reason)
                 while True:  # queued chunks hold no lease any more; drop them
                     try:
                         item = peer.out_queue.get_nowait()
@@ -239,12 +276,12 @@ class PeerTable:
     def _drop_queued(self, peer: PeerLink, item: tuple) -> None:
         """A queued item of a failed link: chunks hold no lease any more, posted ones are
         given up (their transfers fail once nothing of them is on the wire)."""
-        with self.agent._lock:
+        with self._lock:
             if item[0] == "kv":  # its waiting layers hold queue credits until it finalizes
                 item[1].kicked = False
             elif item[0] == "posted":
                 item[3].abandon()
-                self.agent.end_chunk(item[1], item[2], FailureReason.PEER_LOST)
+                self._handler.end_chunk(item[1], item[2], FailureReason.PEER_LOST)
 
     def close_all(self) -> None:
         for peer in self.all():

@@ -1,9 +1,8 @@
-"""The wire side of KVTransferAgent: what the peer links' writer and reader threads (and, for a
-chunk it posts itself, the sending thread) do with a transfer. Taking waiting layers as one
-chunk, posting it, handing posted chunks to the writer to watch, ending wire operations, and
-reading arriving chunks into reserved blocks. Mixed into the agent, whose lock, tables and
-state transitions (agent.py) it uses; every method here that changes a transfer holds that
-lock.
+"""What moves a transfer's bytes: the agent's Wire, which the peer links' writer and reader
+threads (and, for a chunk it posts itself, the sending thread) call. Taking waiting layers as
+one chunk, posting it, handing posted chunks to the writer to watch, ending wire operations,
+reading arriving chunks into reserved blocks, and the transitions that must tell the wire
+(fail, finish). Every method here that changes a transfer holds the book's lock.
 """
 
 from __future__ import annotations
@@ -16,15 +15,69 @@ import torch
 from kv_transfer.base import (FailedPost, FailureReason, LinkError, LinkState, LinkTimeoutError,
                               PostedSend, Role, TransferState, frame_buffers, pack_frame)
 from kv_transfer.flow import Transfer
-from kv_transfer.layout import region_checksum, runs_from_wire, runs_to_wire
-from kv_transfer.peer import PeerLink
+from kv_transfer.layout import KVLayout, region_checksum, runs_from_wire, runs_to_wire
+from kv_transfer.peer import PeerLink, PeerTable
+from kv_transfer.transfers import TransferBook
 
 
-class WireWork:
-    """Methods of KVTransferAgent that move bytes (see the module docstring)."""
+class ScratchBuffer:
+    """Where bytes for a transfer that is no longer ours are read, off the ordered stream, and
+    never into a block. On the cache's device: a link picks its group by the buffer's device
+    (NCCL for CUDA), and the sender posted them from the cache, so a host scratch would wait
+    on the wrong group. Grows to the largest region discarded; one reader thread uses it."""
+
+    def __init__(self, layout: KVLayout):
+        self.device = layout.device
+        self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    def region(self, num_bytes: int) -> torch.Tensor:
+        if self._buffer.numel() < num_bytes or self._buffer.device != self.device:
+            self._buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        return self._buffer[:num_bytes]
+
+
+class Wire:
+    """The byte-moving half of one agent (see the module docstring); implements the peer
+    table's LinkHandler. The book owns the transfer state and its lock; peers are looked up
+    to tell one that a transfer failed."""
+
+    def __init__(self, layout: KVLayout, book: TransferBook, peers: PeerTable, *, checksums: bool):
+        self.layout = layout
+        self.book = book
+        self.peers = peers
+        self.checksums = checksums
+        self._lock = book.lock
+        self._metrics = book.metrics
+        self._scratch = ScratchBuffer(layout)
+
+    # ----- ending transfers (caller holds the lock) -----
+    def finish(self, transfer: Transfer, state: TransferState, reason: Optional[FailureReason]) -> None:
+        if self.book.finish(transfer, state, reason):
+            self.watch(transfer)
+
+    def fail(self, transfer: Transfer, reason: FailureReason, notify_peer: bool) -> None:
+        """Fail now, or, while a wire thread is moving its bytes, as soon as that thread is done."""
+        if transfer.finished:
+            return
+        if transfer.wire_ops:
+            transfer.pending_failure = transfer.pending_failure or reason
+            self.watch(transfer)
+            return
+        self.finish(transfer, TransferState.FAILED, reason)
+        peer = self.peers.get(transfer.peer_id)
+        if notify_peer and peer is not None and peer.state is not LinkState.FAILED:
+            kind = "abort" if transfer.role is Role.SEND else "nack"
+            peer.out_queue.put(("ctl", {"t": kind, "rid": transfer.request_id, "reason": reason.value}))
+
+    def peer_lost(self, peer: PeerLink, reason: FailureReason) -> None:
+        """Called by the peer table when a link dies: every transfer on it fails."""
+        with self._lock:
+            for transfer in self.book.pending():
+                if transfer.peer_id == peer.peer_id:
+                    self.fail(transfer, reason, notify_peer=False)
 
     # ----- sending: waiting layers -> chunks on the wire -----
-    def _take_queued(self, peer: PeerLink, transfer: Transfer) -> list[int]:
+    def take_queued(self, peer: PeerLink, transfer: Transfer) -> list[int]:
         """The layers of a transfer waiting to be posted, taken as one chunk (caller holds the
         agent lock, and for a chunk it posts itself the peer's send lock); their sends leave
         the link's queue bound and count as a wire operation until the chunk has left."""
@@ -34,15 +87,15 @@ class WireWork:
         if layers:
             transfer.wire_ops += 1
             transfer.state = TransferState.TRANSFERRING
-            self.metrics_data.chunks_sent += 1
+            self._metrics.chunks_sent += 1
         return layers
 
-    def _kick_writer(self, peer: PeerLink, transfer: Transfer) -> None:
+    def kick_writer(self, peer: PeerLink, transfer: Transfer) -> None:
         if not transfer.kicked:
             transfer.kicked = True
             peer.out_queue.put(("kv", transfer))
 
-    def _post_taken(self, peer: PeerLink, transfer: Transfer, layers: list[int]) -> None:
+    def post_taken(self, peer: PeerLink, transfer: Transfer, layers: list[int]) -> None:
         """Post taken layers from this thread, which holds the peer's send lock (not the agent
         lock); the writer watches the chunk until it has left."""
         try:
@@ -50,16 +103,16 @@ class WireWork:
         finally:
             peer.send_lock.release()
         with self._lock:
-            # The writer is told of the chunk only when the transfer is acked or fails (_watch):
+            # The writer is told of the chunk only when the transfer is acked or fails (watch):
             # waking it now would take a core from the transfer on a small machine, and nothing
             # waits on the chunk's end meanwhile (an ack ends the lease; the receiver acks once
             # every byte arrived).
             transfer.unwatched.append((peer, layers, posted))
             if (transfer.finished or transfer.pending_failure or peer.state is LinkState.FAILED
                     or isinstance(posted, FailedPost)):  # no ack will come for a failed post
-                self._watch(transfer)
+                self.watch(transfer)
 
-    def _watch(self, transfer: Transfer) -> None:
+    def watch(self, transfer: Transfer) -> None:
         """Hand the chunks other threads posted for a transfer to their link's writer, which
         ends each once it has left (caller holds the agent lock). Under the lock, so a link
         failing meanwhile (PeerTable._fail drains the queue and stops the writer under it)
@@ -103,7 +156,7 @@ class WireWork:
             transfer.kicked = False
             if transfer.finished or transfer.pending_failure:
                 return None
-            layers = self._take_queued(peer, transfer)
+            layers = self.take_queued(peer, transfer)
             if not layers:
                 return None
         with peer.send_lock:
@@ -138,9 +191,9 @@ class WireWork:
             if failure is not None:  # the wire's own failure names the reason (as it came first)
                 transfer.pending_failure = failure
             elif transfer.state is not TransferState.FAILED:  # (done may come first, by the ack)
-                self.metrics_data.bytes_sent += transfer.bytes_per_layer * len(layers)
+                self._metrics.bytes_sent += transfer.bytes_per_layer * len(layers)
             if not transfer.wire_ops and transfer.pending_failure:
-                self._fail(transfer, transfer.pending_failure, notify_peer=failure is None)
+                self.fail(transfer, transfer.pending_failure, notify_peer=failure is None)
 
     def handle_frame(self, peer: PeerLink, frame: dict) -> None:
         kind = frame["t"]
@@ -149,7 +202,7 @@ class WireWork:
             return
         with self._lock:
             if kind == "ack":
-                transfer = self._sending.get(frame["rid"])
+                transfer = self.book.sending.get(frame["rid"])
                 if transfer is None or transfer.peer_id != peer.peer_id:
                     return
                 acked = transfer.bytes_per_layer * len(frame["layers"])
@@ -159,48 +212,38 @@ class WireWork:
                 # Acks may overtake each other (see PeerLink.send_control); "done" is final.
                 if frame["done"]:
                     transfer.layers_done.update(range(transfer.num_layers))
-                    self._finalize(transfer, TransferState.DONE, None)
+                    self.finish(transfer, TransferState.DONE, None)
                     return
-                self._watch(transfer)
+                self.watch(transfer)
                 if not transfer.queued_layers or transfer.pending_failure or transfer.kicked:
                     return
                 # Layers that waited for this ack go now, from this thread when the wire is free.
                 if peer.state is not LinkState.READY:
                     return  # the link is failing: the transfer fails with it
                 if not (peer.link.posts_async and peer.send_lock.acquire(blocking=False)):
-                    self._kick_writer(peer, transfer)
+                    self.kick_writer(peer, transfer)
                     return
-                layers = self._take_queued(peer, transfer)
+                layers = self.take_queued(peer, transfer)
             elif kind in ("nack", "abort"):
-                table = self._sending if kind == "nack" else self._receiving
+                table = self.book.sending if kind == "nack" else self.book.receiving
                 transfer = table.get(frame["rid"])
                 if transfer is not None and transfer.peer_id in (peer.peer_id, ""):
                     transfer.peer_id = peer.peer_id
-                    self._fail(transfer, FailureReason(frame["reason"]), notify_peer=False)
+                    self.fail(transfer, FailureReason(frame["reason"]), notify_peer=False)
                 return
             else:
                 return
-        self._post_taken(peer, transfer, layers)
-
-    def _scratch_region(self, num_bytes: int) -> torch.Tensor:
-        # Bytes for a transfer that is no longer ours still have to be read off the ordered
-        # stream; they land here, never in a block. On the cache's device: a link picks its
-        # group by the buffer's device (NCCL for CUDA), and the sender posted them from the
-        # cache, so a host scratch would wait on the wrong group.
-        device = self.layout.device
-        if self._scratch.numel() < num_bytes or self._scratch.device != device:
-            self._scratch = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        return self._scratch[:num_bytes]
+        self.post_taken(peer, transfer, layers)
 
     def _read_chunk(self, peer: PeerLink, frame: dict) -> None:
         request_id, layers = frame["rid"], [int(x) for x in frame["layers"]]
         runs = runs_from_wire(frame["runs"])
         dst_ids = sorted(r.dst_start + i for r in runs for i in range(r.length))
         with self._lock:
-            transfer = self._receiving.get(request_id)
+            transfer = self.book.receiving.get(request_id)
             usable = (transfer is not None and not transfer.pending_failure
                       and transfer.peer_id in ("", peer.peer_id)
-                      and self._reserved.get(request_id) == dst_ids
+                      and self.book.reserved.get(request_id) == dst_ids
                       and not transfer.layers_done.intersection(layers)
                       and all(0 <= x < self.layout.num_layers for x in layers))
             if usable:
@@ -220,7 +263,7 @@ class WireWork:
                     for _kv in (0, 1):
                         for run in runs:
                             size = run.length * self.layout.block_bytes
-                            peer.link.recv_bytes(self._scratch_region(size), peer.peer_timeout_s)
+                            peer.link.recv_bytes(self._scratch.region(size), peer.peer_timeout_s)
         except LinkTimeoutError:
             failure = FailureReason.TIMEOUT
             raise
@@ -238,21 +281,21 @@ class WireWork:
         if transfer is None:
             if failure is None:
                 # Not ours to write: tell the sender so it stops and releases its lease.
-                recent = self._recent.get((Role.RECV, request_id))
-                stale = self._receiving.get(request_id)
+                recent = self.book.ended(request_id, Role.RECV)
+                stale = self.book.receiving.get(request_id)
                 if stale is not None:  # expected, but with other blocks or a duplicate layer
-                    self._fail(stale, FailureReason.REJECTED, notify_peer=False)
+                    self.fail(stale, FailureReason.REJECTED, notify_peer=False)
                 reason = recent.reason if recent and recent.reason else FailureReason.REJECTED
                 peer.out_queue.put(("ctl", {"t": "nack", "rid": request_id, "reason": reason.value}))
             return None
         transfer.wire_ops -= 1
         reason = failure or (FailureReason.CHECKSUM_MISMATCH if bad_sum else None) or transfer.pending_failure
         if reason is not None:
-            self._fail(transfer, reason, notify_peer=failure is None)
+            self.fail(transfer, reason, notify_peer=failure is None)
             return None
         transfer.layers_done.update(layers)
-        self.metrics_data.bytes_received += transfer.bytes_per_layer * len(layers)
+        self._metrics.bytes_received += transfer.bytes_per_layer * len(layers)
         done = len(transfer.layers_done) == transfer.num_layers
         if done:
-            self._finalize(transfer, TransferState.DONE, None)
+            self.finish(transfer, TransferState.DONE, None)
         return {"t": "ack", "rid": request_id, "layers": layers, "done": done}

@@ -216,14 +216,11 @@ def test_discarded_bytes_are_read_into_a_buffer_on_the_cache_device():
     cache's device, as the sender posted it from the cache: a link picks its group by the
     buffer's device (NCCL for CUDA, gloo for host memory), so the read waits on the group the
     chunk was sent on. `meta` stands in for a device other than the host."""
-    from types import SimpleNamespace
-
     from kv_transfer.layout import KVLayout
-    from kv_transfer.wire import WireWork
+    from kv_transfer.wire import ScratchBuffer
 
     layout = KVLayout([torch.empty(2, 4, 2, 16, 8, device="meta") for _ in range(2)])
-    owner = SimpleNamespace(layout=layout, _scratch=torch.empty(0, dtype=torch.uint8))
-    scratch = WireWork._scratch_region(owner, 3 * layout.block_bytes)
+    scratch = ScratchBuffer(layout).region(3 * layout.block_bytes)
     region = layout.region(0, 0, 1, 3)
     assert scratch.device == region.device
     assert scratch.dtype == region.dtype and scratch.numel() == region.numel()
@@ -238,13 +235,12 @@ def test_discarded_bytes_are_read_on_the_group_they_were_sent_on():
 
     from kv_transfer.layout import KVLayout
     from kv_transfer.torch_dist import TorchDistLink
-    from kv_transfer.wire import WireWork
+    from kv_transfer.wire import ScratchBuffer
 
     link = SimpleNamespace(_data="nccl group", _control="gloo group")
     layout = KVLayout([torch.empty(2, 4, 2, 16, 8, device="meta") for _ in range(2)])
     sent = layout.region(1, 0, 2, 2)  # what the sender posts: bytes of the cache's blocks
-    owner = SimpleNamespace(layout=layout, _scratch=torch.empty(0, dtype=torch.uint8))
-    scratch = WireWork._scratch_region(owner, sent.numel())
+    scratch = ScratchBuffer(layout).region(sent.numel())
     assert TorchDistLink._group_for(link, sent) == "nccl group"
     assert TorchDistLink._group_for(link, scratch) == "nccl group"
     host = torch.empty(sent.numel(), dtype=torch.uint8)  # the old scratch
