@@ -32,9 +32,13 @@ from kv_transfer.wire import Wire
 class KVTransferAgent:
     """One per worker. Thread-safe; every public method returns without waiting on the wire.
 
-    on_release(status) is called on an agent thread exactly once per transfer when it finishes
-    (the same statuses poll() returns): for a sender that is the end of the source-block lease,
-    for a receiver the moment the destination blocks are no longer written. Keep it short.
+    Finished transfers are reported once each, one of two ways. With on_release, the agent
+    calls on_release(status) on an agent thread exactly once per transfer when it finishes,
+    and keeps nothing for poll() (which then returns []): for a sender that is the end of the
+    source-block lease, for a receiver the moment the destination blocks are no longer
+    written. Keep it short. Without on_release, poll() returns those statuses, and each waits
+    for it. Either way no per-request entry outlives its transfer (table_sizes() shows them);
+    status() also answers for the latest transfers that finished.
 
     Composed of: a TransferBook (transfer state and the lock), a PeerTable (links and their
     threads) and a Wire (what those threads, and send(), do with a transfer's bytes)."""
@@ -180,13 +184,28 @@ class KVTransferAgent:
                     self.wire.fail(transfer, FailureReason.CANCELLED, notify_peer=True)
 
     def status(self, request_id: str, role: Role) -> Optional[TransferStatus]:
+        """The transfer's status while it is pending, and for a while after it finished (the
+        latest transfers.RECENT_STATUSES finished ones are remembered); None when unknown."""
         with self._lock:
             return self.book.status(request_id, role)
 
     def poll(self) -> list[TransferStatus]:
-        """Transfers finished since the last poll; each ends its lease/reservation (see class doc)."""
+        """Transfers finished since the last poll; each ends its lease/reservation (see class
+        doc). Always [] for an agent built with on_release: those statuses went to it."""
         with self._lock:
             return self.book.drain()
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries in every structure that holds something per request or per chunk: the
+        transfers pending on each side, reserved destinations, statuses waiting for poll(),
+        remembered statuses (bounded), and per link the frames and chunks waiting for its
+        writer and the posted chunks it watches. All but `recent` are 0 once nothing moves."""
+        with self._lock:
+            sizes = self.book.sizes()
+            peers = self.peers.all()
+        sizes["link_queues"] = sum(p.out_queue.qsize() for p in peers)
+        sizes["posted_chunks"] = sum(len(p.posted) for p in peers)
+        return sizes
 
     def metrics(self) -> dict:
         with self._lock:

@@ -1,8 +1,11 @@
 """The one owner of an agent's transfer state and of the lock that guards it: transfers in
 flight on each side, reserved destination blocks, metrics, and where finished statuses go.
 
-Every per-request entry is added when a transfer starts (send/expect) and removed by finish(),
-the one place a transfer ends, whatever ended it. No I/O here.
+Memory is flat by construction. Every per-request entry is added when a transfer starts
+(send/expect) and removed by finish(), the one place a transfer ends, whatever ended it (done,
+failed, cancelled, timed out, peer lost, shut down). A finished status goes to on_release when
+the agent has one, and is queued for poll() only when it has none; `recent` keeps the latest
+RECENT_STATUSES of them for status() after the end, and no more. No I/O here.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class TransferBook:
         # reader wakes on it (Link.set_activity).
         self.active = Activity()
         self._on_release = on_release
-        self._finished: list[TransferStatus] = []  # for poll()
+        self._finished: list[TransferStatus] = []  # for poll(); only without on_release
         self._recent: dict[tuple, TransferStatus] = {}  # (role, request id) -> status, oldest first
 
     def pending(self) -> list[Transfer]:
@@ -58,9 +61,10 @@ class TransferBook:
         self._recent[(transfer.role, transfer.request_id)] = status
         if len(self._recent) > RECENT_STATUSES:
             self._recent.pop(next(iter(self._recent)))
-        self._finished.append(status)
         if self._on_release is not None:
             self._on_release(status)
+        else:
+            self._finished.append(status)
         return True
 
     def status(self, request_id: str, role: Role) -> Optional[TransferStatus]:
@@ -76,3 +80,8 @@ class TransferBook:
     def drain(self) -> list[TransferStatus]:
         finished, self._finished = self._finished, []
         return finished
+
+    def sizes(self) -> dict[str, int]:
+        return {"sending": len(self.sending), "receiving": len(self.receiving),
+                "reserved": len(self.reserved), "finished": len(self._finished),
+                "recent": len(self._recent)}
