@@ -129,6 +129,9 @@ class KVTransferConfig(_Strict):
     # a link with no frame for peer_timeout_s is dead and its transfers fail with peer_lost.
     heartbeat_interval_s: float = Field(0.5, gt=0)
     peer_timeout_s: float = Field(5.0, gt=0)
+    # Prefill workers ship each layer of a prompt's KV as its last step computes it, so the
+    # transfer runs under the remaining layers; false: the whole KV after the prefill.
+    stream_layers: bool = True
     # Testing only: wrap the transport so faults (drop, delay, corrupt, duplicate) can be
     # injected at the link at run time (PDWorker.set_fault_injection); off in production.
     fault_injection: bool = False

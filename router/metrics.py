@@ -17,6 +17,7 @@ class _EngineSteps:
 
     def __init__(self):
         self.reports: dict[str, dict] = {}  # worker id -> its latest step_costs report
+        self.overlap: dict[str, dict] = {}  # worker id -> its latest kv_overlap report
 
     def collect(self):
         steps = HistogramMetricFamily("pd_worker_step_duration_seconds",
@@ -36,7 +37,16 @@ class _EngineSteps:
                 steps.add_metric([worker_id], buckets, report.get("busy_s", 0.0))
             prefill.add_metric([worker_id], report.get("prefill_tokens", 0))
             decode.add_metric([worker_id], report.get("decode_tokens", 0))
-        return [steps, prefill, decode]
+        sends = CounterMetricFamily(
+            "pd_worker_kv_send_seconds", "KV sends measured for overlap, first byte queued to "
+            "the lease's end (prefill workers)", labels=["worker"])
+        exposed = CounterMetricFamily(
+            "pd_worker_kv_send_exposed_seconds", "The part of those sends after the prompt's "
+            "last layer was computed (not hidden under the prefill)", labels=["worker"])
+        for worker_id, report in sorted(self.overlap.items()):
+            sends.add_metric([worker_id], report.get("whole_s_total", 0.0))
+            exposed.add_metric([worker_id], report.get("exposed_s_total", 0.0))
+        return [steps, prefill, decode, sends, exposed]
 
 
 class RouterMetrics:
@@ -109,6 +119,9 @@ class RouterMetrics:
                                     "Measured minus predicted TTFT (slo mode)", path,
                                     registry=r, buckets=(-5, -2, -1, -0.5, -0.25, -0.1, -0.05,
                                                          0, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+        self.kv_hidden = Gauge("pd_worker_kv_transfer_hidden_share",
+                               "Share of recent KV sends' time that ran under the prefill's "
+                               "compute (prefill workers)", ["worker"], registry=r)
         self.graph_capture = Gauge("pd_worker_cuda_graph_capture_seconds",
                                    "Start-up time capturing the decode CUDA graphs", ["worker"],
                                    registry=r)
@@ -128,6 +141,11 @@ class RouterMetrics:
         self.hit_rate.labels(worker_id).set(load.get("prefix_hit_tokens", 0) / queried
                                             if queried else 0)
         self.preemptions.labels(worker_id).set(load.get("num_preemptions", 0))
+        overlap = load.get("kv_overlap") or {}
+        if overlap.get("transfers"):
+            self.engine_steps.overlap[worker_id] = overlap
+        if "hidden_share" in overlap:
+            self.kv_hidden.labels(worker_id).set(overlap["hidden_share"])
         if load.get("cuda_graph_capture_s") is not None:
             self.graph_capture.labels(worker_id).set(load["cuda_graph_capture_s"])
         costs = load.get("step_costs") or {}

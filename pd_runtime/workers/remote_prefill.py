@@ -10,6 +10,7 @@ Transfer failed after the token: prefill here too, keeping the token.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import Any, AsyncIterator, Optional
@@ -75,6 +76,87 @@ async def _outcome(ref) -> str:
         return await ref
     except Exception as exc:  # the prefill worker died or its method failed
         return f"lost:{type(exc).__name__}"
+
+
+class LayerStreamer:
+    """Prefill side: ships each layer of a prompt's KV as the prompt's last step computes it
+    (the engine calls `layer_done` from its thread, in layer order), so the transfer runs
+    under the remaining layers instead of after them. A layer the link cannot take now (credit
+    window full, link not up yet) is left for `ship_kv` after the step; nothing is sent once
+    the request is cancelled. With `send` off it only times the step (the unstreamed baseline).
+    Also what the transfer's overlap is measured from: when the last layer's K/V were ready,
+    when the first byte was queued, and (`finished`) when the lease ended."""
+
+    def __init__(self, worker, request_id: str, peer_id: str, dst_block_ids: list[int],
+                 skip_blocks: int, send: bool):
+        self.worker, self.request_id, self.peer_id = worker, request_id, peer_id
+        self.dst_block_ids, self.skip_blocks, self.send = dst_block_ids, skip_blocks, send
+        self.pending: list[int] = []    # layers left for ship_kv
+        self.refused: Optional[str] = None  # a send outcome that ends the transfer here
+        self.first_sent_at: Optional[float] = None
+        self.kv_ready_at: Optional[float] = None
+        self.created = time.monotonic()
+
+    def layer_done(self, layer: int, block_ids: list[int]) -> None:
+        from kv_transfer.base import LinkState, SendOutcome
+
+        agent = self.worker.agent
+        if layer == self.worker.engine.model_config.num_layers - 1:
+            self.kv_ready_at = time.monotonic()
+        if not self.send or self.refused or self.request_id in self.worker.cancelled:
+            self.pending.append(layer)
+            return
+        if agent.peer_state(self.peer_id)[0] is not LinkState.READY:
+            self.pending.append(layer)
+            return
+        src = block_ids[self.skip_blocks:self.skip_blocks + len(self.dst_block_ids)]
+        outcome = agent.send(self.peer_id, self.request_id, src, self.dst_block_ids, [layer])
+        if outcome is SendOutcome.ACCEPTED:
+            if self.first_sent_at is None:
+                self.first_sent_at = time.monotonic()
+        elif outcome is SendOutcome.WOULD_BLOCK:
+            self.pending.append(layer)
+        else:
+            self.refused = outcome.value
+            self.pending.append(layer)
+
+    def finished(self, ok: bool) -> Optional[tuple[float, float]]:
+        """(seconds of transfer after the KV was ready, seconds of the whole transfer) of a
+        completed transfer, or None when there is nothing to measure."""
+        now = time.monotonic()
+        if not ok or self.first_sent_at is None or self.kv_ready_at is None:
+            return None
+        return max(0.0, now - self.kv_ready_at), max(1e-9, now - self.first_sent_at)
+
+
+class TransferOverlap:
+    """How much of each KV transfer ran under the prefill's compute, over recent transfers:
+    exposed = transfer time after the prompt's last layer was ready, whole = first byte queued
+    to the lease's end; hidden share = 1 - exposed / whole."""
+
+    def __init__(self, keep: int = 256):
+        self.recent: collections.deque = collections.deque(maxlen=keep)
+        self.count = 0
+        self.exposed_s_total = 0.0
+        self.whole_s_total = 0.0
+
+    def observe(self, exposed_s: float, whole_s: float) -> None:
+        self.recent.append((exposed_s, whole_s))
+        self.count += 1
+        self.exposed_s_total += exposed_s
+        self.whole_s_total += whole_s
+
+    def report(self) -> dict:
+        totals = {"transfers": self.count, "exposed_s_total": self.exposed_s_total,
+                  "whole_s_total": self.whole_s_total}
+        if not self.recent:
+            return totals
+        exposed = [e for e, _ in self.recent]
+        whole = [w for _, w in self.recent]
+        return {**totals,
+                "hidden_share": 1.0 - sum(exposed) / sum(whole),
+                "exposed_s_mean": sum(exposed) / len(exposed),
+                "whole_s_mean": sum(whole) / len(whole)}
 
 
 class PrefillRate:
@@ -192,26 +274,47 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
     from kv_transfer.base import LinkState, SendOutcome
 
     loop = worker._engine_loop()
+    streamer = worker.streamers.get(request_id)
+    # Layers the prompt's last step already queued (LayerStreamer): the transfer exists and
+    # holds a lease on the blocks, which its end (on_release) frees, whatever happens here.
+    streamed = streamer is not None and streamer.first_sent_at is not None
+    layers = sorted(streamer.pending) if streamer is not None and streamer.send else None
     if worker.fault_delay_kv_send_s:
         await asyncio.sleep(worker.fault_delay_kv_send_s)
     if request_id in worker.cancelled:  # the decode side gave up while we prefilled
         worker.cancelled.pop(request_id, None)
-        await loop.call(lambda e: e.release_held(request_id))
+        worker.streamers.pop(request_id, None)
+        if streamed:
+            worker.agent.cancel(request_id)
+        else:
+            await loop.call(lambda e: e.release_held(request_id))
         return "cancelled"
-    held = await loop.call(lambda e: e.held_block_ids(request_id))
-    src = held[skip_blocks:skip_blocks + len(dst_block_ids)]
-    deadline = time.monotonic() + worker.agent.transfer_timeout_s
-    outcome = SendOutcome.PEER_UNAVAILABLE
-    while time.monotonic() < deadline:
-        state, _ = worker.agent.peer_state(peer_id)
-        if state is LinkState.FAILED:
-            break
-        if state is LinkState.READY:
-            outcome = worker.agent.send(peer_id, request_id, src, dst_block_ids)
-            if outcome is not SendOutcome.WOULD_BLOCK:
+    if streamed and not layers:
+        return SendOutcome.ACCEPTED.value
+    if streamer is not None and streamer.refused and not streamed:
+        outcome = SendOutcome(streamer.refused)
+    else:
+        held = await loop.call(lambda e: e.held_block_ids(request_id))
+        src = held[skip_blocks:skip_blocks + len(dst_block_ids)]
+        deadline = time.monotonic() + worker.agent.transfer_timeout_s
+        outcome = SendOutcome.PEER_UNAVAILABLE
+        while time.monotonic() < deadline:
+            state, _ = worker.agent.peer_state(peer_id)
+            if state is LinkState.FAILED:
                 break
-        await asyncio.sleep(_POLL_S)
+            if state is LinkState.READY:
+                outcome = worker.agent.send(peer_id, request_id, src, dst_block_ids, layers)
+                if outcome is not SendOutcome.WOULD_BLOCK:
+                    break
+            await asyncio.sleep(_POLL_S)
+        if outcome is SendOutcome.ACCEPTED and streamer is not None \
+                and streamer.first_sent_at is None:
+            streamer.first_sent_at = time.monotonic()
     if outcome is not SendOutcome.ACCEPTED:
         log.warning("KV send of %s not accepted (%s)", request_id, outcome.value)
-        await loop.call(lambda e: e.release_held(request_id))
+        worker.streamers.pop(request_id, None)
+        if streamed:  # the layers already queued hold a lease: end it, and it frees them
+            worker.agent.cancel(request_id)
+        else:
+            await loop.call(lambda e: e.release_held(request_id))
     return outcome.value

@@ -73,6 +73,13 @@ class PDWorker:
         # minute: an abort that arrives after the whole prefill has nothing left to stop).
         self.cancelled: dict[str, float] = {}
         self.ship_tasks: dict[str, asyncio.Future] = {}  # prefill side: KV sends in progress
+        # Prefill side: each prompt's KV shipped layer by layer from its last step (or only
+        # timed, with kv_transfer.stream_layers off); until its transfer's lease ends.
+        from pd_runtime.workers.remote_prefill import TransferOverlap
+
+        self.stream_layers = kv.stream_layers
+        self.streamers: dict[str, Any] = {}
+        self.transfer_overlap = TransferOverlap()
         # Fault injection for chaos tests: hold the KV send this long after the first token.
         self.fault_delay_kv_send_s = 0.0
         self.loop: Optional[EngineLoop] = None
@@ -92,6 +99,13 @@ class PDWorker:
         # Agent thread: a sender lease ended; free the held blocks on the engine thread.
         from kv_transfer.base import Role
 
+        if status.role is Role.SEND:
+            from kv_transfer.base import TransferState
+
+            streamer = self.streamers.pop(status.request_id, None)
+            measured = streamer.finished(status.state is TransferState.DONE) if streamer else None
+            if measured is not None:
+                self.transfer_overlap.observe(*measured)
         if status.role is Role.SEND and self.loop is not None:
             rid = status.request_id
             self.loop.post(lambda e: e.release_held(rid))
@@ -123,6 +137,7 @@ class PDWorker:
         report.update(worker_id=self.worker_id, role=self.role, engine_id=self.engine_id,
                       kv_transfer=self.agent.metrics(), draining=self.draining,
                       pid=os.getpid(), hedged_prefills=self.hedged_prefills,
+                      kv_overlap=self.transfer_overlap.report(),
                       cuda_graph_capture_s=self.engine.runner.graph_capture_s)
         return report
 
@@ -133,7 +148,8 @@ class PDWorker:
                 "remote_waiting": len(e.remote_waiting),
                 "streams": len(self.loop._streams) if self.loop else 0,
                 "transfer_records": len(self.kv_transfer_s) + len(self.kv_arrived)
-                + len(self.remote_prefill_s), "ship_tasks": len(self.ship_tasks)}
+                + len(self.remote_prefill_s), "ship_tasks": len(self.ship_tasks),
+                "streamers": len(self.streamers)}
 
     async def set_draining(self, draining: bool = True) -> None:
         """A draining worker finishes what it has and is routed nothing new (for a restart
@@ -285,7 +301,7 @@ class PDWorker:
         send went. `not_after` (time.time()): the decode side may hedge from then on, so a
         call that starts later (this worker was stopped or stalled) is refused, not computed
         twice."""
-        from pd_runtime.workers.remote_prefill import ship_kv
+        from pd_runtime.workers.remote_prefill import LayerStreamer, ship_kv
 
         loop = self._engine_loop()
         late = not_after is not None and time.time() > not_after
@@ -295,16 +311,24 @@ class PDWorker:
                                499)
         peer_id = self._peer_for(decode_metadata)
         first_params = SamplingParams(**{**params, "max_tokens": 1})
+        streamer = LayerStreamer(self, request_id, peer_id, dst_block_ids, skip_blocks,
+                                 self.stream_layers)
+        now = time.monotonic()  # a record whose transfer never started cannot outlive this
+        self.streamers = {r: s for r, s in self.streamers.items() if now - s.created < 600}
+        self.streamers[request_id] = streamer
         q = loop.open_stream(request_id)
         try:
             await loop.call(lambda e: e.add_request(request_id, prompt, first_params,
-                                                    cache_salt=cache_salt, hold_blocks=True))
+                                                    cache_salt=cache_salt, hold_blocks=True,
+                                                    layer_sink=streamer.layer_done))
         except (InvalidRequestError, EngineOverloadedError) as exc:
             loop.close_stream(request_id)
+            self.streamers.pop(request_id, None)
             return error_chunk(exc)
         out = await q.get()
         if out is None:  # aborted while prefilling (abort() already freed its blocks)
             self.cancelled.pop(request_id, None)
+            self.streamers.pop(request_id, None)
             return error_chunk(RuntimeError(f"request {request_id} was cancelled"), 499)
         task = asyncio.ensure_future(ship_kv(self, request_id, peer_id, dst_block_ids,
                                              skip_blocks))
