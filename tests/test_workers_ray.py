@@ -216,6 +216,48 @@ def test_cancel_mid_transfer_releases_both_sides(cluster, reference):
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
 
+def test_many_transfers_leave_no_per_request_state(cluster):
+    """Two thousand disaggregated requests through one prefill/decode pair, some abandoned
+    after their first token: afterwards every worker's per-request records, the transfer
+    agents' tables among them, are empty and every block is back (memory stays flat)."""
+    rng = random.Random(7)
+    total, width = 2016, 24
+
+    async def one(i):
+        prompt = [rng.randrange(5, 500) for _ in range(rng.choice([17, 33, 48]))]
+        gen = cluster.generate(f"many-{i}", prompt, dict(max_tokens=3, temperature=0.0,
+                                                          ignore_eos=True),
+                               disaggregate=True, decode_worker="d0")
+        chunks = []
+        async for chunk in gen:
+            chunks.append(chunk)
+            if i % 7 == 0:  # the caller leaves after the first token
+                break
+        await gen.aclose()
+        return chunks
+
+    async def run():
+        done = []
+        for start in range(0, total, width):
+            done += await asyncio.gather(*(one(i) for i in range(start, start + width)))
+        return done
+
+    p0 = cluster.prefill[0].handle
+    sent_before = ray.get(p0.load.remote())["kv_transfer"]["transfers_done"]
+    results = asyncio.run(run())
+    finished = [c for c in results if c and c[-1].get("finished")]
+    assert len(finished) >= total - total // 7 - 1
+    assert all("error" not in c[-1] for c in finished)
+    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")}, timeout_s=30.0)
+    # The KV really moved for most of them (not every request fell back to a local prefill).
+    sent = ray.get(p0.load.remote())["kv_transfer"]["transfers_done"] - sent_before
+    assert sent >= len(finished) // 2, (sent, len(finished))
+    for w in cluster.prefill + cluster.decode:
+        agent_tables = {k: v for k, v in ray.get(w.handle.load.remote())["records"].items()
+                        if k.startswith("agent_")}
+        assert agent_tables and not any(agent_tables.values()), (w.worker_id, agent_tables)
+
+
 def test_no_decode_worker_left_ends_with_clear_error(cluster, reference):
     from pd_runtime.workers.client import PoolClient, WorkerRef
 

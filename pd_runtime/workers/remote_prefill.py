@@ -122,11 +122,13 @@ class LayerStreamer:
 
     def finished(self, ok: bool) -> Optional[tuple[float, float]]:
         """(seconds of transfer after the KV was ready, seconds of the whole transfer) of a
-        completed transfer, or None when there is nothing to measure."""
+        completed transfer, or None when there is nothing to measure. A send that started
+        only after the KV was ready (unstreamed) is all exposed."""
         now = time.monotonic()
         if not ok or self.first_sent_at is None or self.kv_ready_at is None:
             return None
-        return max(0.0, now - self.kv_ready_at), max(1e-9, now - self.first_sent_at)
+        whole = max(1e-9, now - self.first_sent_at)
+        return min(whole, max(0.0, now - self.kv_ready_at)), whole
 
 
 class TransferOverlap:

@@ -149,7 +149,10 @@ class PDWorker:
                 "streams": len(self.loop._streams) if self.loop else 0,
                 "transfer_records": len(self.kv_transfer_s) + len(self.kv_arrived)
                 + len(self.remote_prefill_s), "ship_tasks": len(self.ship_tasks),
-                "streamers": len(self.streamers)}
+                "streamers": len(self.streamers),
+                # The transfer agent's per-request tables (its capped recent-status cache aside).
+                **{f"agent_{name}": size for name, size in self.agent.table_sizes().items()
+                   if name != "recent"}}
 
     async def set_draining(self, draining: bool = True) -> None:
         """A draining worker finishes what it has and is routed nothing new (for a restart
