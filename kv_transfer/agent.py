@@ -183,6 +183,19 @@ class KVTransferAgent:
                 if transfer is not None:
                     self.wire.fail(transfer, FailureReason.CANCELLED, notify_peer=True)
 
+    def cancel_at_peer(self, peer_id: str, request_id: str) -> bool:
+        """For a send that never started here (refused, or given up before it began): tell
+        the peer, whose receive of request_id then fails with CANCELLED at once instead of at
+        its deadline. False when there is no live link (the peer's own liveness check ends
+        its receive then)."""
+        with self._lock:
+            peer = self.peers.get(peer_id)
+            if peer is None or peer.state is LinkState.FAILED:
+                return False
+            peer.out_queue.put(("ctl", {"t": "abort", "rid": request_id,
+                                        "reason": FailureReason.CANCELLED.value}))
+            return True
+
     def status(self, request_id: str, role: Role) -> Optional[TransferStatus]:
         """The transfer's status while it is pending, and for a while after it finished (the
         latest transfers.RECENT_STATUSES finished ones are remembered); None when unknown."""

@@ -199,3 +199,25 @@ def test_poll_reports_each_transfer_once_without_on_release():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_send_that_never_starts_ends_the_receive_at_once():
+    """cancel_at_peer: the sender refused or gave up a send before any byte (nothing of it is
+    in its tables); the receiver's expected transfer fails with CANCELLED right away, well
+    before its deadline, and both sides' tables are empty."""
+    ends = (Ends(), Ends())
+    sender, receiver, peer = _pair(ends)
+    try:
+        receiver.expect("never-sent", [3, 4, 5])
+        started = time.monotonic()
+        assert sender.cancel_at_peer(peer, "never-sent")
+        wait_for(lambda: ends[1].count == 1, timeout_s=TIMEOUT_S / 2)
+        status = ends[1].statuses[0]
+        assert (status.request_id, status.state, status.reason) == \
+            ("never-sent", TransferState.FAILED, FailureReason.CANCELLED)
+        assert time.monotonic() - started < TIMEOUT_S / 2
+        assert not any(v for k, v in receiver.table_sizes().items() if k != "recent")
+        assert ends[0].count == 0  # the sender had nothing to end
+    finally:
+        sender.close()
+        receiver.close()

@@ -340,7 +340,7 @@ def test_cancel_before_prefill_releases_the_prefill_side(cluster, reference):
     # Refused before anything is computed: a hedged request is not prefilled twice.
     assert not first["token_ids"] and first["error"]["status"] == 499
     assert ray.get(p0.load.remote())["num_steps"] == steps
-    assert ray.get(p0.ship_outcome.remote("early-cancel"), timeout=30) == "unknown"
+    assert ray.get(p0.load.remote())["records"]["ship_tasks"] == 0  # nothing is sent
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from typing import Any, AsyncIterator, Optional
@@ -39,43 +40,34 @@ async def _reserve(worker, request_id, prompt, params, priority, cache_salt):
         await asyncio.sleep(0.005)  # reservation is the backpressure: wait for blocks
 
 
-async def _await_transfer(worker, request_id: str, prefill_worker) -> bool:
+async def _await_transfer(worker, request_id: str) -> bool:
     """True once the KV is in our blocks; False (and our blocks no longer written) when the
-    transfer failed, the send was refused, or the prefill worker died before finishing it."""
-    from kv_transfer.base import Role, TransferState
+    transfer failed: the prefill side refused or gave up the send (it tells us on the link,
+    `KVTransferAgent.cancel_at_peer`), the link died (the agent's liveness check), or the
+    deadline passed. The agent's own end of the transfer (`on_release`, which comes only once
+    nothing more can be written) resolves the wait; nothing polls."""
+    from kv_transfer.base import TransferState
 
-    outcome_ref = prefill_worker.ship_outcome.remote(request_id)
-    outcome_task = asyncio.ensure_future(_outcome(outcome_ref))
     # The agent fails the transfer itself at its deadline; this bound is only a backstop.
-    deadline = time.monotonic() + worker.agent.transfer_timeout_s + 5.0
-    cancelled = False
-    try:
-        while time.monotonic() < deadline:
-            status = worker.agent.status(request_id, Role.RECV)
-            if status is not None and status.finished:
-                if status.state is not TransferState.DONE:
-                    log.warning("KV transfer for %s failed (%s); prefilling locally",
-                                request_id, status.reason)
-                return status.state is TransferState.DONE
-            if not cancelled and outcome_task.done() and outcome_task.result() != "accepted":
-                # The send never started (refused) or its sender is gone: stop waiting, and
-                # wait only for the agent to confirm nothing more is written.
-                log.warning("KV send for %s: %s; prefilling locally", request_id,
-                            outcome_task.result())
-                worker.agent.cancel(request_id)
-                cancelled = True
-            await asyncio.sleep(_POLL_S)
+    status = await _settled(worker, request_id, worker.agent.transfer_timeout_s + 5.0)
+    if status is None:
         worker.agent.cancel(request_id)
-        return False
-    finally:
-        outcome_task.cancel()
+        status = await _settled(worker, request_id, 5.0)
+        if status is None:
+            log.error("KV transfer for %s did not end after its cancel", request_id)
+            return False
+    if status.state is not TransferState.DONE:
+        log.warning("KV transfer for %s failed (%s); prefilling locally", request_id,
+                    status.reason)
+    return status.state is TransferState.DONE
 
 
-async def _outcome(ref) -> str:
+async def _settled(worker, request_id: str, timeout_s: float):
+    """The receive's final status once the agent ended it, or None after timeout_s."""
     try:
-        return await ref
-    except Exception as exc:  # the prefill worker died or its method failed
-        return f"lost:{type(exc).__name__}"
+        return await asyncio.wait_for(asyncio.shield(worker.arrivals[request_id]), timeout_s)
+    except asyncio.TimeoutError:
+        return None
 
 
 class LayerStreamer:
@@ -220,6 +212,19 @@ async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict,
     except (InvalidRequestError, EngineOverloadedError) as exc:
         yield error_chunk(exc)
         return
+    # Resolved by the agent's on_release when the receive ends (PDWorker._on_release).
+    worker.arrivals[request_id] = asyncio.get_running_loop().create_future()
+    try:
+        async with contextlib.aclosing(_remote_prefill(worker, loop, request_id, prompt, params,
+                                                       prefill_worker, cache_salt, res)) as gen:
+            async for chunk in gen:
+                yield chunk
+    finally:
+        worker.arrivals.pop(request_id, None)
+
+
+async def _remote_prefill(worker, loop, request_id, prompt, params, prefill_worker, cache_salt,
+                          res) -> AsyncIterator[dict]:
     worker.agent.expect(request_id, res.missing_block_ids)
     skip = res.num_cached_tokens // res.block_size
     uncached = res.num_prompt_tokens - res.num_cached_tokens
@@ -259,10 +264,10 @@ async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict,
     yield output_chunk(out, "disaggregated")
     arrived = False
     if not out.finished:
-        arrived = await _await_transfer(worker, request_id, prefill_worker)
-    else:
+        arrived = await _await_transfer(worker, request_id)
+    else:  # the sender's send fails on our cancel; our blocks are ours once the receive ended
         worker.agent.cancel(request_id)
-        prefill_worker.ship_outcome.remote(request_id)  # so the sender forgets the send
+        await _settled(worker, request_id, 5.0)
     # After the first token: how long the decode side waited for the KV to land.
     worker.kv_transfer_s[request_id] = time.monotonic() - first_at
     worker.kv_arrived[request_id] = arrived
@@ -315,6 +320,8 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
     if outcome is not SendOutcome.ACCEPTED:
         log.warning("KV send of %s not accepted (%s)", request_id, outcome.value)
         worker.streamers.pop(request_id, None)
+        if not streamed:  # no transfer here to fail: tell the decode side on the link
+            worker.agent.cancel_at_peer(peer_id, request_id)
         if streamed:  # the layers already queued hold a lease: end it, and it frees them
             worker.agent.cancel(request_id)
         else:

@@ -73,6 +73,8 @@ class PDWorker:
         # minute: an abort that arrives after the whole prefill has nothing left to stop).
         self.cancelled: dict[str, float] = {}
         self.ship_tasks: dict[str, asyncio.Future] = {}  # prefill side: KV sends in progress
+        # Decode side: receives awaited, resolved by the agent's on_release when they end.
+        self.arrivals: dict[str, asyncio.Future] = {}
         # Prefill side: each prompt's KV shipped layer by layer from its last step (or only
         # timed, with kv_transfer.stream_layers off); until its transfer's lease ends.
         from pd_runtime.workers.remote_prefill import TransferOverlap
@@ -109,6 +111,10 @@ class PDWorker:
         if status.role is Role.SEND and self.loop is not None:
             rid = status.request_id
             self.loop.post(lambda e: e.release_held(rid))
+        if status.role is Role.RECV:
+            arrival = self.arrivals.get(status.request_id)
+            if arrival is not None:
+                arrival.get_loop().call_soon_threadsafe(_settle, arrival, status)
 
     async def ready(self) -> dict:
         self._engine_loop()
@@ -149,7 +155,7 @@ class PDWorker:
                 "streams": len(self.loop._streams) if self.loop else 0,
                 "transfer_records": len(self.kv_transfer_s) + len(self.kv_arrived)
                 + len(self.remote_prefill_s), "ship_tasks": len(self.ship_tasks),
-                "streamers": len(self.streamers),
+                "streamers": len(self.streamers), "arrivals": len(self.arrivals),
                 # The transfer agent's per-request tables (its capped recent-status cache aside).
                 **{f"agent_{name}": size for name, size in self.agent.table_sizes().items()
                    if name != "recent"}}
@@ -300,8 +306,8 @@ class PDWorker:
                       not_after: Optional[float] = None) -> dict:
         """Compute the prompt's KV and first token, return the token at once, and ship the
         blocks after `skip_blocks` into the decode worker's `dst_block_ids` in the background
-        (the blocks stay held until the transfer's lease ends); `ship_outcome` reports how the
-        send went. `not_after` (time.time()): the decode side may hedge from then on, so a
+        (the blocks stay held until the transfer's lease ends); a send that cannot start is
+        reported to the decode side on the link (`KVTransferAgent.cancel_at_peer`). `not_after` (time.time()): the decode side may hedge from then on, so a
         call that starts later (this worker was stopped or stalled) is refused, not computed
         twice."""
         from pd_runtime.workers.remote_prefill import LayerStreamer, ship_kv
@@ -335,24 +341,16 @@ class PDWorker:
             return error_chunk(RuntimeError(f"request {request_id} was cancelled"), 499)
         task = asyncio.ensure_future(ship_kv(self, request_id, peer_id, dst_block_ids,
                                              skip_blocks))
-        self.ship_tasks[request_id] = task
-        # Nobody may ask for the outcome (the decode side died): forget it after a while.
-        task.add_done_callback(lambda _: asyncio.get_running_loop().call_later(
-            120, self.ship_tasks.pop, request_id, None))
+        self.ship_tasks[request_id] = task  # the decode side learns the outcome on the link
+        task.add_done_callback(lambda _: self.ship_tasks.pop(request_id, None))
         return output_chunk(out, "disaggregated")
-
-    async def ship_outcome(self, request_id: str) -> str:
-        """How the KV send of a prefilled request went: accepted (the transfer runs; the
-        decode side sees its end), or would_block / peer_unavailable / cancelled."""
-        task = self.ship_tasks.get(request_id)
-        if task is None:
-            return "unknown"
-        try:
-            return await task
-        finally:
-            self.ship_tasks.pop(request_id, None)
 
     async def shutdown(self) -> None:
         if self.loop is not None:
             self.loop.stop()
         self.agent.close()
+
+
+def _settle(arrival: asyncio.Future, status) -> None:
+    if not arrival.done():
+        arrival.set_result(status)
