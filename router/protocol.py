@@ -3,20 +3,21 @@ token ids, SamplingParams fields and one entry per choice, validated with errors
 
 Typed fields are validated strictly (no "1" for 1, no true for 1); unknown fields are allowed and
 ignored, as OpenAI clients send extras, but OpenAI fields this server does not implement are
-refused unless they hold their "off" value. Response bodies live in router/responses.py.
+refused unless they hold their "off" value. The body schemas live in router/schema.py, the
+response bodies in router/responses.py.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from pd_runtime.engine.errors import InvalidRequestError
 from pd_runtime.engine.sampling_params import SamplingParams
-from router.backend import BackendError
+from router.schema import (ChatCompletionRequest, ChatMessage, ChoiceSpec, CompletionRequest,
+                           InvalidRequest, PreparedRequest, Body, SamplingBody)
 from router.text_checks import lone_surrogate_field, min_tokens
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -44,90 +45,6 @@ _OFF_VALUES: dict[str, tuple] = {
 }
 
 
-class InvalidRequest(BackendError):
-    """Bad input from the client: HTTP 400 naming the param."""
-
-    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(400, message, param=param, code=code)
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _SamplingBody(_Body):
-    model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    n: int = 1
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    priority: int = 0  # extension: lower values are scheduled first
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None  # extension (vLLM)
-    logit_bias: Optional[dict[str, float]] = None
-    best_of: Optional[int] = None  # only as many as n: every choice is returned
-    user: Optional[str] = None  # an end-user id for the client's own bookkeeping; no effect
-
-
-class CompletionRequest(_SamplingBody):
-    prompt: Any = None  # str | list[str] | list[int] | list[list[int]], checked by hand
-    logprobs: Optional[int] = None
-    echo: bool = False
-
-
-class ContentPart(_Body):
-    type: str
-    text: Optional[str] = None
-
-
-class ChatMessage(_Body):
-    role: str
-    content: Optional[Union[str, list[ContentPart]]] = None
-    name: Optional[str] = None
-
-
-class ChatCompletionRequest(_SamplingBody):
-    messages: list[ChatMessage]
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
-
-
-@dataclass
-class ChoiceSpec:
-    """One engine request: choice `index` of the response, for prompt `prompt_index`."""
-    index: int
-    prompt_index: int
-    params: dict
-
-
-@dataclass
-class PreparedRequest:
-    kind: Literal["completion", "chat"]
-    model: str
-    prompts: list[list[int]]
-    choices: list[ChoiceSpec]
-    stream: bool
-    include_usage: bool
-    priority: int
-    logprobs: Optional[int]  # top-n asked for (0: only the sampled token), None: not asked
-    echo_texts: Optional[list[str]] = None  # completions with echo: the text of each prompt
-
-
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
@@ -149,7 +66,7 @@ def parse_json(raw: bytes) -> dict:
     return data
 
 
-def _validate(model: type[_Body], data: dict) -> Any:
+def _validate(model: type[Body], data: dict) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -175,7 +92,7 @@ def _int64(value: Optional[int], param: str) -> None:
         raise InvalidRequest(f"{param} must fit in a signed 64-bit integer", param=param)
 
 
-def _refuse_unimplemented(body: _SamplingBody, data: dict) -> None:
+def _refuse_unimplemented(body: SamplingBody, data: dict) -> None:
     for name, off in _OFF_VALUES.items():
         value = data.get(name)
         if not any(_same_json(value, o) for o in off):
@@ -202,7 +119,7 @@ def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[str, float]:
     return dict(bias)
 
 
-def _sampling_fields(body: _SamplingBody, max_tokens: Optional[int], vocab_size: int) -> dict:
+def _sampling_fields(body: SamplingBody, max_tokens: Optional[int], vocab_size: int) -> dict:
     params: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
@@ -242,7 +159,7 @@ def _check_sampling(params: dict, renames: Optional[dict] = None) -> None:
         raise InvalidRequest(str(exc), param=(renames or {}).get(exc.param, exc.param)) from None
 
 
-def _check_n(body: _SamplingBody, num_prompts: int) -> None:
+def _check_n(body: SamplingBody, num_prompts: int) -> None:
     if not 1 <= body.n <= MAX_N:
         raise InvalidRequest(f"n must be in [1, {MAX_N}], got {body.n}", param="n")
     if body.n * num_prompts > MAX_SUB_REQUESTS:
@@ -412,7 +329,7 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int) -> 
                            bool(body.stream), _include_usage(body), body.priority, logprobs)
 
 
-def _include_usage(body: _SamplingBody) -> bool:
+def _include_usage(body: SamplingBody) -> bool:
     if body.stream_options is not None and not body.stream:
         raise InvalidRequest("stream_options is only allowed with stream: true",
                              param="stream_options")

@@ -1,0 +1,113 @@
+"""The router's configuration: where it listens, its tenants, and the routing policy (the
+`routing` section reloads live, config_loading.load_routing_config). Part of the cluster
+file's schema (pd_runtime/config.py, which re-exports these names).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
+
+from pd_runtime.config_base import FieldValueError, _Strict
+
+
+class DecodeCostWeights(_Strict):
+    """Decode worker choice, lowest cost wins: running * weight_running - free * weight_free_blocks
+    - overlap * weight_prefix_overlap, each term a fraction in [0, 1] (running / max_num_seqs,
+    free / total KV blocks, expected prefix hit / prompt tokens)."""
+
+    weight_free_blocks: float = Field(1.0, ge=0)
+    weight_running: float = Field(1.0, ge=0)
+    weight_prefix_overlap: float = Field(2.0, ge=0)
+
+
+class PrefillCostWeights(_Strict):
+    """Prefill worker choice, lowest cost wins: queued * weight_queued_tokens - overlap *
+    weight_prefix_overlap (queued prefill tokens / max_prefill_queue_tokens; hit / prompt)."""
+
+    weight_queued_tokens: float = Field(1.0, ge=0)
+    weight_prefix_overlap: float = Field(1.0, ge=0)
+
+
+class SLOTarget(_Strict):
+    """Latency targets a request should meet: time to first token, and time per output token
+    after the first (the mean gap, (end - first token) / (tokens - 1))."""
+
+    ttft_s: float = Field(2.5, gt=0)
+    tpot_s: float = Field(0.1, gt=0)
+
+
+class SLOClass(_Strict):
+    """Targets for the requests whose prompt has at least `min_prompt_tokens` tokens (the class
+    with the largest such bound that a prompt reaches wins; tenant targets win over classes)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    min_prompt_tokens: int = Field(0, ge=0)
+    ttft_s: float = Field(gt=0)
+    tpot_s: float = Field(gt=0)
+
+
+class RoutingConfig(_Strict):
+    """Colocated or disaggregated, per request; reloads live (load_routing_config)."""
+
+    # slo: per request, the option (colocated on a decode worker, or a prefill/decode pair)
+    # whose predicted TTFT and TPOT (router/cost_model.py) meet the targets with the most
+    # headroom; none meets them: `overload`. auto: the length threshold below.
+    mode: Literal["slo", "auto", "always_disaggregated", "always_colocated"] = "slo"
+    slo: SLOTarget = Field(default_factory=SLOTarget)
+    slo_classes: list[SLOClass] = Field(default_factory=list)
+    tenant_slos: dict[str, SLOTarget] = Field(default_factory=dict)  # tenant_id -> targets
+    # When no option meets the targets: refuse at once with 429 and a Retry-After computed from
+    # the queues, or hold the request at the router until one does, for up to max_queue_s.
+    overload: Literal["reject", "queue"] = "reject"
+    max_queue_s: float = Field(2.0, ge=0)
+    # Admit a request only where its predicted TTFT and TPOT are within this fraction of the
+    # targets: predictions are of the load now, and the requests arriving after it slow it too.
+    slo_margin: float = Field(0.9, gt=0, le=1)
+    # auto: disaggregate when the uncached prompt tokens exceed this and the prefill pool's
+    # queued tokens are under max_prefill_queue_tokens.
+    max_local_prefill_tokens: int = Field(512, ge=0)
+    max_prefill_queue_tokens: int = Field(8192, ge=0)
+    decode_cost: DecodeCostWeights = Field(default_factory=DecodeCostWeights)
+    prefill_cost: PrefillCostWeights = Field(default_factory=PrefillCostWeights)
+
+
+class TenantConfig(_Strict):
+    # Also a metric label and the prefix-cache salt, hence the plain alphabet.
+    tenant_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    api_key: str = Field(min_length=1, repr=False)
+    # False: the tenant's cached prefixes are its own (tenant_id salts the block hashes).
+    share_prefix_cache: bool = False
+    requests_per_minute: Optional[int] = Field(None, ge=1)
+    tokens_per_minute: Optional[int] = Field(None, ge=1)
+
+
+class RouterConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # None: the basename of the model directory (see model_name).
+    served_model_name: Optional[str] = Field(None, min_length=1)
+    request_timeout_s: float = Field(600.0, gt=0)
+    # Larger request bodies are refused with 413 while they are read, before any parsing.
+    max_request_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # How often the router checks its config file for routing edits (SIGHUP checks at once).
+    reload_interval_s: float = Field(2.0, gt=0)
+    # Empty: no API keys, every request is the anonymous tenant.
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+
+    @model_validator(mode="after")
+    def _check(self):
+        for field in ("tenant_id", "api_key"):
+            seen: set[str] = set()
+            for index, tenant in enumerate(self.tenants):
+                value = getattr(tenant, field)
+                if value in seen:
+                    raise FieldValueError(("tenants", index, field), f"duplicate {field}")
+                seen.add(value)
+        return self
+
+    def model_name(self, model_dir: str) -> str:
+        return self.served_model_name or Path(model_dir).name

@@ -1,0 +1,98 @@
+"""The OpenAI request bodies this server reads (completions, chat completions) as strict
+pydantic models, and what router/protocol.py turns a body into: one PreparedRequest with one
+ChoiceSpec per engine request. Typed fields are strict (no "1" for 1); unknown fields are
+allowed (OpenAI clients send extras); router/protocol.py checks the rest by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from router.backend import BackendError
+
+
+class InvalidRequest(BackendError):
+    """Bad input from the client: HTTP 400 naming the param."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(400, message, param=param, code=code)
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class SamplingBody(Body):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    n: int = 1
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0  # extension: lower values are scheduled first
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None  # extension (vLLM)
+    logit_bias: Optional[dict[str, float]] = None
+    best_of: Optional[int] = None  # only as many as n: every choice is returned
+    user: Optional[str] = None  # an end-user id for the client's own bookkeeping; no effect
+
+
+class CompletionRequest(SamplingBody):
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]], checked by hand
+    logprobs: Optional[int] = None
+    echo: bool = False
+
+
+class ContentPart(Body):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(Body):
+    role: str
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(SamplingBody):
+    messages: list[ChatMessage]
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+
+
+@dataclass
+class ChoiceSpec:
+    """One engine request: choice `index` of the response, for prompt `prompt_index`."""
+    index: int
+    prompt_index: int
+    params: dict
+
+
+@dataclass
+class PreparedRequest:
+    kind: Literal["completion", "chat"]
+    model: str
+    prompts: list[list[int]]
+    choices: list[ChoiceSpec]
+    stream: bool
+    include_usage: bool
+    priority: int
+    logprobs: Optional[int]  # top-n asked for (0: only the sampled token), None: not asked
+    echo_texts: Optional[list[str]] = None  # completions with echo: the text of each prompt
