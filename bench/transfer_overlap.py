@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,7 +33,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.goodput_study import merge  # noqa: E402
+from bench import goodput_study as study  # noqa: E402
 
 MODES = {
     "colocated": {"router": {"routing": {"mode": "always_colocated"}}},
@@ -55,47 +53,24 @@ def long_context_model(max_len: int) -> str:
     return str(path)
 
 
-class Server:
+class Server(study.Server):
+    """goodput_study's server (readiness, stop) with this bench's config."""
+
     def __init__(self, name: str, model: str, out: Path, port: int, max_len: int):
         cfg = yaml.safe_load((ROOT / "cluster_configs/local.yaml").read_text())
-        cfg = merge(cfg, MODES[name])
+        cfg = study.merge(cfg, MODES[name])
         cfg["model"] = model
         cfg["router"]["port"] = port
         for pool in ("prefill", "decode"):
             cfg[pool]["engine"]["max_model_len"] = max_len
         path = out / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        self.base = f"http://127.0.0.1:{port}"
+        self.name, self.port = name, port
         self.log = open(out / f"{name}.server.log", "w")
+        self.started = time.monotonic()
         self.proc = subprocess.Popen([str(ROOT / ".venv/bin/pd-runtime"), "serve", "--config",
                                       str(path)], stdout=self.log, stderr=subprocess.STDOUT,
                                      cwd=ROOT, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited; see {self.log.name}")
-            try:
-                if httpx.get(self.base + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"not ready after {timeout_s}s; see {self.log.name}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.log.close()
 
 
 def timed_request(base: str, model: str, prompt: list[int]) -> float:
@@ -144,18 +119,18 @@ def main() -> int:
         server = Server(name, model, out, args.port, max_len)
         try:
             server.wait_ready()
-            served = httpx.get(server.base + "/v1/models").json()["data"][0]["id"]
+            served = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
             for size in args.sizes:
                 # One unmeasured request of this size first (allocations, first-use costs).
-                timed_request(server.base, served, [rng.randrange(5, vocab) for _ in range(size)])
+                timed_request(server.base_url, served, [rng.randrange(5, vocab) for _ in range(size)])
                 time.sleep(2.0)
-                before = send_counters(server.base)
+                before = send_counters(server.base_url)
                 ttft = []
                 for _ in range(args.repeats):
                     prompt = [rng.randrange(5, vocab) for _ in range(size)]
-                    ttft.append(timed_request(server.base, served, prompt))
+                    ttft.append(timed_request(server.base_url, served, prompt))
                 time.sleep(3.0)  # the workers' next load reports carry the last sends
-                after = send_counters(server.base)
+                after = send_counters(server.base_url)
                 whole, exposed = after[0] - before[0], after[1] - before[1]
                 row = {"mode": name, "tokens": size, "ttft_s": statistics.median(ttft),
                        "ttft_all": ttft,
