@@ -511,7 +511,7 @@ def body_engine(args) -> dict:
     sizes a ramp-up goes through), then the timed generate, prefill included."""
     from pd_runtime.config import EngineConfig
     from pd_runtime.engine.llm import LLM
-    from pd_runtime.engine.sampling_params import SamplingParams
+    from pd_runtime.api import SamplingParams
 
     sizes = SIZES[args.mode]
     device = sizes["device"]

@@ -3,7 +3,7 @@
 The offline entry points live here; the serving runtime is started by `pd-runtime serve`.
 """
 
-from pd_runtime.engine.sampling_params import SamplingParams
+from pd_runtime.api import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 

@@ -5,7 +5,7 @@ Two implementations: the Ray pools with routing (router/core.py) and one in-proc
 
 The contract, written once here:
 - `generate(request_id, prompt_ids, params, priority=, tenant=)` is an async generator of worker
-  chunk dicts (pd_runtime/workers/stream.py): `token_ids`, `text`, `finished`, `finish_reason`,
+  chunk dicts (pd_runtime/api.py): `token_ids`, `text`, `finished`, `finish_reason`,
   `logprobs` (per new token `(logprob, {token_id: logprob})`, or None), `num_prompt_tokens`,
   `num_cached_tokens`, `path`. The last chunk has `finished: True`. A failure is one chunk with
   `error: {"type", "message", "status", "param"?, "retry_after_s"?}` and `finished: True`, after

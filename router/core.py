@@ -17,7 +17,7 @@ from pd_runtime.config import ClusterConfig, TenantConfig
 from pd_runtime.model.model_config import context_limit, load_model_config
 from pd_runtime.model.tokenizer import Tokenizer
 from pd_runtime.workers.client import PoolClient
-from pd_runtime.workers.stream import error_chunk
+from pd_runtime.api import error_chunk
 from router.cost_model import CostModel
 from router.ledger import Ledgers
 from router.metrics import RouterMetrics

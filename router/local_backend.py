@@ -16,9 +16,9 @@ from typing import Any, AsyncIterator, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pd_runtime.config import EngineConfig, RouterConfig, TenantConfig
-from pd_runtime.engine.errors import EngineOverloadedError, InvalidRequestError
-from pd_runtime.engine.sampling_params import SamplingParams
-from pd_runtime.workers.stream import error_chunk, output_chunk
+from pd_runtime.api import EngineOverloadedError, InvalidRequestError
+from pd_runtime.api import SamplingParams
+from pd_runtime.api import error_chunk, output_chunk
 from router.backend import BackendError
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from pd_runtime.engine.errors import InvalidRequestError
-from pd_runtime.engine.sampling_params import SamplingParams
+from pd_runtime.api import InvalidRequestError
+from pd_runtime.api import SamplingParams
 from router.schema import (ChatCompletionRequest, ChatMessage, ChoiceSpec, CompletionRequest,
                            InvalidRequest, PreparedRequest, Body, SamplingBody)
 from router.text_checks import lone_surrogate_field, min_tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pd_runtime import LLM, SamplingParams
-from pd_runtime.engine.errors import EngineOverloadedError
+from pd_runtime.api import EngineOverloadedError
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

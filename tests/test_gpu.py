@@ -300,7 +300,7 @@ def engine():
 
 
 def _greedy(max_tokens: int = MAX_TOKENS):
-    from pd_runtime.engine.sampling_params import SamplingParams
+    from pd_runtime.api import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
 
@@ -369,7 +369,7 @@ def test_seeded_sampling_alone_and_in_a_batch(gpu_model, engine):
     of the draw (that run still agrees on every earlier token and logprob). A shared or
     ignored generator parts on the first tokens: at least half of all tokens must come before
     any parting, and the same batch twice must repeat exactly."""
-    from pd_runtime.engine.sampling_params import SamplingParams
+    from pd_runtime.api import SamplingParams
 
     llm = engine(gpu_model("d128"), True)
     prompts = _prompts(5)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pd_runtime import LLM, SamplingParams
-from pd_runtime.engine.errors import InvalidRequestError
+from pd_runtime.api import InvalidRequestError
 from pd_runtime.engine.sampler import Sampler
 
 
@@ -220,7 +220,7 @@ def test_invalid_penalties_rejected(kwargs, param):
 
 def test_engine_refuses_logit_bias_beyond_the_vocabulary(llama_dir):
     from pd_runtime import LLM
-    from pd_runtime.engine.errors import InvalidRequestError
+    from pd_runtime.api import InvalidRequestError
 
     llm = LLM(llama_dir, dtype="float32", num_kv_blocks=16)
     vocab = llm.engine.model_config.vocab_size

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pd_runtime import LLM, SamplingParams
-from pd_runtime.engine.errors import InvalidRequestError, RequestTooLargeError
+from pd_runtime.api import InvalidRequestError, RequestTooLargeError
 from pd_runtime.engine.sampler import Sampler
 
 

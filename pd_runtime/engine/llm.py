@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.engine import LLMEngine, RequestOutput
-from pd_runtime.engine.sampling_params import SamplingParams
+from pd_runtime.api import SamplingParams
 
 Prompt = Union[str, list[int]]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from pd_runtime.engine.sampler import Sampler
-from pd_runtime.engine.sampling_params import SamplingParams
+from pd_runtime.api import SamplingParams
 from pd_runtime.engine.sequence import RequestStatus
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pd_runtime.engine.sampling_params import SamplingParams
+from pd_runtime.api import SamplingParams
 
 # Per row: (prompt token ids, generated token ids so far).
 History = tuple[list[int], list[int]]

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pd_runtime.engine.sampling_params import SamplingParams
+from pd_runtime.api import SamplingParams
 
 
 class RequestStatus(enum.Enum):

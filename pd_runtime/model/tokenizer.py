@@ -89,6 +89,6 @@ class Tokenizer:
 
 
 def _raise_template_error(message: str):
-    from pd_runtime.engine.errors import InvalidRequestError
+    from pd_runtime.api import InvalidRequestError
 
     raise InvalidRequestError(f"chat template: {message}", param="messages")

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from pd_runtime.workers.stream import error_chunk
+from pd_runtime.api import error_chunk
 
 log = logging.getLogger(__name__)
 

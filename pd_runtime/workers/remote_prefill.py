@@ -16,9 +16,9 @@ import logging
 import time
 from typing import Any, AsyncIterator, Optional
 
-from pd_runtime.engine.errors import EngineOverloadedError, InvalidRequestError
-from pd_runtime.engine.sampling_params import SamplingParams
-from pd_runtime.workers.stream import error_chunk, output_chunk
+from pd_runtime.api import EngineOverloadedError, InvalidRequestError
+from pd_runtime.api import SamplingParams
+from pd_runtime.api import error_chunk, output_chunk
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,8 @@
-"""Per-request sampling settings, validated before anything is allocated (torch-free)."""
+"""What crosses the router <-> worker boundary, torch-free (the router imports this, never the
+engine): the typed errors a request can end with, the sampling parameters (validated here,
+before anything is allocated), and the plain dicts a worker streams per engine step, errors
+travelling as data so the router can map them to HTTP statuses.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,29 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pd_runtime.engine.errors import InvalidRequestError
 
+# ---------------------------------------------------------------------------------- errors
+class InvalidRequestError(ValueError):
+    """Bad input from the user (maps to HTTP 400); `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request can never fit (prompt longer than max_model_len, or beyond the KV cache)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Admission refused: the waiting queue is full (maps to HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+# ---------------------------------------------------------------------------------- sampling
 # A bias names a handful of tokens, not a vocabulary; this bounds the sampler's work per step.
 MAX_LOGIT_BIAS_ENTRIES = 300
 
@@ -117,3 +142,55 @@ def _token_keys(bias) -> Optional[dict]:
             raise InvalidRequestError(f"logit_bias names token {key} twice", param="logit_bias")
         out[key] = value
     return out
+
+
+# ---------------------------------------------------------------------------------- stream chunks
+def output_chunk(out, path: str) -> dict:
+    """A chunk from an engine RequestOutput (duck-typed: this module stays torch-free)."""
+    return {
+        "request_id": out.request_id,
+        "token_ids": list(out.new_token_ids),
+        "text": out.new_text,
+        "finished": out.finished,
+        "finish_reason": out.finish_reason,
+        "logprobs": out.new_logprobs,
+        "num_prompt_tokens": out.num_prompt_tokens,
+        "num_cached_tokens": out.num_cached_tokens,
+        "path": path,
+        "queue_s": getattr(out, "queue_s", None),
+    }
+
+
+def merge_chunks(into: dict, later: dict) -> dict:
+    """`into` followed by `later`, as one chunk (consecutive outputs of one request)."""
+    into["token_ids"] = into["token_ids"] + later["token_ids"]
+    into["text"] = (into["text"] or "") + (later["text"] or "")
+    if into["logprobs"] is not None or later["logprobs"] is not None:
+        into["logprobs"] = (into["logprobs"] or []) + (later["logprobs"] or [])
+    for key in ("finished", "finish_reason", "queue_s"):
+        into[key] = later[key]
+    return into
+
+
+def error_chunk(exc: Exception, status: Optional[int] = None,
+                retry_after_s: Optional[float] = None) -> dict:
+    if isinstance(exc, EngineOverloadedError):
+        kind, code = "overloaded", status or 429
+        extra = {"retry_after_s": exc.retry_after_s}
+    elif isinstance(exc, InvalidRequestError):
+        kind, code = "invalid_request_error", status or 400
+        extra = {"param": exc.param}
+    else:
+        kind, code = "unavailable", status or 503
+        extra = {} if retry_after_s is None else {"retry_after_s": retry_after_s}
+    return {"finished": True, "finish_reason": "error", "token_ids": [], "text": "",
+            "error": {"type": kind, "message": str(exc), "status": code, **extra}}
+
+
+class WorkerError(RuntimeError):
+    """An error chunk turned back into an exception on the caller's side."""
+
+    def __init__(self, error: dict):
+        super().__init__(error.get("message", "worker error"))
+        self.error = error
+        self.status = error.get("status", 503)
