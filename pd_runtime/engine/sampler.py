@@ -109,7 +109,7 @@ class Sampler:
             values = flat[rows + len(want):rows + len(want) * (1 + top_n)]
             ids = flat[rows + len(want) * (1 + top_n):]
             for j, i in enumerate(want):
-                n = params[i].logprobs
+                n = min(params[i].logprobs, top_n)
                 row_ids = ids[j * top_n:j * top_n + n]
                 row_values = values[j * top_n:j * top_n + n]
                 logprobs[i] = (chosen[j], {int(t): v for t, v in zip(row_ids, row_values)})

@@ -62,6 +62,17 @@ async def _await_transfer(worker, request_id: str) -> bool:
     return status.state is TransferState.DONE
 
 
+async def cancel_receive(worker, request_id: str) -> None:
+    """Cancel our receive of request_id and wait until the agent has ended it (a chunk being
+    read into the reserved blocks finishes first): only then may the blocks be written or
+    freed here. No-op when no receive is awaited."""
+    arrival = worker.arrivals.get(request_id)
+    worker.agent.cancel(request_id)
+    if arrival is not None and not arrival.done():
+        if await _settled(worker, request_id, 5.0) is None:
+            log.error("KV receive of %s did not end after its cancel", request_id)
+
+
 async def _settled(worker, request_id: str, timeout_s: float):
     """The receive's final status once the agent ended it, or None after timeout_s."""
     try:
@@ -87,6 +98,7 @@ class LayerStreamer:
         self.refused: Optional[str] = None  # a send outcome that ends the transfer here
         self.first_sent_at: Optional[float] = None
         self.kv_ready_at: Optional[float] = None
+        self.ended: Optional[str] = None  # the transfer's end, once on_release reported it
         self.created = time.monotonic()
 
     def layer_done(self, layer: int, block_ids: list[int]) -> None:
@@ -102,7 +114,13 @@ class LayerStreamer:
             self.pending.append(layer)
             return
         src = block_ids[self.skip_blocks:self.skip_blocks + len(self.dst_block_ids)]
-        outcome = agent.send(self.peer_id, self.request_id, src, self.dst_block_ids, [layer])
+        try:
+            outcome = agent.send(self.peer_id, self.request_id, src, self.dst_block_ids, [layer])
+        except Exception as exc:  # on the engine thread: refuse the send, never the step
+            log.warning("KV layer send of %s refused: %s", self.request_id, exc)
+            self.refused = SendOutcome.PEER_UNAVAILABLE.value
+            self.pending.append(layer)
+            return
         if outcome is SendOutcome.ACCEPTED:
             if self.first_sent_at is None:
                 self.first_sent_at = time.monotonic()
@@ -117,6 +135,7 @@ class LayerStreamer:
         completed transfer, or None when there is nothing to measure. A send that started
         only after the KV was ready (unstreamed) is all exposed."""
         now = time.monotonic()
+        self.ended = "done" if ok else "failed"
         if not ok or self.first_sent_at is None or self.kv_ready_at is None:
             return None
         whole = max(1e-9, now - self.first_sent_at)
@@ -245,7 +264,9 @@ async def _remote_prefill(worker, loop, request_id, prompt, params, prefill_work
         log.warning("remote prefill of %s %s; prefilling locally", request_id,
                     f"late after {hedge_s:.2f}s (hedged)" if late else
                     f"failed ({type(exc).__name__})")
-        worker.agent.cancel(request_id)
+        # Streamed layers may be landing in our blocks right now: they are ours again only
+        # once the receive has ended (the agent ends it after the chunk being read).
+        await cancel_receive(worker, request_id)
         if late:
             worker.hedged_prefills += 1
             try:  # so it is not computed twice; a stopped worker drops it when it wakes
@@ -266,8 +287,7 @@ async def _remote_prefill(worker, loop, request_id, prompt, params, prefill_work
     if not out.finished:
         arrived = await _await_transfer(worker, request_id)
     else:  # the sender's send fails on our cancel; our blocks are ours once the receive ended
-        worker.agent.cancel(request_id)
-        await _settled(worker, request_id, 5.0)
+        await cancel_receive(worker, request_id)
     # After the first token: how long the decode side waited for the KV to land.
     worker.kv_transfer_s[request_id] = time.monotonic() - first_at
     worker.kv_arrived[request_id] = arrived
@@ -275,17 +295,20 @@ async def _remote_prefill(worker, loop, request_id, prompt, params, prefill_work
 
 
 async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int],
-                  skip_blocks: int) -> str:
+                  skip_blocks: int, streamer: Optional["LayerStreamer"] = None) -> str:
     """Send the held blocks; returns the send outcome. Anything but 'accepted' releases them
     now; after 'accepted' the lease's end releases them."""
     from kv_transfer.base import LinkState, SendOutcome
 
     loop = worker._engine_loop()
-    streamer = worker.streamers.get(request_id)
     # Layers the prompt's last step already queued (LayerStreamer): the transfer exists and
-    # holds a lease on the blocks, which its end (on_release) frees, whatever happens here.
+    # holds a lease on the blocks, which its end (on_release) frees, whatever happens here;
+    # it may have ended already (every layer acked, or failed) before this task ran.
     streamed = streamer is not None and streamer.first_sent_at is not None
     layers = sorted(streamer.pending) if streamer is not None and streamer.send else None
+    if streamed and streamer.ended is not None:
+        worker.streamers.pop(request_id, None)
+        return SendOutcome.ACCEPTED.value if not layers else f"ended:{streamer.ended}"
     if worker.fault_delay_kv_send_s:
         await asyncio.sleep(worker.fault_delay_kv_send_s)
     if request_id in worker.cancelled:  # the decode side gave up while we prefilled

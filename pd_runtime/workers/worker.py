@@ -227,9 +227,11 @@ class PDWorker:
         self.kv_transfer_s.pop(request_id, None)
         self.kv_arrived.pop(request_id, None)
         self.remote_prefill_s.pop(request_id, None)
+        from pd_runtime.workers.remote_prefill import cancel_receive
+
         loop = self._engine_loop()
         loop.close_stream(request_id)
-        self.agent.cancel(request_id)
+        await cancel_receive(self, request_id)  # a chunk being read lands before the free
         await loop.call(lambda e: e.abort(request_id))
 
     # -- whole requests (colocated, or resumed after a lost worker) ---------------------------
@@ -340,7 +342,7 @@ class PDWorker:
             self.streamers.pop(request_id, None)
             return error_chunk(RuntimeError(f"request {request_id} was cancelled"), 499)
         task = asyncio.ensure_future(ship_kv(self, request_id, peer_id, dst_block_ids,
-                                             skip_blocks))
+                                             skip_blocks, streamer))
         self.ship_tasks[request_id] = task  # the decode side learns the outcome on the link
         task.add_done_callback(lambda _: self.ship_tasks.pop(request_id, None))
         return output_chunk(out, "disaggregated")
