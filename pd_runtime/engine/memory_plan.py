@@ -55,6 +55,12 @@ class MemoryPlan:
         return "\n".join(rows + [f"{'total':>13}: {self.total / GIB:7.2f} GiB"])
 
 
+def decode_buffer_fraction(engine: EngineConfig) -> float:
+    """The decode side buffer's size as a fraction of the KV cache: as configured on the
+    host, 0 on any other device (the GPU kernels read the blocks in place)."""
+    return engine.decode_kv_buffer_fraction if torch.device(engine.device).type == "cpu" else 0.0
+
+
 def weight_bytes(cfg: ModelConfig, elem: int) -> int:
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h, inter = cfg.hidden_size, cfg.intermediate_size
@@ -89,7 +95,7 @@ def plan_memory(engine: EngineConfig, cfg: ModelConfig, max_model_len: int) -> M
     num_blocks = engine.num_kv_blocks or max(1, engine.kv_cache_memory_bytes // block_bytes)
     kv = num_blocks * block_bytes
     on_gpu = torch.device(engine.device).type == "cuda"
-    side = 0 if on_gpu else int(kv * engine.decode_kv_buffer_fraction)
+    side = int(kv * decode_buffer_fraction(engine))
     rows = engine.max_num_seqs
     eager = step_activation_bytes(cfg, elem, engine.max_num_batched_tokens, rows)
     graphs = 0

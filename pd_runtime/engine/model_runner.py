@@ -16,6 +16,7 @@ from kernels import fixed_order, native
 from kernels.attention import AttentionMetadata, DecodeKVBuffer, DeviceAttention, PrefillSegment
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.host_memory import host_zeros
+from pd_runtime.engine.memory_plan import check_fits, decode_buffer_fraction, plan_memory
 from pd_runtime.engine.scheduler import SchedulerOutput
 from pd_runtime.model.loader import load_model
 
@@ -67,8 +68,6 @@ class ModelRunner:
         # Layout [layers, 2 (K, V), blocks, kv_heads, block_size, head_dim]: see kernels/attention.
         # On the host it lives in huge pages (host_memory: transfers pull from it 2x faster).
         if self.device.type == "cuda":  # fail here, naming the settings, not at a long prompt
-            from pd_runtime.engine.memory_plan import check_fits, plan_memory
-
             plan = plan_memory(config, cfg, max_model_len)
             check_fits(plan, torch.cuda.get_device_properties(self.device).total_memory,
                        f"engine.device {config.device!r}")
@@ -82,7 +81,7 @@ class ModelRunner:
         # The decode side buffer is a host-path device: off the host, the paged kernels read
         # the blocks in place and it would only take memory (kernels/attention.py).
         self.decode_buffer = DecodeKVBuffer(int(self.kv_cache.numel() * elem
-                                                * self.decode_buffer_fraction(config)))
+                                                * decode_buffer_fraction(config)))
         self._row_bytes = cfg.num_kv_heads * cfg.head_dim * elem
         self.num_swap_blocks = config.swap_space_bytes // block_bytes \
             if config.preemption_mode == "swap" else 0
@@ -243,13 +242,6 @@ class ModelRunner:
         sample_all = rows == list(range(len(input_ids)))  # every row, in order: no gather
         return self.model.forward(ids, pos, self.kv_caches, meta,
                                   output_rows=None if sample_all else out_rows)
-
-    @staticmethod
-    def decode_buffer_fraction(config: EngineConfig) -> float:
-        """The decode side buffer's size as a fraction of the KV cache: as configured on the
-        host, 0 on any other device."""
-        return config.decode_kv_buffer_fraction if torch.device(config.device).type == "cpu" \
-            else 0.0
 
 
 def _cat_long(parts: list) -> torch.Tensor:
