@@ -13,11 +13,11 @@ import threading
 import time
 from typing import AsyncIterator, Optional
 
+from pd_runtime.api import error_chunk
 from pd_runtime.config import ClusterConfig, TenantConfig
 from pd_runtime.model.model_config import context_limit, load_model_config
 from pd_runtime.model.tokenizer import Tokenizer
 from pd_runtime.workers.client import PoolClient
-from pd_runtime.api import error_chunk
 from router.cost_model import CostModel
 from router.ledger import Ledgers
 from router.metrics import RouterMetrics

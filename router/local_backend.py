@@ -15,10 +15,9 @@ from typing import Any, AsyncIterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, SamplingParams,
+                            error_chunk, output_chunk)
 from pd_runtime.config import EngineConfig, RouterConfig, TenantConfig
-from pd_runtime.api import EngineOverloadedError, InvalidRequestError
-from pd_runtime.api import SamplingParams
-from pd_runtime.api import error_chunk, output_chunk
 from router.backend import BackendError
 
 log = logging.getLogger(__name__)

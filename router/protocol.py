@@ -14,8 +14,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from pd_runtime.api import InvalidRequestError
-from pd_runtime.api import SamplingParams
+from pd_runtime.api import InvalidRequestError, SamplingParams
 from router.schema import (ChatCompletionRequest, ChatMessage, ChoiceSpec, CompletionRequest,
                            InvalidRequest, PreparedRequest, Body, SamplingBody)
 from router.text_checks import lone_surrogate_field, min_tokens

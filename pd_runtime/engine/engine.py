@@ -13,15 +13,14 @@ from typing import Optional, Union
 
 import torch
 
+from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, RequestTooLargeError,
+                            SamplingParams)
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.block_manager import BlockManager
 from pd_runtime.engine.detokenizer import detokenize_step
-from pd_runtime.api import EngineOverloadedError, InvalidRequestError, \
-    RequestTooLargeError
 from pd_runtime.engine.model_runner import ModelRunner
 from pd_runtime.engine.remote_kv import RemoteKVMixin
 from pd_runtime.engine.sampler import Sampler
-from pd_runtime.api import SamplingParams
 from pd_runtime.engine.scheduler import Scheduler
 from pd_runtime.engine.step_costs import StepCostModel, StepWork
 from pd_runtime.engine.sequence import FinishReason, Request, RequestStatus

@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
+from pd_runtime.api import SamplingParams
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.engine import LLMEngine, RequestOutput
-from pd_runtime.api import SamplingParams
 
 Prompt = Union[str, list[int]]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from pd_runtime.engine.sampler import Sampler
 from pd_runtime.api import SamplingParams
+from pd_runtime.engine.sampler import Sampler
 from pd_runtime.engine.sequence import RequestStatus
 
 

@@ -16,9 +16,8 @@ import logging
 import time
 from typing import Any, AsyncIterator, Optional
 
-from pd_runtime.api import EngineOverloadedError, InvalidRequestError
-from pd_runtime.api import SamplingParams
-from pd_runtime.api import error_chunk, output_chunk
+from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, SamplingParams,
+                            error_chunk, output_chunk)
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,10 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
+from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, SamplingParams,
+                            error_chunk, merge_chunks, output_chunk)
 from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
-from pd_runtime.api import EngineOverloadedError, InvalidRequestError
-from pd_runtime.api import SamplingParams
 from pd_runtime.workers.engine_loop import EngineLoop
-from pd_runtime.api import error_chunk, merge_chunks, output_chunk
 
 log = logging.getLogger(__name__)
 
