@@ -342,10 +342,9 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
     if outcome is not SendOutcome.ACCEPTED:
         log.warning("KV send of %s not accepted (%s)", request_id, outcome.value)
         worker.streamers.pop(request_id, None)
-        if not streamed:  # no transfer here to fail: tell the decode side on the link
-            worker.agent.cancel_at_peer(peer_id, request_id)
         if streamed:  # the layers already queued hold a lease: end it, and it frees them
             worker.agent.cancel(request_id)
-        else:
+        else:  # no transfer here to fail: tell the decode side on the link, free the blocks
+            worker.agent.cancel_at_peer(peer_id, request_id)
             await loop.call(lambda e: e.release_held(request_id))
     return outcome.value
