@@ -106,7 +106,9 @@ class LayerStreamer:
         agent = self.worker.agent
         if layer == self.worker.engine.model_config.num_layers - 1:
             self.kv_ready_at = time.monotonic()
-        if not self.send or self.refused or self.request_id in self.worker.cancelled:
+        # (A fault-injected send delay holds every layer for ship_kv, as it holds the send.)
+        if not self.send or self.refused or self.request_id in self.worker.cancelled \
+                or self.worker.fault_delay_kv_send_s:
             self.pending.append(layer)
             return
         if agent.peer_state(self.peer_id)[0] is not LinkState.READY:
