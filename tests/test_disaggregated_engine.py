@@ -250,3 +250,56 @@ def test_layers_ship_as_the_last_prompt_step_computes_them(llama_dir):
     got = {"s": list(out.new_token_ids)}
     run_to_end(decode, got)
     assert got["s"] == want.token_ids
+
+
+def test_blocks_held_by_arrived_kv_never_deadlock_the_decode_engine(llama_dir):
+    """Arrived remote prefills wait in line holding their prompts' blocks while a more urgent
+    request needs those blocks to run at all. The scheduler takes them back from the least
+    urgent instead of waiting forever; every request ends, the urgent one's tokens exact, and
+    every block comes back. (The served product hung this way under a burst: nothing ran
+    until the clients gave up.)"""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    first = [7 + i for i in range(30)]
+    want = LLM(llama_dir, dtype="float32", num_kv_blocks=64).generate([first], params)[0]
+    decode = LLM(llama_dir, dtype="float32", num_kv_blocks=12).engine
+    reserved = []
+    while (res := decode.reserve_remote_prefill(f"r{len(reserved)}",
+                                                [9 + len(reserved)] * 32, params)) is not None:
+        reserved.append(res.request_id)
+    assert len(reserved) == 6 and decode.block_manager.num_free_blocks == 0
+    decode.abort(reserved.pop())  # room for the urgent request's prompt, not for its output
+    for rid in reserved:  # first tokens back, the KV never came: prefill here, in the blocks
+        decode.accept_remote_first_token(rid, 11)
+        decode.complete_remote_prefill(rid, kv_arrived=False)
+    decode.add_request("a", first, params, priority=-5)  # first in line; no aging past it
+    outputs: dict = {}
+    for _ in range(2000):
+        if not decode.has_unfinished_requests():
+            break
+        for out in decode.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert not decode.has_unfinished_requests(), "stuck: " + str(
+        [(r.request_id, r.status.value, len(r.block_ids)) for r in decode.requests.values()])
+    assert outputs["a"] == want.token_ids
+    assert all(len(outputs[rid]) == params.max_tokens - 1 for rid in reserved)
+    assert decode.scheduler.num_preemptions > 0  # blocks were taken back, not waited for
+    assert decode.block_manager.num_free_blocks == 12
+
+
+def test_a_reservation_never_overtakes_a_request_waiting_for_blocks(llama_dir):
+    """The decode engine admits in order: while a queued request waits for blocks, a remote
+    prefill's reservation waits too, even when its own (smaller) need would fit."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    decode = LLM(llama_dir, dtype="float32", num_kv_blocks=12).engine
+    for i in range(5):
+        assert decode.reserve_remote_prefill(f"r{i}", [9 + i] * 32, params) is not None
+    decode.add_request("b", [5] * 40, params)  # 3 blocks; 2 free
+    decode.step()
+    assert decode.block_manager.num_free_blocks == 2
+    assert decode.reserve_remote_prefill("late", [3] * 16, params) is None
+    assert "late" not in decode.requests and decode.block_manager.num_free_blocks == 2
+    for i in range(5):
+        assert decode.abort(f"r{i}")
+    run_to_end(decode, {})
+    assert decode.reserve_remote_prefill("late", [3] * 16, params) is not None
+    assert decode.abort("late") and decode.block_manager.num_free_blocks == 12

@@ -95,17 +95,20 @@ class BlockManager:
             return []
         return self._lookup(req.all_token_ids, self.request_hashes(req))
 
-    def can_allocate(self, req: Request, num_new_tokens: int, prefix: list[int] = ()) -> bool:
+    def can_allocate(self, req: Request, num_new_tokens: int, prefix: list[int] = (),
+                     keep_free: int = 0) -> bool:
         held = len(req.block_ids) + len(prefix)
         need = self.blocks_needed(req.num_computed_tokens + len(prefix) * self.block_size
                                   + num_new_tokens) - held
         # Prefix blocks with no users sit in the free list; taking them shrinks it.
         idle_prefix = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
-        return need <= len(self._free) - idle_prefix
+        return need <= len(self._free) - idle_prefix - keep_free
 
-    def allocate(self, req: Request, num_new_tokens: int, prefix: list[int] = ()) -> bool:
-        """Make the block table cover `num_new_tokens` more tokens; False (no change) if full."""
-        if not self.can_allocate(req, num_new_tokens, prefix):
+    def allocate(self, req: Request, num_new_tokens: int, prefix: list[int] = (),
+                 keep_free: int = 0) -> bool:
+        """Make the block table cover `num_new_tokens` more tokens; False (no change) if that
+        would leave fewer than `keep_free` blocks free."""
+        if not self.can_allocate(req, num_new_tokens, prefix, keep_free):
             return False
         if not req.block_ids and req.num_computed_tokens == 0 and self.enable_prefix_caching:
             # Counted once per admission that succeeds, not per attempt that found no room.

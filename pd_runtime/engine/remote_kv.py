@@ -40,14 +40,16 @@ class RemoteKVMixin:
         """Decode side: admit a request and reserve blocks for its whole prompt now.
 
         Returns None, holding nothing, when the blocks are not free: the reservation is the
-        backpressure, so the caller waits or routes elsewhere; it never over-commits.
+        backpressure, so the caller waits or routes elsewhere; it never over-commits. Nor does
+        it overtake: the blocks the queued requests will need first (`blocks_spoken_for`) are
+        not free for it, or a stream of reservations would starve the requests already here.
         Ownership: the request holds the blocks until it finishes or is aborted.
         """
         req = self._new_request(request_id, prompt, params, priority, cache_salt)
         bm = self.block_manager
         prefix = bm.match_prefix(req)
         missing = req.num_prompt_tokens - len(prefix) * bm.block_size
-        if not bm.allocate(req, missing, prefix):
+        if not bm.allocate(req, missing, prefix, keep_free=self.scheduler.blocks_spoken_for()):
             return None
         req.status = RequestStatus.WAITING
         self.requests[request_id] = req

@@ -5,8 +5,10 @@ one token, an unfinished prefill continues with a chunk), then waiting requests 
 (effective priority, arrival) while budget, `max_num_seqs` and KV blocks last. When blocks run
 out, the running request that is least urgent (lowest priority, then latest arrival) is
 preempted: by swap (its blocks are copied to a bounded CPU swap space and back later) when the
-mode is swap and the space has room, else by recompute (blocks freed, prefill redone). The most
-urgent request always progresses and waiting requests age upward, so nothing starves.
+mode is swap and the space has room, else by recompute (blocks freed, prefill redone). A waiting
+request that holds blocks (a remote prefill's KV arrived) gives them back the same way when a
+more urgent one needs them: blocks held by requests that do not run can never block the line.
+The most urgent request always progresses and waiting requests age upward, so nothing starves.
 """
 
 from __future__ import annotations
@@ -103,6 +105,29 @@ class Scheduler:
         self.waiting.append(victim)
         out.preempted.append(victim.request_id)
 
+    def _reclaim(self, req: Request, out: SchedulerOutput) -> bool:
+        """Free the blocks of the least urgent waiting request behind `req` that holds some
+        (its prompt is recomputed when its turn comes); False when there is none."""
+        urgency = self._urgency(req)
+        holders = [r for r in self.waiting if r.block_ids and self._urgency(r) > urgency]
+        if not holders:
+            return False
+        victim = max(holders, key=self._urgency)
+        victim.num_computed_tokens = 0
+        victim.num_cached_tokens = 0
+        self.bm.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(victim.request_id)
+        return True
+
+    def blocks_spoken_for(self) -> int:
+        """Free blocks the queued requests will take before any request admitted after them:
+        what each waiting request without blocks needs, and one more for each running one."""
+        need = sum(self.bm.blocks_needed(r.num_tokens) for r in self.waiting if not r.block_ids)
+        return need + len(self.running)
+
     def _plan(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(req.request_id, start, req.token_slice(start, start + n),
@@ -142,7 +167,10 @@ class Scheduler:
             prefix = self.bm.match_prefix(req) if fresh else []
             n = min(req.num_tokens - req.num_computed_tokens - len(prefix) * self.bm.block_size,
                     budget, prompt)
-            if not self.bm.allocate(req, n, prefix):
+            allocated = self.bm.allocate(req, n, prefix)
+            while not allocated and self._reclaim(req, out):
+                allocated = self.bm.allocate(req, n, prefix)
+            if not allocated:
                 break
             if req.swap_block_ids:  # the first blocks of the fresh table receive the swapped KV
                 out.swap_in.extend(zip(req.swap_block_ids, req.block_ids))
