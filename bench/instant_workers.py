@@ -22,7 +22,7 @@ def idle_load(worker_id: str, role: str, total_blocks: int, block_size: int) -> 
 
 class InstantPool:
     def __init__(self, num_prefill: int, num_decode: int, token_id: int, token_text: str,
-                 block_size: int = 16, total_blocks: int = 4096):
+                 model_card, block_size: int = 16, total_blocks: int = 4096):
         def refs(role: str, count: int) -> list[WorkerRef]:
             return [WorkerRef(f"{role}-{i}", role, None,
                               load=idle_load(f"{role}-{i}", role, total_blocks, block_size))
@@ -34,6 +34,10 @@ class InstantPool:
         self.token_text = token_text
         self.migrations = 0
         self.num_requests = 0
+        self.model_card = model_card
+
+    def fetch_model_card(self):
+        return self.model_card
 
     async def refresh(self, timeout_s: float = 2.0) -> None:
         """Every worker is healthy and idle; the reports stay as built."""

@@ -154,15 +154,21 @@ async def bare_echo(request: Request) -> JSONResponse:
 
 def build_stack(model_dir: str, num_prefill: int, num_decode: int):
     from bench.instant_workers import InstantPool
+    from pd_runtime.api import ModelCard
     from pd_runtime.config import ClusterConfig, PoolConfig
-    from pd_runtime.model.tokenizer import Tokenizer
+    from pd_runtime.model.model_config import context_limit, load_model_config
+    from pd_runtime.tokenizer import Tokenizer, read_tokenizer_files
     from router.app import create_app
     from router.core import PoolBackend
 
     cfg = ClusterConfig(model=model_dir, prefill=PoolConfig(num_workers=num_prefill),
                         decode=PoolConfig(num_workers=num_decode))
     token_id = Tokenizer(model_dir).encode(" the", add_special_tokens=False)[0]
-    pool = InstantPool(num_prefill, num_decode, token_id, " the",
+    model = load_model_config(model_dir)
+    card = ModelCard(model.identity, cfg.decode.engine.block_size,  # as a worker reports it
+                     context_limit(model, cfg.decode.engine.max_model_len, model_dir),
+                     read_tokenizer_files(model_dir))
+    pool = InstantPool(num_prefill, num_decode, token_id, " the", card,
                        block_size=cfg.decode.engine.block_size)
     backend = PoolBackend(pool, cfg, model_dir)
     backend.start()

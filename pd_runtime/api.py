@@ -24,6 +24,10 @@ class RequestTooLargeError(InvalidRequestError):
     """The request can never fit (prompt longer than max_model_len, or beyond the KV cache)."""
 
 
+class ModelLoadError(ValueError):
+    """A model directory we cannot serve; the message names the file and the field or tensor."""
+
+
 class EngineOverloadedError(RuntimeError):
     """Admission refused: the waiting queue is full (maps to HTTP 429 with Retry-After)."""
 
@@ -194,3 +198,33 @@ class WorkerError(RuntimeError):
         super().__init__(error.get("message", "worker error"))
         self.error = error
         self.status = error.get("status", 503)
+
+
+# ---------------------------------------------------------------------------------- model card
+@dataclass(frozen=True)
+class ModelCard:
+    """What the router must know of the served model, from the workers (ready() reports it):
+    the identity its block hashes start from, the block size, the context limit
+    (max_model_len, as the workers enforce it) and the tokenizer's files
+    (`pd_runtime.tokenizer.read_tokenizer_files`). With it the router needs no model files."""
+
+    identity: str
+    block_size: int
+    max_model_len: int
+    tokenizer_files: dict
+
+    def to_dict(self) -> dict:
+        return {"identity": self.identity, "block_size": self.block_size,
+                "max_model_len": self.max_model_len, "tokenizer_files": self.tokenizer_files}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelCard":
+        return cls(str(d["identity"]), int(d["block_size"]), int(d["max_model_len"]),
+                   dict(d["tokenizer_files"]))
+
+    def differs_from(self, other: "ModelCard") -> Optional[str]:
+        """Which field two workers disagree on (None when they serve the same model alike)."""
+        for name in ("identity", "block_size", "max_model_len"):
+            if getattr(self, name) != getattr(other, name):
+                return f"{name}: {getattr(self, name)!r} vs {getattr(other, name)!r}"
+        return None

@@ -1,7 +1,7 @@
 """What the HTTP layer (router/app.py) needs from whatever serves the requests behind it.
 
-Two implementations: the Ray pools with routing (router/core.py) and one in-process engine
-(router/local_backend.py) for tests and single-process runs.
+One implementation: router/core.py (`PoolBackend`), over the Ray pools or over the same workers
+in this process (pd_runtime/workers/local_pool.py, for tests and single-process runs).
 
 The contract, written once here:
 - `generate(request_id, prompt_ids, params, priority=, tenant=)` is an async generator of worker
@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Optional, Protocol, runtime_checkable
 
 from pd_runtime.config import TenantConfig
-from pd_runtime.model.tokenizer import Tokenizer
+from pd_runtime.tokenizer import Tokenizer
 
 # OpenAI error `type` by HTTP status, for errors that do not name their own.
 ERROR_TYPES = {

@@ -15,9 +15,7 @@ from typing import AsyncIterator, Optional
 
 from pd_runtime.api import error_chunk
 from pd_runtime.config import ClusterConfig, TenantConfig
-from pd_runtime.model.model_config import context_limit, load_model_config
-from pd_runtime.model.tokenizer import Tokenizer
-from pd_runtime.workers.client import PoolClient
+from pd_runtime.tokenizer import Tokenizer
 from router.cost_model import CostModel
 from router.ledger import Ledgers
 from router.metrics import RouterMetrics
@@ -36,18 +34,21 @@ def _refusal(status: int, kind: str, message: str, retry_after_s: float = 1.0) -
 
 
 class PoolBackend:
-    def __init__(self, client: PoolClient, cfg: ClusterConfig, model_dir: str,
+    """`client`: the pools' client (pd_runtime.workers.client.PoolClient, or anything with its
+    interface). What the router knows of the model comes from the workers' model card, so it
+    reads no model files: `model_dir` only names the model (router.served_model_name)."""
+
+    def __init__(self, client, cfg: ClusterConfig, model_dir: str,
                  config_path: Optional[str] = None):
         self.client = client
         self.cfg = cfg
         self.model_name = cfg.router.model_name(model_dir)
-        self.tokenizer = Tokenizer(model_dir)
-        model_cfg = load_model_config(model_dir)
-        engine = cfg.decode.engine if cfg.decode.num_workers else cfg.colocated.engine
-        self.max_model_len = context_limit(model_cfg, engine.max_model_len, model_dir)  # as the workers'
+        card = client.fetch_model_card()
+        self.tokenizer = Tokenizer(card.tokenizer_files)
+        self.max_model_len = card.max_model_len  # as the workers enforce it
         self.metrics = RouterMetrics()
         self.tenants = Tenants(cfg.router.tenants)
-        self.index = PrefixIndex(model_cfg.identity, engine.block_size)
+        self.index = PrefixIndex(card.identity, card.block_size)
         self.reloader = RoutingReloader(config_path, cfg.router.routing,
                                         cfg.router.reload_interval_s,
                                         on_result=lambda r: self.metrics.reloads.labels(r).inc())
@@ -129,6 +130,12 @@ class PoolBackend:
 
     def metrics_text(self) -> bytes:
         return self.metrics.text()
+
+    def observe(self, event: str, **fields) -> None:
+        if event == "http_request":
+            path = fields.get("path", "")
+            self.metrics.http_requests.labels(path, str(fields.get("status"))).inc()
+            self.metrics.http_latency.labels(path).observe(fields.get("latency_s", 0.0))
 
     def _states(self, workers) -> list[WorkerState]:
         return [WorkerState(w.worker_id, w.role, w.healthy, bool(w.load.get("draining")),

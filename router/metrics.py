@@ -81,6 +81,10 @@ class RouterMetrics:
                                   registry=r)
         self.reloads = Counter("pd_config_reloads_total", "Routing config reloads", ["result"],
                                registry=r)
+        self.http_requests = Counter("router_http_requests", "HTTP requests by route and status",
+                                     ["path", "status"], registry=r)
+        self.http_latency = Histogram("router_http_request_seconds", "HTTP request latency",
+                                      path, registry=r, buckets=_LATENCY_BUCKETS)
         worker = ["worker"]
         self.kv_usage = Gauge("pd_worker_kv_usage_ratio", "Used KV blocks / total", worker,
                               registry=r)

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.config import RouterConfig
-from pd_runtime.model.tokenizer import Tokenizer
+from pd_runtime.tokenizer import Tokenizer
 from router.intake import INLINE_MAX_BYTES, Intake
 from router.text_checks import lone_surrogate_field, min_tokens
 from tests.router_support.scripted_backend import ScriptedBackend, token_chunk

@@ -16,7 +16,7 @@ from pd_runtime.engine.detokenizer import detokenize_step
 from pd_runtime.engine.sequence import Request
 from pd_runtime.model.loader import load_model
 from pd_runtime.model.model_config import ModelLoadError
-from pd_runtime.model.tokenizer import Tokenizer
+from pd_runtime.tokenizer import Tokenizer
 
 
 def copy_model(src, dst):

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from kernels.attention import AttentionMetadata, PrefillSegment
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.model.loader import load_model
-from pd_runtime.model.tokenizer import Tokenizer
+from pd_runtime.tokenizer import Tokenizer
 
 PROMPTS = ["Hello world, this is a test of the engine",
            "The quick brown fox jumps over the lazy dog. " * 3,

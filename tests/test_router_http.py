@@ -1,6 +1,7 @@
-"""The router's HTTP front door end to end on 127.0.0.1: the official `openai` client against an
-in-process engine (LocalBackend), error statuses and bodies, disconnects. Body limits and what
-is accepted: tests/test_http_intake.py; the schema fuzzer: tests/test_http_fuzz.py.
+"""The router's HTTP front door end to end on 127.0.0.1: the official `openai` client against
+the router's PoolBackend over an in-process worker (LocalPool), error statuses and bodies,
+disconnects. Body limits and what is accepted: tests/test_http_intake.py; the schema fuzzer:
+tests/test_http_fuzz.py.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import pytest
 
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.config import RouterConfig, TenantConfig
-from pd_runtime.model.tokenizer import Tokenizer
-from router.local_backend import LocalBackend
+from pd_runtime.tokenizer import Tokenizer
 from tests.router_support.scripted_backend import ScriptedBackend, error, token_chunk
-from tests.router_support.serving import ENGINE, ERROR_KEYS, assert_error_body, local, serving
+from tests.router_support.serving import ENGINE, ERROR_KEYS, assert_error_body, engine_of, local, \
+    serving
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,7 @@ def test_echo_stop_and_side_endpoints(server, client):
     assert httpx.get(f"{base}/health").json()["status"] == "ok"
     assert httpx.get(f"{base}/ready").status_code == 200
     config = httpx.get(f"{base}/v1/router/config").json()
-    assert config["routing"]["mode"] == "slo"
+    assert config["routing"]["mode"] == "always_colocated"  # as local() configures it
     metrics = httpx.get(f"{base}/metrics")
     assert metrics.status_code == 200
     assert 'router_http_requests_total{path="/v1/completions",status="200"}' in metrics.text
@@ -216,7 +217,8 @@ def test_raw_http_errors(server):
 def test_api_keys(llama_dir):
     tenants = [TenantConfig(tenant_id="acme", api_key="sk-acme"),
                TenantConfig(tenant_id="beta", api_key="sk-beta", share_prefix_cache=True)]
-    with local(llama_dir, RouterConfig(tenants=tenants)) as (backend, port):
+    with local(llama_dir, RouterConfig(tenants=tenants, routing={"mode": "always_colocated"})
+               ) as (backend, port):
         base = f"http://127.0.0.1:{port}"
         body = {"prompt": "hi", "max_tokens": 2}
         assert_error_body(httpx.post(f"{base}/v1/completions", json=body), 401)
@@ -251,8 +253,8 @@ def test_admission_refusal_is_429_with_retry_after(llama_dir):
             assert int(refused.headers["retry-after"]) >= 1
 
 
-def _wait_idle(backend: LocalBackend, free_at_start: int, deadline_s: float = 10.0) -> None:
-    engine = backend.engine
+def _wait_idle(backend, free_at_start: int, deadline_s: float = 10.0) -> None:
+    engine = engine_of(backend)
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         if not engine.requests and engine.block_manager.num_free_blocks == free_at_start:
@@ -264,7 +266,7 @@ def _wait_idle(backend: LocalBackend, free_at_start: int, deadline_s: float = 10
 
 def test_disconnect_mid_stream_frees_blocks(server):
     backend, port = server
-    engine = backend.engine
+    engine = engine_of(backend)
     free_at_start = engine.block_manager.num_free_blocks
     body = {"prompt": "a long story", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
@@ -280,7 +282,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
 
 def test_disconnect_while_waiting_non_streaming_frees_blocks(server):
     backend, port = server
-    engine = backend.engine
+    engine = engine_of(backend)
     free_at_start = engine.block_manager.num_free_blocks
     body = {"prompt": "another long story", "max_tokens": 1500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):

@@ -7,7 +7,7 @@ in U+FFFD, and we wait for the next token instead of emitting half a character.
 from __future__ import annotations
 
 from pd_runtime.engine.sequence import Request
-from pd_runtime.model.tokenizer import Tokenizer
+from pd_runtime.tokenizer import Tokenizer
 
 
 def detokenize_step(tok: Tokenizer, req: Request, flush: bool = False) -> str:

@@ -25,7 +25,7 @@ from pd_runtime.engine.scheduler import Scheduler
 from pd_runtime.engine.step_costs import StepCostModel, StepWork
 from pd_runtime.engine.sequence import FinishReason, Request, RequestStatus
 from pd_runtime.engine.swap_space import SwapSpace
-from pd_runtime.model.tokenizer import Tokenizer
+from pd_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

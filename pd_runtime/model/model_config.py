@@ -11,9 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-
-class ModelLoadError(ValueError):
-    """A model directory we cannot serve; the message names the file and the field or tensor."""
+from pd_runtime.api import ModelLoadError  # noqa: F401  (raised here, defined with the contract)
 
 
 # architecture name -> family; model_type is the fallback key.

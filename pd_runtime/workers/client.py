@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from pd_runtime.api import error_chunk
+from pd_runtime.api import ModelCard, error_chunk
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,10 @@ def _actor_died(exc: BaseException) -> bool:
 class PoolClient:
     def __init__(self, prefill: list[WorkerRef], decode: list[WorkerRef], max_migrations: int = 3,
                  recovery_wait_s: float = 20.0, probe_interval_s: float = 0.25,
-                 stall_check_s: float = 2.0):
+                 stall_check_s: float = 2.0, model_card: Optional[ModelCard] = None):
         self.prefill = prefill
         self.decode = decode
+        self.model_card = model_card  # what the router knows of the model (fetch_model_card)
         self.max_migrations = max_migrations
         # How long a request waits for a decode worker (after losing one, or finding none).
         self.recovery_wait_s = recovery_wait_s
@@ -100,6 +101,25 @@ class PoolClient:
         self.stall_check_s = stall_check_s  # a stream this quiet is checked on (see _stream_items)
         self.migrations = 0
         self._rr = itertools.count()
+
+    def fetch_model_card(self, timeout_s: float = 60.0) -> ModelCard:
+        """The served model's card from the first worker that answers (decode first); kept."""
+        import ray
+
+        if self.model_card is None:
+            errors = []
+            for w in self.decode + self.prefill:
+                try:
+                    info = ray.get(w.handle.ready.remote(), timeout=timeout_s)
+                except Exception as exc:
+                    errors.append(f"{w.worker_id}: {type(exc).__name__}")
+                    continue
+                self.model_card = ModelCard.from_dict(info["model_card"])
+                break
+            else:
+                raise RuntimeError("no worker answered with its model card"
+                                   + (f" ({'; '.join(errors)})" if errors else ""))
+        return self.model_card
 
     # -- worker choice (the router's policy replaces these) ----------------------------------
     @staticmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from pd_runtime.api import ModelCard
 from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
 from pd_runtime.workers.client import PoolClient, WorkerRef
 
@@ -50,12 +51,19 @@ def start_worker(role: str, worker_id: str, engine_config: EngineConfig,
 
 
 def wait_ready(workers: list[WorkerRef], timeout_s: float = 300.0) -> list[dict]:
+    """Each worker's ready() report, once all answered; their model cards must agree."""
     import ray
 
     infos = ray.get([w.handle.ready.remote() for w in workers], timeout=timeout_s)
     for info in infos:
         log.info("worker %s ready (%s, pid %s, %d KV blocks)", info["worker_id"], info["role"],
                  info["pid"], info["num_blocks"])
+    cards = [ModelCard.from_dict(info["model_card"]) for info in infos]
+    for info, card in zip(infos[1:], cards[1:]):
+        diff = cards[0].differs_from(card)
+        if diff is not None:
+            raise RuntimeError(f"workers {infos[0]['worker_id']} and {info['worker_id']} serve "
+                               f"the model differently ({diff}); the pools must agree")
     return infos
 
 
@@ -85,7 +93,8 @@ def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClie
                 memory=res.memory_bytes, max_restarts=cfg.recovery.max_restarts,
                 recovery=cfg.recovery,
                 scheduling_strategy=strategy_for[i], namespace=cfg.ray.namespace))
-    wait_ready([w for ws in pools.values() for w in ws], ready_timeout_s)
+    infos = wait_ready([w for ws in pools.values() for w in ws], ready_timeout_s)
     # Colocated-role workers serve whole requests exactly like decode workers.
     return PoolClient(pools["prefill"], pools["decode"] + pools["colocated"],
-                      recovery_wait_s=cfg.recovery.decode_recovery_wait_s)
+                      recovery_wait_s=cfg.recovery.decode_recovery_wait_s,
+                      model_card=ModelCard.from_dict(infos[0]["model_card"]))

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
-from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, SamplingParams,
+from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, ModelCard, SamplingParams,
                             error_chunk, merge_chunks, output_chunk)
 from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
 from pd_runtime.workers.engine_loop import EngineLoop
@@ -55,10 +55,11 @@ class PDWorker:
         self.hedge_min_s, self.hedge_factor = rec.hedge_min_s, rec.hedge_factor
         self.prefill_rate = PrefillRate()  # measured remote prefill speed: when to hedge
         self.hedged_prefills = 0
-        import ray
+        kv = KVTransferConfig(**kv_config)
+        if kv.host == "auto":  # this node's address, so peers on other nodes reach the agent
+            import ray
 
-        # host "auto": this node's address, so peers on other nodes can reach the agent.
-        kv = KVTransferConfig(**kv_config).for_node(ray.util.get_node_ip_address())
+            kv = kv.for_node(ray.util.get_node_ip_address())
         self.agent = create_agent(kv, self.engine.runner.kv_caches,
                                   engine_id=self.engine_id,
                                   model_id=self.engine.model_config.identity,
@@ -119,7 +120,14 @@ class PDWorker:
         self._engine_loop()
         return {"worker_id": self.worker_id, "role": self.role, "engine_id": self.engine_id,
                 "kv_metadata": self.agent.metadata(), "pid": os.getpid(),
-                "num_blocks": self.engine.block_manager.num_blocks}
+                "num_blocks": self.engine.block_manager.num_blocks,
+                "model_card": self.model_card()}
+
+    def model_card(self) -> dict:
+        """What the router must know of the model (api.ModelCard), so it reads no model files."""
+        e = self.engine
+        return ModelCard(e.model_config.identity, e.block_manager.block_size, e.max_model_len,
+                         e.tokenizer.files).to_dict()
 
     async def ping(self) -> bool:
         """Liveness, as cheap as a call gets: answers unless the actor is stopped or its

@@ -106,7 +106,7 @@ def token_texts(tokenizer):
 def ambiguous_token_strings(model_dir: str) -> set[str]:
     """Strings that more than one token id decodes to (e.g. partial UTF-8 bytes as U+FFFD):
     at those positions the string alone does not pin the id, so the logprob is compared too."""
-    from pd_runtime.model.tokenizer import Tokenizer
+    from pd_runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(model_dir)
     seen: dict[str, int] = {}

@@ -8,9 +8,8 @@ import contextlib
 
 import httpx
 
-from pd_runtime.config import EngineConfig, RouterConfig
+from pd_runtime.config import ClusterConfig, RouterConfig
 from router.app import create_app
-from router.local_backend import LocalBackend
 from router.server import start_in_thread
 
 ENGINE = dict(dtype="float32", num_kv_blocks=256, num_threads=1)
@@ -32,9 +31,36 @@ def serving(backend, router_config: RouterConfig | None = None):
             backend.close()
 
 
+@contextlib.contextmanager
 def local(model_dir: str, router_config: RouterConfig | None = None, **engine):
-    backend = LocalBackend(EngineConfig(model=model_dir, **{**ENGINE, **engine}), router_config)
-    return serving(backend, router_config)
+    """The router's PoolBackend over one in-process decode worker (LocalPool: the worker as on
+    Ray, without Ray), served over HTTP; `engine_of(backend)` is its engine. Routing is
+    always colocated (one worker): no latency-target admission unless a test asks for it."""
+    from pd_runtime.workers.local_pool import LocalPool
+    from router.core import PoolBackend
+
+    router_config = router_config or RouterConfig(routing={"mode": "always_colocated"})
+    cfg = ClusterConfig.model_validate({
+        "model": model_dir, "router": router_config.model_dump(),
+        "prefill": {"num_workers": 0},
+        "decode": {"num_workers": 1, "engine": {**ENGINE, **engine}},
+        "kv_transfer": {"backend": "local"}})
+    pool = LocalPool(cfg, model_dir)
+    try:
+        backend = PoolBackend(pool, cfg, model_dir)
+        backend.start()
+        try:
+            with serving(backend, router_config) as served:
+                yield served
+        finally:
+            backend.stop()
+    finally:
+        pool.close()
+
+
+def engine_of(backend):
+    """The engine of a `local` backend's one worker."""
+    return backend.client.worker("decode-0").engine
 
 
 def assert_error_body(response: httpx.Response, status: int, param=None) -> dict:

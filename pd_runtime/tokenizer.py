@@ -1,5 +1,8 @@
 """Tokenizer of an HF model directory via `tokenizers` (torch-free), with its chat template.
 
+Part of the router <-> worker contract: the router tokenizes prompts and detokenizes logprob
+tokens exactly as the workers do, from the files a worker hands over in its model card
+(`Tokenizer.files`, `api.ModelCard`), so the router needs no model directory of its own.
 Token ids the tokenizer does not know (padded embedding rows, as in Qwen) decode to nothing.
 """
 
@@ -7,11 +10,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from pd_runtime.model.model_config import ModelLoadError
+from pd_runtime.api import ModelLoadError
 
 
 def _token_text(value) -> Optional[str]:
@@ -20,39 +23,50 @@ def _token_text(value) -> Optional[str]:
     return value
 
 
+def read_tokenizer_files(model_dir: Union[str, Path]) -> dict:
+    """What a tokenizer is made of, as plain data (msgpack/pickle-friendly): the fast
+    tokenizer file, tokenizer_config.json, the chat template and generation_config's EOS ids."""
+    model_dir = Path(model_dir)
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing (a fast tokenizer file is required)")
+    cfg_path = model_dir / "tokenizer_config.json"
+    tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    template = tcfg.get("chat_template")
+    tmpl_file = model_dir / "chat_template.jinja"
+    if template is None and tmpl_file.is_file():
+        template = tmpl_file.read_text()
+    eos = []
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        eos = value if isinstance(value, list) else [value] if value is not None else []
+    return {"tokenizer_json": path.read_text(), "bos_token": _token_text(tcfg.get("bos_token")),
+            "eos_token": _token_text(tcfg.get("eos_token")), "chat_template": template,
+            "generation_eos_token_ids": [int(i) for i in eos]}
+
+
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
-        model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.is_file():
-            raise ModelLoadError(f"{path}: missing (a fast tokenizer file is required)")
-        self._tok = HFTokenizer.from_file(str(path))
+    """From a model directory, or from `read_tokenizer_files`' dict (what a worker ships)."""
+
+    def __init__(self, source: Union[str, Path, dict]):
+        files = dict(source) if isinstance(source, dict) else read_tokenizer_files(source)
+        self.files = files
+        self._tok = HFTokenizer.from_str(files["tokenizer_json"])
         self._tok.no_padding()
         self._tok.no_truncation()
-        cfg_path = model_dir / "tokenizer_config.json"
-        tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template: Optional[str] = tcfg.get("chat_template")
-        tmpl_file = model_dir / "chat_template.jinja"
-        if self.chat_template is None and tmpl_file.is_file():
-            self.chat_template = tmpl_file.read_text()
-        self.bos_token = _token_text(tcfg.get("bos_token"))
-        self.eos_token = _token_text(tcfg.get("eos_token"))
+        self.chat_template: Optional[str] = files.get("chat_template")
+        self.bos_token = files.get("bos_token")
+        self.eos_token = files.get("eos_token")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_token_ids = self._eos_ids(model_dir)
+        ids = set(files.get("generation_eos_token_ids") or [])
+        if self.eos_token and self._tok.token_to_id(self.eos_token) is not None:
+            ids.add(self._tok.token_to_id(self.eos_token))
+        self.eos_token_ids = frozenset(int(i) for i in ids)
         self._special_ids = {t.id if hasattr(t, "id") else k
                              for k, t in self._tok.get_added_tokens_decoder().items()
                              if getattr(t, "special", False)}
         self._template = None
-
-    def _eos_ids(self, model_dir: Path) -> frozenset[int]:
-        ids = set()
-        gen = model_dir / "generation_config.json"
-        if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.eos_token and self._tok.token_to_id(self.eos_token) is not None:
-            ids.add(self._tok.token_to_id(self.eos_token))
-        return frozenset(int(i) for i in ids)
 
     def __getstate__(self) -> dict:
         # The compiled chat template does not pickle; a copy in another process compiles its own.

@@ -1,0 +1,79 @@
+"""The dependency directions docs/architecture.md promises, checked on the source:
+
+- the router (the HTTP package) imports from the runtime only the contract (pd_runtime.api,
+  the tokenizer it shares with the workers, the config models) and block hashing: no engine,
+  model, worker or transfer module, and no torch, at import time or lazily inside a function;
+- kv_transfer's modules import each other without a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ROUTER_MAY_IMPORT = {"pd_runtime", "pd_runtime.api", "pd_runtime.tokenizer", "pd_runtime.config",
+                     "pd_runtime.config_loading", "pd_runtime.engine.block_hash"}
+FOREIGN = ("torch", "kv_transfer", "transformers", "ray", "triton")
+
+
+def imports(path: Path) -> set[str]:
+    """Every module a file imports, at the top or inside functions (absolute imports)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_the_router_imports_only_the_contract_and_block_hashing():
+    bad = {}
+    for path in sorted((REPO / "router").glob("*.py")):
+        wrong = sorted(m for m in imports(path)
+                       if (m.startswith("pd_runtime") and m not in ROUTER_MAY_IMPORT)
+                       or m.split(".")[0] in FOREIGN)
+        if wrong:
+            bad[path.name] = wrong
+    assert not bad, f"router modules importing beyond the contract: {bad}"
+
+
+def test_importing_the_router_loads_no_engine_and_no_torch():
+    modules = [f"router.{p.stem}" for p in sorted((REPO / "router").glob("*.py"))
+               if p.stem != "__init__"]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
+            + "print('\\n'.join(sorted(sys.modules)))")
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True,
+                            capture_output=True, text=True).stdout.split()
+    assert "router.core" in loaded and "pd_runtime.engine.block_hash" in loaded
+    wrong = [m for m in loaded if m.split(".")[0] in ("torch", "kv_transfer", "transformers")
+             or (m.startswith("pd_runtime.") and m not in ROUTER_MAY_IMPORT
+                 and m not in ("pd_runtime.engine", "pd_runtime.config_base",
+                               "pd_runtime.config_router"))]
+    assert not wrong, f"importing the router loaded {wrong}"
+
+
+def test_kv_transfer_modules_import_no_cycle():
+    package = REPO / "kv_transfer"
+    names = {p.stem for p in package.glob("*.py")}
+    graph = {stem: {m.split(".")[1] for m in imports(package / f"{stem}.py")
+                    if m.startswith("kv_transfer.") and m.split(".")[1] in names} - {stem}
+             for stem in names}
+    assert graph["agent"], "the graph is empty: the check would pass on anything"
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                raise AssertionError(f"import cycle: {' -> '.join(path + [node, nxt])}")
+            if nxt not in state:
+                visit(nxt, path + [node])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
