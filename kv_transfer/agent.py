@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ from kv_transfer.base import (AgentMetadata, DuplicateRequestError, FailureReaso
                               ReleaseCallback, Role, SendOutcome, Transport, TransferStatus,
                               UnknownPeerError)
 from kv_transfer.faults import FaultInjectingTransport, FaultSettingsError, LinkFaults
-from kv_transfer.flow import Transfer
+from kv_transfer.flow import SendableSignal, Transfer
 from kv_transfer.layout import KVLayout, merge_runs
 from kv_transfer.peer import PeerTable
 from kv_transfer.transfers import TransferBook
@@ -71,7 +71,8 @@ class KVTransferAgent:
         self.peers = PeerTable(transport, self._metadata, lock=self._lock, closing=self._closing,
                                active=self.active, handshake_timeout_s=handshake_timeout_s,
                                heartbeat_interval_s=heartbeat_interval_s, peer_timeout_s=peer_timeout_s,
-                               credit_window_bytes=credit_window_bytes, max_queued_sends=max_queued_sends)
+                               credit_window_bytes=credit_window_bytes, max_queued_sends=max_queued_sends,
+                               sendable=SendableSignal())
         self.wire = Wire(self.layout, self.book, self.peers, checksums=checksums)
         self.peers.start(self.wire)
         self._monitor = threading.Thread(target=self._monitor_loop, name=f"kvt-monitor-{engine_id}", daemon=True)
@@ -95,6 +96,12 @@ class KVTransferAgent:
         return self.peers.state(peer_id)
 
     # ----- sender side -----
+    def add_sendable_listener(self, listener: Callable[[], None]) -> None:
+        """`listener()` is called (on a link thread, under the agent lock: it must not block)
+        whenever a send refused with WOULD_BLOCK, or refused for a link not up yet, may now be
+        accepted. A sender waits for it instead of polling."""
+        self.peers.sendable.add(listener)
+
     def send(self, peer_id: str, request_id: str, src_block_ids: Sequence[int],
              dst_block_ids: Sequence[int], layers: Optional[Sequence[int]] = None) -> SendOutcome:
         """Queue layers (default: all) of a request's blocks for the peer. The first ACCEPTED call

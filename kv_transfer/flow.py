@@ -5,6 +5,7 @@ records with deadlines and leases, and metrics. Callers hold the agent lock; no 
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -55,16 +56,40 @@ class Transfer:
                               self.num_bytes, len(self.layers_done))
 
 
+class SendableSignal:
+    """Tells listeners whenever a send refused before may now be accepted: credits came back
+    on a link, or a link changed state (up, or failed: the refusal is final then). Listeners
+    run on a link thread under the agent lock, so they must only hand the news on (e.g.
+    `loop.call_soon_threadsafe`); a caller that waits registers before it tries, so no news
+    between its try and its wait is lost."""
+
+    def __init__(self):
+        self._listeners: list = []
+
+    def add(self, listener) -> None:
+        self._listeners.append(listener)
+
+    def fire(self) -> None:
+        for listener in self._listeners:
+            try:
+                listener()
+            except Exception:  # a listener's bug must not break the link thread
+                logging.getLogger(__name__).exception("sendable listener failed")
+
+
 class CreditWindow:
     """Bounded unacknowledged bytes and queued sends on one link. A send that does not fit is
     refused with WOULD_BLOCK instead of waiting, so the engine loop never blocks; one send is
-    always admitted on an idle link so a transfer larger than the window still moves."""
+    always admitted on an idle link so a transfer larger than the window still moves. Room
+    coming back is told to `signal`."""
 
-    def __init__(self, window_bytes: int, max_queued_sends: int):
+    def __init__(self, window_bytes: int, max_queued_sends: int,
+                 signal: Optional[SendableSignal] = None):
         self.window_bytes = window_bytes
         self.max_queued_sends = max_queued_sends
         self.unacked_bytes = 0
         self.queued_sends = 0
+        self.signal = signal or SendableSignal()
 
     def admit(self, num_bytes: int, new_chunk: bool = True) -> SendOutcome:
         """new_chunk: False when the send joins layers of its request that wait already (they
@@ -79,9 +104,13 @@ class CreditWindow:
 
     def dequeued(self, count: int = 1) -> None:
         self.queued_sends -= count
+        if count:
+            self.signal.fire()
 
     def returned(self, num_bytes: int) -> None:
         self.unacked_bytes = max(0, self.unacked_bytes - num_bytes)
+        if num_bytes:
+            self.signal.fire()
 
 
 _LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)

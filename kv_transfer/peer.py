@@ -15,7 +15,7 @@ from typing import Optional, Protocol
 from kv_transfer.base import (Activity, AgentMetadata, FailureReason, Link, LinkError, LinkState,
                               LinkTimeoutError, MetadataMismatchError, PostedSend, Transport,
                               pack_frame, unpack_frame)
-from kv_transfer.flow import CreditWindow, Transfer
+from kv_transfer.flow import CreditWindow, SendableSignal, Transfer
 
 _HEARTBEAT = pack_frame({"t": "hb"})
 # How often the writer looks at posted chunks while some are in flight. Only bookkeeping
@@ -83,7 +83,8 @@ class PeerTable:
 
     def __init__(self, transport: Transport, local: AgentMetadata, *, lock, closing: threading.Event,
                  active: Activity, handshake_timeout_s: float, heartbeat_interval_s: float,
-                 peer_timeout_s: float, credit_window_bytes: int, max_queued_sends: int):
+                 peer_timeout_s: float, credit_window_bytes: int, max_queued_sends: int,
+                 sendable: Optional[SendableSignal] = None):
         self.transport = transport
         self.local = local
         self._lock = lock
@@ -95,6 +96,7 @@ class PeerTable:
         self.peer_timeout_s = peer_timeout_s
         self.credit_window_bytes = credit_window_bytes
         self.max_queued_sends = max_queued_sends
+        self.sendable = sendable or SendableSignal()  # fired on credits back and state changes
         self._peers: dict[str, PeerLink] = {}
         self._accepter = threading.Thread(target=self._accept_loop, name="kvt-accept", daemon=True)
 
@@ -114,7 +116,8 @@ class PeerTable:
         return (peer.state, peer.reason) if peer else (LinkState.FAILED, "unknown peer")
 
     def _new_peer(self, peer_id: str) -> PeerLink:
-        peer = PeerLink(peer_id, CreditWindow(self.credit_window_bytes, self.max_queued_sends), self.peer_timeout_s)
+        credits = CreditWindow(self.credit_window_bytes, self.max_queued_sends, self.sendable)
+        peer = PeerLink(peer_id, credits, self.peer_timeout_s)
         with self._lock:
             old = self._peers.get(peer_id)
             self._peers[peer_id] = peer
@@ -185,6 +188,7 @@ class PeerTable:
             if peer.state is LinkState.FAILED:
                 return
             peer.state = LinkState.READY
+            self.sendable.fire()
         link.set_activity(self._active)
         threading.Thread(target=self._write_loop, args=(peer, link), daemon=True, name=f"kvt-w-{peer.peer_id}").start()
         threading.Thread(target=self._read_loop, args=(peer, link), daemon=True, name=f"kvt-r-{peer.peer_id}").start()
@@ -258,6 +262,8 @@ class PeerTable:
         with self._lock:
             first = peer.state is not LinkState.FAILED
             peer.state, peer.reason = LinkState.FAILED, peer.reason or str(exc)
+            if first:
+                self.sendable.fire()
             if first:
                 if isinstance(exc, LinkTimeoutError):
                     reason = FailureReason.PEER_LOST

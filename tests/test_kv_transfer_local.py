@@ -100,6 +100,33 @@ def test_credit_window_reports_would_block_then_drains():
         receiver.close()
 
 
+def test_sendable_signal_fires_when_a_refused_send_may_go():
+    """What a sender waits on instead of polling: the link coming up, credits coming back (the
+    ack of a chunk), and the link failing (the refusal is final then)."""
+    _, src = make_caches()
+    _, dst = make_caches()
+    overrides = dict(credit_window_bytes=1, max_queued_sends=2)
+    sender = create_agent(config("local", **overrides), src, engine_id="P", model_id="m",
+                          peer_timeout_s=1.0)
+    receiver = create_agent(config("local", **overrides), dst, engine_id="D", model_id="m",
+                            peer_timeout_s=1.0)
+    fired = []
+    sender.add_sendable_listener(lambda: fired.append(sender.peer_state("D")[0]))
+    try:
+        sender.connect(receiver.metadata())
+        assert wait_for(lambda: LinkState.READY in fired), fired
+        before = len(fired)
+        receiver.expect("a", [0])
+        assert sender.send("D", "a", [0], [0]) is SendOutcome.ACCEPTED
+        assert collect(sender, ["a"])["a"].state is TransferState.DONE
+        assert wait_for(lambda: len(fired) > before), "no signal when the ack returned credits"
+        receiver.close()
+        assert wait_for(lambda: LinkState.FAILED in fired, timeout_s=10.0), fired
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_layers_sent_behind_an_unacked_chunk_leave_together():
     """Per-layer streaming: layer 0 goes at once; layers sent while it is unacked wait and leave
     as one chunk, when its ack comes or with the request's last layer. (No heartbeats: one

@@ -21,22 +21,75 @@ from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, Sampling
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.002
+
+
+class ReservationQueue:
+    """Decode side: remote prefills waiting for KV blocks, first come first served. The engine
+    loop calls `tick` after every step and command (the only places blocks are freed), so a
+    reservation is made the moment its blocks are free, in order; nothing polls. Every method
+    runs on the engine thread; each waiter's future is resolved on its own event loop."""
+
+    def __init__(self):
+        self._waiting: collections.OrderedDict[str, tuple[Any, asyncio.Future]] = \
+            collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, request_id: str, make, future: asyncio.Future) -> None:
+        """Queue `make(engine)` (a reservation, or None while no blocks are free)."""
+        self._waiting[request_id] = (make, future)
+
+    def withdraw(self, request_id: str) -> bool:
+        """False when the reservation was made already (the future has it, or will)."""
+        return self._waiting.pop(request_id, None) is not None
+
+    def tick(self, engine) -> None:
+        while self._waiting:
+            request_id, (make, future) = next(iter(self._waiting.items()))
+            try:
+                result, error = make(engine), None
+            except Exception as exc:  # invalid: the caller gets the error
+                result, error = None, exc
+            if result is None and error is None:
+                return  # the head waits for blocks, and the rest behind it
+            del self._waiting[request_id]
+            future.get_loop().call_soon_threadsafe(_settle_reservation, future, result, error)
+
+
+def _settle_reservation(future: asyncio.Future, result, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 async def _reserve(worker, request_id, prompt, params, priority, cache_salt):
+    """Blocks for the prompt, reserved in the decode engine (ReservationQueue): at once when
+    free, else as soon as they are, within `reservation_timeout_s`."""
     loop = worker._engine_loop()
-    deadline = time.monotonic() + worker.reservation_timeout_s
-    while True:
-        res = await loop.call(lambda e: e.reserve_remote_prefill(
-            request_id, prompt, params, priority, cache_salt))
-        if res is not None:
-            return res
-        if time.monotonic() > deadline:
+    future = asyncio.get_running_loop().create_future()
+
+    def make(engine):
+        return engine.reserve_remote_prefill(request_id, prompt, params, priority, cache_salt)
+
+    await loop.call(lambda e: worker.reservations.add(request_id, make, future))
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), worker.reservation_timeout_s)
+    except asyncio.TimeoutError:
+        if await loop.call(lambda e: worker.reservations.withdraw(request_id)):
             raise EngineOverloadedError(
                 f"decode worker {worker.worker_id} had no free KV blocks for "
-                f"{worker.reservation_timeout_s:.0f}s", retry_after_s=1.0)
-        await asyncio.sleep(0.005)  # reservation is the backpressure: wait for blocks
+                f"{worker.reservation_timeout_s:.0f}s", retry_after_s=1.0) from None
+        return await future  # made as the deadline passed: ours after all
+    except asyncio.CancelledError:  # the caller went away: leave nothing reserved
+        if not await loop.call(lambda e: worker.reservations.withdraw(request_id)):
+            with contextlib.suppress(Exception):
+                await future
+                await loop.call(lambda e: e.abort(request_id))
+        raise
 
 
 async def _await_transfer(worker, request_id: str) -> bool:
@@ -329,15 +382,24 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
         src = held[skip_blocks:skip_blocks + len(dst_block_ids)]
         deadline = time.monotonic() + worker.agent.transfer_timeout_s
         outcome = SendOutcome.PEER_UNAVAILABLE
-        while time.monotonic() < deadline:
-            state, _ = worker.agent.peer_state(peer_id)
-            if state is LinkState.FAILED:
-                break
-            if state is LinkState.READY:
-                outcome = worker.agent.send(peer_id, request_id, src, dst_block_ids, layers)
-                if outcome is not SendOutcome.WOULD_BLOCK:
+        while True:
+            # Registered before the try: room that comes back after it wakes this wait.
+            room = asyncio.get_running_loop().create_future()
+            worker.send_waiters.add(room)
+            try:
+                state, _ = worker.agent.peer_state(peer_id)
+                if state is LinkState.FAILED:
                     break
-            await asyncio.sleep(_POLL_S)
+                if state is LinkState.READY:
+                    outcome = worker.agent.send(peer_id, request_id, src, dst_block_ids, layers)
+                    if outcome is not SendOutcome.WOULD_BLOCK:
+                        break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                await asyncio.wait({room}, timeout=left)  # the link is up, or has room
+            finally:
+                worker.send_waiters.discard(room)
         if outcome is SendOutcome.ACCEPTED and streamer is not None \
                 and streamer.first_sent_at is None:
             streamer.first_sent_at = time.monotonic()

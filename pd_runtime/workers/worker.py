@@ -20,6 +20,9 @@ from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, ModelCar
                             error_chunk, merge_chunks, output_chunk)
 from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
 from pd_runtime.workers.engine_loop import EngineLoop
+from pd_runtime.workers.remote_prefill import (LayerStreamer, PrefillRate, ReservationQueue,
+                                               TransferOverlap, cancel_receive,
+                                               run_remote_prefill, ship_kv)
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +50,6 @@ class PDWorker:
         warm_s = self.engine.warm_up(self.engine_config.warmup_tokens)
         # A restarted actor is a new incarnation: peers must not mistake it for the old one.
         self.engine_id = f"{worker_id}-{uuid.uuid4().hex[:8]}"
-        from pd_runtime.workers.remote_prefill import PrefillRate
-
         rec = RecoveryConfig(**(recovery or {}))
         self.remote_prefill_timeout_s = rec.remote_prefill_timeout_s
         self.reservation_timeout_s = rec.reservation_timeout_s
@@ -73,12 +74,15 @@ class PDWorker:
         # minute: an abort that arrives after the whole prefill has nothing left to stop).
         self.cancelled: dict[str, float] = {}
         self.ship_tasks: dict[str, asyncio.Future] = {}  # prefill side: KV sends in progress
-        # Decode side: receives awaited, resolved by the agent's on_release when they end.
+        # Prefill side: sends waiting for room on a link (or for it to come up), woken by the
+        # agent's sendable signal.
+        self.send_waiters: set[asyncio.Future] = set()
+        # Decode side: receives awaited, resolved by the agent's on_release when they end;
+        # remote prefills waiting for blocks, served by the engine loop.
         self.arrivals: dict[str, asyncio.Future] = {}
+        self.reservations = ReservationQueue()
         # Prefill side: each prompt's KV shipped layer by layer from its last step (or only
         # timed, with kv_transfer.stream_layers off); until its transfer's lease ends.
-        from pd_runtime.workers.remote_prefill import TransferOverlap
-
         self.stream_layers = kv.stream_layers
         self.streamers: dict[str, Any] = {}
         self.transfer_overlap = TransferOverlap()
@@ -94,8 +98,22 @@ class PDWorker:
     # -- plumbing ----------------------------------------------------------------------------
     def _engine_loop(self) -> EngineLoop:
         if self.loop is None:  # the actor's event loop exists only inside async methods
-            self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
+            aio = asyncio.get_running_loop()
+            self.loop = EngineLoop(self.engine, aio)
+            self.loop.add_tick_hook(self.reservations.tick)
+
+            def sendable():  # a link thread: hand the news to this loop, only when awaited
+                if self.send_waiters:
+                    aio.call_soon_threadsafe(self._wake_senders)
+
+            self.agent.add_sendable_listener(sendable)
         return self.loop
+
+    def _wake_senders(self) -> None:
+        waiters, self.send_waiters = self.send_waiters, set()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _on_release(self, status) -> None:
         # Agent thread: a sender lease ended; free the held blocks on the engine thread.
@@ -163,6 +181,7 @@ class PDWorker:
                 "transfer_records": len(self.kv_transfer_s) + len(self.kv_arrived)
                 + len(self.remote_prefill_s), "ship_tasks": len(self.ship_tasks),
                 "streamers": len(self.streamers), "arrivals": len(self.arrivals),
+                "reservations": len(self.reservations), "send_waiters": len(self.send_waiters),
                 # The transfer agent's per-request tables (its capped recent-status cache aside).
                 **{f"agent_{name}": size for name, size in self.agent.table_sizes().items()
                    if name != "recent"}}
@@ -234,8 +253,6 @@ class PDWorker:
         self.kv_transfer_s.pop(request_id, None)
         self.kv_arrived.pop(request_id, None)
         self.remote_prefill_s.pop(request_id, None)
-        from pd_runtime.workers.remote_prefill import cancel_receive
-
         loop = self._engine_loop()
         loop.close_stream(request_id)
         await cancel_receive(self, request_id)  # a chunk being read lands before the free
@@ -269,8 +286,6 @@ class PDWorker:
     async def generate_disaggregated(self, request_id: str, prompt: Any, params: dict,
                                      prefill_worker, priority: int = 0,
                                      cache_salt: Optional[str] = None) -> AsyncIterator[dict]:
-        from pd_runtime.workers.remote_prefill import run_remote_prefill
-
         loop = self._engine_loop()
         q = loop.open_stream(request_id)
         finished = False
@@ -319,8 +334,6 @@ class PDWorker:
         reported to the decode side on the link (`KVTransferAgent.cancel_at_peer`). `not_after` (time.time()): the decode side may hedge from then on, so a
         call that starts later (this worker was stopped or stalled) is refused, not computed
         twice."""
-        from pd_runtime.workers.remote_prefill import LayerStreamer, ship_kv
-
         loop = self._engine_loop()
         late = not_after is not None and time.time() > not_after
         if self.cancelled.pop(request_id, None) is not None or late:
