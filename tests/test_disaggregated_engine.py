@@ -37,7 +37,7 @@ def pair(llama_dir, dtype):
     yield prefill, decode
     assert prefill.block_manager.num_free_blocks == 128
     assert decode.block_manager.num_free_blocks == 128
-    assert not prefill.held and not decode.remote_waiting
+    assert not prefill.remote.held and not decode.remote.waiting
 
 
 def run_to_end(engine, outputs, texts=None):
@@ -54,20 +54,20 @@ def disaggregated(prefill, decode, items, params, texts=None):
     outputs = {}
     texts = {} if texts is None else texts
     for (rid, prompt), p in zip(items, params):
-        res = decode.reserve_remote_prefill(rid, prompt, p)
+        res = decode.remote.reserve(rid, prompt, p)
         assert res is not None
         first_params = SamplingParams(**{**p.__dict__, "max_tokens": 1})
         prefill.add_request(rid, prompt, first_params, hold_blocks=True)
         first = {}
         run_to_end(prefill, first)
-        src = prefill.held_block_ids(rid)
+        src = prefill.remote.held_block_ids(rid)
         skip = res.num_cached_tokens // res.block_size
         # Ship only what the decode side misses: its own prefix cache counts.
         src_ids, dst_ids = src[skip:len(res.block_ids)], res.missing_block_ids
         decode.runner.kv_cache[:, :, dst_ids] = prefill.runner.kv_cache[:, :, src_ids]
-        prefill.release_held(rid)
-        out = decode.accept_remote_first_token(rid, first[rid][0])
-        decode.complete_remote_prefill(rid, kv_arrived=True)
+        prefill.remote.release_held(rid)
+        out = decode.remote.accept_first_token(rid, first[rid][0])
+        decode.remote.complete(rid, kv_arrived=True)
         outputs[rid] = list(out.new_token_ids)
         texts[rid] = out.new_text
     run_to_end(decode, outputs, texts)
@@ -92,7 +92,7 @@ def test_decode_prefix_cache_reduces_shipped_blocks(pair):
     prefill, decode = pair
     system = list(range(20, 84))  # 4 full blocks
     disaggregated(prefill, decode, [("a", system + [5, 6, 7])], [GREEDY])
-    res = decode.reserve_remote_prefill("b", system + [8, 9, 10], GREEDY)
+    res = decode.remote.reserve("b", system + [8, 9, 10], GREEDY)
     assert res.num_cached_tokens == 64
     assert len(res.missing_block_ids) == 1
     decode.abort("b")
@@ -105,8 +105,8 @@ def test_failed_transfer_falls_back_to_local_prefill(pair, llama_dir, dtype):
             .generate(ps, GREEDY)]
     outputs = {}
     for i, p in enumerate(ps):
-        assert decode.reserve_remote_prefill(f"f{i}", p, GREEDY) is not None
-        decode.fail_remote_prefill(f"f{i}")
+        assert decode.remote.reserve(f"f{i}", p, GREEDY) is not None
+        decode.remote.fail(f"f{i}")
     run_to_end(decode, outputs)
     assert [outputs[f"f{i}"] for i in range(4)] == want
 
@@ -114,14 +114,14 @@ def test_failed_transfer_falls_back_to_local_prefill(pair, llama_dir, dtype):
 def test_reservation_is_backpressure_and_abort_releases(pair):
     prefill, decode = pair
     big = [5 + i % 400 for i in range(16 * 100)]  # 100 blocks
-    assert decode.reserve_remote_prefill("big1", big, GREEDY) is not None
+    assert decode.remote.reserve("big1", big, GREEDY) is not None
     free = decode.block_manager.num_free_blocks
-    assert decode.reserve_remote_prefill("big2", big, GREEDY) is None  # no room: refused
+    assert decode.remote.reserve("big2", big, GREEDY) is None  # no room: refused
     assert decode.block_manager.num_free_blocks == free and "big2" not in decode.requests
     assert decode.abort("big1")
     prefill.add_request("held", big[:40], GREEDY.__class__(max_tokens=1), hold_blocks=True)
     run_to_end(prefill, {})
-    assert prefill.held_block_ids("held")
+    assert prefill.remote.held_block_ids("held")
     assert prefill.abort("held")  # cancelling mid-transfer frees the leased blocks
     assert decode.load_report()["free_blocks"] == 128
 
@@ -135,12 +135,12 @@ def test_transfer_failure_after_first_token_keeps_one_stream(pair, llama_dir, dt
     outputs = {}
     for i, (p, sp) in enumerate(zip(ps, params)):
         rid = f"t{i}"
-        decode.reserve_remote_prefill(rid, p, sp)
+        decode.remote.reserve(rid, p, sp)
         prefill.add_request(rid, p, SamplingParams(**{**sp.__dict__, "max_tokens": 1}))
         first = {}
         run_to_end(prefill, first)
-        out = decode.accept_remote_first_token(rid, first[rid][0])
-        decode.complete_remote_prefill(rid, kv_arrived=False)
+        out = decode.remote.accept_first_token(rid, first[rid][0])
+        decode.remote.complete(rid, kv_arrived=False)
         outputs[rid] = list(out.new_token_ids)
     run_to_end(decode, outputs)
     assert [outputs[f"t{i}"] for i in range(3)] == want
@@ -225,7 +225,7 @@ def test_layers_ship_as_the_last_prompt_step_computes_them(llama_dir):
     decode = LLM(llama_dir, dtype="float32", num_kv_blocks=128).engine
     prompt = [5 + (i * 11) % 400 for i in range(80)]  # 3 steps of <= 32 prompt tokens
     want = LLM(llama_dir, dtype="float32", num_kv_blocks=128).generate([prompt], GREEDY)[0]
-    res = decode.reserve_remote_prefill("s", prompt, GREEDY)
+    res = decode.remote.reserve("s", prompt, GREEDY)
     calls, steps = [], []
 
     def sink(layer, block_ids):
@@ -244,9 +244,9 @@ def test_layers_ship_as_the_last_prompt_step_computes_them(llama_dir):
     layers = prefill.model_config.num_layers
     assert len(steps) == 3
     assert calls == [(3, layer) for layer in range(layers)]
-    prefill.release_held("s")
-    out = decode.accept_remote_first_token("s", first["s"][0])
-    decode.complete_remote_prefill("s", kv_arrived=True)
+    prefill.remote.release_held("s")
+    out = decode.remote.accept_first_token("s", first["s"][0])
+    decode.remote.complete("s", kv_arrived=True)
     got = {"s": list(out.new_token_ids)}
     run_to_end(decode, got)
     assert got["s"] == want.token_ids
@@ -263,14 +263,14 @@ def test_blocks_held_by_arrived_kv_never_deadlock_the_decode_engine(llama_dir):
     want = LLM(llama_dir, dtype="float32", num_kv_blocks=64).generate([first], params)[0]
     decode = LLM(llama_dir, dtype="float32", num_kv_blocks=12).engine
     reserved = []
-    while (res := decode.reserve_remote_prefill(f"r{len(reserved)}",
+    while (res := decode.remote.reserve(f"r{len(reserved)}",
                                                 [9 + len(reserved)] * 32, params)) is not None:
         reserved.append(res.request_id)
     assert len(reserved) == 6 and decode.block_manager.num_free_blocks == 0
     decode.abort(reserved.pop())  # room for the urgent request's prompt, not for its output
     for rid in reserved:  # first tokens back, the KV never came: prefill here, in the blocks
-        decode.accept_remote_first_token(rid, 11)
-        decode.complete_remote_prefill(rid, kv_arrived=False)
+        decode.remote.accept_first_token(rid, 11)
+        decode.remote.complete(rid, kv_arrived=False)
     decode.add_request("a", first, params, priority=-5)  # first in line; no aging past it
     outputs: dict = {}
     for _ in range(2000):
@@ -292,14 +292,14 @@ def test_a_reservation_never_overtakes_a_request_waiting_for_blocks(llama_dir):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     decode = LLM(llama_dir, dtype="float32", num_kv_blocks=12).engine
     for i in range(5):
-        assert decode.reserve_remote_prefill(f"r{i}", [9 + i] * 32, params) is not None
+        assert decode.remote.reserve(f"r{i}", [9 + i] * 32, params) is not None
     decode.add_request("b", [5] * 40, params)  # 3 blocks; 2 free
     decode.step()
     assert decode.block_manager.num_free_blocks == 2
-    assert decode.reserve_remote_prefill("late", [3] * 16, params) is None
+    assert decode.remote.reserve("late", [3] * 16, params) is None
     assert "late" not in decode.requests and decode.block_manager.num_free_blocks == 2
     for i in range(5):
         assert decode.abort(f"r{i}")
     run_to_end(decode, {})
-    assert decode.reserve_remote_prefill("late", [3] * 16, params) is not None
+    assert decode.remote.reserve("late", [3] * 16, params) is not None
     assert decode.abort("late") and decode.block_manager.num_free_blocks == 12

@@ -19,7 +19,7 @@ from pd_runtime.config import EngineConfig
 from pd_runtime.engine.block_manager import BlockManager
 from pd_runtime.engine.detokenizer import detokenize_step
 from pd_runtime.engine.model_runner import ModelRunner
-from pd_runtime.engine.remote_kv import RemoteKVMixin
+from pd_runtime.engine.remote_kv import RemoteKV
 from pd_runtime.engine.sampler import Sampler
 from pd_runtime.engine.scheduler import Scheduler
 from pd_runtime.engine.step_costs import StepCostModel, StepWork
@@ -47,7 +47,7 @@ class RequestOutput:
     queue_s: Optional[float] = None  # arrival to first scheduled; on the final output only
 
 
-class LLMEngine(RemoteKVMixin):
+class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         if config.num_threads:
@@ -68,8 +68,7 @@ class LLMEngine(RemoteKVMixin):
                                    config.priority_aging_steps, swap)
         self.sampler = Sampler(config.seed, config.device)
         self.requests: dict[str, Request] = {}
-        self.held: dict[str, Request] = {}            # finished, blocks kept for a transfer
-        self.remote_waiting: dict[str, Request] = {}  # blocks reserved, KV expected from afar
+        self.remote = RemoteKV(self)  # disaggregation: reserved blocks, held blocks
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.num_steps = 0
         self.step_costs = StepCostModel()  # what a step costs here, for routing and /metrics
@@ -100,8 +99,8 @@ class LLMEngine(RemoteKVMixin):
                     resume_output_ids: Optional[list[int]] = None,
                     resume_text_len: Optional[int] = None, layer_sink=None) -> Request:
         """Queue a request. `hold_blocks`: keep its KV blocks when it finishes (a prefill worker
-        ships them), until `release_held(request_id)`. `resume_output_ids`: tokens a lost worker
-        already streamed; generation continues after them as if it had never stopped (they
+        ships them), until `remote.release_held(request_id)`. `resume_output_ids`: tokens a
+        lost worker already streamed; generation continues after them as if it had never stopped (they
         count toward max_tokens, seeded sampling skips their draws). `resume_text_len`: how
         many characters of their text the client already has (None: all of it); text held
         back there (a partial UTF-8 character, a possible stop string) is sent from here.
@@ -168,8 +167,8 @@ class LLMEngine(RemoteKVMixin):
     def abort(self, request_id: str) -> bool:
         """Drop a request and release all its blocks now (queued, running, swapped, waiting for
         remote KV or held for a transfer); False if it is unknown or already released."""
-        req = self.requests.pop(request_id, None) or self.held.pop(request_id, None)
-        self.remote_waiting.pop(request_id, None)
+        req = self.requests.pop(request_id, None) or self.remote.held.pop(request_id, None)
+        self.remote.waiting.pop(request_id, None)
         if req is None:
             return False
         self.scheduler.remove(req)
@@ -318,7 +317,7 @@ class LLMEngine(RemoteKVMixin):
             self.requests.pop(req.request_id, None)
             if req.hold_blocks:
                 self.scheduler.detach(req)
-                self.held[req.request_id] = req
+                self.remote.held[req.request_id] = req
             else:
                 self.scheduler.remove(req)
         return RequestOutput(
@@ -345,3 +344,28 @@ class LLMEngine(RemoteKVMixin):
             return False
         req.text = req.text[:best]
         return True
+
+    def load_report(self) -> dict:
+        """Cheap numbers for routing: queues, queued prefill tokens, KV blocks, cache hits."""
+        sched, bm = self.scheduler, self.block_manager
+        queued_prefill = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting) + \
+            sum(r.num_tokens - r.num_computed_tokens - 1 for r in sched.running
+                if r.num_tokens - r.num_computed_tokens > 1)
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting) + len(self.remote.waiting),
+            "queued_prefill_tokens": queued_prefill,
+            "free_blocks": bm.num_free_blocks,
+            "total_blocks": bm.num_blocks,
+            "held_blocks": sum(len(r.block_ids) for r in self.remote.held.values()),
+            "prefix_queried_tokens": bm.stats.queried_tokens,
+            "prefix_hit_tokens": bm.stats.hit_tokens,
+            "num_preemptions": sched.num_preemptions,
+            "num_steps": self.num_steps,
+            "running_context_tokens": sum(r.num_tokens for r in sched.running),
+            "step_costs": self.step_costs.report(),
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "kv_bytes_per_token": self.runner.kv_bytes_per_token,
+            "block_size": bm.block_size,
+        }

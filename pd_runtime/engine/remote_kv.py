@@ -1,7 +1,8 @@
-"""Engine hooks for disaggregation: reserve blocks for KV computed elsewhere, mark it arrived
-(or fall back to a local prefill), hold a finished prefill's blocks while they are shipped.
+"""The engine's part in disaggregation (`RemoteKV`, owned by the engine as `engine.remote`):
+reserve blocks for KV computed elsewhere, mark it arrived (or fall back to a local prefill),
+hold a finished prefill's blocks while they are shipped.
 
-The engine knows no transfer backend: the worker moves the bytes and calls these hooks.
+The engine knows no transfer backend: the worker moves the bytes and calls these methods.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Optional, Union
 
 from pd_runtime.api import SamplingParams
 from pd_runtime.engine.sampler import Sampler
-from pd_runtime.engine.sequence import RequestStatus
+from pd_runtime.engine.sequence import Request, RequestStatus
 
 
 @dataclass
@@ -30,13 +31,21 @@ class RemoteKVReservation:
         return self.block_ids[self.num_cached_tokens // self.block_size:]
 
 
-class RemoteKVMixin:
-    """Mixed into LLMEngine; uses its requests, scheduler, block manager and output path."""
+class RemoteKV:
+    """The engine's part in disaggregation, owned by the engine (`LLMEngine.remote`), called
+    on the engine thread. Decode side: `reserve` -> `accept_first_token` -> `complete` (or
+    `fail` before any token). Prefill side: a finished request with `hold_blocks` waits in
+    `held` until `release_held`. It uses the engine's requests, scheduler, block manager and
+    output path; it knows no transfer backend."""
 
-    def reserve_remote_prefill(self, request_id: str, prompt: Union[str, list[int]],
-                               params: Optional[SamplingParams] = None, priority: int = 0,
-                               cache_salt: Optional[str] = None
-                               ) -> Optional[RemoteKVReservation]:
+    def __init__(self, engine):
+        self.engine = engine
+        self.held: dict[str, Request] = {}     # prefill side: finished, blocks kept for a transfer
+        self.waiting: dict[str, Request] = {}  # decode side: blocks reserved, KV expected
+
+    def reserve(self, request_id: str, prompt: Union[str, list[int]],
+                params: Optional[SamplingParams] = None, priority: int = 0,
+                cache_salt: Optional[str] = None) -> Optional[RemoteKVReservation]:
         """Decode side: admit a request and reserve blocks for its whole prompt now.
 
         Returns None, holding nothing, when the blocks are not free: the reservation is the
@@ -45,60 +54,60 @@ class RemoteKVMixin:
         not free for it, or a stream of reservations would starve the requests already here.
         Ownership: the request holds the blocks until it finishes or is aborted.
         """
-        req = self._new_request(request_id, prompt, params, priority, cache_salt)
-        bm = self.block_manager
+        e = self.engine
+        req = e._new_request(request_id, prompt, params, priority, cache_salt)
+        bm = e.block_manager
         prefix = bm.match_prefix(req)
         missing = req.num_prompt_tokens - len(prefix) * bm.block_size
-        if not bm.allocate(req, missing, prefix, keep_free=self.scheduler.blocks_spoken_for()):
+        if not bm.allocate(req, missing, prefix, keep_free=e.scheduler.blocks_spoken_for()):
             return None
         req.status = RequestStatus.WAITING
-        self.requests[request_id] = req
-        self.remote_waiting[request_id] = req
+        e.requests[request_id] = req
+        self.waiting[request_id] = req
         return RemoteKVReservation(request_id, list(req.block_ids), req.num_cached_tokens,
                                    req.num_prompt_tokens, bm.block_size)
 
-    def accept_remote_first_token(self, request_id: str, first_token_id: int,
-                                  first_logprob=None):
+    def accept_first_token(self, request_id: str, first_token_id: int, first_logprob=None):
         """The prefill worker sampled `first_token_id`: record it here as if sampled here.
 
         Its text comes from this request's own detokenizer, with the real stop strings and
         max_tokens, so text stays a function of the token ids on every path (the prefill
         worker's own text is never used). Returns the token's RequestOutput. If the token ends
-        the request, its blocks stay held until `complete_remote_prefill` (the transfer may
-        still be writing them).
+        the request, its blocks stay held until `complete` (the transfer may still be writing
+        them).
         """
-        req = self.remote_waiting[request_id]
+        req = self.waiting[request_id]
         if req.generator is not None and not req.params.greedy:
-            Sampler.skip_draw(req.generator, self.model_config.vocab_size)
+            Sampler.skip_draw(req.generator, self.engine.model_config.vocab_size)
         req.output_token_ids.append(first_token_id)
         if first_logprob is not None:
             req.logprobs.append(first_logprob)
         req.hold_blocks = True
-        output = self._finish_token(req, first_token_id, first_logprob)
+        output = self.engine._finish_token(req, first_token_id, first_logprob)
         req.hold_blocks = False
         return output
 
-    def complete_remote_prefill(self, request_id: str, kv_arrived: bool = True) -> None:
+    def complete(self, request_id: str, kv_arrived: bool = True) -> None:
         """The transfer ended (no more writes into the reserved blocks): decode on from here.
 
         kv_arrived: the prompt's KV is in the reserved blocks. If not (the transfer failed after
         the first token was sent on), the prompt is prefilled here again but the token stands,
         so the client's stream stays one stream. A request its first token finished is freed.
         """
-        req = self.remote_waiting.pop(request_id)
+        req = self.waiting.pop(request_id)
         if req.is_finished:
             self.release_held(request_id)
             return
         req.num_computed_tokens = req.num_prompt_tokens if kv_arrived else req.num_cached_tokens
-        self.block_manager.cache_full_blocks(req)
-        self.scheduler.add(req)
+        self.engine.block_manager.cache_full_blocks(req)
+        self.engine.scheduler.add(req)
 
-    def fail_remote_prefill(self, request_id: str) -> None:
+    def fail(self, request_id: str) -> None:
         """No first token and no KV will come (prefill worker lost before sampling): prefill
         locally into the blocks already reserved, after the cached prefix."""
-        req = self.remote_waiting.pop(request_id)
+        req = self.waiting.pop(request_id)
         req.num_computed_tokens = req.num_cached_tokens
-        self.scheduler.add(req)
+        self.engine.scheduler.add(req)
 
     def held_block_ids(self, request_id: str) -> list[int]:
         return list(self.held[request_id].block_ids)
@@ -108,30 +117,5 @@ class RemoteKVMixin:
         req = self.held.pop(request_id, None)
         if req is None:
             return False
-        self.block_manager.free(req)
+        self.engine.block_manager.free(req)
         return True
-
-    def load_report(self) -> dict:
-        """Cheap numbers for routing: queues, queued prefill tokens, KV blocks, cache hits."""
-        sched, bm = self.scheduler, self.block_manager
-        queued_prefill = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting) + \
-            sum(r.num_tokens - r.num_computed_tokens - 1 for r in sched.running
-                if r.num_tokens - r.num_computed_tokens > 1)
-        return {
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting) + len(self.remote_waiting),
-            "queued_prefill_tokens": queued_prefill,
-            "free_blocks": bm.num_free_blocks,
-            "total_blocks": bm.num_blocks,
-            "held_blocks": sum(len(r.block_ids) for r in self.held.values()),
-            "prefix_queried_tokens": bm.stats.queried_tokens,
-            "prefix_hit_tokens": bm.stats.hit_tokens,
-            "num_preemptions": sched.num_preemptions,
-            "num_steps": self.num_steps,
-            "running_context_tokens": sum(r.num_tokens for r in sched.running),
-            "step_costs": self.step_costs.report(),
-            "max_num_seqs": sched.max_num_seqs,
-            "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "kv_bytes_per_token": self.runner.kv_bytes_per_token,
-            "block_size": bm.block_size,
-        }

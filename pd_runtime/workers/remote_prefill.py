@@ -73,7 +73,7 @@ async def _reserve(worker, request_id, prompt, params, priority, cache_salt):
     future = asyncio.get_running_loop().create_future()
 
     def make(engine):
-        return engine.reserve_remote_prefill(request_id, prompt, params, priority, cache_salt)
+        return engine.remote.reserve(request_id, prompt, params, priority, cache_salt)
 
     await loop.call(lambda e: worker.reservations.add(request_id, make, future))
     try:
@@ -327,7 +327,7 @@ async def _remote_prefill(worker, loop, request_id, prompt, params, prefill_work
                 prefill_worker.abort.remote(request_id)
             except Exception:
                 pass
-        await loop.call(lambda e: e.fail_remote_prefill(request_id))
+        await loop.call(lambda e: e.remote.fail(request_id))
         return
     first_at = time.monotonic()
     worker.prefill_rate.observe(uncached, first_at - started)
@@ -335,7 +335,7 @@ async def _remote_prefill(worker, loop, request_id, prompt, params, prefill_work
     token = first["token_ids"][0]
     logprob = first["logprobs"][0] if first.get("logprobs") else None
     # Our engine decides what the token means (text, stop strings, the end of the request).
-    out = await loop.call(lambda e: e.accept_remote_first_token(request_id, token, logprob))
+    out = await loop.call(lambda e: e.remote.accept_first_token(request_id, token, logprob))
     yield output_chunk(out, "disaggregated")
     arrived = False
     if not out.finished:
@@ -345,7 +345,7 @@ async def _remote_prefill(worker, loop, request_id, prompt, params, prefill_work
     # After the first token: how long the decode side waited for the KV to land.
     worker.kv_transfer_s[request_id] = time.monotonic() - first_at
     worker.kv_arrived[request_id] = arrived
-    await loop.call(lambda e: e.complete_remote_prefill(request_id, kv_arrived=arrived))
+    await loop.call(lambda e: e.remote.complete(request_id, kv_arrived=arrived))
 
 
 async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int],
@@ -371,14 +371,14 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
         if streamed:
             worker.agent.cancel(request_id)
         else:
-            await loop.call(lambda e: e.release_held(request_id))
+            await loop.call(lambda e: e.remote.release_held(request_id))
         return "cancelled"
     if streamed and not layers:
         return SendOutcome.ACCEPTED.value
     if streamer is not None and streamer.refused and not streamed:
         outcome = SendOutcome(streamer.refused)
     else:
-        held = await loop.call(lambda e: e.held_block_ids(request_id))
+        held = await loop.call(lambda e: e.remote.held_block_ids(request_id))
         src = held[skip_blocks:skip_blocks + len(dst_block_ids)]
         deadline = time.monotonic() + worker.agent.transfer_timeout_s
         outcome = SendOutcome.PEER_UNAVAILABLE
@@ -410,5 +410,5 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
             worker.agent.cancel(request_id)
         else:  # no transfer here to fail: tell the decode side on the link, free the blocks
             worker.agent.cancel_at_peer(peer_id, request_id)
-            await loop.call(lambda e: e.release_held(request_id))
+            await loop.call(lambda e: e.remote.release_held(request_id))
     return outcome.value

@@ -128,7 +128,7 @@ class PDWorker:
                 self.transfer_overlap.observe(*measured)
         if status.role is Role.SEND and self.loop is not None:
             rid = status.request_id
-            self.loop.post(lambda e: e.release_held(rid))
+            self.loop.post(lambda e: e.remote.release_held(rid))
         if status.role is Role.RECV:
             arrival = self.arrivals.get(status.request_id)
             if arrival is not None:
@@ -175,8 +175,8 @@ class PDWorker:
     def _records(self) -> dict:
         """Per-request state this worker keeps; all zero when it is idle (a leak shows here)."""
         e = self.engine
-        return {"engine_requests": len(e.requests), "held": len(e.held),
-                "remote_waiting": len(e.remote_waiting),
+        return {"engine_requests": len(e.requests), "held": len(e.remote.held),
+                "remote_waiting": len(e.remote.waiting),
                 "streams": len(self.loop._streams) if self.loop else 0,
                 "transfer_records": len(self.kv_transfer_s) + len(self.kv_arrived)
                 + len(self.remote_prefill_s), "ship_tasks": len(self.ship_tasks),
@@ -218,7 +218,7 @@ class PDWorker:
         self.agent.cancel(request_id)
 
         def abort(engine):
-            if request_id in engine.held:
+            if request_id in engine.remote.held:
                 return True  # the lease end (on_release) frees these blocks
             return engine.abort(request_id)
 
@@ -331,9 +331,9 @@ class PDWorker:
         """Compute the prompt's KV and first token, return the token at once, and ship the
         blocks after `skip_blocks` into the decode worker's `dst_block_ids` in the background
         (the blocks stay held until the transfer's lease ends); a send that cannot start is
-        reported to the decode side on the link (`KVTransferAgent.cancel_at_peer`). `not_after` (time.time()): the decode side may hedge from then on, so a
-        call that starts later (this worker was stopped or stalled) is refused, not computed
-        twice."""
+        reported to the decode side on the link (`KVTransferAgent.cancel_at_peer`).
+        `not_after` (time.time()): the decode side may hedge from then on, so a call that starts
+        later (this worker was stopped or stalled) is refused, not computed twice."""
         loop = self._engine_loop()
         late = not_after is not None and time.time() > not_after
         if self.cancelled.pop(request_id, None) is not None or late:
