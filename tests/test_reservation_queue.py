@@ -1,4 +1,4 @@
-"""The decode side's wait for KV blocks (workers/remote_prefill.py: ReservationQueue, _reserve)
+"""The decode side's wait for KV blocks (workers/decode_half.py: ReservationQueue, _reserve)
 on a real engine and engine loop: a reservation is made the moment blocks are freed, first
 come first served, refused after its deadline, and a caller that goes away leaves nothing."""
 
@@ -12,7 +12,7 @@ import pytest
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.api import EngineOverloadedError
 from pd_runtime.workers.engine_loop import EngineLoop
-from pd_runtime.workers.remote_prefill import ReservationQueue, _reserve
+from pd_runtime.workers.decode_half import ReservationQueue, _reserve
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

@@ -19,10 +19,10 @@ from typing import Any, AsyncIterator, Optional
 from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, ModelCard, SamplingParams,
                             error_chunk, merge_chunks, output_chunk)
 from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
+from pd_runtime.workers.decode_half import (PrefillRate, RemotePrefill, ReservationQueue,
+                                            cancel_receive, run_remote_prefill)
 from pd_runtime.workers.engine_loop import EngineLoop
-from pd_runtime.workers.remote_prefill import (LayerStreamer, PrefillRate, ReservationQueue,
-                                               TransferOverlap, cancel_receive,
-                                               run_remote_prefill, ship_kv)
+from pd_runtime.workers.prefill_half import LayerStreamer, TransferOverlap, ship_kv
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +66,8 @@ class PDWorker:
                                   model_id=self.engine.model_config.identity,
                                   on_release=self._on_release)
         self._peers: dict[str, str] = {}  # peer engine_id -> agent peer id
-        # Remote prefill call to KV arrival, per request; reported on its last chunk.
-        self.kv_transfer_s: dict[str, float] = {}
-        self.kv_arrived: dict[str, bool] = {}
-        self.remote_prefill_s: dict[str, float] = {}  # prefill call -> first token back
+        # Decode side: each disaggregated request from its reservation to its last chunk.
+        self.remote_prefills: dict[str, RemotePrefill] = {}
         # Prefill side: aborted before or while their prefill ran, with when (pruned after a
         # minute: an abort that arrives after the whole prefill has nothing left to stop).
         self.cancelled: dict[str, float] = {}
@@ -77,9 +75,7 @@ class PDWorker:
         # Prefill side: sends waiting for room on a link (or for it to come up), woken by the
         # agent's sendable signal.
         self.send_waiters: set[asyncio.Future] = set()
-        # Decode side: receives awaited, resolved by the agent's on_release when they end;
-        # remote prefills waiting for blocks, served by the engine loop.
-        self.arrivals: dict[str, asyncio.Future] = {}
+        # Decode side: remote prefills waiting for blocks, served by the engine loop.
         self.reservations = ReservationQueue()
         # Prefill side: each prompt's KV shipped layer by layer from its last step (or only
         # timed, with kv_transfer.stream_layers off); until its transfer's lease ends.
@@ -130,7 +126,8 @@ class PDWorker:
             rid = status.request_id
             self.loop.post(lambda e: e.remote.release_held(rid))
         if status.role is Role.RECV:
-            arrival = self.arrivals.get(status.request_id)
+            record = self.remote_prefills.get(status.request_id)
+            arrival = record.arrival if record is not None else None
             if arrival is not None:
                 arrival.get_loop().call_soon_threadsafe(_settle, arrival, status)
 
@@ -178,9 +175,8 @@ class PDWorker:
         return {"engine_requests": len(e.requests), "held": len(e.remote.held),
                 "remote_waiting": len(e.remote.waiting),
                 "streams": len(self.loop._streams) if self.loop else 0,
-                "transfer_records": len(self.kv_transfer_s) + len(self.kv_arrived)
-                + len(self.remote_prefill_s), "ship_tasks": len(self.ship_tasks),
-                "streamers": len(self.streamers), "arrivals": len(self.arrivals),
+                "remote_prefills": len(self.remote_prefills), "ship_tasks": len(self.ship_tasks),
+                "streamers": len(self.streamers),
                 "reservations": len(self.reservations), "send_waiters": len(self.send_waiters),
                 # The transfer agent's per-request tables (its capped recent-status cache aside).
                 **{f"agent_{name}": size for name, size in self.agent.table_sizes().items()
@@ -241,21 +237,19 @@ class PDWorker:
                     yield chunk
                     return
                 merge_chunks(chunk, output_chunk(out, path))
-            if out.finished and request_id in self.kv_transfer_s:
-                chunk["kv_transfer_s"] = self.kv_transfer_s.pop(request_id)
-                chunk["kv_arrived"] = self.kv_arrived.pop(request_id, False)
-                chunk["remote_prefill_s"] = self.remote_prefill_s.pop(request_id, None)
+            record = self.remote_prefills.pop(request_id, None) if out.finished else None
+            if record is not None and record.transfer_s is not None:
+                chunk.update(kv_transfer_s=record.transfer_s, kv_arrived=record.kv_arrived,
+                             remote_prefill_s=record.prefill_s)
             yield chunk
             if out.finished:
                 return
 
     async def _abort_unfinished(self, request_id: str) -> None:
-        self.kv_transfer_s.pop(request_id, None)
-        self.kv_arrived.pop(request_id, None)
-        self.remote_prefill_s.pop(request_id, None)
         loop = self._engine_loop()
         loop.close_stream(request_id)
         await cancel_receive(self, request_id)  # a chunk being read lands before the free
+        self.remote_prefills.pop(request_id, None)
         await loop.call(lambda e: e.abort(request_id))
 
     # -- whole requests (colocated, or resumed after a lost worker) ---------------------------
@@ -298,9 +292,7 @@ class PDWorker:
                 yield chunk
             if finished:
                 loop.close_stream(request_id)
-                self.kv_transfer_s.pop(request_id, None)
-                self.kv_arrived.pop(request_id, None)
-                self.remote_prefill_s.pop(request_id, None)
+                self.remote_prefills.pop(request_id, None)
                 return
             async for chunk in self._stream(request_id, q, "disaggregated"):
                 finished = chunk["finished"]

@@ -1,10 +1,11 @@
-"""The two halves of a disaggregated prefill: the decode side's request flow with its
-fallbacks, and the prefill side's shipping of KV blocks under backpressure.
+"""The decode half of a disaggregated request, on the decode worker: the request's whole flow
+with its fallbacks, the prefill running on another worker.
 
-Decode side, in order: reserve blocks (wait while none are free, up to a deadline) -> expect
-them in the transfer agent -> ask the prefill worker -> stream its first token -> wait for the
-KV -> continue decoding. Prefill worker lost or its call failed before a token: prefill here.
-Transfer failed after the token: prefill here too, keeping the token.
+In order: reserve blocks (ReservationQueue: wait while none are free, up to a deadline) ->
+expect them in the transfer agent -> ask the prefill worker -> stream its first token -> wait
+for the KV to land -> continue decoding. Prefill worker lost or its call failed before a token:
+prefill here. Transfer failed after the token: prefill here too, keeping the token. The prefill
+half is prefill_half.py.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, SamplingParams,
@@ -21,6 +24,39 @@ from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, Sampling
 
 log = logging.getLogger(__name__)
 
+
+class Stage(enum.Enum):
+    """Where a disaggregated request stands on its decode worker."""
+
+    RESERVING = "reserving"    # waiting for KV blocks here (ReservationQueue)
+    PREFILLING = "prefilling"  # blocks reserved and expected; the prefill worker computes
+    RECEIVING = "receiving"    # its first token streamed; the KV lands in the reservation
+    FALLBACK = "fallback"      # no token came (prefill worker lost, late or refusing): the
+                               # engine prefills here, into the reservation
+    DECODING = "decoding"      # KV landed (or given up after the token): the engine decodes
+
+
+_NEXT = {Stage.RESERVING: {Stage.PREFILLING}, Stage.PREFILLING: {Stage.RECEIVING, Stage.FALLBACK},
+         Stage.RECEIVING: {Stage.DECODING}, Stage.FALLBACK: set(), Stage.DECODING: set()}
+
+
+@dataclass
+class RemotePrefill:
+    """One disaggregated request on its decode worker (`PDWorker.remote_prefills`), from the
+    reservation to its last chunk, which carries the timings; then it is dropped."""
+
+    request_id: str
+    stage: Stage = Stage.RESERVING
+    arrival: Optional[asyncio.Future] = None  # the receive's end: the agent's on_release
+    prefill_s: Optional[float] = None         # prefill call -> first token back
+    transfer_s: Optional[float] = None        # first token -> KV landed (or given up)
+    kv_arrived: bool = False
+
+    def to(self, stage: Stage) -> None:
+        if stage not in _NEXT[self.stage]:
+            raise RuntimeError(f"{self.request_id}: no way from {self.stage.value} to "
+                               f"{stage.value}")
+        self.stage = stage
 
 
 class ReservationQueue:
@@ -118,7 +154,8 @@ async def cancel_receive(worker, request_id: str) -> None:
     """Cancel our receive of request_id and wait until the agent has ended it (a chunk being
     read into the reserved blocks finishes first): only then may the blocks be written or
     freed here. No-op when no receive is awaited."""
-    arrival = worker.arrivals.get(request_id)
+    record = worker.remote_prefills.get(request_id)
+    arrival = record.arrival if record is not None else None
     worker.agent.cancel(request_id)
     if arrival is not None and not arrival.done():
         if await _settled(worker, request_id, 5.0) is None:
@@ -128,102 +165,10 @@ async def cancel_receive(worker, request_id: str) -> None:
 async def _settled(worker, request_id: str, timeout_s: float):
     """The receive's final status once the agent ended it, or None after timeout_s."""
     try:
-        return await asyncio.wait_for(asyncio.shield(worker.arrivals[request_id]), timeout_s)
+        arrival = worker.remote_prefills[request_id].arrival
+        return await asyncio.wait_for(asyncio.shield(arrival), timeout_s)
     except asyncio.TimeoutError:
         return None
-
-
-class LayerStreamer:
-    """Prefill side: ships each layer of a prompt's KV as the prompt's last step computes it
-    (the engine calls `layer_done` from its thread, in layer order), so the transfer runs
-    under the remaining layers instead of after them. A layer the link cannot take now (credit
-    window full, link not up yet) is left for `ship_kv` after the step; nothing is sent once
-    the request is cancelled. With `send` off it only times the step (the unstreamed baseline).
-    Also what the transfer's overlap is measured from: when the last layer's K/V were ready,
-    when the first byte was queued, and (`finished`) when the lease ended."""
-
-    def __init__(self, worker, request_id: str, peer_id: str, dst_block_ids: list[int],
-                 skip_blocks: int, send: bool):
-        self.worker, self.request_id, self.peer_id = worker, request_id, peer_id
-        self.dst_block_ids, self.skip_blocks, self.send = dst_block_ids, skip_blocks, send
-        self.pending: list[int] = []    # layers left for ship_kv
-        self.refused: Optional[str] = None  # a send outcome that ends the transfer here
-        self.first_sent_at: Optional[float] = None
-        self.kv_ready_at: Optional[float] = None
-        self.ended: Optional[str] = None  # the transfer's end, once on_release reported it
-        self.created = time.monotonic()
-
-    def layer_done(self, layer: int, block_ids: list[int]) -> None:
-        from kv_transfer.base import LinkState, SendOutcome
-
-        agent = self.worker.agent
-        if layer == self.worker.engine.model_config.num_layers - 1:
-            self.kv_ready_at = time.monotonic()
-        # (A fault-injected send delay holds every layer for ship_kv, as it holds the send.)
-        if not self.send or self.refused or self.request_id in self.worker.cancelled \
-                or self.worker.fault_delay_kv_send_s:
-            self.pending.append(layer)
-            return
-        if agent.peer_state(self.peer_id)[0] is not LinkState.READY:
-            self.pending.append(layer)
-            return
-        src = block_ids[self.skip_blocks:self.skip_blocks + len(self.dst_block_ids)]
-        try:
-            outcome = agent.send(self.peer_id, self.request_id, src, self.dst_block_ids, [layer])
-        except Exception as exc:  # on the engine thread: refuse the send, never the step
-            log.warning("KV layer send of %s refused: %s", self.request_id, exc)
-            self.refused = SendOutcome.PEER_UNAVAILABLE.value
-            self.pending.append(layer)
-            return
-        if outcome is SendOutcome.ACCEPTED:
-            if self.first_sent_at is None:
-                self.first_sent_at = time.monotonic()
-        elif outcome is SendOutcome.WOULD_BLOCK:
-            self.pending.append(layer)
-        else:
-            self.refused = outcome.value
-            self.pending.append(layer)
-
-    def finished(self, ok: bool) -> Optional[tuple[float, float]]:
-        """(seconds of transfer after the KV was ready, seconds of the whole transfer) of a
-        completed transfer, or None when there is nothing to measure. A send that started
-        only after the KV was ready (unstreamed) is all exposed."""
-        now = time.monotonic()
-        self.ended = "done" if ok else "failed"
-        if not ok or self.first_sent_at is None or self.kv_ready_at is None:
-            return None
-        whole = max(1e-9, now - self.first_sent_at)
-        return min(whole, max(0.0, now - self.kv_ready_at)), whole
-
-
-class TransferOverlap:
-    """How much of each KV transfer ran under the prefill's compute, over recent transfers:
-    exposed = transfer time after the prompt's last layer was ready, whole = first byte queued
-    to the lease's end; hidden share = 1 - exposed / whole."""
-
-    def __init__(self, keep: int = 256):
-        self.recent: collections.deque = collections.deque(maxlen=keep)
-        self.count = 0
-        self.exposed_s_total = 0.0
-        self.whole_s_total = 0.0
-
-    def observe(self, exposed_s: float, whole_s: float) -> None:
-        self.recent.append((exposed_s, whole_s))
-        self.count += 1
-        self.exposed_s_total += exposed_s
-        self.whole_s_total += whole_s
-
-    def report(self) -> dict:
-        totals = {"transfers": self.count, "exposed_s_total": self.exposed_s_total,
-                  "whole_s_total": self.whole_s_total}
-        if not self.recent:
-            return totals
-        exposed = [e for e, _ in self.recent]
-        whole = [w for _, w in self.recent]
-        return {**totals,
-                "hidden_share": 1.0 - sum(exposed) / sum(whole),
-                "exposed_s_mean": sum(exposed) / len(exposed),
-                "whole_s_mean": sum(whole) / len(whole)}
 
 
 class PrefillRate:
@@ -277,8 +222,11 @@ async def _first_token(prefill_worker, call, hedge_s: float) -> dict:
 
 async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict, prefill_worker,
                              priority: int, cache_salt: Optional[str]) -> AsyncIterator[dict]:
-    """Yields the first token's chunk (or an error chunk); the rest streams from the engine."""
+    """Yields the first token's chunk (or an error chunk); the rest streams from the engine.
+    The request's record (RemotePrefill, in worker.remote_prefills) is the caller's to drop
+    once the stream ended."""
     loop = worker._engine_loop()
+    record = worker.remote_prefills[request_id] = RemotePrefill(request_id)
     sampling = SamplingParams(**params)
     try:
         res = await _reserve(worker, request_id, prompt, sampling, priority, cache_salt)
@@ -286,18 +234,17 @@ async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict,
         yield error_chunk(exc)
         return
     # Resolved by the agent's on_release when the receive ends (PDWorker._on_release).
-    worker.arrivals[request_id] = asyncio.get_running_loop().create_future()
-    try:
-        async with contextlib.aclosing(_remote_prefill(worker, loop, request_id, prompt, params,
-                                                       prefill_worker, cache_salt, res)) as gen:
-            async for chunk in gen:
-                yield chunk
-    finally:
-        worker.arrivals.pop(request_id, None)
+    record.arrival = asyncio.get_running_loop().create_future()
+    record.to(Stage.PREFILLING)
+    async with contextlib.aclosing(_remote_prefill(worker, loop, record, prompt, params,
+                                                   prefill_worker, cache_salt, res)) as gen:
+        async for chunk in gen:
+            yield chunk
 
 
-async def _remote_prefill(worker, loop, request_id, prompt, params, prefill_worker, cache_salt,
-                          res) -> AsyncIterator[dict]:
+async def _remote_prefill(worker, loop, record: RemotePrefill, prompt, params, prefill_worker,
+                          cache_salt, res) -> AsyncIterator[dict]:
+    request_id = record.request_id
     worker.agent.expect(request_id, res.missing_block_ids)
     skip = res.num_cached_tokens // res.block_size
     uncached = res.num_prompt_tokens - res.num_cached_tokens
@@ -327,11 +274,13 @@ async def _remote_prefill(worker, loop, request_id, prompt, params, prefill_work
                 prefill_worker.abort.remote(request_id)
             except Exception:
                 pass
+        record.to(Stage.FALLBACK)
         await loop.call(lambda e: e.remote.fail(request_id))
         return
     first_at = time.monotonic()
     worker.prefill_rate.observe(uncached, first_at - started)
-    worker.remote_prefill_s[request_id] = first_at - started
+    record.prefill_s = first_at - started
+    record.to(Stage.RECEIVING)
     token = first["token_ids"][0]
     logprob = first["logprobs"][0] if first.get("logprobs") else None
     # Our engine decides what the token means (text, stop strings, the end of the request).
@@ -343,72 +292,6 @@ async def _remote_prefill(worker, loop, request_id, prompt, params, prefill_work
     else:  # the sender's send fails on our cancel; our blocks are ours once the receive ended
         await cancel_receive(worker, request_id)
     # After the first token: how long the decode side waited for the KV to land.
-    worker.kv_transfer_s[request_id] = time.monotonic() - first_at
-    worker.kv_arrived[request_id] = arrived
+    record.transfer_s, record.kv_arrived = time.monotonic() - first_at, arrived
+    record.to(Stage.DECODING)
     await loop.call(lambda e: e.remote.complete(request_id, kv_arrived=arrived))
-
-
-async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int],
-                  skip_blocks: int, streamer: Optional["LayerStreamer"] = None) -> str:
-    """Send the held blocks; returns the send outcome. Anything but 'accepted' releases them
-    now; after 'accepted' the lease's end releases them."""
-    from kv_transfer.base import LinkState, SendOutcome
-
-    loop = worker._engine_loop()
-    # Layers the prompt's last step already queued (LayerStreamer): the transfer exists and
-    # holds a lease on the blocks, which its end (on_release) frees, whatever happens here;
-    # it may have ended already (every layer acked, or failed) before this task ran.
-    streamed = streamer is not None and streamer.first_sent_at is not None
-    layers = sorted(streamer.pending) if streamer is not None and streamer.send else None
-    if streamed and streamer.ended is not None:
-        worker.streamers.pop(request_id, None)
-        return SendOutcome.ACCEPTED.value if not layers else f"ended:{streamer.ended}"
-    if worker.fault_delay_kv_send_s:
-        await asyncio.sleep(worker.fault_delay_kv_send_s)
-    if request_id in worker.cancelled:  # the decode side gave up while we prefilled
-        worker.cancelled.pop(request_id, None)
-        worker.streamers.pop(request_id, None)
-        if streamed:
-            worker.agent.cancel(request_id)
-        else:
-            await loop.call(lambda e: e.remote.release_held(request_id))
-        return "cancelled"
-    if streamed and not layers:
-        return SendOutcome.ACCEPTED.value
-    if streamer is not None and streamer.refused and not streamed:
-        outcome = SendOutcome(streamer.refused)
-    else:
-        held = await loop.call(lambda e: e.remote.held_block_ids(request_id))
-        src = held[skip_blocks:skip_blocks + len(dst_block_ids)]
-        deadline = time.monotonic() + worker.agent.transfer_timeout_s
-        outcome = SendOutcome.PEER_UNAVAILABLE
-        while True:
-            # Registered before the try: room that comes back after it wakes this wait.
-            room = asyncio.get_running_loop().create_future()
-            worker.send_waiters.add(room)
-            try:
-                state, _ = worker.agent.peer_state(peer_id)
-                if state is LinkState.FAILED:
-                    break
-                if state is LinkState.READY:
-                    outcome = worker.agent.send(peer_id, request_id, src, dst_block_ids, layers)
-                    if outcome is not SendOutcome.WOULD_BLOCK:
-                        break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                await asyncio.wait({room}, timeout=left)  # the link is up, or has room
-            finally:
-                worker.send_waiters.discard(room)
-        if outcome is SendOutcome.ACCEPTED and streamer is not None \
-                and streamer.first_sent_at is None:
-            streamer.first_sent_at = time.monotonic()
-    if outcome is not SendOutcome.ACCEPTED:
-        log.warning("KV send of %s not accepted (%s)", request_id, outcome.value)
-        worker.streamers.pop(request_id, None)
-        if streamed:  # the layers already queued hold a lease: end it, and it frees them
-            worker.agent.cancel(request_id)
-        else:  # no transfer here to fail: tell the decode side on the link, free the blocks
-            worker.agent.cancel_at_peer(peer_id, request_id)
-            await loop.call(lambda e: e.remote.release_held(request_id))
-    return outcome.value
