@@ -42,14 +42,14 @@ class InstantPool:
     async def refresh(self, timeout_s: float = 2.0) -> None:
         """Every worker is healthy and idle; the reports stay as built."""
 
-    async def generate(self, request_id: str, prompt: Any, params: dict,
+    async def generate(self, request_id: str, prompt: Any, params,
                        disaggregate: bool = False, priority: int = 0,
                        cache_salt: Optional[str] = None, decode_worker: Optional[str] = None,
                        prefill_worker: Optional[str] = None) -> AsyncIterator[dict]:
         """`max_tokens` chunks of one token each, as a worker streams them, without waiting."""
         self.num_requests += 1
         path = "disaggregated" if disaggregate else "colocated"
-        count = max(1, params.get("max_tokens", 16))
+        count = max(1, params.max_tokens)
         for i in range(count):
             finished = i == count - 1
             yield {"request_id": request_id, "token_ids": [self.token_id],

@@ -73,6 +73,13 @@ class SamplingParams:
         self.logit_bias = _token_keys(self.logit_bias) or None
         self.validate()
 
+    @classmethod
+    def of(cls, value: "SamplingParams | dict") -> "SamplingParams":
+        """The parameters as given: a SamplingParams is already valid (it was checked when it
+        was made, by the router for a served request) and passes as it is, so a request's
+        parameters are judged once; a dict (a caller that built none) is checked now."""
+        return value if isinstance(value, cls) else cls(**value)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

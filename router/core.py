@@ -13,7 +13,7 @@ import threading
 import time
 from typing import AsyncIterator, Optional
 
-from pd_runtime.api import error_chunk
+from pd_runtime.api import SamplingParams, error_chunk
 from pd_runtime.config import ClusterConfig, TenantConfig
 from pd_runtime.tokenizer import Tokenizer
 from router.cost_model import CostModel
@@ -141,12 +141,12 @@ class PoolBackend:
         return [WorkerState(w.worker_id, w.role, w.healthy, bool(w.load.get("draining")),
                             w.load, self.inflight.get(w.worker_id, 0)) for w in workers]
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict, *,
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
                        priority: int = 0, tenant: Optional[TenantConfig] = None
                        ) -> AsyncIterator[dict]:
         arrival = time.monotonic()
         tenant_id = tenant.tenant_id if tenant else "anonymous"
-        limit, wait = self.tenants.admit(tenant, len(prompt_ids) + params.get("max_tokens", 16))
+        limit, wait = self.tenants.admit(tenant, len(prompt_ids) + params.max_tokens)
         if limit:
             self.metrics.refusals.labels(tenant_id, limit).inc()
             yield _refusal(429, "rate_limit_exceeded", f"tenant {tenant_id} is over its "
@@ -166,7 +166,7 @@ class PoolBackend:
                       decision.predicted_tpot_s * 1000)
         if decision.path == "none" and decision.retry_after_s is not None:
             self.metrics.refusals.labels(tenant_id, decision.reason).inc()
-            self.tenants.refund(tenant, len(prompt_ids) + params.get("max_tokens", 16))
+            self.tenants.refund(tenant, len(prompt_ids) + params.max_tokens)
             yield _refusal(429, "overloaded", "no worker can meet the latency targets now "
                            f"(best option: TTFT {decision.predicted_ttft_s:.2f}s, TPOT "
                            f"{decision.predicted_tpot_s * 1000:.0f}ms predicted)",
@@ -235,18 +235,18 @@ class PoolBackend:
     def _prefill_s(self, worker_id: str, uncached: int) -> float:
         return self.costs.costs(worker_id).prefill_s(uncached)
 
-    def _decide(self, prompt_ids: list[int], params: dict, hits: dict[str, int],
+    def _decide(self, prompt_ids: list[int], params: SamplingParams, hits: dict[str, int],
                 tenant_id: str, waited_s: float = 0.0) -> Decision:
         cfg = self.reloader.current
         decode, prefill = self._states(self.client.decode), self._states(self.client.prefill)
         if cfg.mode != "slo":
             return decide(len(prompt_ids), decode, prefill, hits, cfg, self._rng)
         target = slo_target(cfg, tenant_id, len(prompt_ids))
-        return decide_slo(len(prompt_ids), params.get("max_tokens") or 16, decode, prefill,
+        return decide_slo(len(prompt_ids), params.max_tokens, decode, prefill,
                           hits, cfg, target, self.costs, self.ledgers, time.monotonic(),
                           self._rng, waited_s)
 
-    async def _route(self, prompt_ids: list[int], params: dict, hits: dict[str, int],
+    async def _route(self, prompt_ids: list[int], params: SamplingParams, hits: dict[str, int],
                      tenant_id: str, arrival: float) -> Decision:
         """The policy's decision; with no decode worker up, waits a bounded time for one (one
         is restarting?); slo mode with `overload: queue`: holds the request until an option

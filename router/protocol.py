@@ -9,6 +9,7 @@ response bodies in router/responses.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Optional
 
@@ -149,11 +150,12 @@ def _sampling_fields(body: SamplingBody, max_tokens: Optional[int], vocab_size: 
     return params
 
 
-def _check_sampling(params: dict, renames: Optional[dict] = None) -> None:
-    """SamplingParams is the one place sampling values are judged; `renames` maps its field
-    names to the client's (chat says max_completion_tokens and top_logprobs)."""
+def _check_sampling(params: dict, renames: Optional[dict] = None) -> SamplingParams:
+    """SamplingParams is the one place sampling values are judged, here, once per request; the
+    workers and the engine take the object as it is. `renames` maps its field names to the
+    client's (chat says max_completion_tokens and top_logprobs)."""
     try:
-        SamplingParams(**params)
+        return SamplingParams(**params)
     except InvalidRequestError as exc:
         raise InvalidRequest(str(exc), param=(renames or {}).get(exc.param, exc.param)) from None
 
@@ -191,15 +193,14 @@ def _encode(text: str, tokenizer, max_model_len: int, param: str,
     return tokenizer.encode(text, add_special_tokens=add_special_tokens) if text else []
 
 
-def _choices(prompts: list[list[int]], n: int, params: dict) -> list[ChoiceSpec]:
+def _choices(prompts: list[list[int]], n: int, params: SamplingParams) -> list[ChoiceSpec]:
     """n independent requests per prompt, indexed prompt-major as OpenAI orders them; with a
     seed, choice i of a prompt uses seed + i so that the n choices differ yet reproduce."""
     choices = []
     for p in range(len(prompts)):
         for i in range(n):
-            own = dict(params)
-            if "seed" in own:
-                own["seed"] = params["seed"] + i
+            own = params if params.seed is None or i == 0 else \
+                dataclasses.replace(params, seed=params.seed + i)
             choices.append(ChoiceSpec(len(choices), p, own))
     return choices
 
@@ -261,12 +262,12 @@ def prepare_completion(data: dict, tokenizer, model_name: str,
         if body.echo:
             raise InvalidRequest("echo with logprobs is not supported (no prompt logprobs)",
                                  param="echo")
-    _check_sampling(params)
+    sampling = _check_sampling(params)
     for prompt in prompts:
         _check_length(prompt, max_tokens, max_model_len, "prompt")
     echo = [t if t is not None else tokenizer.decode(p, skip_special_tokens=False)
             for p, t in zip(prompts, texts)] if body.echo else None
-    return PreparedRequest("completion", model_name, prompts, _choices(prompts, body.n, params),
+    return PreparedRequest("completion", model_name, prompts, _choices(prompts, body.n, sampling),
                            bool(body.stream), _include_usage(body), body.priority,
                            body.logprobs, echo)
 
@@ -322,9 +323,9 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int) -> 
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     if body.logprobs:
         logprobs = params["logprobs"] = body.top_logprobs or 0
-    _check_sampling(params, {"max_tokens": param, "logprobs": "top_logprobs"})
+    sampling = _check_sampling(params, {"max_tokens": param, "logprobs": "top_logprobs"})
     _check_length(prompt, max_tokens, max_model_len, "messages")
-    return PreparedRequest("chat", model_name, [prompt], _choices([prompt], body.n, params),
+    return PreparedRequest("chat", model_name, [prompt], _choices([prompt], body.n, sampling),
                            bool(body.stream), _include_usage(body), body.priority, logprobs)
 
 

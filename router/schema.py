@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
+from pd_runtime.api import SamplingParams
 from router.backend import BackendError
 
 
@@ -79,10 +80,11 @@ class ChatCompletionRequest(SamplingBody):
 
 @dataclass
 class ChoiceSpec:
-    """One engine request: choice `index` of the response, for prompt `prompt_index`."""
+    """One engine request: choice `index` of the response, for prompt `prompt_index`, with its
+    sampling parameters, validated once here (the workers take them as they are)."""
     index: int
     prompt_index: int
-    params: dict
+    params: SamplingParams
 
 
 @dataclass

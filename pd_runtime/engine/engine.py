@@ -136,9 +136,10 @@ class LLMEngine:
     def _new_request(self, request_id: str, prompt: Union[str, list[int]],
                      params: Optional[SamplingParams], priority: int,
                      cache_salt: Optional[str]) -> Request:
-        """Validate everything before anything is allocated; returns an unqueued request."""
+        """Validate everything before anything is allocated; returns an unqueued request.
+        The sampling parameters themselves were judged when they were made (SamplingParams);
+        what is checked here is what only this engine knows (its vocabulary, its context)."""
         params = params or SamplingParams()
-        params.validate()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")

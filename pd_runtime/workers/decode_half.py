@@ -227,7 +227,7 @@ async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict,
     once the stream ended."""
     loop = worker._engine_loop()
     record = worker.remote_prefills[request_id] = RemotePrefill(request_id)
-    sampling = SamplingParams(**params)
+    sampling = SamplingParams.of(params)  # as the router made it: judged once, there
     try:
         res = await _reserve(worker, request_id, prompt, sampling, priority, cache_salt)
     except (InvalidRequestError, EngineOverloadedError) as exc:
@@ -236,7 +236,7 @@ async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict,
     # Resolved by the agent's on_release when the receive ends (PDWorker._on_release).
     record.arrival = asyncio.get_running_loop().create_future()
     record.to(Stage.PREFILLING)
-    async with contextlib.aclosing(_remote_prefill(worker, loop, record, prompt, params,
+    async with contextlib.aclosing(_remote_prefill(worker, loop, record, prompt, sampling,
                                                    prefill_worker, cache_salt, res)) as gen:
         async for chunk in gen:
             yield chunk

@@ -10,6 +10,7 @@ the client sees one stream either way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -263,7 +264,7 @@ class PDWorker:
         try:
             try:
                 await loop.call(lambda e: e.add_request(
-                    request_id, prompt, SamplingParams(**params), priority, cache_salt,
+                    request_id, prompt, SamplingParams.of(params), priority, cache_salt,
                     resume_output_ids=resume_output_ids, resume_text_len=resume_text_len))
             except (InvalidRequestError, EngineOverloadedError) as exc:
                 finished = True
@@ -333,7 +334,7 @@ class PDWorker:
                                             + (" (started after its hedge)" if late else "")),
                                499)
         peer_id = self._peer_for(decode_metadata)
-        first_params = SamplingParams(**{**params, "max_tokens": 1})
+        first_params = dataclasses.replace(SamplingParams.of(params), max_tokens=1)
         streamer = LayerStreamer(self, request_id, peer_id, dst_block_ids, skip_blocks,
                                  self.stream_layers)
         now = time.monotonic()  # a record whose transfer never started cannot outlive this

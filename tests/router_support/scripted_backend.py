@@ -36,7 +36,7 @@ class ScriptedBackend:
     def authenticate(self, api_key: Optional[str]) -> Optional[TenantConfig]:
         return None
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: dict, *,
+    async def generate(self, request_id: str, prompt_ids: list[int], params, *,
                        priority: int = 0, tenant=None) -> AsyncIterator[dict]:
         done = False
         try:
