@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -135,6 +135,26 @@ class SamplingParams:
                 if not number_in(bias, -100.0, 100.0):
                     bad("logit_bias", f"values must be in [-100, 100], got {bias!r} for token "
                         f"{token}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request as a worker receives it (pool client -> PDWorker): the prompt (token ids;
+    text from offline callers), its sampling parameters (a SamplingParams, judged once where it
+    was made: by the router for a served request), its priority and its tenant's prefix-cache
+    salt."""
+
+    request_id: str
+    prompt: Union[str, list[int]]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: Optional[str] = None
+
+    @classmethod
+    def make(cls, request_id: str, prompt: Union[str, list[int]],
+             params: "SamplingParams | dict", priority: int = 0,
+             cache_salt: Optional[str] = None) -> "GenerationRequest":
+        return cls(request_id, prompt, SamplingParams.of(params), priority, cache_salt)
 
 
 def _token_keys(bias) -> Optional[dict]:

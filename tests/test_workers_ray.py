@@ -11,6 +11,7 @@ import time
 import pytest
 
 from pd_runtime import LLM, SamplingParams
+from pd_runtime.api import GenerationRequest
 from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
 
 ray = pytest.importorskip("ray")
@@ -314,8 +315,8 @@ def test_abort_from_elsewhere_ends_the_stream_and_frees(cluster, reference):
     d1 = next(w for w in cluster.decode if w.worker_id == "d1").handle
 
     async def run():
-        gen = d1.generate.remote("abort-1", ps[0], dict(max_tokens=500, temperature=0.0,
-                                                        ignore_eos=True))
+        gen = d1.generate.remote(GenerationRequest.make(
+            "abort-1", ps[0], dict(max_tokens=500, temperature=0.0, ignore_eos=True)))
         chunks = []
         async for ref in gen:
             chunks.append(await ref)
@@ -335,8 +336,9 @@ def test_cancel_before_prefill_releases_the_prefill_side(cluster, reference):
     meta = ray.get(d0.kv_metadata.remote())
     ray.get(p0.abort.remote("early-cancel"))  # the decode side gave up before the call
     steps = ray.get(p0.load.remote())["num_steps"]
-    first = ray.get(p0.prefill.remote("early-cancel", ps[1], params(1, False), meta,
-                                      [0, 1, 2], 0), timeout=30)
+    first = ray.get(p0.prefill.remote(GenerationRequest.make("early-cancel", ps[1],
+                                                             params(1, False)),
+                                      meta, [0, 1, 2], 0), timeout=30)
     # Refused before anything is computed: a hedged request is not prefilled twice.
     assert not first["token_ids"] and first["error"]["status"] == 499
     assert ray.get(p0.load.remote())["num_steps"] == steps

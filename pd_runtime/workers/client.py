@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from pd_runtime.api import ModelCard, error_chunk
+from pd_runtime.api import GenerationRequest, ModelCard, error_chunk
 
 log = logging.getLogger(__name__)
 
@@ -198,15 +198,14 @@ class PoolClient:
             if disaggregate and not streamed:
                 p = next((w for w in self.prefill if w.worker_id == prefill_worker
                           and w.healthy), None) or self._pick(self.prefill, set())
+            request = GenerationRequest.make(rid, prompt, params, priority, cache_salt)
             if streamed:
-                gen = d.handle.generate.remote(rid, prompt, params, priority, cache_salt,
-                                               resume_output_ids=list(streamed),
+                gen = d.handle.generate.remote(request, resume_output_ids=list(streamed),
                                                resume_text_len=text_len)
             elif p is not None:
-                gen = d.handle.generate_disaggregated.remote(rid, prompt, params,
-                                                             p.handle, priority, cache_salt)
+                gen = d.handle.generate_disaggregated.remote(request, p.handle)
             else:
-                gen = d.handle.generate.remote(rid, prompt, params, priority, cache_salt)
+                gen = d.handle.generate.remote(request)
             finished = False
             try:
                 async for ref in _stream_items(gen, d.handle, self.stall_check_s):

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
-from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, SamplingParams,
+from pd_runtime.api import (EngineOverloadedError, GenerationRequest, InvalidRequestError,
                             error_chunk, output_chunk)
 
 log = logging.getLogger(__name__)
@@ -220,30 +220,31 @@ async def _first_token(prefill_worker, call, hedge_s: float) -> dict:
             task.cancel()
 
 
-async def run_remote_prefill(worker, request_id: str, prompt: Any, params: dict, prefill_worker,
-                             priority: int, cache_salt: Optional[str]) -> AsyncIterator[dict]:
+async def run_remote_prefill(worker, request: GenerationRequest,
+                             prefill_worker) -> AsyncIterator[dict]:
     """Yields the first token's chunk (or an error chunk); the rest streams from the engine.
     The request's record (RemotePrefill, in worker.remote_prefills) is the caller's to drop
     once the stream ended."""
+    request_id = request.request_id
     loop = worker._engine_loop()
     record = worker.remote_prefills[request_id] = RemotePrefill(request_id)
-    sampling = SamplingParams.of(params)  # as the router made it: judged once, there
     try:
-        res = await _reserve(worker, request_id, prompt, sampling, priority, cache_salt)
+        res = await _reserve(worker, request_id, request.prompt, request.params,
+                             request.priority, request.cache_salt)
     except (InvalidRequestError, EngineOverloadedError) as exc:
         yield error_chunk(exc)
         return
     # Resolved by the agent's on_release when the receive ends (PDWorker._on_release).
     record.arrival = asyncio.get_running_loop().create_future()
     record.to(Stage.PREFILLING)
-    async with contextlib.aclosing(_remote_prefill(worker, loop, record, prompt, sampling,
-                                                   prefill_worker, cache_salt, res)) as gen:
+    async with contextlib.aclosing(_remote_prefill(worker, loop, record, request,
+                                                   prefill_worker, res)) as gen:
         async for chunk in gen:
             yield chunk
 
 
-async def _remote_prefill(worker, loop, record: RemotePrefill, prompt, params, prefill_worker,
-                          cache_salt, res) -> AsyncIterator[dict]:
+async def _remote_prefill(worker, loop, record: RemotePrefill, request: GenerationRequest,
+                          prefill_worker, res) -> AsyncIterator[dict]:
     request_id = record.request_id
     worker.agent.expect(request_id, res.missing_block_ids)
     skip = res.num_cached_tokens // res.block_size
@@ -256,8 +257,8 @@ async def _remote_prefill(worker, loop, record: RemotePrefill, prompt, params, p
     start_by = min(hedge_s, _ALIVE_CHECK_AFTER_S + _ALIVE_TIMEOUT_S - 0.1)  # before any hedge
     try:
         first = await _first_token(prefill_worker, prefill_worker.prefill.remote(
-            request_id, prompt, params, worker.agent.metadata(), res.missing_block_ids, skip,
-            cache_salt, not_after=time.time() + start_by), hedge_s)
+            request, worker.agent.metadata(), res.missing_block_ids, skip,
+            not_after=time.time() + start_by), hedge_s)
         if first.get("error"):
             raise RuntimeError(first["error"]["message"])
     except Exception as exc:  # lost, late or refused: prefill here, into our reservation

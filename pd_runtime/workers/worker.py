@@ -17,8 +17,8 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
-from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, ModelCard, SamplingParams,
-                            error_chunk, merge_chunks, output_chunk)
+from pd_runtime.api import (EngineOverloadedError, GenerationRequest, InvalidRequestError,
+                            ModelCard, error_chunk, merge_chunks, output_chunk)
 from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
 from pd_runtime.workers.decode_half import (PrefillRate, RemotePrefill, ReservationQueue,
                                             cancel_receive, run_remote_prefill)
@@ -254,18 +254,21 @@ class PDWorker:
         await loop.call(lambda e: e.abort(request_id))
 
     # -- whole requests (colocated, or resumed after a lost worker) ---------------------------
-    async def generate(self, request_id: str, prompt: Any, params: dict, priority: int = 0,
-                       cache_salt: Optional[str] = None,
+    async def generate(self, request: GenerationRequest,
                        resume_output_ids: Optional[list[int]] = None,
                        resume_text_len: Optional[int] = None) -> AsyncIterator[dict]:
+        """The request's chunks, prefilled and decoded here (colocated), or continued after
+        the `resume_output_ids` a lost worker streamed."""
+        request_id = request.request_id
         loop = self._engine_loop()
         q = loop.open_stream(request_id)
         finished = False
         try:
             try:
                 await loop.call(lambda e: e.add_request(
-                    request_id, prompt, SamplingParams.of(params), priority, cache_salt,
-                    resume_output_ids=resume_output_ids, resume_text_len=resume_text_len))
+                    request_id, request.prompt, request.params, request.priority,
+                    request.cache_salt, resume_output_ids=resume_output_ids,
+                    resume_text_len=resume_text_len))
             except (InvalidRequestError, EngineOverloadedError) as exc:
                 finished = True
                 yield error_chunk(exc)
@@ -278,17 +281,17 @@ class PDWorker:
                 await self._abort_unfinished(request_id)
 
     # -- disaggregated: decode side ----------------------------------------------------------
-    async def generate_disaggregated(self, request_id: str, prompt: Any, params: dict,
-                                     prefill_worker, priority: int = 0,
-                                     cache_salt: Optional[str] = None) -> AsyncIterator[dict]:
+    async def generate_disaggregated(self, request: GenerationRequest,
+                                     prefill_worker) -> AsyncIterator[dict]:
+        """The request's chunks, its prompt prefilled by `prefill_worker` (decode_half.py)."""
+        request_id = request.request_id
         loop = self._engine_loop()
         q = loop.open_stream(request_id)
         finished = False
         try:
             # Run to its end even when the first chunk finishes the request: what follows the
             # yield ends the transfer and frees the reservation.
-            async for chunk in run_remote_prefill(self, request_id, prompt, params,
-                                                  prefill_worker, priority, cache_salt):
+            async for chunk in run_remote_prefill(self, request, prefill_worker):
                 finished = chunk["finished"]
                 yield chunk
             if finished:
@@ -317,9 +320,8 @@ class PDWorker:
             self._peers[engine_id] = peer_id
         return peer_id
 
-    async def prefill(self, request_id: str, prompt: Any, params: dict, decode_metadata: bytes,
+    async def prefill(self, request: GenerationRequest, decode_metadata: bytes,
                       dst_block_ids: list[int], skip_blocks: int,
-                      cache_salt: Optional[str] = None,
                       not_after: Optional[float] = None) -> dict:
         """Compute the prompt's KV and first token, return the token at once, and ship the
         blocks after `skip_blocks` into the decode worker's `dst_block_ids` in the background
@@ -327,6 +329,7 @@ class PDWorker:
         reported to the decode side on the link (`KVTransferAgent.cancel_at_peer`).
         `not_after` (time.time()): the decode side may hedge from then on, so a call that starts
         later (this worker was stopped or stalled) is refused, not computed twice."""
+        request_id = request.request_id
         loop = self._engine_loop()
         late = not_after is not None and time.time() > not_after
         if self.cancelled.pop(request_id, None) is not None or late:
@@ -334,7 +337,7 @@ class PDWorker:
                                             + (" (started after its hedge)" if late else "")),
                                499)
         peer_id = self._peer_for(decode_metadata)
-        first_params = dataclasses.replace(SamplingParams.of(params), max_tokens=1)
+        first_params = dataclasses.replace(request.params, max_tokens=1)
         streamer = LayerStreamer(self, request_id, peer_id, dst_block_ids, skip_blocks,
                                  self.stream_layers)
         now = time.monotonic()  # a record whose transfer never started cannot outlive this
@@ -342,8 +345,9 @@ class PDWorker:
         self.streamers[request_id] = streamer
         q = loop.open_stream(request_id)
         try:
-            await loop.call(lambda e: e.add_request(request_id, prompt, first_params,
-                                                    cache_salt=cache_salt, hold_blocks=True,
+            await loop.call(lambda e: e.add_request(request_id, request.prompt, first_params,
+                                                    cache_salt=request.cache_salt,
+                                                    hold_blocks=True,
                                                     layer_sink=streamer.layer_done))
         except (InvalidRequestError, EngineOverloadedError) as exc:
             loop.close_stream(request_id)
