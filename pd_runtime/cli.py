@@ -75,9 +75,20 @@ def _cmd_serve(args) -> int:
 
     cfg = load_cluster_config(args.config) if args.config else ClusterConfig()
     model = args.model or cfg.model or str(ensure_default_model())
-    client = launch(cfg, model, inside_job=bool(os.environ.get("RAY_ADDRESS")))
+    if args.in_process:  # the same workers as threads of this process, KV over in-process links
+        from pd_runtime.workers.local_pool import LocalPool
+
+        cfg = cfg.model_copy(update={"kv_transfer": cfg.kv_transfer.model_copy(
+            update={"backend": "local"})})
+        client = LocalPool(cfg, model)
+    else:
+        client = launch(cfg, model, inside_job=bool(os.environ.get("RAY_ADDRESS")))
+    close = getattr(client, "close", lambda: None)  # in-process workers end with this process
     if args.demo:  # a smoke test of the pools through both paths, then exit
-        run_demo(client, args.prompt, args.max_tokens)
+        try:
+            run_demo(client, args.prompt, args.max_tokens)
+        finally:
+            close()
         return 0
     from router.app import create_app
     from router.core import PoolBackend
@@ -96,6 +107,7 @@ def _cmd_serve(args) -> int:
         print("pd-runtime: stopped", file=sys.stderr, flush=True)
     finally:
         backend.stop()
+        close()
     return 0
 
 
@@ -129,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="default: router.port from the config")
             p.add_argument("--demo", action="store_true",
                            help="run a few requests through both paths and exit")
+            p.add_argument("--in-process", action="store_true",
+                           help="no Ray: the config's workers run in this process (each on "
+                                "its own thread and event loop, KV moved by in-process links)")
         p.set_defaults(func=func)
     return parser
 

@@ -1,0 +1,81 @@
+"""`pd-runtime serve --in-process`: the product without Ray, one process, the same PDWorker,
+PoolClient and router (pd_runtime/workers/local_pool.py). Served with the official `openai`
+client over HTTP: a short prompt colocated and a long one disaggregated (KV over the
+in-process link), each equal to the offline engine's greedy tokens; Ctrl-C ends it cleanly and
+no process is left behind."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from pd_runtime import LLM, SamplingParams
+from tests.chaos_support import processes
+from tests.chaos_support.product import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_serve_in_process_both_paths_match_offline(llama_dir, tmp_path):
+    port = free_port()
+    engine = {"dtype": "float32", "num_kv_blocks": 256, "num_threads": 1}
+    cfg = {"model": llama_dir, "prefill": {"num_workers": 1, "engine": engine},
+           "decode": {"num_workers": 1, "engine": engine},
+           "router": {"port": port, "routing": {"mode": "auto", "max_local_prefill_tokens": 64}}}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    exe = Path(sys.executable).with_name("pd-runtime")
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([str(exe), "serve", "--in-process", "--config", str(path)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "not ready in 180 s"
+            try:
+                if httpx.get(base + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        ray = [p.cmdline for p in processes.tree(proc.pid, session=proc.pid)
+               if "ray" in p.cmdline.split()[0]]
+        assert not ray, f"--in-process started Ray: {ray}"
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        short = [11 + i for i in range(20)]
+        long = [(7 * i) % 400 + 5 for i in range(150)]
+        offline = LLM(llama_dir, dtype="float32", num_kv_blocks=256)
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        for prompt in (short, long):
+            want = offline.generate([prompt], params)[0]
+            got = client.completions.create(model=model, prompt=prompt, max_tokens=12,
+                                            temperature=0, extra_body={"ignore_eos": True})
+            assert got.choices[0].text == want.text
+        metrics = httpx.get(base + "/metrics").text
+        assert 'pd_routing_decisions_total{path="disaggregated"' in metrics
+        assert 'pd_routing_decisions_total{path="colocated"' in metrics
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        log.close()
+    assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    time.sleep(0.5)
+    left = [p for p in processes.tree(proc.pid, session=proc.pid) if processes.alive(p)]
+    assert not left, f"processes left behind: {[(p.pid, p.cmdline[:80]) for p in left]}"
