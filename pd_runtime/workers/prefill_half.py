@@ -1,18 +1,28 @@
 """The prefill half of a disaggregated request, on the prefill worker: ship the prompt's KV
 blocks to the decode worker's reservation, layer by layer as the prompt's last step computes
-them (LayerStreamer) and the rest after it (ship_kv), under the link's backpressure; and how
-much of each transfer the compute hid (TransferOverlap). The decode half is decode_half.py.
+them (LayerStreamer, the request's record here: computing -> shipping -> ended) and the rest
+after it (ship_kv), under the link's backpressure; and how much of each transfer the compute
+hid (TransferOverlap). The decode half is decode_half.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import logging
 import time
 from typing import Optional
 
 log = logging.getLogger(__name__)
+
+
+class ShipStage(enum.Enum):
+    """Where a disaggregated request stands on its prefill worker."""
+
+    COMPUTING = "computing"  # the prompt's last step runs (or waits); no byte queued yet
+    SHIPPING = "shipping"    # a transfer holds the blocks: layers queued, the rest to follow
+    ENDED = "ended"          # the transfer's lease ended (done or failed): blocks released
 
 
 class LayerStreamer:
@@ -34,6 +44,14 @@ class LayerStreamer:
         self.kv_ready_at: Optional[float] = None
         self.ended: Optional[str] = None  # the transfer's end, once on_release reported it
         self.created = time.monotonic()
+
+    @property
+    def stage(self) -> ShipStage:
+        """From the fields each thread sets once (the engine's or ship_kv's first accepted send,
+        the agent's on_release), so no thread can move it backwards."""
+        if self.ended is not None:
+            return ShipStage.ENDED
+        return ShipStage.COMPUTING if self.first_sent_at is None else ShipStage.SHIPPING
 
     def layer_done(self, layer: int, block_ids: list[int]) -> None:
         from kv_transfer.base import LinkState, SendOutcome
@@ -118,16 +136,16 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
     # Layers the prompt's last step already queued (LayerStreamer): the transfer exists and
     # holds a lease on the blocks, which its end (on_release) frees, whatever happens here;
     # it may have ended already (every layer acked, or failed) before this task ran.
-    streamed = streamer is not None and streamer.first_sent_at is not None
+    streamed = streamer is not None and streamer.stage is not ShipStage.COMPUTING
     layers = sorted(streamer.pending) if streamer is not None and streamer.send else None
-    if streamed and streamer.ended is not None:
-        worker.streamers.pop(request_id, None)
+    if streamed and streamer.stage is ShipStage.ENDED:
+        worker.shipments.pop(request_id, None)
         return SendOutcome.ACCEPTED.value if not layers else f"ended:{streamer.ended}"
     if worker.fault_delay_kv_send_s:
         await asyncio.sleep(worker.fault_delay_kv_send_s)
     if request_id in worker.cancelled:  # the decode side gave up while we prefilled
         worker.cancelled.pop(request_id, None)
-        worker.streamers.pop(request_id, None)
+        worker.shipments.pop(request_id, None)
         if streamed:
             worker.agent.cancel(request_id)
         else:
@@ -165,7 +183,7 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
             streamer.first_sent_at = time.monotonic()
     if outcome is not SendOutcome.ACCEPTED:
         log.warning("KV send of %s not accepted (%s)", request_id, outcome.value)
-        worker.streamers.pop(request_id, None)
+        worker.shipments.pop(request_id, None)
         if streamed:  # the layers already queued hold a lease: end it, and it frees them
             worker.agent.cancel(request_id)
         else:  # no transfer here to fail: tell the decode side on the link, free the blocks

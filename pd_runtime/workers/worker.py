@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import AsyncIterator, Optional
 
 from pd_runtime.api import (EngineOverloadedError, GenerationRequest, InvalidRequestError,
                             ModelCard, error_chunk, merge_chunks, output_chunk)
@@ -81,7 +81,7 @@ class PDWorker:
         # Prefill side: each prompt's KV shipped layer by layer from its last step (or only
         # timed, with kv_transfer.stream_layers off); until its transfer's lease ends.
         self.stream_layers = kv.stream_layers
-        self.streamers: dict[str, Any] = {}
+        self.shipments: dict[str, LayerStreamer] = {}
         self.transfer_overlap = TransferOverlap()
         # Fault injection for chaos tests: hold the KV send this long after the first token.
         self.fault_delay_kv_send_s = 0.0
@@ -119,7 +119,7 @@ class PDWorker:
         if status.role is Role.SEND:
             from kv_transfer.base import TransferState
 
-            streamer = self.streamers.pop(status.request_id, None)
+            streamer = self.shipments.pop(status.request_id, None)
             measured = streamer.finished(status.state is TransferState.DONE) if streamer else None
             if measured is not None:
                 self.transfer_overlap.observe(*measured)
@@ -177,7 +177,7 @@ class PDWorker:
                 "remote_waiting": len(e.remote.waiting),
                 "streams": len(self.loop._streams) if self.loop else 0,
                 "remote_prefills": len(self.remote_prefills), "ship_tasks": len(self.ship_tasks),
-                "streamers": len(self.streamers),
+                "shipments": len(self.shipments),
                 "reservations": len(self.reservations), "send_waiters": len(self.send_waiters),
                 # The transfer agent's per-request tables (its capped recent-status cache aside).
                 **{f"agent_{name}": size for name, size in self.agent.table_sizes().items()
@@ -341,8 +341,8 @@ class PDWorker:
         streamer = LayerStreamer(self, request_id, peer_id, dst_block_ids, skip_blocks,
                                  self.stream_layers)
         now = time.monotonic()  # a record whose transfer never started cannot outlive this
-        self.streamers = {r: s for r, s in self.streamers.items() if now - s.created < 600}
-        self.streamers[request_id] = streamer
+        self.shipments = {r: s for r, s in self.shipments.items() if now - s.created < 600}
+        self.shipments[request_id] = streamer
         q = loop.open_stream(request_id)
         try:
             await loop.call(lambda e: e.add_request(request_id, request.prompt, first_params,
@@ -351,12 +351,12 @@ class PDWorker:
                                                     layer_sink=streamer.layer_done))
         except (InvalidRequestError, EngineOverloadedError) as exc:
             loop.close_stream(request_id)
-            self.streamers.pop(request_id, None)
+            self.shipments.pop(request_id, None)
             return error_chunk(exc)
         out = await q.get()
         if out is None:  # aborted while prefilling (abort() already freed its blocks)
             self.cancelled.pop(request_id, None)
-            self.streamers.pop(request_id, None)
+            self.shipments.pop(request_id, None)
             return error_chunk(RuntimeError(f"request {request_id} was cancelled"), 499)
         task = asyncio.ensure_future(ship_kv(self, request_id, peer_id, dst_block_ids,
                                              skip_blocks, streamer))
