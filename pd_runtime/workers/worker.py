@@ -136,7 +136,7 @@ class PDWorker:
         self._engine_loop()
         return {"worker_id": self.worker_id, "role": self.role, "engine_id": self.engine_id,
                 "kv_metadata": self.agent.metadata(), "pid": os.getpid(),
-                "num_blocks": self.engine.block_manager.num_blocks,
+                "node_id": _ray_node_id(), "num_blocks": self.engine.block_manager.num_blocks,
                 "model_card": self.model_card()}
 
     def model_card(self) -> dict:
@@ -368,6 +368,13 @@ class PDWorker:
         if self.loop is not None:
             self.loop.stop()
         self.agent.close()
+
+
+def _ray_node_id() -> Optional[str]:
+    """The Ray node this worker runs on (None outside Ray: an in-process pool)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def _settle(arrival: asyncio.Future, status) -> None:
