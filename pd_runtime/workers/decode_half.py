@@ -48,6 +48,8 @@ class RemotePrefill:
     request_id: str
     stage: Stage = Stage.RESERVING
     arrival: Optional[asyncio.Future] = None  # the receive's end: the agent's on_release
+    landed: Optional[bool] = None             # the receive ended: with the KV in (True) or not
+    first_at: Optional[float] = None          # when the first token was taken in
     prefill_s: Optional[float] = None         # prefill call -> first token back
     transfer_s: Optional[float] = None        # first token -> KV landed (or given up)
     kv_arrived: bool = False
@@ -57,6 +59,33 @@ class RemotePrefill:
             raise RuntimeError(f"{self.request_id}: no way from {self.stage.value} to "
                                f"{stage.value}")
         self.stage = stage
+
+    # -- on the engine thread -----------------------------------------------------------------
+    def take_first_token(self, engine, token: int, logprob):
+        """The first token goes into the engine; the KV may have landed already."""
+        out = engine.remote.accept_first_token(self.request_id, token, logprob)
+        self.first_at = time.monotonic()
+        self.to(Stage.RECEIVING)
+        self._land(engine)
+        return out
+
+    def receive_ended(self, engine, arrived: bool) -> None:
+        """The agent ended the receive (PDWorker._on_release posts this to the engine loop the
+        moment it does): decoding starts here, without a round trip through the event loop.
+        Also the event loop's backstop when the agent never ended it (arrived False)."""
+        if self.landed is None:
+            self.landed = arrived
+        self._land(engine)
+
+    def _land(self, engine) -> None:
+        """First token in and receive ended, in either order: to the engine's queue, with the
+        KV (it landed) or to prefill here (it did not; the token stands). Once."""
+        if self.stage is not Stage.RECEIVING or self.landed is None \
+                or self.request_id not in engine.remote.waiting:  # (aborted meanwhile)
+            return
+        self.transfer_s, self.kv_arrived = time.monotonic() - self.first_at, self.landed
+        self.to(Stage.DECODING)
+        engine.remote.complete(self.request_id, kv_arrived=self.landed)
 
 
 class ReservationQueue:
@@ -133,7 +162,8 @@ async def _await_transfer(worker, request_id: str) -> bool:
     transfer failed: the prefill side refused or gave up the send (it tells us on the link,
     `KVTransferAgent.cancel_at_peer`), the link died (the agent's liveness check), or the
     deadline passed. The agent's own end of the transfer (`on_release`, which comes only once
-    nothing more can be written) resolves the wait; nothing polls."""
+    nothing more can be written) resolves the wait, and has already moved the request on in the
+    engine (`RemotePrefill.receive_ended`); nothing polls."""
     from kv_transfer.base import TransferState
 
     # The agent fails the transfer itself at its deadline; this bound is only a backstop.
@@ -278,21 +308,18 @@ async def _remote_prefill(worker, loop, record: RemotePrefill, request: Generati
         record.to(Stage.FALLBACK)
         await loop.call(lambda e: e.remote.fail(request_id))
         return
-    first_at = time.monotonic()
-    worker.prefill_rate.observe(uncached, first_at - started)
-    record.prefill_s = first_at - started
-    record.to(Stage.RECEIVING)
+    record.prefill_s = time.monotonic() - started
+    worker.prefill_rate.observe(uncached, record.prefill_s)
     token = first["token_ids"][0]
     logprob = first["logprobs"][0] if first.get("logprobs") else None
     # Our engine decides what the token means (text, stop strings, the end of the request).
-    out = await loop.call(lambda e: e.remote.accept_first_token(request_id, token, logprob))
+    out = await loop.call(lambda e: record.take_first_token(e, token, logprob))
     yield output_chunk(out, "disaggregated")
+    # The engine loop moves the request on when the receive ends (on_release); this wait is
+    # for the log and a backstop for a receive the agent never ended.
     arrived = False
     if not out.finished:
         arrived = await _await_transfer(worker, request_id)
     else:  # the sender's send fails on our cancel; our blocks are ours once the receive ended
         await cancel_receive(worker, request_id)
-    # After the first token: how long the decode side waited for the KV to land.
-    record.transfer_s, record.kv_arrived = time.monotonic() - first_at, arrived
-    record.to(Stage.DECODING)
-    await loop.call(lambda e: e.remote.complete(request_id, kv_arrived=arrived))
+    await loop.call(lambda e: record.receive_ended(e, arrived))

@@ -127,10 +127,16 @@ class PDWorker:
             rid = status.request_id
             self.loop.post(lambda e: e.remote.release_held(rid))
         if status.role is Role.RECV:
+            from kv_transfer.base import TransferState
+
             record = self.remote_prefills.get(status.request_id)
-            arrival = record.arrival if record is not None else None
-            if arrival is not None:
-                arrival.get_loop().call_soon_threadsafe(_settle, arrival, status)
+            if record is None:
+                return
+            if self.loop is not None:  # first: the engine moves the request on at once
+                arrived = status.state is TransferState.DONE
+                self.loop.post(lambda e: record.receive_ended(e, arrived))
+            if record.arrival is not None:
+                record.arrival.get_loop().call_soon_threadsafe(_settle, record.arrival, status)
 
     async def ready(self) -> dict:
         self._engine_loop()
