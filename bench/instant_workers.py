@@ -45,7 +45,8 @@ class InstantPool:
     async def generate(self, request_id: str, prompt: Any, params,
                        disaggregate: bool = False, priority: int = 0,
                        cache_salt: Optional[str] = None, decode_worker: Optional[str] = None,
-                       prefill_worker: Optional[str] = None) -> AsyncIterator[dict]:
+                       prefill_worker: Optional[str] = None,
+                       deadline: Optional[float] = None) -> AsyncIterator[dict]:
         """`max_tokens` chunks of one token each, as a worker streams them, without waiting."""
         self.num_requests += 1
         path = "disaggregated" if disaggregate else "colocated"

@@ -36,6 +36,10 @@ class EngineOverloadedError(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class DeadlineExceededError(RuntimeError):
+    """The request's deadline passed before it finished (maps to HTTP 504)."""
+
+
 # ---------------------------------------------------------------------------------- sampling
 # A bias names a handful of tokens, not a vocabulary; this bounds the sampler's work per step.
 MAX_LOGIT_BIAS_ENTRIES = 300
@@ -141,20 +145,28 @@ class SamplingParams:
 class GenerationRequest:
     """One request as a worker receives it (pool client -> PDWorker): the prompt (token ids;
     text from offline callers), its sampling parameters (a SamplingParams, judged once where it
-    was made: by the router for a served request), its priority and its tenant's prefix-cache
-    salt."""
+    was made: by the router for a served request), its priority, its tenant's prefix-cache
+    salt, and its deadline: the wall-clock time (`time.time()`) after which nobody waits for
+    it any more (the router's `request_timeout_s`), so a worker ends it there even if the
+    router's abort never arrives."""
 
     request_id: str
     prompt: Union[str, list[int]]
     params: SamplingParams
     priority: int = 0
     cache_salt: Optional[str] = None
+    deadline: Optional[float] = None
 
     @classmethod
     def make(cls, request_id: str, prompt: Union[str, list[int]],
              params: "SamplingParams | dict", priority: int = 0,
-             cache_salt: Optional[str] = None) -> "GenerationRequest":
-        return cls(request_id, prompt, SamplingParams.of(params), priority, cache_salt)
+             cache_salt: Optional[str] = None,
+             deadline: Optional[float] = None) -> "GenerationRequest":
+        if deadline is not None and not math.isfinite(deadline):
+            raise InvalidRequestError(f"deadline must be a finite time, got {deadline}",
+                                      param="deadline")
+        return cls(request_id, prompt, SamplingParams.of(params), priority, cache_salt,
+                   deadline)
 
 
 def _token_keys(bias) -> Optional[dict]:
@@ -208,6 +220,9 @@ def error_chunk(exc: Exception, status: Optional[int] = None,
     if isinstance(exc, EngineOverloadedError):
         kind, code = "overloaded", status or 429
         extra = {"retry_after_s": exc.retry_after_s}
+    elif isinstance(exc, DeadlineExceededError):
+        kind, code = "timeout", status or 504
+        extra = {}
     elif isinstance(exc, InvalidRequestError):
         kind, code = "invalid_request_error", status or 400
         extra = {"param": exc.param}

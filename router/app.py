@@ -117,7 +117,8 @@ async def _generation(request: Request, backend: Backend, intake: Intake, kind: 
     builder = ResponseBuilder(prepared, response_id, backend.tokenizer)
     merged = merge_streams([
         backend.generate(f"{response_id}-{choice.index}", prepared.prompts[choice.prompt_index],
-                         choice.params, priority=prepared.priority, tenant=tenant)
+                         choice.params, priority=prepared.priority, tenant=tenant,
+                         deadline=time.time() + timeout_s)
         for choice in prepared.choices])
     try:
         if not prepared.stream:

@@ -142,8 +142,8 @@ class PoolBackend:
                             w.load, self.inflight.get(w.worker_id, 0)) for w in workers]
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
-                       priority: int = 0, tenant: Optional[TenantConfig] = None
-                       ) -> AsyncIterator[dict]:
+                       priority: int = 0, tenant: Optional[TenantConfig] = None,
+                       deadline: Optional[float] = None) -> AsyncIterator[dict]:
         arrival = time.monotonic()
         tenant_id = tenant.tenant_id if tenant else "anonymous"
         limit, wait = self.tenants.admit(tenant, len(prompt_ids) + params.max_tokens)
@@ -195,7 +195,7 @@ class PoolBackend:
             async for chunk in self.client.generate(
                     request_id, prompt_ids, params, disaggregate=path == "disaggregated",
                     priority=priority, cache_salt=salt, decode_worker=decision.decode_worker,
-                    prefill_worker=decision.prefill_worker):
+                    prefill_worker=decision.prefill_worker, deadline=deadline):
                 now = time.monotonic()
                 if "error" in chunk:
                     if chunk["error"].get("status") == 429:

@@ -168,24 +168,26 @@ class PoolClient:
                        disaggregate: bool = False, priority: int = 0,
                        cache_salt: Optional[str] = None,
                        decode_worker: Optional[str] = None,
-                       prefill_worker: Optional[str] = None) -> AsyncIterator[dict]:
+                       prefill_worker: Optional[str] = None,
+                       deadline: Optional[float] = None) -> AsyncIterator[dict]:
         """Chunks of the request, in order, each with `token_ids`, `text`, `finished`; an error
         chunk (with `error`) ends the stream when the request cannot be served.
 
         A decode worker lost mid-request costs latency, not the request: it continues on
         another decode worker, or on the restarted one, with the prompt and every token (and
         the exact text) already streamed, for up to `recovery_wait_s` without a worker.
+        `deadline` (time.time()): the workers end the request there (a 504 error chunk).
         """
         streamed: list[int] = []
         text_len = 0  # characters of text the caller already has
         lost: set[str] = set()
         migrations = 0
-        deadline = time.monotonic() + self.recovery_wait_s
+        recover_by = time.monotonic() + self.recovery_wait_s
         while True:
             d = next((w for w in self.decode if w.worker_id == decode_worker), None) \
                 if decode_worker and not lost else None
             if d is None or not d.healthy:
-                d = await self.wait_for_decode(lost, deadline)
+                d = await self.wait_for_decode(lost, recover_by)
             if d is None:
                 yield error_chunk(RuntimeError(
                     "no decode worker is available to serve this request"
@@ -198,7 +200,7 @@ class PoolClient:
             if disaggregate and not streamed:
                 p = next((w for w in self.prefill if w.worker_id == prefill_worker
                           and w.healthy), None) or self._pick(self.prefill, set())
-            request = GenerationRequest.make(rid, prompt, params, priority, cache_salt)
+            request = GenerationRequest.make(rid, prompt, params, priority, cache_salt, deadline)
             if streamed:
                 gen = d.handle.generate.remote(request, resume_output_ids=list(streamed),
                                                resume_text_len=text_len)
@@ -242,7 +244,7 @@ class PoolClient:
                     pass
                 migrations += 1
                 self.migrations += 1
-                deadline = time.monotonic() + self.recovery_wait_s
+                recover_by = time.monotonic() + self.recovery_wait_s
                 if migrations > self.max_migrations:
                     yield error_chunk(RuntimeError(f"request {request_id} lost {migrations} "
                                                    "workers; giving up"), retry_after_s=1.0)

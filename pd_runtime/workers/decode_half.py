@@ -264,6 +264,7 @@ async def run_remote_prefill(worker, request: GenerationRequest,
     except (InvalidRequestError, EngineOverloadedError) as exc:
         yield error_chunk(exc)
         return
+    loop.post(lambda e: worker._watch(request))  # reserved: the request is in the engine
     # Resolved by the agent's on_release when the receive ends (PDWorker._on_release).
     record.arrival = asyncio.get_running_loop().create_future()
     record.to(Stage.PREFILLING)

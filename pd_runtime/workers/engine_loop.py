@@ -59,6 +59,16 @@ class EngineLoop:
         if q is not None:
             q.put_nowait(None)
 
+    def end_stream(self, request_id: str, error: Exception) -> None:
+        """From the engine thread: the request ended here with `error` (its deadline passed);
+        its reader gets the error after every output delivered before it."""
+        def end():
+            q = self._streams.pop(request_id, None)
+            if q is not None:
+                q.put_nowait(error)
+
+        self.loop.call_soon_threadsafe(end)
+
     def alive(self) -> bool:
         return self._thread.is_alive()
 

@@ -20,6 +20,7 @@ from typing import AsyncIterator, Optional
 from pd_runtime.api import (EngineOverloadedError, GenerationRequest, InvalidRequestError,
                             ModelCard, error_chunk, merge_chunks, output_chunk)
 from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
+from pd_runtime.workers.deadlines import DeadlineWatch
 from pd_runtime.workers.decode_half import (PrefillRate, RemotePrefill, ReservationQueue,
                                             cancel_receive, run_remote_prefill)
 from pd_runtime.workers.engine_loop import EngineLoop
@@ -78,6 +79,7 @@ class PDWorker:
         self.send_waiters: set[asyncio.Future] = set()
         # Decode side: remote prefills waiting for blocks, served by the engine loop.
         self.reservations = ReservationQueue()
+        self.deadlines: Optional[DeadlineWatch] = None  # made with the engine loop
         # Prefill side: each prompt's KV shipped layer by layer from its last step (or only
         # timed, with kv_transfer.stream_layers off); until its transfer's lease ends.
         self.stream_layers = kv.stream_layers
@@ -98,6 +100,8 @@ class PDWorker:
             aio = asyncio.get_running_loop()
             self.loop = EngineLoop(self.engine, aio)
             self.loop.add_tick_hook(self.reservations.tick)
+            self.deadlines = DeadlineWatch(self.loop.end_stream)
+            self.loop.add_tick_hook(self.deadlines.tick)
 
             def sendable():  # a link thread: hand the news to this loop, only when awaited
                 if self.send_waiters:
@@ -235,14 +239,19 @@ class PDWorker:
             out = await q.get()
             if out is None:  # aborted from elsewhere: nothing more will come
                 return
+            if isinstance(out, Exception):  # ended in the engine loop (its deadline passed)
+                self.remote_prefills.pop(request_id, None)
+                yield error_chunk(out)
+                return
             chunk = output_chunk(out, path)
             # Outputs that queued up while the caller read the last chunk leave as one: a Ray
             # object per chunk is the streaming path's main cost when the router falls behind.
             while not out.finished and not q.empty():
-                out = q.get_nowait()
-                if out is None:
-                    yield chunk
-                    return
+                later = q.get_nowait()
+                if later is None or isinstance(later, Exception):
+                    q.put_nowait(later)  # the next turn ends the stream
+                    break
+                out = later
                 merge_chunks(chunk, output_chunk(out, path))
             record = self.remote_prefills.pop(request_id, None) if out.finished else None
             if record is not None and record.transfer_s is not None:
@@ -251,6 +260,11 @@ class PDWorker:
             yield chunk
             if out.finished:
                 return
+
+    def _watch(self, request: GenerationRequest) -> None:
+        """On the engine thread, once the request is in the engine: its deadline, if any."""
+        if request.deadline is not None:
+            self.deadlines.add(request.request_id, request.deadline)
 
     async def _abort_unfinished(self, request_id: str) -> None:
         loop = self._engine_loop()
@@ -271,10 +285,10 @@ class PDWorker:
         finished = False
         try:
             try:
-                await loop.call(lambda e: e.add_request(
+                await loop.call(lambda e: (e.add_request(
                     request_id, request.prompt, request.params, request.priority,
                     request.cache_salt, resume_output_ids=resume_output_ids,
-                    resume_text_len=resume_text_len))
+                    resume_text_len=resume_text_len), self._watch(request)))
             except (InvalidRequestError, EngineOverloadedError) as exc:
                 finished = True
                 yield error_chunk(exc)
@@ -351,19 +365,21 @@ class PDWorker:
         self.shipments[request_id] = streamer
         q = loop.open_stream(request_id)
         try:
-            await loop.call(lambda e: e.add_request(request_id, request.prompt, first_params,
-                                                    cache_salt=request.cache_salt,
-                                                    hold_blocks=True,
-                                                    layer_sink=streamer.layer_done))
+            await loop.call(lambda e: (e.add_request(request_id, request.prompt, first_params,
+                                                     cache_salt=request.cache_salt,
+                                                     hold_blocks=True,
+                                                     layer_sink=streamer.layer_done),
+                                       self._watch(request)))
         except (InvalidRequestError, EngineOverloadedError) as exc:
             loop.close_stream(request_id)
             self.shipments.pop(request_id, None)
             return error_chunk(exc)
         out = await q.get()
-        if out is None:  # aborted while prefilling (abort() already freed its blocks)
-            self.cancelled.pop(request_id, None)
+        if out is None or isinstance(out, Exception):  # aborted while prefilling (abort()
+            self.cancelled.pop(request_id, None)        # already freed its blocks)
             self.shipments.pop(request_id, None)
-            return error_chunk(RuntimeError(f"request {request_id} was cancelled"), 499)
+            return error_chunk(out) if out is not None else \
+                error_chunk(RuntimeError(f"request {request_id} was cancelled"), 499)
         task = asyncio.ensure_future(ship_kv(self, request_id, peer_id, dst_block_ids,
                                              skip_blocks, streamer))
         self.ship_tasks[request_id] = task  # the decode side learns the outcome on the link
