@@ -15,10 +15,6 @@ from pd_runtime.api import DeadlineExceededError
 
 log = logging.getLogger(__name__)
 
-# A request waiting for its remote KV cannot be aborted under the receive; it is looked at
-# again this much later (it lands or falls back within the transfer's own deadline).
-_RECHECK_S = 0.05
-
 
 class DeadlineWatch:
     """A tick hook of the engine loop. Everything here runs on the engine thread: `add` is
@@ -28,22 +24,35 @@ class DeadlineWatch:
     def __init__(self, end_stream: Callable[[str, Exception], None]):
         self._end_stream = end_stream
         self._heap: list[tuple[float, str]] = []  # (deadline as time.time(), request id)
+        # Past their deadline while waiting for remote KV, which the receive may still be
+        # writing: aborted at the first tick after they leave engine.remote.waiting (landed
+        # or fallen back), before any step of theirs.
+        self._overdue: dict[str, float] = {}
         self.expired = 0
 
     def add(self, request_id: str, deadline: float) -> None:
         heapq.heappush(self._heap, (deadline, request_id))
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._heap) + len(self._overdue)
 
     def tick(self, engine) -> None:
+        # Entries of requests that finished in time go when they come due, or sooner when they
+        # outnumber the live requests (a deadline is minutes away, requests take seconds).
+        if len(self._heap) > 2 * len(engine.requests) + 64 or not engine.requests:
+            self._heap = [item for item in self._heap if item[1] in engine.requests]
+            heapq.heapify(self._heap)
         now = time.time()
+        due = list(self._overdue.items())
+        self._overdue.clear()
         while self._heap and self._heap[0][0] <= now:
             deadline, request_id = heapq.heappop(self._heap)
+            due.append((request_id, deadline))
+        for request_id, deadline in due:
             if request_id not in engine.requests:  # finished (or aborted) in time
                 continue
             if request_id in engine.remote.waiting:
-                heapq.heappush(self._heap, (now + _RECHECK_S, request_id))
+                self._overdue[request_id] = deadline
                 continue
             engine.abort(request_id)
             self.expired += 1

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
-from pd_runtime.api import (EngineOverloadedError, GenerationRequest, InvalidRequestError,
-                            error_chunk, output_chunk)
+from pd_runtime.api import (DeadlineExceededError, EngineOverloadedError, GenerationRequest,
+                            InvalidRequestError, error_chunk, output_chunk)
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +257,10 @@ async def run_remote_prefill(worker, request: GenerationRequest,
     once the stream ended."""
     request_id = request.request_id
     loop = worker._engine_loop()
+    if request.deadline is not None and time.time() > request.deadline:
+        yield error_chunk(DeadlineExceededError(f"request {request_id} arrived after its "
+                                                "deadline"))
+        return
     record = worker.remote_prefills[request_id] = RemotePrefill(request_id)
     try:
         res = await _reserve(worker, request_id, request.prompt, request.params,
@@ -315,12 +319,14 @@ async def _remote_prefill(worker, loop, record: RemotePrefill, request: Generati
     logprob = first["logprobs"][0] if first.get("logprobs") else None
     # Our engine decides what the token means (text, stop strings, the end of the request).
     out = await loop.call(lambda e: record.take_first_token(e, token, logprob))
+    if out.finished:  # the token ends the request: free the reservation before telling
+        # The sender's send fails on our cancel; our blocks are ours once the receive ended.
+        await cancel_receive(worker, request_id)
+        await loop.call(lambda e: record.receive_ended(e, False))
+        yield output_chunk(out, "disaggregated")
+        return
     yield output_chunk(out, "disaggregated")
     # The engine loop moves the request on when the receive ends (on_release); this wait is
     # for the log and a backstop for a receive the agent never ended.
-    arrived = False
-    if not out.finished:
-        arrived = await _await_transfer(worker, request_id)
-    else:  # the sender's send fails on our cancel; our blocks are ours once the receive ended
-        await cancel_receive(worker, request_id)
+    arrived = await _await_transfer(worker, request_id)
     await loop.call(lambda e: record.receive_ended(e, arrived))

@@ -21,7 +21,7 @@ from pd_runtime.api import (EngineOverloadedError, GenerationRequest, InvalidReq
                             ModelCard, error_chunk, merge_chunks, output_chunk)
 from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
 from pd_runtime.workers.deadlines import DeadlineWatch
-from pd_runtime.workers.decode_half import (PrefillRate, RemotePrefill, ReservationQueue,
+from pd_runtime.workers.decode_half import (PrefillRate, RemotePrefill, ReservationQueue, Stage,
                                             cancel_receive, run_remote_prefill)
 from pd_runtime.workers.engine_loop import EngineLoop
 from pd_runtime.workers.prefill_half import LayerStreamer, TransferOverlap, ship_kv
@@ -218,7 +218,8 @@ class PDWorker:
     async def abort(self, request_id: str) -> bool:
         """Cancel a request here; blocks leased to an unfinished transfer are freed when the
         lease ends (the agent tells the peer, which fails its side)."""
-        if self.role == "prefill":
+        if self.role == "prefill" and request_id not in self.shipments:
+            # Its prefill call has not come (or has ended): refuse it if it comes late.
             now = time.monotonic()
             self.cancelled = {r: t for r, t in self.cancelled.items() if now - t < 60.0}
             self.cancelled[request_id] = now
@@ -309,25 +310,30 @@ class PDWorker:
         q = loop.open_stream(request_id)
         finished = False
         try:
-            # Run to its end even when the first chunk finishes the request: what follows the
-            # yield ends the transfer and frees the reservation.
+            # A first chunk that finishes the request comes after its reservation was freed
+            # (run_remote_prefill): nothing is left to do after a yield that ends the request,
+            # which a consumer that stops reading there never resumes.
             async for chunk in run_remote_prefill(self, request, prefill_worker):
                 finished = chunk["finished"]
                 yield chunk
+            if not finished:
+                async for chunk in self._stream(request_id, q, "disaggregated"):
+                    finished = chunk["finished"]
+                    yield chunk
+        finally:
             if finished:
                 loop.close_stream(request_id)
                 self.remote_prefills.pop(request_id, None)
-                return
-            async for chunk in self._stream(request_id, q, "disaggregated"):
-                finished = chunk["finished"]
-                yield chunk
-        finally:
-            if not finished:
+            else:
+                record = self.remote_prefills.get(request_id)
                 await self._abort_unfinished(request_id)
-                try:
-                    prefill_worker.abort.remote(request_id)
-                except Exception:  # the prefill worker may be gone; nothing of ours is there
-                    pass
+                # Only a prefill not answered yet is the prefill worker's to stop; after the
+                # first token, cancelling our receive fails its send (and ends its lease).
+                if record is not None and record.stage is Stage.PREFILLING:
+                    try:
+                        prefill_worker.abort.remote(request_id)
+                    except Exception:  # the prefill worker may be gone; nothing of ours there
+                        pass
 
     # -- disaggregated: prefill side ---------------------------------------------------------
     def _peer_for(self, metadata: bytes) -> str:
