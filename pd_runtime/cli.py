@@ -1,4 +1,5 @@
-"""`pd-runtime` command line: serve, generate (offline), make-tiny-model.
+"""`pd-runtime` command line: serve, generate (offline), make-tiny-model, and the planner's
+profile, simulate and plan (planner/cli.py).
 
 Settings come from flags and YAML here, at the edge; nothing deeper reads the environment.
 """
@@ -145,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="no Ray: the config's workers run in this process (each on "
                                 "its own thread and event loop, KV moved by in-process links)")
         p.set_defaults(func=func)
+
+    from planner.cli import add_commands
+
+    add_commands(sub)
     return parser
 
 

@@ -1,0 +1,138 @@
+"""The cost model the planner simulates with: what a prefill, a decode step and a KV transfer
+take on this deployment's workers, as the workers measured it (one model, not two: the
+coefficients are those of each engine's own step-cost fit, pd_runtime/engine/step_costs.py,
+which the router's live cost model, router/cost_model.py, reads from the same load reports).
+
+Written by `pd-runtime profile` as JSON; read by `pd-runtime plan`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from router.cost_model import WorkerCosts
+
+COEFFICIENTS = ("step_s", "prefill_token_s", "prefill_attention_s", "decode_seq_s",
+                "decode_context_s")
+
+
+@dataclass
+class RoleCosts:
+    """One kind of worker (prefill or decode): its step costs and its engine's limits."""
+
+    coefficients: dict[str, float]
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    num_kv_blocks: int = 4096
+    block_size: int = 16
+    step_time_target_s: Optional[float] = None
+    max_model_len: int = 4096
+
+    def __post_init__(self):
+        missing = [name for name in COEFFICIENTS if name not in self.coefficients]
+        if missing:
+            raise ValueError(f"cost model: coefficients lack {missing}")
+        bad = [name for name, value in self.coefficients.items()
+               if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0)]
+        if bad:
+            raise ValueError(f"cost model: coefficients {bad} must be finite and >= 0")
+
+    def worker_costs(self) -> WorkerCosts:
+        c = self.coefficients
+        return WorkerCosts(step_s=c["step_s"], prefill_token_s=c["prefill_token_s"],
+                           prefill_attention_s=c["prefill_attention_s"],
+                           decode_seq_s=c["decode_seq_s"],
+                           decode_context_s=c["decode_context_s"],
+                           max_batched_tokens=self.max_num_batched_tokens)
+
+    def step_s(self, prefill_tokens: int, prefill_attention: int, decode_seqs: int,
+               decode_context: int) -> float:
+        """One engine step's seconds: the same linear form the engine fits to its steps."""
+        c = self.coefficients
+        return (c["step_s"] + c["prefill_token_s"] * prefill_tokens
+                + c["prefill_attention_s"] * prefill_attention
+                + c["decode_seq_s"] * decode_seqs + c["decode_context_s"] * decode_context)
+
+    @classmethod
+    def from_load(cls, load: dict, engine: Optional[dict] = None) -> "RoleCosts":
+        """From a worker's load report (its fitted coefficients and limits) and, where the
+        report does not say, the engine config it runs."""
+        engine = engine or {}
+        report = load.get("step_costs") or {}
+        coefficients = report.get("coefficients")
+        if not coefficients:
+            raise ValueError(f"worker {load.get('worker_id')} reports no step costs yet")
+        return cls(coefficients={k: float(coefficients[k]) for k in COEFFICIENTS},
+                   max_num_batched_tokens=int(load.get("max_num_batched_tokens", 2048)),
+                   max_num_seqs=int(load.get("max_num_seqs", 128)),
+                   num_kv_blocks=int(load.get("total_blocks", 4096)),
+                   block_size=int(load.get("block_size", 16)),
+                   step_time_target_s=engine.get("step_time_target_s"),
+                   max_model_len=int(load.get("max_model_len") or engine.get("max_model_len")
+                                     or 4096))
+
+
+@dataclass
+class ClusterCosts:
+    """Everything the simulator needs to know about the hardware and the runtime."""
+
+    prefill: RoleCosts
+    decode: RoleCosts
+    kv_bytes_per_token: int = 0
+    transfer_gbps: float = 1.0        # prefill -> decode link, measured on the sends
+    rpc_s: float = 0.003              # a Ray call and its answer
+    router_overhead_s: float = 0.0005  # what the router adds to a request's TTFT
+    num_layers: int = 1               # a streamed transfer leaves 1/num_layers exposed
+    stream_layers: bool = True
+    source: dict = field(default_factory=dict)  # where and when it was measured
+
+    def transfer_s(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / (self.transfer_gbps * 1e9)
+
+    # -- files -----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"version": 1, **asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ClusterCosts":
+        if data.get("version") != 1:
+            raise ValueError(f"cost model: version {data.get('version')!r} is not 1")
+        fields = {k: v for k, v in data.items() if k != "version"}
+        for role in ("prefill", "decode"):
+            if role not in fields:
+                raise ValueError(f"cost model: no '{role}' section")
+            fields[role] = RoleCosts(**fields[role])
+        try:
+            return cls(**fields)
+        except TypeError as exc:
+            raise ValueError(f"cost model: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ClusterCosts":
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"cost model {path}: not JSON ({exc})") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_loads(cls, prefill_load: dict, decode_load: dict, *, prefill_engine: dict,
+                   decode_engine: dict, num_layers: int, stream_layers: bool,
+                   rpc_s: float, router_overhead_s: float, note: str = "") -> "ClusterCosts":
+        """From one prefill and one decode worker's load reports after a calibration sweep."""
+        send = (prefill_load.get("kv_transfer") or {}).get("send_gbps") or 1.0
+        return cls(prefill=RoleCosts.from_load(prefill_load, prefill_engine),
+                   decode=RoleCosts.from_load(decode_load, decode_engine),
+                   kv_bytes_per_token=int(decode_load.get("kv_bytes_per_token") or 0),
+                   transfer_gbps=float(send), rpc_s=rpc_s, router_overhead_s=router_overhead_s,
+                   num_layers=num_layers, stream_layers=stream_layers,
+                   source={"measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                           "note": note})
