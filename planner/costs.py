@@ -87,12 +87,23 @@ class ClusterCosts:
     transfer_gbps: float = 1.0        # prefill -> decode link, measured on the sends
     rpc_s: float = 0.003              # a Ray call and its answer
     router_overhead_s: float = 0.0005  # what the router adds to a request's TTFT
-    num_layers: int = 1               # a streamed transfer leaves 1/num_layers exposed
+    num_layers: int = 1
     stream_layers: bool = True
+    # Streamed: the mean wait from the prompt's last layer to the KV landed, as the prefill
+    # workers measured it (TransferOverlap); None: the last layer's share of bytes/rate.
+    transfer_exposed_s: Optional[float] = None
     source: dict = field(default_factory=dict)  # where and when it was measured
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / (self.transfer_gbps * 1e9)
+
+    def exposed_s(self, tokens: int) -> float:
+        """What the decode side waits for the KV after the prefill's last step."""
+        if not self.stream_layers:
+            return self.transfer_s(tokens)
+        if self.transfer_exposed_s is not None:
+            return self.transfer_exposed_s
+        return self.transfer_s(tokens) / max(1, self.num_layers)
 
     # -- files -----------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -126,13 +137,19 @@ class ClusterCosts:
     @classmethod
     def from_loads(cls, prefill_load: dict, decode_load: dict, *, prefill_engine: dict,
                    decode_engine: dict, num_layers: int, stream_layers: bool,
-                   rpc_s: float, router_overhead_s: float, note: str = "") -> "ClusterCosts":
+                   rpc_s: float, router_overhead_s: float, max_model_len: int,
+                   note: str = "") -> "ClusterCosts":
         """From one prefill and one decode worker's load reports after a calibration sweep."""
         send = (prefill_load.get("kv_transfer") or {}).get("send_gbps") or 1.0
-        return cls(prefill=RoleCosts.from_load(prefill_load, prefill_engine),
-                   decode=RoleCosts.from_load(decode_load, decode_engine),
+        overlap = prefill_load.get("kv_overlap") or {}
+        exposed = overlap["exposed_s_total"] / overlap["transfers"] \
+            if overlap.get("transfers") else None
+        limits = {"max_model_len": max_model_len}
+        return cls(prefill=RoleCosts.from_load({**prefill_load, **limits}, prefill_engine),
+                   decode=RoleCosts.from_load({**decode_load, **limits}, decode_engine),
                    kv_bytes_per_token=int(decode_load.get("kv_bytes_per_token") or 0),
                    transfer_gbps=float(send), rpc_s=rpc_s, router_overhead_s=router_overhead_s,
                    num_layers=num_layers, stream_layers=stream_layers,
+                   transfer_exposed_s=exposed if stream_layers else None,
                    source={"measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                            "note": note})

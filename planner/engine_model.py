@@ -41,6 +41,10 @@ class Seq:
 
 
 class SimEngine:
+    # At most this many decode steps in one run (None: up to the next finish). 1 makes every
+    # step its own event: the reference the closed form is tested against.
+    max_run_steps: Optional[int] = None
+
     def __init__(self, sim, worker_id: str, role: str, costs: RoleCosts):
         self.sim, self.worker_id, self.role, self.costs = sim, worker_id, role, costs
         self.free_blocks = costs.num_kv_blocks
@@ -184,6 +188,8 @@ class SimEngine:
             return
         if not plan:  # pure decode: a run up to the next request that finishes
             k = max(1, self.finishing[0][0] - self.step_no)
+            if self.max_run_steps is not None:
+                k = min(k, self.max_run_steps)
             a = c.coefficients["step_s"] + c.coefficients["decode_seq_s"] * self.decode_batch
             ctx_s = c.coefficients["decode_context_s"]
             self._run = (now, k, a, ctx_s, self.decode_context, self.decode_batch)

@@ -110,6 +110,6 @@ async def calibrate(client, cfg, model_dir: str, quick: bool = False,
         p.load, d.load, prefill_engine=pools["prefill"].engine.model_dump(),
         decode_engine=pools["decode"].engine.model_dump(), num_layers=num_layers,
         stream_layers=cfg.kv_transfer.stream_layers, rpc_s=rpc_s,
-        router_overhead_s=ROUTER_OVERHEAD_S,
+        router_overhead_s=ROUTER_OVERHEAD_S, max_model_len=card.max_model_len if card else 4096,
         note=f"pd-runtime profile{' --quick' if quick else ''}: {len(stages)} stages, "
              f"{cfg.kv_transfer.backend} transfers, model {Path(model_dir).name}")

@@ -3,7 +3,8 @@ implemented (router/policy.py's `decide` / `decide_slo`, with the router's ledge
 cost model, imported, not re-written), the prefill and decode engines (planner/engine_model.py),
 the decode side's block reservations (first come first served, as ReservationQueue), the KV
 transfer over each prefill -> decode link (one transfer at a time per link; streamed layer by
-layer, so only the last layer's share is left after the prefill), and the clients' arrivals.
+layer, so only what the prefill workers measured as exposed is left after the prefill's last
+step), and the clients' arrivals.
 
 Times as the product measures them: TTFT from the request's arrival at the router to its first
 token at the client, TPOT as (last token - first token) / (tokens - 1). A request is good when it
@@ -229,12 +230,7 @@ class ClusterSim:
 
         def prefilled(t: float) -> None:  # on P: first token back to D and on to the client
             self._first(out, p, t + 2 * half)
-            size = self.costs.transfer_s(req.prompt_len)
-            free = self.links.get((p, d), 0.0)
-            if self.costs.stream_layers:
-                landed = max(t + size / max(1, self.costs.num_layers), free + size)
-            else:
-                landed = max(t, free) + size
+            landed = max(t, self.links.get((p, d), 0.0)) + self.costs.exposed_s(req.prompt_len)
             self.links[(p, d)] = landed
             self.at(landed, lambda: self._landed(out, d, p, p_blocks, d_blocks))
 

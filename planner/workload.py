@@ -36,6 +36,7 @@ class Workload:
     input_len: int = 256         # fixed
     output_len: int = 64
     trace: Optional[str] = None  # mix or arrival `trace`: the file
+    trace_point: int = 0         # a bench/goodput.py --json trace: which of its points
 
     def __post_init__(self):
         if self.mix not in ("bimodal", "fixed", "trace"):
@@ -69,7 +70,9 @@ class Workload:
                  duration_s: Optional[float] = None, seed: int = 0) -> list[SimRequest]:
         """The requests of one run: `rate` per second until `num_requests` or `duration_s`
         (a trace's own times need neither)."""
-        rng = random.Random(seed)
+        # Times and lengths from their own streams: the first n requests of a longer run are
+        # the n requests of a shorter one.
+        rng, lengths = random.Random(f"{seed}:arrivals"), random.Random(f"{seed}:lengths")
         rows = self._trace_rows() if "trace" in (self.mix, self.arrival) else None
         if self.arrival == "trace":
             times = [t for t, _, _ in rows]
@@ -97,7 +100,7 @@ class Workload:
             elif self.mix == "fixed":
                 prompt_len, max_tokens = self.input_len, self.output_len
             else:
-                long = rng.random() < self.long_fraction
+                long = lengths.random() < self.long_fraction
                 prompt_len = self.long_len if long else self.short_len
                 max_tokens = self.output_len
             out.append(SimRequest(i, t, prompt_len, max_tokens))
@@ -105,21 +108,25 @@ class Workload:
 
     def _trace_rows(self) -> list[tuple[Optional[float], int, int]]:
         if self._rows is None:
-            self._rows = read_trace(self.trace)
+            self._rows = read_trace(self.trace, self.trace_point)
         return self._rows
 
 
-def read_trace(path: str | Path) -> list[tuple[Optional[float], int, int]]:
-    """(arrival seconds or None, input_len, output_len) rows, in arrival order."""
+def read_trace(path: str | Path, point: int = 0) -> list[tuple[Optional[float], int, int]]:
+    """(arrival seconds or None, input_len, output_len) rows, in arrival order; `point`: which
+    point of a bench/goodput.py --json file."""
     text = Path(path).read_text()
-    stripped = text.lstrip()
     rows: list[tuple[Optional[float], int, int]] = []
-    if stripped.startswith("{") and '"points"' in text[:2000]:
-        data = json.loads(text)  # bench/goodput.py --json: every request as it was sent
-        for point in data["points"]:
-            records = sorted(point["requests"], key=lambda r: r["scheduled_s"])
-            rows.extend((r["scheduled_s"], r["input_len"], r["output_len"]) for r in records)
-            break  # one point: a trace is one run
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = None  # JSON lines
+    if isinstance(data, dict) and "points" in data:
+        # bench/goodput.py --json: every request as it was sent
+        if not 0 <= point < len(data["points"]):
+            raise ValueError(f"trace {path}: no point {point} (it has {len(data['points'])})")
+        records = sorted(data["points"][point]["requests"], key=lambda r: r["scheduled_s"])
+        rows.extend((r["scheduled_s"], r["input_len"], r["output_len"]) for r in records)
     else:
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():

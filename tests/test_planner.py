@@ -1,0 +1,225 @@
+"""The planner: its cost-model file, workloads, the simulator (against hand-computed timings,
+against its own step-by-step reference, on the router's real policy), the plan search, and
+`pd-runtime profile / simulate / plan` end to end (profile on in-process workers of the test
+model). Its accuracy against the served product is a benchmark: bench/sim_accuracy.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pd_runtime.config import RoutingConfig, SLOTarget
+from planner.costs import ClusterCosts, RoleCosts
+from planner.engine_model import SimEngine
+from planner.simulator import ClusterSim, Topology, simulate
+from planner.workload import SimRequest, Workload, read_trace
+
+COEF = dict(step_s=0.004, prefill_token_s=2.5e-4, prefill_attention_s=1e-8,
+            decode_seq_s=8e-4, decode_context_s=2e-7)
+SLO = SLOTarget(ttft_s=2.5, tpot_s=0.1)
+
+
+def costs(**over) -> ClusterCosts:
+    role = RoleCosts(coefficients=dict(COEF), num_kv_blocks=over.pop("blocks", 4096))
+    return ClusterCosts(prefill=role, decode=role, kv_bytes_per_token=32768,
+                        transfer_gbps=2.0, rpc_s=0.002, router_overhead_s=0.0005,
+                        num_layers=8, **over)
+
+
+def routing(mode: str, threshold: int = 512) -> RoutingConfig:
+    return RoutingConfig(mode=mode, max_local_prefill_tokens=threshold)
+
+
+# ---------------------------------------------------------------------------------- the file
+def test_cost_model_file_round_trips_and_names_what_is_wrong(tmp_path):
+    path = tmp_path / "costs.json"
+    original = costs(transfer_exposed_s=0.004)
+    original.save(path)
+    assert ClusterCosts.load(path) == original
+    data = json.loads(path.read_text())
+    del data["decode"]["coefficients"]["decode_seq_s"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="decode_seq_s"):
+        ClusterCosts.load(path)
+    data["version"] = 7
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="version"):
+        ClusterCosts.load(path)
+    with pytest.raises(ValueError, match="finite"):
+        RoleCosts(coefficients={**COEF, "step_s": float("nan")})
+
+
+# ---------------------------------------------------------------------------------- workloads
+def test_bimodal_poisson_workload():
+    reqs = Workload().requests(rate=4.0, num_requests=4000, seed=3)
+    assert len(reqs) == 4000
+    long = sum(r.prompt_len == 2048 for r in reqs) / len(reqs)
+    assert 0.18 < long < 0.22 and {r.prompt_len for r in reqs} == {128, 2048}
+    assert all(r.max_tokens == 64 for r in reqs)
+    rate = len(reqs) / reqs[-1].arrival_s
+    assert 3.8 < rate < 4.2
+    assert Workload().requests(rate=4.0, num_requests=50, seed=3) == reqs[:50]
+    bursty = Workload(arrival="gamma", burstiness=0.25).requests(rate=4.0, num_requests=4000)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(bursty, bursty[1:])]
+    mean = sum(gaps) / len(gaps)
+    cv = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
+    assert 1.7 < cv < 2.3  # 1/sqrt(0.25)
+    with pytest.raises(ValueError, match="workload.mix"):
+        Workload(mix="trimodal")
+
+
+def test_traces_jsonl_and_bench_json(tmp_path):
+    lines = tmp_path / "trace.jsonl"
+    lines.write_text('{"t": 0.5, "input_len": 10, "output_len": 3}\n\n'
+                     '{"t": 0.2, "input_len": 20, "output_len": 4}\n')
+    reqs = Workload(mix="trace", arrival="trace", trace=str(lines)).requests()
+    assert [(r.arrival_s, r.prompt_len, r.max_tokens) for r in reqs] == [(0.5, 10, 3),
+                                                                           (0.2, 20, 4)]
+    bench = tmp_path / "bench.json"
+    point = {"requests": [{"scheduled_s": 1.0, "input_len": 128, "output_len": 64},
+                          {"scheduled_s": 0.1, "input_len": 2048, "output_len": 64}]}
+    bench.write_text(json.dumps({"label": "x", "points": [point, point]}))
+    assert read_trace(bench, 1) == [(0.1, 2048, 64), (1.0, 128, 64)]
+    with pytest.raises(ValueError, match="no point 2"):
+        read_trace(bench, 2)
+    lines.write_text('{"input_len": 10}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        read_trace(lines)
+
+
+# ---------------------------------------------------------------------------------- simulator
+def _one(mode: str, prompt_len: int, max_tokens: int, c: ClusterCosts) -> dict:
+    topology = Topology(1, 1, routing(mode))
+    sim = ClusterSim(c, topology)
+    [out] = sim.run([SimRequest(0, 1.0, prompt_len, max_tokens)])
+    return {"ttft": out.ttft_s(c.router_overhead_s), "tpot": out.tpot_s(), "path": out.path}
+
+
+def _decode_steps_s(prompt_len: int, max_tokens: int) -> float:
+    """The max_tokens - 1 decode steps after the first token, one sequence."""
+    return sum(COEF["step_s"] + COEF["decode_seq_s"] + COEF["decode_context_s"] *
+               (prompt_len + 1 + j) for j in range(max_tokens - 1))
+
+
+def test_one_request_takes_what_the_cost_model_says():
+    c = costs()
+    prefill = COEF["step_s"] + COEF["prefill_token_s"] * 300 + \
+        COEF["prefill_attention_s"] * (300 * 301 // 2)
+    got = _one("always_colocated", 300, 10, c)
+    assert got["path"] == "colocated"
+    assert got["ttft"] == pytest.approx(c.rpc_s + prefill + c.router_overhead_s, rel=1e-9)
+    assert got["tpot"] == pytest.approx(_decode_steps_s(300, 10) / 9, rel=1e-9)
+    # Disaggregated: router -> decode -> prefill worker and the token back the same way; the
+    # KV lands what is exposed after the prefill, and decoding starts on the decode worker.
+    got = _one("always_disaggregated", 300, 10, c)
+    assert got["path"] == "disaggregated"
+    assert got["ttft"] == pytest.approx(2 * c.rpc_s + prefill + c.router_overhead_s, rel=1e-9)
+    exposed = c.exposed_s(300)
+    assert exposed == pytest.approx(300 * 32768 / 2e9 / 8)
+    tpot = (exposed - c.rpc_s + _decode_steps_s(300, 10) + c.rpc_s / 2) / 9
+    assert got["tpot"] == pytest.approx(tpot, rel=1e-9)
+
+
+def test_runs_of_decode_steps_equal_the_step_by_step_reference(monkeypatch):
+    """Pure-decode runs are computed in closed form and cut by arrivals: with every step its own
+    event the outcomes must be the same, for every path and a KV cache small enough that
+    reservations and admissions wait for blocks."""
+    c = costs(blocks=300)
+    requests = Workload(long_len=1500, output_len=40).requests(rate=3.0, num_requests=150,
+                                                               seed=5)
+    for mode in ("always_colocated", "always_disaggregated", "auto"):
+        fast = ClusterSim(c, Topology(1, 2, routing(mode)))
+        fast_out = fast.run(requests)
+        monkeypatch.setattr(SimEngine, "max_run_steps", 1)
+        slow = ClusterSim(c, Topology(1, 2, routing(mode)))
+        slow_out = slow.run(requests)
+        monkeypatch.setattr(SimEngine, "max_run_steps", None)
+        assert slow.events > 3 * fast.events  # the reference really stepped one by one
+        assert all(o.end_s is not None and not o.refused for o in fast_out)
+        for a, b in zip(fast_out, slow_out):
+            assert (a.path, a.request) == (b.path, b.request)
+            assert (a.first_s, a.end_s) == pytest.approx((b.first_s, b.end_s), rel=1e-9)
+        for engine in fast.engines.values():
+            assert engine.free_blocks == c.decode.num_kv_blocks
+            assert not engine.decode_batch and not engine.remote_waiting
+
+
+def test_the_router_policy_decides_the_paths():
+    c = costs()
+    requests = Workload().requests(rate=1.0, num_requests=200, seed=2)
+    long = sum(r.prompt_len == 2048 for r in requests)
+    result = simulate(c, Topology(1, 1, routing("auto", 512)), requests, SLO)
+    assert result["paths"] == {"colocated": 200 - long, "disaggregated": long}
+    result = simulate(c, Topology(1, 1, routing("auto", 4096)), requests, SLO)
+    assert result["paths"] == {"colocated": 200}
+    # slo mode: a TTFT target no prompt can meet and `overload: reject` refuses early.
+    strict = RoutingConfig(mode="slo", slo={"ttft_s": 0.001, "tpot_s": 0.1}, overload="reject")
+    result = simulate(c, Topology(1, 1, strict), requests[:20], SLO)
+    assert result["refused"] + result["completed"] == 20 and result["refused"] > 0
+    # Same seed, same everything.
+    again = simulate(c, Topology(1, 1, strict), requests[:20], SLO)
+    assert again == result
+
+
+def test_more_load_than_capacity_lowers_goodput_and_raises_latency():
+    c = costs()
+    low = simulate(c, Topology(1, 1, routing("auto")),
+                   Workload().requests(rate=0.5, num_requests=200, seed=1), SLO)
+    high = simulate(c, Topology(1, 1, routing("auto")),
+                    Workload().requests(rate=20.0, num_requests=400, seed=1), SLO)
+    assert low["good"] == low["sent"] == 200
+    assert high["good"] < high["completed"] and high["ttft_s"]["p99"] > 5 * low["ttft_s"]["p99"]
+
+
+# ---------------------------------------------------------------------------------- plan
+def test_plan_ranks_splits_and_plots(tmp_path):
+    from planner.plan import parse_slo, plan, plot, table
+
+    assert parse_slo("ttft=2.5,tpot=100ms") == SLOTarget(ttft_s=2.5, tpot_s=0.1)
+    with pytest.raises(ValueError, match="tpot"):
+        parse_slo("ttft=2")
+    ranked, info = plan(costs(), Workload(), SLO, workers=4, rates=[2.0, 6.0, 12.0],
+                        duration_s=20.0)
+    peaks = [c.peak["goodput_rps"] for c in ranked]
+    assert peaks == sorted(peaks, reverse=True) and info["candidates"] == len(ranked) >= 5
+    names = {c.name for c in ranked}
+    assert "0P+4D always_colocated" in names and "1P+3D auto@2047" in names
+    assert all(len(c.points) == 3 for c in ranked)
+    text = table(ranked)
+    assert ranked[0].name in text.splitlines()[1]
+    png = tmp_path / "plan.png"
+    plot(ranked, str(png), SLO)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------- commands
+def test_profile_simulate_plan_commands(llama_dir, tmp_path, capsys):
+    import yaml
+
+    from pd_runtime.cli import main
+
+    engine = {"dtype": "float32", "num_kv_blocks": 512, "num_threads": 1, "warmup_tokens": 0}
+    config = tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump({"model": llama_dir,
+                                      "prefill": {"num_workers": 1, "engine": engine},
+                                      "decode": {"num_workers": 1, "engine": engine}}))
+    cost_path = tmp_path / "costs.json"
+    assert main(["profile", "--config", str(config), "--in-process", "--quick",
+                 "--out", str(cost_path)]) == 0
+    measured = ClusterCosts.load(cost_path)
+    assert measured.prefill.coefficients["prefill_token_s"] > 0
+    assert measured.decode.coefficients["prefill_token_s"] > 0
+    assert measured.decode.num_kv_blocks == 512 and measured.kv_bytes_per_token > 0
+    assert measured.transfer_exposed_s is not None and measured.rpc_s > 0
+    capsys.readouterr()
+    assert main(["simulate", "--cost-model", str(cost_path), "--rates", "5", "20",
+                 "--num-requests", "100", "--mode", "auto", "--threshold", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "1P+1D auto@256" in out and len(out.splitlines()) == 4
+    assert main(["plan", "--cost-model", str(cost_path), "--workers", "3", "--rates", "5",
+                 "20", "--duration", "10", "--png", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    assert "recommended:" in out and (tmp_path / "p.png").exists()
