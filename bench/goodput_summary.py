@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from bench.goodput import PointPlan, RequestRecord
+    from bench.goodput_client import RequestRecord
+    from bench.goodput_load import PointPlan
 
 def percentile(values: list[float], q: float) -> Optional[float]:
     """Linear interpolation between closest ranks (numpy's default); None for no values."""

@@ -1,141 +1,25 @@
-"""The Ray runtime on a local Ray: colocated and disaggregated paths give the same tokens, and
-faults (a worker killed mid-transfer or mid-stream, a cancel) cost latency, never a request.
-"""
+"""The Ray runtime under faults on a local Ray: a worker killed mid-transfer or mid-stream, a
+cancel or an abort, a stopped or dead worker cost latency, never a request, and leave no block
+behind. The paths themselves: test_workers_ray_paths.py."""
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import pytest
 
-from pd_runtime import LLM, SamplingParams
 from pd_runtime.api import GenerationRequest
-from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
+from pd_runtime.config import EngineConfig, KVTransferConfig
 
 ray = pytest.importorskip("ray")
 
-NUM_BLOCKS = 128
+# pytest finds the fixtures `cluster` and `reference` by name in this module.
+from tests.workers_ray_support.cluster import (NUM_BLOCKS, cluster, collect,  # noqa: E402,F401
+                                               params, reference, text_of, tokens_of,
+                                               wait_alive, wait_free)
+
 pytestmark = pytest.mark.timeout(240)
-
-
-def params(i: int, seeded: bool) -> dict:
-    if seeded:
-        return dict(max_tokens=24, temperature=0.8, top_p=0.95, seed=500 + i, ignore_eos=True)
-    return dict(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-def prompts(n=4, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(5, 500) for _ in range(rng.choice([20, 40, 70]))] for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def cluster(llama_dir):
-    from pd_runtime.workers.client import PoolClient
-    from pd_runtime.workers.pool import start_worker, wait_ready
-
-    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="pd-test",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    engine = EngineConfig(model=llama_dir, dtype="float32", num_kv_blocks=NUM_BLOCKS,
-                          num_threads=1)
-    kv = KVTransferConfig(backend="torch_dist", transfer_timeout_s=8.0, lease_timeout_s=8.0,
-                          heartbeat_interval_s=0.2, peer_timeout_s=2.0)
-    recovery = RecoveryConfig(remote_prefill_timeout_s=10.0, reservation_timeout_s=5.0)
-    workers = [start_worker(role, wid, engine, kv, num_cpus=1, max_restarts=5,
-                            recovery=recovery)
-               for role, wid in (("prefill", "p0"), ("decode", "d0"), ("decode", "d1"))]
-    wait_ready(workers)
-    client = PoolClient([workers[0]], workers[1:])
-    yield client
-    ray.shutdown()
-
-
-def collect(client, rid, prompt, p, **kw):
-    async def run():
-        chunks = []
-        async for chunk in client.generate(rid, prompt, p, **kw):
-            chunks.append(chunk)
-        return chunks
-
-    return asyncio.run(run())
-
-
-def tokens_of(chunks):
-    assert chunks and chunks[-1]["finished"], chunks[-1:]
-    assert "error" not in chunks[-1], chunks[-1]
-    return [t for c in chunks for t in c["token_ids"]]
-
-
-def free_blocks(client):
-    return {w.worker_id: ray.get(w.handle.free_blocks.remote())
-            for w in client.prefill + client.decode}
-
-
-def records(client):
-    """Per-request state left on any worker (none once every request has ended)."""
-    out = {}
-    for w in client.prefill + client.decode:
-        left = {k: v for k, v in ray.get(w.handle.load.remote())["records"].items() if v}
-        if left:
-            out[w.worker_id] = left
-    return out
-
-
-def wait_free(client, expected, timeout_s=20.0):
-    """Every block back and no per-request record left behind, on every worker."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if free_blocks(client) == expected and not records(client):
-            return
-        time.sleep(0.2)
-    assert free_blocks(client) == expected
-    assert records(client) == {}
-
-
-def wait_alive(client, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        asyncio.run(client.refresh())
-        if all(w.healthy for w in client.prefill + client.decode):
-            return
-        time.sleep(0.5)
-    raise AssertionError("workers did not come back")
-
-
-@pytest.fixture(scope="module")
-def reference(llama_dir):
-    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=NUM_BLOCKS)
-    ps = prompts()
-    ref = {"text": {}}
-    for seeded in (False, True):
-        outs = llm.generate(ps, [SamplingParams(**params(i, seeded)) for i in range(len(ps))])
-        ref[seeded] = [o.token_ids for o in outs]
-        ref["text"][seeded] = [o.text for o in outs]
-    return ps, ref
-
-
-def text_of(chunks):
-    return "".join(c["text"] for c in chunks)
-
-
-@pytest.mark.parametrize("seeded", [False, True])
-def test_colocated_and_disaggregated_tokens_identical(cluster, reference, seeded):
-    ps, ref = reference
-    start = {w: NUM_BLOCKS for w in ("p0", "d0", "d1")}
-    for i, prompt in enumerate(ps):
-        colo = collect(cluster, f"c{i}-{seeded}", prompt, params(i, seeded),
-                       decode_worker="d0")
-        dis = collect(cluster, f"d{i}-{seeded}", prompt, params(i, seeded), disaggregate=True,
-                      decode_worker="d1")
-        assert tokens_of(colo) == ref[seeded][i]
-        assert tokens_of(dis) == ref[seeded][i]
-        assert text_of(colo) == text_of(dis) == ref["text"][seeded][i]
-        assert {c["path"] for c in colo} == {"colocated"}
-        assert {c["path"] for c in dis} == {"disaggregated"}
-        assert dis[-1]["kv_transfer_s"] > 0 and dis[-1]["kv_arrived"] is True
-    wait_free(cluster, start)
 
 
 def _run_with_fault(client, rid, prompt, p, fault, **kw):
@@ -217,48 +101,6 @@ def test_cancel_mid_transfer_releases_both_sides(cluster, reference):
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
 
-def test_many_transfers_leave_no_per_request_state(cluster):
-    """Two thousand disaggregated requests through one prefill/decode pair, some abandoned
-    after their first token: afterwards every worker's per-request records, the transfer
-    agents' tables among them, are empty and every block is back (memory stays flat)."""
-    rng = random.Random(7)
-    total, width = 2016, 24
-
-    async def one(i):
-        prompt = [rng.randrange(5, 500) for _ in range(rng.choice([17, 33, 48]))]
-        gen = cluster.generate(f"many-{i}", prompt, dict(max_tokens=3, temperature=0.0,
-                                                          ignore_eos=True),
-                               disaggregate=True, decode_worker="d0")
-        chunks = []
-        async for chunk in gen:
-            chunks.append(chunk)
-            if i % 7 == 0:  # the caller leaves after the first token
-                break
-        await gen.aclose()
-        return chunks
-
-    async def run():
-        done = []
-        for start in range(0, total, width):
-            done += await asyncio.gather(*(one(i) for i in range(start, start + width)))
-        return done
-
-    p0 = cluster.prefill[0].handle
-    sent_before = ray.get(p0.load.remote())["kv_transfer"]["transfers_done"]
-    results = asyncio.run(run())
-    finished = [c for c in results if c and c[-1].get("finished")]
-    assert len(finished) >= total - total // 7 - 1
-    assert all("error" not in c[-1] for c in finished)
-    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")}, timeout_s=30.0)
-    # The KV really moved for most of them (not every request fell back to a local prefill).
-    sent = ray.get(p0.load.remote())["kv_transfer"]["transfers_done"] - sent_before
-    assert sent >= len(finished) // 2, (sent, len(finished))
-    for w in cluster.prefill + cluster.decode:
-        agent_tables = {k: v for k, v in ray.get(w.handle.load.remote())["records"].items()
-                        if k.startswith("agent_")}
-        assert agent_tables and not any(agent_tables.values()), (w.worker_id, agent_tables)
-
-
 def test_no_decode_worker_left_ends_with_clear_error(cluster, reference):
     from pd_runtime.workers.client import PoolClient, WorkerRef
 
@@ -268,44 +110,6 @@ def test_no_decode_worker_left_ends_with_clear_error(cluster, reference):
                      params(0, False))
     assert chunks[-1]["finished"] and chunks[-1]["error"]["status"] == 503
     assert "no decode worker" in chunks[-1]["error"]["message"]
-
-
-def test_serve_from_yaml_runs_both_paths(llama_dir, tmp_path):
-    """`pd-runtime serve --config FILE` in its own process: a local Ray, the pools from YAML,
-    and the demo through both paths with the same text."""
-    import subprocess
-    import sys
-
-    import yaml
-
-    cfg = yaml.safe_load(open("cluster_configs/local.yaml"))
-    cfg["model"] = llama_dir
-    cfg["ray"]["num_cpus"] = 4
-    for pool in ("prefill", "decode"):
-        cfg[pool]["engine"].update(dtype="float32", num_kv_blocks=64, num_threads=1)
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    run = subprocess.run([sys.executable, "-m", "pd_runtime.cli", "--log-level", "WARNING",
-                          "serve", "--config", str(path), "--demo", "--max-tokens", "8"],
-                         capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("[")]
-    assert sum("[colocated]" in ln for ln in lines) == 2
-    assert sum("[disaggregated]" in ln for ln in lines) == 2
-    texts = [ln for ln in run.stdout.splitlines() if ln.startswith("    ")]
-    assert texts[:2] == texts[2:]  # same prompts, same greedy text on both paths
-
-
-def test_serve_rejects_bad_config_naming_field(tmp_path):
-    import subprocess
-    import sys
-
-    path = tmp_path / "bad.yaml"
-    path.write_text("decode:\n  num_workers: 1\n  engine:\n    block_size: -4\n")
-    run = subprocess.run([sys.executable, "-m", "pd_runtime.cli", "serve", "--config", str(path)],
-                         capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2
-    assert "decode.engine.block_size" in run.stderr and ":4" in run.stderr
 
 
 def test_abort_from_elsewhere_ends_the_stream_and_frees(cluster, reference):
@@ -344,21 +148,6 @@ def test_cancel_before_prefill_releases_the_prefill_side(cluster, reference):
     assert ray.get(p0.load.remote())["num_steps"] == steps
     assert ray.get(p0.load.remote())["records"]["ship_tasks"] == 0  # nothing is sent
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
-
-
-def test_draining_worker_gets_nothing_new(cluster, reference):
-    ps, ref = reference
-    d0 = next(w for w in cluster.decode if w.worker_id == "d0")
-    ray.get(d0.handle.set_draining.remote(True))
-    try:
-        asyncio.run(cluster.refresh())
-        assert d0.load["draining"] is True
-        chunks = [collect(cluster, f"drain-{i}", ps[0], params(0, False)) for i in range(4)]
-        assert {c[-1]["worker_id"] for c in chunks} == {"d1"}
-        assert all(tokens_of(c) == ref[False][0] for c in chunks)
-    finally:
-        ray.get(d0.handle.set_draining.remote(False))
-        asyncio.run(cluster.refresh())
 
 
 def test_only_decode_worker_killed_continues_on_its_restart(cluster, reference):

@@ -1,0 +1,111 @@
+"""What a GPU check run is made of: the sizes per mode, a stage, one run of it, the context the
+stages share, and the summary table's rows (bench/gpu_check.py runs them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+STAGE_MISSING = 3  # a stage's exit code when what it runs is not there (yet)
+
+# Sizes per mode. gpu: a ~0.9B Llama (head_dim 128, bf16) at batch 64; cpu twin: toys.
+SIZES = {
+    "gpu": dict(
+        device="cuda", budget_s=450.0,
+        model=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                   num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                   max_position_embeddings=4096),
+        tokenizer_vocab=8000, num_prompts=64, prompt_len=512, output_len=256,
+        max_num_batched_tokens=8192, kv_cache_gib=8.0,
+        # expected on an H200: env 10, kernels 60, model 30, engines 40 each, hf 25,
+        # transfer 30, tests 100 (Triton builds for ~50 kernel variants): ~350 of the 450
+        stage_s=dict(env=30, kernels=110, model=75, engine_graphs=80, hf=60, engine_eager=70,
+                     transfer=60, tests=150),
+        kernels_args=[], transfer_args=[]),
+    "cpu": dict(
+        device="cpu", budget_s=240.0,
+        model=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, vocab_size=512,
+                   max_position_embeddings=512),
+        tokenizer_vocab=512, num_prompts=4, prompt_len=24, output_len=6,
+        max_num_batched_tokens=256, kv_cache_gib=0.0625,
+        stage_s=dict(env=30, kernels=90, model=40, engine_graphs=60, hf=60, engine_eager=60,
+                     transfer=60, tests=90),
+        kernels_args=["--batches", "2", "--contexts", "40", "--prompts", "24", "--chunk", "8:24",
+                      "--check-lens", "1,40", "--check-segments", "20:0,9:24",
+                      "--long-context", "40", "--long-batch", "1"],
+        transfer_args=["--tokens", "64", "--iters", "3"]),
+}
+MIN_STAGE_S = 5.0  # less than this left of the global budget: the stage is not started
+
+
+# ---------------------------------------------------------------------------------- report
+@dataclass
+class Row:
+    """One line of the summary table. result: pass | FAIL | info (no target) | missing (a
+    dependency not there) | error | timeout | skipped (not started)."""
+
+    stage: str
+    figure: str
+    target: str
+    result: str
+
+    def as_dict(self) -> dict:
+        return {"stage": self.stage, "figure": self.figure, "target": self.target,
+                "result": self.result}
+
+
+@dataclass
+class StageRun:
+    name: str
+    status: str                 # ok | failed | missing | timeout | error | skipped
+    seconds: float = 0.0
+    returncode: Optional[int] = None
+    data: Optional[dict] = None  # the stage's last JSON line
+    output: str = ""
+    note: str = ""
+
+
+@dataclass
+class Stage:
+    name: str
+    command: Callable[["Context"], list[str] | str]  # argv, or why it cannot run (missing)
+    rows: Callable[["Context", StageRun], list[Row]]
+    needs: tuple[str, ...] = ()
+
+
+@dataclass
+class Context:
+    mode: str                      # gpu | cpu
+    sizes: dict
+    model_dir: str
+    transfer_backend: str
+    runs: dict[str, StageRun] = field(default_factory=dict)
+
+    @property
+    def twin(self) -> bool:
+        return self.mode == "cpu"
+
+    def verdict(self, ok: bool) -> str:
+        """Performance targets apply on the GPU only: the twin's figures are plumbing."""
+        return "info" if self.twin else ("pass" if ok else "FAIL")
+
+
+def _failed_rows(name: str, run: StageRun) -> list[Row]:
+    reason = run.note or f"exit {run.returncode}"
+    return [Row(name, reason[:90], "runs", run.status if run.status != "failed" else "error")]
+
+
+def format_table(rows: list[Row]) -> str:
+    widths = [max(len(getattr(r, f)) for r in rows + [Row("stage", "figure", "target", "result")])
+              for f in ("stage", "figure", "target", "result")]
+    widths = [min(w, cap) for w, cap in zip(widths, (44, 96, 40, 8))]
+    lines = []
+    for r in [Row("stage", "figure", "target", "result")] + rows:
+        lines.append("  ".join(getattr(r, f)[:w].ljust(w) for f, w in
+                               zip(("stage", "figure", "target", "result"), widths)).rstrip())
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
