@@ -59,26 +59,50 @@ class Decision:
 
 
 def _fraction(num: float, den: float) -> float:
-    return min(1.0, max(0.0, num / den)) if den > 0 else 0.0
+    if den <= 0:
+        return 0.0
+    x = num / den
+    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
 
 
-def decode_cost(w: WorkerState, hit: int, prompt_len: int, cfg: RoutingConfig) -> float:
+# Per-request, per-worker: the router's hot loop (and the planner's simulator's), written as
+# one loop each so a pool of hundreds costs microseconds per worker, not calls per field.
+def decode_costs(workers: list[WorkerState], hits: dict[str, int], prompt_len: int,
+                 cfg: RoutingConfig) -> dict[str, float]:
+    """Available decode workers -> cost: busy share, minus free-block share, minus expected
+    prefix-hit share, each weighted (DecodeCostWeights)."""
     weights = cfg.decode_cost
-    load = w.load
-    running = _fraction(load.get("num_running", 0) + load.get("num_waiting", 0) + w.inflight,
-                        load.get("max_num_seqs", 128))
-    free = _fraction(load.get("free_blocks", 1), load.get("total_blocks", 1))
-    overlap = _fraction(hit, prompt_len)
-    return (running * weights.weight_running - free * weights.weight_free_blocks
-            - overlap * weights.weight_prefix_overlap)
+    w_running, w_free, w_overlap = (weights.weight_running, weights.weight_free_blocks,
+                                    weights.weight_prefix_overlap)
+    out = {}
+    for w in workers:
+        if not w.healthy or w.draining:
+            continue
+        load = w.load
+        running = _fraction(load.get("num_running", 0) + load.get("num_waiting", 0) + w.inflight,
+                            load.get("max_num_seqs", 128))
+        free = _fraction(load.get("free_blocks", 1), load.get("total_blocks", 1))
+        overlap = _fraction(hits.get(w.worker_id, 0), prompt_len) if hits else 0.0
+        out[w.worker_id] = running * w_running - free * w_free - overlap * w_overlap
+    return out
 
 
-def prefill_cost(w: WorkerState, hit: int, prompt_len: int, cfg: RoutingConfig) -> float:
+def prefill_costs(workers: list[WorkerState], hits: dict[str, int], prompt_len: int,
+                  cfg: RoutingConfig) -> tuple[dict[str, float], int]:
+    """Available prefill workers -> cost (queued prompt tokens share minus expected hit share,
+    PrefillCostWeights), and the tokens queued over all of them."""
     weights = cfg.prefill_cost
-    queued = _fraction(w.load.get("queued_prefill_tokens", 0) + w.inflight * prompt_len,
-                       max(1, cfg.max_prefill_queue_tokens))
-    return queued * weights.weight_queued_tokens - _fraction(hit, prompt_len) \
-        * weights.weight_prefix_overlap
+    w_queued, w_overlap = weights.weight_queued_tokens, weights.weight_prefix_overlap
+    limit = max(1, cfg.max_prefill_queue_tokens)
+    out, total = {}, 0
+    for w in workers:
+        if not w.healthy or w.draining:
+            continue
+        queued = w.load.get("queued_prefill_tokens", 0) + w.inflight * prompt_len
+        total += queued
+        overlap = _fraction(hits.get(w.worker_id, 0), prompt_len) if hits else 0.0
+        out[w.worker_id] = _fraction(queued, limit) * w_queued - overlap * w_overlap
+    return out, total
 
 
 def _cheapest(costs: dict[str, float], rng: random.Random) -> Optional[str]:
@@ -91,15 +115,9 @@ def _cheapest(costs: dict[str, float], rng: random.Random) -> Optional[str]:
 def decide(prompt_len: int, decode: list[WorkerState], prefill: list[WorkerState],
            hits: dict[str, int], cfg: RoutingConfig, rng: random.Random) -> Decision:
     """hits: worker id -> expected cached prompt tokens there."""
-    d_costs = {w.worker_id: decode_cost(w, hits.get(w.worker_id, 0), prompt_len, cfg)
-               for w in decode if w.available}
-    d = _cheapest(d_costs, rng)
+    d = _cheapest(decode_costs(decode, hits, prompt_len, cfg), rng)
     best_hit = hits.get(d, 0) if d else 0
-    p_pool = [w for w in prefill if w.available]
-    p_costs = {w.worker_id: prefill_cost(w, hits.get(w.worker_id, 0), prompt_len, cfg)
-               for w in p_pool}
-    queued = sum(w.load.get("queued_prefill_tokens", 0) + w.inflight * prompt_len
-                 for w in p_pool)
+    p_costs, queued = prefill_costs(prefill, hits, prompt_len, cfg)
 
     def make(path, reason, p=None):
         return Decision(path, reason, d, p, prompt_len, best_hit)
@@ -108,7 +126,7 @@ def decide(prompt_len: int, decode: list[WorkerState], prefill: list[WorkerState
         return make("none", "no_decode_worker")
     if cfg.mode == "always_colocated":
         return make("colocated", "mode_always_colocated")
-    if not p_pool:
+    if not p_costs:
         return make("colocated", "no_prefill_worker")
     p = _cheapest(p_costs, rng)
     if cfg.mode == "always_disaggregated":
