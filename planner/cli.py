@@ -159,7 +159,9 @@ def _cmd_plan(args) -> int:
     print(f"recommended: {best.num_prefill} prefill + {best.num_decode} decode workers, "
           f"routing mode {best.routing.mode}"
           + (f", max_local_prefill_tokens {best.routing.max_local_prefill_tokens}"
-             if best.routing.mode == "auto" else ""))
+             if best.routing.mode == "auto" else "")
+          + (f", max_prefill_queue_tokens {best.routing.max_prefill_queue_tokens}"
+             if best.num_prefill else ""))
     if args.png:
         plot(ranked, args.png, slo)
         print(f"plot: {args.png}")

@@ -86,12 +86,16 @@ def candidates(workers: int, sample: list, base: RoutingConfig) -> list[Topology
 def _modes(prefill: int, decode: int, sample: list, base: RoutingConfig) -> list[Topology]:
     if prefill == 0:
         return [Topology(0, decode, base.model_copy(update={"mode": "always_colocated"}))]
-    out = [Topology(prefill, decode, base.model_copy(update={"mode": "always_disaggregated"}))]
+    # max_prefill_queue_tokens bounds the whole prefill pool's queue (router/policy.py): the
+    # configured value is taken as one worker's share and scaled with the pool.
+    pool = {"max_prefill_queue_tokens": base.max_prefill_queue_tokens * prefill}
+    out = [Topology(prefill, decode, base.model_copy(
+        update={"mode": "always_disaggregated", **pool}))]
     for t in thresholds(sample):
         if t >= max(r.prompt_len for r in sample):
             continue  # nothing would be disaggregated: the colocated candidate covers it
         out.append(Topology(prefill, decode, base.model_copy(
-            update={"mode": "auto", "max_local_prefill_tokens": t})))
+            update={"mode": "auto", "max_local_prefill_tokens": t, **pool})))
     return out
 
 

@@ -77,3 +77,25 @@ def test_kv_transfer_modules_import_no_cycle():
     for node in sorted(graph):
         if node not in state:
             visit(node, [])
+
+
+def test_the_simulator_runs_the_routers_policy_without_the_runtime():
+    """The planner's simulator imports the router's policy code (not a copy of it) and, like the
+    router, nothing of the engine, the workers, the transfers or torch; only `profile.py`
+    (which drives real pools) and the command line reach the workers."""
+    sim = imports(REPO / "planner" / "simulator.py")
+    assert {"router.policy", "router.ledger", "router.cost_model"} <= sim
+    bad = {}
+    for path in sorted((REPO / "planner").glob("*.py")):
+        if path.stem in ("profile", "cli"):
+            continue
+        wrong = sorted(m for m in imports(path)
+                       if (m.startswith("pd_runtime") and m not in ROUTER_MAY_IMPORT)
+                       or m.split(".")[0] in FOREIGN)
+        if wrong:
+            bad[path.name] = wrong
+    assert not bad, f"planner modules importing the runtime: {bad}"
+    code = "import sys, planner.plan\nprint('\\n'.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True,
+                            capture_output=True, text=True).stdout.split()
+    assert "router.policy" in loaded and "torch" not in loaded and "ray" not in loaded
