@@ -1,5 +1,6 @@
 """The planner's simulator against the served product on this machine: the cost model is
-calibrated by `pd-runtime profile` (the default deployment), then each routing mode's server
+calibrated by `pd-runtime profile --url` through the first system's router (the default
+deployment, `pd-slo`, unless --systems says otherwise), then each routing mode's server
 (`pd-runtime serve`, the default 1 prefill + 1 decode workers; bench/goodput_study.py's
 systems) takes the bimodal workload (80% x 128, 20% x 2048 tokens in, 64 out) at each rate
 (bench/goodput.py), and the simulator replays exactly the requests each point sent (their send
@@ -8,7 +9,7 @@ with the error of each.
 
     .venv/bin/python bench/sim_accuracy.py --out /tmp/simacc [--rates 1 2 3]
         [--num-requests 60] [--systems pd-slo pd-threshold pd-disagg] [--cost-model FILE]
-        [--port 8000]
+        [--port 8000] [--reuse]
 
 Run it inside a network namespace with loopback up (as `make test` does) or on a machine
 where Ray may bind the host's address. Every server is stopped after its points.
@@ -86,22 +87,34 @@ def main() -> int:
     ap.add_argument("--slo-tpot", type=float, default=0.1)
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reuse", action="store_true",
+                    help="simulate against the measured points already in --out")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = bench_model(None)
     cost_path = Path(args.cost_model) if args.cost_model else out / "cost-model.json"
-    if not args.cost_model:
-        subprocess.run([str(ROOT / ".venv/bin/pd-runtime"), "--log-level", "WARNING", "profile",
-                        "--out", str(cost_path)], cwd=ROOT, check=True)
-    costs = ClusterCosts.load(cost_path)
+    costs = ClusterCosts.load(cost_path) if args.cost_model or args.reuse else None
     slo = SLOTarget(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
     table = ["| mode | rate | sent | goodput/s real / sim | TTFT p50 s | TTFT p99 s | "
              "TPOT p50 ms | TPOT p99 ms |", "|---|---|---|---|---|---|---|---|"]
     for system in args.systems:
+        trace = out / f"{system}.json"
+        if args.reuse and trace.exists():  # measured already: simulate only
+            measured = json.loads(trace.read_text())
+            config = write_config(system, out, args.port)
+            sims = [simulated(costs, config, trace, i, slo)
+                    for i in range(len(measured["points"]))]
+            table.extend(rows(system, measured, sims))
+            continue
         server = Server(system, out, args.port, model_dir)
         try:
             server.wait_ready()
+            if costs is None:  # calibrated on the first deployment, through its router
+                subprocess.run([str(ROOT / ".venv/bin/pd-runtime"), "--log-level", "WARNING",
+                                "profile", "--url", server.base_url, "--out", str(cost_path)],
+                               cwd=ROOT, check=True)
+                costs = ClusterCosts.load(cost_path)
             trace = out / f"{system}.json"
             load = goodput(server.base_url, system, trace, "--rates",
                            *[str(r) for r in args.rates], "--num-requests",

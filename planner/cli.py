@@ -17,6 +17,9 @@ def add_commands(sub) -> None:
     p.add_argument("--quick", action="store_true", help="a shorter sweep (tests, smoke runs)")
     p.add_argument("--in-process", action="store_true",
                    help="no Ray: the config's workers in this process (as serve --in-process)")
+    p.add_argument("--url", help="calibrate a running deployment through its router "
+                                 "(e.g. http://127.0.0.1:8000) instead of starting pools")
+    p.add_argument("--api-key", help="with --url, when the router asks for one")
     p.set_defaults(func=_cmd_profile)
 
     for name, text in (("simulate", "simulate one deployment on a workload"),
@@ -50,8 +53,12 @@ def _cmd_profile(args) -> int:
     from pd_runtime.cli import ensure_default_model
     from pd_runtime.config import ClusterConfig
     from pd_runtime.config_loading import load_cluster_config
-    from planner.profile import calibrate
+    from planner.profile import calibrate, calibrate_http
 
+    if args.url:
+        started = time.monotonic()
+        costs = asyncio.run(calibrate_http(args.url, args.api_key, quick=args.quick))
+        return _report_profile(costs, args.out, started)
     cfg = load_cluster_config(args.config) if args.config else ClusterConfig()
     model = args.model or cfg.model or str(ensure_default_model())
     if args.in_process:
@@ -69,7 +76,11 @@ def _cmd_profile(args) -> int:
         costs = asyncio.run(calibrate(client, cfg, model, quick=args.quick))
     finally:
         getattr(client, "close", lambda: None)()
-    costs.save(args.out)
+    return _report_profile(costs, args.out, started)
+
+
+def _report_profile(costs, out: str, started: float) -> int:
+    costs.save(out)
     for role in ("prefill", "decode"):
         c = getattr(costs, role).coefficients
         print(f"{role}: step {c['step_s'] * 1e3:.2f} ms + {c['prefill_token_s'] * 1e6:.1f} "
@@ -77,8 +88,11 @@ def _cmd_profile(args) -> int:
               f"{c['decode_seq_s'] * 1e3:.3f} ms/decoded seq + "
               f"{c['decode_context_s'] * 1e9:.1f} ns/context token")
     print(f"transfer {costs.transfer_gbps:.2f} GB/s, {costs.kv_bytes_per_token} B/token; "
-          f"rpc {costs.rpc_s * 1e3:.2f} ms")
-    print(f"wrote {args.out} in {time.monotonic() - started:.0f}s")
+          f"rpc {costs.rpc_s * 1e3:.2f} ms; to first token besides the prefill: colocated "
+          f"{costs.overhead_s('colocated') * 1e3:.1f} ms, disaggregated "
+          f"{costs.overhead_s('disaggregated') * 1e3:.1f} ms; per engine-loop iteration "
+          f"{costs.decode.step_overhead_s * 1e3:.2f} ms")
+    print(f"wrote {out} in {time.monotonic() - started:.0f}s")
     return 0
 
 

@@ -32,6 +32,10 @@ class RoleCosts:
     block_size: int = 16
     step_time_target_s: Optional[float] = None
     max_model_len: int = 4096
+    # Per engine-loop iteration, besides the step's compute the engine fits: handing outputs
+    # to the streams, commands, load reports (measured by `profile` as the batch-1 decode
+    # period at the client minus the fitted step).
+    step_overhead_s: float = 0.0
 
     def __post_init__(self):
         missing = [name for name in COEFFICIENTS if name not in self.coefficients]
@@ -54,7 +58,7 @@ class RoleCosts:
                decode_context: int) -> float:
         """One engine step's seconds: the same linear form the engine fits to its steps."""
         c = self.coefficients
-        return (c["step_s"] + c["prefill_token_s"] * prefill_tokens
+        return (c["step_s"] + self.step_overhead_s + c["prefill_token_s"] * prefill_tokens
                 + c["prefill_attention_s"] * prefill_attention
                 + c["decode_seq_s"] * decode_seqs + c["decode_context_s"] * decode_context)
 
@@ -87,6 +91,10 @@ class ClusterCosts:
     transfer_gbps: float = 1.0        # prefill -> decode link, measured on the sends
     rpc_s: float = 0.003              # a Ray call and its answer
     router_overhead_s: float = 0.0005  # what the router adds to a request's TTFT
+    # A request's time to first token besides its prefill's compute, router to first token at
+    # the pool client and back, per path (measured by `profile`; None: rpc_s, 2 x rpc_s).
+    colocated_overhead_s: Optional[float] = None
+    disaggregated_overhead_s: Optional[float] = None
     num_layers: int = 1
     stream_layers: bool = True
     # Streamed: the mean wait from the prompt's last layer to the KV landed, as the prefill
@@ -96,6 +104,12 @@ class ClusterCosts:
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / (self.transfer_gbps * 1e9)
+
+    def overhead_s(self, path: str) -> float:
+        if path == "colocated":
+            return self.rpc_s if self.colocated_overhead_s is None else self.colocated_overhead_s
+        return 2 * self.rpc_s if self.disaggregated_overhead_s is None \
+            else self.disaggregated_overhead_s
 
     def exposed_s(self, tokens: int) -> float:
         """What the decode side waits for the KV after the prefill's last step."""

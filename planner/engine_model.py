@@ -190,7 +190,8 @@ class SimEngine:
             k = max(1, self.finishing[0][0] - self.step_no)
             if self.max_run_steps is not None:
                 k = min(k, self.max_run_steps)
-            a = c.coefficients["step_s"] + c.coefficients["decode_seq_s"] * self.decode_batch
+            a = c.coefficients["step_s"] + c.step_overhead_s \
+                + c.coefficients["decode_seq_s"] * self.decode_batch
             ctx_s = c.coefficients["decode_context_s"]
             self._run = (now, k, a, ctx_s, self.decode_context, self.decode_batch)
             seconds = _run_seconds(k, a, ctx_s, self.decode_context, self.decode_batch)

@@ -1,5 +1,9 @@
-"""`pd-runtime profile`: a short calibration sweep through a deployment's pools, then the cost
-model the workers fitted meanwhile, written for the planner (planner/costs.py).
+"""`pd-runtime profile`: a short calibration sweep through a deployment, then the cost model its
+workers fitted meanwhile, written for the planner (planner/costs.py). Either through the pool
+client of pools it brings up (`calibrate`), or through a running deployment's OpenAI API
+(`calibrate_http`, `--url`): the latter times requests as clients see them, the router, HTTP and
+whatever shares the machines included, and reads the fitted figures from the router
+(GET /v1/router/workers).
 
 The sweep gives each engine's step-cost fit (pd_runtime/engine/step_costs.py) every kind of
 step it must predict: prompts of several lengths alone (prefill per token and attention),
@@ -61,17 +65,49 @@ def sweep_plan(max_model_len: int, quick: bool = False) -> list[tuple[str, int, 
 
 
 async def _run_stage(client, stage_no: int, path: str, prompt_len: int, max_tokens: int,
-                     concurrent: int, vocab: int, rng: random.Random) -> None:
+                     concurrent: int, vocab: int, rng: random.Random) -> list[dict]:
+    """The stage's requests at once; each one's TTFT and TPOT as the pool client saw them."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
-    async def one(i: int) -> None:
+    async def one(i: int) -> dict:
         prompt = [rng.randrange(5, vocab) for _ in range(prompt_len)]  # unique: no cache hits
+        start, times = time.monotonic(), []
         async for chunk in client.generate(f"profile-{stage_no}-{i}", prompt, params,
                                            disaggregate=path == "disaggregated"):
             if "error" in chunk:
                 raise RuntimeError(f"calibration request failed: {chunk['error']['message']}")
+            times.extend([time.monotonic()] * len(chunk["token_ids"]))
+        return {"path": path, "prompt_len": prompt_len, "concurrent": concurrent,
+                "ttft_s": times[0] - start, "tokens": len(times),
+                "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None}
 
-    await asyncio.gather(*(one(i) for i in range(concurrent)))
+    return await asyncio.gather(*(one(i) for i in range(concurrent)))
+
+
+def _median(values: list[float]) -> Optional[float]:
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
+def overheads(timings: list[dict], costs: ClusterCosts) -> dict:
+    """What the fitted step costs do not explain, from requests that ran alone: the time to
+    first token besides the prefill's compute, per path, and the decode period at batch 1
+    besides the step's compute (the engine loop's own work per iteration)."""
+    def prefill_s(role, n: int) -> float:
+        return role.step_s(n, n * (n + 1) // 2, 0, 0)
+
+    alone = [t for t in timings if t["concurrent"] == 1]
+    colocated = [t["ttft_s"] - prefill_s(costs.decode, t["prompt_len"])
+                 for t in alone if t["path"] == "colocated" and t["tokens"] == 1]
+    remote = [t["ttft_s"] - prefill_s(costs.prefill, t["prompt_len"])
+              for t in alone if t["path"] == "disaggregated"]
+    c = costs.decode.coefficients
+    step = [t["tpot_s"] - (c["step_s"] + c["decode_seq_s"] + c["decode_context_s"] *
+                           (t["prompt_len"] + t["tokens"] // 2))
+            for t in alone if t["path"] == "colocated" and t["tpot_s"] is not None]
+    return {"colocated_overhead_s": max(0.0, _median(colocated) or 0.0),
+            "disaggregated_overhead_s": max(0.0, _median(remote) or 0.0),
+            "step_overhead_s": max(0.0, _median(step) or 0.0)}
 
 
 async def _rpc_s(client, samples: int = 20) -> float:
@@ -98,18 +134,98 @@ async def calibrate(client, cfg, model_dir: str, quick: bool = False,
     stages = sweep_plan(card.max_model_len if card else 2048, quick)
     progress = progress or Progress(len(stages) + 1)
     rng = random.Random(seed)
+    timings = []
     for number, (path, prompt_len, max_tokens, concurrent) in enumerate(stages):
-        await _run_stage(client, number, path, prompt_len, max_tokens, concurrent, vocab, rng)
+        timings += await _run_stage(client, number, path, prompt_len, max_tokens, concurrent,
+                                    vocab, rng)
         progress.step(f"{path} {prompt_len} tok x{concurrent}")
     rpc_s = await _rpc_s(client)
     await client.refresh()
     progress.step("load reports")
     p, d = client.prefill[0], client.decode[0]
     pools = cfg.pools()
-    return ClusterCosts.from_loads(
+    costs = ClusterCosts.from_loads(
         p.load, d.load, prefill_engine=pools["prefill"].engine.model_dump(),
         decode_engine=pools["decode"].engine.model_dump(), num_layers=num_layers,
         stream_layers=cfg.kv_transfer.stream_layers, rpc_s=rpc_s,
         router_overhead_s=ROUTER_OVERHEAD_S, max_model_len=card.max_model_len if card else 4096,
         note=f"pd-runtime profile{' --quick' if quick else ''}: {len(stages)} stages, "
              f"{cfg.kv_transfer.backend} transfers, model {Path(model_dir).name}")
+    measured = overheads(timings, costs)
+    costs.colocated_overhead_s = measured["colocated_overhead_s"]
+    costs.disaggregated_overhead_s = measured["disaggregated_overhead_s"]
+    costs.prefill.step_overhead_s = costs.decode.step_overhead_s = measured["step_overhead_s"]
+    return costs
+
+
+# ---------------------------------------------------------------------------------- over HTTP
+async def _http_stage(client, base: str, model: str, stage_no: int, path: str, prompt_len: int,
+                      max_tokens: int, concurrent: int, rng: random.Random) -> list[dict]:
+    async def one(i: int) -> dict:
+        # Token ids the smallest vocabulary has (ids 0-4 are special in ours); random, so
+        # unique: no prefix-cache hits.
+        prompt = [rng.randrange(5, 256) for _ in range(prompt_len)]
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        start, times = time.monotonic(), []
+        async with client.stream("POST", f"{base}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"calibration request failed: HTTP {resp.status_code} "
+                                   f"{(await resp.aread())[:300]!r}")
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                        times.append(time.monotonic())
+        return {"path": path, "prompt_len": prompt_len, "concurrent": concurrent,
+                "ttft_s": times[0] - start, "tokens": max_tokens if max_tokens > 1 else 1,
+                "tpot_s": (times[-1] - times[0]) / (max_tokens - 1)
+                if max_tokens > 1 and len(times) > 1 else None}
+
+    return await asyncio.gather(*(one(i) for i in range(concurrent)))
+
+
+async def calibrate_http(base_url: str, api_key: Optional[str] = None, quick: bool = False,
+                         progress: Optional[Progress] = None, seed: int = 0) -> ClusterCosts:
+    """The sweep through a running deployment's router; the paths are the router's to choose
+    (long prompts disaggregated in its default modes), so each stage is attributed to the path
+    the router's routing settings give it."""
+    import httpx
+
+    base = base_url.rstrip("/")
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = httpx.Timeout(600.0, connect=10.0)
+    async with httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False) as client:
+        card = (await client.get(f"{base}/v1/models")).json()["data"][0]
+        routing = (await client.get(f"{base}/v1/router/config")).json()["routing"]
+        mode, local = routing["mode"], routing["max_local_prefill_tokens"]
+        stages = sweep_plan(int(card.get("max_model_len") or 2048), quick)
+        progress = progress or Progress(len(stages) + 1)
+        rng = random.Random(seed)
+        timings = []
+        for number, (_, prompt_len, max_tokens, concurrent) in enumerate(stages):
+            path = "disaggregated" if mode == "always_disaggregated" or \
+                (mode != "always_colocated" and prompt_len > local) else "colocated"
+            timings += await _http_stage(client, base, card["id"], number, path, prompt_len,
+                                         max_tokens, concurrent, rng)
+            progress.step(f"{prompt_len} tok x{concurrent} ({path})")
+        await asyncio.sleep(2.5)  # the router's load reports are a health interval old
+        workers = (await client.get(f"{base}/v1/router/workers")).json()["workers"]
+        progress.step("load reports")
+    by_role = {}
+    for report in workers.values():
+        if report["healthy"]:
+            by_role.setdefault(report["role"], report["load"])
+    if "prefill" not in by_role or "decode" not in by_role:
+        raise ValueError(f"{base} serves no healthy prefill and decode worker to calibrate from")
+    costs = ClusterCosts.from_loads(
+        by_role["prefill"], by_role["decode"], prefill_engine={}, decode_engine={},
+        num_layers=1, stream_layers=True, rpc_s=0.0, router_overhead_s=0.0,
+        max_model_len=int(card.get("max_model_len") or 4096),
+        note=f"pd-runtime profile --url{' --quick' if quick else ''}: {len(stages)} stages "
+             f"through {base}, routing mode {mode}")
+    measured = overheads(timings, costs)  # the router's own time is in these
+    costs.colocated_overhead_s = measured["colocated_overhead_s"]
+    costs.disaggregated_overhead_s = measured["disaggregated_overhead_s"]
+    costs.prefill.step_overhead_s = costs.decode.step_overhead_s = measured["step_overhead_s"]
+    return costs

@@ -179,12 +179,13 @@ class ClusterSim:
         self.ledgers[runner].add_prefill(req.index, decision.prefill_s or self.cost_model.costs(
             runner).prefill_s(req.prompt_len), self.now)
         self.ledgers[decision.decode_worker].start(req.index, req.prompt_len)
-        half = self.costs.rpc_s / 2
         if decision.path == "colocated":
+            half = self.costs.overhead_s("colocated") / 2
             self.at(self.now + half, lambda: self._colocated(out, decision.decode_worker))
-        else:
-            self.at(self.now + half, lambda: self._reserve(out, decision.decode_worker,
-                                                           decision.prefill_worker))
+        else:  # four hops: router -> decode -> prefill worker, the token back the same way
+            quarter = self.costs.overhead_s("disaggregated") / 4
+            self.at(self.now + quarter, lambda: self._reserve(out, decision.decode_worker,
+                                                              decision.prefill_worker))
 
     def _first(self, out: Outcome, runner: str, t: float) -> None:
         out.first_s = t
@@ -198,7 +199,7 @@ class ClusterSim:
 
     # -- colocated ---------------------------------------------------------------------------
     def _colocated(self, out: Outcome, d: str) -> None:
-        req, engine, half = out.request, self.engines[d], self.costs.rpc_s / 2
+        req, engine, half = out.request, self.engines[d], self.costs.overhead_s("colocated") / 2
         blocks = engine.blocks_for(req.prompt_len + req.max_tokens)
         engine.add(Seq(req.index, req.prompt_len, req.max_tokens, blocks,
                        on_first=lambda t: self._first(out, d, t + half),
@@ -224,22 +225,22 @@ class ClusterSim:
             self._call_prefill(out, engine.worker_id, p, blocks)
 
     def _call_prefill(self, out: Outcome, d: str, p: str, d_blocks: int) -> None:
-        req, half = out.request, self.costs.rpc_s / 2
+        req, quarter = out.request, self.costs.overhead_s("disaggregated") / 4
         p_engine = self.engines[p]
         p_blocks = p_engine.blocks_for(req.prompt_len)
 
         def prefilled(t: float) -> None:  # on P: first token back to D and on to the client
-            self._first(out, p, t + 2 * half)
+            self._first(out, p, t + 2 * quarter)
             landed = max(t, self.links.get((p, d), 0.0)) + self.costs.exposed_s(req.prompt_len)
             self.links[(p, d)] = landed
             self.at(landed, lambda: self._landed(out, d, p, p_blocks, d_blocks))
 
         seq = Seq(req.index, req.prompt_len, 1, p_blocks, on_first=prefilled,
                   on_finish=lambda t: None, hold=True)
-        self.at(self.now + half, lambda: p_engine.add(seq))
+        self.at(self.now + quarter, lambda: p_engine.add(seq))
 
     def _landed(self, out: Outcome, d: str, p: str, p_blocks: int, d_blocks: int) -> None:
-        req, half = out.request, self.costs.rpc_s / 2
+        req, half = out.request, self.costs.overhead_s("colocated") / 2
         self.engines[p].release(p_blocks)
         engine = self.engines[d]
         if req.max_tokens <= 1:

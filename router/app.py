@@ -80,6 +80,13 @@ def create_app(backend: Backend, router_config: RouterConfig) -> FastAPI:
         backend.authenticate(_api_key(request))
         return backend.active_config()
 
+    @app.get("/v1/router/workers")
+    async def router_workers(request: Request):
+        """Each worker's latest load report as the router's live cost model reads it (what
+        `pd-runtime profile --url` calibrates the planner from)."""
+        backend.authenticate(_api_key(request))
+        return {"workers": backend.worker_reports()}
+
     @app.get("/health")
     async def health():
         return {"status": "ok", **backend.health()}

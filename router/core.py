@@ -33,6 +33,12 @@ def _refusal(status: int, kind: str, message: str, retry_after_s: float = 1.0) -
     return chunk
 
 
+# The parts of a worker's load report that describe what its work costs (GET
+# /v1/router/workers; planner/costs.py reads them).
+_COST_FIELDS = ("step_costs", "max_num_seqs", "max_num_batched_tokens", "total_blocks",
+                "block_size", "kv_bytes_per_token", "kv_transfer", "kv_overlap")
+
+
 class PoolBackend:
     """`client`: the pools' client (pd_runtime.workers.client.PoolClient, or anything with its
     interface). What the router knows of the model comes from the workers' model card, so it
@@ -127,6 +133,12 @@ class PoolBackend:
         return {"routing": self.reloader.current.model_dump(),
                 "config_file": str(self.reloader.path) if self.reloader.path else None,
                 "last_reload_error": self.reloader.last_error}
+
+    def worker_reports(self) -> dict:
+        """worker id -> role, health and the cost figures of its last load report."""
+        return {w.worker_id: {"role": w.role, "healthy": w.healthy,
+                              "load": {k: w.load.get(k) for k in _COST_FIELDS}}
+                for w in self.client.prefill + self.client.decode}
 
     def metrics_text(self) -> bytes:
         return self.metrics.text()

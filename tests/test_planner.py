@@ -223,3 +223,48 @@ def test_profile_simulate_plan_commands(llama_dir, tmp_path, capsys):
                  "20", "--duration", "10", "--png", str(tmp_path / "p.png")]) == 0
     out = capsys.readouterr().out
     assert "recommended:" in out and (tmp_path / "p.png").exists()
+
+
+def test_profile_through_a_running_routers_http_api(llama_dir):
+    """`pd-runtime profile --url`: the sweep through the served OpenAI API (the router chooses
+    the paths), the fitted figures from GET /v1/router/workers."""
+    import asyncio
+
+    import httpx
+
+    from pd_runtime.config import ClusterConfig, RouterConfig
+    from pd_runtime.workers.local_pool import LocalPool
+    from planner.profile import calibrate_http
+    from router.core import PoolBackend
+    from tests.router_support.serving import serving
+
+    engine = {"dtype": "float32", "num_kv_blocks": 512, "num_threads": 1, "warmup_tokens": 0}
+    router = RouterConfig(routing={"mode": "auto", "max_local_prefill_tokens": 128})
+    cfg = ClusterConfig.model_validate({
+        "model": llama_dir, "kv_transfer": {"backend": "local"},
+        "router": router.model_dump(), "recovery": {"health_check_interval_s": 0.5},
+        "prefill": {"num_workers": 1, "engine": engine},
+        "decode": {"num_workers": 1, "engine": engine}})
+    pool = LocalPool(cfg, llama_dir)
+    try:
+        backend = PoolBackend(pool, cfg, llama_dir)
+        backend.start()
+        try:
+            with serving(backend, router) as (_, port):
+                base = f"http://127.0.0.1:{port}"
+                costs = asyncio.run(calibrate_http(base, quick=True))
+                workers = httpx.get(base + "/v1/router/workers").json()["workers"]
+                metrics = httpx.get(base + "/metrics").text
+        finally:
+            backend.stop()
+    finally:
+        pool.close()
+    assert {w["role"] for w in workers.values()} == {"prefill", "decode"}
+    assert all(w["load"]["step_costs"]["steps"] > 0 for w in workers.values())
+    assert 'pd_routing_decisions_total{path="disaggregated"' in metrics
+    assert costs.prefill.coefficients["prefill_token_s"] > 0
+    assert costs.decode.coefficients["decode_seq_s"] > 0
+    # Measured, not defaulted (on this tiny model the fit's noise can exceed them: >= 0).
+    assert costs.colocated_overhead_s is not None and costs.colocated_overhead_s >= 0
+    assert costs.disaggregated_overhead_s is not None and costs.disaggregated_overhead_s >= 0
+    assert costs.transfer_exposed_s is not None
