@@ -34,8 +34,9 @@ ROUTER_OVERHEAD_S = 0.0005
 class Progress:
     """A one-line progress bar on stderr."""
 
-    def __init__(self, total: int, label: str = "profile", stream=sys.stderr):
-        self.total, self.done, self.label, self.stream = total, 0, label, stream
+    def __init__(self, total: int, label: str = "profile", stream=None):
+        self.total, self.done, self.label = total, 0, label
+        self.stream = stream or sys.stderr
         self.started = time.monotonic()
 
     def step(self, what: str = "") -> None:
