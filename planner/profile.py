@@ -168,22 +168,34 @@ async def _http_stage(client, base: str, model: str, stage_no: int, path: str, p
         prompt = [rng.randrange(5, 256) for _ in range(prompt_len)]
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        start, times = time.monotonic(), []
-        async with client.stream("POST", f"{base}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"calibration request failed: HTTP {resp.status_code} "
-                                   f"{(await resp.aread())[:300]!r}")
-            async for line in resp.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[6:])
-                    if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                        times.append(time.monotonic())
+        give_up = time.monotonic() + 120.0
+        while True:  # an SLO router may refuse (429) until the batch ahead of it thins out
+            start, times = time.monotonic(), []
+            async with client.stream("POST", f"{base}/v1/completions", json=body) as resp:
+                if resp.status_code == 429 and time.monotonic() < give_up:
+                    wait = float(resp.headers.get("retry-after") or 1.0)
+                    await asyncio.sleep(min(5.0, max(0.2, wait)))
+                    continue
+                if resp.status_code != 200:
+                    raise RuntimeError(f"calibration request failed: HTTP {resp.status_code} "
+                                       f"{(await resp.aread())[:300]!r}")
+                await _read_stream(resp, times)
+                break
         return {"path": path, "prompt_len": prompt_len, "concurrent": concurrent,
                 "ttft_s": times[0] - start, "tokens": max_tokens if max_tokens > 1 else 1,
                 "tpot_s": (times[-1] - times[0]) / (max_tokens - 1)
                 if max_tokens > 1 and len(times) > 1 else None}
 
     return await asyncio.gather(*(one(i) for i in range(concurrent)))
+
+
+async def _read_stream(resp, times: list) -> None:
+    """The arrival time of each content chunk of an SSE completion stream."""
+    async for line in resp.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                times.append(time.monotonic())
 
 
 async def calibrate_http(base_url: str, api_key: Optional[str] = None, quick: bool = False,
