@@ -4,7 +4,7 @@ simulator's own run time; plus the simulator's speed on one long run (a simulate
 100-worker cluster).
 
     .venv/bin/python bench/plan_scale.py --cost-model FILE [--workers 8 32 128 512]
-        [--long-fractions 0.1 0.2 0.5] [--duration 20] [--hour-rate 200]
+        [--long-fractions 0.1 0.2 0.5] [--num-requests 4000] [--hour-rate 200]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> int:
     ap.add_argument("--cost-model", required=True)
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 32, 128, 512])
     ap.add_argument("--long-fractions", type=float, nargs="+", default=[0.1, 0.2, 0.5])
-    ap.add_argument("--duration", type=float, default=20.0, help="simulated s per rate")
+    ap.add_argument("--num-requests", type=int, default=4000, help="simulated per rate")
     ap.add_argument("--hour-rate", type=float, default=200.0, help="0: skip the hour run")
     ap.add_argument("--slo-ttft", type=float, default=2.5)
     ap.add_argument("--slo-tpot", type=float, default=0.1)
@@ -57,7 +57,7 @@ def main() -> int:
             # Three rates around the knee: what the workers could serve, and either side.
             rates = default_rates(costs, workload, workers, sample)[3:6]
             ranked, info = plan(costs, workload, slo, workers, rates=rates,
-                                duration_s=args.duration)
+                                num_requests=args.num_requests)
             best, second = ranked[0], ranked[1] if len(ranked) > 1 else None
             r = best.topology.routing
             threshold = r.max_local_prefill_tokens if r.mode == "auto" else r.mode

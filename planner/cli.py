@@ -31,8 +31,7 @@ def add_commands(sub) -> None:
         p.add_argument("--rates", type=float, nargs="+", help="arrival rates, requests/s")
         p.add_argument("--duration", type=float, default=60.0,
                        help="simulated seconds of arrivals per rate")
-        p.add_argument("--num-requests", type=int, help="simulate: per rate, instead of "
-                                                         "--duration")
+        p.add_argument("--num-requests", type=int, help="per rate, instead of --duration")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", help="write every result here")
         if name == "simulate":
@@ -163,11 +162,13 @@ def _cmd_plan(args) -> int:
               file=sys.stderr, flush=True)
 
     ranked, info = plan(costs, workload, slo, args.workers, rates=args.rates,
-                        duration_s=args.duration, seed=args.seed, progress=progress)
+                        duration_s=args.duration, seed=args.seed, progress=progress,
+                        num_requests=args.num_requests)
     print(f"# {args.workers} workers, SLO TTFT {slo.ttft_s:g}s TPOT {slo.tpot_s * 1e3:g}ms; "
           f"{info['candidates']} configurations x {len(info['rates'])} rates "
-          f"({', '.join(f'{r:g}' for r in info['rates'])}/s), {info['duration_s']:g} s "
-          f"simulated each, in {info['seconds']:.1f}s")
+          f"({', '.join(f'{r:g}' for r in info['rates'])}/s), "
+          + (f"{info['num_requests']} requests" if info["num_requests"] else
+             f"{info['duration_s']:g} s simulated") + f" each, in {info['seconds']:.1f}s")
     print(table(ranked))
     best = ranked[0].topology
     print(f"recommended: {best.num_prefill} prefill + {best.num_decode} decode workers, "

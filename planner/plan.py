@@ -100,10 +100,12 @@ def _modes(prefill: int, decode: int, sample: list, base: RoutingConfig) -> list
 
 
 def evaluate(costs: ClusterCosts, topology: Topology, workload: Workload, rates: list[float],
-             slo: SLOTarget, duration_s: float, seed: int) -> Candidate:
+             slo: SLOTarget, duration_s: float, seed: int,
+             num_requests: Optional[int] = None) -> Candidate:
     points = []
     for rate in rates:
-        requests = workload.requests(rate, duration_s=duration_s, seed=seed)
+        requests = workload.requests(rate, num_requests=num_requests,
+                                     duration_s=None if num_requests else duration_s, seed=seed)
         if not requests:
             continue
         points.append({"rate": rate, **simulate(costs, topology, requests, slo, seed)})
@@ -112,8 +114,11 @@ def evaluate(costs: ClusterCosts, topology: Topology, workload: Workload, rates:
 
 def plan(costs: ClusterCosts, workload: Workload, slo: SLOTarget, workers: int,
          rates: Optional[list[float]] = None, duration_s: float = 60.0, seed: int = 0,
-         base: Optional[RoutingConfig] = None, progress=None) -> tuple[list[Candidate], dict]:
-    """Every candidate evaluated, best first, and what the search cost."""
+         base: Optional[RoutingConfig] = None, progress=None,
+         num_requests: Optional[int] = None) -> tuple[list[Candidate], dict]:
+    """Every candidate evaluated, best first, and what the search cost. Each rate runs for
+    duration_s simulated seconds, or num_requests requests when given (large pools at high
+    rates: the same statistics for less run time)."""
     if workers < 1:
         raise ValueError("--workers must be >= 1")
     started = time.monotonic()
@@ -126,7 +131,8 @@ def plan(costs: ClusterCosts, workload: Workload, slo: SLOTarget, workers: int,
     def run(tops: list[Topology]) -> None:
         for top in tops:
             if top.name not in tried:
-                tried[top.name] = evaluate(costs, top, workload, rates, slo, duration_s, seed)
+                tried[top.name] = evaluate(costs, top, workload, rates, slo, duration_s, seed,
+                                           num_requests)
                 if progress is not None:
                     progress(top.name, tried[top.name])
 
@@ -139,7 +145,7 @@ def plan(costs: ClusterCosts, workload: Workload, slo: SLOTarget, workers: int,
          for t in _modes(p, workers - p, sample, base)])
     ranked = _ranked(tried)
     return ranked, {"candidates": len(tried), "rates": rates, "duration_s": duration_s,
-                    "seconds": time.monotonic() - started}
+                    "num_requests": num_requests, "seconds": time.monotonic() - started}
 
 
 def _ranked(tried: dict[str, Candidate]) -> list[Candidate]:
