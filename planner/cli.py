@@ -28,7 +28,9 @@ def add_commands(sub) -> None:
         p.add_argument("--cost-model", required=True, help="from pd-runtime profile")
         p.add_argument("--workload", help="workload YAML (default: the bimodal mix, Poisson)")
         p.add_argument("--slo", default="ttft=2.5,tpot=0.1", help="ttft=S,tpot=S targets")
-        p.add_argument("--rates", type=float, nargs="+", help="arrival rates, requests/s")
+        p.add_argument("--rates", type=float, nargs="+",
+                       help="arrival rates, requests/s (plan: default, each configuration's "
+                            "SLO capacity by bisection)")
         p.add_argument("--duration", type=float, default=60.0,
                        help="simulated seconds of arrivals per rate")
         p.add_argument("--num-requests", type=int, help="per rate, instead of --duration")
@@ -157,16 +159,17 @@ def _cmd_plan(args) -> int:
     costs, workload, slo = _inputs(args)
 
     def progress(name, cand):
-        peak = cand.peak
-        print(f"  {name:<26} peak goodput {peak['goodput_rps']:.2f}/s at {peak['rate']:g}/s",
-              file=sys.stderr, flush=True)
+        what = f"SLO capacity {cand.capacity:.2f}/s" if cand.capacity is not None else \
+            f"peak goodput {cand.peak['goodput_rps']:.2f}/s at {cand.peak['rate']:g}/s"
+        print(f"  {name:<26} {what} ({len(cand.points)} runs)", file=sys.stderr, flush=True)
 
     ranked, info = plan(costs, workload, slo, args.workers, rates=args.rates,
                         duration_s=args.duration, seed=args.seed, progress=progress,
                         num_requests=args.num_requests)
+    rates = f"{len(info['rates'])} rates ({', '.join(f'{r:g}' for r in info['rates'])}/s)" \
+        if info["rates"] else "an SLO-capacity search (>= 90% within the targets)"
     print(f"# {args.workers} workers, SLO TTFT {slo.ttft_s:g}s TPOT {slo.tpot_s * 1e3:g}ms; "
-          f"{info['candidates']} configurations x {len(info['rates'])} rates "
-          f"({', '.join(f'{r:g}' for r in info['rates'])}/s), "
+          f"{info['candidates']} configurations x {rates}, {info['simulations']} simulations, "
           + (f"{info['num_requests']} requests" if info["num_requests"] else
              f"{info['duration_s']:g} s simulated") + f" each, in {info['seconds']:.1f}s")
     print(table(ranked))

@@ -4,8 +4,9 @@ candidate (planner/simulator.py) over a range of arrival rates.
 
 Candidates: every prefill share on a grid (0 prefill workers: all colocated), refined around
 the best; for each, the threshold modes that differ for this workload (`auto` at each distinct
-prompt length, and `always_disaggregated`). A candidate's score is its peak goodput over the
-rates (requests per second it serves within the targets); ties go to fewer prefill workers.
+prompt length, and `always_disaggregated`). A candidate's score is its SLO capacity: the highest
+arrival rate at which at least 90% of requests meet both targets, found by bisection (or, with
+--rates, its peak goodput over those rates); ties go to fewer prefill workers.
 """
 
 from __future__ import annotations
@@ -20,16 +21,28 @@ from planner.simulator import Topology, simulate
 from planner.workload import Workload
 
 _SHARES = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75)
+ATTAINMENT = 0.9  # the share of requests within both targets a rate must keep to count
+_BISECTIONS = 5
 
 
 @dataclass
 class Candidate:
     topology: Topology
-    points: list[dict]  # one simulate() result per rate, with "rate"
+    points: list[dict]  # one simulate() result per rate, with "rate", in rate order
+    capacity: Optional[float] = None  # SLO capacity (req/s); None: scored by peak goodput
 
     @property
     def peak(self) -> dict:
+        """The point to show: at its SLO capacity, else its best goodput."""
+        if self.capacity is not None:
+            at = [p for p in self.points if p["rate"] == self.capacity]
+            if at:
+                return at[0]
         return max(self.points, key=lambda p: (p["goodput_rps"], -p["rate"]))
+
+    @property
+    def score(self) -> float:
+        return self.capacity if self.capacity is not None else self.peak["goodput_rps"]
 
     @property
     def name(self) -> str:
@@ -102,14 +115,59 @@ def _modes(prefill: int, decode: int, sample: list, base: RoutingConfig) -> list
 def evaluate(costs: ClusterCosts, topology: Topology, workload: Workload, rates: list[float],
              slo: SLOTarget, duration_s: float, seed: int,
              num_requests: Optional[int] = None) -> Candidate:
-    points = []
-    for rate in rates:
-        requests = workload.requests(rate, num_requests=num_requests,
-                                     duration_s=None if num_requests else duration_s, seed=seed)
-        if not requests:
-            continue
-        points.append({"rate": rate, **simulate(costs, topology, requests, slo, seed)})
+    points = [_point(costs, topology, workload, rate, slo, duration_s, seed, num_requests)
+              for rate in rates]
     return Candidate(topology, points)
+
+
+def _point(costs, topology, workload, rate, slo, duration_s, seed, num_requests) -> dict:
+    requests = workload.requests(rate, num_requests=num_requests,
+                                 duration_s=None if num_requests else duration_s, seed=seed)
+    result = {"rate": rate, **simulate(costs, topology, requests, slo, seed)}
+    result["attainment"] = result["good"] / max(1, result["sent"])
+    return result
+
+
+def capacity(costs: ClusterCosts, topology: Topology, workload: Workload, slo: SLOTarget,
+             duration_s: float, seed: int, guess: float,
+             num_requests: Optional[int] = None) -> Candidate:
+    """The highest rate with >= ATTAINMENT of requests within the targets: bracketed from
+    `guess` (halved or doubled until it holds and fails), then bisected geometrically."""
+    points: list[dict] = []
+
+    def holds(rate: float) -> bool:
+        point = _point(costs, topology, workload, rate, slo, duration_s, seed, num_requests)
+        points.append(point)
+        return point["attainment"] >= ATTAINMENT
+
+    def done(rate: float) -> Candidate:
+        return Candidate(topology, sorted(points, key=lambda p: p["rate"]), rate)
+
+    if holds(guess):
+        low, high = guess, None
+        for _ in range(6):
+            if not holds(low * 2):
+                high = low * 2
+                break
+            low *= 2
+        if high is None:
+            return done(low)
+    else:
+        low, high = None, guess
+        for _ in range(6):
+            if holds(high / 2):
+                low = high / 2
+                break
+            high /= 2
+        if low is None:
+            return done(0.0)
+    for _ in range(_BISECTIONS):
+        mid = (low * high) ** 0.5
+        if holds(mid):
+            low = mid
+        else:
+            high = mid
+    return done(low)
 
 
 def plan(costs: ClusterCosts, workload: Workload, slo: SLOTarget, workers: int,
@@ -125,14 +183,15 @@ def plan(costs: ClusterCosts, workload: Workload, slo: SLOTarget, workers: int,
     base = base or RoutingConfig()
     sample = workload.requests(rate=1.0, num_requests=2000, seed=seed) \
         if workload.arrival != "trace" else workload.requests(seed=seed)
-    rates = rates or default_rates(costs, workload, workers, sample)
+    guess = default_rates(costs, workload, workers, sample)[3]
     tried: dict[str, Candidate] = {}
 
     def run(tops: list[Topology]) -> None:
         for top in tops:
             if top.name not in tried:
                 tried[top.name] = evaluate(costs, top, workload, rates, slo, duration_s, seed,
-                                           num_requests)
+                                           num_requests) if rates else \
+                    capacity(costs, top, workload, slo, duration_s, seed, guess, num_requests)
                 if progress is not None:
                     progress(top.name, tried[top.name])
 
@@ -145,17 +204,19 @@ def plan(costs: ClusterCosts, workload: Workload, slo: SLOTarget, workers: int,
          for t in _modes(p, workers - p, sample, base)])
     ranked = _ranked(tried)
     return ranked, {"candidates": len(tried), "rates": rates, "duration_s": duration_s,
+                    "simulations": sum(len(c.points) for c in tried.values()),
                     "num_requests": num_requests, "seconds": time.monotonic() - started}
 
 
 def _ranked(tried: dict[str, Candidate]) -> list[Candidate]:
-    return sorted(tried.values(), key=lambda c: (-c.peak["goodput_rps"],
-                                                 c.topology.num_prefill, c.name))
+    return sorted(tried.values(), key=lambda c: (-c.score, c.topology.num_prefill, c.name))
 
 
 # ---------------------------------------------------------------------------------- output
 def table(ranked: list[Candidate], top: int = 8) -> str:
-    lines = [f"{'rank':>4}  {'configuration':<26} {'peak good/s':>11} {'at rate':>8} "
+    by_capacity = bool(ranked) and ranked[0].capacity is not None
+    lines = [f"{'rank':>4}  {'configuration':<26} "
+             f"{'SLO cap/s' if by_capacity else 'peak good/s':>11} {'at rate':>8} "
              f"{'TTFT p50/p99 s':>15} {'TPOT p50/p99 ms':>16} {'refused':>7}  paths"]
     for i, cand in enumerate(ranked[:top], 1):
         p = cand.peak
@@ -165,7 +226,7 @@ def table(ranked: list[Candidate], top: int = 8) -> str:
             return "-" if x is None else f"{x * scale:.{digits}f}"
 
         paths = " ".join(f"{k}:{v}" for k, v in sorted(p["paths"].items()))
-        lines.append(f"{i:>4}  {cand.name:<26} {p['goodput_rps']:>11.2f} {p['rate']:>8.2f} "
+        lines.append(f"{i:>4}  {cand.name:<26} {cand.score:>11.2f} {p['rate']:>8.2f} "
                      f"{f(ttft['p50']):>7}/{f(ttft['p99']):<7} "
                      f"{f(tpot['p50'], 1e3, 1):>8}/{f(tpot['p99'], 1e3, 1):<7} "
                      f"{p['refused']:>7}  {paths}")
@@ -173,7 +234,8 @@ def table(ranked: list[Candidate], top: int = 8) -> str:
 
 
 def plot(ranked: list[Candidate], path: str, slo: SLOTarget, top: int = 6) -> None:
-    """Goodput against offered rate, one line per configuration (the best `top`)."""
+    """Goodput against offered rate, one line per configuration (the best `top`): the rates
+    each one was simulated at (given, or its capacity search's)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -190,6 +190,15 @@ def test_plan_ranks_splits_and_plots(tmp_path):
     assert all(len(c.points) == 3 for c in ranked)
     text = table(ranked)
     assert ranked[0].name in text.splitlines()[1]
+    # Without rates: each configuration's SLO capacity, bracketed and bisected.
+    ranked, info = plan(costs(), Workload(), SLO, workers=2, duration_s=20.0)
+    assert info["rates"] is None and info["simulations"] > 3 * info["candidates"]
+    for cand in ranked:
+        passing = [p["rate"] for p in cand.points if p["attainment"] >= 0.9]
+        failing = [p["rate"] for p in cand.points if p["attainment"] < 0.9]
+        assert cand.capacity == max(passing, default=0.0) and failing
+        assert min(failing) > cand.capacity  # the search brackets it: nothing above passes
+    assert [c.capacity for c in ranked] == sorted((c.capacity for c in ranked), reverse=True)
     png = tmp_path / "plan.png"
     plot(ranked, str(png), SLO)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
