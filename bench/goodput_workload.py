@@ -10,20 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-
-def arrival_offsets(rate: float, rng: random.Random, num_requests: Optional[int] = None,
-                    duration_s: Optional[float] = None, burstiness: float = 1.0) -> list[float]:
-    """Send times from the point's start: gamma gaps of mean 1/rate and CV 1/sqrt(burstiness)
-    (1 is Poisson), until num_requests or duration_s, whichever comes first."""
-    if num_requests is None and duration_s is None:
-        raise ValueError("arrival_offsets needs num_requests or duration_s")
-    offsets, now = [], 0.0
-    while num_requests is None or len(offsets) < num_requests:
-        now += rng.gammavariate(burstiness, 1.0 / (burstiness * rate))
-        if duration_s is not None and now > duration_s:
-            break
-        offsets.append(now)
-    return offsets
+from planner.workload import arrival_offsets  # noqa: F401  (the bench's send times)
 
 
 # ------------------------------------------------------------------------------------ workload

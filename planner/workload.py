@@ -87,12 +87,7 @@ class Workload:
             if num_requests is None and duration_s is None:
                 raise ValueError("num_requests or duration_s is needed")
             shape = 1.0 if self.arrival == "poisson" else self.burstiness
-            times, now = [], 0.0
-            while num_requests is None or len(times) < num_requests:
-                now += rng.gammavariate(shape, 1.0 / (shape * rate))
-                if duration_s is not None and now > duration_s:
-                    break
-                times.append(now)
+            times = arrival_offsets(rate, rng, num_requests, duration_s, shape)
         out = []
         for i, t in enumerate(times):
             if self.mix == "trace":
@@ -110,6 +105,22 @@ class Workload:
         if self._rows is None:
             self._rows = read_trace(self.trace, self.trace_point)
         return self._rows
+
+
+def arrival_offsets(rate: float, rng: random.Random, num_requests: Optional[int] = None,
+                    duration_s: Optional[float] = None, burstiness: float = 1.0) -> list[float]:
+    """Arrival times from the start: gamma gaps of mean 1/rate and CV 1/sqrt(burstiness)
+    (1 is Poisson), until num_requests or duration_s, whichever comes first (the load
+    generator, bench/goodput.py, draws its send times with this too)."""
+    if num_requests is None and duration_s is None:
+        raise ValueError("arrival_offsets needs num_requests or duration_s")
+    offsets, now = [], 0.0
+    while num_requests is None or len(offsets) < num_requests:
+        now += rng.gammavariate(burstiness, 1.0 / (burstiness * rate))
+        if duration_s is not None and now > duration_s:
+            break
+        offsets.append(now)
+    return offsets
 
 
 def read_trace(path: str | Path, point: int = 0) -> list[tuple[Optional[float], int, int]]:
