@@ -1,5 +1,6 @@
-"""The prefill half of a disaggregated request, on the prefill worker: ship the prompt's KV
-blocks to the decode worker's reservation, layer by layer as the prompt's last step computes
+"""The prefill half of a disaggregated request, on the prefill worker: compute the prompt and
+its first token (serve_prefill, PDWorker.prefill's body), ship the prompt's KV blocks to the
+decode worker's reservation, layer by layer as the prompt's last step computes
 them (LayerStreamer, the request's record here: computing -> shipping -> ended) and the rest
 after it (ship_kv), under the link's backpressure; and how much of each transfer the compute
 hid (TransferOverlap). The decode half is decode_half.py.
@@ -9,10 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import enum
 import logging
 import time
 from typing import Optional
+
+from pd_runtime.api import (EngineOverloadedError, GenerationRequest, InvalidRequestError,
+                            error_chunk, output_chunk)
 
 log = logging.getLogger(__name__)
 
@@ -190,3 +195,56 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
             worker.agent.cancel_at_peer(peer_id, request_id)
             await loop.call(lambda e: e.remote.release_held(request_id))
     return outcome.value
+
+
+def _peer_for(worker, metadata: bytes) -> str:
+    """The agent's link to the decode worker that sent `metadata`: made once, again if failed."""
+    from kv_transfer.base import AgentMetadata, LinkState
+
+    engine_id = AgentMetadata.decode(metadata).engine_id
+    peer_id = worker._peers.get(engine_id)
+    if peer_id is None or worker.agent.peer_state(peer_id)[0] is LinkState.FAILED:
+        peer_id = worker.agent.connect(metadata)
+        worker._peers[engine_id] = peer_id
+    return peer_id
+
+
+async def serve_prefill(worker, request: GenerationRequest, decode_metadata: bytes,
+                        dst_block_ids: list[int], skip_blocks: int,
+                        not_after: Optional[float]) -> dict:
+    """PDWorker.prefill: the first token's chunk (or an error chunk); ship_kv runs on."""
+    request_id = request.request_id
+    loop = worker._engine_loop()
+    late = not_after is not None and time.time() > not_after
+    if worker.cancelled.pop(request_id, None) is not None or late:
+        return error_chunk(RuntimeError(f"request {request_id} was cancelled"
+                                        + (" (started after its hedge)" if late else "")), 499)
+    peer_id = _peer_for(worker, decode_metadata)
+    first_params = dataclasses.replace(request.params, max_tokens=1)
+    streamer = LayerStreamer(worker, request_id, peer_id, dst_block_ids, skip_blocks,
+                             worker.stream_layers)
+    now = time.monotonic()  # a record whose transfer never started cannot outlive this
+    worker.shipments = {r: s for r, s in worker.shipments.items() if now - s.created < 600}
+    worker.shipments[request_id] = streamer
+    q = loop.open_stream(request_id)
+    try:
+        await loop.call(lambda e: (e.add_request(request_id, request.prompt, first_params,
+                                                 cache_salt=request.cache_salt,
+                                                 hold_blocks=True,
+                                                 layer_sink=streamer.layer_done),
+                                   worker._watch(request)))
+    except (InvalidRequestError, EngineOverloadedError) as exc:
+        loop.close_stream(request_id)
+        worker.shipments.pop(request_id, None)
+        return error_chunk(exc)
+    out = await q.get()
+    if out is None or isinstance(out, Exception):  # aborted while prefilling (abort() already
+        worker.cancelled.pop(request_id, None)      # freed its blocks), or past its deadline
+        worker.shipments.pop(request_id, None)
+        return error_chunk(out) if out is not None else \
+            error_chunk(RuntimeError(f"request {request_id} was cancelled"), 499)
+    task = asyncio.ensure_future(ship_kv(worker, request_id, peer_id, dst_block_ids,
+                                         skip_blocks, streamer))
+    worker.ship_tasks[request_id] = task  # the decode side learns the outcome on the link
+    task.add_done_callback(lambda _: worker.ship_tasks.pop(request_id, None))
+    return output_chunk(out, "disaggregated")

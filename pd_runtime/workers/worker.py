@@ -10,7 +10,6 @@ the client sees one stream either way.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -24,7 +23,7 @@ from pd_runtime.workers.deadlines import DeadlineWatch
 from pd_runtime.workers.decode_half import (PrefillRate, RemotePrefill, ReservationQueue, Stage,
                                             cancel_receive, run_remote_prefill)
 from pd_runtime.workers.engine_loop import EngineLoop
-from pd_runtime.workers.prefill_half import LayerStreamer, TransferOverlap, ship_kv
+from pd_runtime.workers.prefill_half import LayerStreamer, TransferOverlap, serve_prefill
 
 log = logging.getLogger(__name__)
 
@@ -336,16 +335,6 @@ class PDWorker:
                         pass
 
     # -- disaggregated: prefill side ---------------------------------------------------------
-    def _peer_for(self, metadata: bytes) -> str:
-        from kv_transfer.base import AgentMetadata, LinkState
-
-        engine_id = AgentMetadata.decode(metadata).engine_id
-        peer_id = self._peers.get(engine_id)
-        if peer_id is None or self.agent.peer_state(peer_id)[0] is LinkState.FAILED:
-            peer_id = self.agent.connect(metadata)
-            self._peers[engine_id] = peer_id
-        return peer_id
-
     async def prefill(self, request: GenerationRequest, decode_metadata: bytes,
                       dst_block_ids: list[int], skip_blocks: int,
                       not_after: Optional[float] = None) -> dict:
@@ -354,43 +343,10 @@ class PDWorker:
         (the blocks stay held until the transfer's lease ends); a send that cannot start is
         reported to the decode side on the link (`KVTransferAgent.cancel_at_peer`).
         `not_after` (time.time()): the decode side may hedge from then on, so a call that starts
-        later (this worker was stopped or stalled) is refused, not computed twice."""
-        request_id = request.request_id
-        loop = self._engine_loop()
-        late = not_after is not None and time.time() > not_after
-        if self.cancelled.pop(request_id, None) is not None or late:
-            return error_chunk(RuntimeError(f"request {request_id} was cancelled"
-                                            + (" (started after its hedge)" if late else "")),
-                               499)
-        peer_id = self._peer_for(decode_metadata)
-        first_params = dataclasses.replace(request.params, max_tokens=1)
-        streamer = LayerStreamer(self, request_id, peer_id, dst_block_ids, skip_blocks,
-                                 self.stream_layers)
-        now = time.monotonic()  # a record whose transfer never started cannot outlive this
-        self.shipments = {r: s for r, s in self.shipments.items() if now - s.created < 600}
-        self.shipments[request_id] = streamer
-        q = loop.open_stream(request_id)
-        try:
-            await loop.call(lambda e: (e.add_request(request_id, request.prompt, first_params,
-                                                     cache_salt=request.cache_salt,
-                                                     hold_blocks=True,
-                                                     layer_sink=streamer.layer_done),
-                                       self._watch(request)))
-        except (InvalidRequestError, EngineOverloadedError) as exc:
-            loop.close_stream(request_id)
-            self.shipments.pop(request_id, None)
-            return error_chunk(exc)
-        out = await q.get()
-        if out is None or isinstance(out, Exception):  # aborted while prefilling (abort()
-            self.cancelled.pop(request_id, None)        # already freed its blocks)
-            self.shipments.pop(request_id, None)
-            return error_chunk(out) if out is not None else \
-                error_chunk(RuntimeError(f"request {request_id} was cancelled"), 499)
-        task = asyncio.ensure_future(ship_kv(self, request_id, peer_id, dst_block_ids,
-                                             skip_blocks, streamer))
-        self.ship_tasks[request_id] = task  # the decode side learns the outcome on the link
-        task.add_done_callback(lambda _: self.ship_tasks.pop(request_id, None))
-        return output_chunk(out, "disaggregated")
+        later (this worker was stopped or stalled) is refused, not computed twice. The prefill
+        half: prefill_half.py."""
+        return await serve_prefill(self, request, decode_metadata, dst_block_ids, skip_blocks,
+                                   not_after)
 
     async def shutdown(self) -> None:
         if self.loop is not None:
