@@ -90,25 +90,54 @@ def _median(values: list[float]) -> Optional[float]:
     return values[len(values) // 2] if values else None
 
 
+def _affine(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """measured = overhead + scale x predicted, by least squares over (predicted, measured)
+    pairs; scale within [0.5, 2] and overhead >= 0; with one distinct prediction, scale 1."""
+    if not points:
+        return 0.0, 1.0
+    if len({round(p, 6) for p, _ in points}) < 2:
+        return max(0.0, _median([m - p for p, m in points]) or 0.0), 1.0
+    mean_p = sum(p for p, _ in points) / len(points)
+    mean_m = sum(m for _, m in points) / len(points)
+    var = sum((p - mean_p) ** 2 for p, _ in points)
+    cov = sum((p - mean_p) * (m - mean_m) for p, m in points)
+    scale = min(2.0, max(0.5, cov / var))
+    return max(0.0, mean_m - scale * mean_p), scale
+
+
 def overheads(timings: list[dict], costs: ClusterCosts) -> dict:
-    """What the fitted step costs do not explain, from requests that ran alone: the time to
-    first token besides the prefill's compute, per path, and the decode period at batch 1
-    besides the step's compute (the engine loop's own work per iteration)."""
+    """What the fitted step costs do not explain, from requests that ran alone: per path, the
+    time to first token as a fixed part plus a scale on the predicted prefill (the fit's error
+    at the lengths the path saw), and the decode period at batch 1 besides the step's compute
+    (the engine loop's own work per iteration)."""
     def prefill_s(role, n: int) -> float:
         return role.step_s(n, n * (n + 1) // 2, 0, 0)
 
     alone = [t for t in timings if t["concurrent"] == 1]
-    colocated = [t["ttft_s"] - prefill_s(costs.decode, t["prompt_len"])
-                 for t in alone if t["path"] == "colocated" and t["tokens"] == 1]
-    remote = [t["ttft_s"] - prefill_s(costs.prefill, t["prompt_len"])
-              for t in alone if t["path"] == "disaggregated"]
+    colocated = _affine([(prefill_s(costs.decode, t["prompt_len"]), t["ttft_s"])
+                         for t in alone if t["path"] == "colocated" and t["tokens"] == 1])
+    remote = _affine([(prefill_s(costs.prefill, t["prompt_len"]), t["ttft_s"])
+                      for t in alone if t["path"] == "disaggregated"])
     c = costs.decode.coefficients
     step = [t["tpot_s"] - (c["step_s"] + c["decode_seq_s"] + c["decode_context_s"] *
                            (t["prompt_len"] + t["tokens"] // 2))
             for t in alone if t["path"] == "colocated" and t["tpot_s"] is not None]
-    return {"colocated_overhead_s": max(0.0, _median(colocated) or 0.0),
-            "disaggregated_overhead_s": max(0.0, _median(remote) or 0.0),
+    return {"colocated_overhead_s": colocated[0], "colocated_scale": colocated[1],
+            "disaggregated_overhead_s": remote[0], "disaggregated_scale": remote[1],
             "step_overhead_s": max(0.0, _median(step) or 0.0)}
+
+
+def apply_overheads(costs: ClusterCosts, timings: list[dict]) -> None:
+    """Fold what the sweep's timings say beyond the fitted step costs into the cost model."""
+    measured = overheads(timings, costs)
+    costs.colocated_overhead_s = measured["colocated_overhead_s"]
+    costs.disaggregated_overhead_s = measured["disaggregated_overhead_s"]
+    for role, scale in ((costs.decode, measured["colocated_scale"]),
+                        (costs.prefill, measured["disaggregated_scale"])):
+        for name in ("prefill_token_s", "prefill_attention_s"):
+            role.coefficients[name] *= scale
+    costs.prefill.step_overhead_s = costs.decode.step_overhead_s = measured["step_overhead_s"]
+    costs.source["ttft_fit"] = {k: round(v, 6) for k, v in measured.items()}
 
 
 async def _rpc_s(client, samples: int = 20) -> float:
@@ -152,10 +181,7 @@ async def calibrate(client, cfg, model_dir: str, quick: bool = False,
         router_overhead_s=ROUTER_OVERHEAD_S, max_model_len=card.max_model_len if card else 4096,
         note=f"pd-runtime profile{' --quick' if quick else ''}: {len(stages)} stages, "
              f"{cfg.kv_transfer.backend} transfers, model {Path(model_dir).name}")
-    measured = overheads(timings, costs)
-    costs.colocated_overhead_s = measured["colocated_overhead_s"]
-    costs.disaggregated_overhead_s = measured["disaggregated_overhead_s"]
-    costs.prefill.step_overhead_s = costs.decode.step_overhead_s = measured["step_overhead_s"]
+    apply_overheads(costs, timings)
     return costs
 
 
@@ -237,8 +263,13 @@ async def calibrate_http(base_url: str, api_key: Optional[str] = None, quick: bo
         max_model_len=int(card.get("max_model_len") or 4096),
         note=f"pd-runtime profile --url{' --quick' if quick else ''}: {len(stages)} stages "
              f"through {base}, routing mode {mode}")
-    measured = overheads(timings, costs)  # the router's own time is in these
-    costs.colocated_overhead_s = measured["colocated_overhead_s"]
-    costs.disaggregated_overhead_s = measured["disaggregated_overhead_s"]
-    costs.prefill.step_overhead_s = costs.decode.step_overhead_s = measured["step_overhead_s"]
+    if mode != "always_colocated":
+        # The router sent the decode pool no prompt over max_local_prefill_tokens, so its own
+        # prefill fit stops there; both pools run the same engine: the prefill pool's fit,
+        # which saw the long ones, stands for both.
+        for name in ("prefill_token_s", "prefill_attention_s"):
+            costs.decode.coefficients[name] = costs.prefill.coefficients[name]
+        costs.source["decode_prefill_costs"] = "the prefill pool's (the decode pool saw no " \
+                                               f"prompt over {local} tokens)"
+    apply_overheads(costs, timings)  # the router's own time is in these
     return costs

@@ -277,3 +277,21 @@ def test_profile_through_a_running_routers_http_api(llama_dir):
     assert costs.colocated_overhead_s is not None and costs.colocated_overhead_s >= 0
     assert costs.disaggregated_overhead_s is not None and costs.disaggregated_overhead_s >= 0
     assert costs.transfer_exposed_s is not None
+
+
+def test_ttft_fit_separates_a_fixed_cost_from_the_fits_error():
+    from planner.profile import _affine, apply_overheads
+
+    assert _affine([(p, 0.02 + 1.25 * p) for p in (0.1, 0.4, 0.9)]) == \
+        pytest.approx((0.02, 1.25))
+    assert _affine([(0.3, 0.35), (0.3, 0.36), (0.3, 0.4)]) == pytest.approx((0.06, 1.0))
+    assert _affine([]) == (0.0, 1.0)
+    c = costs()
+    before = c.prefill.coefficients["prefill_token_s"]
+    timings = [{"path": "disaggregated", "concurrent": 1, "prompt_len": n, "tokens": 2,
+                "tpot_s": None,
+                "ttft_s": 0.05 + 1.5 * c.prefill.step_s(n, n * (n + 1) // 2, 0, 0)}
+               for n in (512, 1024, 2048)]
+    apply_overheads(c, timings)
+    assert c.disaggregated_overhead_s == pytest.approx(0.05)
+    assert c.prefill.coefficients["prefill_token_s"] == pytest.approx(1.5 * before)
