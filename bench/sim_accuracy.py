@@ -9,7 +9,7 @@ with the error of each.
 
     .venv/bin/python bench/sim_accuracy.py --out /tmp/simacc [--rates 1 2 3]
         [--num-requests 60] [--systems pd-slo pd-threshold pd-disagg] [--cost-model FILE]
-        [--port 8000] [--reuse]
+        [--port 8000] [--calibrate-each] [--reuse]
 
 Run it inside a network namespace with loopback up (as `make test` does) or on a machine
 where Ray may bind the host's address. Every server is stopped after its points.
@@ -87,6 +87,8 @@ def main() -> int:
     ap.add_argument("--slo-tpot", type=float, default=0.1)
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calibrate-each", action="store_true",
+                    help="profile each system through its own router just before its points")
     ap.add_argument("--reuse", action="store_true",
                     help="simulate against the measured points already in --out")
     args = ap.parse_args()
@@ -110,7 +112,9 @@ def main() -> int:
         server = Server(system, out, args.port, model_dir)
         try:
             server.wait_ready()
-            if costs is None:  # calibrated on the first deployment, through its router
+            if costs is None or args.calibrate_each:  # through this deployment's router
+                if args.calibrate_each:
+                    cost_path = out / f"{system}.cost-model.json"
                 subprocess.run([str(ROOT / ".venv/bin/pd-runtime"), "--log-level", "WARNING",
                                 "profile", "--url", server.base_url, "--out", str(cost_path)],
                                cwd=ROOT, check=True)

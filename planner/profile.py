@@ -255,15 +255,19 @@ async def calibrate_http(base_url: str, api_key: Optional[str] = None, quick: bo
     for report in workers.values():
         if report["healthy"]:
             by_role.setdefault(report["role"], report["load"])
-    if "prefill" not in by_role or "decode" not in by_role:
-        raise ValueError(f"{base} serves no healthy prefill and decode worker to calibrate from")
+    decode = by_role.get("decode") or by_role.get("colocated")
+    if decode is None:
+        raise ValueError(f"{base} serves no healthy decode or colocated worker to calibrate from")
+    # Without a prefill pool (all colocated), the prefill role's costs are the decode side's:
+    # the same engine.
+    prefill = by_role.get("prefill") or decode
     costs = ClusterCosts.from_loads(
-        by_role["prefill"], by_role["decode"], prefill_engine={}, decode_engine={},
+        prefill, decode, prefill_engine={}, decode_engine={},
         num_layers=1, stream_layers=True, rpc_s=0.0, router_overhead_s=0.0,
         max_model_len=int(card.get("max_model_len") or 4096),
         note=f"pd-runtime profile --url{' --quick' if quick else ''}: {len(stages)} stages "
              f"through {base}, routing mode {mode}")
-    if mode != "always_colocated":
+    if mode != "always_colocated" and "prefill" in by_role:
         # The router sent the decode pool no prompt over max_local_prefill_tokens, so its own
         # prefill fit stops there; both pools run the same engine: the prefill pool's fit,
         # which saw the long ones, stands for both.
