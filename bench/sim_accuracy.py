@@ -9,7 +9,7 @@ with the error of each.
 
     .venv/bin/python bench/sim_accuracy.py --out /tmp/simacc [--rates 1 2 3]
         [--num-requests 60] [--systems pd-slo pd-threshold pd-disagg] [--cost-model FILE]
-        [--port 8000] [--calibrate-each] [--reuse]
+        [--port 8000] [--calibrate-each] [--profile-repeats N] [--reuse]
 
 Run it inside a network namespace with loopback up (as `make test` does) or on a machine
 where Ray may bind the host's address. Every server is stopped after its points.
@@ -87,6 +87,8 @@ def main() -> int:
     ap.add_argument("--slo-tpot", type=float, default=0.1)
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile-repeats", type=int, default=1,
+                    help="calibration sweeps (pd-runtime profile --repeats)")
     ap.add_argument("--calibrate-each", action="store_true",
                     help="profile each system through its own router just before its points")
     ap.add_argument("--reuse", action="store_true",
@@ -116,7 +118,8 @@ def main() -> int:
                 if args.calibrate_each:
                     cost_path = out / f"{system}.cost-model.json"
                 subprocess.run([str(ROOT / ".venv/bin/pd-runtime"), "--log-level", "WARNING",
-                                "profile", "--url", server.base_url, "--out", str(cost_path)],
+                                "profile", "--url", server.base_url, "--out", str(cost_path),
+                                "--repeats", str(args.profile_repeats)],
                                cwd=ROOT, check=True)
                 costs = ClusterCosts.load(cost_path)
             trace = out / f"{system}.json"

@@ -20,6 +20,8 @@ def add_commands(sub) -> None:
     p.add_argument("--url", help="calibrate a running deployment through its router "
                                  "(e.g. http://127.0.0.1:8000) instead of starting pools")
     p.add_argument("--api-key", help="with --url, when the router asks for one")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --url: sweeps; each coefficient the median of their fits")
     p.set_defaults(func=_cmd_profile)
 
     for name, text in (("simulate", "simulate one deployment on a workload"),
@@ -58,7 +60,8 @@ def _cmd_profile(args) -> int:
 
     if args.url:
         started = time.monotonic()
-        costs = asyncio.run(calibrate_http(args.url, args.api_key, quick=args.quick))
+        costs = asyncio.run(calibrate_http(args.url, args.api_key, quick=args.quick,
+                                           repeats=args.repeats))
         return _report_profile(costs, args.out, started)
     cfg = load_cluster_config(args.config) if args.config else ClusterConfig()
     model = args.model or cfg.model or str(ensure_default_model())

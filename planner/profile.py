@@ -224,11 +224,34 @@ async def _read_stream(resp, times: list) -> None:
                 times.append(time.monotonic())
 
 
+def _steadied(snapshots: list[dict]) -> tuple[dict, dict]:
+    """Worker reports of several sweeps as one: each step-cost coefficient the median of its
+    fits after each sweep (the last report otherwise), and each one's spread (min, max)."""
+    last = snapshots[-1]
+    merged, spread = {}, {}
+    for worker_id, report in last.items():
+        fits = [s[worker_id]["load"]["step_costs"]["coefficients"] for s in snapshots
+                if worker_id in s and (s[worker_id]["load"].get("step_costs") or {})
+                .get("coefficients")]
+        load = dict(report["load"])
+        if fits:
+            medians = {k: _median([f[k] for f in fits]) for k in fits[-1]}
+            load["step_costs"] = {**load["step_costs"], "coefficients": medians}
+            spread[worker_id] = {k: (min(f[k] for f in fits), max(f[k] for f in fits))
+                                 for k in fits[-1]}
+        merged[worker_id] = {**report, "load": load}
+    return merged, spread
+
+
 async def calibrate_http(base_url: str, api_key: Optional[str] = None, quick: bool = False,
-                         progress: Optional[Progress] = None, seed: int = 0) -> ClusterCosts:
-    """The sweep through a running deployment's router; the paths are the router's to choose
-    (long prompts disaggregated in its default modes), so each stage is attributed to the path
-    the router's routing settings give it."""
+                         progress: Optional[Progress] = None, seed: int = 0,
+                         repeats: int = 1) -> ClusterCosts:
+    """The sweep through a running deployment's router (`repeats` times: the cost model takes
+    each coefficient's median over the fits after each sweep, and keeps their spread); the
+    paths are the router's to choose (long prompts disaggregated in its default modes), so
+    each stage is attributed to the path the router's routing settings give it."""
+    if repeats < 1:
+        raise ValueError("--repeats must be >= 1")
     import httpx
 
     base = base_url.rstrip("/")
@@ -239,18 +262,21 @@ async def calibrate_http(base_url: str, api_key: Optional[str] = None, quick: bo
         routing = (await client.get(f"{base}/v1/router/config")).json()["routing"]
         mode, local = routing["mode"], routing["max_local_prefill_tokens"]
         stages = sweep_plan(int(card.get("max_model_len") or 2048), quick)
-        progress = progress or Progress(len(stages) + 1)
+        progress = progress or Progress(repeats * (len(stages) + 1))
         rng = random.Random(seed)
-        timings = []
-        for number, (_, prompt_len, max_tokens, concurrent) in enumerate(stages):
-            path = "disaggregated" if mode == "always_disaggregated" or \
-                (mode != "always_colocated" and prompt_len > local) else "colocated"
-            timings += await _http_stage(client, base, card["id"], number, path, prompt_len,
-                                         max_tokens, concurrent, rng)
-            progress.step(f"{prompt_len} tok x{concurrent} ({path})")
-        await asyncio.sleep(2.5)  # the router's load reports are a health interval old
-        workers = (await client.get(f"{base}/v1/router/workers")).json()["workers"]
-        progress.step("load reports")
+        timings, snapshots = [], []
+        for repeat in range(repeats):
+            for number, (_, prompt_len, max_tokens, concurrent) in enumerate(stages):
+                path = "disaggregated" if mode == "always_disaggregated" or \
+                    (mode != "always_colocated" and prompt_len > local) else "colocated"
+                timings += await _http_stage(client, base, card["id"],
+                                             repeat * len(stages) + number, path, prompt_len,
+                                             max_tokens, concurrent, rng)
+                progress.step(f"{prompt_len} tok x{concurrent} ({path})")
+            await asyncio.sleep(2.5)  # the router's load reports are a health interval old
+            snapshots.append((await client.get(f"{base}/v1/router/workers")).json()["workers"])
+            progress.step("load reports")
+    workers, spread = _steadied(snapshots)
     by_role = {}
     for report in workers.values():
         if report["healthy"]:
@@ -265,8 +291,10 @@ async def calibrate_http(base_url: str, api_key: Optional[str] = None, quick: bo
         prefill, decode, prefill_engine={}, decode_engine={},
         num_layers=1, stream_layers=True, rpc_s=0.0, router_overhead_s=0.0,
         max_model_len=int(card.get("max_model_len") or 4096),
-        note=f"pd-runtime profile --url{' --quick' if quick else ''}: {len(stages)} stages "
-             f"through {base}, routing mode {mode}")
+        note=f"pd-runtime profile --url{' --quick' if quick else ''}: {len(stages)} stages x "
+             f"{repeats} through {base}, routing mode {mode}")
+    if repeats > 1:
+        costs.source["coefficient_spread"] = spread
     if mode != "always_colocated" and "prefill" in by_role:
         # The router sent the decode pool no prompt over max_local_prefill_tokens, so its own
         # prefill fit stops there; both pools run the same engine: the prefill pool's fit,

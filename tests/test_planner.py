@@ -261,7 +261,7 @@ def test_profile_through_a_running_routers_http_api(llama_dir):
         try:
             with serving(backend, router) as (_, port):
                 base = f"http://127.0.0.1:{port}"
-                costs = asyncio.run(calibrate_http(base, quick=True))
+                costs = asyncio.run(calibrate_http(base, quick=True, repeats=2))
                 workers = httpx.get(base + "/v1/router/workers").json()["workers"]
                 metrics = httpx.get(base + "/metrics").text
         finally:
@@ -277,6 +277,12 @@ def test_profile_through_a_running_routers_http_api(llama_dir):
     assert costs.colocated_overhead_s is not None and costs.colocated_overhead_s >= 0
     assert costs.disaggregated_overhead_s is not None and costs.disaggregated_overhead_s >= 0
     assert costs.transfer_exposed_s is not None
+    spread = costs.source["coefficient_spread"]  # two sweeps: each fit's median and range
+    for worker_id, ranges in spread.items():
+        role = "prefill" if worker_id.startswith("prefill") else "decode"
+        fitted = getattr(costs, role).coefficients["decode_seq_s"]
+        low, high = ranges["decode_seq_s"]
+        assert low <= high and (role == "prefill" or low <= fitted <= high)
 
 
 def test_ttft_fit_separates_a_fixed_cost_from_the_fits_error():
