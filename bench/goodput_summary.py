@@ -10,15 +10,7 @@ if TYPE_CHECKING:
     from bench.goodput_client import RequestRecord
     from bench.goodput_load import PointPlan
 
-def percentile(values: list[float], q: float) -> Optional[float]:
-    """Linear interpolation between closest ranks (numpy's default); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+from planner.stats import percentile  # noqa: E402  (the simulator's definition too)
 
 
 def stats(values: list[float], qs=(50, 90, 99)) -> dict:

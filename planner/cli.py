@@ -111,8 +111,7 @@ def _inputs(args):
 
 
 def _print_row(label: str, result: dict) -> None:
-    def f(x, scale=1.0, digits=2):
-        return "-" if x is None else f"{x * scale:.{digits}f}"
+    from planner.plan import cell as f
 
     print(f"{label:>10} {result['sent']:>6} {result['completed']:>6} {result['refused']:>6} "
           f"{result['goodput_rps']:>7.2f}  {f(result['ttft_s']['p50']):>6}/"

@@ -213,6 +213,11 @@ def _ranked(tried: dict[str, Candidate]) -> list[Candidate]:
 
 
 # ---------------------------------------------------------------------------------- output
+def cell(x: Optional[float], scale: float = 1.0, digits: int = 2) -> str:
+    """A table cell: "-" for no value."""
+    return "-" if x is None else f"{x * scale:.{digits}f}"
+
+
 def table(ranked: list[Candidate], top: int = 8) -> str:
     by_capacity = bool(ranked) and ranked[0].capacity is not None
     lines = [f"{'rank':>4}  {'configuration':<26} "
@@ -220,11 +225,7 @@ def table(ranked: list[Candidate], top: int = 8) -> str:
              f"{'TTFT p50/p99 s':>15} {'TPOT p50/p99 ms':>16} {'refused':>7}  paths"]
     for i, cand in enumerate(ranked[:top], 1):
         p = cand.peak
-        ttft, tpot = p["ttft_s"], p["tpot_s"]
-
-        def f(x, scale=1.0, digits=2):
-            return "-" if x is None else f"{x * scale:.{digits}f}"
-
+        ttft, tpot, f = p["ttft_s"], p["tpot_s"], cell
         paths = " ".join(f"{k}:{v}" for k, v in sorted(p["paths"].items()))
         lines.append(f"{i:>4}  {cand.name:<26} {cand.score:>11.2f} {p['rate']:>8.2f} "
                      f"{f(ttft['p50']):>7}/{f(ttft['p99']):<7} "

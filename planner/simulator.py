@@ -28,6 +28,7 @@ from typing import Callable, Optional
 from pd_runtime.config import RoutingConfig, SLOTarget
 from planner.costs import ClusterCosts
 from planner.engine_model import Seq, SimEngine
+from planner.stats import percentile
 from planner.workload import SimRequest
 from router.cost_model import CostModel
 from router.ledger import Ledgers
@@ -255,16 +256,6 @@ class ClusterSim:
 
 
 # ---------------------------------------------------------------------------------- results
-def percentile(values: list[float], q: float) -> Optional[float]:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
 def summarize(outcomes: list[Outcome], slo: SLOTarget, router_overhead_s: float) -> dict:
     """Goodput and latency percentiles, as bench/goodput.py reports a point."""
     done = [o for o in outcomes if o.end_s is not None and not o.refused]

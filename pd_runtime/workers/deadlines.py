@@ -39,10 +39,12 @@ class DeadlineWatch:
     def tick(self, engine) -> None:
         # Entries of requests that finished in time go when they come due, or sooner when they
         # outnumber the live requests (a deadline is minutes away, requests take seconds).
-        if len(self._heap) > 2 * len(engine.requests) + 64 or not engine.requests:
+        if self._heap and (len(self._heap) > 2 * len(engine.requests) + 64 or not engine.requests):
             self._heap = [item for item in self._heap if item[1] in engine.requests]
             heapq.heapify(self._heap)
         now = time.time()
+        if not self._overdue and (not self._heap or self._heap[0][0] > now):
+            return  # the common tick: nothing due
         due = list(self._overdue.items())
         self._overdue.clear()
         while self._heap and self._heap[0][0] <= now:
