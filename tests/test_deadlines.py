@@ -13,8 +13,8 @@ import pytest
 
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.api import DeadlineExceededError, GenerationRequest, InvalidRequestError
-from pd_runtime.config import ClusterConfig
 from pd_runtime.workers.deadlines import DeadlineWatch
+from tests.pool_support import pair_config
 
 ENGINE = dict(dtype="float32", num_kv_blocks=128, num_threads=1)
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -71,11 +71,7 @@ def test_deadline_must_be_finite():
 def pool(llama_dir):
     from pd_runtime.workers.local_pool import LocalPool
 
-    cfg = ClusterConfig.model_validate({
-        "model": llama_dir, "kv_transfer": {"backend": "local"},
-        "prefill": {"num_workers": 1, "engine": ENGINE},
-        "decode": {"num_workers": 1, "engine": ENGINE}})
-    pool = LocalPool(cfg, llama_dir)
+    pool = LocalPool(pair_config(llama_dir, ENGINE), llama_dir)
     yield pool
     pool.close()
 

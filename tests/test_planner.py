@@ -241,19 +241,17 @@ def test_profile_through_a_running_routers_http_api(llama_dir):
 
     import httpx
 
-    from pd_runtime.config import ClusterConfig, RouterConfig
+    from pd_runtime.config import RouterConfig
     from pd_runtime.workers.local_pool import LocalPool
     from planner.profile import calibrate_http
     from router.core import PoolBackend
+    from tests.pool_support import pair_config
     from tests.router_support.serving import serving
 
     engine = {"dtype": "float32", "num_kv_blocks": 512, "num_threads": 1, "warmup_tokens": 0}
     router = RouterConfig(routing={"mode": "auto", "max_local_prefill_tokens": 128})
-    cfg = ClusterConfig.model_validate({
-        "model": llama_dir, "kv_transfer": {"backend": "local"},
-        "router": router.model_dump(), "recovery": {"health_check_interval_s": 0.5},
-        "prefill": {"num_workers": 1, "engine": engine},
-        "decode": {"num_workers": 1, "engine": engine}})
+    cfg = pair_config(llama_dir, engine, router=router.model_dump(),
+                      recovery={"health_check_interval_s": 0.5})
     pool = LocalPool(cfg, llama_dir)
     try:
         backend = PoolBackend(pool, cfg, llama_dir)

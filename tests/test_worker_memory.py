@@ -14,7 +14,7 @@ import time
 import pytest
 
 from pd_runtime import SamplingParams
-from pd_runtime.config import ClusterConfig
+from tests.pool_support import pair_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,11 +82,7 @@ async def _run_all(pool) -> list[tuple[str, list[dict]]]:
 def test_thousands_of_requests_leave_no_per_request_state(llama_dir):
     from pd_runtime.workers.local_pool import LocalPool
 
-    cfg = ClusterConfig.model_validate({
-        "model": llama_dir, "kv_transfer": {"backend": "local"},
-        "prefill": {"num_workers": 1, "engine": ENGINE},
-        "decode": {"num_workers": 1, "engine": ENGINE}})
-    pool = LocalPool(cfg, llama_dir)
+    pool = LocalPool(pair_config(llama_dir, ENGINE), llama_dir)
     try:
         results = asyncio.run(_run_all(pool))
         by_kind: dict[str, int] = {}
