@@ -20,6 +20,7 @@ import asyncio
 import json
 import random
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -87,9 +88,12 @@ async def run(args) -> dict:
         for i, plan in enumerate(plans(args)):
             await wait_idle(client, base, args.settle_s, args.idle_timeout_s)
             specs = requests(args, vocab, random.Random(f"{args.seed}:prompts:{i}"))
+            cpu_before = time.process_time()
             records = await run_point(client, f"{base}/v1/completions", model, plan, specs,
                                       not args.no_ignore_eos)
             summary = summarize(plan, records, args.slo_ttft, args.slo_tpot)
+            # This load generator's own CPU over the point (it may share the server's cores).
+            summary["client_cpu_s"] = time.process_time() - cpu_before
             print(table_row(summary), flush=True)
             if summary["first_error"]:
                 print(f"#   {summary['failed']} failed, first: {summary['first_error']}",

@@ -40,8 +40,10 @@ from planner.workload import Workload  # noqa: E402
 def simulated(costs: ClusterCosts, config_path: Path, trace: Path, point: int,
               slo: SLOTarget) -> dict:
     cfg = ClusterConfig.model_validate(yaml.safe_load(config_path.read_text()))
+    # The load generator runs on this machine, on the workers' cores: its CPU counts.
     topology = Topology(cfg.prefill.num_workers, cfg.decode.num_workers + cfg.colocated.num_workers,
-                        cfg.router.routing, cfg.recovery.health_check_interval_s)
+                        cfg.router.routing, cfg.recovery.health_check_interval_s,
+                        clients_on_host=True)
     workload = Workload(mix="trace", arrival="trace", trace=str(trace), trace_point=point)
     started = time.monotonic()
     result = simulate(costs, topology, workload.requests(), slo)

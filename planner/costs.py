@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -36,6 +36,7 @@ class RoleCosts:
     # to the streams, commands, load reports (measured by `profile` as the batch-1 decode
     # period at the client minus the fitted step).
     step_overhead_s: float = 0.0
+    threads: int = 1  # the cores one worker's steps use (torch threads)
 
     def __post_init__(self):
         missing = [name for name in COEFFICIENTS if name not in self.coefficients]
@@ -45,6 +46,13 @@ class RoleCosts:
                if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0)]
         if bad:
             raise ValueError(f"cost model: coefficients {bad} must be finite and >= 0")
+
+    def scaled(self, factor: float) -> "RoleCosts":
+        """The same worker with every step `factor` times as long (sharing its cores)."""
+        if factor == 1.0:
+            return self
+        return replace(self, coefficients={k: v * factor for k, v in self.coefficients.items()},
+                       step_overhead_s=self.step_overhead_s * factor)
 
     def worker_costs(self) -> WorkerCosts:
         c = self.coefficients
@@ -77,8 +85,38 @@ class RoleCosts:
                    num_kv_blocks=int(load.get("total_blocks", 4096)),
                    block_size=int(load.get("block_size", 16)),
                    step_time_target_s=engine.get("step_time_target_s"),
+                   threads=int(load.get("num_threads") or engine.get("num_threads") or 1),
                    max_model_len=int(load.get("max_model_len") or engine.get("max_model_len")
                                      or 4096))
+
+
+@dataclass
+class HostCosts:
+    """The CPU that the router (and clients, where they run there too) takes on a node it
+    shares with the workers, measured by `pd-runtime profile --url`: on such a node the workers'
+    steps slow down as that CPU grows with the request rate (planner/host.py)."""
+
+    cores: int                           # the node's CPUs
+    idle_cores: float = 0.0              # router + workers' background work, no traffic
+    router_request_cpu_s: float = 0.0    # router CPU per request
+    router_token_cpu_s: float = 0.0      # ... and per output token streamed
+    client_request_cpu_s: float = 0.0    # the calibration's client, on the same node
+    client_token_cpu_s: float = 0.0
+    # The workers' own CPU outside their engine steps (streaming tokens out, sending KV).
+    runtime_request_cpu_s: float = 0.0
+    runtime_token_cpu_s: float = 0.0
+    calibration_cores: float = 0.0       # router + client CPU during the sweep, in cores
+
+    def cpu_s(self, requests: int, tokens: int, seconds: float, clients: bool) -> float:
+        """CPU seconds the router, the workers outside their steps (and the clients if
+        `clients`) spend over `seconds` of
+        serving `requests` requests and `tokens` output tokens."""
+        cpu = self.idle_cores * seconds \
+            + (self.router_request_cpu_s + self.runtime_request_cpu_s) * requests \
+            + (self.router_token_cpu_s + self.runtime_token_cpu_s) * tokens
+        if clients:
+            cpu += self.client_request_cpu_s * requests + self.client_token_cpu_s * tokens
+        return cpu
 
 
 @dataclass
@@ -100,6 +138,8 @@ class ClusterCosts:
     # Streamed: the mean wait from the prompt's last layer to the KV landed, as the prefill
     # workers measured it (TransferOverlap); None: the last layer's share of bytes/rate.
     transfer_exposed_s: Optional[float] = None
+    # The router's node, when the workers share it (None: the router has its own cores).
+    host: Optional[HostCosts] = None
     source: dict = field(default_factory=dict)  # where and when it was measured
 
     def transfer_s(self, tokens: int) -> float:
@@ -134,8 +174,11 @@ class ClusterCosts:
         for role in ("prefill", "decode"):
             if role not in fields:
                 raise ValueError(f"cost model: no '{role}' section")
-            fields[role] = RoleCosts(**fields[role])
         try:
+            for role in ("prefill", "decode"):
+                fields[role] = RoleCosts(**fields[role])
+            if fields.get("host") is not None:
+                fields["host"] = HostCosts(**fields["host"])
             return cls(**fields)
         except TypeError as exc:
             raise ValueError(f"cost model: {exc}") from None

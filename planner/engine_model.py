@@ -58,6 +58,7 @@ class SimEngine:
         self.step_no = 0
         self.step_s_ewma = 0.0
         self.busy_s = 0.0
+        self.busy: Optional[list] = None          # (start, end) of each step or run, if kept
         self.steps = 0
         self._event = None                        # the pending step or run end
         self._run: Optional[tuple] = None         # a pure-decode run in progress
@@ -204,6 +205,8 @@ class SimEngine:
     def _account(self, steps: int, seconds: float) -> None:
         self.steps += steps
         self.busy_s += seconds
+        if self.busy is not None:
+            self.busy.append((self.sim.now - seconds, self.sim.now))
         mean = seconds / steps
         keep = (1 - _EWMA) ** steps
         self.step_s_ewma = mean if self.steps == steps else \

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Optional
 
 from pd_runtime.api import SamplingParams
 from planner.costs import ClusterCosts
+from planner.host import fit_host
 
 # The router's added latency when none is measured: its p50 on the 2-core box
 # (docs/BENCHMARKS.md, "Router overhead").
@@ -264,14 +266,16 @@ async def calibrate_http(base_url: str, api_key: Optional[str] = None, quick: bo
         stages = sweep_plan(int(card.get("max_model_len") or 2048), quick)
         progress = progress or Progress(repeats * (len(stages) + 1))
         rng = random.Random(seed)
-        timings, snapshots = [], []
+        timings, snapshots, host_stages = [], [], []
         for repeat in range(repeats):
             for number, (_, prompt_len, max_tokens, concurrent) in enumerate(stages):
                 path = "disaggregated" if mode == "always_disaggregated" or \
                     (mode != "always_colocated" and prompt_len > local) else "colocated"
+                before = await _cpu_snapshot(client, base)
                 timings += await _http_stage(client, base, card["id"],
                                              repeat * len(stages) + number, path, prompt_len,
                                              max_tokens, concurrent, rng)
+                host_stages.append(_cpu_spent(before, await _cpu_snapshot(client, base)))
                 progress.step(f"{prompt_len} tok x{concurrent} ({path})")
             await asyncio.sleep(2.5)  # the router's load reports are a health interval old
             snapshots.append((await client.get(f"{base}/v1/router/workers")).json()["workers"])
@@ -304,4 +308,41 @@ async def calibrate_http(base_url: str, api_key: Optional[str] = None, quick: bo
         costs.source["decode_prefill_costs"] = "the prefill pool's (the decode pool saw no " \
                                                f"prompt over {local} tokens)"
     apply_overheads(costs, timings)  # the router's own time is in these
+    costs.host = _shared_host(host_stages)
     return costs
+
+
+async def _cpu_snapshot(client, base: str) -> dict:
+    """The router's CPU and counts, the workers' CPU outside their steps, this process's CPU."""
+    reply = (await client.get(f"{base}/v1/router/workers")).json()
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    runtime = None
+    loads = [w["load"] for w in reply["workers"].values() if w["healthy"]]
+    if loads and all(load.get("cpu_s") is not None for load in loads):
+        runtime = sum(load["cpu_s"] - ((load.get("step_costs") or {}).get("busy_s") or 0.0)
+                      for load in loads)
+    return {"time": time.monotonic(), "client_cpu_s": own.ru_utime + own.ru_stime,
+            "router": reply.get("router"), "runtime_cpu_s": runtime,
+            "hosts": {load.get("host") for load in loads}}
+
+
+def _cpu_spent(before: dict, after: dict) -> Optional[dict]:
+    if not before["router"] or not after["router"] or before["runtime_cpu_s"] is None \
+            or after["runtime_cpu_s"] is None:
+        return None  # a router or workers that do not report their CPU
+    r0, r1 = before["router"], after["router"]
+    return {"seconds": after["time"] - before["time"],
+            "requests": r1["requests"] - r0["requests"],
+            "tokens": r1["output_tokens"] - r0["output_tokens"],
+            "router_cpu_s": r1["cpu_s"] - r0["cpu_s"],
+            "runtime_cpu_s": after["runtime_cpu_s"] - before["runtime_cpu_s"],
+            "client_cpu_s": after["client_cpu_s"] - before["client_cpu_s"],
+            "cores": r1.get("cpus") or 0, "shared": after["hosts"] == {r1.get("host")}}
+
+
+def _shared_host(stages: list[Optional[dict]]):
+    """The router's node's CPU costs when every worker runs on that node (None otherwise:
+    the router and the workers do not compete for cores)."""
+    if not stages or any(s is None or not s["shared"] for s in stages):
+        return None
+    return fit_host(stages, stages[-1]["cores"])

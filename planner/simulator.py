@@ -28,6 +28,7 @@ from typing import Callable, Optional
 from pd_runtime.config import RoutingConfig, SLOTarget
 from planner.costs import ClusterCosts
 from planner.engine_model import Seq, SimEngine
+from planner.host import stretches
 from planner.stats import percentile
 from planner.workload import SimRequest
 from router.cost_model import CostModel
@@ -45,6 +46,9 @@ class Topology:
     num_decode: int
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     report_interval_s: float = 1.0  # recovery.health_check_interval_s: load reports' age
+    # The clients run on the router's node too (a load generator on the machine it measures):
+    # their CPU counts against the workers' cores where those share the node.
+    clients_on_host: bool = False
 
     @property
     def name(self) -> str:
@@ -81,7 +85,9 @@ class _Event:
 
 
 class ClusterSim:
-    def __init__(self, costs: ClusterCosts, topology: Topology, seed: int = 0):
+    def __init__(self, costs: ClusterCosts, topology: Topology, seed: int = 0,
+                 stretch: Optional[dict[str, float]] = None):
+        """`stretch`: worker id -> factor on its step costs (planner/host.py)."""
         if topology.num_decode < 1:
             raise ValueError("a deployment needs at least one decode worker")
         self.costs, self.topology = costs, topology
@@ -89,9 +95,12 @@ class ClusterSim:
         self._heap: list = []
         self._order = itertools.count()
         self.rng = random.Random(seed)
-        self.prefill = [SimEngine(self, f"prefill-{i}", "prefill", costs.prefill)
+        stretch = stretch or {}
+        self.prefill = [SimEngine(self, f"prefill-{i}", "prefill",
+                                  costs.prefill.scaled(stretch.get(f"prefill-{i}", 1.0)))
                         for i in range(topology.num_prefill)]
-        self.decode = [SimEngine(self, f"decode-{i}", "decode", costs.decode)
+        self.decode = [SimEngine(self, f"decode-{i}", "decode",
+                                 costs.decode.scaled(stretch.get(f"decode-{i}", 1.0)))
                        for i in range(topology.num_decode)]
         self.engines = {e.worker_id: e for e in self.prefill + self.decode}
         self.states = {wid: WorkerState(wid, e.role) for wid, e in self.engines.items()}
@@ -279,10 +288,36 @@ def summarize(outcomes: list[Outcome], slo: SLOTarget, router_overhead_s: float)
             "paths": paths}
 
 
+def shares_host(costs: ClusterCosts, topology: Topology) -> bool:
+    """The router's node (measured by `profile`) holds the whole deployment's workers: their
+    steps compete with the router's CPU. A deployment larger than that node runs elsewhere."""
+    host = costs.host
+    return host is not None and host.cores > 0 and topology.num_prefill * costs.prefill.threads \
+        + topology.num_decode * costs.decode.threads <= host.cores
+
+
 def simulate(costs: ClusterCosts, topology: Topology, requests: list[SimRequest],
-             slo: SLOTarget, seed: int = 0) -> dict:
-    sim = ClusterSim(costs, topology, seed)
-    outcomes = sim.run(requests)
-    result = summarize(outcomes, slo, costs.router_overhead_s)
+             slo: SLOTarget, seed: int = 0, rounds: int = 3) -> dict:
+    """One run; where the workers share the router's node, `rounds` runs, each with the step
+    stretch the one before it implies (planner/host.py)."""
+    shared = shares_host(costs, topology)
+    stretch: dict[str, float] = {}
+    for round_no in range(rounds if shared else 1):
+        sim = ClusterSim(costs, topology, seed, stretch)
+        if shared:
+            for engine in sim.engines.values():
+                engine.busy = []
+        outcomes = sim.run(requests)
+        result = summarize(outcomes, slo, costs.router_overhead_s)
+        if shared and round_no < rounds - 1:
+            tokens = sum(o.request.max_tokens for o in outcomes
+                         if o.end_s is not None and not o.refused)
+            cpu = costs.host.cpu_s(len(outcomes), tokens, result["duration_s"],
+                                   topology.clients_on_host)
+            stretch = stretches({w: e.busy for w, e in sim.engines.items()},
+                                {w: e.costs.threads for w, e in sim.engines.items()},
+                                costs.host, cpu)
     result["events"] = sim.events
+    if shared:
+        result["stretch"] = {w: round(s, 3) for w, s in stretch.items()}
     return result

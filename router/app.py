@@ -85,7 +85,7 @@ def create_app(backend: Backend, router_config: RouterConfig) -> FastAPI:
         """Each worker's latest load report as the router's live cost model reads it (what
         `pd-runtime profile --url` calibrates the planner from)."""
         backend.authenticate(_api_key(request))
-        return {"workers": backend.worker_reports()}
+        return {"workers": backend.worker_reports(), "router": backend.host_report()}
 
     @app.get("/health")
     async def health():

@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import random
+import resource
+import socket
 import threading
 import time
 from typing import AsyncIterator, Optional
@@ -36,7 +39,8 @@ def _refusal(status: int, kind: str, message: str, retry_after_s: float = 1.0) -
 # The parts of a worker's load report that describe what its work costs (GET
 # /v1/router/workers; planner/costs.py reads them).
 _COST_FIELDS = ("step_costs", "max_num_seqs", "max_num_batched_tokens", "total_blocks",
-                "block_size", "kv_bytes_per_token", "kv_transfer", "kv_overlap")
+                "block_size", "kv_bytes_per_token", "kv_transfer", "kv_overlap", "host",
+                "num_threads", "cpu_s")
 
 
 class PoolBackend:
@@ -63,6 +67,7 @@ class PoolBackend:
         self.ledgers = Ledgers()
         self._engine_ids: dict[str, str] = {}
         self._rng = random.Random()
+        self.served = {"requests": 0, "output_tokens": 0}  # what the router's own CPU went on
         self._health_thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
 
@@ -140,6 +145,14 @@ class PoolBackend:
                               "load": {k: w.load.get(k) for k in _COST_FIELDS}}
                 for w in self.client.prefill + self.client.decode}
 
+    def host_report(self) -> dict:
+        """The router process itself: the CPU it has used (its own and its children's, the
+        body parser's), the requests and output tokens it has served, the node and cores it
+        runs on; `pd-runtime profile` fits the router's CPU per request and per token from it."""
+        return {"cpu_s": process_cpu_s(), "time": time.monotonic(),
+                "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                else os.cpu_count(), "host": socket.gethostname(), **self.served}
+
     def metrics_text(self) -> bytes:
         return self.metrics.text()
 
@@ -157,6 +170,7 @@ class PoolBackend:
                        priority: int = 0, tenant: Optional[TenantConfig] = None,
                        deadline: Optional[float] = None) -> AsyncIterator[dict]:
         arrival = time.monotonic()
+        self.served["requests"] += 1
         tenant_id = tenant.tenant_id if tenant else "anonymous"
         limit, wait = self.tenants.admit(tenant, len(prompt_ids) + params.max_tokens)
         if limit:
@@ -215,6 +229,7 @@ class PoolBackend:
                     yield chunk
                     return
                 if chunk["token_ids"]:
+                    self.served["output_tokens"] += len(chunk["token_ids"])
                     decode_ledger.grow(request_id, len(chunk["token_ids"]))
                     if first is None:
                         first = now
@@ -287,3 +302,26 @@ class PoolBackend:
                 self.metrics.kv_fallbacks.inc()
         if chunk.get("migrations"):
             self.metrics.migrations.inc(chunk["migrations"])
+
+
+def process_cpu_s() -> float:
+    """CPU seconds of this process (all threads) and its children: the ones that have ended
+    and, on Linux, the live ones (the body parser's process pool)."""
+    own, ended = resource.getrusage(resource.RUSAGE_SELF), \
+        resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
+    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return total
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:  # ppid; then utime, stime at 11, 12
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+

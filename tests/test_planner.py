@@ -12,7 +12,8 @@ import math
 import pytest
 
 from pd_runtime.config import RoutingConfig, SLOTarget
-from planner.costs import ClusterCosts, RoleCosts
+from planner.costs import ClusterCosts, HostCosts, RoleCosts
+from planner.host import nnls, overlap_s, stretches, union_s
 from planner.engine_model import SimEngine
 from planner.simulator import ClusterSim, Topology, simulate
 from planner.workload import SimRequest, Workload, read_trace
@@ -36,7 +37,7 @@ def routing(mode: str, threshold: int = 512) -> RoutingConfig:
 # ---------------------------------------------------------------------------------- the file
 def test_cost_model_file_round_trips_and_names_what_is_wrong(tmp_path):
     path = tmp_path / "costs.json"
-    original = costs(transfer_exposed_s=0.004)
+    original = costs(transfer_exposed_s=0.004, host=HostCosts(cores=2, router_token_cpu_s=5e-4))
     original.save(path)
     assert ClusterCosts.load(path) == original
     data = json.loads(path.read_text())
@@ -174,6 +175,58 @@ def test_more_load_than_capacity_lowers_goodput_and_raises_latency():
     assert high["good"] < high["completed"] and high["ttft_s"]["p99"] > 5 * low["ttft_s"]["p99"]
 
 
+# ---------------------------------------------------------------------------------- the node
+def test_busy_overlaps_and_the_stretch_they_imply():
+    a = [(0.0, 1.0), (2.0, 3.0)]
+    b = [(0.5, 2.5)]
+    assert overlap_s(a, b) == pytest.approx(1.0) and overlap_s(b, a) == pytest.approx(1.0)
+    assert union_s([a, b]) == pytest.approx(3.0) and union_s([]) == 0.0
+    c = [(0.5, 1.0)]  # within a's first interval
+    host = HostCosts(cores=2)
+    # Any busy 2 s, 3 CPU seconds of host work meanwhile: 1.5 cores. a is busy 2 s, c during a
+    # quarter of it: a's demand 1 + 0.25 + 1.5 cores on 2; c's (always with a) 1 + 1 + 1.5.
+    s = stretches({"a": a, "c": c}, {"a": 1, "c": 1}, host, host_cpu_s=3.0)
+    assert s == pytest.approx({"a": 2.75 / 2, "c": 3.5 / 2})
+    # Relative to the calibration's own load (1.5 cores there: 2.5 / 2).
+    calibrated = HostCosts(cores=2, calibration_cores=1.5)
+    assert stretches({"a": a, "c": c}, {"a": 1, "c": 1}, calibrated, 3.0)["a"] == \
+        pytest.approx(2.75 / 2.5)
+    # Spare cores: no stretch.
+    assert stretches({"a": a, "c": c}, {"a": 1, "c": 1}, HostCosts(cores=16), 3.0) == \
+        {"a": 1.0, "c": 1.0}
+
+
+def test_nonnegative_least_squares_recovers_and_clamps():
+    rows = [[s, r, t] for s, r, t in ((10, 4, 100), (5, 1, 40), (8, 8, 500), (20, 2, 20))]
+    y = [0.01 * s + 0.002 * r + 0.0005 * t for s, r, t in rows]
+    assert nnls(rows, y) == pytest.approx([0.01, 0.002, 0.0005], rel=1e-6)
+    # A negative fit for a column is not a cost: it is left out and the others refitted.
+    y = [0.01 * s - 0.002 * r for s, r, _ in rows]
+    fit = nnls(rows, y)
+    assert min(fit) >= 0 and fit[1] == 0.0
+
+
+def test_router_cpu_on_the_workers_node_slows_them_with_the_rate():
+    """Where the router (and the load generator) share the workers' cores, their CPU per token
+    stretches the workers' steps as the rate grows; a deployment larger than that node is
+    simulated as before."""
+    busy_host = HostCosts(cores=2, router_token_cpu_s=2e-3, client_token_cpu_s=1e-3)
+    requests = Workload().requests(rate=6.0, num_requests=150, seed=2)
+    plain = simulate(costs(), Topology(1, 1, routing("auto")), requests, SLO)
+    shared = simulate(costs(host=busy_host), Topology(1, 1, routing("auto"),
+                                                     clients_on_host=True), requests, SLO)
+    assert "stretch" not in plain and min(shared["stretch"].values()) > 1.0
+    assert shared["tpot_s"]["p50"] > plain["tpot_s"]["p50"]
+    router_only = simulate(costs(host=busy_host), Topology(1, 1, routing("auto")), requests, SLO)
+    assert 1.0 <= max(router_only["stretch"].values()) < max(shared["stretch"].values())
+    quiet = simulate(costs(host=busy_host), Topology(1, 1, routing("auto")),
+                     Workload().requests(rate=0.2, num_requests=20, seed=2), SLO)
+    assert max(quiet["stretch"].values()) < max(router_only["stretch"].values())
+    larger = simulate(costs(host=busy_host), Topology(2, 2, routing("auto")), requests, SLO)
+    assert "stretch" not in larger and larger == simulate(
+        costs(), Topology(2, 2, routing("auto")), requests, SLO)
+
+
 # ---------------------------------------------------------------------------------- plan
 def test_plan_ranks_splits_and_plots(tmp_path):
     from planner.plan import parse_slo, plan, plot, table
@@ -275,6 +328,10 @@ def test_profile_through_a_running_routers_http_api(llama_dir):
     assert costs.colocated_overhead_s is not None and costs.colocated_overhead_s >= 0
     assert costs.disaggregated_overhead_s is not None and costs.disaggregated_overhead_s >= 0
     assert costs.transfer_exposed_s is not None
+    # Router and workers in this one process on this machine: the node's CPU costs, measured.
+    host = costs.host
+    assert host is not None and host.cores >= 1 and host.calibration_cores > 0
+    assert all(math.isfinite(v) and v >= 0 for v in vars(host).values())
     spread = costs.source["coefficient_spread"]  # two sweeps: each fit's median and range
     for worker_id, ranges in spread.items():
         role = "prefill" if worker_id.startswith("prefill") else "decode"

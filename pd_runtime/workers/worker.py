@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 import uuid
 from typing import AsyncIterator, Optional
@@ -47,6 +48,7 @@ class PDWorker:
             self.engine_config = self.engine_config.model_copy(update={"cuda_graphs": False})
         if self.engine_config.num_threads:
             torch.set_num_threads(self.engine_config.num_threads)
+        self.num_threads = torch.get_num_threads()  # the cores its steps use
         self.engine = LLMEngine(self.engine_config)
         warm_s = self.engine.warm_up(self.engine_config.warmup_tokens)
         # A restarted actor is a new incarnation: peers must not mistake it for the old one.
@@ -176,7 +178,9 @@ class PDWorker:
                       kv_transfer=self.agent.metrics(), draining=self.draining,
                       pid=os.getpid(), hedged_prefills=self.hedged_prefills,
                       kv_overlap=self.transfer_overlap.report(),
-                      cuda_graph_capture_s=self.engine.runner.graph_capture_s)
+                      cuda_graph_capture_s=self.engine.runner.graph_capture_s,
+                      host=socket.gethostname(), num_threads=self.num_threads,
+                      cpu_s=time.process_time())
         return report
 
     def _records(self) -> dict:
