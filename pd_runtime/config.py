@@ -60,11 +60,22 @@ class EnginePoolSettings(_Strict):
     # start-up (one per batch-size bucket; larger batches and prompt steps run eagerly).
     cuda_graphs: bool = True
     cuda_graph_max_batch_size: int = Field(256, ge=1)
+    # Speculative decoding: "ngram" guesses up to speculative_tokens next tokens per step from
+    # the request's own context (prompt lookup, n-grams of speculative_ngram_min..max tokens)
+    # and verifies them in one forward; outputs follow the model exactly (greedy: the same
+    # tokens). None: off. (pd_runtime/engine/speculative.py)
+    speculative_method: Optional[Literal["ngram"]] = None
+    speculative_tokens: int = Field(4, ge=1, le=32)
+    speculative_ngram_max: int = Field(4, ge=1)
+    speculative_ngram_min: int = Field(2, ge=1)
 
     @model_validator(mode="after")
     def _check(self):
         if self.max_model_len is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError(f"speculative_ngram_min ({self.speculative_ngram_min}) must not "
+                             f"exceed speculative_ngram_max ({self.speculative_ngram_max})")
         return self
 
 

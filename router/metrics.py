@@ -132,6 +132,15 @@ class RouterMetrics:
         self.kv_failures = Gauge("pd_worker_kv_transfer_failures",
                                  "Failed transfers since worker start", ["worker", "reason"],
                                  registry=r)
+        self.spec_tokens = Gauge("pd_worker_speculative_tokens", "Speculative decoding since "
+                                 "worker start: tokens drafted and accepted, verifications",
+                                 ["worker", "kind"], registry=r)
+        self.spec_acceptance = Gauge("pd_worker_speculative_acceptance_rate",
+                                     "Accepted / drafted tokens since worker start", worker,
+                                     registry=r)
+        self.spec_accepted_length = Gauge(
+            "pd_worker_speculative_tokens_per_verification", "Tokens a verifying request "
+            "gains per step (accepted drafts + 1), since worker start", worker, registry=r)
 
     def observe_worker(self, worker_id: str, healthy: bool, load: dict) -> None:
         self.healthy.labels(worker_id).set(1 if healthy else 0)
@@ -162,6 +171,13 @@ class RouterMetrics:
             self.busy.labels(worker_id).set(costs.get("busy_s", 0))
             for term, value in (costs.get("coefficients") or {}).items():
                 self.cost.labels(worker_id, term).set(value)
+        spec = load.get("speculation") or {}
+        if spec:
+            for kind in ("drafted_tokens", "accepted_tokens", "verifications"):
+                self.spec_tokens.labels(worker_id, kind).set(spec.get(kind, 0))
+            if spec.get("acceptance_rate") is not None:
+                self.spec_acceptance.labels(worker_id).set(spec["acceptance_rate"])
+                self.spec_accepted_length.labels(worker_id).set(spec["tokens_per_verification"])
         kv = load.get("kv_transfer") or {}
         self.kv_bytes.labels(worker_id).set(kv.get("bytes_sent", 0) + kv.get("bytes_received", 0))
         for reason, count in (kv.get("failures") or {}).items():

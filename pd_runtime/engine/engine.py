@@ -20,10 +20,11 @@ from pd_runtime.engine.block_manager import BlockManager
 from pd_runtime.engine.detokenizer import detokenize_step
 from pd_runtime.engine.model_runner import ModelRunner
 from pd_runtime.engine.remote_kv import RemoteKV
-from pd_runtime.engine.sampler import Sampler
+from pd_runtime.engine.sampler import SampleResult, Sampler
 from pd_runtime.engine.scheduler import Scheduler
 from pd_runtime.engine.step_costs import StepCostModel, StepWork
 from pd_runtime.engine.sequence import FinishReason, Request, RequestStatus
+from pd_runtime.engine.speculative import Speculator
 from pd_runtime.engine.swap_space import SwapSpace
 from pd_runtime.tokenizer import Tokenizer
 
@@ -71,6 +72,7 @@ class LLMEngine:
         self.remote = RemoteKV(self)  # disaggregation: reserved blocks, held blocks
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.num_steps = 0
+        self.speculator = Speculator(config) if config.speculative_method == "ngram" else None
         self.step_costs = StepCostModel()  # what a step costs here, for routing and /metrics
         # Tokens of the last step by kind, for load reports and benchmarks.
         self.last_step_prefill_tokens = 0
@@ -230,7 +232,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        plan = self.scheduler.schedule(self._prompt_budget())
+        plan = self.scheduler.schedule(self._prompt_budget(),
+                                       self._draft if self.speculator else None)
         if not plan.scheduled:
             if plan.swap_out:
                 self.runner.execute(plan)
@@ -248,30 +251,67 @@ class LLMEngine:
         self.last_step_decode_tokens = work.decode_seqs
         self.last_step_prefill_tokens = work.prefill_tokens
         logits = self.runner.execute(plan, self._layer_hook(plan))
-        sampled = [self.requests[s.request_id] for s in plan.scheduled if s.sample]
-        result = self.sampler(logits, [r.params for r in sampled],
-                              [r.generator for r in sampled],
-                              [(r.prompt_token_ids, r.output_token_ids) for r in sampled]
-                              ) if sampled else None
+        sampled = [(self.requests[s.request_id], s) for s in plan.scheduled if s.sample]
+        result = self._sample(logits, sampled) if sampled else None
         now = time.monotonic()
         for s in plan.scheduled:
             req = self.requests[s.request_id]
-            req.num_computed_tokens += len(s.token_ids)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            self.block_manager.cache_full_blocks(req)
-        outputs = []
-        for i, req in enumerate(sampled):
-            token = result.token_ids[i]
-            req.output_token_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            lp = result.logprobs[i]
-            if lp is not None:
-                req.logprobs.append(lp)
-            outputs.append(self._finish_token(req, token, lp))
+            if not s.draft_ids:  # a verification's computed tokens are the ones it keeps
+                req.num_computed_tokens += len(s.token_ids)
+                self.block_manager.cache_full_blocks(req)
+        outputs, row = [], 0
+        for req, s in sampled:
+            k = len(s.draft_ids)
+            tokens = result.token_ids[row:row + k + 1]
+            if k:
+                tokens = self.speculator.verify(req, s.draft_ids, tokens)
+                # The last token's KV now; the kept drafts' once they are in the context
+                # (below), so the prefix cache never sees a rejected guess.
+                req.num_computed_tokens += 1
+                self.block_manager.cache_full_blocks(req)
+                kept = row + len(tokens) - 1
+                if len(tokens) <= k and kept in (result.generator_states or {}):
+                    req.generator.set_state(result.generator_states[kept])
+            out = None
+            for j, token in enumerate(tokens):
+                req.output_token_ids.append(token)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                lp = result.logprobs[row + j]
+                if lp is not None:
+                    req.logprobs.append(lp)
+                out = _merged(out, self._finish_token(req, token, lp))
+                if out.finished:
+                    break
+            if k and not out.finished:
+                req.num_computed_tokens += len(tokens) - 1
+            outputs.append(out)
+            row += k + 1
         self.step_costs.observe(work, time.perf_counter() - started)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, sampled: list) -> SampleResult:
+        """One row per sampled request, and with drafts one more per draft: each row with the
+        history up to its position, a seeded request's rows drawing from its generator in
+        order (whose state after each draft row is kept, to put back what a rejection
+        discards)."""
+        params, generators, histories, keep = [], [], [], set()
+        for req, s in sampled:
+            for j in range(len(s.draft_ids) + 1):
+                if j and req.generator is not None and not req.params.greedy:
+                    keep.add(len(params) - 1)
+                params.append(req.params)
+                generators.append(req.generator)
+                histories.append((req.prompt_token_ids, req.output_token_ids + s.draft_ids[:j]
+                                  if j and req.params.adjusts_logits else req.output_token_ids))
+        if keep:
+            return self.sampler(logits, params, generators, histories, keep_states=keep)
+        return self.sampler(logits, params, generators, histories)
+
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        return self.speculator.draft(req, budget, self.max_model_len)
 
     def _prompt_budget(self) -> Optional[int]:
         """Prompt tokens this step may take so that, with the sequences decoding, it stays
@@ -369,4 +409,18 @@ class LLMEngine:
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "kv_bytes_per_token": self.runner.kv_bytes_per_token,
             "block_size": bm.block_size,
+            "speculation": self.speculator.stats.report() if self.speculator else None,
         }
+
+
+def _merged(first: Optional[RequestOutput], then: RequestOutput) -> RequestOutput:
+    """One output of a request per step: a verification can add several tokens."""
+    if first is None:
+        return then
+    logprobs = None
+    if first.new_logprobs is not None or then.new_logprobs is not None:
+        logprobs = (first.new_logprobs or []) + (then.new_logprobs or [])
+    then.new_token_ids = first.new_token_ids + then.new_token_ids
+    then.new_text = first.new_text + then.new_text
+    then.new_logprobs = logprobs
+    return then

@@ -119,13 +119,16 @@ class ModelRunner:
         decodes = [s for s in plan.scheduled if len(s.token_ids) == 1]
         prefills = [s for s in plan.scheduled if len(s.token_ids) > 1]
         ordered = decodes + prefills
-        # Rows to sample, in the order of plan.scheduled (the engine's order).
+        # Rows to sample, in the order of plan.scheduled (the engine's order): a chunk's last
+        # row, and with drafts (speculative decoding) the rows of the token before each one.
         row_of = {}
         offset = 0
         for s in ordered:
             offset += len(s.token_ids)
             row_of[s.request_id] = offset - 1
-        rows = [row_of[s.request_id] for s in plan.scheduled if s.sample]
+        rows = [r for s in plan.scheduled if s.sample
+                for r in range(row_of[s.request_id] - len(s.draft_ids),
+                               row_of[s.request_id] + 1)]
         if self.graphs is not None and not prefills:
             logits = self.graphs.run(decodes)
             if logits is not None:  # rows in plan order (every decode row is sampled)

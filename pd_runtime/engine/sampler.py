@@ -25,6 +25,9 @@ class SampleResult:
     token_ids: list[int]
     # Per row: (logprob of the sampled token, {token: logprob} of the top-n), or None.
     logprobs: list[Optional[tuple[float, dict[int, float]]]]
+    # Row -> its generator's state right after that row's draw, for the rows asked for
+    # (speculative decoding puts a seeded request's generator back to its last kept token).
+    generator_states: Optional[dict] = None
 
 
 class Sampler:
@@ -53,13 +56,21 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[Optional[torch.Generator]],
-                 histories: Optional[list[History]] = None) -> SampleResult:
-        packed = self.sample_on_device(logits, params, generators, histories)
-        return self.unpack(packed.cpu() if packed.device.type != "cpu" else packed, params)
+                 histories: Optional[list[History]] = None,
+                 keep_states: Optional[set[int]] = None) -> SampleResult:
+        """keep_states: rows whose generator's state after their draw to return."""
+        states = {} if keep_states else None
+        packed = self.sample_on_device(logits, params, generators, histories, keep_states,
+                                       states)
+        result = self.unpack(packed.cpu() if packed.device.type != "cpu" else packed, params)
+        result.generator_states = states
+        return result
 
     def sample_on_device(self, logits: torch.Tensor, params: list[SamplingParams],
                          generators: list[Optional[torch.Generator]],
-                         histories: Optional[list[History]] = None) -> torch.Tensor:
+                         histories: Optional[list[History]] = None,
+                         keep_states: Optional[set[int]] = None,
+                         states: Optional[dict] = None) -> torch.Tensor:
         """Everything on the logits' device, into one float64 tensor (`unpack` reads it): the
         sampled ids, then for the rows asking for logprobs the sampled token's logprob and the
         top-n (values, ids), n the largest asked. float64 holds ids and float32 logprobs
@@ -83,6 +94,8 @@ class Sampler:
                     raise ValueError(f"a generator on {generator.device} cannot draw the "
                                      f"noise of logits on {device}")
                 noise[j].exponential_(generator=generator)
+                if keep_states and i in keep_states and generator is not None:
+                    states[i] = generator.get_state()
             # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race).
             tokens[idx] = (probs / noise).argmax(dim=-1)
         parts = [tokens.double()]

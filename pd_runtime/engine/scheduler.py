@@ -14,7 +14,7 @@ The most urgent request always progresses and waiting requests age upward, so no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from pd_runtime.engine.block_manager import BlockManager
 from pd_runtime.engine.sequence import Request, RequestStatus
@@ -28,6 +28,9 @@ class ScheduledRequest:
     token_ids: list[int]       # tokens at positions [start, start + len)
     block_ids: list[int]       # the whole block table
     sample: bool               # this chunk reaches the end: sample the next token
+    # Speculative: tokens guessed after the last one, computed with it (token_ids ends with
+    # them); the step samples at each of their positions too (engine.py verifies them).
+    draft_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -128,14 +131,20 @@ class Scheduler:
         need = sum(self.bm.blocks_needed(r.num_tokens) for r in self.waiting if not r.block_ids)
         return need + len(self.running)
 
-    def _plan(self, req: Request, n: int) -> ScheduledRequest:
+    def _plan(self, req: Request, n: int, drafts: Sequence[int] = ()) -> ScheduledRequest:
         start = req.num_computed_tokens
+        if drafts:
+            return ScheduledRequest(req.request_id, start, [req.last_token_id, *drafts],
+                                    list(req.block_ids), True, list(drafts))
         return ScheduledRequest(req.request_id, start, req.token_slice(start, start + n),
                                 list(req.block_ids), start + n == req.num_tokens)
 
-    def schedule(self, prompt_budget: Optional[int] = None) -> SchedulerOutput:
+    def schedule(self, prompt_budget: Optional[int] = None,
+                 draft: Optional[Callable[[Request, int], list[int]]] = None
+                 ) -> SchedulerOutput:
         """prompt_budget: at most this many prompt tokens this step (decodes are not counted;
-        None: only the token budget)."""
+        None: only the token budget). draft(request, at most): tokens to verify after a
+        decoding request's last one (speculative decoding), within the token budget."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         prompt = budget if prompt_budget is None else max(0, prompt_budget)
@@ -147,13 +156,17 @@ class Scheduler:
             n = min(left, budget) if left == 1 else min(left, budget, prompt)
             if n == 0:
                 continue
+            drafts = draft(req, budget - 1) if left == 1 and draft is not None else ()
+            n += len(drafts)
+            if drafts and not self.bm.allocate(req, n):  # guesses never preempt anyone
+                n, drafts = n - len(drafts), ()
             while not self.bm.allocate(req, n):
                 victim = max(self.running, key=self._urgency)
                 self._preempt(victim, out)
                 if victim is req:
                     break
             if req.status == RequestStatus.RUNNING:
-                out.scheduled.append(self._plan(req, n))
+                out.scheduled.append(self._plan(req, n, drafts))
                 budget -= n
                 if left > 1:
                     prompt -= n

@@ -62,6 +62,7 @@ class Request:
     read_offset: int = 0
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
+    lookup: Any = None                 # speculative decoding's per-request state (speculative.py)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -70,6 +71,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def all_token_ids(self) -> list[int]:

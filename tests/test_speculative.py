@@ -1,0 +1,230 @@
+"""Speculative decoding by prompt lookup (pd_runtime/engine/speculative.py): the drafter, and
+outputs that equal plain decoding (greedy, and seeded sampling token for token), alone, batched
+and disaggregated; the acceptance rule keeps the target distribution (chi-square)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from pd_runtime import LLM, SamplingParams
+from pd_runtime.engine.sampler import Sampler
+from pd_runtime.engine.speculative import LookupState, PromptLookup, accepted_count
+from tests.test_disaggregated_engine import disaggregated
+
+ENGINE = dict(dtype="float32", num_kv_blocks=256, warmup_tokens=0, num_threads=1)
+SPEC = dict(speculative_method="ngram", speculative_tokens=4, speculative_ngram_min=1)
+
+
+# ---------------------------------------------------------------------------------- the drafter
+def test_lookup_proposes_what_followed_the_latest_earlier_match():
+    lookup = PromptLookup(num_tokens=3, ngram_max=3, ngram_min=1)
+    state = LookupState()
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3]
+    # [1, 2, 3] occurred twice before; the latest was followed by 5, 6, 1.
+    assert lookup.propose(state, tokens, limit=8) == [5, 6, 1]
+    assert lookup.propose(LookupState(), tokens, limit=2) == [5, 6]
+    # Nothing earlier matches the last token: no guess.
+    assert lookup.propose(LookupState(), [1, 2, 3, 7], limit=8) == []
+    # Incremental: the index grows with the context and finds the longest match.
+    tokens += [5]
+    assert lookup.propose(state, tokens, limit=8) == [6, 1, 2]
+
+
+def test_a_drafter_that_keeps_missing_backs_off():
+    lookup = PromptLookup(num_tokens=2, ngram_max=2, ngram_min=1, max_backoff=4)
+    state = LookupState()
+    tokens = [7, 8, 7]
+    skipped = []
+    for _ in range(12):
+        drafts = lookup.propose(state, tokens, limit=4)
+        skipped.append(not drafts)
+        if drafts:
+            lookup.verified(state, len(drafts), 0)
+    # Misses back off 1, 2, 4, 4 ... steps.
+    assert skipped == [False, True, False, True, True, False, True, True, True, True, False,
+                       True]
+    lookup.verified(state, 2, 1)
+    assert state.misses == 0
+
+
+def test_accepted_prefix():
+    assert accepted_count([4, 5, 6], [4, 5, 9, 1]) == 2
+    assert accepted_count([4, 5, 6], [1, 5, 6, 1]) == 0
+    assert accepted_count([4, 5, 6], [4, 5, 6, 1]) == 3
+
+
+# ---------------------------------------------------------------------------------- exactness
+def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a phrase (the drafter finds guesses in them), of mixed lengths."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        phrase = [rng.randrange(5, 400) for _ in range(rng.choice([6, 12, 20]))]
+        out.append(phrase * rng.choice([2, 3, 5]) + phrase[:rng.randrange(1, len(phrase))])
+    return out
+
+
+def run(llm: LLM, prompts, params) -> list[list[int]]:
+    return [r.token_ids for r in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def engines(llama_dir):
+    return LLM(llama_dir, **ENGINE), LLM(llama_dir, **ENGINE, **SPEC)
+
+
+def looping_prompt(plain: LLM) -> list[int]:
+    """A prompt and the model's own greedy continuation of it: a random-weight model's greedy
+    output falls into a short cycle within ~60 tokens, so decoding on from there repeats what
+    the context holds and guesses get accepted."""
+    seed = [11, 42, 97, 5, 300, 17]
+    return seed + run(plain, [seed], SamplingParams(max_tokens=60, temperature=0,
+                                                    ignore_eos=True))[0]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_greedy_speculation_equals_plain_decoding(engines, batched):
+    plain, spec = engines
+    prompts = repetitive_prompts(6) + [looping_prompt(plain)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    before = dict(spec.engine.speculator.stats.__dict__)
+    if batched:
+        expected, got = run(plain, prompts, params), run(spec, prompts, params)
+    else:
+        expected = [run(plain, [p], params)[0] for p in prompts]
+        got = [run(spec, [p], params)[0] for p in prompts]
+    assert got == expected
+    stats = spec.engine.speculator.stats
+    assert stats.drafted > before["drafted"] and stats.accepted > before["accepted"]
+    assert spec.engine.block_manager.num_free_blocks == spec.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=1.0, top_k=20),
+                                      dict(temperature=0.8, top_p=0.9),
+                                      dict(temperature=1.0, repetition_penalty=1.3,
+                                           presence_penalty=0.5)])
+def test_seeded_sampling_with_speculation_equals_plain(engines, sampling):
+    """A seeded request draws each emitted token with the same noise as plain decoding (the
+    generator is put back after a rejection), so the tokens are the same ones."""
+    plain, spec = engines
+    prompts = repetitive_prompts(4, seed=3) + [looping_prompt(plain)]
+    params = [SamplingParams(max_tokens=32, seed=100 + i, ignore_eos=True, **sampling)
+              for i in range(len(prompts))]
+    before = spec.engine.speculator.stats.drafted
+    assert run(spec, prompts, params) == run(plain, prompts, params)
+    assert spec.engine.speculator.stats.drafted > before
+
+
+def test_speculation_on_the_decode_side_of_a_disaggregated_request(llama_dir, engines):
+    """The decode worker speculates once the KV has arrived; tokens and text equal colocated
+    plain decoding."""
+    plain, _ = engines
+    prefill = LLM(llama_dir, **ENGINE).engine
+    decode = LLM(llama_dir, **ENGINE, **SPEC).engine
+    prompts = repetitive_prompts(4, seed=5) + [looping_prompt(plain)]
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 3 + \
+        [SamplingParams(max_tokens=30, seed=9 + i, temperature=1.0, ignore_eos=True)
+         for i in range(2)]
+    texts = {}
+    got = disaggregated(prefill, decode, [(f"r{i}", p) for i, p in enumerate(prompts)], params,
+                        texts)
+    expected = plain.generate(prompts, params)
+    assert [got[f"r{i}"] for i in range(len(prompts))] == [r.token_ids for r in expected]
+    assert [texts[f"r{i}"] for i in range(len(prompts))] == [r.text for r in expected]
+    assert decode.speculator.stats.drafted > 0
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+    assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
+
+
+def test_streamed_chunks_carry_every_accepted_token(engines):
+    """A step that keeps several tokens streams them as one output with all of their ids and
+    text; max_tokens cuts the guesses where plain decoding stops."""
+    plain, spec = engines
+    prompt = looping_prompt(plain)
+    for max_tokens in (1, 2, 11):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        full = plain.generate([prompt], params)[0]
+        engine = spec.engine
+        engine.add_request(f"s{max_tokens}", prompt, params)
+        tokens, text, chunks = [], "", []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += out.new_token_ids
+                text += out.new_text
+                chunks.append(len(out.new_token_ids))
+        assert tokens == full.token_ids and text == full.text
+        assert sum(chunks) == max_tokens
+    assert max(chunks) > 1  # some step kept more than one token
+
+
+# ---------------------------------------------------------------------------------- distribution
+def chi_square_p(observed: list[int], expected_probs: list[float]) -> float:
+    """p-value of Pearson's chi-square test (bins with expected >= 5)."""
+    n = sum(observed)
+    stat, dof = 0.0, -1
+    for o, p in zip(observed, expected_probs):
+        e = n * p
+        stat += (o - e) ** 2 / e
+        dof += 1
+    # Survival function of chi-square via the regularized upper gamma (series for small dof).
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=1.0, top_k=3),
+                                      dict(temperature=1.0, top_p=0.8)])
+def test_the_acceptance_rule_keeps_the_target_distribution(sampling):
+    """The rule as the engine runs it (the sampler's draws at each drafted position, then the
+    kept prefix): over many unseeded draws on a 6-token vocabulary, the first emitted token
+    follows p0 and, where the first draft was kept, the second follows p1; a rejected draft
+    leaves a token from p0 without it."""
+    from types import SimpleNamespace
+
+    from pd_runtime.engine.speculative import Speculator
+
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.2, -0.5, 0.0], [0.1, 1.2, 0.3, 2.0, -1.0, 0.8]])
+    drafts = [1, 3]  # proposed after the last token; row 0 checks draft 0, row 1 draft 1
+    params = SamplingParams(**sampling)
+    sampler = Sampler(seed=1234)
+    target = [sampler._filtered_probs(row[None].clone(), [params])[0].tolist()
+              for row in logits]
+    full = torch.cat([logits, logits[1:]])  # row 2: the bonus position, as row 1 here
+    speculator = Speculator(SimpleNamespace(speculative_tokens=2, speculative_ngram_max=2,
+                                            speculative_ngram_min=1))
+
+    class Req:
+        lookup = LookupState()
+
+    first, second, rejected = [0] * 6, [0] * 6, [0] * 6
+    trials = 6000
+    for _ in range(trials):
+        result = sampler(full, [params] * 3, [None] * 3)
+        kept = speculator.verify(Req, drafts, result.token_ids)
+        first[kept[0]] += 1
+        if kept[0] == drafts[0]:
+            second[kept[1]] += 1
+        else:
+            rejected[kept[0]] += 1
+
+    def check(counts, probs):
+        bins = [(c, p) for c, p in zip(counts, probs) if p * sum(counts) >= 5]
+        rest = (sum(counts) - sum(c for c, _ in bins), 1 - sum(p for _, p in bins))
+        if rest[1] * sum(counts) >= 5:
+            bins.append(rest)
+        else:
+            assert rest[0] <= max(5, 0.01 * sum(counts))
+        if len(bins) < 2:
+            return
+        assert chi_square_p([c for c, _ in bins], [p for _, p in bins]) > 1e-3
+
+    check(first, target[0])
+    check(second, target[1])
+    without = [0.0 if i == drafts[0] else p for i, p in enumerate(target[0])]
+    check(rejected, [p / sum(without) for p in without])
+    assert speculator.stats.accepted > 0 and math.isfinite(speculator.stats.report()[
+        "tokens_per_verification"])
