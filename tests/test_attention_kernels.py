@@ -191,3 +191,24 @@ def test_row_stable_linear_rows_do_not_depend_on_the_row_count(dtype):
         for start in (0, 3):
             part = linear(x[start:start + rows], weight, packed, bias, min_rows)
             assert torch.equal(part, whole[start:start + rows]), (rows, start)
+
+
+def test_row_stability_probe_finds_a_rare_single_row_difference():
+    """A matmul path that rounds one element differently, for one row, only when called with
+    a single row (what bf16 GEMV against GEMM does on AVX2, about one element in 8000): the
+    probe must see it wherever the row sits, and pad single-row calls."""
+    from kernels import row_stable
+
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(64, 32, generator=gen)
+    probe_input = torch.randn(row_stable._REFERENCE_ROWS, 32, generator=torch.Generator()
+                              .manual_seed(0))
+    odd_row = probe_input[97]  # not among the first few rows
+
+    def fn(x):  # float64 sums rounded to float32: the same bits at any row count
+        out = (x.double() @ weight.double().T).float()
+        if x.shape[0] == 1 and torch.equal(x[0], odd_row):
+            out[0, 5] += 1e-3
+        return out
+
+    assert row_stable.stable_min_rows(fn, 32, torch.float32, "cpu", key=("odd_row",)) == 2
