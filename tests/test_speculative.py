@@ -32,6 +32,8 @@ def test_lookup_proposes_what_followed_the_latest_earlier_match():
     # Incremental: the index grows with the context and finds the longest match.
     tokens += [5]
     assert lookup.propose(state, tokens, limit=8) == [6, 1, 2]
+    # A repeat still going on: the guesses continue its period past the context's end.
+    assert lookup.propose(LookupState(), [9, 4, 7, 4, 7, 4], limit=8) == [7, 4, 7]
 
 
 def test_a_drafter_that_keeps_missing_backs_off():

@@ -232,6 +232,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.plan_step(self.step_costs.coefficients(),
+                                      len(self.scheduler.running))
         plan = self.scheduler.schedule(self._prompt_budget(),
                                        self._draft if self.speculator else None)
         if not plan.scheduled:

@@ -14,13 +14,23 @@ the target distribution exactly; under greedy sampling it is plain decoding toke
 and a seeded request's generator is put back to where the emitted tokens leave it (so seeded
 outputs equal plain decoding's too).
 
-A drafter that keeps missing backs off: after a verification that accepted nothing, the
-request proposes nothing for 1, 2, 4, ... up to `max_backoff` steps; random text costs little.
+How many to guess is a cost decision, per request and step: the n-th guess is kept with
+probability p^n (p: the request's measured rate at which a guess holds, given the ones before
+it held), and a kept guess saves the request's share of a decode step, while every guess costs
+a prompt token's compute (both from the engine's live step-cost fit). Guesses stop where
+p^n x saving < cost: many on repetitive text at batch 1, where a step is mostly fixed cost;
+few or none in a large batch or where guesses fail. A drafter that keeps missing also backs
+off: after a verification that kept nothing, the request proposes nothing for 1, 2, 4, ... up
+to `max_backoff` steps, so random text costs little.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+_DECAY = 0.7          # per verification, of a request's guess record
+_PRIOR_HELD = 0.5     # a request's first guesses: as if one of two held
 
 
 @dataclass
@@ -31,6 +41,9 @@ class LookupState:
     indexed: int = 0        # n-grams ending before this position are in `index`
     backoff: int = 0        # steps to skip proposing
     misses: int = 0         # verifications in a row that accepted nothing
+    held: float = 0.0       # guesses kept (decayed), and guesses checked with all before kept
+    checked: float = 0.0
+    idle: int = 0           # steps since guesses were last worth making
 
 
 class PromptLookup:
@@ -59,12 +72,21 @@ class PromptLookup:
         for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
             at = state.index.get(tuple(tokens[end - n:]))
             if at is not None and at < end:
-                return tokens[at:at + min(self.k, limit)]
+                # The continuation may run into the guesses themselves (a repeat that is
+                # still going on: with period end - at, the guesses go on repeating it).
+                out: list[int] = []
+                for i in range(min(self.k, limit)):
+                    out.append(tokens[at + i] if at + i < end else out[at + i - end])
+                return out
         return []
 
     def verified(self, state: LookupState, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
+        # Guesses checked: the kept ones and the first rejected one (those after it were not
+        # in question); decayed so the rate follows the text.
+        state.held = _DECAY * state.held + accepted
+        state.checked = _DECAY * state.checked + accepted + (accepted < drafted)
         if accepted == 0:
             state.misses += 1
             state.backoff = min(self.max_backoff, 1 << (state.misses - 1))
@@ -106,6 +128,27 @@ class Speculator:
         self.lookup = PromptLookup(config.speculative_tokens, config.speculative_ngram_max,
                                    config.speculative_ngram_min)
         self.stats = SpeculationStats()
+        self.costs: dict = {}
+        self.batch = 1
+
+    def plan_step(self, coefficients: dict, decoding: int) -> None:
+        """Before a step is scheduled: the live step-cost fit and how many requests decode."""
+        self.costs, self.batch = coefficients, max(1, decoding)
+
+    def worth(self, state: LookupState, context: int) -> int:
+        """Guesses worth their compute for a request at this context length (see above)."""
+        c = self.costs
+        saving = c.get("step_s", 0.0) / self.batch + c.get("decode_seq_s", 0.0) \
+            + c.get("decode_context_s", 0.0) * context
+        cost = c.get("prefill_token_s", 0.0) + c.get("prefill_attention_s", 0.0) * context
+        if cost <= 0 or saving <= 0:  # no fit yet
+            return self.lookup.k
+        p = (state.held + _PRIOR_HELD) / (state.checked + 1.0)
+        if p >= 1.0:
+            return self.lookup.k
+        if p <= 0.0 or saving * p < cost:
+            return 0
+        return min(self.lookup.k, int(math.log(cost / saving) / math.log(p)))
 
     def draft(self, req, budget: int, max_model_len: int) -> list[int]:
         # The last emitted token is the bonus one: at most max_tokens - 1 drafts before it.
@@ -113,6 +156,16 @@ class Speculator:
                     max_model_len - req.num_tokens - 1)
         if limit <= 0:
             return []
+        if req.lookup is not None:
+            worth = self.worth(req.lookup, req.num_tokens)
+            if worth <= 0:
+                # Not worth it now; one guess every max_backoff steps keeps the estimate alive.
+                req.lookup.idle += 1
+                if req.lookup.idle < self.lookup.max_backoff:
+                    return []
+                worth = 1
+            req.lookup.idle = 0
+            limit = min(limit, worth)
         if req.lookup is None:
             req.lookup = LookupState()
         return self.lookup.propose(req.lookup, req.all_token_ids, limit)
