@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -230,3 +231,70 @@ def test_the_acceptance_rule_keeps_the_target_distribution(sampling):
     check(rejected, [p / sum(without) for p in without])
     assert speculator.stats.accepted > 0 and math.isfinite(speculator.stats.report()[
         "tokens_per_verification"])
+
+
+# ---------------------------------------------------------------------------------- served
+def test_served_through_the_router_with_the_openai_client(llama_dir, engines):
+    """A prefill + decode pair whose decode worker speculates, behind the router over HTTP:
+    short prompts colocated, long ones disaggregated; the official client's completions,
+    streamed or not, equal plain decoding's text, and /metrics shows the acceptance."""
+    import httpx
+    import openai
+
+    from pd_runtime.config import RouterConfig
+    from pd_runtime.workers.local_pool import LocalPool
+    from router.core import PoolBackend
+    from tests.pool_support import pair_config
+    from tests.router_support.serving import serving
+
+    plain, _ = engines
+    # The first is long (disaggregated: 66 tokens, nothing cached yet), the second short.
+    prompts = [looping_prompt(plain), [5, 9, 7] * 5] + repetitive_prompts(2, seed=8)
+    router = RouterConfig(routing={"mode": "auto", "max_local_prefill_tokens": 32})
+    engine = {"dtype": "float32", "num_kv_blocks": 256, "num_threads": 1, "warmup_tokens": 0}
+    cfg = pair_config(llama_dir, engine, router=router.model_dump(),
+                      recovery={"health_check_interval_s": 0.3})
+    cfg.decode.engine = cfg.decode.engine.model_copy(update=SPEC)
+    expected = [o.text for o in plain.generate(
+        prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))]
+    pool = LocalPool(cfg, llama_dir)
+    try:
+        backend = PoolBackend(pool, cfg, llama_dir)
+        backend.start()
+        try:
+            with serving(backend, router) as (_, port):
+                base = f"http://127.0.0.1:{port}"
+                client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+                got, streamed, chunks = [], [], []
+                for prompt in prompts:
+                    kwargs = dict(model=client.models.list().data[0].id, prompt=prompt,
+                                  max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+                    got.append(client.completions.create(**kwargs).choices[0].text)
+                    text = ""
+                    for event in client.completions.create(stream=True, **kwargs):
+                        if event.choices:
+                            text += event.choices[0].text
+                            chunks.append(event.choices[0].text)
+                    streamed.append(text)
+                deadline = time.monotonic() + 10  # load reports come with health checks
+                while True:
+                    metrics = httpx.get(base + "/metrics").text
+                    if _accepted(metrics) or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
+                decisions = [line for line in metrics.splitlines()
+                             if line.startswith("pd_routing_decisions_total")]
+        finally:
+            backend.stop()
+    finally:
+        pool.close()
+    assert got == expected and streamed == expected
+    assert any('path="disaggregated"' in d for d in decisions), decisions
+    assert any('path="colocated"' in d for d in decisions)
+    assert _accepted(metrics) > 0
+
+
+def _accepted(metrics: str) -> float:
+    lines = [line for line in metrics.splitlines() if line.startswith(
+        'pd_worker_speculative_tokens{kind="accepted_tokens",worker="decode-0"}')]
+    return float(lines[0].split()[-1]) if lines else 0.0
