@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import fixed_order, native
+from kernels import fixed_order, kv_quant, native
 
 
 @dataclass
@@ -129,7 +129,10 @@ class AttentionMetadata:
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V rows (`[num_tokens, kv_heads, head_dim]`) into their cache slots."""
+    """Scatter new K/V rows (`[num_tokens, kv_heads, head_dim]`) into their cache slots (an
+    int8 cache takes them quantized, kernels/kv_quant.py)."""
+    if kv_layer.dtype == torch.int8:
+        k, v = kv_quant.quantize(k), kv_quant.quantize(v)
     block_size = kv_layer.shape[3]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size

@@ -2,7 +2,8 @@
  * (see kernels/native.py and kernels/fixed_order.py): the batch-invariant mode's only path.
  *
  *   q     [tokens, heads, dim]: each token's heads contiguous, tokens q_stride elements apart
- *   cache [2, blocks, kv_heads, block_size, dim] contiguous (one layer's K then V)
+ *   cache [2, blocks, kv_heads, block_size, dim] contiguous (one layer's K then V); with kv_int8
+ *         each row is dim int8 values then its float32 scale (dim + 4 bytes): value = q * scale
  *   tables[seqs, width] int64 block ids; token t belongs to sequence seq[t] and sees that
  *         sequence's keys 0 .. len[t]-1 (its own K/V is already in the cache)
  *   out   [tokens, heads, dim] contiguous; elements bf16 (is_bf16) or float32
@@ -50,18 +51,36 @@ typedef struct {
     const int64_t *tables, *seq, *len;
     char *out;
     int64_t q_stride, heads, kv_heads, dim, block_size, width, elem;
+    int64_t kv_row;   /* bytes per cached K or V row */
     int block_shift;  /* log2(block_size) when a power of two, else -1 */
-    int is_bf16;
+    int is_bf16, kv_int8;
     float scale;
 } Problem;
 
+/* `rows` cached rows (kv_row bytes apart) widened to float32 into dst[r * dim]: bf16/float32
+ * exactly, int8 rows as value x the row's scale (one rounding, the same for every reader) */
+static inline void widen_kv(const Problem *P, const char *src, float *dst, int64_t rows) {
+    if (!P->kv_int8) {
+        widen(src, P->is_bf16, dst, rows * P->dim);
+        return;
+    }
+    const int64_t dim = P->dim;
+    for (int64_t r = 0; r < rows; r++) {
+        const int8_t *v = (const int8_t *)(src + r * P->kv_row);
+        float scale;
+        memcpy(&scale, v + dim, sizeof(float));
+        float *d = dst + r * dim;
+        for (int64_t i = 0; i < dim; i++) d[i] = (float)v[i] * scale;
+    }
+}
+
 static const float zero_row[MAX_DIM];
 
-/* Where key j of a sequence's KV head h sits in `base` (K or V), in elements. */
+/* Where key j of a sequence's KV head h sits in `base` (K or V), in bytes. */
 static inline int64_t key_offset(const Problem *P, const int64_t *table, int64_t h, int64_t j) {
     const int64_t bs = P->block_size;
     const int64_t block = P->block_shift >= 0 ? j >> P->block_shift : j / bs;  /* no idiv */
-    return ((table[block] * P->kv_heads + h) * bs + j - block * bs) * P->dim;
+    return ((table[block] * P->kv_heads + h) * bs + j - block * bs) * P->kv_row;
 }
 
 static inline void prefetch(const char *p, int64_t bytes) {
@@ -75,11 +94,11 @@ static inline void prefetch(const char *p, int64_t bytes) {
  * whole-group path and the key-by-key path give the same values.) */
 static inline void stage_keys(const Problem *P, const char *base, const int64_t *table,
                               int64_t h, int64_t g, int64_t n, float *dst) {
-    const int64_t dim = P->dim, row_bytes = dim * P->elem, j0 = 8 * g;
+    const int64_t dim = P->dim, row_bytes = P->kv_row, j0 = 8 * g;
     if (j0 + 8 <= n && P->block_size % 8 == 0) {  /* the group lies in one block: contiguous */
-        widen(base + key_offset(P, table, h, j0) * P->elem, P->is_bf16, dst, 8 * dim);
+        widen_kv(P, base + key_offset(P, table, h, j0), dst, 8);
         if (j0 + 16 <= n)
-            prefetch(base + key_offset(P, table, h, j0 + 8) * P->elem, 8 * row_bytes);
+            prefetch(base + key_offset(P, table, h, j0 + 8), 8 * row_bytes);
         return;
     }
     for (int k = 0; k < 8; k++) {
@@ -88,8 +107,8 @@ static inline void stage_keys(const Problem *P, const char *base, const int64_t 
             memcpy(dst + k * dim, zero_row, sizeof(float) * (size_t)dim);
             continue;
         }
-        widen(base + key_offset(P, table, h, j) * P->elem, P->is_bf16, dst + k * dim, dim);
-        if (j + 8 < n) prefetch(base + key_offset(P, table, h, j + 8) * P->elem, row_bytes);
+        widen_kv(P, base + key_offset(P, table, h, j), dst + k * dim, 1);
+        if (j + 8 < n) prefetch(base + key_offset(P, table, h, j + 8), row_bytes);
     }
 }
 
@@ -187,20 +206,21 @@ int fixed_order_attention(const void *q, int64_t q_stride, const void *cache, in
                           const int64_t *tables, int64_t width, const int64_t *seq,
                           const int64_t *len, void *out, int64_t tokens, int64_t heads,
                           int64_t kv_heads, int64_t dim, int64_t block_size, int64_t is_bf16,
-                          float scale, int64_t tile, int64_t threads) {
+                          float scale, int64_t tile, int64_t threads, int64_t kv_int8) {
     if (dim % 8 || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads || tokens < 1)
         return -1;
     const int64_t group = heads / kv_heads, elem = is_bf16 ? 2 : 4;
     if (group > 64) return -1;
     tile = tile < 1 ? 1 : tile;
     if (tile * group > 64) tile = 64 / group;
-    const int64_t kv_elems = num_blocks * kv_heads * block_size * dim;
+    const int64_t kv_row = kv_int8 ? dim + (int64_t)sizeof(float) : dim * elem;
+    const int64_t kv_bytes = num_blocks * kv_heads * block_size * kv_row;
     int block_shift = -1;
     for (int b = 0; b < 31; b++)
         if ((int64_t)1 << b == block_size) block_shift = b;
-    Problem P = {(const char *)q, (const char *)cache, (const char *)cache + kv_elems * elem, tables,
+    Problem P = {(const char *)q, (const char *)cache, (const char *)cache + kv_bytes, tables,
                  seq, len, (char *)out, q_stride, heads, kv_heads, dim, block_size, width, elem,
-                 block_shift, (int)is_bf16, scale};
+                 kv_row, block_shift, (int)is_bf16, (int)(kv_int8 != 0), scale};
     /* runs: consecutive tokens of one sequence, cut every `tile` tokens */
     int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(tokens + 1));
     if (!starts) return -2;

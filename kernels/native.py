@@ -88,7 +88,7 @@ def _build() -> Optional[ctypes.CDLL]:
         "rms_norm_bf16": [ptr] * 3 + [i64] * 2 + [f32, i64],
         "add_rms_norm_bf16": [ptr] * 4 + [i64] * 2 + [f32, i64],
         "fixed_order_attention": [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr] + [i64] * 6
-                                 + [f32, i64, i64],
+                                 + [f32, i64, i64, i64],
         "silu_mul": [ptr, i64, ptr] + [i64] * 4,
         "linear_f32": [ptr, i64, ptr, i64, ptr, ptr] + [i64] * 4,
     }
@@ -231,13 +231,16 @@ def fixed_order_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables:
                           tile: int = 16) -> Optional[torch.Tensor]:
     """Attention of every query token over its own sequence's paged K/V, one fixed reduction
     order per row (cpu_fixed_order_attention.c): q `[T, heads, d]` (each token's heads
-    contiguous), kv_layer `[2, blocks, kv_heads, block_size, d]`, block_tables `[S, W]`, token t
-    of sequence seq[t] sees keys 0..lens[t]-1 -> `[T, heads, d]`; bf16 or float32 on the CPU.
-    None when the kernel cannot take these inputs."""
+    contiguous), kv_layer `[2, blocks, kv_heads, block_size, d]` of q's dtype, or int8 `[...,
+    d + 4]` (kernels/kv_quant.py: d values and a float32 scale per row), block_tables `[S, W]`,
+    token t of sequence seq[t] sees keys 0..lens[t]-1 -> `[T, heads, d]`; bf16 or float32 on the
+    CPU. None when the kernel cannot take these inputs."""
     library = _load()
     tokens, heads, dim = q.shape
-    if (library is None or not _fixed_order_dtype(q) or kv_layer.dtype != q.dtype
-            or not kv_layer.is_contiguous() or kv_layer.dim() != 5 or kv_layer.shape[4] != dim
+    kv_int8 = kv_layer.dtype == torch.int8
+    row = dim + 4 if kv_int8 else dim
+    if (library is None or not _fixed_order_dtype(q) or (kv_layer.dtype != q.dtype and not kv_int8)
+            or not kv_layer.is_contiguous() or kv_layer.dim() != 5 or kv_layer.shape[4] != row
             or q.stride(2) != 1 or q.stride(1) != dim or seq.numel() != tokens
             or lens.numel() != tokens or block_tables.dim() != 2):
         return None
@@ -249,7 +252,8 @@ def fixed_order_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables:
     status = library.fixed_order_attention(
         q.data_ptr(), q.stride(0), kv_layer.data_ptr(), num_blocks, tables.data_ptr(),
         tables.shape[1], seq.data_ptr(), lens.data_ptr(), out.data_ptr(), tokens, heads, kv_heads,
-        dim, block_size, int(q.dtype == torch.bfloat16), scale, tile, torch.get_num_threads())
+        dim, block_size, int(q.dtype == torch.bfloat16), scale, tile, torch.get_num_threads(),
+        int(kv_int8))
     return out if status == 0 else None
 
 

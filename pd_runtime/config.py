@@ -64,6 +64,11 @@ class EnginePoolSettings(_Strict):
     # the request's own context (prompt lookup, n-grams of speculative_ngram_min..max tokens)
     # and verifies them in one forward; outputs follow the model exactly (greedy: the same
     # tokens). None: off. (pd_runtime/engine/speculative.py)
+    # The KV cache's storage: "auto" the model's dtype; "int8": 8 bits per value with a float32
+    # scale per token and KV head (kernels/kv_quant.py), about half the bytes per token held
+    # and shipped; attention dequantizes inside the kernel. CPU, batch_invariant only for now;
+    # the prefill and decode pools must agree.
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
     speculative_method: Optional[Literal["ngram"]] = None
     speculative_tokens: int = Field(4, ge=1, le=32)
     speculative_ngram_max: int = Field(4, ge=1)
@@ -73,6 +78,11 @@ class EnginePoolSettings(_Strict):
     def _check(self):
         if self.max_model_len is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.kv_cache_dtype == "int8" and (not self.batch_invariant
+                                              or not self.device.startswith("cpu")):
+            raise ValueError("kv_cache_dtype 'int8' runs on the CPU's fixed-order attention "
+                             "kernel: it needs device 'cpu' and batch_invariant: true (got "
+                             f"device {self.device!r}, batch_invariant {self.batch_invariant})")
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError(f"speculative_ngram_min ({self.speculative_ngram_min}) must not "
                              f"exceed speculative_ngram_max ({self.speculative_ngram_max})")
@@ -296,7 +306,7 @@ class ClusterConfig(_Strict):
                                   "workers, and decode.num_workers is 0; set one of them")
         # KV blocks move between the pools byte for byte, and a disaggregated request must
         # give what a colocated one gives (the same arithmetic on both sides).
-        for name in ("block_size", "dtype", "batch_invariant"):
+        for name in ("block_size", "dtype", "batch_invariant", "kv_cache_dtype"):
             ours, theirs = getattr(self.prefill.engine, name), getattr(self.decode.engine, name)
             if self.prefill.num_workers and ours != theirs:
                 raise FieldValueError(("prefill", "engine", name), f"{ours!r} differs from "

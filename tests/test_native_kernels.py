@@ -298,3 +298,59 @@ def test_native_linear_declines_what_it_cannot_take():
     assert native.linear_f32(torch.randn(2, 16), packed, torch.randn(31)) is None  # bias size
     assert native.pack_linear(weight.bfloat16()) is None  # bf16 weights: oneDNN's path
     assert native.linear_f32(torch.randn(0, 16), packed).shape == (0, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(4, 4, 64, 16), (8, 2, 64, 32),
+                                                           (8, 1, 128, 16), (6, 2, 24, 8)])
+def test_fixed_order_attention_over_an_int8_cache(dtype, heads, kv_heads, dim, block_size):
+    """The 8-bit cache (kernels/kv_quant.py): each row widened as value x its scale inside the
+    kernel. Against the float32 cache holding exactly those values: bit for bit (float32
+    queries) or within bf16 rounding; against float64 attention over them; rows still do not
+    depend on their company; untouched rows poisoned to show nothing else is read."""
+    from kernels import kv_quant
+    from kernels.fixed_order import FixedOrderRows
+
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads + dim)
+    cache8 = kv_quant.quantize(_paged(64, kv_heads, block_size, dim, torch.float32, gen) * 3)
+    assert cache8.dtype == torch.int8 and cache8.shape[-1] == dim + 4
+    values = kv_quant.dequantize(cache8)
+    length, scale = 71, dim ** -0.5
+    table = torch.randperm(64, generator=gen)[:-(-length // block_size)].tolist()
+    q = torch.randn(length, heads, dim, generator=gen).to(dtype)
+    rows = FixedOrderRows.build([table], [0], [length])
+    poisoned = cache8.clone()
+    unused = [b for b in range(64) if b not in table]
+    poisoned[:, unused] = 127  # huge values and scales: any read of them shows
+    out = native.fixed_order_attention(q, poisoned, rows.block_tables, rows.seq, rows.lens, scale)
+    assert out is not None and out.dtype == dtype
+    over_values = native.fixed_order_attention(q, values.to(dtype) if dtype == torch.float32
+                                               else values.to(torch.float32).to(dtype),
+                                               rows.block_tables, rows.seq, rows.lens, scale)
+    if dtype == torch.float32:
+        assert torch.equal(out, over_values)
+    k, v = _dense_keys(values, table, length)
+    group = heads // kv_heads
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k.double().repeat_interleave(group, 1))
+    causal = torch.arange(length)[None, :] <= torch.arange(length)[:, None]
+    probs = (scores * scale).masked_fill(~causal, float("-inf")).softmax(-1)
+    want = torch.einsum("hnl,lhd->nhd", probs, v.double().repeat_interleave(group, 1))
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(out.double(), want, atol=tolerance, rtol=tolerance)
+    for t in (0, 15, 16, 40, length - 1):  # as decodes: the same bits
+        one = FixedOrderRows.build([table], [t], [1])
+        assert torch.equal(native.fixed_order_attention(q[t:t + 1], poisoned, one.block_tables,
+                                                        one.seq, one.lens, scale), out[t:t + 1])
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    from kernels import kv_quant
+
+    x = torch.randn(50, 4, 64, generator=torch.Generator().manual_seed(3)) * 5
+    x[3, 1] = 0.0  # a row of zeros: scale 1, values 0
+    rows = kv_quant.quantize(x)
+    back = kv_quant.dequantize(rows)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert torch.all((back - x).abs() <= step / 2 + 1e-6)
+    assert torch.equal(back[3, 1], torch.zeros(64))
+    assert rows[..., :64].abs().max() <= 127

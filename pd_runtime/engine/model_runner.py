@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from kernels import fixed_order, native
+from kernels import fixed_order, kv_quant, native
 from kernels.attention import AttentionMetadata, DecodeKVBuffer, DeviceAttention, PrefillSegment
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.host_memory import host_zeros
@@ -60,7 +60,15 @@ class ModelRunner:
                             "results can depend on the batch", reason)
                 self.fixed_order = False
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+        # The cache's element type and row width: the model's dtype, or int8 rows of head_dim
+        # values and a float32 scale (kernels/kv_quant.py).
+        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
+        row = kv_quant.row_width(cfg.head_dim) if self.kv_dtype == torch.int8 \
+            else cfg.head_dim * elem
+        if self.kv_dtype == torch.int8 and not self.fixed_order:
+            raise ValueError("kv_cache_dtype 'int8' needs the fixed-order attention kernel, "
+                             "which cannot run here (see the batch_invariant warning above)")
+        self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * row
         block_bytes = self.kv_bytes_per_token * self.block_size
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes
                                                       // block_bytes)
@@ -72,21 +80,23 @@ class ModelRunner:
             check_fits(plan, torch.cuda.get_device_properties(self.device).total_memory,
                        f"engine.device {config.device!r}")
             log.info("GPU memory plan:\n%s", plan.table())
-        kv_shape = (cfg.num_layers, 2, self.num_blocks, cfg.num_kv_heads, self.block_size, cfg.head_dim)
+        width = row if self.kv_dtype == torch.int8 else cfg.head_dim
+        kv_shape = (cfg.num_layers, 2, self.num_blocks, cfg.num_kv_heads, self.block_size, width)
         if self.on_host:
-            self.kv_cache = host_zeros(kv_shape, self.dtype)
+            self.kv_cache = host_zeros(kv_shape, self.kv_dtype)
         else:
-            self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=config.device)
+            self.kv_cache = torch.zeros(kv_shape, dtype=self.kv_dtype, device=config.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         # The decode side buffer is a host-path device: off the host, the paged kernels read
         # the blocks in place and it would only take memory (kernels/attention.py).
-        self.decode_buffer = DecodeKVBuffer(int(self.kv_cache.numel() * elem
+        self.decode_buffer = DecodeKVBuffer(int(self.kv_cache.numel()
+                                                * self.kv_cache.element_size()
                                                 * decode_buffer_fraction(config)))
         self._row_bytes = cfg.num_kv_heads * cfg.head_dim * elem
         self.num_swap_blocks = config.swap_space_bytes // block_bytes \
             if config.preemption_mode == "swap" else 0
         self.swap_cache = torch.zeros(cfg.num_layers, 2, self.num_swap_blocks, cfg.num_kv_heads,
-                                      self.block_size, cfg.head_dim, dtype=self.dtype,
+                                      self.block_size, width, dtype=self.kv_dtype,
                                       pin_memory=config.device.startswith("cuda"))
         # CUDA graphs of decode steps, captured now so that no request waits for them.
         self.graphs = None
@@ -97,10 +107,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, min(config.cuda_graph_max_batch_size,
                                                  config.max_num_seqs))
             self.graph_capture_s = self.graphs.capture()
-        log.info("KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d dim x %d B), "
+        log.info("KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d B per row, %s), "
                  "%d blocks of %d tokens = %.1f MiB", self.kv_bytes_per_token, cfg.num_layers,
-                 cfg.num_kv_heads, cfg.head_dim, elem, self.num_blocks, self.block_size,
-                 self.num_blocks * block_bytes / 2**20)
+                 cfg.num_kv_heads, row, config.kv_cache_dtype, self.num_blocks,
+                 self.block_size, self.num_blocks * block_bytes / 2**20)
 
     def execute(self, plan: SchedulerOutput, on_layer=None) -> torch.Tensor | None:
         """Run one step; returns logits `[num_sampled, vocab]` in plan order of sample rows.
