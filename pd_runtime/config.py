@@ -69,7 +69,9 @@ class EnginePoolSettings(_Strict):
     # and shipped; attention dequantizes inside the kernel. CPU, batch_invariant only for now;
     # the prefill and decode pools must agree.
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
-    speculative_method: Optional[Literal["ngram"]] = None
+    speculative_method: Optional[Literal["ngram", "draft"]] = None
+    # "draft": a small model with the target's tokenizer (a local HF directory) that guesses.
+    speculative_model: Optional[str] = None
     speculative_tokens: int = Field(4, ge=1, le=32)
     speculative_ngram_max: int = Field(4, ge=1)
     speculative_ngram_min: int = Field(2, ge=1)
@@ -83,6 +85,9 @@ class EnginePoolSettings(_Strict):
             raise ValueError("kv_cache_dtype 'int8' runs on the CPU's fixed-order attention "
                              "kernel: it needs device 'cpu' and batch_invariant: true (got "
                              f"device {self.device!r}, batch_invariant {self.batch_invariant})")
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise ValueError("speculative_method 'draft' needs speculative_model: the draft "
+                             "model's directory")
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError(f"speculative_ngram_min ({self.speculative_ngram_min}) must not "
                              f"exceed speculative_ngram_max ({self.speculative_ngram_max})")

@@ -80,6 +80,23 @@ def engines(llama_dir):
     return LLM(llama_dir, **ENGINE), LLM(llama_dir, **ENGINE, **SPEC)
 
 
+def draft_settings(model_factory, llama_dir, which: str) -> dict:
+    """`self`: the target as its own draft (its guesses all hold under greedy); `small`: a
+    one-layer model of other weights with the same tokenizer (its guesses mostly fail)."""
+    model = llama_dir if which == "self" else model_factory("llama", num_hidden_layers=1,
+                                                            seed=7)
+    return dict(speculative_method="draft", speculative_model=model, speculative_tokens=4)
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft-self", "draft-small"])
+def speculating(request, model_factory, llama_dir, engines):
+    """(plain engine, speculating engine) for each drafter."""
+    if request.param == "ngram":
+        return engines
+    settings = draft_settings(model_factory, llama_dir, request.param.split("-")[1])
+    return engines[0], LLM(llama_dir, **ENGINE, **settings)
+
+
 def looping_prompt(plain: LLM) -> list[int]:
     """A prompt and the model's own greedy continuation of it: a random-weight model's greedy
     output falls into a short cycle within ~60 tokens, so decoding on from there repeats what
@@ -90,8 +107,8 @@ def looping_prompt(plain: LLM) -> list[int]:
 
 
 @pytest.mark.parametrize("batched", [False, True])
-def test_greedy_speculation_equals_plain_decoding(engines, batched):
-    plain, spec = engines
+def test_greedy_speculation_equals_plain_decoding(speculating, batched):
+    plain, spec = speculating
     prompts = repetitive_prompts(6) + [looping_prompt(plain)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     before = dict(spec.engine.speculator.stats.__dict__)
@@ -102,18 +119,27 @@ def test_greedy_speculation_equals_plain_decoding(engines, batched):
         got = [run(spec, [p], params)[0] for p in prompts]
     assert got == expected
     stats = spec.engine.speculator.stats
-    assert stats.drafted > before["drafted"] and stats.accepted > before["accepted"]
+    assert stats.drafted > before["drafted"]
+    config = spec.engine.config
+    if config.speculative_method == "ngram" or config.speculative_model == config.model:
+        assert stats.accepted > before["accepted"]  # guesses that hold, kept
+    else:  # the small draft's guesses mostly fail: the rejection path, rolled back
+        assert stats.drafted - before["drafted"] > stats.accepted - before["accepted"]
     assert spec.engine.block_manager.num_free_blocks == spec.engine.block_manager.num_blocks
+    draft = spec.engine.speculator.draft_model
+    if draft is not None:  # the draft's mirrors go with their requests (at the next step)
+        spec.generate([[5, 6, 7]], SamplingParams(max_tokens=1))
+        assert not draft.mirrors and draft.blocks.num_free_blocks == draft.blocks.num_blocks
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=1.0, top_k=20),
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=1.0, top_k=5),
                                       dict(temperature=0.8, top_p=0.9),
                                       dict(temperature=1.0, repetition_penalty=1.3,
                                            presence_penalty=0.5)])
-def test_seeded_sampling_with_speculation_equals_plain(engines, sampling):
+def test_seeded_sampling_with_speculation_equals_plain(speculating, sampling):
     """A seeded request draws each emitted token with the same noise as plain decoding (the
     generator is put back after a rejection), so the tokens are the same ones."""
-    plain, spec = engines
+    plain, spec = speculating
     prompts = repetitive_prompts(4, seed=3) + [looping_prompt(plain)]
     params = [SamplingParams(max_tokens=32, seed=100 + i, ignore_eos=True, **sampling)
               for i in range(len(prompts))]
@@ -122,12 +148,15 @@ def test_seeded_sampling_with_speculation_equals_plain(engines, sampling):
     assert spec.engine.speculator.stats.drafted > before
 
 
-def test_speculation_on_the_decode_side_of_a_disaggregated_request(llama_dir, engines):
+@pytest.mark.parametrize("drafter", ["ngram", "draft-small"])
+def test_speculation_on_the_decode_side_of_a_disaggregated_request(llama_dir, engines,
+                                                                   model_factory, drafter):
     """The decode worker speculates once the KV has arrived; tokens and text equal colocated
     plain decoding."""
     plain, _ = engines
     prefill = LLM(llama_dir, **ENGINE).engine
-    decode = LLM(llama_dir, **ENGINE, **SPEC).engine
+    settings = SPEC if drafter == "ngram" else draft_settings(model_factory, llama_dir, "small")
+    decode = LLM(llama_dir, **ENGINE, **settings).engine
     prompts = repetitive_prompts(4, seed=5) + [looping_prompt(plain)]
     params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 3 + \
         [SamplingParams(max_tokens=30, seed=9 + i, temperature=1.0, ignore_eos=True)

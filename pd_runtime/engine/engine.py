@@ -72,7 +72,15 @@ class LLMEngine:
         self.remote = RemoteKV(self)  # disaggregation: reserved blocks, held blocks
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.num_steps = 0
-        self.speculator = Speculator(config) if config.speculative_method == "ngram" else None
+        self.speculator = None
+        if config.speculative_method == "ngram":
+            self.speculator = Speculator(config)
+        elif config.speculative_method == "draft":
+            from pd_runtime.engine.draft_model import DraftModel
+
+            self.speculator = Speculator(config, DraftModel(
+                config, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                self.runner.num_blocks))
         self.step_costs = StepCostModel()  # what a step costs here, for routing and /metrics
         # Tokens of the last step by kind, for load reports and benchmarks.
         self.last_step_prefill_tokens = 0
@@ -233,8 +241,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         if self.speculator is not None:
-            self.speculator.plan_step(self.step_costs.coefficients(),
-                                      len(self.scheduler.running))
+            self.speculator.plan_step(self.step_costs.coefficients(), self.scheduler.running)
         plan = self.scheduler.schedule(self._prompt_budget(),
                                        self._draft if self.speculator else None)
         if not plan.scheduled:

@@ -121,19 +121,38 @@ class SpeculationStats:
 
 
 class Speculator:
-    """The engine's side of speculative decoding: drafts for the scheduler, and per
-    verification the tokens kept."""
+    """The engine's side of speculative decoding: drafts for the scheduler (prompt lookup, or
+    a draft model's, pd_runtime/engine/draft_model.py), and per verification the tokens kept."""
 
-    def __init__(self, config):
+    def __init__(self, config, draft_model=None):
         self.lookup = PromptLookup(config.speculative_tokens, config.speculative_ngram_max,
                                    config.speculative_ngram_min)
+        self.draft_model = draft_model
         self.stats = SpeculationStats()
         self.costs: dict = {}
         self.batch = 1
+        self.pending: dict[str, list[int]] = {}  # the draft model's guesses for this step
 
-    def plan_step(self, coefficients: dict, decoding: int) -> None:
-        """Before a step is scheduled: the live step-cost fit and how many requests decode."""
-        self.costs, self.batch = coefficients, max(1, decoding)
+    def plan_step(self, coefficients: dict, running: list) -> None:
+        """Before a step is scheduled: the live step-cost fit and the running requests (those
+        decoding get the draft model's guesses now, batched)."""
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        self.costs, self.batch = coefficients, max(1, len(decoding))
+        if self.draft_model is None:
+            return
+        wanted, k = [], 0
+        for req in decoding:
+            if req.lookup is None:
+                req.lookup = LookupState()
+            state = req.lookup
+            if state.backoff > 0:
+                state.backoff -= 1
+                continue
+            worth = self.worth(state, req.num_tokens)
+            if worth > 0 or state.idle + 1 >= self.lookup.max_backoff:
+                wanted.append(req)
+                k = max(k, worth, 1)
+        self.pending = self.draft_model.propose(wanted, k)
 
     def worth(self, state: LookupState, context: int) -> int:
         """Guesses worth their compute for a request at this context length (see above)."""
@@ -168,6 +187,8 @@ class Speculator:
             limit = min(limit, worth)
         if req.lookup is None:
             req.lookup = LookupState()
+        if self.draft_model is not None:
+            return self.pending.get(req.request_id, [])[:limit]
         return self.lookup.propose(req.lookup, req.all_token_ids, limit)
 
     def verify(self, req, drafts: list[int], targets: list[int]) -> list[int]:
