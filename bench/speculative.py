@@ -18,6 +18,11 @@ Workloads:
 
 Each (workload, batch) runs plain and speculative alternately `--repeats` times; the median of
 each is reported. Outputs are checked equal (greedy) on every run.
+
+`--draft` adds the draft-model drafter on the bench model (greedy, random prompts), with the
+two drafts a random-weight model allows: the target itself (every guess holds, at the
+target's cost) and its first layer alone (a cheap draft whose guesses fail): the mechanics'
+two bounds, not a trained draft's speedup.
 """
 
 from __future__ import annotations
@@ -75,6 +80,56 @@ def timed(llm: LLM, prompts, params, batch: int) -> tuple[float, list]:
     return time.perf_counter() - start, out
 
 
+def first_layer_copy(model_dir: str) -> str:
+    """The model with only its first layer (the same tokenizer, embeddings and head)."""
+    import shutil
+
+    out = Path(tempfile.mkdtemp()) / "first-layer"
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def draft_rows(args, bench_dir: str, plain: LLM) -> list[dict]:
+    rows = []
+    rng = random.Random(1)
+    vocab = json.loads((Path(bench_dir) / "config.json").read_text())["vocab_size"]
+    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    for name, draft in (("draft=target", bench_dir), ("draft=1 layer", first_layer_copy(bench_dir))):
+        spec = LLM(bench_dir, speculative_method="draft", speculative_model=draft,
+                   speculative_tokens=args.speculative_tokens)
+        for batch in args.batch:
+            prompts = [[rng.randrange(5, vocab) for _ in range(144)]
+                       for _ in range(batch * max(1, args.requests // batch))]
+            stats = spec.engine.speculator.stats
+            before = (stats.verifications, stats.drafted, stats.accepted)
+            times = {"plain": [], "spec": []}
+            for _ in range(args.repeats):
+                t_plain, out_plain = timed(plain, prompts, params, batch)
+                t_spec, out_spec = timed(spec, prompts, params, batch)
+                if out_plain != out_spec:
+                    raise SystemExit(f"{name} batch {batch}: speculative output differs")
+                times["plain"].append(t_plain)
+                times["spec"].append(t_spec)
+            n = len(prompts) * args.tokens
+            verif, drafted, accepted = (stats.verifications - before[0],
+                                        stats.drafted - before[1], stats.accepted - before[2])
+            row = {"workload": name, "batch": batch,
+                   "plain_tok_s": n / statistics.median(times["plain"]),
+                   "spec_tok_s": n / statistics.median(times["spec"]),
+                   "acceptance": accepted / drafted if drafted else None,
+                   "tokens_per_verification": (accepted + verif) / verif if verif else None,
+                   "drafted": drafted, "times": times}
+            row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
+            rows.append(row)
+            print(f"{name:<13} {batch:>3} {row['plain_tok_s']:>12.1f} {row['spec_tok_s']:>11.1f} "
+                  f"{row['speedup']:>7.2f}x {row['acceptance'] or 0:>7.2f} "
+                  f"{row['tokens_per_verification'] or 1:>9.2f}", flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -85,6 +140,7 @@ def main() -> int:
     ap.add_argument("--speculative-tokens", type=int, default=4)
     ap.add_argument("--run-in", type=int, default=96,
                     help="looping: tokens of the model's own continuation in the prompt")
+    ap.add_argument("--draft", action="store_true", help="also the draft-model drafter")
     ap.add_argument("--json")
     args = ap.parse_args()
     from pd_runtime.model.tiny import make_tiny_model
@@ -133,6 +189,8 @@ def main() -> int:
                 else f"{row['tokens_per_verification']:.2f}"
             print(f"{name:<11} {batch:>5} {row['plain_tok_s']:>12.1f} {row['spec_tok_s']:>11.1f} "
                   f"{row['speedup']:>7.2f}x {acc:>7} {tpv:>9}", flush=True)
+    if args.draft:
+        rows += draft_rows(args, bench_dir, engines[bench_dir][0])
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine_line(), "args": vars(args),
                                                "rows": rows}, indent=1))

@@ -327,3 +327,13 @@ def _accepted(metrics: str) -> float:
     lines = [line for line in metrics.splitlines() if line.startswith(
         'pd_worker_speculative_tokens{kind="accepted_tokens",worker="decode-0"}')]
     return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_a_draft_model_must_share_the_tokenizer(llama_dir, model_factory):
+    from pd_runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="speculative_model"):
+        EngineConfig(model=llama_dir, speculative_method="draft")
+    other = model_factory("llama", tokenizer_vocab_size=300)
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        LLM(llama_dir, **ENGINE, speculative_method="draft", speculative_model=other)

@@ -15,6 +15,7 @@ Mirrors of requests that stopped decoding are dropped at the next step.
 from __future__ import annotations
 
 import logging
+import time
 from pd_runtime.api import SamplingParams
 from pd_runtime.engine.block_manager import BlockManager
 from pd_runtime.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -49,6 +50,9 @@ class DraftModel:
                                    enable_prefix_caching=False)
         self.mirrors: dict[str, Request] = {}
         self.forwards = 0
+        # Seconds of draft compute per guess per request (recent average): a guess's price
+        # besides its place in the target's verification (speculative.py: worth).
+        self.guess_s = 0.0
 
     def propose(self, requests: list[Request], k: int) -> dict[str, list[int]]:
         """Up to k greedy guesses for each request (fewer where the draft cache is full)."""
@@ -69,11 +73,13 @@ class DraftModel:
                                          True))
             mirrors.append(mirror)
         drafts: dict[str, list[int]] = {m.request_id: [] for m in mirrors}
+        started, forwards = time.perf_counter(), 0
         for step in range(k):
             if not plan:
                 break
             logits = self.runner.execute(SchedulerOutput(scheduled=plan))
             self.forwards += 1
+            forwards += 1
             guesses = logits.argmax(dim=-1).tolist()
             next_plan = []
             for s, mirror, guess in zip(plan, mirrors, guesses):
@@ -85,6 +91,9 @@ class DraftModel:
             plan = next_plan if step < k - 1 else []
         for mirror in mirrors:  # the last guess was never fed: it is not in the draft's KV
             mirror.prompt_token_ids.pop()
+        if forwards:
+            per_guess = (time.perf_counter() - started) / (forwards * len(mirrors))
+            self.guess_s = per_guess if not self.guess_s else 0.8 * self.guess_s + 0.2 * per_guess
         return drafts
 
     def _sync(self, req: Request) -> Request:

@@ -17,7 +17,8 @@ outputs equal plain decoding's too).
 How many to guess is a cost decision, per request and step: the n-th guess is kept with
 probability p^n (p: the request's measured rate at which a guess holds, given the ones before
 it held), and a kept guess saves the request's share of a decode step, while every guess costs
-a prompt token's compute (both from the engine's live step-cost fit). Guesses stop where
+a prompt token's compute (both from the engine's live step-cost fit), and with a draft model
+what the draft spends per guess (measured). Guesses stop where
 p^n x saving < cost: many on repetitive text at batch 1, where a step is mostly fixed cost;
 few or none in a large batch or where guesses fail. A drafter that keeps missing also backs
 off: after a verification that kept nothing, the request proposes nothing for 1, 2, 4, ... up
@@ -160,6 +161,8 @@ class Speculator:
         saving = c.get("step_s", 0.0) / self.batch + c.get("decode_seq_s", 0.0) \
             + c.get("decode_context_s", 0.0) * context
         cost = c.get("prefill_token_s", 0.0) + c.get("prefill_attention_s", 0.0) * context
+        if self.draft_model is not None:  # and what the draft model spends on a guess
+            cost += self.draft_model.guess_s
         if cost <= 0 or saving <= 0:  # no fit yet
             return self.lookup.k
         p = (state.held + _PRIOR_HELD) / (state.checked + 1.0)
