@@ -80,6 +80,36 @@ def timed(llm: LLM, prompts, params, batch: int) -> tuple[float, list]:
     return time.perf_counter() - start, out
 
 
+def measure(name: str, batch: int, base: LLM, spec: LLM, prompts, params, args) -> dict:
+    """Plain and speculative alternately, `args.repeats` times; the row of the table."""
+    stats = spec.engine.speculator.stats
+    before = (stats.verifications, stats.drafted, stats.accepted)
+    times = {"plain": [], "spec": []}
+    for _ in range(args.repeats):
+        t_plain, out_plain = timed(base, prompts, params, batch)
+        t_spec, out_spec = timed(spec, prompts, params, batch)
+        if params.greedy and out_plain != out_spec:
+            raise SystemExit(f"{name} batch {batch}: speculative output differs")
+        times["plain"].append(t_plain)
+        times["spec"].append(t_spec)
+    n = len(prompts) * args.tokens
+    verif, drafted, accepted = (stats.verifications - before[0], stats.drafted - before[1],
+                                stats.accepted - before[2])
+    row = {"workload": name, "batch": batch,
+           "plain_tok_s": n / statistics.median(times["plain"]),
+           "spec_tok_s": n / statistics.median(times["spec"]),
+           "acceptance": accepted / drafted if drafted else None,
+           "tokens_per_verification": (accepted + verif) / verif if verif else None,
+           "drafted": drafted, "times": times}
+    row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
+    acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
+    tpv = "-" if row["tokens_per_verification"] is None \
+        else f"{row['tokens_per_verification']:.2f}"
+    print(f"{name:<13} {batch:>5} {row['plain_tok_s']:>12.1f} {row['spec_tok_s']:>11.1f} "
+          f"{row['speedup']:>7.2f}x {acc:>7} {tpv:>9}", flush=True)
+    return row
+
+
 def first_layer_copy(model_dir: str) -> str:
     """The model with only its first layer (the same tokenizer, embeddings and head)."""
     import shutil
@@ -103,30 +133,7 @@ def draft_rows(args, bench_dir: str, plain: LLM) -> list[dict]:
         for batch in args.batch:
             prompts = [[rng.randrange(5, vocab) for _ in range(144)]
                        for _ in range(batch * max(1, args.requests // batch))]
-            stats = spec.engine.speculator.stats
-            before = (stats.verifications, stats.drafted, stats.accepted)
-            times = {"plain": [], "spec": []}
-            for _ in range(args.repeats):
-                t_plain, out_plain = timed(plain, prompts, params, batch)
-                t_spec, out_spec = timed(spec, prompts, params, batch)
-                if out_plain != out_spec:
-                    raise SystemExit(f"{name} batch {batch}: speculative output differs")
-                times["plain"].append(t_plain)
-                times["spec"].append(t_spec)
-            n = len(prompts) * args.tokens
-            verif, drafted, accepted = (stats.verifications - before[0],
-                                        stats.drafted - before[1], stats.accepted - before[2])
-            row = {"workload": name, "batch": batch,
-                   "plain_tok_s": n / statistics.median(times["plain"]),
-                   "spec_tok_s": n / statistics.median(times["spec"]),
-                   "acceptance": accepted / drafted if drafted else None,
-                   "tokens_per_verification": (accepted + verif) / verif if verif else None,
-                   "drafted": drafted, "times": times}
-            row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
-            rows.append(row)
-            print(f"{name:<13} {batch:>3} {row['plain_tok_s']:>12.1f} {row['spec_tok_s']:>11.1f} "
-                  f"{row['speedup']:>7.2f}x {row['acceptance'] or 0:>7.2f} "
-                  f"{row['tokens_per_verification'] or 1:>9.2f}", flush=True)
+            rows.append(measure(name, batch, plain, spec, prompts, params, args))
     return rows
 
 
@@ -155,7 +162,7 @@ def main() -> int:
     print(f"# {machine_line()}\n# speculative decoding (ngram, k={args.speculative_tokens}) vs "
           f"plain, {args.tokens} output tokens per request, median of {args.repeats}; looping "
           f"prompts: 8 tokens + {args.run_in} of the model's own greedy continuation")
-    print(f"{'workload':<11} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} "
+    print(f"{'workload':<13} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} "
           f"{'speedup':>8} {'accept':>7} {'tok/verif':>9}")
     rows = []
     for batch in args.batch:
@@ -163,32 +170,7 @@ def main() -> int:
         for name, model_dir, prompts, params in workloads(num, args.tokens, bench_dir,
                                                           looping_dir, plain, args.run_in):
             base, spec = engines[model_dir]
-            stats = spec.engine.speculator.stats
-            before = (stats.verifications, stats.drafted, stats.accepted)
-            times = {"plain": [], "spec": []}
-            for _ in range(args.repeats):
-                t_plain, out_plain = timed(base, prompts, params, batch)
-                t_spec, out_spec = timed(spec, prompts, params, batch)
-                if params.greedy and out_plain != out_spec:
-                    raise SystemExit(f"{name} batch {batch}: speculative output differs")
-                times["plain"].append(t_plain)
-                times["spec"].append(t_spec)
-            n = len(prompts) * args.tokens
-            verif, drafted, accepted = (stats.verifications - before[0],
-                                        stats.drafted - before[1], stats.accepted - before[2])
-            row = {"workload": name, "batch": batch,
-                   "plain_tok_s": n / statistics.median(times["plain"]),
-                   "spec_tok_s": n / statistics.median(times["spec"]),
-                   "acceptance": accepted / drafted if drafted else None,
-                   "tokens_per_verification": (accepted + verif) / verif if verif else None,
-                   "drafted": drafted, "times": times}
-            row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
-            rows.append(row)
-            acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
-            tpv = "-" if row["tokens_per_verification"] is None \
-                else f"{row['tokens_per_verification']:.2f}"
-            print(f"{name:<11} {batch:>5} {row['plain_tok_s']:>12.1f} {row['spec_tok_s']:>11.1f} "
-                  f"{row['speedup']:>7.2f}x {acc:>7} {tpv:>9}", flush=True)
+            rows.append(measure(name, batch, base, spec, prompts, params, args))
     if args.draft:
         rows += draft_rows(args, bench_dir, engines[bench_dir][0])
     if args.json:

@@ -295,30 +295,17 @@ def test_profile_through_a_running_routers_http_api(llama_dir):
     import httpx
 
     from pd_runtime.config import RouterConfig
-    from pd_runtime.workers.local_pool import LocalPool
     from planner.profile import calibrate_http
-    from router.core import PoolBackend
-    from tests.pool_support import pair_config
-    from tests.router_support.serving import serving
+    from tests.pool_support import pair_config, served
 
     engine = {"dtype": "float32", "num_kv_blocks": 512, "num_threads": 1, "warmup_tokens": 0}
     router = RouterConfig(routing={"mode": "auto", "max_local_prefill_tokens": 128})
     cfg = pair_config(llama_dir, engine, router=router.model_dump(),
                       recovery={"health_check_interval_s": 0.5})
-    pool = LocalPool(cfg, llama_dir)
-    try:
-        backend = PoolBackend(pool, cfg, llama_dir)
-        backend.start()
-        try:
-            with serving(backend, router) as (_, port):
-                base = f"http://127.0.0.1:{port}"
-                costs = asyncio.run(calibrate_http(base, quick=True, repeats=2))
-                workers = httpx.get(base + "/v1/router/workers").json()["workers"]
-                metrics = httpx.get(base + "/metrics").text
-        finally:
-            backend.stop()
-    finally:
-        pool.close()
+    with served(cfg, llama_dir, router) as base:
+        costs = asyncio.run(calibrate_http(base, quick=True, repeats=2))
+        workers = httpx.get(base + "/v1/router/workers").json()["workers"]
+        metrics = httpx.get(base + "/metrics").text
     assert {w["role"] for w in workers.values()} == {"prefill", "decode"}
     assert all(w["load"]["step_costs"]["steps"] > 0 for w in workers.values())
     assert 'pd_routing_decisions_total{path="disaggregated"' in metrics

@@ -271,10 +271,7 @@ def test_served_through_the_router_with_the_openai_client(llama_dir, engines):
     import openai
 
     from pd_runtime.config import RouterConfig
-    from pd_runtime.workers.local_pool import LocalPool
-    from router.core import PoolBackend
-    from tests.pool_support import pair_config
-    from tests.router_support.serving import serving
+    from tests.pool_support import pair_config, served
 
     plain, _ = engines
     # The first is long (disaggregated: 66 tokens, nothing cached yet), the second short.
@@ -286,37 +283,27 @@ def test_served_through_the_router_with_the_openai_client(llama_dir, engines):
     cfg.decode.engine = cfg.decode.engine.model_copy(update=SPEC)
     expected = [o.text for o in plain.generate(
         prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))]
-    pool = LocalPool(cfg, llama_dir)
-    try:
-        backend = PoolBackend(pool, cfg, llama_dir)
-        backend.start()
-        try:
-            with serving(backend, router) as (_, port):
-                base = f"http://127.0.0.1:{port}"
-                client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-                got, streamed, chunks = [], [], []
-                for prompt in prompts:
-                    kwargs = dict(model=client.models.list().data[0].id, prompt=prompt,
-                                  max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
-                    got.append(client.completions.create(**kwargs).choices[0].text)
-                    text = ""
-                    for event in client.completions.create(stream=True, **kwargs):
-                        if event.choices:
-                            text += event.choices[0].text
-                            chunks.append(event.choices[0].text)
-                    streamed.append(text)
-                deadline = time.monotonic() + 10  # load reports come with health checks
-                while True:
-                    metrics = httpx.get(base + "/metrics").text
-                    if _accepted(metrics) or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.2)
-                decisions = [line for line in metrics.splitlines()
-                             if line.startswith("pd_routing_decisions_total")]
-        finally:
-            backend.stop()
-    finally:
-        pool.close()
+    with served(cfg, llama_dir, router) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        got, streamed, chunks = [], [], []
+        for prompt in prompts:
+            kwargs = dict(model=client.models.list().data[0].id, prompt=prompt,
+                          max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+            got.append(client.completions.create(**kwargs).choices[0].text)
+            text = ""
+            for event in client.completions.create(stream=True, **kwargs):
+                if event.choices:
+                    text += event.choices[0].text
+                    chunks.append(event.choices[0].text)
+            streamed.append(text)
+        deadline = time.monotonic() + 10  # load reports come with health checks
+        while True:
+            metrics = httpx.get(base + "/metrics").text
+            if _accepted(metrics) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        decisions = [line for line in metrics.splitlines()
+                     if line.startswith("pd_routing_decisions_total")]
     assert got == expected and streamed == expected
     assert any('path="disaggregated"' in d for d in decisions), decisions
     assert any('path="colocated"' in d for d in decisions)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pd_runtime.config import ClusterConfig
+import contextlib
+
+from pd_runtime.config import ClusterConfig, RouterConfig
 
 
 def pair_config(model_dir: str, engine: dict, **sections) -> ClusterConfig:
@@ -12,3 +14,24 @@ def pair_config(model_dir: str, engine: dict, **sections) -> ClusterConfig:
         "model": model_dir, "kv_transfer": {"backend": "local"},
         "prefill": {"num_workers": 1, "engine": engine},
         "decode": {"num_workers": 1, "engine": engine}, **sections})
+
+
+@contextlib.contextmanager
+def served(cfg: ClusterConfig, model_dir: str, router: RouterConfig):
+    """The pools of `cfg` in process behind the router over HTTP on 127.0.0.1: yields the base
+    URL; everything is stopped after."""
+    from pd_runtime.workers.local_pool import LocalPool
+    from router.core import PoolBackend
+    from tests.router_support.serving import serving
+
+    pool = LocalPool(cfg, model_dir)
+    try:
+        backend = PoolBackend(pool, cfg, model_dir)
+        backend.start()
+        try:
+            with serving(backend, router) as (_, port):
+                yield f"http://127.0.0.1:{port}"
+        finally:
+            backend.stop()
+    finally:
+        pool.close()
