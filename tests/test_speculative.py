@@ -324,3 +324,18 @@ def test_a_draft_model_must_share_the_tokenizer(llama_dir, model_factory):
     other = model_factory("llama", tokenizer_vocab_size=300)
     with pytest.raises(ValueError, match="tokenizer differs"):
         LLM(llama_dir, **ENGINE, speculative_method="draft", speculative_model=other)
+
+
+def test_speculation_under_preemption_equals_plain(llama_dir, engines):
+    """Few KV blocks: requests are preempted and recomputed mid-output while guessing (guesses
+    never preempt anyone themselves); greedy tokens still equal plain decoding's, every block
+    comes back."""
+    plain, _ = engines
+    small = dict(ENGINE, num_kv_blocks=24)
+    spec = LLM(llama_dir, **small, **SPEC)
+    prompts = [looping_prompt(plain)] + repetitive_prompts(5, seed=11)
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    assert run(spec, prompts, params) == run(plain, prompts, params)
+    engine = spec.engine
+    assert engine.scheduler.num_preemptions > 0 and engine.speculator.stats.accepted > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
