@@ -319,7 +319,11 @@ async def _cpu_snapshot(client, base: str) -> dict:
     runtime = None
     loads = [w["load"] for w in reply["workers"].values() if w["healthy"]]
     if loads and all(load.get("cpu_s") is not None for load in loads):
-        runtime = sum(load["cpu_s"] - ((load.get("step_costs") or {}).get("busy_s") or 0.0)
+        # Each worker's CPU besides its engine thread's (or, from a worker that does not say,
+        # besides its step time).
+        runtime = sum(load["cpu_s"] - (load["engine_thread_cpu_s"]
+                                       if load.get("engine_thread_cpu_s") is not None
+                                       else (load.get("step_costs") or {}).get("busy_s") or 0.0)
                       for load in loads)
     return {"time": time.monotonic(), "client_cpu_s": own.ru_utime + own.ru_stime,
             "router": reply.get("router"), "runtime_cpu_s": runtime,

@@ -40,7 +40,7 @@ def _refusal(status: int, kind: str, message: str, retry_after_s: float = 1.0) -
 # /v1/router/workers; planner/costs.py reads them).
 _COST_FIELDS = ("step_costs", "max_num_seqs", "max_num_batched_tokens", "total_blocks",
                 "block_size", "kv_bytes_per_token", "kv_transfer", "kv_overlap", "host",
-                "num_threads", "cpu_s")
+                "num_threads", "cpu_s", "engine_thread_cpu_s")
 
 
 class PoolBackend:

@@ -157,4 +157,8 @@ class EngineLoop:
             # not wait for the next command to show.
             now = time.monotonic()
             if now - self._report_at >= _REPORT_EVERY_S or not engine.has_work():
-                self._report, self._report_at = engine.load_report(), now
+                report = engine.load_report()
+                # This thread's CPU: the worker's process CPU less it is what its other
+                # threads (KV writers, Ray, the event loop) take (planner/profile.py).
+                report["engine_thread_cpu_s"] = time.thread_time()
+                self._report, self._report_at = report, now
