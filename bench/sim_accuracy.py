@@ -100,7 +100,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = bench_model(None)
     cost_path = Path(args.cost_model) if args.cost_model else out / "cost-model.json"
-    costs = ClusterCosts.load(cost_path) if args.cost_model or args.reuse else None
+    costs = ClusterCosts.load(cost_path) if args.cost_model or \
+        (args.reuse and not args.calibrate_each) else None
     slo = SLOTarget(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
     table = ["| mode | rate | sent | goodput/s real / sim | TTFT p50 s | TTFT p99 s | "
              "TPOT p50 ms | TPOT p99 ms |", "|---|---|---|---|---|---|---|---|"]
@@ -108,6 +109,8 @@ def main() -> int:
         trace = out / f"{system}.json"
         if args.reuse and trace.exists():  # measured already: simulate only
             measured = json.loads(trace.read_text())
+            if args.calibrate_each:  # the system's own calibration
+                costs = ClusterCosts.load(out / f"{system}.cost-model.json")
             config = write_config(system, out, args.port)
             sims = [simulated(costs, config, trace, i, slo)
                     for i in range(len(measured["points"]))]

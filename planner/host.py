@@ -4,11 +4,11 @@ stretch as the rest of the node's CPU work grows with the traffic.
 A worker's step needs `threads` cores. While it runs, the node's other runnable work is the
 other workers that are busy at the same moment (each with its threads) and the CPU that the
 router, the clients and the workers' own work outside their steps (streaming tokens, sending
-KV) take while the cluster computes. When that adds up to more than the node's cores, the
+KV) take while the cluster computes, and the background CPU that runs all the time. When that adds up to more than the node's cores, the
 kernel shares them and every step takes longer in proportion:
 
     stretch(w) = max(1, (threads(w) + sum over others o of threads(o) x P(o busy | w busy)
-                         + host CPU / time any worker is busy) / cores)
+                         + background cores + traffic CPU / time any worker is busy) / cores)
 
 The cost model's step costs were fitted during the calibration sweep, which ran under its own
 (lower) load; the stretch is taken relative to that one. The simulator computes P(o busy | w
@@ -51,10 +51,13 @@ def union_s(lists: list[list[tuple[float, float]]]) -> float:
 
 
 def stretches(busy: dict[str, list[tuple[float, float]]], threads: dict[str, int],
-              host: HostCosts, host_cpu_s: float) -> dict[str, float]:
-    """Each worker's step stretch on the shared node, relative to the calibration's."""
+              host: HostCosts, traffic_cpu_s: float) -> dict[str, float]:
+    """Each worker's step stretch on the shared node, relative to the calibration's:
+    `traffic_cpu_s`, the CPU that requests and tokens cost (spent while the workers compute
+    them), over the time any worker is busy, plus the background that runs all the time."""
     any_busy = union_s(list(busy.values()))
-    load = min(float(host.cores), host_cpu_s / any_busy) if any_busy > 0 else 0.0
+    traffic = traffic_cpu_s / any_busy if any_busy > 0 else 0.0
+    load = min(float(host.cores), host.idle_cores + traffic)
     own = {w: sum(e - s for s, e in spans) for w, spans in busy.items()}
     out = {}
     for w, spans in busy.items():

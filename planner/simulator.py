@@ -312,8 +312,7 @@ def simulate(costs: ClusterCosts, topology: Topology, requests: list[SimRequest]
         if shared and round_no < rounds - 1:
             tokens = sum(o.request.max_tokens for o in outcomes
                          if o.end_s is not None and not o.refused)
-            cpu = costs.host.cpu_s(len(outcomes), tokens, result["duration_s"],
-                                   topology.clients_on_host)
+            cpu = costs.host.cpu_s(len(outcomes), tokens, 0.0, topology.clients_on_host)
             stretch = stretches({w: e.busy for w, e in sim.engines.items()},
                                 {w: e.costs.threads for w, e in sim.engines.items()},
                                 costs.host, cpu)

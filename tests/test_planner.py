@@ -185,12 +185,16 @@ def test_busy_overlaps_and_the_stretch_they_imply():
     host = HostCosts(cores=2)
     # Any busy 2 s, 3 CPU seconds of host work meanwhile: 1.5 cores. a is busy 2 s, c during a
     # quarter of it: a's demand 1 + 0.25 + 1.5 cores on 2; c's (always with a) 1 + 1 + 1.5.
-    s = stretches({"a": a, "c": c}, {"a": 1, "c": 1}, host, host_cpu_s=3.0)
+    s = stretches({"a": a, "c": c}, {"a": 1, "c": 1}, host, traffic_cpu_s=3.0)
     assert s == pytest.approx({"a": 2.75 / 2, "c": 3.5 / 2})
     # Relative to the calibration's own load (1.5 cores there: 2.5 / 2).
     calibrated = HostCosts(cores=2, calibration_cores=1.5)
     assert stretches({"a": a, "c": c}, {"a": 1, "c": 1}, calibrated, 3.0)["a"] == \
         pytest.approx(2.75 / 2.5)
+    # Background CPU counts as it runs (a rate), traffic CPU over the busy time.
+    background = HostCosts(cores=2, idle_cores=0.5)
+    assert stretches({"a": a, "c": c}, {"a": 1, "c": 1}, background, 2.0)["a"] == \
+        pytest.approx((1 + 0.25 + 0.5 + 1.0) / 2)
     # Spare cores: no stretch.
     assert stretches({"a": a, "c": c}, {"a": 1, "c": 1}, HostCosts(cores=16), 3.0) == \
         {"a": 1.0, "c": 1.0}

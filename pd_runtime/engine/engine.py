@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -19,6 +18,7 @@ from pd_runtime.config import EngineConfig
 from pd_runtime.engine.block_manager import BlockManager
 from pd_runtime.engine.detokenizer import detokenize_step
 from pd_runtime.engine.model_runner import ModelRunner
+from pd_runtime.engine.outputs import RequestOutput, apply_stop_strings, merged  # noqa: F401
 from pd_runtime.engine.remote_kv import RemoteKV
 from pd_runtime.engine.sampler import SampleResult, Sampler
 from pd_runtime.engine.scheduler import Scheduler
@@ -29,23 +29,6 @@ from pd_runtime.engine.swap_space import SwapSpace
 from pd_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: Optional[str] = None
-    # Per new token: (logprob of the token, {token_id: logprob} of the top-n); None if not asked.
-    new_logprobs: Optional[list[tuple[float, dict[int, float]]]] = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    prompt_token_ids: list[int] = field(default_factory=list)
-    queue_s: Optional[float] = None  # arrival to first scheduled; on the final output only
 
 
 class LLMEngine:
@@ -292,7 +275,7 @@ class LLMEngine:
                 lp = result.logprobs[row + j]
                 if lp is not None:
                     req.logprobs.append(lp)
-                out = _merged(out, self._finish_token(req, token, lp))
+                out = merged(out, self._finish_token(req, token, lp))
                 if out.finished:
                     break
             if k and not out.finished:
@@ -354,7 +337,7 @@ class LLMEngine:
             reason = FinishReason.LENGTH
         text_before = len(req.text)
         detokenize_step(self.tokenizer, req, flush=reason is not None)
-        if params.stop and self._apply_stop_strings(req, text_before):
+        if params.stop and apply_stop_strings(req, text_before):
             reason = FinishReason.STOP
         # Streamed text holds back a tail that could still grow into a stop string, so no
         # delta ever carries text the final answer cuts off.
@@ -380,21 +363,6 @@ class LLMEngine:
             prompt_token_ids=req.prompt_token_ids,
             queue_s=(req.first_scheduled_time - req.arrival_time)
             if reason is not None and req.first_scheduled_time is not None else None)
-
-    @staticmethod
-    def _apply_stop_strings(req: Request, text_before: int) -> bool:
-        """Cut the text before the first stop string that the new text completed."""
-        longest = max(len(s) for s in req.params.stop)
-        window_start = max(0, text_before - longest + 1)
-        best = None
-        for stop in req.params.stop:
-            pos = req.text.find(stop, window_start)
-            if pos != -1 and (best is None or pos < best):
-                best = pos
-        if best is None:
-            return False
-        req.text = req.text[:best]
-        return True
 
     def load_report(self) -> dict:
         """Cheap numbers for routing: queues, queued prefill tokens, KV blocks, cache hits."""
@@ -422,15 +390,3 @@ class LLMEngine:
             "speculation": self.speculator.stats.report() if self.speculator else None,
         }
 
-
-def _merged(first: Optional[RequestOutput], then: RequestOutput) -> RequestOutput:
-    """One output of a request per step: a verification can add several tokens."""
-    if first is None:
-        return then
-    logprobs = None
-    if first.new_logprobs is not None or then.new_logprobs is not None:
-        logprobs = (first.new_logprobs or []) + (then.new_logprobs or [])
-    then.new_token_ids = first.new_token_ids + then.new_token_ids
-    then.new_text = first.new_text + then.new_text
-    then.new_logprobs = logprobs
-    return then

@@ -1,0 +1,54 @@
+"""What a step gives each request that progressed: its new tokens and text (RequestOutput),
+with the stop-string cut and the merge of several tokens kept in one step (speculation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pd_runtime.engine.sequence import Request
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: Optional[str] = None
+    # Per new token: (logprob of the token, {token_id: logprob} of the top-n); None if not asked.
+    new_logprobs: Optional[list[tuple[float, dict[int, float]]]] = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)
+    queue_s: Optional[float] = None  # arrival to first scheduled; on the final output only
+
+
+def apply_stop_strings(req: Request, text_before: int) -> bool:
+    """Cut the text before the first stop string that the new text completed."""
+    longest = max(len(s) for s in req.params.stop)
+    window_start = max(0, text_before - longest + 1)
+    best = None
+    for stop in req.params.stop:
+        pos = req.text.find(stop, window_start)
+        if pos != -1 and (best is None or pos < best):
+            best = pos
+    if best is None:
+        return False
+    req.text = req.text[:best]
+    return True
+
+
+def merged(first: Optional[RequestOutput], then: RequestOutput) -> RequestOutput:
+    """One output of a request per step: a verification can add several tokens."""
+    if first is None:
+        return then
+    logprobs = None
+    if first.new_logprobs is not None or then.new_logprobs is not None:
+        logprobs = (first.new_logprobs or []) + (then.new_logprobs or [])
+    then.new_token_ids = first.new_token_ids + then.new_token_ids
+    then.new_text = first.new_text + then.new_text
+    then.new_logprobs = logprobs
+    return then
