@@ -1,0 +1,41 @@
+"""The run store's schema, versioned: migration N brings the schema from version N - 1 to N.
+A store applies the ones it has not yet recorded, in order, in one transaction each; never edit
+a released migration, add the next one."""
+
+from __future__ import annotations
+
+MIGRATIONS: list[tuple[int, str, list[str]]] = [
+    (1, "runs, their transitions, the usage ledger", [
+        """CREATE TABLE runs (
+               id TEXT PRIMARY KEY,
+               tenant TEXT NOT NULL,
+               state TEXT NOT NULL,
+               created_at REAL NOT NULL,
+               updated_at REAL NOT NULL,
+               idempotency_key TEXT,
+               body_hash TEXT,
+               path TEXT,
+               route_reason TEXT,
+               prompt_tokens INTEGER,
+               cached_tokens INTEGER,
+               output_tokens INTEGER,
+               workers TEXT,
+               error TEXT,
+               UNIQUE (tenant, idempotency_key))""",
+        "CREATE INDEX runs_by_state ON runs (state)",
+        """CREATE TABLE run_transitions (
+               run_id TEXT NOT NULL REFERENCES runs (id),
+               state TEXT NOT NULL,
+               at REAL NOT NULL)""",
+        "CREATE INDEX run_transitions_by_run ON run_transitions (run_id)",
+        """CREATE TABLE usage (
+               run_id TEXT PRIMARY KEY REFERENCES runs (id),
+               tenant TEXT NOT NULL,
+               input_tokens INTEGER NOT NULL,
+               cached_tokens INTEGER NOT NULL,
+               output_tokens INTEGER NOT NULL,
+               duration_s REAL NOT NULL,
+               finished_at REAL NOT NULL)""",
+        "CREATE INDEX usage_by_tenant_time ON usage (tenant, finished_at)",
+    ]),
+]

@@ -1,0 +1,104 @@
+"""Run records: every generation request a run with an id and a validated state machine
+
+    queued -> prefilling -> streaming -> completed | failed | cancelled
+    (queued and prefilling may also end failed or cancelled)
+
+with a timestamp per transition, the routing decision, token counts, the workers and the
+error; a completion writes the run's usage row in the same transaction (one per run: a retry
+or a second replica cannot bill twice); an `Idempotency-Key` per tenant names one run (a reused
+key with another body is refused); at start-up, runs a crash left in flight are marked failed,
+with no usage row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from typing import Optional
+
+from gateway.store import RunStore
+
+TRANSITIONS = {
+    "queued": ("prefilling", "failed", "cancelled"),
+    "prefilling": ("streaming", "failed", "cancelled"),
+    "streaming": ("completed", "failed", "cancelled"),
+    "completed": (), "failed": (), "cancelled": (),
+}
+IN_FLIGHT = ("queued", "prefilling", "streaming")
+
+
+class InvalidTransition(RuntimeError):
+    """A transition the state machine does not allow (e.g. completed -> streaming)."""
+
+
+class IdempotencyConflict(ValueError):
+    """An Idempotency-Key reused with a different request body (HTTP 422)."""
+
+
+def body_hash(body: dict) -> str:
+    """The request body's identity for idempotency: its canonical JSON, hashed."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class Runs:
+    def __init__(self, store: RunStore):
+        self.store = store
+
+    def recover(self) -> int:
+        """At start-up: runs left in flight by a process that is gone, to failed (no usage)."""
+        return self.store.fail_in_flight(IN_FLIGHT, "the router stopped during this run",
+                                         time.time())
+
+    def create(self, tenant: str, body: Optional[dict] = None,
+               idempotency_key: Optional[str] = None) -> tuple[dict, bool]:
+        """(run, created): with a key the tenant already used, the run that has it (created
+        False), or IdempotencyConflict if its body differs."""
+        now = time.time()
+        digest = body_hash(body) if body is not None else None
+        run = {"id": f"run-{uuid.uuid4().hex}", "tenant": tenant, "state": "queued",
+               "created_at": now, "updated_at": now, "idempotency_key": idempotency_key,
+               "body_hash": digest}
+        held = self.store.insert_run(run)
+        if held is None:
+            return run, True
+        if held["body_hash"] != digest:
+            raise IdempotencyConflict(
+                f"Idempotency-Key {idempotency_key!r} was used for a different request body; "
+                "use a new key for a new request")
+        return held, False
+
+    def get(self, run_id: str, tenant: Optional[str] = None) -> Optional[dict]:
+        """The run, or None (also when it belongs to another tenant than `tenant`)."""
+        run = self.store.get_run(run_id)
+        if run is None or (tenant is not None and run["tenant"] != tenant):
+            return None
+        return run
+
+    def advance(self, run_id: str, state: str, **fields) -> None:
+        """Move a run on (fields: path, route_reason, prompt_tokens, workers, error, ...)."""
+        allowed = tuple(s for s, nexts in TRANSITIONS.items() if state in nexts)
+        if not allowed:
+            raise InvalidTransition(f"no run can move to {state!r}")
+        usage = None
+        if state == "completed":
+            run = self.store.get_run(run_id)
+            if run is None:
+                raise KeyError(run_id)
+            usage = {"tenant": run["tenant"],
+                     "input_tokens": fields.get("prompt_tokens", run["prompt_tokens"]) or 0,
+                     "cached_tokens": fields.get("cached_tokens", run["cached_tokens"]) or 0,
+                     "output_tokens": fields.get("output_tokens", run["output_tokens"]) or 0,
+                     "duration_s": time.time() - run["created_at"]}
+        if "workers" in fields and not isinstance(fields["workers"], str):
+            fields["workers"] = json.dumps(list(fields["workers"]))
+        was = self.store.transition(run_id, allowed, state, time.time(), fields, usage)
+        if was is None:
+            current = (self.store.get_run(run_id) or {}).get("state")
+            raise InvalidTransition(f"run {run_id}: {current} -> {state} is not allowed")
+
+    def usage(self, tenant: str, since: float = 0.0, until: Optional[float] = None) -> dict:
+        return self.store.usage_totals(tenant, since, until if until is not None
+                                       else time.time() + 1)
