@@ -155,11 +155,17 @@ def test_only_decode_worker_killed_continues_on_its_restart(cluster, reference):
     continues there; the caller sees one exact stream and no error."""
     from pd_runtime.workers.client import PoolClient
 
+    import os
+    import signal
+
     ps, ref = reference
     d0 = next(w for w in cluster.decode if w.worker_id == "d0")
     alone = PoolClient(cluster.prefill, [d0], recovery_wait_s=60)
+    # SIGKILL the process itself: immediate, where ray.kill goes through the control store and
+    # on two busy cores could land after the last of the 21 remaining tokens (no migration).
+    pid = ray.get(d0.handle.load.remote())["pid"]
     chunks = _run_with_fault(alone, "kill-only-d", ps[3], params(3, True),
-                             lambda: ray.kill(d0.handle, no_restart=False), fault_at=3)
+                             lambda: os.kill(pid, signal.SIGKILL), fault_at=3)
     assert tokens_of(chunks) == ref[True][3]
     assert text_of(chunks) == ref["text"][True][3]
     assert chunks[-1]["worker_id"] == "d0" and chunks[-1]["migrations"] == 1
