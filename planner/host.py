@@ -18,6 +18,8 @@ the two agree (planner/simulator.py: simulate).
 
 from __future__ import annotations
 
+import numpy as np
+
 from planner.costs import HostCosts
 
 
@@ -75,40 +77,20 @@ def stretches(busy: dict[str, list[tuple[float, float]]], threads: dict[str, int
 def nnls(rows: list[list[float]], y: list[float]) -> list[float]:
     """Least squares with every coefficient >= 0, for a handful of columns: the best of the
     unconstrained fits over each subset of columns whose coefficients all come out >= 0."""
-    n = len(rows[0]) if rows else 0
-    best, best_err = [0.0] * n, sum(v * v for v in y)
+    a, b = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
+    n = a.shape[1] if a.ndim == 2 else 0
+    best, best_err = np.zeros(n), float(b @ b)
     for mask in range(1, 1 << n):
         cols = [j for j in range(n) if mask >> j & 1]
-        x = _solve([[sum(r[a] * r[b] for r in rows) for b in cols] for a in cols],
-                   [sum(r[a] * v for r, v in zip(rows, y)) for a in cols])
-        if x is None or min(x) < 0:
+        x, _, rank, _ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+        if rank < len(cols) or x.min() < 0:
             continue
-        full = [0.0] * n
-        for j, value in zip(cols, x):
-            full[j] = value
-        err = sum((v - sum(c * r[j] for j, c in enumerate(full))) ** 2 for r, v in zip(rows, y))
+        full = np.zeros(n)
+        full[cols] = x
+        err = float(((a @ full - b) ** 2).sum())
         if err < best_err:
             best, best_err = full, err
-    return best
-
-
-def _solve(a: list[list[float]], b: list[float]):
-    """Gaussian elimination with partial pivoting; None when singular."""
-    n = len(b)
-    m = [row[:] + [v] for row, v in zip(a, b)]
-    for i in range(n):
-        pivot = max(range(i, n), key=lambda r: abs(m[r][i]))
-        if abs(m[pivot][i]) < 1e-12 * max(1.0, max(abs(v) for row in a for v in row)):
-            return None
-        m[i], m[pivot] = m[pivot], m[i]
-        for r in range(i + 1, n):
-            f = m[r][i] / m[i][i]
-            for c in range(i, n + 1):
-                m[r][c] -= f * m[i][c]
-    x = [0.0] * n
-    for i in reversed(range(n)):
-        x[i] = (m[i][n] - sum(m[i][c] * x[c] for c in range(i + 1, n))) / m[i][i]
-    return x
+    return best.tolist()
 
 
 def fit_host(stages: list[dict], cores: int) -> HostCosts:

@@ -143,16 +143,14 @@ class Speculator:
             return
         wanted, k = [], 0
         for req in decoding:
-            if req.lookup is None:
-                req.lookup = LookupState()
-            state = req.lookup
+            state = _state(req)
             if state.backoff > 0:
                 state.backoff -= 1
                 continue
-            worth = self.worth(state, req.num_tokens)
-            if worth > 0 or state.idle + 1 >= self.lookup.max_backoff:
+            allowed = self.allowed(state, req.num_tokens)
+            if allowed > 0:
                 wanted.append(req)
-                k = max(k, worth, 1)
+                k = max(k, allowed)
         self.pending = self.draft_model.propose(wanted, k)
 
     def worth(self, state: LookupState, context: int) -> int:
@@ -172,27 +170,30 @@ class Speculator:
             return 0
         return min(self.lookup.k, int(math.log(cost / saving) / math.log(p)))
 
+    def allowed(self, state: LookupState, context: int) -> int:
+        """Guesses to make now: those worth it, or one every max_backoff steps when none is
+        (it keeps the request's hold-rate estimate alive)."""
+        worth = self.worth(state, context)
+        if worth <= 0 and state.idle + 1 >= self.lookup.max_backoff:
+            return 1
+        return worth
+
     def draft(self, req, budget: int, max_model_len: int) -> list[int]:
         # The last emitted token is the bonus one: at most max_tokens - 1 drafts before it.
         limit = min(budget, req.params.max_tokens - len(req.output_token_ids) - 1,
                     max_model_len - req.num_tokens - 1)
         if limit <= 0:
             return []
-        if req.lookup is not None:
-            worth = self.worth(req.lookup, req.num_tokens)
-            if worth <= 0:
-                # Not worth it now; one guess every max_backoff steps keeps the estimate alive.
-                req.lookup.idle += 1
-                if req.lookup.idle < self.lookup.max_backoff:
-                    return []
-                worth = 1
-            req.lookup.idle = 0
-            limit = min(limit, worth)
-        if req.lookup is None:
-            req.lookup = LookupState()
+        state = _state(req)
+        allowed = self.allowed(state, req.num_tokens)
+        if allowed <= 0:
+            state.idle += 1
+            return []
+        state.idle = 0
+        limit = min(limit, allowed)
         if self.draft_model is not None:
             return self.pending.get(req.request_id, [])[:limit]
-        return self.lookup.propose(req.lookup, req.all_token_ids, limit)
+        return self.lookup.propose(state, req.all_token_ids, limit)
 
     def verify(self, req, drafts: list[int], targets: list[int]) -> list[int]:
         """The tokens to emit: the target tokens up to the first that differs from its draft."""
@@ -202,3 +203,9 @@ class Speculator:
         self.stats.drafted += len(drafts)
         self.stats.accepted += m
         return targets[:m + 1]
+
+
+def _state(req) -> LookupState:
+    if req.lookup is None:
+        req.lookup = LookupState()
+    return req.lookup
