@@ -38,4 +38,19 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                finished_at REAL NOT NULL)""",
         "CREATE INDEX usage_by_tenant_time ON usage (tenant, finished_at)",
     ]),
+    (2, "run owners (router replicas), recorded outputs for resume, shared rate buckets", [
+        # The router replica that serves the run: its restart fails only its own runs.
+        "ALTER TABLE runs ADD COLUMN owner TEXT",
+        # A finished run's output as the client got it (SSE events or the JSON body), so a
+        # retry or a resumed stream replays it without recomputation.
+        """CREATE TABLE run_outputs (
+               run_id TEXT PRIMARY KEY REFERENCES runs (id),
+               kind TEXT NOT NULL,
+               body BLOB NOT NULL)""",
+        # Token buckets every router replica draws from (tenants' rate limits).
+        """CREATE TABLE rate_buckets (
+               name TEXT PRIMARY KEY,
+               level REAL NOT NULL,
+               stamp REAL NOT NULL)""",
+    ]),
 ]

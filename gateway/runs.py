@@ -47,20 +47,22 @@ class Runs:
     def __init__(self, store: RunStore):
         self.store = store
 
-    def recover(self) -> int:
-        """At start-up: runs left in flight by a process that is gone, to failed (no usage)."""
+    def recover(self, owner: Optional[str] = None) -> int:
+        """At start-up: runs left in flight by a process that is gone (this replica's former
+        self, when `owner` names it), to failed (no usage)."""
         return self.store.fail_in_flight(IN_FLIGHT, "the router stopped during this run",
-                                         time.time())
+                                         time.time(), owner)
 
     def create(self, tenant: str, body: Optional[dict] = None,
-               idempotency_key: Optional[str] = None) -> tuple[dict, bool]:
+               idempotency_key: Optional[str] = None, run_id: Optional[str] = None,
+               owner: Optional[str] = None) -> tuple[dict, bool]:
         """(run, created): with a key the tenant already used, the run that has it (created
         False), or IdempotencyConflict if its body differs."""
         now = time.time()
         digest = body_hash(body) if body is not None else None
-        run = {"id": f"run-{uuid.uuid4().hex}", "tenant": tenant, "state": "queued",
+        run = {"id": run_id or f"run-{uuid.uuid4().hex}", "tenant": tenant, "state": "queued",
                "created_at": now, "updated_at": now, "idempotency_key": idempotency_key,
-               "body_hash": digest}
+               "body_hash": digest, "owner": owner}
         held = self.store.insert_run(run)
         if held is None:
             return run, True

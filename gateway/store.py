@@ -20,8 +20,9 @@ from gateway.migrations import MIGRATIONS
 
 RUN_FIELDS = ("id", "tenant", "state", "created_at", "updated_at", "idempotency_key",
               "body_hash", "path", "route_reason", "prompt_tokens", "cached_tokens",
-              "output_tokens", "workers", "error")
-UPDATABLE = set(RUN_FIELDS) - {"id", "tenant", "created_at", "idempotency_key", "body_hash"}
+              "output_tokens", "workers", "error", "owner")
+UPDATABLE = set(RUN_FIELDS) - {"id", "tenant", "created_at", "idempotency_key", "body_hash",
+                               "owner"}
 
 
 class RunStore(Protocol):
@@ -39,8 +40,21 @@ class RunStore(Protocol):
 
     def transitions(self, run_id: str) -> list[tuple[str, float]]: ...
 
-    def fail_in_flight(self, states: tuple[str, ...], error: str, at: float) -> int:
-        """Every run in one of `states` to failed; how many."""
+    def fail_in_flight(self, states: tuple[str, ...], error: str, at: float,
+                       owner: Optional[str] = None) -> int:
+        """Every run in one of `states` (of `owner` only, when given) to failed; how many."""
+
+    def save_output(self, run_id: str, kind: str, body: bytes) -> None:
+        """The finished run's output as the client got it ("sse" events or a "json" body)."""
+
+    def get_output(self, run_id: str) -> Optional[tuple[str, bytes]]: ...
+
+    def take(self, bucket: str, capacity: float, per_s: float, amount: float,
+             now: float) -> float:
+        """Draw `amount` from a shared token bucket (created full): 0 if drawn, else seconds
+        until it could be (nothing drawn; inf if it never can)."""
+
+    def give_back(self, bucket: str, capacity: float, amount: float) -> None: ...
 
     def usage_totals(self, tenant: str, since: float, until: float) -> dict: ...
 
@@ -57,7 +71,174 @@ def default_path() -> Path:
     return Path(data) / "pd-runtime" / "runs.sqlite3"
 
 
-class SqliteRunStore:
+class SqlRunStore:
+    """The RunStore operations in SQL, written once for every database: a subclass supplies a
+    connection per thread (`_db`), a write transaction (`_tx`) and its placeholder style
+    (`_sql`, from the `?` written here)."""
+
+    schema_version = 0
+
+    def _db(self):
+        raise NotImplementedError
+
+    def _tx(self):
+        raise NotImplementedError
+
+    def _sql(self, statement: str) -> str:
+        return statement
+
+    def _exec(self, db, statement: str, params=()):
+        return db.execute(self._sql(statement), params)
+
+    def _migrate(self) -> int:
+        with self._tx() as db:
+            self._exec(db, "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER "
+                       "PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)")
+        for version, name, statements in MIGRATIONS:
+            with self._tx() as db:
+                # Another process may be applying it too: whoever commits the claim first wins,
+                # the other finds the row inside its own write transaction and skips it.
+                self._lock_migrations(db)
+                if self._exec(db, "SELECT 1 FROM schema_migrations WHERE version = ?",
+                              (version,)).fetchone():
+                    continue
+                for statement in statements:
+                    self._exec(db, statement)
+                self._exec(db, "INSERT INTO schema_migrations VALUES (?, ?, ?)",
+                           (version, name, time.time()))
+        return max(version for version, _, _ in MIGRATIONS)
+
+    def _lock_migrations(self, db) -> None:
+        """Serialize migrating processes (SQLite's BEGIN IMMEDIATE already does)."""
+
+    # -- RunStore ----------------------------------------------------------------------------
+    def insert_run(self, run: dict) -> Optional[dict]:
+        columns = [f for f in RUN_FIELDS if f in run]
+        with self._tx() as db:
+            if run.get("idempotency_key") is not None:
+                held = self._exec(db, "SELECT * FROM runs WHERE tenant = ? AND "
+                                  "idempotency_key = ? FOR UPDATE_IF_SUPPORTED",
+                                  (run["tenant"], run["idempotency_key"])).fetchone()
+                if held is not None:
+                    return dict(held)
+            self._exec(db, f"INSERT INTO runs ({', '.join(columns)}) VALUES "
+                       f"({', '.join('?' for _ in columns)})", [run[c] for c in columns])
+            self._exec(db, "INSERT INTO run_transitions VALUES (?, ?, ?)",
+                       (run["id"], run["state"], run["created_at"]))
+        return None
+
+    def get_run(self, run_id: str) -> Optional[dict]:
+        row = self._exec(self._db(), "SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        return dict(row) if row is not None else None
+
+    def transition(self, run_id: str, expect: tuple[str, ...], state: str, at: float,
+                   fields: dict, usage: Optional[dict] = None) -> Optional[str]:
+        bad = set(fields) - UPDATABLE
+        if bad:
+            raise ValueError(f"run fields {sorted(bad)} cannot be updated")
+        with self._tx() as db:
+            row = self._exec(db, "SELECT state FROM runs WHERE id = ? FOR UPDATE_IF_SUPPORTED",
+                             (run_id,)).fetchone()
+            if row is None:
+                raise KeyError(run_id)
+            was = _first(row)
+            if was not in expect:
+                return None
+            sets = {**fields, "state": state, "updated_at": at}
+            self._exec(db, f"UPDATE runs SET {', '.join(f'{k} = ?' for k in sets)} "
+                       "WHERE id = ?", [*sets.values(), run_id])
+            self._exec(db, "INSERT INTO run_transitions VALUES (?, ?, ?)", (run_id, state, at))
+            if usage is not None:  # the primary key makes a second row impossible
+                self._exec(db, "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?) "
+                           "ON CONFLICT (run_id) DO NOTHING",
+                           (run_id, usage["tenant"], usage["input_tokens"],
+                            usage["cached_tokens"], usage["output_tokens"],
+                            usage["duration_s"], at))
+            return was
+
+    def transitions(self, run_id: str) -> list[tuple[str, float]]:
+        rows = self._exec(self._db(), "SELECT state, at FROM run_transitions WHERE run_id = ? "
+                          "ORDER BY at, CASE state WHEN 'queued' THEN 0 WHEN 'prefilling' "
+                          "THEN 1 WHEN 'streaming' THEN 2 ELSE 3 END", (run_id,)).fetchall()
+        return [tuple(_values(r)) for r in rows]
+
+    def fail_in_flight(self, states: tuple[str, ...], error: str, at: float,
+                       owner: Optional[str] = None) -> int:
+        marks = ", ".join("?" for _ in states)
+        where, params = f"state IN ({marks})", list(states)
+        if owner is not None:
+            where, params = where + " AND owner = ?", params + [owner]
+        with self._tx() as db:
+            ids = [_first(r) for r in self._exec(db, f"SELECT id FROM runs WHERE {where}",
+                                                  params).fetchall()]
+            for run_id in ids:
+                self._exec(db, "UPDATE runs SET state = 'failed', error = ?, updated_at = ? "
+                           "WHERE id = ?", (error, at, run_id))
+                self._exec(db, "INSERT INTO run_transitions VALUES (?, 'failed', ?)",
+                           (run_id, at))
+        return len(ids)
+
+    def save_output(self, run_id: str, kind: str, body: bytes) -> None:
+        with self._tx() as db:
+            self._exec(db, "INSERT INTO run_outputs VALUES (?, ?, ?) "
+                       "ON CONFLICT (run_id) DO NOTHING", (run_id, kind, body))
+
+    def get_output(self, run_id: str) -> Optional[tuple[str, bytes]]:
+        row = self._exec(self._db(), "SELECT kind, body FROM run_outputs WHERE run_id = ?",
+                         (run_id,)).fetchone()
+        if row is None:
+            return None
+        kind, body = _values(row)
+        return kind, bytes(body)
+
+    def take(self, bucket: str, capacity: float, per_s: float, amount: float,
+             now: float) -> float:
+        with self._tx() as db:
+            self._exec(db, "INSERT INTO rate_buckets VALUES (?, ?, ?) "
+                       "ON CONFLICT (name) DO NOTHING", (bucket, capacity, now))
+            level, stamp = _values(self._exec(
+                db, "SELECT level, stamp FROM rate_buckets WHERE name = ? "
+                "FOR UPDATE_IF_SUPPORTED", (bucket,)).fetchone())
+            # Another replica's clock may be a little behind ours: never refill backwards.
+            level = min(capacity, level + max(0.0, now - stamp) * per_s)
+            wait = 0.0
+            if amount > capacity:
+                wait = float("inf")
+            elif amount > level:
+                wait = (amount - level) / per_s
+            else:
+                level -= amount
+            self._exec(db, "UPDATE rate_buckets SET level = ?, stamp = ? WHERE name = ?",
+                       (level, max(now, stamp), bucket))
+            return wait
+
+    def give_back(self, bucket: str, capacity: float, amount: float) -> None:
+        with self._tx() as db:
+            self._exec(db, "UPDATE rate_buckets SET level = MIN_OF(level + ?, ?) "
+                       "WHERE name = ?", (amount, capacity, bucket))
+
+    def usage_totals(self, tenant: str, since: float, until: float) -> dict:
+        row = self._exec(
+            self._db(),
+            "SELECT COUNT(*), COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
+            "COALESCE(SUM(output_tokens), 0), COALESCE(SUM(duration_s), 0) FROM usage "
+            "WHERE tenant = ? AND finished_at >= ? AND finished_at < ?",
+            (tenant, since, until)).fetchone()
+        runs, input_tokens, cached, output, duration = _values(row)
+        return {"runs": int(runs), "input_tokens": int(input_tokens),
+                "cached_tokens": int(cached), "output_tokens": int(output),
+                "duration_s": float(duration)}
+
+
+def _values(row) -> list:
+    return list(row.values()) if isinstance(row, dict) else list(row)
+
+
+def _first(row):
+    return _values(row)[0]
+
+
+class SqliteRunStore(SqlRunStore):
     def __init__(self, path: str | os.PathLike | None = None, busy_timeout_s: float = 30.0):
         self.path = Path(path) if path is not None else default_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,90 +266,9 @@ class SqliteRunStore:
     def _tx(self):
         return _Transaction(self._db())
 
-    def _migrate(self) -> int:
-        with self._tx() as db:
-            db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY "
-                       "KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)")
-        applied = {row[0] for row in self._db().execute("SELECT version FROM schema_migrations")}
-        for version, name, statements in MIGRATIONS:
-            if version in applied:
-                continue
-            with self._tx() as db:
-                # Another process may have applied it meanwhile: the insert is the claim.
-                if db.execute("SELECT 1 FROM schema_migrations WHERE version = ?",
-                              (version,)).fetchone():
-                    continue
-                for statement in statements:
-                    db.execute(statement)
-                db.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)",
-                           (version, name, time.time()))
-        return max(version for version, _, _ in MIGRATIONS)
-
-    # -- RunStore ----------------------------------------------------------------------------
-    def insert_run(self, run: dict) -> Optional[dict]:
-        columns = [f for f in RUN_FIELDS if f in run]
-        with self._tx() as db:
-            if run.get("idempotency_key") is not None:
-                held = db.execute("SELECT * FROM runs WHERE tenant = ? AND idempotency_key = ?",
-                                  (run["tenant"], run["idempotency_key"])).fetchone()
-                if held is not None:
-                    return dict(held)
-            db.execute(f"INSERT INTO runs ({', '.join(columns)}) VALUES "
-                       f"({', '.join('?' for _ in columns)})", [run[c] for c in columns])
-            db.execute("INSERT INTO run_transitions VALUES (?, ?, ?)",
-                       (run["id"], run["state"], run["created_at"]))
-        return None
-
-    def get_run(self, run_id: str) -> Optional[dict]:
-        row = self._db().execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
-        return dict(row) if row is not None else None
-
-    def transition(self, run_id: str, expect: tuple[str, ...], state: str, at: float,
-                   fields: dict, usage: Optional[dict] = None) -> Optional[str]:
-        bad = set(fields) - UPDATABLE
-        if bad:
-            raise ValueError(f"run fields {sorted(bad)} cannot be updated")
-        with self._tx() as db:
-            row = db.execute("SELECT state FROM runs WHERE id = ?", (run_id,)).fetchone()
-            if row is None:
-                raise KeyError(run_id)
-            if row[0] not in expect:
-                return None
-            sets = {**fields, "state": state, "updated_at": at}
-            db.execute(f"UPDATE runs SET {', '.join(f'{k} = ?' for k in sets)} WHERE id = ?",
-                       [*sets.values(), run_id])
-            db.execute("INSERT INTO run_transitions VALUES (?, ?, ?)", (run_id, state, at))
-            if usage is not None:  # the primary key makes a second row impossible
-                db.execute("INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?) "
-                           "ON CONFLICT (run_id) DO NOTHING",
-                           (run_id, usage["tenant"], usage["input_tokens"],
-                            usage["cached_tokens"], usage["output_tokens"],
-                            usage["duration_s"], at))
-            return row[0]
-
-    def transitions(self, run_id: str) -> list[tuple[str, float]]:
-        return [(r[0], r[1]) for r in self._db().execute(
-            "SELECT state, at FROM run_transitions WHERE run_id = ? ORDER BY rowid", (run_id,))]
-
-    def fail_in_flight(self, states: tuple[str, ...], error: str, at: float) -> int:
-        marks = ", ".join("?" for _ in states)
-        with self._tx() as db:
-            ids = [r[0] for r in db.execute(f"SELECT id FROM runs WHERE state IN ({marks})",
-                                            states)]
-            for run_id in ids:
-                db.execute("UPDATE runs SET state = 'failed', error = ?, updated_at = ? "
-                           "WHERE id = ?", (error, at, run_id))
-                db.execute("INSERT INTO run_transitions VALUES (?, 'failed', ?)", (run_id, at))
-        return len(ids)
-
-    def usage_totals(self, tenant: str, since: float, until: float) -> dict:
-        row = self._db().execute(
-            "SELECT COUNT(*), COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
-            "COALESCE(SUM(output_tokens), 0), COALESCE(SUM(duration_s), 0) FROM usage "
-            "WHERE tenant = ? AND finished_at >= ? AND finished_at < ?",
-            (tenant, since, until)).fetchone()
-        return {"runs": row[0], "input_tokens": row[1], "cached_tokens": row[2],
-                "output_tokens": row[3], "duration_s": row[4]}
+    def _sql(self, statement: str) -> str:
+        # BEGIN IMMEDIATE already holds the database's one write lock: no row locks to take.
+        return statement.replace(" FOR UPDATE_IF_SUPPORTED", "").replace("MIN_OF(", "MIN(")
 
     def close(self) -> None:
         with self._lock:

@@ -157,3 +157,29 @@ def test_the_default_file_is_under_the_users_data_directory(tmp_path, monkeypatc
     finally:
         store.close()
     assert os.path.exists(tmp_path / "here")
+
+
+def test_recorded_outputs_owners_and_shared_rate_buckets(runs):
+    store = runs.store
+    mine, _ = runs.create("acme", owner="router-0")
+    theirs, _ = runs.create("acme", owner="router-1")
+    runs.advance(mine["id"], "prefilling")
+    runs.advance(theirs["id"], "prefilling")
+    # A replica's restart fails its own runs only; the other replica's stay in flight.
+    assert runs.recover("router-0") == 1
+    assert runs.get(mine["id"])["state"] == "failed"
+    assert runs.get(theirs["id"])["state"] == "prefilling"
+    # Outputs are kept byte for byte, once.
+    events = b"id: r:0\ndata: {\"a\":1}\n\nid: r:1\ndata: [DONE]\n\n"
+    store.save_output(theirs["id"], "sse", events)
+    store.save_output(theirs["id"], "sse", b"a second write is ignored")
+    assert store.get_output(theirs["id"]) == ("sse", events)
+    assert store.get_output(mine["id"]) is None
+    # A shared bucket: full at first, drained, refilled by time, never above capacity.
+    assert store.take("acme/requests", 3, 1.0, 2, now=100.0) == 0.0
+    assert store.take("acme/requests", 3, 1.0, 2, now=100.0) == pytest.approx(1.0)
+    assert store.take("acme/requests", 3, 1.0, 2, now=101.0) == 0.0
+    assert store.take("acme/requests", 3, 1.0, 4, now=101.0) == float("inf")
+    store.give_back("acme/requests", 3, 10)
+    assert store.take("acme/requests", 3, 1.0, 3, now=101.0) == 0.0
+    assert store.take("acme/requests", 3, 1.0, 1, now=101.0) == pytest.approx(1.0)
