@@ -84,6 +84,22 @@ class TenantConfig(_Strict):
     tokens_per_minute: Optional[int] = Field(None, ge=1)
 
 
+class RunsConfig(_Strict):
+    """Run records (gateway/): every generation request a run with a state, its output kept
+    for idempotent retries and resumed streams, and a usage ledger."""
+    enabled: bool = True
+    # None: SQLite in a file under the user's data directory; or sqlite:///path, or
+    # postgresql://... (needed to share runs, idempotency keys and rate limits across
+    # router replicas on several machines).
+    store: Optional[str] = Field(None, min_length=1)
+    # A client that leaves a run it sent an Idempotency-Key for has this long to come back
+    # (retry or Last-Event-ID) before the run is cancelled; runs without a key are cancelled
+    # as soon as their last client leaves.
+    detach_grace_s: float = Field(10.0, ge=0)
+    # Finished runs kept in memory for fast replay (older ones are read from the store).
+    keep_finished: int = Field(1024, ge=0)
+
+
 class RouterConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -97,6 +113,9 @@ class RouterConfig(_Strict):
     # Empty: no API keys, every request is the anonymous tenant.
     tenants: list[TenantConfig] = Field(default_factory=list)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    runs: RunsConfig = Field(default_factory=RunsConfig)
+    # Router processes serving `port` together (SO_REUSEPORT), all over the same pools.
+    replicas: int = Field(1, ge=1, le=64)
 
     @model_validator(mode="after")
     def _check(self):

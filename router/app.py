@@ -25,11 +25,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pd_runtime.config import RouterConfig
+from gateway.runs import IdempotencyConflict
 from router.backend import Backend, BackendError
 from router.intake import Intake
-from router.protocol import InvalidRequest
+from router.protocol import InvalidRequest, parse_json
 from router.responses import ResponseBuilder
-from router.streaming import SSE_DONE, ClientDisconnected, SSEResponse, merge_streams, sse, \
+from router.run_records import LiveRun, RunRecorder, owner_name, parse_event_id
+from router.streaming import ClientDisconnected, SSEResponse, merge_streams, sse, \
     until_disconnect
 
 log = logging.getLogger("router.http")
@@ -37,8 +39,29 @@ log = logging.getLogger("router.http")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; only logs see it
 
 
-def create_app(backend: Backend, router_config: RouterConfig) -> FastAPI:
+ANONYMOUS = "anonymous"  # the tenant of every request when no API keys are configured
+
+
+def open_recorder(router_config: RouterConfig, owner: Optional[str] = None
+                  ) -> Optional[RunRecorder]:
+    """The run recorder `router.runs` asks for (None when records are off)."""
+    runs = router_config.runs
+    if not runs.enabled:
+        return None
+    from gateway.open import open_store
+
+    return RunRecorder(open_store(runs.store),
+                       owner or owner_name(router_config.host, router_config.port),
+                       runs.detach_grace_s, runs.keep_finished)
+
+
+def create_app(backend: Backend, router_config: RouterConfig,
+               recorder: Optional[RunRecorder] = None, owner: Optional[str] = None) -> FastAPI:
+    """`recorder`: run records (default: the store router.runs names, owned by `owner`: this
+    router's name as the next start of it will know it, by default host:port)."""
     intake = Intake(backend, router_config.max_request_body_bytes)
+    if recorder is None:
+        recorder = open_recorder(router_config, owner)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -46,21 +69,56 @@ def create_app(backend: Backend, router_config: RouterConfig) -> FastAPI:
             yield
         finally:
             intake.close()
+            if recorder is not None:
+                recorder.close()
 
     app = FastAPI(title="pd-runtime", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     app.state.intake = intake  # for servers that run the app without its lifespan
+    app.state.recorder = recorder
     app.add_middleware(RequestLogMiddleware, backend=backend)
     _install_error_handlers(app)
     timeout_s = router_config.request_timeout_s
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generation(request, backend, intake, "completion", timeout_s)
+        return await _generation(request, backend, intake, "completion", timeout_s, recorder)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generation(request, backend, intake, "chat", timeout_s)
+        return await _generation(request, backend, intake, "chat", timeout_s, recorder)
+
+    @app.get("/v1/runs/{run_id}")
+    async def run_record(request: Request, run_id: str):
+        """The caller's own run: its state, routing, token counts, workers, error."""
+        tenant = _tenant_id(backend.authenticate(_api_key(request)))
+        record = await _records(recorder).record(run_id, tenant)
+        if record is None:
+            raise _no_run(run_id)
+        return {"object": "run", **record}
+
+    @app.get("/v1/runs/{run_id}/events")
+    async def run_events(request: Request, run_id: str):
+        """The run's stream again, after `Last-Event-ID` (or ?after=<seq>): from its buffer
+        while it runs, from its record once it is over; a non-streamed run's JSON body."""
+        tenant = _tenant_id(backend.authenticate(_api_key(request)))
+        live = await _records(recorder).find(run_id, tenant)
+        if live is None:
+            raise _no_run(run_id)
+        after = parse_event_id(request.headers.get("last-event-id"))
+        seq = after[1] if after and after[0] == run_id else _int_param(request, "after", -1)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        return await _respond(recorder, live, request, seq, deadline)
+
+    @app.get("/v1/usage")
+    async def usage(request: Request):
+        """The caller's own usage ledger totals over [start_time, end_time) (unix seconds)."""
+        tenant = _tenant_id(backend.authenticate(_api_key(request)))
+        start = _float_param(request, "start_time", 0.0)
+        end = _float_param(request, "end_time", time.time() + 1)
+        totals = await asyncio.to_thread(_records(recorder).runs.usage, tenant, start, end)
+        return {"object": "usage", "tenant": tenant, "start_time": start, "end_time": end,
+                **totals}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -116,17 +174,59 @@ _ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
 
 
 async def _generation(request: Request, backend: Backend, intake: Intake, kind: str,
-                      timeout_s: float) -> Response:
+                      timeout_s: float, recorder: Optional[RunRecorder]) -> Response:
     response_id = _name_request(request, _ID_PREFIX[kind])
     deadline = asyncio.get_running_loop().time() + timeout_s
     tenant = backend.authenticate(_api_key(request))
-    prepared = await intake.prepare(kind, await intake.read_body(request))
-    builder = ResponseBuilder(prepared, response_id, backend.tokenizer)
-    merged = merge_streams([
+    raw = await intake.read_body(request)
+    if recorder is None:
+        return await _unrecorded(request, backend, intake, kind, raw, response_id, tenant,
+                                 timeout_s, deadline)
+    tenant_id = _tenant_id(tenant)
+    resume = parse_event_id(request.headers.get("last-event-id"))
+    if resume is not None:  # a reconnecting stream: the same run, after the last event seen
+        live = await recorder.find(resume[0], tenant_id)
+        if live is None:
+            raise _no_run(resume[0])
+        return await _respond(recorder, live, request, resume[1], deadline)
+    key = request.headers.get("idempotency-key") or None
+    body = parse_json(raw) if key is not None else None
+    try:
+        live, created = await recorder.open(response_id, tenant_id, bool(
+            body and body.get("stream")), key, body)
+    except IdempotencyConflict as exc:
+        raise BackendError(422, str(exc), type="invalid_request_error",
+                           code="idempotency_key_reused") from None
+    if not created:  # a retry: the run that has the key, not a second computation
+        return await _respond(recorder, live, request, -1, deadline)
+    try:
+        prepared = await intake.prepare(kind, raw)
+        live.stream = prepared.stream
+        builder = ResponseBuilder(prepared, response_id, backend.tokenizer)
+        merged = _backend_streams(backend, prepared, response_id, tenant, timeout_s)
+    except BaseException as exc:
+        live.error = exc if isinstance(exc, BackendError) else BackendError(500, "internal error")
+        recorder.finish(live, "failed", error=live.error.message)
+        raise
+    live.task = asyncio.create_task(_produce(recorder, live, builder, merged, deadline))
+    return await _respond(recorder, live, request, -1, deadline)
+
+
+def _backend_streams(backend: Backend, prepared, response_id: str, tenant, timeout_s: float):
+    return merge_streams([
         backend.generate(f"{response_id}-{choice.index}", prepared.prompts[choice.prompt_index],
                          choice.params, priority=prepared.priority, tenant=tenant,
                          deadline=time.time() + timeout_s)
         for choice in prepared.choices])
+
+
+async def _unrecorded(request: Request, backend: Backend, intake: Intake, kind: str, raw,
+                      response_id: str, tenant, timeout_s: float, deadline: float) -> Response:
+    """With run records off: the response drives the backend streams itself (the client
+    leaving cancels the request at once)."""
+    prepared = await intake.prepare(kind, raw)
+    builder = ResponseBuilder(prepared, response_id, backend.tokenizer)
+    merged = _backend_streams(backend, prepared, response_id, tenant, timeout_s)
     try:
         if not prepared.stream:
             await until_disconnect(request.receive, _collect(builder, merged), deadline)
@@ -138,16 +238,92 @@ async def _generation(request: Request, backend: Backend, intake: Intake, kind: 
     except BaseException:
         await merged.aclose()
         raise
-    return SSEResponse(_sse_events(builder, first, merged), deadline=deadline)
+    return SSEResponse(_sse_events(builder, first, merged, {}), deadline=deadline)
 
 
-async def _collect(builder: ResponseBuilder, merged) -> None:
+async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder, merged,
+                   deadline: float) -> None:
+    """The run's one computation, into its buffer: SSE events with ids, or the JSON body."""
+    outcome: dict = {}
+
+    def first_chunk(chunk: dict) -> None:
+        workers = chunk.get("workers")
+        recorder.advance(live, "streaming", path=chunk.get("path"),
+                         route_reason=chunk.get("route_reason"),
+                         workers=list(workers) if workers else None)
+
+    state = "failed"
+    try:
+        recorder.advance(live, "prefilling")
+        async with asyncio.timeout_at(deadline):
+            if builder.prepared.stream:
+                first = await _first_chunks(merged, len(builder.prepared.choices), first_chunk)
+                live.started = True
+                async for event in _sse_events(builder, first, merged, outcome,
+                                               lambda: live.event_id(len(live.events))):
+                    recorder.append(live, event)
+            else:
+                await _collect(builder, merged, first_chunk)
+                live.body = json.dumps(builder.final_body()).encode()
+        state = "failed" if outcome.get("error") else "completed"
+    except BackendError as exc:
+        live.error, outcome["error"] = exc, exc.message
+    except TimeoutError:
+        exc = BackendError(504, "the request did not finish within request_timeout_s",
+                           type="timeout_error", code="request_timeout")
+        outcome["error"] = exc.message
+        if live.events:  # the stream is under way: say so in it, then end it
+            for payload in (exc.body(), "[DONE]"):
+                recorder.append(live, sse(payload, live.event_id(len(live.events))))
+        else:
+            live.error = exc
+    except asyncio.CancelledError:
+        state = "cancelled"
+        raise
+    except Exception:
+        log.exception("%s: backend failed", live.id)
+        live.error = BackendError(500, "internal error")
+        outcome["error"] = live.error.message
+    finally:
+        await merged.aclose()
+        usage = builder.usage()
+        recorder.finish(live, state, error=outcome.get("error"),
+                        prompt_tokens=usage["prompt_tokens"],
+                        cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+                        output_tokens=usage["completion_tokens"])
+
+
+async def _respond(recorder: RunRecorder, live: LiveRun, request: Request, after: int,
+                   deadline: float) -> Response:
+    """One client's response from a run: its stream after event `after`, or its JSON body."""
+    recorder.join(live)
+    try:
+        await until_disconnect(request.receive, recorder.wait_started(live), deadline)
+        if live.error is not None and not live.events:
+            raise live.error
+        if not live.stream:
+            await until_disconnect(request.receive, recorder.wait_done(live), deadline)
+            if live.error is not None:
+                raise live.error
+    except BaseException:
+        recorder.leave(live)
+        raise
+    if not live.stream:
+        recorder.leave(live)
+        return Response(live.body, media_type="application/json")
+    return SSEResponse(recorder.follow(live, after))
+
+
+async def _collect(builder: ResponseBuilder, merged, on_first=None) -> None:
     async for index, chunk in merged:
         _raise_for_error(chunk)
+        if on_first is not None:
+            on_first(chunk)
+            on_first = None
         builder.add(index, chunk)
 
 
-async def _first_chunks(merged, num_choices: int) -> list[tuple[int, dict]]:
+async def _first_chunks(merged, num_choices: int, on_first=None) -> list[tuple[int, dict]]:
     seen: set[int] = set()
     first: list[tuple[int, dict]] = []
     while len(seen) < num_choices:
@@ -156,34 +332,47 @@ async def _first_chunks(merged, num_choices: int) -> list[tuple[int, dict]]:
         except StopAsyncIteration:
             break
         _raise_for_error(chunk)
+        if on_first is not None:
+            on_first(chunk)
+            on_first = None
         first.append((index, chunk))
         seen.add(index)
     return first
 
 
-async def _sse_events(builder: ResponseBuilder, first: list, merged):
+async def _sse_events(builder: ResponseBuilder, first: list, merged, outcome: dict,
+                      next_id=None):
+    """The encoded SSE events of a stream (each with the id `next_id()` gives, when given);
+    a failure after the first event is said in the stream and noted in `outcome["error"]`."""
+    def event(payload) -> bytes:
+        return sse(payload, next_id() if next_id is not None else None)
+
     try:
         for index, chunk in first:
-            event = builder.add(index, chunk)
-            if event is not None:
-                yield sse(event)
+            payload = builder.add(index, chunk)
+            if payload is not None:
+                yield event(payload)
         try:
             async for index, chunk in merged:
                 _raise_for_error(chunk)
-                event = builder.add(index, chunk)
-                if event is not None:
-                    yield sse(event)
+                payload = builder.add(index, chunk)
+                if payload is not None:
+                    yield event(payload)
         except BackendError as exc:  # after the first token the status is already 200
             log.warning("%s: error mid-stream: %s", builder.id, exc.message)
-            yield sse(exc.body()) + SSE_DONE
+            outcome["error"] = exc.message
+            yield event(exc.body())
+            yield event("[DONE]")
             return
         except Exception:
             log.exception("%s: backend failed mid-stream", builder.id)
-            yield sse(BackendError(500, "internal error while streaming").body()) + SSE_DONE
+            outcome["error"] = "internal error while streaming"
+            yield event(BackendError(500, outcome["error"]).body())
+            yield event("[DONE]")
             return
         if builder.prepared.include_usage:
-            yield sse(builder.usage_event())
-        yield SSE_DONE
+            yield event(builder.usage_event())
+        yield event("[DONE]")
     finally:
         await merged.aclose()
 
@@ -201,6 +390,44 @@ def _name_request(request: Request, prefix: str) -> str:
     state = request.scope.setdefault("state", {})
     state["request_id"] = f"{prefix}-{state.get('request_hex') or uuid.uuid4().hex}"
     return state["request_id"]
+
+
+def _tenant_id(tenant) -> str:
+    return tenant.tenant_id if tenant is not None else ANONYMOUS
+
+
+def _records(recorder: Optional[RunRecorder]) -> RunRecorder:
+    if recorder is None:
+        raise BackendError(404, "run records are off (router.runs.enabled: false)",
+                           code="runs_disabled")
+    return recorder
+
+
+def _no_run(run_id: str) -> BackendError:
+    return BackendError(404, f"no run {run_id!r} of yours", param="run_id", code="run_not_found")
+
+
+def _int_param(request: Request, name: str, default: int) -> int:
+    value = request.query_params.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer", param=name) from None
+
+
+def _float_param(request: Request, name: str, default: float) -> float:
+    value = request.query_params.get(name)
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise InvalidRequest(f"{name} must be a number (unix seconds)", param=name)
+    return number
 
 
 def _api_key(request: Request) -> Optional[str]:

@@ -244,6 +244,7 @@ class PoolBackend:
                         self.metrics.itl.labels(path).observe(now - last)
                     last = now
                 chunk["route_reason"] = decision.reason
+                chunk["workers"] = chosen
                 if chunk.get("finished"):
                     status = "ok"
                     self._observe_final(path, chunk)

@@ -82,8 +82,10 @@ async def until_disconnect(receive: Receive, work: Awaitable, deadline: Optional
     raise ClientDisconnected()
 
 
-def sse(data: Any) -> bytes:
+def sse(data: Any, event_id: Optional[str] = None) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    if event_id is not None:
+        return f"id: {event_id}\ndata: {text}\n\n".encode()
     return f"data: {text}\n\n".encode()
 
 

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # The Triton kernels (kernels/triton_paged.py) run on CPU tensors only when this is set before
 # triton is first imported; nothing on the CPU path uses triton otherwise.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Run records (the router's SQLite store) go to a directory of this test session's own, never
+# the user's data directory; servers the tests start as subprocesses inherit it.
+_DATA_DIR = tempfile.mkdtemp(prefix="pd-runtime-test-data-")
+os.environ["PD_RUNTIME_DATA_DIR"] = _DATA_DIR
+atexit.register(shutil.rmtree, _DATA_DIR, True)
 
 import pytest
 import torch

@@ -1,0 +1,380 @@
+"""Run records on the router: each generation request is a run (gateway/runs.py) whose output a
+task of its own produces once, into a buffer that any number of HTTP responses follow.
+
+That one split gives the gateway's guarantees: a retry with the same Idempotency-Key follows
+the run already going (or replays the finished one) instead of computing it again; a dropped
+stream resumes from `Last-Event-ID` out of the buffer, or out of the store once the run is
+over; the run outlives a client that left it, for `detach_grace_s`, when that client said it
+would retry. Store writes go through one background thread in order (`RunWriter`), so none
+sits on the token path; only an idempotency claim waits for its write (it must, to be one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Optional
+
+from gateway.runs import IdempotencyConflict, InvalidTransition, Runs, TRANSITIONS
+from gateway.store import RunStore
+from router.backend import BackendError
+
+log = logging.getLogger(__name__)
+
+# How often a run another process owns is looked up while a client waits for it to finish.
+POLL_S = 0.05
+
+
+class RunWriter:
+    """Store writes applied in order on one thread; a write that fails is logged, not fatal."""
+
+    def __init__(self, runs: Runs):
+        self.runs = runs
+        self._queue: queue.Queue = queue.Queue()
+        self.failures = 0
+        self._thread = threading.Thread(target=self._loop, name="run-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, write: Callable, *args, **kwargs) -> None:
+        self._queue.put((write, args, kwargs))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                write, args, kwargs = item
+                write(*args, **kwargs)
+            except InvalidTransition as exc:
+                self.failures += 1
+                log.warning("run record: %s", exc)
+            except Exception:
+                self.failures += 1
+                log.exception("run record write failed")
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every write submitted so far is applied."""
+        self._queue.join()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+
+@dataclass
+class LiveRun:
+    """A run this process is producing (or produced recently). `events`: the SSE events as
+    sent, each with its id (streams); `body`: the JSON response (otherwise); `error`: the
+    failure answered with its own HTTP status (nothing was sent before it)."""
+
+    id: str
+    tenant: str
+    stream: bool
+    key: Optional[str] = None
+    digest: Optional[str] = None
+    state: str = "queued"
+    created_at: float = field(default_factory=time.time)
+    events: list[bytes] = field(default_factory=list)
+    body: Optional[bytes] = None
+    error: Optional[BackendError] = None
+    started: bool = False  # every choice has its first chunk: the response may begin
+    done: bool = False
+    remote: bool = False  # a stub for a run of another process, read from the store
+    followers: int = 0
+    task: Optional[asyncio.Task] = None
+    info: dict = field(default_factory=dict)  # path, route_reason, workers, token counts
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+    def event_id(self, seq: int) -> str:
+        return f"{self.id}:{seq}"
+
+
+def parse_event_id(value: Optional[str]) -> Optional[tuple[str, int]]:
+    """`<run id>:<seq>` -> (run id, seq); None for anything else."""
+    if not value:
+        return None
+    run_id, sep, seq = value.strip().rpartition(":")
+    if not sep or not run_id or not seq.isdigit():
+        return None
+    return run_id, int(seq)
+
+
+def split_events(recorded: bytes) -> list[bytes]:
+    """A recorded SSE stream back into its events (JSON data never holds a raw blank line)."""
+    return [part + b"\n\n" for part in recorded.split(b"\n\n") if part]
+
+
+def owner_name(host: str, port: int, replica: int = 0) -> str:
+    """Who serves a run: a router restarted on the same port (and replica slot) is the same
+    owner, and fails the runs its former self left in flight; an ephemeral port never is."""
+    if port:
+        return f"{socket.gethostname()}:{port}/{replica}"
+    return f"{socket.gethostname()}:pid{os.getpid()}"
+
+
+class RunRecorder:
+    def __init__(self, store: RunStore, owner: str, detach_grace_s: float = 10.0,
+                 keep_finished: int = 1024):
+        self.store = store
+        self.runs = Runs(store)
+        self.owner = owner
+        self.detach_grace_s = detach_grace_s
+        self.keep_finished = keep_finished
+        self.writer = RunWriter(self.runs)
+        self.live: dict[str, LiveRun] = {}
+        self._by_key: dict[tuple[str, str], str] = {}
+        self._finished: collections.deque[str] = collections.deque()
+        self.recovered = self.runs.recover(owner)
+        if self.recovered:
+            log.warning("%d runs left in flight by this router's last process marked failed",
+                        self.recovered)
+
+    def close(self) -> None:
+        self.writer.close()
+        self.store.close()
+
+    # -- starting a run ------------------------------------------------------------------------
+    async def open(self, run_id: str, tenant: str, stream: bool, key: Optional[str],
+                   body: Optional[dict]) -> tuple[LiveRun, bool]:
+        """(run, created). With an Idempotency-Key the tenant already used: the run that holds
+        it (this process's, or a stub for another's: `task` None, not done), created False;
+        IdempotencyConflict (422) when the body differs."""
+        if key is None:
+            live = self._add(LiveRun(run_id, tenant, stream))
+            self.writer.submit(self.runs.create, tenant, run_id=run_id, owner=self.owner)
+            return live, True
+        digest = _digest(body)
+        held_id = self._by_key.get((tenant, key))
+        if held_id in self.live:
+            held = self.live[held_id]
+            if held.digest != digest:
+                raise _conflict(key)
+            return held, False
+        # The claim is the store's unique (tenant, key): the one write a request waits for.
+        live = LiveRun(run_id, tenant, stream, key, digest)
+        self._by_key[(tenant, key)] = run_id
+        self.live[run_id] = live
+        try:
+            record, created = await asyncio.to_thread(
+                self.runs.create, tenant, body, key, run_id, self.owner)
+        except BaseException:
+            self._forget(live)
+            raise
+        if created:
+            return live, True
+        self._forget(live)  # somebody else's run holds the key: follow that one
+        if record["id"] in self.live:
+            return self.live[record["id"]], False
+        return _stub(record, tenant), False
+
+    def _add(self, live: LiveRun) -> LiveRun:
+        self.live[live.id] = live
+        if live.key is not None:
+            self._by_key[(live.tenant, live.key)] = live.id
+        return live
+
+    def _forget(self, live: LiveRun) -> None:
+        self.live.pop(live.id, None)
+        if live.key is not None and self._by_key.get((live.tenant, live.key)) == live.id:
+            del self._by_key[(live.tenant, live.key)]
+
+    # -- what the producer reports -------------------------------------------------------------
+    def advance(self, live: LiveRun, state: str, **fields) -> None:
+        if state not in TRANSITIONS[live.state]:
+            log.warning("run %s: %s -> %s ignored", live.id, live.state, state)
+            return
+        live.state = state
+        live.info.update({k: v for k, v in fields.items() if v is not None})
+        self.writer.submit(self.runs.advance, live.id, state, **fields)
+
+    def append(self, live: LiveRun, payload: bytes) -> None:
+        live.events.append(payload)
+        live.notify()
+
+    def finish(self, live: LiveRun, state: str, **fields) -> None:
+        """The run is over: its output to the store (before its final state, so a run found
+        finished always has its output), then the state with its usage."""
+        output = b"".join(live.events) if live.stream else live.body
+        if live.error is not None and not live.events:
+            # Refused or failed before any output: nothing was served, so the key is free
+            # for a retry to run the request anew (and nothing is billed).
+            output = None
+            if live.key is not None:
+                fields["idempotency_key"] = None
+                if self._by_key.get((live.tenant, live.key)) == live.id:
+                    del self._by_key[(live.tenant, live.key)]
+        if output is not None:
+            self.writer.submit(self.store.save_output, live.id,
+                               "sse" if live.stream else "json", output)
+        self.advance(live, state, **fields)
+        live.done = True
+        live.notify()
+        self._finished.append(live.id)
+        while len(self._finished) > self.keep_finished:
+            old = self.live.get(self._finished.popleft())
+            if old is not None:
+                self._forget(old)
+
+    # -- following a run -----------------------------------------------------------------------
+    def join(self, live: LiveRun) -> None:
+        live.followers += 1
+
+    def leave(self, live: LiveRun) -> None:
+        """A follower is gone; the last one leaving a run still going cancels it, at once or
+        (the client sent an Idempotency-Key: it will retry) after detach_grace_s."""
+        live.followers -= 1
+        if live.followers > 0 or live.done or live.task is None:
+            return
+        grace = self.detach_grace_s if live.key is not None else 0.0
+
+        def cancel_if_alone() -> None:
+            if live.followers == 0 and not live.done and live.task is not None:
+                live.task.cancel()
+
+        if grace <= 0:
+            cancel_if_alone()
+        else:
+            asyncio.get_running_loop().call_later(grace, cancel_if_alone)
+
+    async def wait_started(self, live: LiveRun) -> None:
+        """Until the response may begin: every choice has a first chunk, or the run is over."""
+        await self._settle(live)
+        while not (live.started or live.done):
+            await live.changed()
+
+    async def wait_done(self, live: LiveRun) -> None:
+        await self._settle(live)
+        while not live.done:
+            await live.changed()
+
+    async def _settle(self, live: LiveRun) -> None:
+        """A run another process owns (a stub): wait for its record to finish, then take its
+        output from the store."""
+        if not live.remote or live.done:
+            return
+        while True:
+            record = await asyncio.to_thread(self.runs.get, live.id)
+            if record is None or not TRANSITIONS.get(record["state"]):
+                break
+            await asyncio.sleep(POLL_S)
+        output = await asyncio.to_thread(self.store.get_output, live.id) if record else None
+        self._load_finished(live, record, output)
+
+    @staticmethod
+    def _load_finished(live: LiveRun, record: Optional[dict], output) -> None:
+        live.state = record["state"] if record else "failed"
+        if output is not None:
+            kind, data = output
+            live.stream = kind == "sse"
+            if live.stream:
+                live.events = split_events(data)
+            else:
+                live.body = data
+        else:
+            live.error = BackendError(
+                409, f"run {live.id} ended {live.state} without output"
+                + (f": {record['error']}" if record and record.get("error") else "")
+                + "; send the request again with a new Idempotency-Key", code="run_failed")
+        live.started = live.done = True
+
+    def follow(self, live: LiveRun, after: int = -1) -> "Following":
+        """The run's events after sequence number `after`, as they come, ending with the run,
+        for a follower that has joined: closing the iterator (always done by SSEResponse,
+        started or not) is its leave()."""
+        return Following(self._events(live, after), lambda: self.leave(live))
+
+    async def _events(self, live: LiveRun, after: int) -> AsyncIterator[bytes]:
+        await self._settle(live)
+        seq = after + 1
+        while True:
+            while seq < len(live.events):
+                yield live.events[seq]
+                seq += 1
+            if live.done:
+                return
+            await live.changed()
+
+    async def find(self, run_id: str, tenant: str) -> Optional[LiveRun]:
+        """The caller's run by id (this process's, or from the store as a finished or
+        followable stub); None when it is not there or belongs to another tenant."""
+        live = self.live.get(run_id)
+        if live is not None:
+            return live if live.tenant == tenant else None
+        record = await asyncio.to_thread(self.runs.get, run_id, tenant)
+        if record is None:
+            return None
+        return _stub(record, tenant)
+
+    async def record(self, run_id: str, tenant: str) -> Optional[dict]:
+        """GET /v1/runs/{id}: the stored record, with this process's newer view of a live run."""
+        record = await asyncio.to_thread(self.runs.get, run_id, tenant)
+        live = self.live.get(run_id)
+        if live is not None and live.tenant == tenant:
+            record = {**(record or {"id": live.id, "tenant": live.tenant,
+                                    "created_at": live.created_at}),
+                      **live.info, "state": live.state}
+        if record is None:
+            return None
+        record.pop("body_hash", None)
+        record.pop("idempotency_key", None)
+        if isinstance(record.get("workers"), str):
+            record["workers"] = json.loads(record["workers"])
+        return record
+
+
+class Following:
+    """An event iterator that calls `on_close` once when closed, even if never started (an
+    async generator's own `finally` does not run then)."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]):
+        self._events = events
+        self._on_close: Optional[Callable[[], None]] = on_close
+
+    def __aiter__(self) -> "Following":
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()
+        finally:
+            on_close, self._on_close = self._on_close, None
+            if on_close is not None:
+                on_close()
+
+
+def _stub(record: dict, tenant: str) -> LiveRun:
+    return LiveRun(record["id"], tenant, True, record["idempotency_key"], record["body_hash"],
+                   record["state"], remote=True)
+
+
+def _digest(body: Optional[dict]) -> Optional[str]:
+    from gateway.runs import body_hash
+
+    return body_hash(body) if body is not None else None
+
+
+def _conflict(key: str) -> IdempotencyConflict:
+    return IdempotencyConflict(
+        f"Idempotency-Key {key!r} was used for a different request body; use a new key for a "
+        "new request")

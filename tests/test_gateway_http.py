@@ -1,0 +1,235 @@
+"""The gateway through the router's HTTP API on 127.0.0.1: run records, Idempotency-Key (50
+concurrent retries -> one run, one computation, one ledger row; another body -> 422), streams
+resumed with Last-Event-ID byte for byte (while running and after), runs and usage per tenant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from pd_runtime.config import RouterConfig, TenantConfig
+from pd_runtime.tokenizer import Tokenizer
+from router.tenants import Tenants
+from tests.router_support.scripted_backend import ScriptedBackend, token_chunk
+from tests.router_support.serving import assert_error_body, local, serving
+
+TENANTS = [TenantConfig(tenant_id="acme", api_key="sk-acme"),
+           TenantConfig(tenant_id="beta", api_key="sk-beta")]
+ACME = {"Authorization": "Bearer sk-acme"}
+BETA = {"Authorization": "Bearer sk-beta"}
+
+
+def _config(**runs) -> RouterConfig:
+    return RouterConfig(tenants=TENANTS, routing={"mode": "always_colocated"}, runs=runs)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    store = str(tmp_path_factory.mktemp("runs") / "runs.sqlite3")
+    with local(llama_dir, _config(store=store)) as served:
+        yield served
+
+
+def _events(raw: bytes) -> list[bytes]:
+    return [part + b"\n\n" for part in raw.split(b"\n\n") if part]
+
+
+def _recorder(port):
+    from tests.router_support.serving import APPS
+
+    return APPS[port].state.recorder
+
+
+def test_fifty_concurrent_retries_are_one_run_one_computation_one_ledger_row(server):
+    backend, port = server
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": backend.model_name, "prompt": "the same request, sent again",
+            "max_tokens": 24, "temperature": 0}
+    headers = {**ACME, "Idempotency-Key": "retry-1"}
+    served_before = backend.served["requests"]
+
+    async def retries():
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await asyncio.gather(*(http.post(f"{base}/v1/completions", json=body,
+                                                    headers=headers) for _ in range(50)))
+
+    responses = asyncio.run(retries())
+    assert {r.status_code for r in responses} == {200}
+    bodies = {r.content for r in responses}
+    assert len(bodies) == 1, "every retry gets the one run's response, byte for byte"
+    run = json.loads(next(iter(bodies)))
+    assert run["usage"]["completion_tokens"] == 24
+    assert backend.served["requests"] - served_before == 1, "one computation"
+    _recorder(port).writer.flush()
+    record = httpx.get(f"{base}/v1/runs/{run['id']}", headers=ACME).json()
+    assert record["state"] == "completed" and record["output_tokens"] == 24
+    assert record["path"] == "colocated" and record["workers"] == ["decode-0"]
+    usage = httpx.get(f"{base}/v1/usage", headers=ACME).json()
+    assert usage["runs"] == 1 and usage["output_tokens"] == 24
+    # A later retry replays it too; the same key with another body is a 422.
+    again = httpx.post(f"{base}/v1/completions", json=body, headers=headers)
+    assert again.content == next(iter(bodies))
+    error = assert_error_body(httpx.post(f"{base}/v1/completions",
+                                         json={**body, "max_tokens": 25}, headers=headers), 422)
+    assert "different request body" in error["message"] and error["code"] == \
+        "idempotency_key_reused"
+    assert backend.served["requests"] - served_before == 1
+    assert httpx.get(f"{base}/v1/usage", headers=ACME).json()["runs"] == 1
+    # The key is the tenant's own: another tenant's same key is a run of its own.
+    other = httpx.post(f"{base}/v1/completions", json=body,
+                       headers={**BETA, "Idempotency-Key": "retry-1"})
+    assert other.status_code == 200 and other.json()["id"] != run["id"]
+
+
+def test_streamed_retries_follow_the_one_run_with_the_openai_client(server):
+    backend, port = server
+    served_before = backend.served["requests"]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-acme",
+                           max_retries=0)
+
+    def stream() -> list:
+        chunks = client.completions.create(
+            model=backend.model_name, prompt="stream me once", max_tokens=16, temperature=0,
+            stream=True, extra_headers={"Idempotency-Key": "stream-1"})
+        return [(c.id, c.choices[0].text) for c in chunks if c.choices]
+
+    async def together():
+        return await asyncio.gather(*(asyncio.to_thread(stream) for _ in range(8)))
+
+    streams = asyncio.run(together())
+    assert all(s == streams[0] for s in streams) and len(streams[0]) >= 4
+    assert backend.served["requests"] - served_before == 1
+
+
+def test_a_stream_cut_after_k_events_resumes_byte_identical_after_it_ends(server):
+    backend, port = server
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": backend.model_name, "prompt": "resume after the end", "max_tokens": 12,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=ACME,
+                      timeout=60) as response:
+        uncut = response.read()
+    events = _events(uncut)
+    assert len(events) >= 4 and events[-1].endswith(b"data: [DONE]\n\n")
+    run_id = events[0].split(b"\n")[0][len(b"id: "):].rsplit(b":", 1)[0].decode()
+    assert all(e.startswith(f"id: {run_id}:{i}\n".encode()) for i, e in enumerate(events))
+    _recorder(port).writer.flush()
+    assert httpx.get(f"{base}/v1/runs/{run_id}/events", headers=ACME).content == uncut
+    for k in (1, 2, len(events) - 1, len(events)):
+        last = f"{run_id}:{k - 1}"
+        resumed = httpx.post(f"{base}/v1/completions", json=body,
+                             headers={**ACME, "Last-Event-ID": last}).content
+        assert resumed == b"".join(events[k:])
+        via_get = httpx.get(f"{base}/v1/runs/{run_id}/events",
+                            headers={**ACME, "Last-Event-ID": last}).content
+        assert via_get == b"".join(events[k:])
+    # From the store alone (this process's buffer dropped), the same bytes.
+    recorder = _recorder(port)
+    recorder._forget(recorder.live[run_id])
+    assert httpx.get(f"{base}/v1/runs/{run_id}/events?after=1",
+                     headers=ACME).content == b"".join(events[2:])
+    # Another tenant's run id is not there.
+    assert_error_body(httpx.get(f"{base}/v1/runs/{run_id}", headers=BETA), 404)
+    assert_error_body(httpx.get(f"{base}/v1/runs/{run_id}/events", headers=BETA), 404)
+    assert_error_body(httpx.post(f"{base}/v1/completions", json=body,
+                                 headers={**BETA, "Last-Event-ID": f"{run_id}:3"}), 404)
+
+
+class _TenantScripted(ScriptedBackend):
+    """The scripted backend (paced chunks) with the router's API keys."""
+
+    def __init__(self, tokenizer, script, step_s):
+        super().__init__(tokenizer, script, step_s=step_s)
+        self.tenants = Tenants(TENANTS)
+        self.calls = 0
+
+    def authenticate(self, api_key):
+        return self.tenants.authenticate(api_key)
+
+    async def generate(self, *args, **kwargs):
+        self.calls += 1
+        async for chunk in super().generate(*args, **kwargs):
+            yield chunk
+
+
+def test_a_stream_cut_while_running_resumes_with_the_remaining_events(llama_dir, tmp_path):
+    script = [token_chunk(f" w{i}", i + 1) for i in range(39)] + [
+        token_chunk(" end", 40, finished=True)]
+    backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.05)
+    config = _config(store=str(tmp_path / "runs.sqlite3"), detach_grace_s=30)
+    with serving(backend, config) as (_, port):
+        base = f"http://127.0.0.1:{port}"
+        body = {"model": "scripted", "prompt": "x", "max_tokens": 40, "stream": True}
+        headers = {**ACME, "Idempotency-Key": "cut-1"}
+        whole: list[bytes] = []
+
+        def follow_uncut():
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=headers,
+                              timeout=60) as response:
+                whole.append(response.read())
+
+        async def scenario():
+            uncut = asyncio.create_task(asyncio.to_thread(follow_uncut))
+            cut: list[bytes] = []
+            async with httpx.AsyncClient(timeout=60) as http:
+                async with http.stream("POST", f"{base}/v1/completions", json=body,
+                                       headers=headers) as response:
+                    buffer = b""
+                    async for part in response.aiter_bytes():
+                        buffer += part
+                        if buffer.count(b"\n\n") >= 7:
+                            break  # the connection is cut here
+                cut = _events(buffer)[:7]
+                state = (await http.get(f"{base}/v1/runs/{_run_id(cut[0])}",
+                                        headers=ACME)).json()["state"]
+                last = cut[-1].split(b"\n")[0][len(b"id: "):].decode()
+                async with http.stream("POST", f"{base}/v1/completions", json=body,
+                                       headers={**headers, "Last-Event-ID": last}) as response:
+                    rest = await response.aread()
+            await uncut
+            return cut, state, rest
+
+        cut, state, rest = asyncio.run(scenario())
+        assert state == "streaming", "the cut and the resume happened while the run ran"
+        assert b"".join(cut) + rest == whole[0]
+        assert len(_events(whole[0])) == 41 and backend.calls == 1
+
+
+def test_a_client_gone_without_a_key_cancels_its_run(llama_dir, tmp_path):
+    script = [token_chunk(f" w{i}", i + 1) for i in range(1000)]
+    backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.01)
+    with serving(backend, _config(store=str(tmp_path / "runs.sqlite3"))) as (_, port):
+        base = f"http://127.0.0.1:{port}"
+        with httpx.stream("POST", f"{base}/v1/completions", headers=ACME, timeout=10,
+                          json={"prompt": "x", "stream": True, "max_tokens": 100}) as response:
+            first = next(line for line in response.iter_lines() if line.startswith("id:"))
+        run_id = first[len("id: "):].rsplit(":", 1)[0]
+        end = time.monotonic() + 5
+        while not backend.closed and time.monotonic() < end:
+            time.sleep(0.01)
+        assert backend.closed, "the backend stream was closed (the request aborted)"
+        _recorder(port).writer.flush()
+        record = httpx.get(f"{base}/v1/runs/{run_id}", headers=ACME).json()
+        assert record["state"] == "cancelled"
+        assert httpx.get(f"{base}/v1/usage", headers=ACME).json()["runs"] == 0
+
+
+def test_records_off_serves_as_before_and_says_runs_are_off(llama_dir):
+    script = [token_chunk(" a", 1), token_chunk(" b", 2, finished=True)]
+    backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0)
+    with serving(backend, _config(enabled=False)) as (_, port):
+        base = f"http://127.0.0.1:{port}"
+        raw = httpx.post(f"{base}/v1/completions", headers=ACME,
+                         json={"prompt": "x", "stream": True}).content
+        assert b"id: " not in raw and raw.endswith(b"data: [DONE]\n\n")
+        assert_error_body(httpx.get(f"{base}/v1/usage", headers=ACME), 404)
+
+
+def _run_id(event: bytes) -> str:
+    return event.split(b"\n")[0][len(b"id: "):].rsplit(b":", 1)[0].decode()
