@@ -76,6 +76,9 @@ def _cmd_serve(args) -> int:
 
     cfg = load_cluster_config(args.config) if args.config else ClusterConfig()
     model = args.model or cfg.model or str(ensure_default_model())
+    if args.in_process and cfg.router.replicas > 1:
+        raise SystemExit("pd-runtime: router.replicas > 1 needs the Ray pools (the replicas "
+                         "are Ray actors over them); drop --in-process or set router.replicas: 1")
     if args.in_process:  # the same workers as threads of this process, KV over in-process links
         from pd_runtime.workers.local_pool import LocalPool
 
@@ -91,22 +94,29 @@ def _cmd_serve(args) -> int:
         finally:
             close()
         return 0
-    from router.app import create_app
-    from router.core import PoolBackend
+    from router.replicas import build_router, start_replicas
+    from router.run_records import owner_name
     from router.server import serve_http
 
-    backend = PoolBackend(client, cfg, model, config_path=args.config)
-    backend.start()
     host = args.host or cfg.router.host
     port = cfg.router.port if args.port is None else args.port
+    replicas = cfg.router.replicas
+    backend, app = build_router(client, cfg, model, args.config, owner_name(host, port, 0))
+    others = start_replicas(client, cfg, model, args.config, host, port) if replicas > 1 else []
     print(f"pd-runtime: serving {backend.model_name!r} at http://{host}:{port}/v1 "
-          f"({len(client.prefill)} prefill, {len(client.decode)} decode workers)",
+          f"({len(client.prefill)} prefill, {len(client.decode)} decode workers"
+          + (f", {replicas} router replicas" if replicas > 1 else "") + ")",
           file=sys.stderr, flush=True)
     try:
-        serve_http(create_app(backend, cfg.router), host, port)
+        serve_http(app, host, port, reuse_port=replicas > 1)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         print("pd-runtime: stopped", file=sys.stderr, flush=True)
     finally:
+        for replica in others:
+            try:
+                replica.stop.remote()
+            except Exception:  # already gone: Ray ends it with the driver anyway
+                pass
         backend.stop()
         close()
     return 0

@@ -60,6 +60,7 @@ def create_app(backend: Backend, router_config: RouterConfig,
     """`recorder`: run records (default: the store router.runs names, owned by `owner`: this
     router's name as the next start of it will know it, by default host:port)."""
     intake = Intake(backend, router_config.max_request_body_bytes)
+    owner = owner or owner_name(router_config.host, router_config.port)
     if recorder is None:
         recorder = open_recorder(router_config, owner)
 
@@ -147,7 +148,7 @@ def create_app(backend: Backend, router_config: RouterConfig,
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", **backend.health()}
+        return {"status": "ok", **backend.health(), "router": owner}
 
     @app.get("/ready")
     async def ready():

@@ -172,7 +172,7 @@ class PoolBackend:
         arrival = time.monotonic()
         self.served["requests"] += 1
         tenant_id = tenant.tenant_id if tenant else "anonymous"
-        limit, wait = self.tenants.admit(tenant, len(prompt_ids) + params.max_tokens)
+        limit, wait = await self.tenants.admit_async(tenant, len(prompt_ids) + params.max_tokens)
         if limit:
             self.metrics.refusals.labels(tenant_id, limit).inc()
             yield _refusal(429, "rate_limit_exceeded", f"tenant {tenant_id} is over its "
@@ -192,7 +192,7 @@ class PoolBackend:
                       decision.predicted_tpot_s * 1000)
         if decision.path == "none" and decision.retry_after_s is not None:
             self.metrics.refusals.labels(tenant_id, decision.reason).inc()
-            self.tenants.refund(tenant, len(prompt_ids) + params.max_tokens)
+            await self.tenants.refund_async(tenant, len(prompt_ids) + params.max_tokens)
             yield _refusal(429, "overloaded", "no worker can meet the latency targets now "
                            f"(best option: TTFT {decision.predicted_ttft_s:.2f}s, TPOT "
                            f"{decision.predicted_tpot_s * 1000:.0f}ms predicted)",

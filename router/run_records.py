@@ -141,6 +141,7 @@ class RunRecorder:
         self.writer = RunWriter(self.runs)
         self.live: dict[str, LiveRun] = {}
         self._by_key: dict[tuple[str, str], str] = {}
+        self._claims: dict[tuple[str, str], asyncio.Future] = {}
         self._finished: collections.deque[str] = collections.deque()
         self.recovered = self.runs.recover(owner)
         if self.recovered:
@@ -162,28 +163,41 @@ class RunRecorder:
             self.writer.submit(self.runs.create, tenant, run_id=run_id, owner=self.owner)
             return live, True
         digest = _digest(body)
-        held_id = self._by_key.get((tenant, key))
-        if held_id in self.live:
-            held = self.live[held_id]
+        while True:
+            held_id = self._by_key.get((tenant, key))
+            if held_id in self.live:
+                held = self.live[held_id]
+                if held.digest != digest:
+                    raise _conflict(key)
+                return held, False
+            claim = self._claims.get((tenant, key))
+            if claim is None:
+                break
+            # Another request of this process is claiming the key now: its outcome is ours.
+            try:
+                held = await asyncio.shield(claim)
+            except Exception:
+                continue  # its claim failed (another body?): make our own
             if held.digest != digest:
                 raise _conflict(key)
             return held, False
         # The claim is the store's unique (tenant, key): the one write a request waits for.
-        live = LiveRun(run_id, tenant, stream, key, digest)
-        self._by_key[(tenant, key)] = run_id
-        self.live[run_id] = live
+        claim = self._claims[(tenant, key)] = asyncio.get_running_loop().create_future()
         try:
             record, created = await asyncio.to_thread(
                 self.runs.create, tenant, body, key, run_id, self.owner)
-        except BaseException:
-            self._forget(live)
+            if created:
+                live = self._add(LiveRun(run_id, tenant, stream, key, digest))
+            else:  # somebody else's run holds the key: follow that one
+                live = self.live.get(record["id"]) or _stub(record, tenant)
+            claim.set_result(live)
+        except BaseException as exc:
+            claim.set_exception(exc if isinstance(exc, Exception) else RuntimeError("cancelled"))
+            claim.exception()  # retrieved: no "never retrieved" warning when nobody waits
             raise
-        if created:
-            return live, True
-        self._forget(live)  # somebody else's run holds the key: follow that one
-        if record["id"] in self.live:
-            return self.live[record["id"]], False
-        return _stub(record, tenant), False
+        finally:
+            del self._claims[(tenant, key)]
+        return live, created
 
     def _add(self, live: LiveRun) -> LiveRun:
         self.live[live.id] = live

@@ -4,6 +4,7 @@ with a clean stop (`start_in_thread`), as tests and embedded uses need.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from typing import Optional
@@ -21,17 +22,35 @@ def _config(app, host: str, port: int, log_level: str) -> uvicorn.Config:
                           lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 
 
-def serve_http(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve until SIGINT / SIGTERM."""
-    uvicorn.Server(_config(app, host, port, log_level)).run()
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket that other processes may bind to the same port too (SO_REUSEPORT):
+    the kernel spreads new connections over every replica's socket."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_http(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+               reuse_port: bool = False) -> None:
+    """Serve until SIGINT / SIGTERM (`reuse_port`: beside other router replicas)."""
+    server = uvicorn.Server(_config(app, host, port, log_level))
+    server.run(sockets=[reuse_port_socket(host, port)] if reuse_port else None)
 
 
 class BackgroundServer:
     """A uvicorn server on a daemon thread; `port` is the bound one (port 0 picks a free one)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 reuse_port: bool = False):
         self.server = uvicorn.Server(_config(app, host, port, log_level))
-        self.thread = threading.Thread(target=self.server.run, name="router-http", daemon=True)
+        sockets = [reuse_port_socket(host, port)] if reuse_port else None
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": sockets},
+                                       name="router-http", daemon=True)
         self.port: Optional[int] = None
 
     def start(self, timeout_s: float = 30.0) -> "BackgroundServer":

@@ -1,11 +1,14 @@
 """Tenants: API keys to tenant ids, prefix-cache isolation salts, per-tenant rate limits.
 
 Limits are token buckets refilled continuously: `requests_per_minute` counts requests,
-`tokens_per_minute` counts prompt plus max_tokens at admission (what a request may cost).
+`tokens_per_minute` counts prompt plus max_tokens at admission (what a request may cost). With
+router replicas the buckets live in the shared store (gateway/store.py `take`), one per tenant
+and limit, so a tenant's limit holds for all replicas together.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from typing import Optional
@@ -42,7 +45,10 @@ class _Bucket:
 
 
 class Tenants:
-    def __init__(self, tenants: list[TenantConfig]):
+    def __init__(self, tenants: list[TenantConfig], shared=None):
+        """`shared`: a RunStore whose buckets every router replica draws from (None: this
+        process's own buckets)."""
+        self.shared = shared
         self.by_key = {t.api_key: t for t in tenants}
         self._requests = {t.tenant_id: _Bucket(t.requests_per_minute)
                           for t in tenants if t.requests_per_minute}
@@ -87,6 +93,40 @@ class Tenants:
                     req.level += 1  # give the request back: it was not admitted
                 return "tokens_per_minute", wait
         return None, 0.0
+
+    async def admit_async(self, tenant: Optional[TenantConfig], tokens: int
+                          ) -> tuple[Optional[str], float]:
+        """admit(), from the shared buckets when there are any (off the event loop)."""
+        if self.shared is None or tenant is None:
+            return self.admit(tenant, tokens)
+        return await asyncio.to_thread(self._admit_shared, tenant, tokens)
+
+    async def refund_async(self, tenant: Optional[TenantConfig], tokens: int) -> None:
+        if self.shared is None or tenant is None:
+            return self.refund(tenant, tokens)
+        await asyncio.to_thread(self._refund_shared, tenant, tokens)
+
+    def _limits(self, tenant: TenantConfig, tokens: int):
+        for kind, per_minute, amount in (("requests", tenant.requests_per_minute, 1),
+                                         ("tokens", tenant.tokens_per_minute, tokens)):
+            if per_minute:
+                yield f"{tenant.tenant_id}/{kind}", f"{kind}_per_minute", float(per_minute), \
+                    amount
+
+    def _admit_shared(self, tenant: TenantConfig, tokens: int) -> tuple[Optional[str], float]:
+        taken = []
+        for bucket, limit, per_minute, amount in self._limits(tenant, tokens):
+            wait = self.shared.take(bucket, per_minute, per_minute / 60.0, amount, time.time())
+            if wait:
+                for name, capacity, given in taken:  # not admitted: give back what it took
+                    self.shared.give_back(name, capacity, given)
+                return limit, wait
+            taken.append((bucket, per_minute, amount))
+        return None, 0.0
+
+    def _refund_shared(self, tenant: TenantConfig, tokens: int) -> None:
+        for bucket, _, per_minute, amount in self._limits(tenant, tokens):
+            self.shared.give_back(bucket, per_minute, amount)
 
     def refund(self, tenant: Optional[TenantConfig], tokens: int) -> None:
         """Give back what admit() took for a request that was then refused, not served (a
