@@ -13,6 +13,18 @@ $(VENV)/.installed: pyproject.toml
 	# The CPU wheel of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# The tests start a throwaway PostgreSQL server (tests/postgres_server.py), so its programs
+	# must be here; Debian keeps them off PATH, under /usr/lib/postgresql/<major>/bin. A stale
+	# package index (a fresh image) makes the first install fail: update, then try again.
+	@if ! command -v initdb >/dev/null 2>&1 && \
+			! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+		sudo=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then sudo=sudo; fi; \
+		apt="$$sudo env DEBIAN_FRONTEND=noninteractive apt-get"; \
+		$$apt install -y -q postgresql || \
+			{ $$apt update -q && $$apt install -y -q postgresql; } || \
+			{ echo "error: the tests need PostgreSQL's server (initdb, pg_ctl, postgres)" >&2; \
+			  exit 1; }; \
+	fi
 	touch $@
 
 serve: install

@@ -1,27 +1,51 @@
-"""Run records, idempotency keys and the usage ledger on the embedded SQLite store
-(gateway/): the state machine, one run and one ledger row under concurrent retries, a process
-killed mid-run marked failed at the next start with no ledger row, and versioned migrations."""
+"""Run records, idempotency keys and the usage ledger (gateway/) on every store, the embedded
+SQLite file and a real PostgreSQL server started for the session: the state machine, one run and
+one ledger row under concurrent retries, a process killed mid-run marked failed at the next start
+with no ledger row, and versioned migrations applied once even by processes starting together."""
 
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import psycopg
 import pytest
 
 from gateway.migrations import MIGRATIONS
+from gateway.open import open_store
+from gateway.postgres import PostgresRunStore
 from gateway.runs import IdempotencyConflict, InvalidTransition, Runs
 from gateway.store import SqliteRunStore, default_path
+from tests.postgres_server import running_server
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session")
+def postgres_server():
+    with running_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    """A URL for a new, empty store of each kind (PostgreSQL: a fresh database)."""
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path / 'runs.sqlite3'}"  # an absolute path: three slashes
+    # Asked for here, not as an argument: a SQLite-only selection starts no server.
+    return request.getfixturevalue("postgres_server").create_database()
+
+
 @pytest.fixture()
-def runs(tmp_path):
-    store = SqliteRunStore(tmp_path / "runs.sqlite3")
+def runs(store_url):
+    store = open_store(store_url)
     yield Runs(store)
     store.close()
 
@@ -29,6 +53,8 @@ def runs(tmp_path):
 def test_a_run_moves_through_its_states_and_is_billed_once(runs):
     run, created = runs.create("acme", {"prompt": "hi"})
     assert created and run["state"] == "queued"
+    # Epoch seconds come back exact (PostgreSQL's REAL, 4 bytes, would round them to 128 s).
+    assert runs.get(run["id"])["created_at"] == run["created_at"]
     runs.advance(run["id"], "prefilling", path="disaggregated", route_reason="slo_remote",
                  prompt_tokens=12, cached_tokens=4, workers=["decode-0", "prefill-0"])
     runs.advance(run["id"], "streaming")
@@ -98,9 +124,9 @@ def test_fifty_concurrent_retries_make_one_run_and_one_ledger_row(runs):
 _CRASHING_ROUTER = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
+from gateway.open import open_store
 from gateway.runs import Runs
-from gateway.store import SqliteRunStore
-runs = Runs(SqliteRunStore({path!r}))
+runs = Runs(open_store({url!r}))
 done, _ = runs.create("acme")
 for state in ("prefilling", "streaming"):
     runs.advance(done["id"], state)
@@ -113,14 +139,13 @@ os.kill(os.getpid(), signal.SIGKILL)  # the router dies mid-stream
 """
 
 
-def test_a_run_left_in_flight_by_a_killed_process_is_failed_at_the_next_start(tmp_path):
-    path = tmp_path / "runs.sqlite3"
+def test_a_run_left_in_flight_by_a_killed_process_is_failed_at_the_next_start(store_url):
     proc = subprocess.run([sys.executable, "-c", _CRASHING_ROUTER.format(repo=str(REPO),
-                                                                         path=str(path))],
+                                                                         url=store_url)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == -9, proc.stderr
     mid = proc.stdout.strip()
-    store = SqliteRunStore(path)
+    store = open_store(store_url)
     try:
         runs = Runs(store)
         assert runs.get(mid)["state"] == "streaming"  # as the crash left it
@@ -134,16 +159,115 @@ def test_a_run_left_in_flight_by_a_killed_process_is_failed_at_the_next_start(tm
         store.close()
 
 
-def test_migrations_are_versioned_and_applied_once(tmp_path):
-    path = tmp_path / "runs.sqlite3"
-    first = SqliteRunStore(path)
+def test_migrations_are_versioned_and_applied_once(store_url):
+    first = open_store(store_url)
     assert first.schema_version == MIGRATIONS[-1][0]
     first.close()
-    again = SqliteRunStore(path)
-    rows = again._db().execute("SELECT version FROM schema_migrations").fetchall()
-    assert [r[0] for r in rows] == [v for v, _, _ in MIGRATIONS]
-    assert again._db().execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    again.close()
+    again = open_store(store_url)
+    try:
+        assert _applied_versions(again) == [v for v, _, _ in MIGRATIONS]
+    finally:
+        again.close()
+
+
+_MIGRATING_ROUTER = """
+import sys
+sys.path.insert(0, {repo!r})
+from gateway.open import open_store
+print("opening", flush=True)
+store = open_store({url!r})
+print(store.schema_version, flush=True)
+store.close()
+"""
+
+
+def test_processes_starting_together_apply_each_migration_once(store_url):
+    # Router replicas restarted together migrate one empty store at the same moment: the store
+    # is held shut until every one of them waits at it, then they are all let in.
+    code = _MIGRATING_ROUTER.format(repo=str(REPO), url=store_url)
+    procs = []
+    try:
+        with _held_shut(store_url) as wait_for_waiters:
+            procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for _ in range(6)]
+            assert [p.stdout.readline().strip() for p in procs] == ["opening"] * 6
+            wait_for_waiters(len(procs))
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0] * 6, [err for _, err in outs]
+    assert [out.strip() for out, _ in outs] == [str(MIGRATIONS[-1][0])] * 6
+    store = open_store(store_url)
+    try:
+        assert _applied_versions(store) == [v for v, _, _ in MIGRATIONS]
+    finally:
+        store.close()
+
+
+@contextmanager
+def _held_shut(store_url: str):
+    """The store locked from here to the end of the block; yields a function that returns
+    once n other sessions wait (SQLite cannot list its waiters: it gives them a moment)."""
+    if store_url.startswith("sqlite://"):
+        db = sqlite3.connect(urlsplit(store_url).path, isolation_level=None)
+        db.execute("PRAGMA journal_mode = WAL")  # as the store leaves it
+        db.execute("BEGIN IMMEDIATE")  # the one write lock
+        try:
+            yield lambda n: time.sleep(0.5)
+        finally:
+            db.execute("ROLLBACK")
+            db.close()
+        return
+    db = psycopg.connect(store_url)  # not autocommit: this stays one open transaction
+    # Every opener's CREATE TABLE IF NOT EXISTS schema_migrations waits for this uncommitted
+    # one; rolled back, they all go at once (the race that fails without a lock held there).
+    db.execute("CREATE TABLE schema_migrations (version INTEGER)")
+
+    def wait_for_waiters(n: int) -> None:
+        deadline = time.monotonic() + 60
+        # Its own connection: a transaction sees one snapshot of pg_stat_activity.
+        with psycopg.connect(store_url, autocommit=True) as watch:
+            while watch.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                                "current_database() AND wait_event_type = 'Lock'"
+                                ).fetchone()[0] < n:
+                assert time.monotonic() < deadline, f"{n} sessions never waited for the store"
+                time.sleep(0.02)
+
+    try:
+        yield wait_for_waiters
+    finally:
+        db.rollback()
+        db.close()
+
+
+def _applied_versions(store) -> list[int]:
+    rows = store._exec(store._db(), "SELECT version FROM schema_migrations ORDER BY version")
+    return [row["version"] for row in rows.fetchall()]  # both stores' rows read by name
+
+
+def test_the_sqlite_file_is_in_wal_mode(tmp_path):
+    store = SqliteRunStore(tmp_path / "runs.sqlite3")
+    try:  # readers never wait for the writer
+        assert store._db().execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        store.close()
+
+
+def test_postgres_columns_hold_epoch_seconds_and_bytes(postgres_server):
+    # SQLite's type names in the migrations, PostgreSQL's in the database: REAL is 4 bytes
+    # there, and BLOB no type at all.
+    store = PostgresRunStore(postgres_server.create_database())
+    try:
+        types = {(r["table_name"], r["column_name"]): r["data_type"] for r in store._db().execute(
+            "SELECT table_name, column_name, data_type FROM information_schema.columns "
+            "WHERE table_schema = current_schema()").fetchall()}
+    finally:
+        store.close()
+    assert types[("runs", "created_at")] == types[("usage", "finished_at")] == "double precision"
+    assert types[("rate_buckets", "level")] == "double precision"
+    assert types[("run_outputs", "body")] == "bytea"
+    assert "real" not in types.values()
 
 
 def test_the_default_file_is_under_the_users_data_directory(tmp_path, monkeypatch):
@@ -157,6 +281,31 @@ def test_the_default_file_is_under_the_users_data_directory(tmp_path, monkeypatc
     finally:
         store.close()
     assert os.path.exists(tmp_path / "here")
+
+
+def test_open_store_chooses_the_store_by_the_urls_scheme(tmp_path, monkeypatch,
+                                                         postgres_server):
+    monkeypatch.setenv("PD_RUNTIME_DATA_DIR", str(tmp_path / "default"))
+    for url, path in [(None, tmp_path / "default" / "runs.sqlite3"),
+                      (str(tmp_path / "bare.sqlite3"), tmp_path / "bare.sqlite3"),
+                      (f"sqlite://{tmp_path / 'url.sqlite3'}", tmp_path / "url.sqlite3")]:
+        store = open_store(url)
+        try:
+            assert isinstance(store, SqliteRunStore) and store.path == path and path.exists()
+        finally:
+            store.close()
+    url = postgres_server.create_database()
+    for spelling in (url, url.replace("postgresql://", "postgres://", 1)):
+        store = open_store(spelling)
+        try:
+            assert isinstance(store, PostgresRunStore)
+        finally:
+            store.close()
+    with pytest.raises(ValueError, match="'mysql'") as refused:
+        open_store("mysql://app:s3cret@db/runs")
+    assert "s3cret" not in str(refused.value)
+    with pytest.raises(ValueError, match="names a file"):
+        open_store("sqlite://host/runs.sqlite3")
 
 
 def test_recorded_outputs_owners_and_shared_rate_buckets(runs):
