@@ -2,7 +2,7 @@
 the real PoolBackend + HTTP app under uvicorn in front of workers that answer at once.
 
     python bench/router_overhead.py [--model DIR] [--samples 1000] [--clients 32] [--seconds 8]
-                                    [--profile] [--log-level INFO]
+                                    [--profile] [--log-level INFO] [--runs on|off]
 
 Added latency = POST /v1/completions (max_tokens=1) minus a bare POST echo route mounted on the
 same app, server and client; the clients run in a separate process so the server thread has the
@@ -29,14 +29,15 @@ from bench.router_overhead_stack import (ECHO_PATH, build_stack, completion_body
 TARGET_ADDED_P50_US = 1000.0
 
 
-def sustained(port: int, tid: int, path: str, body: str, args) -> dict:
-    """Load from a child process; the server thread's CPU per request is the robust figure on a
-    shared box, where the rate moves with other jobs."""
+def sustained(port: int, tids: list[int], path: str, body: str, args) -> dict:
+    """Load from a child process; the server's CPU per request (its HTTP thread, and the run
+    record writer's when records are on) is the robust figure on a shared box, where the rate
+    moves with other jobs."""
     payload = {"port": port, "path": path, "body": body, "clients": args.clients,
                "seconds": args.seconds, "warmup_s": 1.0, "kind": args.load_client}
-    cpu0 = thread_cpu_s(tid)
+    cpu0 = sum(thread_cpu_s(tid) for tid in tids)
     out = run_client("load", [], payload)
-    server_cpu = thread_cpu_s(tid) - cpu0
+    server_cpu = sum(thread_cpu_s(tid) for tid in tids) - cpu0
     wall = out["client_wall_s"]
     return {**out, "rate": out["requests"] / out["seconds"],
             "server_cpu_share": server_cpu / wall,
@@ -71,6 +72,8 @@ def main() -> None:
     ap.add_argument("--log-level", default="WARNING",
                     help="router logging level; INFO (what `pd-runtime serve` uses) logs one "
                          "line per request, written here to /dev/null")
+    ap.add_argument("--runs", choices=["on", "off"], default="on",
+                    help="run records (router.runs.enabled; on is the default)")
     ap.add_argument("--client-role", choices=["latency", "load"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.client_role:
@@ -81,11 +84,13 @@ def main() -> None:
 
     logging.basicConfig(level=args.log_level.upper(), stream=open(os.devnull, "w"))
     model = bench_model(args.model)
-    backend, app, cfg = build_stack(model, args.prefill_workers, args.decode_workers)
+    backend, app, cfg = build_stack(model, args.prefill_workers, args.decode_workers,
+                                    runs=args.runs == "on")
     name = backend.model_name
     print(f"# {machine_line()}, {os.cpu_count()} CPUs")
     print(f"# {http_stack_line()}, {args.prefill_workers} prefill + {args.decode_workers} "
-          f"decode instant workers, model {name}, log level {args.log_level.upper()}")
+          f"decode instant workers, model {name}, log level {args.log_level.upper()}, "
+          f"run records {args.runs}")
 
     # 1. In process: where the time goes, no sockets.
     stages = asyncio.run(stage_timings(backend, app, args.prompt, args.stages))
@@ -99,7 +104,9 @@ def main() -> None:
     print(f"{'router work (completion - echo, ASGI)':<42} {router_in_proc:>8.1f}")
 
     server, port = start_in_thread(app)
-    tid = server.thread.native_id
+    tids = [server.thread.native_id]
+    if app.state.recorder is not None:
+        tids.append(app.state.recorder.writer._thread.native_id)
     try:
         # 2. Sequential latency over HTTP.
         body = completion_body(name, args.prompt, 1, False).decode()
@@ -134,7 +141,7 @@ def main() -> None:
               f"{args.seconds:g} s each (+1 s warm-up), max_tokens=1")
         print(f"{'route':<32} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'server CPU':>11} "
               f"{'CPU µs/req':>11} {'client CPU':>11}")
-        loads = {path: sustained(port, tid, path, body, args)
+        loads = {path: sustained(port, tids, path, body, args)
                  for path in (ECHO_PATH, "/v1/completions")}
         for path, r in loads.items():
             print(f"{path:<32} {r['rate']:>7.0f} {r['latency_us'][0] / 1e3:>7.2f} "

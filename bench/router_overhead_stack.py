@@ -26,7 +26,9 @@ async def bare_echo(request: Request) -> JSONResponse:
     return JSONResponse({"ok": True})
 
 
-def build_stack(model_dir: str, num_prefill: int, num_decode: int):
+def build_stack(model_dir: str, num_prefill: int, num_decode: int, runs: bool = True):
+    """`runs`: run records on (the product's default: SQLite under the user's data directory)
+    or off (router.runs.enabled: false)."""
     from bench.instant_workers import InstantPool
     from pd_runtime.api import ModelCard
     from pd_runtime.config import ClusterConfig, PoolConfig
@@ -36,7 +38,8 @@ def build_stack(model_dir: str, num_prefill: int, num_decode: int):
     from router.core import PoolBackend
 
     cfg = ClusterConfig(model=model_dir, prefill=PoolConfig(num_workers=num_prefill),
-                        decode=PoolConfig(num_workers=num_decode))
+                        decode=PoolConfig(num_workers=num_decode),
+                        router={"runs": {"enabled": runs}})
     token_id = Tokenizer(model_dir).encode(" the", add_special_tokens=False)[0]
     model = load_model_config(model_dir)
     card = ModelCard(model.identity, cfg.decode.engine.block_size,  # as a worker reports it

@@ -16,6 +16,7 @@ import hashlib
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Optional
 
 from gateway.store import RunStore
@@ -27,6 +28,19 @@ TRANSITIONS = {
     "completed": (), "failed": (), "cancelled": (),
 }
 IN_FLIGHT = ("queued", "prefilling", "streaming")
+
+
+@dataclass
+class RunChange:
+    """What happened to a run since it was last recorded (gathered by a writer, recorded in
+    one go): its creation if that is new, its transitions (state, time, fields), its output."""
+
+    run_id: str
+    tenant: str
+    created_at: float
+    created: Optional[dict] = None
+    steps: list[tuple[str, float, dict]] = field(default_factory=list)
+    output: Optional[tuple[str, bytes]] = None
 
 
 class InvalidTransition(RuntimeError):
@@ -53,16 +67,22 @@ class Runs:
         return self.store.fail_in_flight(IN_FLIGHT, "the router stopped during this run",
                                          time.time(), owner)
 
+    @staticmethod
+    def new_run(tenant: str, run_id: Optional[str] = None, owner: Optional[str] = None,
+                idempotency_key: Optional[str] = None, digest: Optional[str] = None,
+                now: Optional[float] = None) -> dict:
+        now = time.time() if now is None else now
+        return {"id": run_id or f"run-{uuid.uuid4().hex}", "tenant": tenant, "state": "queued",
+                "created_at": now, "updated_at": now, "idempotency_key": idempotency_key,
+                "body_hash": digest, "owner": owner}
+
     def create(self, tenant: str, body: Optional[dict] = None,
                idempotency_key: Optional[str] = None, run_id: Optional[str] = None,
                owner: Optional[str] = None) -> tuple[dict, bool]:
         """(run, created): with a key the tenant already used, the run that has it (created
         False), or IdempotencyConflict if its body differs."""
-        now = time.time()
         digest = body_hash(body) if body is not None else None
-        run = {"id": run_id or f"run-{uuid.uuid4().hex}", "tenant": tenant, "state": "queued",
-               "created_at": now, "updated_at": now, "idempotency_key": idempotency_key,
-               "body_hash": digest, "owner": owner}
+        run = self.new_run(tenant, run_id, owner, idempotency_key, digest)
         held = self.store.insert_run(run)
         if held is None:
             return run, True
@@ -101,6 +121,55 @@ class Runs:
             current = (self.store.get_run(run_id) or {}).get("state")
             raise InvalidTransition(f"run {run_id}: {current} -> {state} is not allowed")
 
+    def record(self, changes: list["RunChange"]) -> list[str]:
+        """Several runs' changes since they were last recorded, in one transaction: each run's
+        creation (if among them), every transition with its time, the latest fields, its
+        usage on completion and its output. Returns what could not be recorded (a transition
+        the state machine refuses), one line each; the others are recorded."""
+        problems, items = [], []
+        for change in changes:
+            try:
+                items.append(_record_item(change))
+            except InvalidTransition as exc:
+                problems.append(str(exc))
+        for item, ok in zip(items, self.store.record(items)):
+            if not ok:
+                current = (self.store.get_run(item["run_id"]) or {}).get("state")
+                problems.append(f"run {item['run_id']}: {current} -> {item['first']} is not "
+                                "allowed")
+        return problems
+
     def usage(self, tenant: str, since: float = 0.0, until: Optional[float] = None) -> dict:
         return self.store.usage_totals(tenant, since, until if until is not None
                                        else time.time() + 1)
+
+
+def _record_item(change: RunChange) -> dict:
+    """What the store writes for one run's changes (RunStore.record); the chain of
+    transitions checked here, the state it starts from by the store."""
+    states = [state for state, _, _ in change.steps]
+    start = change.created["state"] if change.created is not None else None
+    for before, after in zip([start] + states, states):
+        if before is not None and after not in TRANSITIONS[before]:
+            raise InvalidTransition(f"run {change.run_id}: {before} -> {after} is not allowed")
+    state = states[-1] if states else start
+    fields: dict = {}
+    for _, _, step_fields in change.steps:
+        fields.update(step_fields)
+    if not isinstance(fields.get("workers", ""), str):
+        fields["workers"] = json.dumps(list(fields["workers"]))
+    at = change.steps[-1][1] if change.steps else change.created["created_at"]
+    usage = None
+    if state == "completed":
+        usage = {"tenant": change.tenant, "input_tokens": fields.get("prompt_tokens") or 0,
+                 "cached_tokens": fields.get("cached_tokens") or 0,
+                 "output_tokens": fields.get("output_tokens") or 0,
+                 "duration_s": at - change.created_at}
+    steps = [(s, t) for s, t, _ in change.steps]
+    if change.created is not None:
+        steps.insert(0, (start, change.created["created_at"]))
+    return {"run_id": change.run_id, "insert": change.created, "state": state, "at": at,
+            "first": states[0] if states else start,
+            "expect": () if not states else tuple(
+                s for s, nexts in TRANSITIONS.items() if states[0] in nexts),
+            "fields": fields, "steps": steps, "usage": usage, "output": change.output}

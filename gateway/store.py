@@ -9,6 +9,7 @@ transaction the caller must close: each is atomic on its own.
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
@@ -18,11 +19,14 @@ from typing import Optional, Protocol
 
 from gateway.migrations import MIGRATIONS
 
+log = logging.getLogger(__name__)
+
 RUN_FIELDS = ("id", "tenant", "state", "created_at", "updated_at", "idempotency_key",
               "body_hash", "path", "route_reason", "prompt_tokens", "cached_tokens",
               "output_tokens", "workers", "error", "owner")
-UPDATABLE = set(RUN_FIELDS) - {"id", "tenant", "created_at", "idempotency_key", "body_hash",
-                               "owner"}
+# A run's idempotency key may only be cleared: a run refused before it served anything frees
+# its key for a retry to run anew.
+UPDATABLE = set(RUN_FIELDS) - {"id", "tenant", "created_at", "body_hash", "owner"}
 
 
 class RunStore(Protocol):
@@ -37,6 +41,12 @@ class RunStore(Protocol):
         """Move the run to `state` if it is in one of `expect` (with `fields` and, for a
         completion, its usage row, at most one per run); returns the state it was in, or None
         when it was not in `expect` (nothing changed)."""
+
+    def record(self, items: list[dict]) -> list[bool]:
+        """Several runs' changes in one transaction (gateway/runs.py `_record_item`): each
+        run inserted (`insert`: the row, then brought to `state`) or moved from one of
+        `expect` to `state` with `fields`; then its transition rows `steps`, its usage row and
+        its output. Per item: False when the run was not in `expect` (nothing of it changed)."""
 
     def transitions(self, run_id: str) -> list[tuple[str, float]]: ...
 
@@ -155,6 +165,83 @@ class SqlRunStore:
                             usage["cached_tokens"], usage["output_tokens"],
                             usage["duration_s"], at))
             return was
+
+    def record(self, items: list[dict]) -> list[bool]:
+        for item in items:
+            bad = set(item["fields"]) - UPDATABLE
+            if bad:
+                raise ValueError(f"run fields {sorted(bad)} cannot be updated")
+        with self._tx() as db:
+            new = [item for item in items if item["insert"] is not None]
+            try:
+                with self._tx():  # runs new in this round (most): a few statements for all
+                    self._record_new(db, new)
+                done = {id(item) for item in new}
+            except Exception:
+                log.exception("run records: %d new runs failed together; recording them one "
+                              "by one", len(new))
+                done = set()
+            results = []
+            for item in items:  # the others each in a savepoint: one failing is undone alone
+                if id(item) in done:
+                    results.append(True)
+                    continue
+                try:
+                    results.append(self._record_one(db, item))
+                except Exception:
+                    log.exception("run record of %s failed", item["run_id"])
+                    results.append(False)
+            return results
+
+    def _record_new(self, db, items: list[dict]) -> None:
+        if not items:
+            return
+        rows = []
+        for item in items:
+            row = {**item["insert"], **item["fields"], "state": item["state"],
+                   "updated_at": item["at"]}
+            rows.append([row.get(c) for c in RUN_FIELDS])
+        db.cursor().executemany(self._sql(
+            f"INSERT INTO runs ({', '.join(RUN_FIELDS)}) VALUES "
+            f"({', '.join('?' for _ in RUN_FIELDS)})"), rows)
+        self._record_rows(db, items)
+
+    def _record_one(self, db, item: dict) -> bool:
+        with self._tx():
+            if item["insert"] is not None:
+                row = {**item["insert"], **item["fields"], "state": item["state"],
+                       "updated_at": item["at"]}
+                columns = [f for f in RUN_FIELDS if f in row]
+                self._exec(db, f"INSERT INTO runs ({', '.join(columns)}) VALUES "
+                           f"({', '.join('?' for _ in columns)})", [row[c] for c in columns])
+            else:
+                found = self._exec(db, "SELECT state FROM runs WHERE id = ? "
+                                   "FOR UPDATE_IF_SUPPORTED", (item["run_id"],)).fetchone()
+                if found is None or _first(found) not in item["expect"]:
+                    return False
+                sets = {**item["fields"], "state": item["state"], "updated_at": item["at"]}
+                self._exec(db, f"UPDATE runs SET {', '.join(f'{k} = ?' for k in sets)} "
+                           "WHERE id = ?", [*sets.values(), item["run_id"]])
+            self._record_rows(db, [item])
+            return True
+
+    def _record_rows(self, db, items: list[dict]) -> None:
+        """The transition, usage and output rows of runs just inserted or moved."""
+        cursor = db.cursor()
+        cursor.executemany(self._sql("INSERT INTO run_transitions VALUES (?, ?, ?)"),
+                           [(item["run_id"], state, at) for item in items
+                            for state, at in item["steps"]])
+        usage = [(item["run_id"], u["tenant"], u["input_tokens"], u["cached_tokens"],
+                  u["output_tokens"], u["duration_s"], item["at"])
+                 for item in items if (u := item["usage"]) is not None]
+        if usage:  # the primary key makes a second row for a run impossible
+            cursor.executemany(self._sql("INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?) "
+                                         "ON CONFLICT (run_id) DO NOTHING"), usage)
+        outputs = [(item["run_id"], *item["output"]) for item in items
+                   if item["output"] is not None]
+        if outputs:
+            cursor.executemany(self._sql("INSERT INTO run_outputs VALUES (?, ?, ?) "
+                                         "ON CONFLICT (run_id) DO NOTHING"), outputs)
 
     def transitions(self, run_id: str) -> list[tuple[str, float]]:
         rows = self._exec(self._db(), "SELECT state, at FROM run_transitions WHERE run_id = ? "
@@ -279,14 +366,23 @@ class SqliteRunStore(SqlRunStore):
 
 
 class _Transaction:
-    """BEGIN IMMEDIATE (the write lock taken up front: no upgrade deadlock), COMMIT or ROLLBACK."""
+    """BEGIN IMMEDIATE (the write lock taken up front: no upgrade deadlock), COMMIT or ROLLBACK;
+    inside a transaction already open (a batch), a savepoint, released or rolled back to."""
 
     def __init__(self, db: sqlite3.Connection):
         self.db = db
+        self.nested = False
 
     def __enter__(self) -> sqlite3.Connection:
-        self.db.execute("BEGIN IMMEDIATE")
+        self.nested = self.db.in_transaction
+        self.db.execute("SAVEPOINT op" if self.nested else "BEGIN IMMEDIATE")
         return self.db
 
     def __exit__(self, kind, exc, tb) -> None:
-        self.db.execute("COMMIT" if kind is None else "ROLLBACK")
+        if not self.nested:
+            self.db.execute("COMMIT" if kind is None else "ROLLBACK")
+        elif kind is None:
+            self.db.execute("RELEASE op")
+        else:
+            self.db.execute("ROLLBACK TO op")
+            self.db.execute("RELEASE op")

@@ -50,7 +50,7 @@ def open_recorder(router_config: RouterConfig, owner: Optional[str] = None
         return None
     from gateway.open import open_store
 
-    return RunRecorder(open_store(runs.store),
+    return RunRecorder(open_store(runs.store), runs.store,
                        owner or owner_name(router_config.host, router_config.port),
                        runs.detach_grace_s, runs.keep_finished)
 
@@ -209,8 +209,25 @@ async def _generation(request: Request, backend: Backend, intake: Intake, kind: 
         live.error = exc if isinstance(exc, BackendError) else BackendError(500, "internal error")
         recorder.finish(live, "failed", error=live.error.message)
         raise
-    live.task = asyncio.create_task(_produce(recorder, live, builder, merged, deadline))
-    return await _respond(recorder, live, request, -1, deadline)
+    if key is not None:  # the run outlives its client for a while: a task of its own
+        production = _production(recorder, live, builder, merged, deadline, own_deadline=True)
+        live.task = asyncio.create_task(_drain(production))
+        return await _respond(recorder, live, request, -1, deadline)
+    # Without a key the run ends with its client: this response produces it (no extra task).
+    production = _production(recorder, live, builder, merged, deadline, own_deadline=False)
+    try:
+        if not prepared.stream:
+            await until_disconnect(request.receive, _drain(production), deadline)
+            if live.error is not None:
+                raise live.error
+            return Response(live.body, media_type="application/json")
+        first = await until_disconnect(request.receive, anext(production, None), deadline)
+    except BaseException:
+        await production.aclose()
+        raise
+    if first is None:  # over before its first event: refused or failed
+        raise live.error or BackendError(500, "internal error")
+    return SSEResponse(_Prepended(first, production), deadline=deadline)
 
 
 def _backend_streams(backend: Backend, prepared, response_id: str, tenant, timeout_s: float):
@@ -242,9 +259,12 @@ async def _unrecorded(request: Request, backend: Backend, intake: Intake, kind: 
     return SSEResponse(_sse_events(builder, first, merged, {}), deadline=deadline)
 
 
-async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder, merged,
-                   deadline: float) -> None:
-    """The run's one computation, into its buffer: SSE events with ids, or the JSON body."""
+async def _production(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder, merged,
+                      deadline: float, own_deadline: bool):
+    """The run's one computation: its SSE events (each with its id, into the run's buffer and
+    yielded) or its JSON body; every state it passes through recorded. `own_deadline`: the
+    request timeout is enforced here (a run in a task of its own); otherwise the response
+    that drives it enforces it and closes it."""
     outcome: dict = {}
 
     def first_chunk(chunk: dict) -> None:
@@ -254,15 +274,17 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
                          workers=list(workers) if workers else None)
 
     state = "failed"
+    loop = asyncio.get_running_loop()
     try:
         recorder.advance(live, "prefilling")
-        async with asyncio.timeout_at(deadline):
+        async with asyncio.timeout_at(deadline) if own_deadline else _NO_TIMEOUT:
             if builder.prepared.stream:
                 first = await _first_chunks(merged, len(builder.prepared.choices), first_chunk)
                 live.started = True
                 async for event in _sse_events(builder, first, merged, outcome,
                                                lambda: live.event_id(len(live.events))):
                     recorder.append(live, event)
+                    yield event
             else:
                 await _collect(builder, merged, first_chunk)
                 live.body = json.dumps(builder.final_body()).encode()
@@ -270,16 +292,18 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
     except BackendError as exc:
         live.error, outcome["error"] = exc, exc.message
     except TimeoutError:
-        exc = BackendError(504, "the request did not finish within request_timeout_s",
-                           type="timeout_error", code="request_timeout")
+        exc = _timeout_error()
         outcome["error"] = exc.message
         if live.events:  # the stream is under way: say so in it, then end it
             for payload in (exc.body(), "[DONE]"):
                 recorder.append(live, sse(payload, live.event_id(len(live.events))))
         else:
             live.error = exc
-    except asyncio.CancelledError:
-        state = "cancelled"
+    except (asyncio.CancelledError, GeneratorExit):
+        if loop.time() >= deadline:  # the response driving it timed out
+            outcome["error"] = _timeout_error().message
+        else:
+            state = "cancelled"
         raise
     except Exception:
         log.exception("%s: backend failed", live.id)
@@ -294,18 +318,47 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
                         output_tokens=usage["completion_tokens"])
 
 
+_NO_TIMEOUT = contextlib.nullcontext()
+
+
+def _timeout_error() -> BackendError:
+    return BackendError(504, "the request did not finish within request_timeout_s",
+                        type="timeout_error", code="request_timeout")
+
+
+async def _drain(production) -> None:
+    async for _ in production:
+        pass
+
+
+class _Prepended:
+    """`first`, then the rest of `events`; closing it closes `events`, started or not."""
+
+    def __init__(self, first: bytes, events):
+        self._first: Optional[bytes] = first
+        self._events = events
+
+    def __aiter__(self) -> "_Prepended":
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+
 async def _respond(recorder: RunRecorder, live: LiveRun, request: Request, after: int,
                    deadline: float) -> Response:
     """One client's response from a run: its stream after event `after`, or its JSON body."""
     recorder.join(live)
     try:
-        await until_disconnect(request.receive, recorder.wait_started(live), deadline)
+        await until_disconnect(request.receive, recorder.wait_ready(live), deadline)
         if live.error is not None and not live.events:
             raise live.error
-        if not live.stream:
-            await until_disconnect(request.receive, recorder.wait_done(live), deadline)
-            if live.error is not None:
-                raise live.error
     except BaseException:
         recorder.leave(live)
         raise

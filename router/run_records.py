@@ -15,15 +15,18 @@ import asyncio
 import collections
 import json
 import logging
+import multiprocessing
 import os
-import queue
 import socket
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
-from gateway.runs import IdempotencyConflict, InvalidTransition, Runs, TRANSITIONS
+from gateway import record_process
+from gateway.runs import IdempotencyConflict, RunChange, Runs, TRANSITIONS
 from gateway.store import RunStore
 from router.backend import BackendError
 
@@ -31,48 +34,109 @@ log = logging.getLogger(__name__)
 
 # How often a run another process owns is looked up while a client waits for it to finish.
 POLL_S = 0.05
+# How long the record writer lets a run's changes gather before it writes them.
+LINGER_S = 0.05
 
 
 class RunWriter:
-    """Store writes applied in order on one thread; a write that fails is logged, not fatal."""
+    """Record writes off the token path: a run's changes are gathered and written together, all
+    runs' of a round in one transaction, at most `linger_s` after they happen, so a short run's
+    creation, transitions, output and usage cost one round of statements instead of five
+    commits; the writing is done by a child process (gateway/record_process.py). A change
+    that cannot be recorded is logged and counted, not fatal."""
 
-    def __init__(self, runs: Runs):
-        self.runs = runs
-        self._queue: queue.Queue = queue.Queue()
+    def __init__(self, store_url: Optional[str], linger_s: float = LINGER_S):
+        self.store_url = store_url
+        self.linger_s = linger_s
         self.failures = 0
+        self._pending: dict[str, RunChange] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._idle = threading.Condition(self._lock)
+        self._writing = False
+        self._closing = False
+        self._pool: Optional[ProcessPoolExecutor] = None
         self._thread = threading.Thread(target=self._loop, name="run-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, write: Callable, *args, **kwargs) -> None:
-        self._queue.put((write, args, kwargs))
+    def _change(self, live: "LiveRun") -> RunChange:
+        """The run's pending change, to add to under the lock: the writer takes the whole dict
+        under it (a swap), so an addition lands in this round or the next, never in neither."""
+        change = self._pending.get(live.id)
+        if change is None:
+            if not self._pending:
+                self._wake.set()  # the round's first change: start the linger
+            change = self._pending[live.id] = RunChange(live.id, live.tenant, live.created_at)
+        return change
+
+    def create(self, live: "LiveRun", row: dict) -> None:
+        with self._lock:
+            self._change(live).created = row
+
+    def step(self, live: "LiveRun", state: str, fields: dict) -> None:
+        with self._lock:
+            self._change(live).steps.append((state, time.time(), fields))
+
+    def output(self, live: "LiveRun", kind: str, body: bytes) -> None:
+        with self._lock:
+            self._change(live).output = (kind, body)
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
+            self._wake.wait()
+            if not self._closing and self.linger_s > 0:
+                time.sleep(self.linger_s)  # let the runs' next changes join this round
+            with self._lock:
+                changes, self._pending = list(self._pending.values()), {}
+                self._wake.clear()
+                self._writing = True
+                closing = self._closing
             try:
-                if item is None:
-                    return
-                write, args, kwargs = item
-                write(*args, **kwargs)
-            except InvalidTransition as exc:
-                self.failures += 1
-                log.warning("run record: %s", exc)
+                if changes:
+                    for problem in self._record(changes):
+                        self.failures += 1
+                        log.warning("run record: %s", problem)
             except Exception:
-                self.failures += 1
-                log.exception("run record write failed")
+                self.failures += len(changes)
+                log.exception("run records: a round of %d runs failed", len(changes))
             finally:
-                self._queue.task_done()
+                with self._lock:
+                    self._writing = False
+                    self._idle.notify_all()
+            if closing and not self._pending:
+                return
 
-    def flush(self) -> None:
-        """Wait until every write submitted so far is applied."""
-        self._queue.join()
+    def _record(self, changes: list[RunChange]) -> list[str]:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                initializer=record_process.init, initargs=(self.store_url,))
+        try:
+            return self._pool.submit(record_process.record, changes).result()
+        except BrokenProcessPool:
+            self._pool = None  # the next round starts a new writer process
+            raise
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every change made so far is written."""
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._pending or self._writing:
+                self._wake.set()
+                if not self._idle.wait(max(0.0, deadline - time.monotonic())):
+                    break
 
     def close(self, timeout_s: float = 10.0) -> None:
-        self._queue.put(None)
+        with self._lock:
+            self._closing = True
+        self._wake.set()
         self._thread.join(timeout_s)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
-@dataclass
+@dataclass(slots=True)
 class LiveRun:
     """A run this process is producing (or produced recently). `events`: the SSE events as
     sent, each with its id (streams); `body`: the JSON response (otherwise); `error`: the
@@ -94,13 +158,16 @@ class LiveRun:
     followers: int = 0
     task: Optional[asyncio.Task] = None
     info: dict = field(default_factory=dict)  # path, route_reason, workers, token counts
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _changed: Optional[asyncio.Event] = None  # made when someone first waits
 
     def notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     async def changed(self) -> None:
+        if self._changed is None:
+            self._changed = asyncio.Event()
         await self._changed.wait()
 
     def event_id(self, seq: int) -> str:
@@ -131,14 +198,16 @@ def owner_name(host: str, port: int, replica: int = 0) -> str:
 
 
 class RunRecorder:
-    def __init__(self, store: RunStore, owner: str, detach_grace_s: float = 10.0,
-                 keep_finished: int = 1024):
+    def __init__(self, store: RunStore, store_url: Optional[str], owner: str,
+                 detach_grace_s: float = 10.0, keep_finished: int = 1024):
+        """`store` for this process's own reads and idempotency claims; `store_url` names the
+        same store for the record writer's process."""
         self.store = store
         self.runs = Runs(store)
         self.owner = owner
         self.detach_grace_s = detach_grace_s
         self.keep_finished = keep_finished
-        self.writer = RunWriter(self.runs)
+        self.writer = RunWriter(store_url)
         self.live: dict[str, LiveRun] = {}
         self._by_key: dict[tuple[str, str], str] = {}
         self._claims: dict[tuple[str, str], asyncio.Future] = {}
@@ -160,7 +229,8 @@ class RunRecorder:
         IdempotencyConflict (422) when the body differs."""
         if key is None:
             live = self._add(LiveRun(run_id, tenant, stream))
-            self.writer.submit(self.runs.create, tenant, run_id=run_id, owner=self.owner)
+            self.writer.create(live, Runs.new_run(tenant, run_id, self.owner,
+                                                  now=live.created_at))
             return live, True
         digest = _digest(body)
         while True:
@@ -187,7 +257,8 @@ class RunRecorder:
             record, created = await asyncio.to_thread(
                 self.runs.create, tenant, body, key, run_id, self.owner)
             if created:
-                live = self._add(LiveRun(run_id, tenant, stream, key, digest))
+                live = self._add(LiveRun(run_id, tenant, stream, key, digest,
+                                         created_at=record["created_at"]))
             else:  # somebody else's run holds the key: follow that one
                 live = self.live.get(record["id"]) or _stub(record, tenant)
             claim.set_result(live)
@@ -217,7 +288,7 @@ class RunRecorder:
             return
         live.state = state
         live.info.update({k: v for k, v in fields.items() if v is not None})
-        self.writer.submit(self.runs.advance, live.id, state, **fields)
+        self.writer.step(live, state, fields)
 
     def append(self, live: LiveRun, payload: bytes) -> None:
         live.events.append(payload)
@@ -236,8 +307,7 @@ class RunRecorder:
                 if self._by_key.get((live.tenant, live.key)) == live.id:
                     del self._by_key[(live.tenant, live.key)]
         if output is not None:
-            self.writer.submit(self.store.save_output, live.id,
-                               "sse" if live.stream else "json", output)
+            self.writer.output(live, "sse" if live.stream else "json", output)
         self.advance(live, state, **fields)
         live.done = True
         live.notify()
@@ -268,15 +338,11 @@ class RunRecorder:
         else:
             asyncio.get_running_loop().call_later(grace, cancel_if_alone)
 
-    async def wait_started(self, live: LiveRun) -> None:
-        """Until the response may begin: every choice has a first chunk, or the run is over."""
+    async def wait_ready(self, live: LiveRun) -> None:
+        """Until a response may begin: a stream's every choice has its first chunk, or the
+        run is over (a JSON body is whole only then)."""
         await self._settle(live)
-        while not (live.started or live.done):
-            await live.changed()
-
-    async def wait_done(self, live: LiveRun) -> None:
-        await self._settle(live)
-        while not live.done:
+        while not (live.done or (live.stream and live.started)):
             await live.changed()
 
     async def _settle(self, live: LiveRun) -> None:

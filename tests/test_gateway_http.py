@@ -111,17 +111,18 @@ def test_a_stream_cut_after_k_events_resumes_byte_identical_after_it_ends(server
     backend, port = server
     base = f"http://127.0.0.1:{port}"
     body = {"model": backend.model_name, "prompt": "resume after the end", "max_tokens": 12,
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=ACME,
                       timeout=60) as response:
         uncut = response.read()
     events = _events(uncut)
-    assert len(events) >= 4 and events[-1].endswith(b"data: [DONE]\n\n")
+    # Tokens the client has not read yet may share an event: at least one event and [DONE].
+    assert len(events) >= 2 and events[-1].endswith(b"data: [DONE]\n\n"), uncut[-2000:]
     run_id = events[0].split(b"\n")[0][len(b"id: "):].rsplit(b":", 1)[0].decode()
     assert all(e.startswith(f"id: {run_id}:{i}\n".encode()) for i, e in enumerate(events))
     _recorder(port).writer.flush()
     assert httpx.get(f"{base}/v1/runs/{run_id}/events", headers=ACME).content == uncut
-    for k in (1, 2, len(events) - 1, len(events)):
+    for k in sorted({1, len(events) // 2, len(events) - 1, len(events)}):
         last = f"{run_id}:{k - 1}"
         resumed = httpx.post(f"{base}/v1/completions", json=body,
                              headers={**ACME, "Last-Event-ID": last}).content
@@ -132,8 +133,8 @@ def test_a_stream_cut_after_k_events_resumes_byte_identical_after_it_ends(server
     # From the store alone (this process's buffer dropped), the same bytes.
     recorder = _recorder(port)
     recorder._forget(recorder.live[run_id])
-    assert httpx.get(f"{base}/v1/runs/{run_id}/events?after=1",
-                     headers=ACME).content == b"".join(events[2:])
+    assert httpx.get(f"{base}/v1/runs/{run_id}/events?after=0",
+                     headers=ACME).content == b"".join(events[1:])
     # Another tenant's run id is not there.
     assert_error_body(httpx.get(f"{base}/v1/runs/{run_id}", headers=BETA), 404)
     assert_error_body(httpx.get(f"{base}/v1/runs/{run_id}/events", headers=BETA), 404)
