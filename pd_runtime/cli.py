@@ -94,7 +94,8 @@ def _cmd_serve(args) -> int:
         finally:
             close()
         return 0
-    from router.replicas import build_router, start_replicas
+    from pd_runtime.workers.router_replicas import start_replicas
+    from router.replicas import build_router
     from router.run_records import owner_name
     from router.server import serve_http
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pd_runtime.config_base import FieldValueError, _Strict
 
@@ -98,6 +98,15 @@ class RunsConfig(_Strict):
     detach_grace_s: float = Field(10.0, ge=0)
     # Finished runs kept in memory for fast replay (older ones are read from the store).
     keep_finished: int = Field(1024, ge=0)
+
+    @field_validator("store")
+    @classmethod
+    def _known_store(cls, url: Optional[str]) -> Optional[str]:
+        scheme = url.split("://", 1)[0].lower() if url and "://" in url else None
+        if scheme is not None and scheme not in ("sqlite", "postgresql", "postgres"):
+            raise ValueError(f"unknown run store scheme {scheme!r}: use a file path, "
+                             "sqlite:///path or postgresql://user@host/db")
+        return url
 
 
 class RouterConfig(_Strict):

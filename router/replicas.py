@@ -1,5 +1,6 @@
 """Router replicas: `router.replicas: N` routers serving one port together, over the same worker
-pools. Replica 0 is the `pd-runtime serve` process; replicas 1..N-1 are Ray actors on its node.
+pools. Replica 0 is the `pd-runtime serve` process; replicas 1..N-1 are Ray actors on its node
+(pd_runtime/workers/router_replicas.py starts them); this module builds one replica.
 
 Every replica binds the port with SO_REUSEPORT and the kernel spreads new connections over
 them, so any load balancer (or none) works in front. What must be shared is shared through the
@@ -10,13 +11,9 @@ polls the workers' load reports itself.
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import Optional
 
 from pd_runtime.config import ClusterConfig
-
-log = logging.getLogger(__name__)
 
 
 def shared_store(cfg: ClusterConfig):
@@ -39,59 +36,3 @@ def build_router(client, cfg: ClusterConfig, model_dir: str, config_path: Option
     backend.start()
     recorder = open_recorder(cfg.router, owner)
     return backend, create_app(backend, cfg.router, recorder=recorder, owner=owner)
-
-
-class RouterReplica:
-    """One more router (a Ray actor): the same app over the same workers, on the shared port."""
-
-    def __init__(self, cfg_json: str, model_dir: str, config_path: Optional[str], workers: list,
-                 model_card: dict, index: int, host: str, port: int):
-        from pd_runtime.api import ModelCard
-        from pd_runtime.workers.client import PoolClient, WorkerRef
-        from router.run_records import owner_name
-        from router.server import BackgroundServer
-
-        logging.basicConfig(level=logging.INFO)
-        cfg = ClusterConfig.model_validate_json(cfg_json)
-        refs = [WorkerRef(worker_id, role, handle) for worker_id, role, handle in workers]
-        client = PoolClient([r for r in refs if r.role == "prefill"],
-                            [r for r in refs if r.role != "prefill"],
-                            recovery_wait_s=cfg.recovery.decode_recovery_wait_s,
-                            model_card=ModelCard.from_dict(model_card))
-        self.index = index
-        self.backend, app = build_router(client, cfg, model_dir, config_path,
-                                         owner_name(host, port, index))
-        self.server = BackgroundServer(app, host, port, log_level="warning",
-                                       reuse_port=True).start()
-
-    def ready(self) -> int:
-        return self.index
-
-    def stop(self) -> None:
-        self.server.stop()
-        self.backend.stop()
-
-
-def start_replicas(client, cfg: ClusterConfig, model_dir: str, config_path: Optional[str],
-                   host: str, port: int) -> list:
-    """Replicas 1..N-1 as Ray actors on this node, each serving `port` once this returns."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    # The actors' working directory is not ours: paths they read must be absolute.
-    model_dir = os.path.abspath(model_dir)
-    config_path = os.path.abspath(config_path) if config_path else None
-    count = cfg.router.replicas
-    if count == 1:
-        return []
-    workers = [(w.worker_id, w.role, w.handle) for w in client.prefill + client.decode]
-    card = client.fetch_model_card().to_dict()
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    actor = ray.remote(num_cpus=0, max_restarts=3)(RouterReplica)
-    replicas = [actor.options(name=f"pd-router-{i}", scheduling_strategy=here,
-                              namespace=cfg.ray.namespace).remote(
-        cfg.model_dump_json(), model_dir, config_path, workers, card, i, host, port)
-        for i in range(1, count)]
-    ray.get([r.ready.remote() for r in replicas], timeout=120)
-    log.info("%d router replicas serve %s:%d", count, host, port)
-    return replicas

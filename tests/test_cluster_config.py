@@ -390,3 +390,14 @@ def test_configuration_reference_covers_every_field():
     for name, model in _models(ClusterConfig, {}).items():
         for field in model.model_fields:
             assert f"`{field}`" in doc, f"docs/configuration.md lacks {name}.{field}"
+
+
+def test_a_run_store_url_of_an_unknown_kind_is_refused_naming_the_field(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("router:\n  runs:\n    store: mysql://user@host/db\n")
+    with pytest.raises(ConfigError) as caught:
+        load_cluster_config(path)
+    assert caught.value.field == "router.runs.store" and "mysql" in str(caught.value)
+    for good in ("postgresql://user@/db?host=/tmp", "sqlite:///var/runs.sqlite3", "runs.db"):
+        path.write_text(f"router:\n  runs:\n    store: {good!r}\n")
+        assert load_cluster_config(path).router.runs.store == good
