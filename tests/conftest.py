@@ -45,3 +45,22 @@ def model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(model_factory):
     return model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL server for the session (tests/postgres_server.py), started when a
+    test first asks for it."""
+    from tests.postgres_server import running_server
+
+    with running_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    """A URL for a new, empty run store of each kind (PostgreSQL: a fresh database)."""
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path / 'runs.sqlite3'}"  # an absolute path: three slashes
+    # Asked for here, not as an argument: a SQLite-only selection starts no server.
+    return request.getfixturevalue("postgres_server").create_database()

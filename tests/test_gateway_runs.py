@@ -23,24 +23,8 @@ from gateway.open import open_store
 from gateway.postgres import PostgresRunStore
 from gateway.runs import IdempotencyConflict, InvalidTransition, Runs
 from gateway.store import SqliteRunStore, default_path
-from tests.postgres_server import running_server
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="session")
-def postgres_server():
-    with running_server() as server:
-        yield server
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request, tmp_path):
-    """A URL for a new, empty store of each kind (PostgreSQL: a fresh database)."""
-    if request.param == "sqlite":
-        return f"sqlite://{tmp_path / 'runs.sqlite3'}"  # an absolute path: three slashes
-    # Asked for here, not as an argument: a SQLite-only selection starts no server.
-    return request.getfixturevalue("postgres_server").create_database()
 
 
 @pytest.fixture()
