@@ -29,15 +29,20 @@ from bench.router_overhead_stack import (ECHO_PATH, build_stack, completion_body
 TARGET_ADDED_P50_US = 1000.0
 
 
-def sustained(port: int, tids: list[int], path: str, body: str, args) -> dict:
+def sustained(port: int, tids: list[int], path: str, body: str, args, writer=None) -> dict:
     """Load from a child process; the server's CPU per request (its HTTP thread, and the run
-    record writer's when records are on) is the robust figure on a shared box, where the rate
-    moves with other jobs."""
+    record writer's thread and process when records are on) is the robust figure on a shared
+    box, where the rate moves with other jobs."""
     payload = {"port": port, "path": path, "body": body, "clients": args.clients,
                "seconds": args.seconds, "warmup_s": 1.0, "kind": args.load_client}
     cpu0 = sum(thread_cpu_s(tid) for tid in tids)
+    writer0 = writer.process_cpu_s() if writer is not None else 0.0
     out = run_client("load", [], payload)
     server_cpu = sum(thread_cpu_s(tid) for tid in tids) - cpu0
+    if writer is not None:  # the run records' writer process works for the router too
+        writer.flush()
+        out["writer_cpu_s"] = writer.process_cpu_s() - writer0
+        server_cpu += out["writer_cpu_s"]
     wall = out["client_wall_s"]
     return {**out, "rate": out["requests"] / out["seconds"],
             "server_cpu_share": server_cpu / wall,
@@ -105,8 +110,9 @@ def main() -> None:
 
     server, port = start_in_thread(app)
     tids = [server.thread.native_id]
-    if app.state.recorder is not None:
-        tids.append(app.state.recorder.writer._thread.native_id)
+    writer = app.state.recorder.writer if app.state.recorder is not None else None
+    if writer is not None:
+        tids.append(writer._thread.native_id)
     try:
         # 2. Sequential latency over HTTP.
         body = completion_body(name, args.prompt, 1, False).decode()
@@ -141,13 +147,16 @@ def main() -> None:
               f"{args.seconds:g} s each (+1 s warm-up), max_tokens=1")
         print(f"{'route':<32} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'server CPU':>11} "
               f"{'CPU µs/req':>11} {'client CPU':>11}")
-        loads = {path: sustained(port, tids, path, body, args)
+        loads = {path: sustained(port, tids, path, body, args, writer)
                  for path in (ECHO_PATH, "/v1/completions")}
         for path, r in loads.items():
             print(f"{path:<32} {r['rate']:>7.0f} {r['latency_us'][0] / 1e3:>7.2f} "
                   f"{r['latency_us'][2] / 1e3:>7.2f} {r['server_cpu_share']:>11.0%} "
                   f"{r['cpu_us_per_request']:>11.0f} {r['client_cpu_share']:>11.0%}")
         completion = loads["/v1/completions"]
+        if writer is not None:
+            print(f"run record writer process: {completion['writer_cpu_s'] * 1e6 / completion['total_requests']:.0f} "
+                  "µs CPU per request (counted in the server CPU above)")
         router_cpu = completion["cpu_us_per_request"] - loads[ECHO_PATH]["cpu_us_per_request"]
         print(f"router CPU per request (completions - bare route): {router_cpu:.0f} µs; one "
               f"free core would sustain ~{1e6 / completion['cpu_us_per_request']:.0f} "

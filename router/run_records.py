@@ -117,6 +117,17 @@ class RunWriter:
             self._pool = None  # the next round starts a new writer process
             raise
 
+    def process_cpu_s(self) -> float:
+        """CPU seconds the writer process has used (Linux; 0 before its first round)."""
+        total = 0.0
+        for pid in list(getattr(self._pool, "_processes", None) or ()):
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every change made so far is written."""
         self._wake.set()
