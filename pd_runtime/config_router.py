@@ -98,6 +98,10 @@ class RunsConfig(_Strict):
     detach_grace_s: float = Field(10.0, ge=0)
     # Finished runs kept in memory for fast replay (older ones are read from the store).
     keep_finished: int = Field(1024, ge=0)
+    # SSE `id:` lines (what Last-Event-ID resumes after): "auto" sends them to clients that
+    # can use them (an Idempotency-Key, or Accept: text/event-stream), since clients written
+    # for the OpenAI API often parse every line as `data:`; "always" to every stream.
+    event_ids: Literal["auto", "always"] = "auto"
 
     @field_validator("store")
     @classmethod

@@ -52,7 +52,7 @@ def open_recorder(router_config: RouterConfig, owner: Optional[str] = None
 
     return RunRecorder(open_store(runs.store), runs.store,
                        owner or owner_name(router_config.host, router_config.port),
-                       runs.detach_grace_s, runs.keep_finished)
+                       runs.detach_grace_s, runs.keep_finished, runs.event_ids)
 
 
 def create_app(backend: Backend, router_config: RouterConfig,
@@ -200,6 +200,8 @@ async def _generation(request: Request, backend: Backend, intake: Intake, kind: 
                            code="idempotency_key_reused") from None
     if not created:  # a retry: the run that has the key, not a second computation
         return await _respond(recorder, live, request, -1, deadline)
+    live.event_ids = recorder.always_event_ids or key is not None or \
+        "text/event-stream" in request.headers.get("accept", "")
     try:
         prepared = await intake.prepare(kind, raw)
         live.stream = prepared.stream
@@ -281,8 +283,8 @@ async def _production(recorder: RunRecorder, live: LiveRun, builder: ResponseBui
             if builder.prepared.stream:
                 first = await _first_chunks(merged, len(builder.prepared.choices), first_chunk)
                 live.started = True
-                async for event in _sse_events(builder, first, merged, outcome,
-                                               lambda: live.event_id(len(live.events))):
+                next_id = (lambda: live.event_id(len(live.events))) if live.event_ids else None
+                async for event in _sse_events(builder, first, merged, outcome, next_id):
                     recorder.append(live, event)
                     yield event
             else:
@@ -296,7 +298,8 @@ async def _production(recorder: RunRecorder, live: LiveRun, builder: ResponseBui
         outcome["error"] = exc.message
         if live.events:  # the stream is under way: say so in it, then end it
             for payload in (exc.body(), "[DONE]"):
-                recorder.append(live, sse(payload, live.event_id(len(live.events))))
+                recorder.append(live, sse(payload, live.event_id(len(live.events))
+                                          if live.event_ids else None))
         else:
             live.error = exc
     except (asyncio.CancelledError, GeneratorExit):

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 # How often a run another process owns is looked up while a client waits for it to finish.
 POLL_S = 0.05
+# Finished runs kept in memory hold at most this much output (older ones: from the store).
+KEEP_FINISHED_BYTES = 64 << 20
 # How long the record writer lets a run's changes gather before it writes them.
 LINGER_S = 0.05
 
@@ -56,8 +58,15 @@ class RunWriter:
         self._writing = False
         self._closing = False
         self._pool: Optional[ProcessPoolExecutor] = None
+        self._start_process()  # now, at start-up: not in the middle of serving
         self._thread = threading.Thread(target=self._loop, name="run-writer", daemon=True)
         self._thread.start()
+
+    def _start_process(self) -> None:
+        self._pool = ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+            initializer=record_process.init, initargs=(self.store_url,))
+        self._pool.submit(record_process.record, [])  # spawns it and opens the store
 
     def _change(self, live: "LiveRun") -> RunChange:
         """The run's pending change, to add to under the lock: the writer takes the whole dict
@@ -108,9 +117,7 @@ class RunWriter:
 
     def _record(self, changes: list[RunChange]) -> list[str]:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                initializer=record_process.init, initargs=(self.store_url,))
+            self._start_process()
         try:
             return self._pool.submit(record_process.record, changes).result()
         except BrokenProcessPool:
@@ -166,6 +173,7 @@ class LiveRun:
     started: bool = False  # every choice has its first chunk: the response may begin
     done: bool = False
     remote: bool = False  # a stub for a run of another process, read from the store
+    event_ids: bool = True  # its SSE events carry `id:` lines
     followers: int = 0
     task: Optional[asyncio.Task] = None
     info: dict = field(default_factory=dict)  # path, route_reason, workers, token counts
@@ -210,7 +218,8 @@ def owner_name(host: str, port: int, replica: int = 0) -> str:
 
 class RunRecorder:
     def __init__(self, store: RunStore, store_url: Optional[str], owner: str,
-                 detach_grace_s: float = 10.0, keep_finished: int = 1024):
+                 detach_grace_s: float = 10.0, keep_finished: int = 1024,
+                 event_ids: str = "auto"):
         """`store` for this process's own reads and idempotency claims; `store_url` names the
         same store for the record writer's process."""
         self.store = store
@@ -218,11 +227,13 @@ class RunRecorder:
         self.owner = owner
         self.detach_grace_s = detach_grace_s
         self.keep_finished = keep_finished
+        self.always_event_ids = event_ids == "always"
         self.writer = RunWriter(store_url)
         self.live: dict[str, LiveRun] = {}
         self._by_key: dict[tuple[str, str], str] = {}
         self._claims: dict[tuple[str, str], asyncio.Future] = {}
-        self._finished: collections.deque[str] = collections.deque()
+        self._finished: collections.deque[tuple[str, int]] = collections.deque()
+        self._kept_bytes = 0
         self.recovered = self.runs.recover(owner)
         if self.recovered:
             log.warning("%d runs left in flight by this router's last process marked failed",
@@ -322,9 +333,14 @@ class RunRecorder:
         self.advance(live, state, **fields)
         live.done = True
         live.notify()
-        self._finished.append(live.id)
-        while len(self._finished) > self.keep_finished:
-            old = self.live.get(self._finished.popleft())
+        size = len(output) if output is not None else 0
+        self._finished.append((live.id, size))
+        self._kept_bytes += size
+        while self._finished and (len(self._finished) > self.keep_finished
+                                  or self._kept_bytes > KEEP_FINISHED_BYTES):
+            old_id, old_size = self._finished.popleft()
+            self._kept_bytes -= old_size
+            old = self.live.get(old_id)
             if old is not None:
                 self._forget(old)
 

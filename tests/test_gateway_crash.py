@@ -64,7 +64,8 @@ def test_a_router_killed_mid_run_marks_the_run_failed_at_its_next_start(llama_di
         done = httpx.post(base + "/v1/completions", headers=auth, timeout=60,
                           json={"prompt": "finished before the crash", "max_tokens": 4}).json()
         # A long stream, read a little and then not at all: the run stays in flight.
-        stream = httpx.stream("POST", base + "/v1/completions", headers=auth, timeout=60,
+        stream = httpx.stream("POST", base + "/v1/completions", timeout=60,
+                              headers={**auth, "Accept": "text/event-stream"},
                               json={"prompt": "cut by the crash", "max_tokens": 1500,
                                     "ignore_eos": True, "stream": True})
         response = stream.__enter__()

@@ -23,6 +23,7 @@ TENANTS = [TenantConfig(tenant_id="acme", api_key="sk-acme"),
            TenantConfig(tenant_id="beta", api_key="sk-beta")]
 ACME = {"Authorization": "Bearer sk-acme"}
 BETA = {"Authorization": "Bearer sk-beta"}
+SSE = {"Accept": "text/event-stream"}  # a client that reads SSE as SSE: events get ids
 
 
 def _config(**runs) -> RouterConfig:
@@ -112,7 +113,7 @@ def test_a_stream_cut_after_k_events_resumes_byte_identical_after_it_ends(server
     base = f"http://127.0.0.1:{port}"
     body = {"model": backend.model_name, "prompt": "resume after the end", "max_tokens": 12,
             "temperature": 0, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=ACME,
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers={**ACME, **SSE},
                       timeout=60) as response:
         uncut = response.read()
     events = _events(uncut)
@@ -207,7 +208,7 @@ def test_a_client_gone_without_a_key_cancels_its_run(llama_dir, tmp_path):
     backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.01)
     with serving(backend, _config(store=str(tmp_path / "runs.sqlite3"))) as (_, port):
         base = f"http://127.0.0.1:{port}"
-        with httpx.stream("POST", f"{base}/v1/completions", headers=ACME, timeout=10,
+        with httpx.stream("POST", f"{base}/v1/completions", headers={**ACME, **SSE}, timeout=10,
                           json={"prompt": "x", "stream": True, "max_tokens": 100}) as response:
             first = next(line for line in response.iter_lines() if line.startswith("id:"))
         run_id = first[len("id: "):].rsplit(":", 1)[0]
@@ -230,6 +231,23 @@ def test_records_off_serves_as_before_and_says_runs_are_off(llama_dir):
                          json={"prompt": "x", "stream": True}).content
         assert b"id: " not in raw and raw.endswith(b"data: [DONE]\n\n")
         assert_error_body(httpx.get(f"{base}/v1/usage", headers=ACME), 404)
+
+
+def test_a_plain_client_gets_data_lines_only_and_can_still_resume_by_count(server):
+    """Clients written for the OpenAI API often parse each line as `data: ...`: without an
+    Idempotency-Key or Accept: text/event-stream there are no `id:` lines; the run can still be
+    replayed after the n-th event by GET /v1/runs/{id}/events?after=n."""
+    backend, port = server
+    base = f"http://127.0.0.1:{port}"
+    raw = httpx.post(f"{base}/v1/completions", headers=ACME, timeout=60,
+                     json={"model": backend.model_name, "prompt": "plain", "max_tokens": 6,
+                           "temperature": 0, "stream": True, "ignore_eos": True}).content
+    events = _events(raw)
+    assert all(e.startswith(b"data: ") for e in events) and b"\nid: " not in raw
+    run_id = json.loads(events[0][len(b"data: "):])["id"]
+    _recorder(port).writer.flush()
+    assert httpx.get(f"{base}/v1/runs/{run_id}/events?after=0",
+                     headers=ACME).content == b"".join(events[1:])
 
 
 def _run_id(event: bytes) -> str:
