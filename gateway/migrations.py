@@ -53,4 +53,10 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                level REAL NOT NULL,
                stamp REAL NOT NULL)""",
     ]),
+    (3, "index only the runs in flight (what start-up recovery looks for)", [
+        # Most runs are written once, finished: they need not enter a state index at all.
+        "DROP INDEX runs_by_state",
+        "CREATE INDEX runs_in_flight ON runs (state) "
+        "WHERE state IN ('queued', 'prefilling', 'streaming')",
+    ]),
 ]

@@ -251,10 +251,14 @@ class SqlRunStore:
 
     def fail_in_flight(self, states: tuple[str, ...], error: str, at: float,
                        owner: Optional[str] = None) -> int:
-        marks = ", ".join("?" for _ in states)
-        where, params = f"state IN ({marks})", list(states)
+        # The states as literals (they are the state machine's own names): the query then
+        # matches the partial index of runs in flight.
+        if not all(state.isidentifier() for state in states):
+            raise ValueError(f"not state names: {states}")
+        where = "state IN (" + ", ".join(f"'{state}'" for state in states) + ")"
+        params: list = []
         if owner is not None:
-            where, params = where + " AND owner = ?", params + [owner]
+            where, params = where + " AND owner = ?", [owner]
         with self._tx() as db:
             ids = [_first(r) for r in self._exec(db, f"SELECT id FROM runs WHERE {where}",
                                                   params).fetchall()]

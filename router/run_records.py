@@ -317,8 +317,11 @@ class RunRecorder:
         live.notify()
 
     def finish(self, live: LiveRun, state: str, **fields) -> None:
-        """The run is over: its output to the store (before its final state, so a run found
-        finished always has its output), then the state with its usage."""
+        """The run is over: its output to the store when a client can come back for it (it
+        has an Idempotency-Key, or its stream has event ids; written before its final state,
+        so such a run found finished has its output), then the state with its usage. Other
+        runs' output stays in memory only, while the run is among the kept finished ones: most
+        of the bytes a record would write."""
         output = b"".join(live.events) if live.stream else live.body
         if live.error is not None and not live.events:
             # Refused or failed before any output: nothing was served, so the key is free
@@ -328,7 +331,7 @@ class RunRecorder:
                 fields["idempotency_key"] = None
                 if self._by_key.get((live.tenant, live.key)) == live.id:
                     del self._by_key[(live.tenant, live.key)]
-        if output is not None:
+        if output is not None and (live.key is not None or (live.stream and live.event_ids)):
             self.writer.output(live, "sse" if live.stream else "json", output)
         self.advance(live, state, **fields)
         live.done = True
@@ -395,6 +398,11 @@ class RunRecorder:
                 live.events = split_events(data)
             else:
                 live.body = data
+        elif live.state == "completed":
+            live.error = BackendError(
+                409, f"run {live.id} completed; its output was not kept (send an "
+                "Idempotency-Key, or Accept: text/event-stream for a stream, to keep it)",
+                code="output_not_kept")
         else:
             live.error = BackendError(
                 409, f"run {live.id} ended {live.state} without output"
