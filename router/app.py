@@ -184,13 +184,13 @@ async def _generation(request: Request, backend: Backend, intake: Intake, kind: 
         return await _unrecorded(request, backend, intake, kind, raw, response_id, tenant,
                                  timeout_s, deadline)
     tenant_id = _tenant_id(tenant)
-    resume = parse_event_id(request.headers.get("last-event-id"))
+    last_event_id, key, accept = _run_headers(request)
+    resume = parse_event_id(last_event_id)
     if resume is not None:  # a reconnecting stream: the same run, after the last event seen
         live = await recorder.find(resume[0], tenant_id)
         if live is None:
             raise _no_run(resume[0])
         return await _respond(recorder, live, request, resume[1], deadline)
-    key = request.headers.get("idempotency-key") or None
     body = parse_json(raw) if key is not None else None
     try:
         live, created = await recorder.open(response_id, tenant_id, bool(
@@ -201,7 +201,7 @@ async def _generation(request: Request, backend: Backend, intake: Intake, kind: 
     if not created:  # a retry: the run that has the key, not a second computation
         return await _respond(recorder, live, request, -1, deadline)
     live.event_ids = recorder.always_event_ids or key is not None or \
-        "text/event-stream" in request.headers.get("accept", "")
+        "text/event-stream" in accept
     try:
         prepared = await intake.prepare(kind, raw)
         live.stream = prepared.stream
@@ -230,6 +230,19 @@ async def _generation(request: Request, backend: Backend, intake: Intake, kind: 
     if first is None:  # over before its first event: refused or failed
         raise live.error or BackendError(500, "internal error")
     return SSEResponse(_Prepended(first, production), deadline=deadline)
+
+
+_RUN_HEADERS = {b"last-event-id": 0, b"idempotency-key": 1, b"accept": 2}
+
+
+def _run_headers(request: Request) -> tuple[Optional[str], Optional[str], str]:
+    """(Last-Event-ID, Idempotency-Key, Accept) in one pass over the raw headers."""
+    found: list = [None, None, ""]
+    for name, value in request.scope["headers"]:
+        slot = _RUN_HEADERS.get(name)
+        if slot is not None:
+            found[slot] = value.decode("latin-1")
+    return found[0], found[1] or None, found[2]
 
 
 def _backend_streams(backend: Backend, prepared, response_id: str, tenant, timeout_s: float):
