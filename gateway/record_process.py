@@ -19,7 +19,10 @@ def init(store_url: Optional[str]) -> None:
     from gateway.open import open_store
     from gateway.runs import Runs
 
-    _runs = Runs(open_store(store_url))
+    store = open_store(store_url)
+    if hasattr(store, "cache_pages"):
+        store.cache_pages(16384)  # index pages of a large store stay in memory
+    _runs = Runs(store)
 
 
 def record(changes: list) -> list[str]:

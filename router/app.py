@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+import secrets
 import time
 import uuid
 from typing import Optional
@@ -545,6 +546,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
+def _time_ordered_hex() -> str:
+    """32 hex digits: the time in ns, then 64 random bits. Request ids (and so run ids) sort by
+    time, which keeps the run store's inserts at the end of its indexes (random ids made every
+    insert touch a random page: several times the writer's work once the store is large)."""
+    return f"{time.time_ns():016x}{secrets.token_hex(8)}"
+
+
 class RequestLogMiddleware:
     """Gives every request an id (X-Request-Id), logs one line per request (id, method, path,
     status, latency), reports it to the backend's metrics, and turns a crash into an OpenAI 500
@@ -558,7 +566,7 @@ class RequestLogMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
-        hex_id = uuid.uuid4().hex
+        hex_id = _time_ordered_hex()
         state = scope.setdefault("state", {})
         state.update(request_hex=hex_id, request_id=f"req-{hex_id}")
         status = 500

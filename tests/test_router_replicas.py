@@ -87,6 +87,9 @@ def test_two_replicas_share_one_port_rate_limits_and_runs(llama_dir, tmp_path):
         assert routers == {f"{_host()}:{port}/0", f"{_host()}:{port}/1"}, routers
         admitted = statuses.count(200)
         allowed = PER_MINUTE + PER_MINUTE / 60.0 * elapsed
+        print(f"rate limit across 2 replicas: {admitted} of {len(statuses)} admitted in "
+              f"{elapsed:.1f} s, the limit allows {allowed:.1f} ({admitted / allowed - 1:+.1%}); "
+              f"routers {sorted(routers)}")
         assert set(statuses) <= {200, 429}, set(statuses)
         assert abs(admitted - allowed) <= 0.1 * allowed, (admitted, allowed)
         assert {r.status_code for r in retries} == {200}
