@@ -17,11 +17,10 @@ import json
 import logging
 import multiprocessing
 import os
+import pickle
 import socket
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
@@ -57,16 +56,34 @@ class RunWriter:
         self._idle = threading.Condition(self._lock)
         self._writing = False
         self._closing = False
-        self._pool: Optional[ProcessPoolExecutor] = None
+        self._process = None
+        self._conn = None
         self._start_process()  # now, at start-up: not in the middle of serving
         self._thread = threading.Thread(target=self._loop, name="run-writer", daemon=True)
         self._thread.start()
 
     def _start_process(self) -> None:
-        self._pool = ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-            initializer=record_process.init, initargs=(self.store_url,))
-        self._pool.submit(record_process.record, [])  # spawns it and opens the store
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe()
+        self._process = context.Process(target=record_process.serve, name="pd-run-records",
+                                        args=(theirs, self.store_url), daemon=True)
+        self._process.start()
+        theirs.close()
+        self._conn = ours
+
+    def _stop_process(self, timeout_s: float = 10.0) -> None:
+        conn, process, self._conn, self._process = self._conn, self._process, None, None
+        if conn is not None:
+            try:
+                conn.send_bytes(b"")  # finish: the process closes its store and exits
+            except OSError:
+                pass
+            conn.close()
+        if process is not None:
+            process.join(timeout_s)
+            if process.is_alive():
+                process.kill()
+                process.join()
 
     def _change(self, live: "LiveRun") -> RunChange:
         """The run's pending change, to add to under the lock: the writer takes the whole dict
@@ -116,24 +133,23 @@ class RunWriter:
                 return
 
     def _record(self, changes: list[RunChange]) -> list[str]:
-        if self._pool is None:
+        if self._conn is None:
             self._start_process()
         try:
-            return self._pool.submit(record_process.record, changes).result()
-        except BrokenProcessPool:
-            self._pool = None  # the next round starts a new writer process
+            self._conn.send_bytes(pickle.dumps(changes, protocol=pickle.HIGHEST_PROTOCOL))
+            return pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            self._stop_process(timeout_s=1.0)  # it died: the next round starts a new one
             raise
 
     def process_cpu_s(self) -> float:
         """CPU seconds the writer process has used (Linux; 0 before its first round)."""
-        total = 0.0
-        for pid in list(getattr(self._pool, "_processes", None) or ()):
-            try:
-                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
+        process = self._process
+        try:
+            fields = open(f"/proc/{process.pid}/stat").read().rsplit(")", 1)[1].split()
+        except (AttributeError, OSError):
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every change made so far is written."""
@@ -150,8 +166,7 @@ class RunWriter:
             self._closing = True
         self._wake.set()
         self._thread.join(timeout_s)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._stop_process(timeout_s)
 
 
 @dataclass(slots=True)
