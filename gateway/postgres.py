@@ -94,12 +94,6 @@ class PostgresRunStore(SqlRunStore):
                 raise
             return dict(held)
 
-    def close(self) -> None:
-        with self._lock:
-            for db in self._all:
-                db.close()
-            self._all.clear()
-        self._local = threading.local()
 
 
 class _Row(tuple):

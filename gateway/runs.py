@@ -114,7 +114,7 @@ class Runs:
                      "cached_tokens": fields.get("cached_tokens", run["cached_tokens"]) or 0,
                      "output_tokens": fields.get("output_tokens", run["output_tokens"]) or 0,
                      "duration_s": time.time() - run["created_at"]}
-        if "workers" in fields and not isinstance(fields["workers"], str):
+        if fields.get("workers") is not None and not isinstance(fields["workers"], str):
             fields["workers"] = json.dumps(list(fields["workers"]))
         was = self.store.transition(run_id, allowed, state, time.time(), fields, usage)
         if was is None:
@@ -132,6 +132,8 @@ class Runs:
                 items.append(_record_item(change))
             except InvalidTransition as exc:
                 problems.append(str(exc))
+            except Exception as exc:  # one malformed change must not cost the round
+                problems.append(f"run {change.run_id}: {type(exc).__name__}: {exc}")
         for item, ok in zip(items, self.store.record(items)):
             if not ok:
                 current = (self.store.get_run(item["run_id"]) or {}).get("state")
@@ -156,7 +158,7 @@ def _record_item(change: RunChange) -> dict:
     fields: dict = {}
     for _, _, step_fields in change.steps:
         fields.update(step_fields)
-    if not isinstance(fields.get("workers", ""), str):
+    if fields.get("workers") is not None and not isinstance(fields["workers"], str):
         fields["workers"] = json.dumps(list(fields["workers"]))
     at = change.steps[-1][1] if change.steps else change.created["created_at"]
     usage = None

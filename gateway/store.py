@@ -121,6 +121,14 @@ class SqlRunStore:
     def _lock_migrations(self, db) -> None:
         """Serialize migrating processes (SQLite's BEGIN IMMEDIATE already does)."""
 
+    def close(self) -> None:
+        """Every thread's connection (a subclass keeps them in `_all`, under `_lock`)."""
+        with self._lock:
+            for db in self._all:
+                db.close()
+            self._all.clear()
+        self._local = threading.local()
+
     # -- RunStore ----------------------------------------------------------------------------
     def insert_run(self, run: dict) -> Optional[dict]:
         columns = [f for f in RUN_FIELDS if f in run]
@@ -364,13 +372,6 @@ class SqliteRunStore(SqlRunStore):
     def _sql(self, statement: str) -> str:
         # BEGIN IMMEDIATE already holds the database's one write lock: no row locks to take.
         return statement.replace(" FOR UPDATE_IF_SUPPORTED", "").replace("MIN_OF(", "MIN(")
-
-    def close(self) -> None:
-        with self._lock:
-            for db in self._all:
-                db.close()
-            self._all.clear()
-        self._local = threading.local()
 
 
 class _Transaction:

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.chaos_support import processes
-from tests.chaos_support.product import free_port
+from tests.chaos_support.product import free_port, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -31,17 +31,6 @@ def _serve(config: Path, log_path: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _wait_ready(proc: subprocess.Popen, base: str, log_path: Path) -> None:
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        assert time.monotonic() < deadline, "not ready in 180 s"
-        try:
-            if httpx.get(base + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
 
 
 def test_a_router_killed_mid_run_marks_the_run_failed_at_its_next_start(llama_dir, tmp_path,
@@ -60,7 +49,7 @@ def test_a_router_killed_mid_run_marks_the_run_failed_at_its_next_start(llama_di
     auth = {"Authorization": "Bearer sk-acme"}
     first = _serve(config, log_path)
     try:
-        _wait_ready(first, base, log_path)
+        wait_ready(first, base, log_path)
         done = httpx.post(base + "/v1/completions", headers=auth, timeout=60,
                           json={"prompt": "finished before the crash", "max_tokens": 4}).json()
         # A long stream, read a little and then not at all: the run stays in flight.
@@ -88,7 +77,7 @@ def test_a_router_killed_mid_run_marks_the_run_failed_at_its_next_start(llama_di
 
     second = _serve(config, log_path)
     try:
-        _wait_ready(second, base, log_path)
+        wait_ready(second, base, log_path)
         record = httpx.get(f"{base}/v1/runs/{run_id}", headers=auth).json()
         assert record["state"] == "failed" and "stopped" in record["error"], record
         finished = httpx.get(f"{base}/v1/runs/{done['id']}", headers=auth).json()

@@ -201,6 +201,10 @@ def test_a_stream_cut_while_running_resumes_with_the_remaining_events(llama_dir,
         assert state == "streaming", "the cut and the resume happened while the run ran"
         assert b"".join(cut) + rest == whole[0]
         assert len(_events(whole[0])) == 41 and backend.calls == 1
+        recorder = _recorder(port)
+        recorder.writer.flush()  # written to the store too, though its chunks name no workers
+        assert recorder.store.get_run(_run_id(cut[0]))["state"] == "completed"
+        assert recorder.writer.failures == 0
 
 
 def test_a_client_gone_without_a_key_cancels_its_run(llama_dir, tmp_path):

@@ -316,3 +316,24 @@ def test_recorded_outputs_owners_and_shared_rate_buckets(runs):
     store.give_back("acme/requests", 3, 10)
     assert store.take("acme/requests", 3, 1.0, 3, now=101.0) == 0.0
     assert store.take("acme/requests", 3, 1.0, 1, now=101.0) == pytest.approx(1.0)
+
+
+def test_a_round_records_every_run_it_can_and_names_the_others(runs):
+    from gateway.runs import RunChange
+
+    def change(run_id: str, steps: list) -> RunChange:
+        row = Runs.new_run("acme", run_id, "router-0", now=100.0)
+        return RunChange(run_id, "acme", 100.0, row, steps)
+
+    good = change("run-good", [("prefilling", 101.0, {}),
+                               ("streaming", 102.0, {"path": "colocated", "workers": None}),
+                               ("completed", 103.0, {"prompt_tokens": 3, "output_tokens": 2})])
+    bad_chain = change("run-bad-chain", [("completed", 101.0, {})])  # queued -> completed
+    malformed = change("run-malformed", [("prefilling", 101.0, {"workers": 7})])
+    problems = runs.record([good, bad_chain, malformed])
+    assert len(problems) == 2 and "run-bad-chain" in problems[0] and "run-malformed" in problems[1]
+    record = runs.get("run-good")
+    assert record["state"] == "completed" and record["workers"] is None
+    assert [s for s, _ in runs.store.transitions("run-good")] == [
+        "queued", "prefilling", "streaming", "completed"]
+    assert runs.usage("acme")["runs"] == 1 and runs.get("run-bad-chain") is None

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.chaos_support import processes
-from tests.chaos_support.product import free_port
+from tests.chaos_support.product import free_port, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -54,7 +54,7 @@ def test_two_replicas_share_one_port_rate_limits_and_runs(llama_dir, tmp_path):
                             stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(proc, base, tmp_path)
+        wait_ready(proc, base, tmp_path / "serve.log")
 
         async def scenario():
             async with _fresh(base) as http:
@@ -120,16 +120,3 @@ def _host() -> str:
     import socket
 
     return socket.gethostname()
-
-
-def _wait_ready(proc, base: str, tmp_path) -> None:
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "not ready in 180 s"
-        try:
-            if httpx.get(base + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)

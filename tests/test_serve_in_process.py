@@ -19,7 +19,7 @@ import yaml
 
 from pd_runtime import LLM, SamplingParams
 from tests.chaos_support import processes
-from tests.chaos_support.product import free_port
+from tests.chaos_support.product import free_port, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(240)
@@ -40,16 +40,7 @@ def test_serve_in_process_both_paths_match_offline(llama_dir, tmp_path):
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "not ready in 180 s"
-            try:
-                if httpx.get(base + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        wait_ready(proc, base, tmp_path / "serve.log")
         ray = [p.cmdline for p in processes.tree(proc.pid, session=proc.pid)
                if "ray" in p.cmdline.split()[0]]
         assert not ray, f"--in-process started Ray: {ray}"

@@ -31,6 +31,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc: subprocess.Popen, base: str, log_path: Path, timeout_s: float = 180) -> None:
+    """Until the server at `base` answers /ready; fails with its log's tail if it exits or
+    takes longer than `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"not ready in {timeout_s:.0f} s"
+        try:
+            if httpx.get(base + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+
+
 def _merge(base: dict, extra: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in extra.items():

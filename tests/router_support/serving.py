@@ -5,6 +5,8 @@ body, shared by the HTTP test modules.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 
 import httpx
 
@@ -17,9 +19,15 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 APPS: dict = {}  # port -> the app served there (tests look at app.state)
 
 
+_SERVERS = itertools.count()
+
+
 @contextlib.contextmanager
 def serving(backend, router_config: RouterConfig | None = None):
-    app = create_app(backend, router_config or RouterConfig())
+    # An owner of its own: the configured port (8000) is not the one bound here, and another
+    # test server's start-up must not take this one's runs for a crashed predecessor's.
+    app = create_app(backend, router_config or RouterConfig(),
+                     owner=f"test-{os.getpid()}-{next(_SERVERS)}")
     server, port = start_in_thread(app)
     APPS[port] = app
     try:
