@@ -72,7 +72,7 @@ def create_app(backend: Backend, router_config: RouterConfig,
         finally:
             intake.close()
             if recorder is not None:
-                recorder.close()
+                await recorder.shutdown()
 
     app = FastAPI(title="pd-runtime", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
@@ -109,6 +109,9 @@ def create_app(backend: Backend, router_config: RouterConfig,
             raise _no_run(run_id)
         after = parse_event_id(request.headers.get("last-event-id"))
         seq = after[1] if after and after[0] == run_id else _int_param(request, "after", -1)
+        if seq < -1:
+            raise InvalidRequest("after must be -1 (the whole stream) or an event's number",
+                                 param="after")
         deadline = asyncio.get_running_loop().time() + timeout_s
         return await _respond(recorder, live, request, seq, deadline)
 
@@ -317,10 +320,17 @@ async def _production(recorder: RunRecorder, live: LiveRun, builder: ResponseBui
         else:
             live.error = exc
     except (asyncio.CancelledError, GeneratorExit):
+        cut = _timeout_error() if loop.time() >= deadline else BackendError(
+            499, "the run was cancelled: its client left", code="run_cancelled")
         if loop.time() >= deadline:  # the response driving it timed out
-            outcome["error"] = _timeout_error().message
+            outcome["error"] = cut.message
         else:
             state = "cancelled"
+        if live.events and not live.events[-1].endswith(b"data: [DONE]\n\n"):
+            # A replay (a retry, a resume) ends the way a finished stream does, saying why.
+            for payload in (cut.body(), "[DONE]"):
+                recorder.append(live, sse(payload, live.event_id(len(live.events))
+                                          if live.event_ids else None))
         raise
     except Exception:
         log.exception("%s: backend failed", live.id)
@@ -381,6 +391,9 @@ async def _respond(recorder: RunRecorder, live: LiveRun, request: Request, after
         raise
     if not live.stream:
         recorder.leave(live)
+        if live.body is None:  # over without a body and without an error: say so
+            raise live.error or BackendError(409, f"run {live.id} has no output",
+                                             code="run_without_output")
         return Response(live.body, media_type="application/json")
     return SSEResponse(recorder.follow(live, after))
 

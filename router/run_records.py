@@ -191,6 +191,7 @@ class LiveRun:
     event_ids: bool = True  # its SSE events carry `id:` lines
     followers: int = 0
     task: Optional[asyncio.Task] = None
+    detach_timer: Optional[asyncio.TimerHandle] = None  # the grace of its last follower
     info: dict = field(default_factory=dict)  # path, route_reason, workers, token counts
     _changed: Optional[asyncio.Event] = None  # made when someone first waits
 
@@ -338,10 +339,13 @@ class RunRecorder:
         runs' output stays in memory only, while the run is among the kept finished ones: most
         of the bytes a record would write."""
         output = b"".join(live.events) if live.stream else live.body
-        if live.error is not None and not live.events:
-            # Refused or failed before any output: nothing was served, so the key is free
-            # for a retry to run the request anew (and nothing is billed).
+        if not live.events and (live.error is not None or live.body is None):
+            # Refused, failed or cancelled before any output: nothing was served, so the key
+            # is free for a retry to run the request anew (and nothing is billed).
             output = None
+            if live.error is None:
+                live.error = BackendError(409, f"run {live.id} was {state} before any output; "
+                                          "send the request again", code=f"run_{state}")
             if live.key is not None:
                 fields["idempotency_key"] = None
                 if self._by_key.get((live.tenant, live.key)) == live.id:
@@ -365,6 +369,9 @@ class RunRecorder:
     # -- following a run -----------------------------------------------------------------------
     def join(self, live: LiveRun) -> None:
         live.followers += 1
+        if live.detach_timer is not None:  # someone came back within the grace
+            live.detach_timer.cancel()
+            live.detach_timer = None
 
     def leave(self, live: LiveRun) -> None:
         """A follower is gone; the last one leaving a run still going cancels it, at once or
@@ -381,7 +388,17 @@ class RunRecorder:
         if grace <= 0:
             cancel_if_alone()
         else:
-            asyncio.get_running_loop().call_later(grace, cancel_if_alone)
+            live.detach_timer = asyncio.get_running_loop().call_later(grace, cancel_if_alone)
+
+    async def shutdown(self) -> None:
+        """Server shutdown: the runs still going are cancelled (their backend requests
+        aborted) and recorded, then every record is written and the writer stopped."""
+        tasks = [live.task for live in self.live.values()
+                 if live.task is not None and not live.task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.to_thread(self.close)
 
     async def wait_ready(self, live: LiveRun) -> None:
         """Until a response may begin: a stream's every choice has its first chunk, or the

@@ -256,3 +256,59 @@ def test_a_plain_client_gets_data_lines_only_and_can_still_resume_by_count(serve
 
 def _run_id(event: bytes) -> str:
     return event.split(b"\n")[0][len(b"id: "):].rsplit(b":", 1)[0].decode()
+
+
+def test_a_keyed_run_cut_by_its_grace_replays_as_cut_and_one_cut_before_output_runs_anew(
+        llama_dir, tmp_path):
+    """A keyed client gone for longer than detach_grace_s: a run cancelled mid-stream replays
+    with an error event and [DONE] (not a clean-looking partial 200); one cancelled before any
+    output frees its key, so the retry computes it (not an empty 200)."""
+    script = [token_chunk(f" w{i}", i + 1) for i in range(30)] + [
+        token_chunk(" end", 31, finished=True)]
+    backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
+    config = _config(store=str(tmp_path / "runs.sqlite3"), detach_grace_s=0.3)
+    with serving(backend, config) as (_, port):
+        base = f"http://127.0.0.1:{port}"
+        body = {"model": "scripted", "prompt": "x", "max_tokens": 40, "stream": True}
+        mid = {**ACME, "Idempotency-Key": "cut-mid"}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=mid,
+                          timeout=30) as response:
+            next(line for line in response.iter_lines() if line.startswith("data: {"))
+        time.sleep(1.0)  # past the grace: cancelled
+        replay = httpx.post(f"{base}/v1/completions", json=body, headers=mid).content
+        events = _events(replay)
+        assert b'"code":"run_cancelled"' in events[-2] and events[-1].endswith(
+            b"data: [DONE]\n\n")
+        assert backend.calls == 1
+        early = {**ACME, "Idempotency-Key": "cut-early"}
+        backend.script = [token_chunk(" late", 1, finished=True)]
+        backend.step_s = 1.5  # the first chunk comes after the client and its grace are gone
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}/v1/completions", json=body, headers=early, timeout=0.2)
+        time.sleep(1.0)
+        backend.step_s = 0.0
+        again = httpx.post(f"{base}/v1/completions", json=body, headers=early, timeout=30)
+        assert again.status_code == 200 and b" late" in again.content and backend.calls == 3
+        assert_error_body(httpx.get(f"{base}/v1/runs/{_run_id(events[0])}/events?after=-3",
+                                    headers=ACME), 400, param="after")
+
+
+def test_runs_still_going_at_shutdown_are_recorded_cancelled(llama_dir, tmp_path):
+    from gateway.store import SqliteRunStore
+
+    store = tmp_path / "runs.sqlite3"
+    script = [token_chunk(f" w{i}", i + 1) for i in range(100)]
+    backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.05)
+    with serving(backend, _config(store=str(store), detach_grace_s=60)) as (_, port):
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                          json={"prompt": "x", "max_tokens": 100, "stream": True},
+                          headers={**ACME, "Idempotency-Key": "at-shutdown"}) as response:
+            first = next(line for line in response.iter_lines() if line.startswith("id: "))
+    # The client left (a 60 s grace: still running) and then the server stopped.
+    reader = SqliteRunStore(store)
+    try:
+        record = reader.get_run(first[len("id: "):].rsplit(":", 1)[0])
+        assert record["state"] == "cancelled", record
+    finally:
+        reader.close()
+    assert backend.closed, "the backend request was aborted"
