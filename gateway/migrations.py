@@ -59,4 +59,8 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "CREATE INDEX runs_in_flight ON runs (state) "
         "WHERE state IN ('queued', 'prefilling', 'streaming')",
     ]),
+    (4, "when a run was last waited for by a client of another router replica", [
+        # The replica producing the run does not cancel it while this is recent.
+        "ALTER TABLE runs ADD COLUMN followed_at REAL",
+    ]),
 ]

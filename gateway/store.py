@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 RUN_FIELDS = ("id", "tenant", "state", "created_at", "updated_at", "idempotency_key",
               "body_hash", "path", "route_reason", "prompt_tokens", "cached_tokens",
-              "output_tokens", "workers", "error", "owner")
+              "output_tokens", "workers", "error", "owner", "followed_at")
 # A run's idempotency key may only be cleared: a run refused before it served anything frees
 # its key for a retry to run anew.
 UPDATABLE = set(RUN_FIELDS) - {"id", "tenant", "created_at", "body_hash", "owner"}
@@ -58,6 +58,9 @@ class RunStore(Protocol):
         """The finished run's output as the client got it ("sse" events or a "json" body)."""
 
     def get_output(self, run_id: str) -> Optional[tuple[str, bytes]]: ...
+
+    def mark_followed(self, run_id: str, at: float) -> None:
+        """A client of another process waits for this run (its producer keeps it going)."""
 
     def take(self, bucket: str, capacity: float, per_s: float, amount: float,
              now: float) -> float:
@@ -281,6 +284,10 @@ class SqlRunStore:
         with self._tx() as db:
             self._exec(db, "INSERT INTO run_outputs VALUES (?, ?, ?) "
                        "ON CONFLICT (run_id) DO NOTHING", (run_id, kind, body))
+
+    def mark_followed(self, run_id: str, at: float) -> None:
+        with self._tx() as db:
+            self._exec(db, "UPDATE runs SET followed_at = ? WHERE id = ?", (at, run_id))
 
     def get_output(self, run_id: str) -> Optional[tuple[str, bytes]]:
         row = self._exec(self._db(), "SELECT kind, body FROM run_outputs WHERE run_id = ?",

@@ -31,8 +31,10 @@ from router.backend import BackendError
 
 log = logging.getLogger(__name__)
 
-# How often a run another process owns is looked up while a client waits for it to finish.
+# How often a run another process owns is looked up while a client waits for it to finish,
+# and how often that wait is written down (the owner does not cancel a run followed lately).
 POLL_S = 0.05
+FOLLOW_MARK_S = 1.0
 # Finished runs kept in memory hold at most this much output (older ones: from the store).
 KEEP_FINISHED_BYTES = 64 << 20
 # How long the record writer lets a run's changes gather before it writes them.
@@ -383,12 +385,25 @@ class RunRecorder:
 
         def cancel_if_alone() -> None:
             if live.followers == 0 and not live.done and live.task is not None:
-                live.task.cancel()
+                if grace <= 0:
+                    live.task.cancel()
+                else:  # a client of another replica may be waiting for it: ask the store
+                    asyncio.ensure_future(self._cancel_unless_followed(live, cancel_if_alone))
 
         if grace <= 0:
             cancel_if_alone()
         else:
             live.detach_timer = asyncio.get_running_loop().call_later(grace, cancel_if_alone)
+
+    async def _cancel_unless_followed(self, live: LiveRun, again: Callable[[], None]) -> None:
+        record = await asyncio.to_thread(self.runs.get, live.id)
+        followed_at = (record or {}).get("followed_at")
+        if live.followers or live.done or live.task is None:
+            return
+        if followed_at is not None and time.time() - followed_at < 2 * FOLLOW_MARK_S:
+            live.detach_timer = asyncio.get_running_loop().call_later(FOLLOW_MARK_S, again)
+        else:
+            live.task.cancel()
 
     async def shutdown(self) -> None:
         """Server shutdown: the runs still going are cancelled (their backend requests
@@ -412,10 +427,14 @@ class RunRecorder:
         output from the store."""
         if not live.remote or live.done:
             return
+        marked = 0.0
         while True:
             record = await asyncio.to_thread(self.runs.get, live.id)
             if record is None or not TRANSITIONS.get(record["state"]):
                 break
+            if time.monotonic() - marked >= FOLLOW_MARK_S:  # keep its producer from giving up
+                marked = time.monotonic()
+                await asyncio.to_thread(self.store.mark_followed, live.id, time.time())
             await asyncio.sleep(POLL_S)
         output = await asyncio.to_thread(self.store.get_output, live.id) if record else None
         self._load_finished(live, record, output)

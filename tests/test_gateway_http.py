@@ -312,3 +312,27 @@ def test_runs_still_going_at_shutdown_are_recorded_cancelled(llama_dir, tmp_path
     finally:
         reader.close()
     assert backend.closed, "the backend request was aborted"
+
+
+def test_a_retry_that_lands_on_another_replica_keeps_the_run_going(llama_dir, tmp_path):
+    """Two routers on one store (replicas): the client leaves replica A's keyed stream and
+    retries on replica B. B follows the run through the store and marks it followed, so A does
+    not cancel it when the grace runs out; B answers with the whole stream."""
+    script = [token_chunk(f" w{i}", i + 1) for i in range(24)] + [
+        token_chunk(" end", 25, finished=True)]
+    config = _config(store=str(tmp_path / "runs.sqlite3"), detach_grace_s=0.3)
+    a_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
+    b_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
+    with serving(a_backend, config) as (_, a_port), serving(b_backend, config) as (_, b_port):
+        body = {"model": "scripted", "prompt": "x", "max_tokens": 40, "stream": True}
+        headers = {**ACME, "Idempotency-Key": "across"}
+        with httpx.stream("POST", f"http://127.0.0.1:{a_port}/v1/completions", json=body,
+                          headers=headers, timeout=30) as response:
+            next(line for line in response.iter_lines() if line.startswith("data: {"))
+        retried = httpx.post(f"http://127.0.0.1:{b_port}/v1/completions", json=body,
+                             headers=headers, timeout=60)
+        events = _events(retried.content)
+        assert retried.status_code == 200 and len(events) == 26, retried.content[-500:]
+        assert events[-1].endswith(b"data: [DONE]\n\n") and b"run_cancelled" not in \
+            retried.content
+        assert a_backend.calls == 1 and b_backend.calls == 0
