@@ -26,9 +26,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pd_runtime.config import RouterConfig
-from gateway.runs import IdempotencyConflict
+from gateway.runs import IdempotencyConflict, body_hash
 from router.backend import Backend, BackendError
-from router.intake import Intake
+from router.intake import INLINE_MAX_BYTES, Intake
 from router.protocol import InvalidRequest, parse_json
 from router.responses import ResponseBuilder
 from router.run_records import LiveRun, RunRecorder, owner_name, parse_event_id
@@ -195,10 +195,13 @@ async def _generation(request: Request, backend: Backend, intake: Intake, kind: 
         if live is None:
             raise _no_run(resume[0])
         return await _respond(recorder, live, request, resume[1], deadline)
-    body = parse_json(raw) if key is not None else None
+    body = digest = None
+    if key is not None:  # what the key stands for; a large body is parsed off the loop
+        body, digest = (_parse_and_digest(raw) if len(raw) <= INLINE_MAX_BYTES
+                        else await asyncio.to_thread(_parse_and_digest, raw))
     try:
         live, created = await recorder.open(response_id, tenant_id, bool(
-            body and body.get("stream")), key, body)
+            body and body.get("stream")), key, body, digest)
     except IdempotencyConflict as exc:
         raise BackendError(422, str(exc), type="invalid_request_error",
                            code="idempotency_key_reused") from None
@@ -234,6 +237,11 @@ async def _generation(request: Request, backend: Backend, intake: Intake, kind: 
     if first is None:  # over before its first event: refused or failed
         raise live.error or BackendError(500, "internal error")
     return SSEResponse(_Prepended(first, production), deadline=deadline)
+
+
+def _parse_and_digest(raw) -> tuple[dict, str]:
+    body = parse_json(raw)
+    return body, body_hash(body)
 
 
 _RUN_HEADERS = {b"last-event-id": 0, b"idempotency-key": 1, b"accept": 2}

@@ -263,7 +263,7 @@ class RunRecorder:
 
     # -- starting a run ------------------------------------------------------------------------
     async def open(self, run_id: str, tenant: str, stream: bool, key: Optional[str],
-                   body: Optional[dict]) -> tuple[LiveRun, bool]:
+                   body: Optional[dict], digest: Optional[str] = None) -> tuple[LiveRun, bool]:
         """(run, created). With an Idempotency-Key the tenant already used: the run that holds
         it (this process's, or a stub for another's: `task` None, not done), created False;
         IdempotencyConflict (422) when the body differs."""
@@ -272,7 +272,7 @@ class RunRecorder:
             self.writer.create(live, Runs.new_run(tenant, run_id, self.owner,
                                                   now=live.created_at))
             return live, True
-        digest = _digest(body)
+        digest = digest or _digest(body)
         while True:
             held_id = self._by_key.get((tenant, key))
             if held_id in self.live:
@@ -293,9 +293,17 @@ class RunRecorder:
             return held, False
         # The claim is the store's unique (tenant, key): the one write a request waits for.
         claim = self._claims[(tenant, key)] = asyncio.get_running_loop().create_future()
+        write = asyncio.ensure_future(asyncio.to_thread(
+            self.runs.create, tenant, body, key, run_id, self.owner))
         try:
-            record, created = await asyncio.to_thread(
-                self.runs.create, tenant, body, key, run_id, self.owner)
+            try:
+                record, created = await asyncio.shield(write)
+            except asyncio.CancelledError:
+                # The write goes on in its thread: a run it creates is nobody's, so it is
+                # recorded cancelled and its key freed once the write is done.
+                write.add_done_callback(
+                    lambda done: self._abandon(done, LiveRun(run_id, tenant, stream, key, digest)))
+                raise
             if created:
                 live = self._add(LiveRun(run_id, tenant, stream, key, digest,
                                          created_at=record["created_at"]))
@@ -309,6 +317,13 @@ class RunRecorder:
         finally:
             del self._claims[(tenant, key)]
         return live, created
+
+    def _abandon(self, write: asyncio.Future, live: LiveRun) -> None:
+        if write.cancelled() or write.exception() is not None or not write.result()[1]:
+            return
+        live.created_at = write.result()[0]["created_at"]
+        self.writer.step(live, "cancelled", {"idempotency_key": None,
+                                             "error": "cancelled while its key was claimed"})
 
     def _add(self, live: LiveRun) -> LiveRun:
         self.live[live.id] = live

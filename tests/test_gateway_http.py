@@ -336,3 +336,35 @@ def test_a_retry_that_lands_on_another_replica_keeps_the_run_going(llama_dir, tm
         assert events[-1].endswith(b"data: [DONE]\n\n") and b"run_cancelled" not in \
             retried.content
         assert a_backend.calls == 1 and b_backend.calls == 0
+
+
+def test_a_claim_cancelled_during_its_store_write_frees_the_key(tmp_path):
+    from gateway.store import SqliteRunStore
+    from router.run_records import RunRecorder
+
+    path = tmp_path / "runs.sqlite3"
+    recorder = RunRecorder(SqliteRunStore(path), str(path), "owner-0")
+    insert = recorder.store.insert_run
+
+    def slow_insert(run):  # the write is under way when the request is cancelled
+        time.sleep(0.3)
+        return insert(run)
+
+    recorder.store.insert_run = slow_insert
+
+    async def scenario():
+        claim = asyncio.ensure_future(recorder.open("run-abandoned", "acme", True, "k-1",
+                                                    {"prompt": "x"}))
+        await asyncio.sleep(0.05)
+        claim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await claim
+        await asyncio.sleep(0.6)  # the write finishes in its thread; the run is let go
+
+    try:
+        asyncio.run(scenario())
+        recorder.writer.flush()
+        record = recorder.store.get_run("run-abandoned")
+        assert record["state"] == "cancelled" and record["idempotency_key"] is None
+    finally:
+        recorder.close()
