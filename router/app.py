@@ -3,7 +3,8 @@ metrics and the active router config, served through a Backend (router/backend.p
 
 Every response carries X-Request-Id and every error an OpenAI error body; user input never
 yields a 500. Request flow: auth -> read (size limit) -> parse and validate (router/intake.py,
-off the event loop for large bodies) -> n backend streams -> SSE or JSON.
+off the event loop for large bodies) -> n backend streams -> SSE or JSON (router/generation.py);
+the run endpoints read router/run_records.py.
 """
 
 from __future__ import annotations
@@ -15,32 +16,26 @@ import logging
 import math
 import secrets
 import time
-import uuid
 from typing import Optional
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pd_runtime.config import RouterConfig
-from gateway.runs import IdempotencyConflict, body_hash
 from router.backend import Backend, BackendError
-from router.intake import INLINE_MAX_BYTES, Intake
-from router.protocol import InvalidRequest, parse_json
-from router.responses import ResponseBuilder
-from router.run_records import LiveRun, RunRecorder, owner_name, parse_event_id
-from router.streaming import ClientDisconnected, SSEResponse, merge_streams, sse, \
-    until_disconnect
+from router.generation import bearer_key, generation, no_run, respond, tenant_name
+from router.intake import Intake
+from router.protocol import InvalidRequest
+from router.run_records import RunRecorder, owner_name, parse_event_id
+from router.streaming import ClientDisconnected
 
 log = logging.getLogger("router.http")
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; only logs see it
-
-
-ANONYMOUS = "anonymous"  # the tenant of every request when no API keys are configured
 
 
 def open_recorder(router_config: RouterConfig, owner: Optional[str] = None
@@ -84,41 +79,41 @@ def create_app(backend: Backend, router_config: RouterConfig,
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generation(request, backend, intake, "completion", timeout_s, recorder)
+        return await generation(request, backend, intake, "completion", timeout_s, recorder)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generation(request, backend, intake, "chat", timeout_s, recorder)
+        return await generation(request, backend, intake, "chat", timeout_s, recorder)
 
     @app.get("/v1/runs/{run_id}")
     async def run_record(request: Request, run_id: str):
         """The caller's own run: its state, routing, token counts, workers, error."""
-        tenant = _tenant_id(backend.authenticate(_api_key(request)))
+        tenant = tenant_name(backend.authenticate(bearer_key(request)))
         record = await _records(recorder).record(run_id, tenant)
         if record is None:
-            raise _no_run(run_id)
+            raise no_run(run_id)
         return {"object": "run", **record}
 
     @app.get("/v1/runs/{run_id}/events")
     async def run_events(request: Request, run_id: str):
         """The run's stream again, after `Last-Event-ID` (or ?after=<seq>): from its buffer
         while it runs, from its record once it is over; a non-streamed run's JSON body."""
-        tenant = _tenant_id(backend.authenticate(_api_key(request)))
+        tenant = tenant_name(backend.authenticate(bearer_key(request)))
         live = await _records(recorder).find(run_id, tenant)
         if live is None:
-            raise _no_run(run_id)
+            raise no_run(run_id)
         after = parse_event_id(request.headers.get("last-event-id"))
         seq = after[1] if after and after[0] == run_id else _int_param(request, "after", -1)
         if seq < -1:
             raise InvalidRequest("after must be -1 (the whole stream) or an event's number",
                                  param="after")
         deadline = asyncio.get_running_loop().time() + timeout_s
-        return await _respond(recorder, live, request, seq, deadline)
+        return await respond(recorder, live, request, seq, deadline)
 
     @app.get("/v1/usage")
     async def usage(request: Request):
         """The caller's own usage ledger totals over [start_time, end_time) (unix seconds)."""
-        tenant = _tenant_id(backend.authenticate(_api_key(request)))
+        tenant = tenant_name(backend.authenticate(bearer_key(request)))
         start = _float_param(request, "start_time", 0.0)
         end = _float_param(request, "end_time", time.time() + 1)
         totals = await asyncio.to_thread(_records(recorder).runs.usage, tenant, start, end)
@@ -127,12 +122,12 @@ def create_app(backend: Backend, router_config: RouterConfig,
 
     @app.get("/v1/models")
     async def models(request: Request):
-        backend.authenticate(_api_key(request))
+        backend.authenticate(bearer_key(request))
         return {"object": "list", "data": [_model_card(backend)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(request: Request, model: str):
-        backend.authenticate(_api_key(request))
+        backend.authenticate(bearer_key(request))
         if model != backend.model_name:
             raise BackendError(404, f"the model {model!r} does not exist", param="model",
                                code="model_not_found")
@@ -140,14 +135,14 @@ def create_app(backend: Backend, router_config: RouterConfig,
 
     @app.get("/v1/router/config")
     async def router_config_view(request: Request):
-        backend.authenticate(_api_key(request))
+        backend.authenticate(bearer_key(request))
         return backend.active_config()
 
     @app.get("/v1/router/workers")
     async def router_workers(request: Request):
         """Each worker's latest load report as the router's live cost model reads it (what
         `pd-runtime profile --url` calibrates the planner from)."""
-        backend.authenticate(_api_key(request))
+        backend.authenticate(bearer_key(request))
         return {"workers": backend.worker_reports(), "router": backend.host_report()}
 
     @app.get("/health")
@@ -174,329 +169,12 @@ def _model_card(backend: Backend) -> dict:
             "max_model_len": backend.max_model_len}
 
 
-# ---------------------------------------------------------------------------------- generation
-_ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
-
-
-async def _generation(request: Request, backend: Backend, intake: Intake, kind: str,
-                      timeout_s: float, recorder: Optional[RunRecorder]) -> Response:
-    response_id = _name_request(request, _ID_PREFIX[kind])
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    tenant = backend.authenticate(_api_key(request))
-    raw = await intake.read_body(request)
-    if recorder is None:
-        return await _unrecorded(request, backend, intake, kind, raw, response_id, tenant,
-                                 timeout_s, deadline)
-    tenant_id = _tenant_id(tenant)
-    last_event_id, key, accept = _run_headers(request)
-    resume = parse_event_id(last_event_id)
-    if resume is not None:  # a reconnecting stream: the same run, after the last event seen
-        live = await recorder.find(resume[0], tenant_id)
-        if live is None:
-            raise _no_run(resume[0])
-        return await _respond(recorder, live, request, resume[1], deadline)
-    body = digest = None
-    if key is not None:  # what the key stands for; a large body is parsed off the loop
-        body, digest = (_parse_and_digest(raw) if len(raw) <= INLINE_MAX_BYTES
-                        else await asyncio.to_thread(_parse_and_digest, raw))
-    try:
-        live, created = await recorder.open(response_id, tenant_id, bool(
-            body and body.get("stream")), key, body, digest)
-    except IdempotencyConflict as exc:
-        raise BackendError(422, str(exc), type="invalid_request_error",
-                           code="idempotency_key_reused") from None
-    if not created:  # a retry: the run that has the key, not a second computation
-        return await _respond(recorder, live, request, -1, deadline)
-    live.event_ids = recorder.always_event_ids or key is not None or \
-        "text/event-stream" in accept
-    try:
-        prepared = await intake.prepare(kind, raw)
-        live.stream = prepared.stream
-        builder = ResponseBuilder(prepared, response_id, backend.tokenizer)
-        merged = _backend_streams(backend, prepared, response_id, tenant, timeout_s)
-    except BaseException as exc:
-        live.error = exc if isinstance(exc, BackendError) else BackendError(500, "internal error")
-        recorder.finish(live, "failed", error=live.error.message)
-        raise
-    if key is not None:  # the run outlives its client for a while: a task of its own
-        production = _production(recorder, live, builder, merged, deadline, own_deadline=True)
-        live.task = asyncio.create_task(_drain(production))
-        return await _respond(recorder, live, request, -1, deadline)
-    # Without a key the run ends with its client: this response produces it (no extra task).
-    production = _production(recorder, live, builder, merged, deadline, own_deadline=False)
-    try:
-        if not prepared.stream:
-            await until_disconnect(request.receive, _drain(production), deadline)
-            if live.error is not None:
-                raise live.error
-            return Response(live.body, media_type="application/json")
-        first = await until_disconnect(request.receive, anext(production, None), deadline)
-    except BaseException:
-        await production.aclose()
-        raise
-    if first is None:  # over before its first event: refused or failed
-        raise live.error or BackendError(500, "internal error")
-    return SSEResponse(_Prepended(first, production), deadline=deadline)
-
-
-def _parse_and_digest(raw) -> tuple[dict, str]:
-    body = parse_json(raw)
-    return body, body_hash(body)
-
-
-_RUN_HEADERS = {b"last-event-id": 0, b"idempotency-key": 1, b"accept": 2}
-
-
-def _run_headers(request: Request) -> tuple[Optional[str], Optional[str], str]:
-    """(Last-Event-ID, Idempotency-Key, Accept) in one pass over the raw headers."""
-    found: list = [None, None, ""]
-    for name, value in request.scope["headers"]:
-        slot = _RUN_HEADERS.get(name)
-        if slot is not None:
-            found[slot] = value.decode("latin-1")
-    return found[0], found[1] or None, found[2]
-
-
-def _backend_streams(backend: Backend, prepared, response_id: str, tenant, timeout_s: float):
-    return merge_streams([
-        backend.generate(f"{response_id}-{choice.index}", prepared.prompts[choice.prompt_index],
-                         choice.params, priority=prepared.priority, tenant=tenant,
-                         deadline=time.time() + timeout_s)
-        for choice in prepared.choices])
-
-
-async def _unrecorded(request: Request, backend: Backend, intake: Intake, kind: str, raw,
-                      response_id: str, tenant, timeout_s: float, deadline: float) -> Response:
-    """With run records off: the response drives the backend streams itself (the client
-    leaving cancels the request at once)."""
-    prepared = await intake.prepare(kind, raw)
-    builder = ResponseBuilder(prepared, response_id, backend.tokenizer)
-    merged = _backend_streams(backend, prepared, response_id, tenant, timeout_s)
-    try:
-        if not prepared.stream:
-            await until_disconnect(request.receive, _collect(builder, merged), deadline)
-            return JSONResponse(builder.final_body())
-        # Hold the headers until every choice has its first chunk: an error before any token
-        # gets its own HTTP status (429, 503, ...) rather than a 200 stream with an error in it.
-        first = await until_disconnect(request.receive,
-                                       _first_chunks(merged, len(prepared.choices)), deadline)
-    except BaseException:
-        await merged.aclose()
-        raise
-    return SSEResponse(_sse_events(builder, first, merged, {}), deadline=deadline)
-
-
-async def _production(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder, merged,
-                      deadline: float, own_deadline: bool):
-    """The run's one computation: its SSE events (each with its id, into the run's buffer and
-    yielded) or its JSON body; every state it passes through recorded. `own_deadline`: the
-    request timeout is enforced here (a run in a task of its own); otherwise the response
-    that drives it enforces it and closes it."""
-    outcome: dict = {}
-
-    def first_chunk(chunk: dict) -> None:
-        workers = chunk.get("workers")
-        recorder.advance(live, "streaming", path=chunk.get("path"),
-                         route_reason=chunk.get("route_reason"),
-                         workers=list(workers) if workers else None)
-
-    state = "failed"
-    loop = asyncio.get_running_loop()
-    try:
-        recorder.advance(live, "prefilling")
-        async with asyncio.timeout_at(deadline) if own_deadline else _NO_TIMEOUT:
-            if builder.prepared.stream:
-                first = await _first_chunks(merged, len(builder.prepared.choices), first_chunk)
-                live.started = True
-                next_id = (lambda: live.event_id(len(live.events))) if live.event_ids else None
-                async for event in _sse_events(builder, first, merged, outcome, next_id):
-                    recorder.append(live, event)
-                    yield event
-            else:
-                await _collect(builder, merged, first_chunk)
-                live.body = json.dumps(builder.final_body()).encode()
-        state = "failed" if outcome.get("error") else "completed"
-    except BackendError as exc:
-        live.error, outcome["error"] = exc, exc.message
-    except TimeoutError:
-        exc = _timeout_error()
-        outcome["error"] = exc.message
-        if live.events:  # the stream is under way: say so in it, then end it
-            for payload in (exc.body(), "[DONE]"):
-                recorder.append(live, sse(payload, live.event_id(len(live.events))
-                                          if live.event_ids else None))
-        else:
-            live.error = exc
-    except (asyncio.CancelledError, GeneratorExit):
-        cut = _timeout_error() if loop.time() >= deadline else BackendError(
-            499, "the run was cancelled: its client left", code="run_cancelled")
-        if loop.time() >= deadline:  # the response driving it timed out
-            outcome["error"] = cut.message
-        else:
-            state = "cancelled"
-        if live.events and not live.events[-1].endswith(b"data: [DONE]\n\n"):
-            # A replay (a retry, a resume) ends the way a finished stream does, saying why.
-            for payload in (cut.body(), "[DONE]"):
-                recorder.append(live, sse(payload, live.event_id(len(live.events))
-                                          if live.event_ids else None))
-        raise
-    except Exception:
-        log.exception("%s: backend failed", live.id)
-        live.error = BackendError(500, "internal error")
-        outcome["error"] = live.error.message
-    finally:
-        await merged.aclose()
-        usage = builder.usage()
-        recorder.finish(live, state, error=outcome.get("error"),
-                        prompt_tokens=usage["prompt_tokens"],
-                        cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
-                        output_tokens=usage["completion_tokens"])
-
-
-_NO_TIMEOUT = contextlib.nullcontext()
-
-
-def _timeout_error() -> BackendError:
-    return BackendError(504, "the request did not finish within request_timeout_s",
-                        type="timeout_error", code="request_timeout")
-
-
-async def _drain(production) -> None:
-    async for _ in production:
-        pass
-
-
-class _Prepended:
-    """`first`, then the rest of `events`; closing it closes `events`, started or not."""
-
-    def __init__(self, first: bytes, events):
-        self._first: Optional[bytes] = first
-        self._events = events
-
-    def __aiter__(self) -> "_Prepended":
-        return self
-
-    async def __anext__(self) -> bytes:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        return await self._events.__anext__()
-
-    async def aclose(self) -> None:
-        await self._events.aclose()
-
-
-async def _respond(recorder: RunRecorder, live: LiveRun, request: Request, after: int,
-                   deadline: float) -> Response:
-    """One client's response from a run: its stream after event `after`, or its JSON body."""
-    recorder.join(live)
-    try:
-        await until_disconnect(request.receive, recorder.wait_ready(live), deadline)
-        if live.error is not None and not live.events:
-            raise live.error
-    except BaseException:
-        recorder.leave(live)
-        raise
-    if not live.stream:
-        recorder.leave(live)
-        if live.body is None:  # over without a body and without an error: say so
-            raise live.error or BackendError(409, f"run {live.id} has no output",
-                                             code="run_without_output")
-        return Response(live.body, media_type="application/json")
-    return SSEResponse(recorder.follow(live, after))
-
-
-async def _collect(builder: ResponseBuilder, merged, on_first=None) -> None:
-    async for index, chunk in merged:
-        _raise_for_error(chunk)
-        if on_first is not None:
-            on_first(chunk)
-            on_first = None
-        builder.add(index, chunk)
-
-
-async def _first_chunks(merged, num_choices: int, on_first=None) -> list[tuple[int, dict]]:
-    seen: set[int] = set()
-    first: list[tuple[int, dict]] = []
-    while len(seen) < num_choices:
-        try:
-            index, chunk = await merged.__anext__()
-        except StopAsyncIteration:
-            break
-        _raise_for_error(chunk)
-        if on_first is not None:
-            on_first(chunk)
-            on_first = None
-        first.append((index, chunk))
-        seen.add(index)
-    return first
-
-
-async def _sse_events(builder: ResponseBuilder, first: list, merged, outcome: dict,
-                      next_id=None):
-    """The encoded SSE events of a stream (each with the id `next_id()` gives, when given);
-    a failure after the first event is said in the stream and noted in `outcome["error"]`."""
-    def event(payload) -> bytes:
-        return sse(payload, next_id() if next_id is not None else None)
-
-    try:
-        for index, chunk in first:
-            payload = builder.add(index, chunk)
-            if payload is not None:
-                yield event(payload)
-        try:
-            async for index, chunk in merged:
-                _raise_for_error(chunk)
-                payload = builder.add(index, chunk)
-                if payload is not None:
-                    yield event(payload)
-        except BackendError as exc:  # after the first token the status is already 200
-            log.warning("%s: error mid-stream: %s", builder.id, exc.message)
-            outcome["error"] = exc.message
-            yield event(exc.body())
-            yield event("[DONE]")
-            return
-        except Exception:
-            log.exception("%s: backend failed mid-stream", builder.id)
-            outcome["error"] = "internal error while streaming"
-            yield event(BackendError(500, outcome["error"]).body())
-            yield event("[DONE]")
-            return
-        if builder.prepared.include_usage:
-            yield event(builder.usage_event())
-        yield event("[DONE]")
-    finally:
-        await merged.aclose()
-
-
-def _raise_for_error(chunk: dict) -> None:
-    error = chunk.get("error")
-    if error is not None:
-        raise BackendError.from_chunk_error(error if isinstance(error, dict) else
-                                            {"message": str(error)})
-
-
 # ---------------------------------------------------------------------------------- plumbing
-def _name_request(request: Request, prefix: str) -> str:
-    """The response id ("cmpl-<hex>"); it replaces the generic id in X-Request-Id and logs."""
-    state = request.scope.setdefault("state", {})
-    state["request_id"] = f"{prefix}-{state.get('request_hex') or uuid.uuid4().hex}"
-    return state["request_id"]
-
-
-def _tenant_id(tenant) -> str:
-    return tenant.tenant_id if tenant is not None else ANONYMOUS
-
-
 def _records(recorder: Optional[RunRecorder]) -> RunRecorder:
     if recorder is None:
         raise BackendError(404, "run records are off (router.runs.enabled: false)",
                            code="runs_disabled")
     return recorder
-
-
-def _no_run(run_id: str) -> BackendError:
-    return BackendError(404, f"no run {run_id!r} of yours", param="run_id", code="run_not_found")
 
 
 def _int_param(request: Request, name: str, default: int) -> int:
@@ -520,16 +198,6 @@ def _float_param(request: Request, name: str, default: float) -> float:
     if not math.isfinite(number):
         raise InvalidRequest(f"{name} must be a number (unix seconds)", param=name)
     return number
-
-
-def _api_key(request: Request) -> Optional[str]:
-    header = request.headers.get("authorization")
-    if not header:
-        return None
-    scheme, _, key = header.partition(" ")
-    if scheme.lower() != "bearer":
-        return None  # a key in another scheme is no key: 401 when keys are configured
-    return key.strip() or None
 
 
 def error_response(error: BackendError) -> Response:
