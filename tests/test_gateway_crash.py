@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.chaos_support import processes
-from tests.chaos_support.product import free_port, wait_ready
+from tests.chaos_support.product import free_port, stop_serve, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -86,12 +86,7 @@ def test_a_router_killed_mid_run_marks_the_run_failed_at_its_next_start(llama_di
         assert usage["runs"] == 1 and usage["output_tokens"] == 4, usage  # no row for the cut run
         assert "marked failed" in log_path.read_text()
     finally:
-        second.send_signal(signal.SIGINT)
-        try:
-            code = second.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(second.pid, signal.SIGKILL)
-            code = second.wait()
+        code = stop_serve(second)
     assert code == 0, log_path.read_text()[-3000:]
     time.sleep(0.5)
     left = [p for p in processes.tree(second.pid, session=second.pid) if processes.alive(p)]

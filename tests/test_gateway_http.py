@@ -143,6 +143,12 @@ def test_a_stream_cut_after_k_events_resumes_byte_identical_after_it_ends(server
                                  headers={**BETA, "Last-Event-ID": f"{run_id}:3"}), 404)
 
 
+def _words(count: int, then_end: bool = False) -> list[dict]:
+    """A script of `count` word chunks, and a last " end" chunk that finishes it."""
+    script = [token_chunk(f" w{i}", i + 1) for i in range(count)]
+    return script + [token_chunk(" end", count + 1, finished=True)] if then_end else script
+
+
 class _TenantScripted(ScriptedBackend):
     """The scripted backend (paced chunks) with the router's API keys."""
 
@@ -161,8 +167,7 @@ class _TenantScripted(ScriptedBackend):
 
 
 def test_a_stream_cut_while_running_resumes_with_the_remaining_events(llama_dir, tmp_path):
-    script = [token_chunk(f" w{i}", i + 1) for i in range(39)] + [
-        token_chunk(" end", 40, finished=True)]
+    script = _words(39, then_end=True)
     backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.05)
     config = _config(store=str(tmp_path / "runs.sqlite3"), detach_grace_s=30)
     with serving(backend, config) as (_, port):
@@ -208,7 +213,7 @@ def test_a_stream_cut_while_running_resumes_with_the_remaining_events(llama_dir,
 
 
 def test_a_client_gone_without_a_key_cancels_its_run(llama_dir, tmp_path):
-    script = [token_chunk(f" w{i}", i + 1) for i in range(1000)]
+    script = _words(1000)
     backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.01)
     with serving(backend, _config(store=str(tmp_path / "runs.sqlite3"))) as (_, port):
         base = f"http://127.0.0.1:{port}"
@@ -263,8 +268,7 @@ def test_a_keyed_run_cut_by_its_grace_replays_as_cut_and_one_cut_before_output_r
     """A keyed client gone for longer than detach_grace_s: a run cancelled mid-stream replays
     with an error event and [DONE] (not a clean-looking partial 200); one cancelled before any
     output frees its key, so the retry computes it (not an empty 200)."""
-    script = [token_chunk(f" w{i}", i + 1) for i in range(30)] + [
-        token_chunk(" end", 31, finished=True)]
+    script = _words(30, then_end=True)
     backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
     config = _config(store=str(tmp_path / "runs.sqlite3"), detach_grace_s=0.3)
     with serving(backend, config) as (_, port):
@@ -297,7 +301,7 @@ def test_runs_still_going_at_shutdown_are_recorded_cancelled(llama_dir, tmp_path
     from gateway.store import SqliteRunStore
 
     store = tmp_path / "runs.sqlite3"
-    script = [token_chunk(f" w{i}", i + 1) for i in range(100)]
+    script = _words(100)
     backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.05)
     with serving(backend, _config(store=str(store), detach_grace_s=60)) as (_, port):
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=30,
@@ -318,8 +322,7 @@ def test_a_retry_that_lands_on_another_replica_keeps_the_run_going(llama_dir, tm
     """Two routers on one store (replicas): the client leaves replica A's keyed stream and
     retries on replica B. B follows the run through the store and marks it followed, so A does
     not cancel it when the grace runs out; B answers with the whole stream."""
-    script = [token_chunk(f" w{i}", i + 1) for i in range(24)] + [
-        token_chunk(" end", 25, finished=True)]
+    script = _words(24, then_end=True)
     config = _config(store=str(tmp_path / "runs.sqlite3"), detach_grace_s=0.3)
     a_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
     b_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)

@@ -7,7 +7,6 @@ Idempotency-Key, spread over both, are one run; the usage ledger has one row per
 from __future__ import annotations
 
 import asyncio
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 import yaml
 
 from tests.chaos_support import processes
-from tests.chaos_support.product import free_port, wait_ready
+from tests.chaos_support.product import free_port, stop_serve, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -98,12 +97,7 @@ def test_two_replicas_share_one_port_rate_limits_and_runs(llama_dir, tmp_path):
         usage = httpx.get(base + "/v1/usage", headers={"Authorization": "Bearer sk-beta"}).json()
         assert usage["runs"] == 1 and usage["output_tokens"] == 8
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
+        code = stop_serve(proc)
         log.close()
     assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
     db = sqlite3.connect(store)

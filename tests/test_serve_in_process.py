@@ -6,7 +6,6 @@ no process is left behind."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import yaml
 
 from pd_runtime import LLM, SamplingParams
 from tests.chaos_support import processes
-from tests.chaos_support.product import free_port, wait_ready
+from tests.chaos_support.product import free_port, stop_serve, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(240)
@@ -59,12 +58,7 @@ def test_serve_in_process_both_paths_match_offline(llama_dir, tmp_path):
         assert 'pd_routing_decisions_total{path="disaggregated"' in metrics
         assert 'pd_routing_decisions_total{path="colocated"' in metrics
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
+        code = stop_serve(proc, timeout_s=30)
         log.close()
     assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
     time.sleep(0.5)

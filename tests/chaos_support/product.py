@@ -46,6 +46,17 @@ def wait_ready(proc: subprocess.Popen, base: str, log_path: Path, timeout_s: flo
         time.sleep(0.3)
 
 
+def stop_serve(proc: subprocess.Popen, timeout_s: float = 60) -> int:
+    """Ctrl-C to a `pd-runtime serve` started in a session of its own; its process group is
+    killed if it has not exited within `timeout_s`. Its exit code."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
 def _merge(base: dict, extra: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in extra.items():
