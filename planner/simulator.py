@@ -104,6 +104,8 @@ class ClusterSim:
                        for i in range(topology.num_decode)]
         self.engines = {e.worker_id: e for e in self.prefill + self.decode}
         self.states = {wid: WorkerState(wid, e.role) for wid, e in self.engines.items()}
+        self.decode_states = [self.states[e.worker_id] for e in self.decode]
+        self.prefill_states = [self.states[e.worker_id] for e in self.prefill]
         self.cost_model = CostModel()
         self.ledgers = Ledgers()
         self.links: dict[tuple[str, str], float] = {}   # (P, D) -> when it is free
@@ -164,8 +166,7 @@ class ClusterSim:
     # -- routing -----------------------------------------------------------------------------
     def _route(self, out: Outcome, waited_s: float) -> None:
         req, cfg = out.request, self.topology.routing
-        decode = [self.states[e.worker_id] for e in self.decode]
-        prefill = [self.states[e.worker_id] for e in self.prefill]
+        decode, prefill = self.decode_states, self.prefill_states
         if cfg.mode != "slo":
             decision = decide(req.prompt_len, decode, prefill, {}, cfg, self.rng)
         else:

@@ -30,7 +30,7 @@ from router.cost_model import CostModel
 from router.ledger import Ledgers
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkerState:
     worker_id: str
     role: str
@@ -65,12 +65,13 @@ def _fraction(num: float, den: float) -> float:
     return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
 
 
-# Per-request, per-worker: the router's hot loop (and the planner's simulator's), written as
-# one loop each so a pool of hundreds costs microseconds per worker, not calls per field.
+# Per-request, per-worker: the router's hot loop (and the planner's simulator's, which runs it
+# for every simulated request over pools of hundreds), written as one loop each with the
+# shares clamped inline, so a worker costs well under a microsecond, not calls per field.
 def decode_costs(workers: list[WorkerState], hits: dict[str, int], prompt_len: int,
                  cfg: RoutingConfig) -> dict[str, float]:
     """Available decode workers -> cost: busy share, minus free-block share, minus expected
-    prefix-hit share, each weighted (DecodeCostWeights)."""
+    prefix-hit share, each weighted (DecodeCostWeights); every share clamped to [0, 1]."""
     weights = cfg.decode_cost
     w_running, w_free, w_overlap = (weights.weight_running, weights.weight_free_blocks,
                                     weights.weight_prefix_overlap)
@@ -78,12 +79,17 @@ def decode_costs(workers: list[WorkerState], hits: dict[str, int], prompt_len: i
     for w in workers:
         if not w.healthy or w.draining:
             continue
-        load = w.load
-        running = _fraction(load.get("num_running", 0) + load.get("num_waiting", 0) + w.inflight,
-                            load.get("max_num_seqs", 128))
-        free = _fraction(load.get("free_blocks", 1), load.get("total_blocks", 1))
-        overlap = _fraction(hits.get(w.worker_id, 0), prompt_len) if hits else 0.0
-        out[w.worker_id] = running * w_running - free * w_free - overlap * w_overlap
+        get = w.load.get
+        busy = get("num_running", 0) + get("num_waiting", 0) + w.inflight
+        cap = get("max_num_seqs", 128)
+        running = 0.0 if cap <= 0 or busy <= 0 else 1.0 if busy >= cap else busy / cap
+        free, total = get("free_blocks", 1), get("total_blocks", 1)
+        cost = running * w_running
+        if total > 0 and free > 0:
+            cost -= w_free if free >= total else free / total * w_free
+        if hits:
+            cost -= _fraction(hits.get(w.worker_id, 0), prompt_len) * w_overlap
+        out[w.worker_id] = cost
     return out
 
 
@@ -100,16 +106,19 @@ def prefill_costs(workers: list[WorkerState], hits: dict[str, int], prompt_len: 
             continue
         queued = w.load.get("queued_prefill_tokens", 0) + w.inflight * prompt_len
         total += queued
-        overlap = _fraction(hits.get(w.worker_id, 0), prompt_len) if hits else 0.0
-        out[w.worker_id] = _fraction(queued, limit) * w_queued - overlap * w_overlap
+        cost = 0.0 if queued <= 0 else w_queued if queued >= limit else queued / limit * w_queued
+        if hits:
+            cost -= _fraction(hits.get(w.worker_id, 0), prompt_len) * w_overlap
+        out[w.worker_id] = cost
     return out, total
 
 
 def _cheapest(costs: dict[str, float], rng: random.Random) -> Optional[str]:
     if not costs:
         return None
-    best = min(costs.values())
-    return rng.choice(sorted(w for w, c in costs.items() if c <= best + 1e-9))
+    best = min(costs.values()) + 1e-9
+    ties = [w for w, c in costs.items() if c <= best]
+    return ties[0] if len(ties) == 1 else rng.choice(sorted(ties))
 
 
 def decide(prompt_len: int, decode: list[WorkerState], prefill: list[WorkerState],
