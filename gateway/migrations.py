@@ -63,4 +63,19 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         # The replica producing the run does not cancel it while this is recent.
         "ALTER TABLE runs ADD COLUMN followed_at REAL",
     ]),
+    (5, "a run's transition times as its own columns (one row per run, not one per state)", [
+        # Each state is entered at most once (the machine only moves forward), so a column per
+        # state holds what run_transitions did, and a short run is one row in one statement.
+        "ALTER TABLE runs ADD COLUMN prefilling_at REAL",
+        "ALTER TABLE runs ADD COLUMN streaming_at REAL",
+        "ALTER TABLE runs ADD COLUMN ended_at REAL",
+        """UPDATE runs SET
+               prefilling_at = (SELECT MIN(at) FROM run_transitions t
+                                WHERE t.run_id = runs.id AND t.state = 'prefilling'),
+               streaming_at = (SELECT MIN(at) FROM run_transitions t
+                               WHERE t.run_id = runs.id AND t.state = 'streaming'),
+               ended_at = (SELECT MIN(at) FROM run_transitions t WHERE t.run_id = runs.id
+                           AND t.state IN ('completed', 'failed', 'cancelled'))""",
+        "DROP TABLE run_transitions",
+    ]),
 ]

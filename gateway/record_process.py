@@ -15,8 +15,8 @@ from typing import Optional
 
 
 def serve(conn, store_url: Optional[str]) -> None:
-    """Until the pipe closes or an empty message comes: a pickled list of RunChange in, the
-    pickled list of problems (one line each) out."""
+    """Until the pipe closes or an empty message comes: a pickled list of runs' rows in
+    (gateway/runs.py `record_item`), the pickled list of problems (one line each) out."""
     from gateway.open import open_store
     from gateway.runs import Runs
 
@@ -33,7 +33,7 @@ def serve(conn, store_url: Optional[str]) -> None:
             if not message:
                 return
             try:
-                problems = runs.record(pickle.loads(message))
+                problems = runs.record_items(pickle.loads(message))
             except Exception as exc:  # the round failed as a whole: say so, keep serving
                 problems = [f"the round of records failed: {type(exc).__name__}: {exc}"]
             conn.send_bytes(pickle.dumps(problems))

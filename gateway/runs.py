@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gateway.store import RunStore
+from gateway.store import STATE_TIME, RunStore
 
 TRANSITIONS = {
     "queued": ("prefilling", "failed", "cancelled"),
@@ -134,11 +134,17 @@ class Runs:
                 problems.append(str(exc))
             except Exception as exc:  # one malformed change must not cost the round
                 problems.append(f"run {change.run_id}: {type(exc).__name__}: {exc}")
+        return problems + self.record_items(items)
+
+    def record_items(self, items: list[dict]) -> list[str]:
+        """Runs' rows as `record_item` makes them, in one transaction; what could not be
+        recorded, one line each."""
+        problems = []
         for item, ok in zip(items, self.store.record(items)):
             if not ok:
                 current = (self.store.get_run(item["run_id"]) or {}).get("state")
-                problems.append(f"run {item['run_id']}: {current} -> {item['first']} is not "
-                                "allowed")
+                problems.append(f"run {item['run_id']}: {current} -> {item['first']} could "
+                                "not be recorded")
         return problems
 
     def usage(self, tenant: str, since: float = 0.0, until: Optional[float] = None) -> dict:
@@ -146,32 +152,37 @@ class Runs:
                                        else time.time() + 1)
 
 
+def record_item(run_id: str, tenant: str, created_at: float, row: dict, insert: bool,
+                expect: tuple[str, ...] = IN_FLIGHT, output=None, first: str = "") -> dict:
+    """One run's write for RunStore.record: its `row` (the whole row when `insert`, else the
+    columns to change on a run in one of `expect`), with its usage row when the row completes
+    it (one per run: the ledger's primary key)."""
+    usage = None
+    if row.get("state") == "completed":
+        usage = {"tenant": tenant, "input_tokens": row.get("prompt_tokens") or 0,
+                 "cached_tokens": row.get("cached_tokens") or 0,
+                 "output_tokens": row.get("output_tokens") or 0,
+                 "duration_s": row["updated_at"] - created_at}
+    return {"run_id": run_id, "insert": insert, "row": row, "expect": expect, "usage": usage,
+            "output": output, "first": first or row.get("state")}
+
+
 def _record_item(change: RunChange) -> dict:
-    """What the store writes for one run's changes (RunStore.record); the chain of
-    transitions checked here, the state it starts from by the store."""
+    """What the store writes for one run's changes; the chain of transitions checked here,
+    the state it starts from by the store."""
     states = [state for state, _, _ in change.steps]
     start = change.created["state"] if change.created is not None else None
     for before, after in zip([start] + states, states):
         if before is not None and after not in TRANSITIONS[before]:
             raise InvalidTransition(f"run {change.run_id}: {before} -> {after} is not allowed")
-    state = states[-1] if states else start
-    fields: dict = {}
-    for _, _, step_fields in change.steps:
-        fields.update(step_fields)
-    if fields.get("workers") is not None and not isinstance(fields["workers"], str):
-        fields["workers"] = json.dumps(list(fields["workers"]))
-    at = change.steps[-1][1] if change.steps else change.created["created_at"]
-    usage = None
-    if state == "completed":
-        usage = {"tenant": change.tenant, "input_tokens": fields.get("prompt_tokens") or 0,
-                 "cached_tokens": fields.get("cached_tokens") or 0,
-                 "output_tokens": fields.get("output_tokens") or 0,
-                 "duration_s": at - change.created_at}
-    steps = [(s, t) for s, t, _ in change.steps]
-    if change.created is not None:
-        steps.insert(0, (start, change.created["created_at"]))
-    return {"run_id": change.run_id, "insert": change.created, "state": state, "at": at,
-            "first": states[0] if states else start,
-            "expect": () if not states else tuple(
-                s for s, nexts in TRANSITIONS.items() if states[0] in nexts),
-            "fields": fields, "steps": steps, "usage": usage, "output": change.output}
+    row = dict(change.created) if change.created is not None else {}
+    for state, at, fields in change.steps:
+        row.update(fields)
+        row["state"], row["updated_at"], row[STATE_TIME[state]] = state, at, at
+    if row.get("workers") is not None and not isinstance(row["workers"], str):
+        row["workers"] = json.dumps(list(row["workers"]))
+    expect = () if not states else tuple(
+        s for s, nexts in TRANSITIONS.items() if states[0] in nexts)
+    return record_item(change.run_id, change.tenant, change.created_at, row,
+                       change.created is not None, expect, change.output,
+                       states[0] if states else start)

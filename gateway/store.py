@@ -23,7 +23,13 @@ log = logging.getLogger(__name__)
 
 RUN_FIELDS = ("id", "tenant", "state", "created_at", "updated_at", "idempotency_key",
               "body_hash", "path", "route_reason", "prompt_tokens", "cached_tokens",
-              "output_tokens", "workers", "error", "owner", "followed_at")
+              "output_tokens", "workers", "error", "owner", "followed_at", "prefilling_at",
+              "streaming_at", "ended_at")
+# When a run entered each state: the column that holds it (the machine only moves forward,
+# so each is set at most once; the three ends share one).
+STATE_TIME = {"queued": "created_at", "prefilling": "prefilling_at",
+              "streaming": "streaming_at", "completed": "ended_at", "failed": "ended_at",
+              "cancelled": "ended_at"}
 # A run's idempotency key may only be cleared: a run refused before it served anything frees
 # its key for a retry to run anew.
 UPDATABLE = set(RUN_FIELDS) - {"id", "tenant", "created_at", "body_hash", "owner"}
@@ -43,12 +49,15 @@ class RunStore(Protocol):
         when it was not in `expect` (nothing changed)."""
 
     def record(self, items: list[dict]) -> list[bool]:
-        """Several runs' changes in one transaction (gateway/runs.py `_record_item`): each
-        run inserted (`insert`: the row, then brought to `state`) or moved from one of
-        `expect` to `state` with `fields`; then its transition rows `steps`, its usage row and
-        its output. Per item: False when the run was not in `expect` (nothing of it changed)."""
+        """Several runs' rows in one transaction: each item's `row` (column -> value, its
+        state and transition times among them) inserted (`insert` true) or, for a run already
+        there, written over it if the run is in one of `expect`; then its `usage` row (a
+        dict, or None) and its `output` ((kind, body), or None). Per item: False when it
+        could not be (a run not in `expect`, a row the database refused: nothing of it
+        changed)."""
 
-    def transitions(self, run_id: str) -> list[tuple[str, float]]: ...
+    def transitions(self, run_id: str) -> list[tuple[str, float]]:
+        """(state, when) for each state the run has been in, in order."""
 
     def fail_in_flight(self, states: tuple[str, ...], error: str, at: float,
                        owner: Optional[str] = None) -> int:
@@ -144,8 +153,6 @@ class SqlRunStore:
                     return dict(held)
             self._exec(db, f"INSERT INTO runs ({', '.join(columns)}) VALUES "
                        f"({', '.join('?' for _ in columns)})", [run[c] for c in columns])
-            self._exec(db, "INSERT INTO run_transitions VALUES (?, ?, ?)",
-                       (run["id"], run["state"], run["created_at"]))
         return None
 
     def get_run(self, run_id: str) -> Optional[dict]:
@@ -165,10 +172,9 @@ class SqlRunStore:
             was = _first(row)
             if was not in expect:
                 return None
-            sets = {**fields, "state": state, "updated_at": at}
+            sets = {**fields, "state": state, "updated_at": at, STATE_TIME[state]: at}
             self._exec(db, f"UPDATE runs SET {', '.join(f'{k} = ?' for k in sets)} "
                        "WHERE id = ?", [*sets.values(), run_id])
-            self._exec(db, "INSERT INTO run_transitions VALUES (?, ?, ?)", (run_id, state, at))
             if usage is not None:  # the primary key makes a second row impossible
                 self._exec(db, "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?) "
                            "ON CONFLICT (run_id) DO NOTHING",
@@ -179,11 +185,12 @@ class SqlRunStore:
 
     def record(self, items: list[dict]) -> list[bool]:
         for item in items:
-            bad = set(item["fields"]) - UPDATABLE
-            if bad:
-                raise ValueError(f"run fields {sorted(bad)} cannot be updated")
+            if not item["insert"]:
+                bad = set(item["row"]) - UPDATABLE
+                if bad:
+                    raise ValueError(f"run fields {sorted(bad)} cannot be updated")
         with self._tx() as db:
-            new = [item for item in items if item["insert"] is not None]
+            new = [item for item in items if item["insert"]]
             try:
                 with self._tx():  # runs new in this round (most): a few statements for all
                     self._record_new(db, new)
@@ -207,21 +214,16 @@ class SqlRunStore:
     def _record_new(self, db, items: list[dict]) -> None:
         if not items:
             return
-        rows = []
-        for item in items:
-            row = {**item["insert"], **item["fields"], "state": item["state"],
-                   "updated_at": item["at"]}
-            rows.append([row.get(c) for c in RUN_FIELDS])
         db.cursor().executemany(self._sql(
             f"INSERT INTO runs ({', '.join(RUN_FIELDS)}) VALUES "
-            f"({', '.join('?' for _ in RUN_FIELDS)})"), rows)
+            f"({', '.join('?' for _ in RUN_FIELDS)})"),
+            [[item["row"].get(c) for c in RUN_FIELDS] for item in items])
         self._record_rows(db, items)
 
     def _record_one(self, db, item: dict) -> bool:
+        row = item["row"]
         with self._tx():
-            if item["insert"] is not None:
-                row = {**item["insert"], **item["fields"], "state": item["state"],
-                       "updated_at": item["at"]}
+            if item["insert"]:
                 columns = [f for f in RUN_FIELDS if f in row]
                 self._exec(db, f"INSERT INTO runs ({', '.join(columns)}) VALUES "
                            f"({', '.join('?' for _ in columns)})", [row[c] for c in columns])
@@ -230,20 +232,16 @@ class SqlRunStore:
                                    "FOR UPDATE_IF_SUPPORTED", (item["run_id"],)).fetchone()
                 if found is None or _first(found) not in item["expect"]:
                     return False
-                sets = {**item["fields"], "state": item["state"], "updated_at": item["at"]}
-                self._exec(db, f"UPDATE runs SET {', '.join(f'{k} = ?' for k in sets)} "
-                           "WHERE id = ?", [*sets.values(), item["run_id"]])
+                self._exec(db, f"UPDATE runs SET {', '.join(f'{k} = ?' for k in row)} "
+                           "WHERE id = ?", [*row.values(), item["run_id"]])
             self._record_rows(db, [item])
             return True
 
     def _record_rows(self, db, items: list[dict]) -> None:
-        """The transition, usage and output rows of runs just inserted or moved."""
+        """The usage and output rows of runs just inserted or moved."""
         cursor = db.cursor()
-        cursor.executemany(self._sql("INSERT INTO run_transitions VALUES (?, ?, ?)"),
-                           [(item["run_id"], state, at) for item in items
-                            for state, at in item["steps"]])
         usage = [(item["run_id"], u["tenant"], u["input_tokens"], u["cached_tokens"],
-                  u["output_tokens"], u["duration_s"], item["at"])
+                  u["output_tokens"], u["duration_s"], item["row"]["updated_at"])
                  for item in items if (u := item["usage"]) is not None]
         if usage:  # the primary key makes a second row for a run impossible
             cursor.executemany(self._sql("INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?) "
@@ -255,10 +253,14 @@ class SqlRunStore:
                                          "ON CONFLICT (run_id) DO NOTHING"), outputs)
 
     def transitions(self, run_id: str) -> list[tuple[str, float]]:
-        rows = self._exec(self._db(), "SELECT state, at FROM run_transitions WHERE run_id = ? "
-                          "ORDER BY at, CASE state WHEN 'queued' THEN 0 WHEN 'prefilling' "
-                          "THEN 1 WHEN 'streaming' THEN 2 ELSE 3 END", (run_id,)).fetchall()
-        return [tuple(_values(r)) for r in rows]
+        row = self._exec(self._db(), "SELECT state, created_at, prefilling_at, streaming_at, "
+                         "ended_at FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if row is None:
+            return []
+        state, *times = _values(row)
+        ended = state if state in ("completed", "failed", "cancelled") else None
+        return [(name, at) for name, at in zip(("queued", "prefilling", "streaming", ended),
+                                               times) if name is not None and at is not None]
 
     def fail_in_flight(self, states: tuple[str, ...], error: str, at: float,
                        owner: Optional[str] = None) -> int:
@@ -271,14 +273,9 @@ class SqlRunStore:
         if owner is not None:
             where, params = where + " AND owner = ?", [owner]
         with self._tx() as db:
-            ids = [_first(r) for r in self._exec(db, f"SELECT id FROM runs WHERE {where}",
-                                                  params).fetchall()]
-            for run_id in ids:
-                self._exec(db, "UPDATE runs SET state = 'failed', error = ?, updated_at = ? "
-                           "WHERE id = ?", (error, at, run_id))
-                self._exec(db, "INSERT INTO run_transitions VALUES (?, 'failed', ?)",
-                           (run_id, at))
-        return len(ids)
+            return self._exec(db, f"UPDATE runs SET state = 'failed', error = ?, "
+                              f"updated_at = ?, ended_at = ? WHERE {where}",
+                              [error, at, at, *params]).rowcount
 
     def save_output(self, run_id: str, kind: str, body: bytes) -> None:
         with self._tx() as db:

@@ -85,8 +85,12 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
                 raise live.error
             return Response(live.body, media_type="application/json")
         first = await until_disconnect(request.receive, anext(production, None), deadline)
-    except BaseException:
+    except BaseException as exc:
         await production.aclose()
+        if not live.done:  # cut before the production began: its `finally` never ran
+            live.error = exc if isinstance(exc, BackendError) else None
+            recorder.finish(live, "failed" if live.error is not None else "cancelled",
+                            error=live.error.message if live.error is not None else None)
         raise
     if first is None:  # over before its first event: refused or failed
         raise live.error or BackendError(500, "internal error")

@@ -1,10 +1,14 @@
-"""The router's run record writer: each run's changes gathered in memory and, every
-`linger_s`, one round of them sent over a pipe to a child process that records it in one
-transaction (gateway/record_process.py). Nothing here waits on the store.
+"""The router's run record writer: a thread that, every `linger_s` while runs come and go, reads
+the runs this process is producing (router/run_records.py LiveRun) and sends the rows that
+changed over a pipe to a child process that writes them in one transaction
+(gateway/record_process.py). Nothing here waits on the store, and the serving loop does not
+call in per transition: it hands a run over when it begins and when it ends (a list append
+each), and the thread reads the run's state and times itself.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -14,33 +18,40 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from gateway import record_process
-from gateway.runs import RunChange
+from gateway.runs import IN_FLIGHT, record_item
+from gateway.store import RUN_FIELDS
 
 if TYPE_CHECKING:
     from router.run_records import LiveRun
 
 log = logging.getLogger(__name__)
 
-# How long the record writer lets a run's changes gather before it writes them.
+# How long the record writer lets runs' changes gather before it writes them.
 LINGER_S = 0.05
+_COLUMNS = frozenset(RUN_FIELDS)
 
 
 class RunWriter:
-    """Record writes off the token path: a run's changes are gathered and written together, all
-    runs' of a round in one transaction, at most `linger_s` after they happen, so a short run's
-    creation, transitions, output and usage cost one round of statements instead of five
-    commits; the writing is done by a child process (gateway/record_process.py). A change
-    that cannot be recorded is logged and counted, not fatal."""
+    """Record writes off the token path, all runs' of a round in one transaction: a run that
+    begins and ends within a round is one row (its state, times, routing and token counts)
+    and its usage row; one still going at a round's end is written in flight (what start-up
+    recovery finds after a crash) and again whenever its state has moved. A round that cannot
+    be recorded is logged and counted, not fatal."""
 
-    def __init__(self, store_url: Optional[str], linger_s: float = LINGER_S):
+    def __init__(self, store_url: Optional[str], owner: Optional[str] = None,
+                 linger_s: float = LINGER_S):
         self.store_url = store_url
+        self.owner = owner
         self.linger_s = linger_s
         self.failures = 0
-        self._pending: dict[str, RunChange] = {}
+        # Filled by the serving loop (an append is atomic), swapped out by the writer thread.
+        self._begun: list["LiveRun"] = []
+        self._ended: list["LiveRun"] = []
+        self._open: dict[str, "LiveRun"] = {}  # the writer thread's: runs begun, not ended
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._idle = threading.Condition(self._lock)
-        self._writing = False
+        self._rounds = threading.Condition(self._lock)
+        self._started = self._done = 0  # rounds
         self._closing = False
         self._process = None
         self._conn = None
@@ -48,6 +59,76 @@ class RunWriter:
         self._thread = threading.Thread(target=self._loop, name="run-writer", daemon=True)
         self._thread.start()
 
+    # -- the serving loop's side ---------------------------------------------------------------
+    def begun(self, live: "LiveRun") -> None:
+        self._begun.append(live)
+        if len(self._begun) == 1:  # the first of a round: start the linger
+            self._wake.set()
+
+    def ended(self, live: "LiveRun") -> None:
+        self._ended.append(live)
+        if len(self._ended) == 1:
+            self._wake.set()
+
+    # -- the writer thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            if not self._open:  # runs in flight: a round every linger, for their progress
+                self._wake.wait()
+            if not self._closing and self.linger_s > 0:
+                time.sleep(self.linger_s)  # let the runs' next changes join this round
+            with self._lock:
+                self._wake.clear()  # before the swap: an append after it wakes the next round
+                self._started += 1
+                closing = self._closing
+            begun, self._begun = self._begun, []
+            ended, self._ended = self._ended, []
+            try:
+                items = self._items(begun, ended)
+                if items:
+                    for problem in self._record(items):
+                        self.failures += 1
+                        log.warning("run record: %s", problem)
+            except Exception:
+                self.failures += 1
+                log.exception("run records: a round failed")
+            finally:
+                with self._lock:
+                    self._done += 1
+                    self._rounds.notify_all()
+            if closing and not self._begun and not self._ended:
+                return
+
+    def _items(self, begun: list["LiveRun"], ended: list["LiveRun"]) -> list[dict]:
+        for live in begun:
+            self._open[live.id] = live
+        items = []
+        for live in ended:
+            self._open.pop(live.id, None)
+            items.append(self._item(live, live.kept_output))
+        for live in self._open.values():
+            # One that ended after this round's swap is written with the next round's ended.
+            if not live.done and live.state != live.stored:
+                items.append(self._item(live, None))
+        return items
+
+    def _item(self, live: "LiveRun", output) -> dict:
+        state = live.state  # read before its fields: they may be newer, never older
+        row = {k: v for k, v in live.info.copy().items() if k in _COLUMNS}
+        if isinstance(row.get("workers"), (list, tuple)):
+            row["workers"] = json.dumps(list(row["workers"]))
+        row["state"] = state
+        row["updated_at"] = max(live.created_at, row.get("prefilling_at") or 0.0,
+                                row.get("streaming_at") or 0.0, row.get("ended_at") or 0.0)
+        insert = live.stored is None
+        if insert:
+            row.update(id=live.id, tenant=live.tenant, created_at=live.created_at,
+                       owner=self.owner)
+        live.stored = state
+        return record_item(live.id, live.tenant, live.created_at, row, insert, IN_FLIGHT,
+                           output)
+
+    # -- the writer process --------------------------------------------------------------------
     def _start_process(self) -> None:
         context = multiprocessing.get_context("spawn")
         ours, theirs = context.Pipe()
@@ -71,58 +152,11 @@ class RunWriter:
                 process.kill()
                 process.join()
 
-    def _change(self, live: "LiveRun") -> RunChange:
-        """The run's pending change, to add to under the lock: the writer takes the whole dict
-        under it (a swap), so an addition lands in this round or the next, never in neither."""
-        change = self._pending.get(live.id)
-        if change is None:
-            if not self._pending:
-                self._wake.set()  # the round's first change: start the linger
-            change = self._pending[live.id] = RunChange(live.id, live.tenant, live.created_at)
-        return change
-
-    def create(self, live: "LiveRun", row: dict) -> None:
-        with self._lock:
-            self._change(live).created = row
-
-    def step(self, live: "LiveRun", state: str, fields: dict) -> None:
-        with self._lock:
-            self._change(live).steps.append((state, time.time(), fields))
-
-    def output(self, live: "LiveRun", kind: str, body: bytes) -> None:
-        with self._lock:
-            self._change(live).output = (kind, body)
-
-    def _loop(self) -> None:
-        while True:
-            self._wake.wait()
-            if not self._closing and self.linger_s > 0:
-                time.sleep(self.linger_s)  # let the runs' next changes join this round
-            with self._lock:
-                changes, self._pending = list(self._pending.values()), {}
-                self._wake.clear()
-                self._writing = True
-                closing = self._closing
-            try:
-                if changes:
-                    for problem in self._record(changes):
-                        self.failures += 1
-                        log.warning("run record: %s", problem)
-            except Exception:
-                self.failures += len(changes)
-                log.exception("run records: a round of %d runs failed", len(changes))
-            finally:
-                with self._lock:
-                    self._writing = False
-                    self._idle.notify_all()
-            if closing and not self._pending:
-                return
-
-    def _record(self, changes: list[RunChange]) -> list[str]:
+    def _record(self, items: list[dict]) -> list[str]:
         if self._conn is None:
             self._start_process()
         try:
-            self._conn.send_bytes(pickle.dumps(changes, protocol=pickle.HIGHEST_PROTOCOL))
+            self._conn.send_bytes(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL))
             return pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError):
             self._stop_process(timeout_s=1.0)  # it died: the next round starts a new one
@@ -138,13 +172,15 @@ class RunWriter:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until every change made so far is written."""
-        self._wake.set()
+        """Wait until everything the runs did so far is written: a round that starts after
+        this call has done."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._pending or self._writing:
+            target = self._started + 1
+            while self._done < target and self._thread.is_alive():
                 self._wake.set()
-                if not self._idle.wait(max(0.0, deadline - time.monotonic())):
+                if not self._rounds.wait(max(0.0, min(0.5, deadline - time.monotonic()))) \
+                        and time.monotonic() >= deadline:
                     break
 
     def close(self, timeout_s: float = 10.0) -> None:

@@ -5,8 +5,9 @@ That one split gives the gateway's guarantees: a retry with the same Idempotency
 the run already going (or replays the finished one) instead of computing it again; a dropped
 stream resumes from `Last-Event-ID` out of the buffer, or out of the store once the run is
 over; the run outlives a client that left it, for `detach_grace_s`, when that client said it
-would retry. Store writes go through one background thread in order (`RunWriter`), so none
-sits on the token path; only an idempotency claim waits for its write (it must, to be one).
+would retry. Store writes go through one background thread (`RunWriter`), which reads the runs' state
+itself, so none sits on the token path; only an idempotency claim waits for its write (it must,
+to be one).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
 from gateway.runs import IdempotencyConflict, Runs, TRANSITIONS
-from gateway.store import RunStore
+from gateway.store import STATE_TIME, RunStore
 from router.backend import BackendError
 from router.record_writer import RunWriter
 
@@ -59,7 +60,11 @@ class LiveRun:
     followers: int = 0
     task: Optional[asyncio.Task] = None
     detach_timer: Optional[asyncio.TimerHandle] = None  # the grace of its last follower
-    info: dict = field(default_factory=dict)  # path, route_reason, workers, token counts
+    # Its record's columns as they stand: path, route_reason, workers, token counts, error,
+    # the time it entered each state (gateway/store.py STATE_TIME).
+    info: dict = field(default_factory=dict)
+    stored: Optional[str] = None  # the state its store row has (None: no row yet)
+    kept_output: Optional[tuple[str, bytes]] = None  # written with its end: a client may ask
     _changed: Optional[asyncio.Event] = None  # made when someone first waits
 
     def notify(self) -> None:
@@ -111,7 +116,7 @@ class RunRecorder:
         self.detach_grace_s = detach_grace_s
         self.keep_finished = keep_finished
         self.always_event_ids = event_ids == "always"
-        self.writer = RunWriter(store_url)
+        self.writer = RunWriter(store_url, owner)
         self.live: dict[str, LiveRun] = {}
         self._by_key: dict[tuple[str, str], str] = {}
         self._claims: dict[tuple[str, str], asyncio.Future] = {}
@@ -134,8 +139,7 @@ class RunRecorder:
         IdempotencyConflict (422) when the body differs."""
         if key is None:
             live = self._add(LiveRun(run_id, tenant, stream))
-            self.writer.create(live, Runs.new_run(tenant, run_id, self.owner,
-                                                  now=live.created_at))
+            self.writer.begun(live)
             return live, True
         digest = digest or _digest(body)
         while True:
@@ -171,7 +175,8 @@ class RunRecorder:
                 raise
             if created:
                 live = self._add(LiveRun(run_id, tenant, stream, key, digest,
-                                         created_at=record["created_at"]))
+                                         created_at=record["created_at"], stored="queued"))
+                self.writer.begun(live)
             else:  # somebody else's run holds the key: follow that one
                 live = self.live.get(record["id"]) or _stub(record, tenant)
             claim.set_result(live)
@@ -186,9 +191,12 @@ class RunRecorder:
     def _abandon(self, write: asyncio.Future, live: LiveRun) -> None:
         if write.cancelled() or write.exception() is not None or not write.result()[1]:
             return
-        live.created_at = write.result()[0]["created_at"]
-        self.writer.step(live, "cancelled", {"idempotency_key": None,
-                                             "error": "cancelled while its key was claimed"})
+        live.created_at, live.stored = write.result()[0]["created_at"], "queued"
+        live.info.update(idempotency_key=None, error="cancelled while its key was claimed",
+                         ended_at=time.time())
+        live.state = "cancelled"
+        live.done = True
+        self.writer.ended(live)
 
     def _add(self, live: LiveRun) -> LiveRun:
         self.live[live.id] = live
@@ -203,23 +211,27 @@ class RunRecorder:
 
     # -- what the producer reports -------------------------------------------------------------
     def advance(self, live: LiveRun, state: str, **fields) -> None:
+        """The run moves on (its record follows within a writer round)."""
         if state not in TRANSITIONS[live.state]:
             log.warning("run %s: %s -> %s ignored", live.id, live.state, state)
             return
-        live.state = state
-        live.info.update({k: v for k, v in fields.items() if v is not None})
-        self.writer.step(live, state, fields)
+        info = live.info
+        for name, value in fields.items():
+            if value is not None:
+                info[name] = value
+        info[STATE_TIME[state]] = time.time()
+        live.state = state  # after its fields: the writer reads the state first
 
     def append(self, live: LiveRun, payload: bytes) -> None:
         live.events.append(payload)
         live.notify()
 
     def finish(self, live: LiveRun, state: str, **fields) -> None:
-        """The run is over: its output to the store when a client can come back for it (it
-        has an Idempotency-Key, or its stream has event ids; written before its final state,
-        so such a run found finished has its output), then the state with its usage. Other
-        runs' output stays in memory only, while the run is among the kept finished ones: most
-        of the bytes a record would write."""
+        """The run is over: its final row goes to the writer, with its output when a client
+        can come back for it (it has an Idempotency-Key, or its stream has event ids; written
+        in the same transaction as the final state, so such a run found finished has its
+        output) and its usage when completed. Other runs' output stays in memory only, while
+        the run is among the kept finished ones: most of the bytes a record would write."""
         output = b"".join(live.events) if live.stream else live.body
         if not live.events and (live.error is not None or live.body is None):
             # Refused, failed or cancelled before any output: nothing was served, so the key
@@ -229,13 +241,14 @@ class RunRecorder:
                 live.error = BackendError(409, f"run {live.id} was {state} before any output; "
                                           "send the request again", code=f"run_{state}")
             if live.key is not None:
-                fields["idempotency_key"] = None
+                live.info["idempotency_key"] = None
                 if self._by_key.get((live.tenant, live.key)) == live.id:
                     del self._by_key[(live.tenant, live.key)]
         if output is not None and (live.key is not None or (live.stream and live.event_ids)):
-            self.writer.output(live, "sse" if live.stream else "json", output)
+            live.kept_output = ("sse" if live.stream else "json", output)
         self.advance(live, state, **fields)
         live.done = True
+        self.writer.ended(live)
         live.notify()
         size = len(output) if output is not None else 0
         self._finished.append((live.id, size))

@@ -181,6 +181,8 @@ def test_a_stream_cut_while_running_resumes_with_the_remaining_events(llama_dir,
                               timeout=60) as response:
                 whole.append(response.read())
 
+        stored: dict = {}
+
         async def scenario():
             uncut = asyncio.create_task(asyncio.to_thread(follow_uncut))
             cut: list[bytes] = []
@@ -195,6 +197,9 @@ def test_a_stream_cut_while_running_resumes_with_the_remaining_events(llama_dir,
                 cut = _events(buffer)[:7]
                 state = (await http.get(f"{base}/v1/runs/{_run_id(cut[0])}",
                                         headers=ACME)).json()["state"]
+                # The record follows a run in flight, not only its end.
+                await asyncio.to_thread(_recorder(port).writer.flush)
+                stored.update(_recorder(port).store.get_run(_run_id(cut[0])))
                 last = cut[-1].split(b"\n")[0][len(b"id: "):].decode()
                 async with http.stream("POST", f"{base}/v1/completions", json=body,
                                        headers={**headers, "Last-Event-ID": last}) as response:
@@ -208,7 +213,12 @@ def test_a_stream_cut_while_running_resumes_with_the_remaining_events(llama_dir,
         assert len(_events(whole[0])) == 41 and backend.calls == 1
         recorder = _recorder(port)
         recorder.writer.flush()  # written to the store too, though its chunks name no workers
+        assert stored["state"] == "streaming" and stored["ended_at"] is None
         assert recorder.store.get_run(_run_id(cut[0]))["state"] == "completed"
+        steps = recorder.store.transitions(_run_id(cut[0]))
+        assert [s for s, _ in steps] == ["queued", "prefilling", "streaming", "completed"]
+        assert [t for _, t in steps] == sorted(t for _, t in steps)
+        assert steps[2][1] == stored["streaming_at"]
         assert recorder.writer.failures == 0
 
 
@@ -229,6 +239,28 @@ def test_a_client_gone_without_a_key_cancels_its_run(llama_dir, tmp_path):
         record = httpx.get(f"{base}/v1/runs/{run_id}", headers=ACME).json()
         assert record["state"] == "cancelled"
         assert httpx.get(f"{base}/v1/usage", headers=ACME).json()["runs"] == 0
+
+
+def test_a_run_cut_before_its_production_began_is_recorded_ended(llama_dir, tmp_path):
+    """A request timeout so short that the response gives up before the run's producer takes
+    its first step: the run still ends (failed, 504), in memory and in the store, and the
+    writer holds no run open."""
+    script = [token_chunk(" a", 1), token_chunk(" b", 2, finished=True)]
+    backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0)
+    config = RouterConfig(tenants=TENANTS, routing={"mode": "always_colocated"},
+                          request_timeout_s=1e-9, runs={"store": str(tmp_path / "r.sqlite3")})
+    with serving(backend, config) as (_, port):
+        for _ in range(2):
+            response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers=ACME,
+                                  json={"prompt": "x"})
+            assert_error_body(response, 504)
+        recorder = _recorder(port)
+        recorder.writer.flush()
+        ended = [live for live in recorder.live.values()]
+        assert len(ended) == 2 and all(live.done and live.state == "failed" for live in ended)
+        assert not recorder.writer._open
+        for live in ended:
+            assert recorder.store.get_run(live.id)["state"] == "failed"
 
 
 def test_records_off_serves_as_before_and_says_runs_are_off(llama_dir):

@@ -154,6 +154,41 @@ def test_migrations_are_versioned_and_applied_once(store_url):
         again.close()
 
 
+
+def test_a_store_of_schema_4_keeps_its_runs_transition_times(store_url, monkeypatch):
+    """Migration 5 moves run_transitions into columns of runs: a store written by the code of
+    schema 4 reads the same states and times after it."""
+    import gateway.store
+
+    monkeypatch.setattr(gateway.store, "MIGRATIONS", MIGRATIONS[:4])
+    old = open_store(store_url)
+    with old._tx() as db:
+        for run_id, state, steps in [("run-done", "completed", [("queued", 10.0),
+                                      ("prefilling", 11.0), ("streaming", 12.0),
+                                      ("completed", 13.0)]),
+                                     ("run-cut", "streaming", [("queued", 20.0),
+                                      ("prefilling", 21.0), ("streaming", 22.0)])]:
+            old._exec(db, "INSERT INTO runs (id, tenant, state, created_at, updated_at) "
+                      "VALUES (?, 'acme', ?, ?, ?)", (run_id, state, steps[0][1], steps[-1][1]))
+            for step_state, at in steps:
+                old._exec(db, "INSERT INTO run_transitions VALUES (?, ?, ?)",
+                          (run_id, step_state, at))
+    old.close()
+    monkeypatch.undo()
+    store = open_store(store_url)
+    try:
+        assert store.schema_version == 5
+        assert store.transitions("run-done") == [("queued", 10.0), ("prefilling", 11.0),
+                                                 ("streaming", 12.0), ("completed", 13.0)]
+        assert store.transitions("run-cut") == [("queued", 20.0), ("prefilling", 21.0),
+                                                ("streaming", 22.0)]
+        assert Runs(store).recover() == 1  # still in flight: failed, with its time
+        assert store.transitions("run-cut")[-1][0] == "failed"
+        assert store.get_run("run-done")["ended_at"] == 13.0
+    finally:
+        store.close()
+
+
 _MIGRATING_ROUTER = """
 import sys
 sys.path.insert(0, {repo!r})
