@@ -243,6 +243,28 @@ def test_ledger_queue_shifts_with_measured_first_tokens():
     assert lp.recent_prefill_s(c.now + 20, 10.0) == 0.0
 
 
+def test_recent_prefill_seconds_match_the_plain_sum_over_minutes_of_traffic():
+    """The window sum is a lookup over running totals that are trimmed and rebased as entries
+    age past a minute: over 5 simulated minutes at ~200 prefills a second it equals the sum
+    over every prefill done in the window, for short and long windows."""
+    from router.ledger import _RECENT_S, WorkerLedger
+
+    rng = random.Random(3)
+    ledger, done, now = WorkerLedger(), [], 1000.0
+    for i in range(60000):
+        now += rng.expovariate(200.0)
+        seconds = rng.uniform(0.001, 0.05)
+        ledger.add_prefill(str(i), seconds, now)
+        ledger.prefill_done(str(i), now)
+        done.append((now, seconds))
+        if i % 997 == 0:
+            for window in (0.01, 0.5, 7.0, 45.0, 300.0):
+                expected = sum(s for t, s in done if t >= now - min(window, _RECENT_S)
+                               and t >= now - _RECENT_S)
+                assert ledger.recent_prefill_s(now, window) == pytest.approx(expected, rel=1e-9)
+    assert len(ledger.done_at) < 2 * 200 * _RECENT_S  # what is older is dropped
+
+
 def test_predictions_learn_what_the_cost_model_misses():
     # The prefill worker runs 2x slower than its cost model says (a busy neighbour): its
     # measured first tokens raise its predictions until they match.
