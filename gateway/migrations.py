@@ -78,4 +78,9 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                            AND t.state IN ('completed', 'failed', 'cancelled'))""",
         "DROP TABLE run_transitions",
     ]),
+    (6, "when each router replica last showed it was alive (runs of a lapsed one are failed)", [
+        """CREATE TABLE run_owners (
+               name TEXT PRIMARY KEY,
+               seen_at REAL NOT NULL)""",
+    ]),
 ]

@@ -10,13 +10,20 @@ router one pickling of the round and one pipe round trip.
 
 from __future__ import annotations
 
+import logging
 import pickle
+import time
 from typing import Optional
 
+log = logging.getLogger(__name__)
 
-def serve(conn, store_url: Optional[str]) -> None:
+
+def serve(conn, store_url: Optional[str], owner: Optional[str] = None,
+          lease_s: float = 30.0) -> None:
     """Until the pipe closes or an empty message comes: a pickled list of runs' rows in
-    (gateway/runs.py `record_item`), the pickled list of problems (one line each) out."""
+    (gateway/runs.py `record_item`), the pickled list of problems (one line each) out. With an
+    `owner`, every lease_s / 3 between rounds: the owner is alive, and runs of replicas not
+    seen for `lease_s` are failed (a replica that stopped for good leaves none in flight)."""
     from gateway.open import open_store
     from gateway.runs import Runs
 
@@ -24,9 +31,21 @@ def serve(conn, store_url: Optional[str]) -> None:
     if hasattr(store, "cache_pages"):
         store.cache_pages(16384)  # index pages of a large store stay in memory
     runs = Runs(store)
+    beat_s, next_beat = lease_s / 3, 0.0
     try:
         while True:
+            if owner is not None and time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + beat_s
+                try:
+                    lapsed = runs.keep_alive(owner, lease_s)
+                    if lapsed:
+                        log.warning("%d runs of router replicas not seen for %g s marked "
+                                    "failed", lapsed, lease_s)
+                except Exception:
+                    log.exception("run records: the replica's lease could not be renewed")
             try:
+                if owner is not None and not conn.poll(max(0.0, next_beat - time.monotonic())):
+                    continue
                 message = conn.recv_bytes()
             except (EOFError, OSError):  # the router is gone
                 return

@@ -63,6 +63,14 @@ class RunStore(Protocol):
                        owner: Optional[str] = None) -> int:
         """Every run in one of `states` (of `owner` only, when given) to failed; how many."""
 
+    def owner_seen(self, owner: str, at: float) -> None:
+        """A router replica (the owner of the runs it serves) is alive at `at`."""
+
+    def fail_lapsed(self, states: tuple[str, ...], error: str, at: float, seen_before: float,
+                    alive: str) -> int:
+        """Every run in one of `states` whose owner was last seen before `seen_before` (not
+        `alive`, the caller) to failed; how many."""
+
     def save_output(self, run_id: str, kind: str, body: bytes) -> None:
         """The finished run's output as the client got it ("sse" events or a "json" body)."""
 
@@ -264,11 +272,7 @@ class SqlRunStore:
 
     def fail_in_flight(self, states: tuple[str, ...], error: str, at: float,
                        owner: Optional[str] = None) -> int:
-        # The states as literals (they are the state machine's own names): the query then
-        # matches the partial index of runs in flight.
-        if not all(state.isidentifier() for state in states):
-            raise ValueError(f"not state names: {states}")
-        where = "state IN (" + ", ".join(f"'{state}'" for state in states) + ")"
+        where = _in_states(states)
         params: list = []
         if owner is not None:
             where, params = where + " AND owner = ?", [owner]
@@ -276,6 +280,20 @@ class SqlRunStore:
             return self._exec(db, f"UPDATE runs SET state = 'failed', error = ?, "
                               f"updated_at = ?, ended_at = ? WHERE {where}",
                               [error, at, at, *params]).rowcount
+
+    def owner_seen(self, owner: str, at: float) -> None:
+        with self._tx() as db:
+            self._exec(db, "INSERT INTO run_owners VALUES (?, ?) ON CONFLICT (name) "
+                       "DO UPDATE SET seen_at = excluded.seen_at", (owner, at))
+
+    def fail_lapsed(self, states: tuple[str, ...], error: str, at: float, seen_before: float,
+                    alive: str) -> int:
+        where = _in_states(states)
+        with self._tx() as db:
+            return self._exec(db, f"UPDATE runs SET state = 'failed', error = ?, "
+                              f"updated_at = ?, ended_at = ? WHERE {where} AND owner IN "
+                              "(SELECT name FROM run_owners WHERE seen_at < ? AND name <> ?)",
+                              [error, at, at, seen_before, alive]).rowcount
 
     def save_output(self, run_id: str, kind: str, body: bytes) -> None:
         with self._tx() as db:
@@ -331,6 +349,14 @@ class SqlRunStore:
         return {"runs": int(runs), "input_tokens": int(input_tokens),
                 "cached_tokens": int(cached), "output_tokens": int(output),
                 "duration_s": float(duration)}
+
+
+def _in_states(states: tuple[str, ...]) -> str:
+    """`state IN (...)` with the states as literals (they are the state machine's own names):
+    the query then matches the partial index of runs in flight."""
+    if not all(state.isidentifier() for state in states):
+        raise ValueError(f"not state names: {states}")
+    return "state IN (" + ", ".join(f"'{state}'" for state in states) + ")"
 
 
 def _values(row) -> list:

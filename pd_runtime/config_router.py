@@ -102,6 +102,10 @@ class RunsConfig(_Strict):
     # can use them (an Idempotency-Key, or Accept: text/event-stream), since clients written
     # for the OpenAI API often parse every line as `data:`; "always" to every stream.
     event_ids: Literal["auto", "always"] = "auto"
+    # Each replica shows it is alive in the store this often / 3; the runs left in flight by
+    # one not seen for this long (stopped, not restarted on its port) are marked failed, so a
+    # retry following one through the store gets an answer instead of waiting it out.
+    owner_lease_s: float = Field(30.0, gt=0)
 
     @field_validator("store")
     @classmethod

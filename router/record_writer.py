@@ -39,9 +39,12 @@ class RunWriter:
     be recorded is logged and counted, not fatal."""
 
     def __init__(self, store_url: Optional[str], owner: Optional[str] = None,
-                 linger_s: float = LINGER_S):
+                 linger_s: float = LINGER_S, owner_lease_s: float = 30.0):
+        """`owner`: this replica's name on its runs, kept alive in the store every
+        owner_lease_s / 3 by the writer process."""
         self.store_url = store_url
         self.owner = owner
+        self.owner_lease_s = owner_lease_s
         self.linger_s = linger_s
         self.failures = 0
         # Filled by the serving loop (an append is atomic), swapped out by the writer thread.
@@ -133,7 +136,8 @@ class RunWriter:
         context = multiprocessing.get_context("spawn")
         ours, theirs = context.Pipe()
         self._process = context.Process(target=record_process.serve, name="pd-run-records",
-                                        args=(theirs, self.store_url), daemon=True)
+                                        args=(theirs, self.store_url, self.owner,
+                                              self.owner_lease_s), daemon=True)
         self._process.start()
         theirs.close()
         self._conn = ours

@@ -107,7 +107,7 @@ def owner_name(host: str, port: int, replica: int = 0) -> str:
 class RunRecorder:
     def __init__(self, store: RunStore, store_url: Optional[str], owner: str,
                  detach_grace_s: float = 10.0, keep_finished: int = 1024,
-                 event_ids: str = "auto"):
+                 event_ids: str = "auto", owner_lease_s: float = 30.0):
         """`store` for this process's own reads and idempotency claims; `store_url` names the
         same store for the record writer's process."""
         self.store = store
@@ -116,7 +116,7 @@ class RunRecorder:
         self.detach_grace_s = detach_grace_s
         self.keep_finished = keep_finished
         self.always_event_ids = event_ids == "always"
-        self.writer = RunWriter(store_url, owner)
+        self.writer = RunWriter(store_url, owner, owner_lease_s=owner_lease_s)
         self.live: dict[str, LiveRun] = {}
         self._by_key: dict[tuple[str, str], str] = {}
         self._claims: dict[tuple[str, str], asyncio.Future] = {}

@@ -177,7 +177,7 @@ def test_a_store_of_schema_4_keeps_its_runs_transition_times(store_url, monkeypa
     monkeypatch.undo()
     store = open_store(store_url)
     try:
-        assert store.schema_version == 5
+        assert store.schema_version == MIGRATIONS[-1][0]
         assert store.transitions("run-done") == [("queued", 10.0), ("prefilling", 11.0),
                                                  ("streaming", 12.0), ("completed", 13.0)]
         assert store.transitions("run-cut") == [("queued", 20.0), ("prefilling", 21.0),
@@ -372,3 +372,48 @@ def test_a_round_records_every_run_it_can_and_names_the_others(runs):
     assert [s for s, _ in runs.store.transitions("run-good")] == [
         "queued", "prefilling", "streaming", "completed"]
     assert runs.usage("acme")["runs"] == 1 and runs.get("run-bad-chain") is None
+
+
+def test_runs_of_a_replica_not_seen_for_its_lease_are_failed(runs):
+    """A replica that stopped for good (not restarted on its port, so no start-up recovery)
+    leaves runs in flight; another replica's keep-alive fails them once the lapsed one has not
+    been seen for the lease, and leaves its own runs, live replicas' runs and finished runs."""
+    for run_id, owner in [("run-lapsed", "host:8000/1"), ("run-live", "host:8000/0"),
+                          ("run-mine", "host:8000/2"), ("run-done", "host:8000/1")]:
+        runs.create("acme", run_id=run_id, owner=owner)
+        runs.advance(run_id, "prefilling")
+    runs.advance("run-done", "streaming")
+    runs.advance("run-done", "completed", output_tokens=3)
+    runs.store.owner_seen("host:8000/1", 100.0)
+    runs.store.owner_seen("host:8000/0", 125.0)
+    assert runs.keep_alive("host:8000/2", lease_s=30.0, now=120.0) == 0  # 20 s: not lapsed
+    assert runs.keep_alive("host:8000/2", lease_s=30.0, now=140.0) == 1
+    lapsed = runs.get("run-lapsed")
+    assert lapsed["state"] == "failed" and "not seen for 30 s" in lapsed["error"]
+    assert lapsed["ended_at"] == 140.0
+    assert [runs.get(r)["state"] for r in ("run-live", "run-mine", "run-done")] == [
+        "prefilling", "prefilling", "completed"]
+    assert runs.usage("acme")["runs"] == 1  # the failed run is not billed
+
+
+def test_the_record_writer_process_keeps_its_replica_alive_and_fails_lapsed_runs(store_url):
+    from router.record_writer import RunWriter
+
+    store = open_store(store_url)
+    runs = Runs(store)
+    try:
+        runs.create("acme", run_id="run-ghost", owner="gone:8000/1")
+        store.owner_seen("gone:8000/1", time.time() - 60)
+        writer = RunWriter(store_url, "here:8000/0", owner_lease_s=0.6)
+        try:
+            deadline = time.monotonic() + 20
+            while runs.get("run-ghost")["state"] != "failed" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert runs.get("run-ghost")["state"] == "failed"
+            seen = store._exec(store._db(), "SELECT seen_at FROM run_owners WHERE name = ?",
+                               ("here:8000/0",)).fetchone()
+            assert seen is not None and time.time() - seen[0] < 5
+        finally:
+            writer.close()
+    finally:
+        store.close()
