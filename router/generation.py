@@ -22,7 +22,7 @@ from router.intake import INLINE_MAX_BYTES, Intake
 from router.protocol import parse_json
 from router.responses import ResponseBuilder
 from router.run_records import LiveRun, RunRecorder, parse_event_id
-from router.streaming import SSEResponse, merge_streams, sse, until_disconnect
+from router.streaming import PAST_DEADLINE, SSEResponse, merge_streams, sse, until_disconnect
 
 log = logging.getLogger("router.http")
 
@@ -185,10 +185,11 @@ async def _production(recorder: RunRecorder, live: LiveRun, builder: ResponseBui
                                           if live.event_ids else None))
         else:
             live.error = exc
-    except (asyncio.CancelledError, GeneratorExit):
-        cut = _timeout_error() if loop.time() >= deadline else BackendError(
+    except (asyncio.CancelledError, GeneratorExit) as exc:
+        past = loop.time() >= deadline or PAST_DEADLINE in exc.args
+        cut = _timeout_error() if past else BackendError(
             499, "the run was cancelled: its client left", code="run_cancelled")
-        if loop.time() >= deadline:  # the response driving it timed out
+        if past:  # the response driving it timed out
             outcome["error"] = cut.message
         else:
             state = "cancelled"

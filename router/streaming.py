@@ -61,6 +61,10 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
+# The message of the CancelledError that work cut by until_disconnect's deadline receives.
+PAST_DEADLINE = "past the request deadline"
+
+
 async def until_disconnect(receive: Receive, work: Awaitable, deadline: Optional[float] = None):
     """The result of `work`, unless the client disconnects first (ClientDisconnected) or the
     loop time passes `deadline` (BackendError 504); either way `work` is cancelled."""
@@ -68,10 +72,15 @@ async def until_disconnect(receive: Receive, work: Awaitable, deadline: Optional
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_disconnect(receive))
     timeout = None if deadline is None else max(0.0, deadline - loop.time())
+    timed_out = False
     try:
-        await asyncio.wait({task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watch}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        timed_out = not done
     finally:  # also when we are cancelled ourselves: nothing may outlive the request
-        task.cancel()
+        # The work learns why it is cut (its CancelledError's message): a clock read there
+        # could still be short of the deadline the wait just passed.
+        task.cancel(PAST_DEADLINE if timed_out else None)
         watch.cancel()
         await asyncio.gather(task, watch, return_exceptions=True)
     if not task.cancelled():
