@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # How long the record writer lets runs' changes gather before it writes them.
 LINGER_S = 0.05
 _COLUMNS = frozenset(RUN_FIELDS)
+_ENDED = ("completed", "failed", "cancelled")
 
 
 class RunWriter:
@@ -104,7 +105,10 @@ class RunWriter:
 
     def _items(self, begun: list["LiveRun"], ended: list["LiveRun"]) -> list[dict]:
         for live in begun:
-            self._open[live.id] = live
+            # Its end may have come in the round before (the loop ran between the two swaps):
+            # then its final row is written and it is not open.
+            if live.stored not in _ENDED:
+                self._open[live.id] = live
         items = []
         for live in ended:
             self._open.pop(live.id, None)

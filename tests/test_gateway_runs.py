@@ -417,3 +417,25 @@ def test_the_record_writer_process_keeps_its_replica_alive_and_fails_lapsed_runs
             writer.close()
     finally:
         store.close()
+
+
+def test_a_run_whose_end_is_written_before_its_start_is_not_held_open(tmp_path):
+    """The serving loop may run between the writer's two swaps: a run's end then lands in a
+    round before its start. Its final row is written once and the writer holds nothing open
+    (a run held open would keep the writer thread cycling and the run in memory)."""
+    from router.record_writer import RunWriter
+    from router.run_records import LiveRun
+
+    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
+    writer = RunWriter(url, "here:8000/0")
+    try:
+        live = LiveRun("run-raced", "acme", False)
+        live.info.update(prefilling_at=live.created_at, streaming_at=live.created_at,
+                         ended_at=live.created_at, prompt_tokens=3, output_tokens=2)
+        live.state, live.done = "completed", True
+        first = writer._items([], [live])  # its end, this round
+        second = writer._items([live], [])  # its start, the next
+        assert [item["row"]["state"] for item in first] == ["completed"] and second == []
+        assert not writer._open
+    finally:
+        writer.close()
