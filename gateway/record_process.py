@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 def serve(conn, store_url: Optional[str], owner: Optional[str] = None,
           lease_s: float = 30.0) -> None:
     """Until the pipe closes or an empty message comes: a pickled list of runs' rows in
-    (gateway/runs.py `record_item`), the pickled list of problems (one line each) out. With an
+    (gateway/runs.py `record_item`), the pickled list of problems (one line each) out, or one
+    string when nothing of the round could be written. With an
     `owner`, every lease_s / 3 between rounds: the owner is alive, and runs of replicas not
     seen for `lease_s` are failed (a replica that stopped for good leaves none in flight)."""
     from gateway.open import open_store
@@ -53,8 +54,9 @@ def serve(conn, store_url: Optional[str], owner: Optional[str] = None,
                 return
             try:
                 problems = runs.record_items(pickle.loads(message))
-            except Exception as exc:  # the round failed as a whole: say so, keep serving
-                problems = [f"the round of records failed: {type(exc).__name__}: {exc}"]
+            except Exception as exc:  # nothing of the round was written: say so (a str), so
+                # the router sends it again with the next one; keep serving
+                problems = f"the round of records failed: {type(exc).__name__}: {exc}"
             conn.send_bytes(pickle.dumps(problems))
     finally:
         store.close()

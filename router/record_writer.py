@@ -87,15 +87,22 @@ class RunWriter:
                 closing = self._closing
             begun, self._begun = self._begun, []
             ended, self._ended = self._ended, []
+            items: list[tuple["LiveRun", Optional[str], dict]] = []
             try:
                 items = self._items(begun, ended)
                 if items:
-                    for problem in self._record(items):
+                    for problem in self._record([item for _, _, item in items]):
                         self.failures += 1
                         log.warning("run record: %s", problem)
             except Exception:
+                # Nothing of the round was written: its runs go again with the next one (a
+                # row is the run's whole state, so writing it later is writing it right).
                 self.failures += 1
-                log.exception("run records: a round failed")
+                log.exception("run records: a round of %d runs failed; retrying it",
+                              len(items))
+                for live, before, _ in items:
+                    live.stored = before
+                self._ended[:0] = ended
             finally:
                 with self._lock:
                     self._done += 1
@@ -103,7 +110,9 @@ class RunWriter:
             if closing and not self._begun and not self._ended:
                 return
 
-    def _items(self, begun: list["LiveRun"], ended: list["LiveRun"]) -> list[dict]:
+    def _items(self, begun: list["LiveRun"], ended: list["LiveRun"]
+               ) -> list[tuple["LiveRun", Optional[str], dict]]:
+        """(run, the state its row had, its write) for the round."""
         for live in begun:
             # Its end may have come in the round before (the loop ran between the two swaps):
             # then its final row is written and it is not open.
@@ -112,15 +121,19 @@ class RunWriter:
         items = []
         for live in ended:
             self._open.pop(live.id, None)
-            items.append(self._item(live, live.kept_output))
+            items.append((live, live.stored, self._item(live, live.state, live.kept_output)))
         for live in self._open.values():
-            # One that ended after this round's swap is written with the next round's ended.
-            if not live.done and live.state != live.stored:
-                items.append(self._item(live, None))
+            # Read once: a run that reached its end (finish() is on its way: it sets the
+            # state before the run is handed over as ended) is written by the ended round,
+            # with its output, never here.
+            state = live.state
+            if state not in _ENDED and state != live.stored:
+                items.append((live, live.stored, self._item(live, state, None)))
         return items
 
-    def _item(self, live: "LiveRun", output) -> dict:
-        state = live.state  # read before its fields: they may be newer, never older
+    def _item(self, live: "LiveRun", state: str, output) -> dict:
+        """The row of `live` in `state` (read before its fields, which may be newer, never
+        older)."""
         row = {k: v for k, v in live.info.copy().items() if k in _COLUMNS}
         if isinstance(row.get("workers"), (list, tuple)):
             row["workers"] = json.dumps(list(row["workers"]))
@@ -165,10 +178,13 @@ class RunWriter:
             self._start_process()
         try:
             self._conn.send_bytes(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL))
-            return pickle.loads(self._conn.recv_bytes())
+            problems = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError):
             self._stop_process(timeout_s=1.0)  # it died: the next round starts a new one
             raise
+        if isinstance(problems, str):  # the round as a whole could not be written
+            raise RuntimeError(problems)
+        return problems
 
     def process_cpu_s(self) -> float:
         """CPU seconds the writer process has used (Linux; 0 before its first round)."""

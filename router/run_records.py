@@ -122,6 +122,9 @@ class RunRecorder:
         self._claims: dict[tuple[str, str], asyncio.Future] = {}
         self._finished: collections.deque[tuple[str, int]] = collections.deque()
         self._kept_bytes = 0
+        # Alive from now (before any run of ours is in the store: other replicas fail the
+        # runs of an owner last seen longer ago than the lease, a former self's included).
+        self.store.owner_seen(owner, time.time())
         self.recovered = self.runs.recover(owner)
         if self.recovered:
             log.warning("%d runs left in flight by this router's last process marked failed",

@@ -435,7 +435,73 @@ def test_a_run_whose_end_is_written_before_its_start_is_not_held_open(tmp_path):
         live.state, live.done = "completed", True
         first = writer._items([], [live])  # its end, this round
         second = writer._items([live], [])  # its start, the next
-        assert [item["row"]["state"] for item in first] == ["completed"] and second == []
+        assert [item["row"]["state"] for _, _, item in first] == ["completed"]
+        assert second == []
         assert not writer._open
     finally:
         writer.close()
+
+
+def _live_run(run_id: str, state: str, done: bool):
+    from router.run_records import LiveRun
+
+    live = LiveRun(run_id, "acme", False)
+    live.info.update(prefilling_at=live.created_at, streaming_at=live.created_at,
+                     prompt_tokens=3, output_tokens=2)
+    if state == "completed":
+        live.info["ended_at"] = live.created_at
+        live.kept_output = ("json", b'{"id": "' + run_id.encode() + b'"}')
+    live.state, live.done = state, done
+    return live
+
+
+def test_a_run_caught_between_its_final_state_and_its_hand_over_is_written_by_its_end(
+        tmp_path):
+    """finish() sets the final state before it hands the run over as ended: a round reading
+    the run in that gap leaves it to the ended round, which writes the final row with its
+    output (written by the in-flight pass, the output was lost and the end refused)."""
+    from router.record_writer import RunWriter
+
+    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
+    writer = RunWriter(url, "here:8000/0")
+    try:
+        live = _live_run("run-gap", "streaming", False)
+        assert [i["row"]["state"] for _, _, i in writer._items([live], [])] == ["streaming"]
+        live.kept_output = ("json", b'{"id": "run-gap"}')
+        live.info["ended_at"] = live.created_at
+        live.state = "completed"  # finish() is between advance() and ended()
+        assert writer._items([], []) == []
+        live.done = True
+        [(_, _, item)] = writer._items([], [live])
+        assert item["row"]["state"] == "completed" and item["output"] is not None
+    finally:
+        writer.close()
+
+
+def test_a_round_that_could_not_be_written_goes_again_with_the_next(tmp_path):
+    from router.record_writer import RunWriter
+
+    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
+    writer = RunWriter(url, "here:8000/0")
+    real, calls = writer._record, []
+
+    def failing_once(items):
+        calls.append(len(items))
+        if len(calls) == 1:
+            raise OSError("the writer process is gone")
+        return real(items)
+
+    writer._record = failing_once
+    store = open_store(url)
+    try:
+        live = _live_run("run-retried", "completed", True)
+        writer.ended(live)
+        writer.flush()
+        writer.flush()
+        assert calls[:2] == [1, 1] and writer.failures == 1
+        assert store.get_run("run-retried")["state"] == "completed"
+        assert store.get_output("run-retried") == live.kept_output
+        assert Runs(store).usage("acme")["runs"] == 1
+    finally:
+        writer.close()
+        store.close()
