@@ -76,6 +76,8 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                                WHERE t.run_id = runs.id AND t.state = 'streaming'),
                ended_at = (SELECT MIN(at) FROM run_transitions t WHERE t.run_id = runs.id
                            AND t.state IN ('completed', 'failed', 'cancelled'))""",
+        # Routers of an older version write run_transitions: replicas sharing a store are
+        # upgraded together (stop all, start all), not one by one.
         "DROP TABLE run_transitions",
     ]),
     (6, "when each router replica last showed it was alive (runs of a lapsed one are failed)", [
