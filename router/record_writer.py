@@ -76,11 +76,14 @@ class RunWriter:
 
     # -- the writer thread ---------------------------------------------------------------------
     def _loop(self) -> None:
+        failed = 0  # rounds in a row that could not be written: the next waits longer
         while True:
             if not self._open:  # runs in flight: a round every linger, for their progress
                 self._wake.wait()
             if not self._closing and self.linger_s > 0:
-                time.sleep(self.linger_s)  # let the runs' next changes join this round
+                # Let the runs' next changes join this round; after failures, give the store
+                # time (up to 5 s) rather than retrying it every round.
+                time.sleep(min(5.0, self.linger_s * 2 ** failed))
             with self._lock:
                 self._wake.clear()  # before the swap: an append after it wakes the next round
                 self._started += 1
@@ -94,15 +97,23 @@ class RunWriter:
                     for problem in self._record([item for _, _, item in items]):
                         self.failures += 1
                         log.warning("run record: %s", problem)
+                failed = 0
             except Exception:
                 # Nothing of the round was written: its runs go again with the next one (a
                 # row is the run's whole state, so writing it later is writing it right).
                 self.failures += 1
-                log.exception("run records: a round of %d runs failed; retrying it",
+                if failed == 0 or failed % 20 == 0:
+                    log.exception("run records: a round of %d runs failed (%d in a row); "
+                                  "retrying it", len(items), failed + 1)
+                failed += 1
+                if closing:  # no next round to take them
+                    log.error("run records: %d runs' last changes not recorded at shutdown",
                               len(items))
-                for live, before, _ in items:
-                    live.stored = before
-                self._ended[:0] = ended
+                else:
+                    for live, before, _ in items:
+                        live.stored = before
+                    self._ended[:0] = ended
+                    self._wake.set()  # a next round, even if no run comes or goes
             finally:
                 with self._lock:
                     self._done += 1

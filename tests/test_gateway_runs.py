@@ -505,3 +505,23 @@ def test_a_round_that_could_not_be_written_goes_again_with_the_next(tmp_path):
     finally:
         writer.close()
         store.close()
+
+
+def test_a_store_that_keeps_failing_is_retried_less_and_less_often_and_shutdown_ends(tmp_path):
+    from router.record_writer import RunWriter
+
+    writer = RunWriter(f"sqlite://{tmp_path / 'runs.sqlite3'}", "here:8000/0")
+    calls = []
+
+    def failing(items):
+        calls.append(time.monotonic())
+        raise OSError("the store is unreachable")
+
+    writer._record = failing
+    writer.ended(_live_run("run-stuck", "completed", True))
+    time.sleep(1.2)
+    # Rounds 50, 100, 200, 400, 800 ms apart: 4-5 tries in 1.2 s (every 50 ms: 24).
+    assert 2 <= len(calls) <= 6, len(calls)
+    started = time.monotonic()
+    writer.close(timeout_s=10)
+    assert time.monotonic() - started < 8 and not writer._thread.is_alive()
