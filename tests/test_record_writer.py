@@ -1,0 +1,132 @@
+"""The router's run record writer (router/record_writer.py) against a real store: the
+replica's keep-alive and lease from its writer process, the rounds' hand-over between the
+serving loop and the writer thread (a run's end before its start, a run caught between its
+final state and its hand-over), and a round that could not be written (retried, backing off,
+given up at shutdown)."""
+
+from __future__ import annotations
+
+import time
+
+from gateway.open import open_store
+from gateway.runs import Runs
+from router.record_writer import RunWriter
+from router.run_records import LiveRun
+
+
+def test_the_record_writer_process_keeps_its_replica_alive_and_fails_lapsed_runs(store_url):
+    store = open_store(store_url)
+    runs = Runs(store)
+    try:
+        runs.create("acme", run_id="run-ghost", owner="gone:8000/1")
+        store.owner_seen("gone:8000/1", time.time() - 60)
+        writer = RunWriter(store_url, "here:8000/0", owner_lease_s=0.6)
+        try:
+            deadline = time.monotonic() + 20
+            while runs.get("run-ghost")["state"] != "failed" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert runs.get("run-ghost")["state"] == "failed"
+            seen = store._exec(store._db(), "SELECT seen_at FROM run_owners WHERE name = ?",
+                               ("here:8000/0",)).fetchone()
+            assert seen is not None and time.time() - seen[0] < 5
+        finally:
+            writer.close()
+    finally:
+        store.close()
+
+
+def test_a_run_whose_end_is_written_before_its_start_is_not_held_open(tmp_path):
+    """The serving loop may run between the writer's two swaps: a run's end then lands in a
+    round before its start. Its final row is written once and the writer holds nothing open
+    (a run held open would keep the writer thread cycling and the run in memory)."""
+    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
+    writer = RunWriter(url, "here:8000/0")
+    try:
+        live = LiveRun("run-raced", "acme", False)
+        live.info.update(prefilling_at=live.created_at, streaming_at=live.created_at,
+                         ended_at=live.created_at, prompt_tokens=3, output_tokens=2)
+        live.state, live.done = "completed", True
+        first = writer._items([], [live])  # its end, this round
+        second = writer._items([live], [])  # its start, the next
+        assert [item["row"]["state"] for _, _, item in first] == ["completed"]
+        assert second == []
+        assert not writer._open
+    finally:
+        writer.close()
+
+
+def _live_run(run_id: str, state: str, done: bool):
+    live = LiveRun(run_id, "acme", False)
+    live.info.update(prefilling_at=live.created_at, streaming_at=live.created_at,
+                     prompt_tokens=3, output_tokens=2)
+    if state == "completed":
+        live.info["ended_at"] = live.created_at
+        live.kept_output = ("json", b'{"id": "' + run_id.encode() + b'"}')
+    live.state, live.done = state, done
+    return live
+
+
+def test_a_run_caught_between_its_final_state_and_its_hand_over_is_written_by_its_end(
+        tmp_path):
+    """finish() sets the final state before it hands the run over as ended: a round reading
+    the run in that gap leaves it to the ended round, which writes the final row with its
+    output (written by the in-flight pass, the output was lost and the end refused)."""
+    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
+    writer = RunWriter(url, "here:8000/0")
+    try:
+        live = _live_run("run-gap", "streaming", False)
+        assert [i["row"]["state"] for _, _, i in writer._items([live], [])] == ["streaming"]
+        live.kept_output = ("json", b'{"id": "run-gap"}')
+        live.info["ended_at"] = live.created_at
+        live.state = "completed"  # finish() is between advance() and ended()
+        assert writer._items([], []) == []
+        live.done = True
+        [(_, _, item)] = writer._items([], [live])
+        assert item["row"]["state"] == "completed" and item["output"] is not None
+    finally:
+        writer.close()
+
+
+def test_a_round_that_could_not_be_written_goes_again_with_the_next(tmp_path):
+    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
+    writer = RunWriter(url, "here:8000/0")
+    real, calls = writer._record, []
+
+    def failing_once(items):
+        calls.append(len(items))
+        if len(calls) == 1:
+            raise OSError("the writer process is gone")
+        return real(items)
+
+    writer._record = failing_once
+    store = open_store(url)
+    try:
+        live = _live_run("run-retried", "completed", True)
+        writer.ended(live)
+        writer.flush()
+        writer.flush()
+        assert calls[:2] == [1, 1] and writer.failures == 1
+        assert store.get_run("run-retried")["state"] == "completed"
+        assert store.get_output("run-retried") == live.kept_output
+        assert Runs(store).usage("acme")["runs"] == 1
+    finally:
+        writer.close()
+        store.close()
+
+
+def test_a_store_that_keeps_failing_is_retried_less_and_less_often_and_shutdown_ends(tmp_path):
+    writer = RunWriter(f"sqlite://{tmp_path / 'runs.sqlite3'}", "here:8000/0")
+    calls = []
+
+    def failing(items):
+        calls.append(time.monotonic())
+        raise OSError("the store is unreachable")
+
+    writer._record = failing
+    writer.ended(_live_run("run-stuck", "completed", True))
+    time.sleep(1.2)
+    # Rounds 50, 100, 200, 400, 800 ms apart: 4-5 tries in 1.2 s (every 50 ms: 24).
+    assert 2 <= len(calls) <= 6, len(calls)
+    started = time.monotonic()
+    writer.close(timeout_s=10)
+    assert time.monotonic() - started < 8 and not writer._thread.is_alive()
