@@ -38,6 +38,10 @@ class WorkerState:
     draining: bool = False
     load: dict = field(default_factory=dict)
     inflight: int = 0  # routed by us since the last load report arrived
+    # (load, busy, max_num_seqs, free-block share) of the load report it was read from: a
+    # state kept across decisions (the planner's simulator, thousands per report) reads its
+    # report once. A new report is a new dict; one changed in place is not seen here.
+    shares: Optional[tuple] = None
 
     @property
     def available(self) -> bool:
@@ -79,18 +83,23 @@ def decode_costs(workers: list[WorkerState], hits: dict[str, int], prompt_len: i
     for w in workers:
         if not w.healthy or w.draining:
             continue
-        get = w.load.get
-        busy = get("num_running", 0) + get("num_waiting", 0) + w.inflight
-        cap = get("max_num_seqs", 128)
+        shares = w.shares
+        if shares is None or shares[0] is not w.load:
+            shares = w.shares = _decode_shares(w.load)
+        _, busy, cap, free = shares
+        busy += w.inflight
         running = 0.0 if cap <= 0 or busy <= 0 else 1.0 if busy >= cap else busy / cap
-        free, total = get("free_blocks", 1), get("total_blocks", 1)
-        cost = running * w_running
-        if total > 0 and free > 0:
-            cost -= w_free if free >= total else free / total * w_free
+        cost = running * w_running - free * w_free
         if hits:
             cost -= _fraction(hits.get(w.worker_id, 0), prompt_len) * w_overlap
         out[w.worker_id] = cost
     return out
+
+
+def _decode_shares(load: dict) -> tuple:
+    free, total = load.get("free_blocks", 1), load.get("total_blocks", 1)
+    return (load, load.get("num_running", 0) + load.get("num_waiting", 0),
+            load.get("max_num_seqs", 128), _fraction(free, total))
 
 
 def prefill_costs(workers: list[WorkerState], hits: dict[str, int], prompt_len: int,
