@@ -276,10 +276,7 @@ class SqlRunStore:
         params: list = []
         if owner is not None:
             where, params = where + " AND owner = ?", [owner]
-        with self._tx() as db:
-            return self._exec(db, f"UPDATE runs SET state = 'failed', error = ?, "
-                              f"updated_at = ?, ended_at = ? WHERE {where}",
-                              [error, at, at, *params]).rowcount
+        return self._fail_where(where, params, error, at)
 
     def owner_seen(self, owner: str, at: float) -> None:
         with self._tx() as db:
@@ -288,12 +285,16 @@ class SqlRunStore:
 
     def fail_lapsed(self, states: tuple[str, ...], error: str, at: float, seen_before: float,
                     alive: str) -> int:
-        where = _in_states(states)
+        return self._fail_where(f"{_in_states(states)} AND owner IN (SELECT name FROM "
+                                "run_owners WHERE seen_at < ? AND name <> ?)",
+                                [seen_before, alive], error, at)
+
+    def _fail_where(self, where: str, params: list, error: str, at: float) -> int:
+        """Every run matching `where` to failed with `error` at `at`; how many."""
         with self._tx() as db:
             return self._exec(db, f"UPDATE runs SET state = 'failed', error = ?, "
-                              f"updated_at = ?, ended_at = ? WHERE {where} AND owner IN "
-                              "(SELECT name FROM run_owners WHERE seen_at < ? AND name <> ?)",
-                              [error, at, at, seen_before, alive]).rowcount
+                              f"updated_at = ?, ended_at = ? WHERE {where}",
+                              [error, at, at, *params]).rowcount
 
     def save_output(self, run_id: str, kind: str, body: bytes) -> None:
         with self._tx() as db:

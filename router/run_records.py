@@ -5,9 +5,9 @@ That one split gives the gateway's guarantees: a retry with the same Idempotency
 the run already going (or replays the finished one) instead of computing it again; a dropped
 stream resumes from `Last-Event-ID` out of the buffer, or out of the store once the run is
 over; the run outlives a client that left it, for `detach_grace_s`, when that client said it
-would retry. Store writes go through one background thread (`RunWriter`), which reads the runs' state
-itself, so none sits on the token path; only an idempotency claim waits for its write (it must,
-to be one).
+would retry. Store writes go through one background thread (`RunWriter`), which reads the
+runs' state itself, so none sits on the token path; only an idempotency claim waits for its
+write (it must, to be one).
 """
 
 from __future__ import annotations
@@ -195,9 +195,8 @@ class RunRecorder:
         if write.cancelled() or write.exception() is not None or not write.result()[1]:
             return
         live.created_at, live.stored = write.result()[0]["created_at"], "queued"
-        live.info.update(idempotency_key=None, error="cancelled while its key was claimed",
-                         ended_at=time.time())
-        live.state = "cancelled"
+        live.info["idempotency_key"] = None
+        self.advance(live, "cancelled", error="cancelled while its key was claimed")
         live.done = True
         self.writer.ended(live)
 
