@@ -6,7 +6,6 @@ with run records off, the response drives the backend streams itself. Served by 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -22,7 +21,8 @@ from router.intake import INLINE_MAX_BYTES, Intake
 from router.protocol import parse_json
 from router.responses import ResponseBuilder
 from router.run_records import LiveRun, RunRecorder, parse_event_id
-from router.streaming import PAST_DEADLINE, SSEResponse, merge_streams, sse, until_disconnect
+from router.streaming import (ClientDisconnected, SSEResponse, merge_streams, sse,
+                              until_disconnect)
 
 log = logging.getLogger("router.http")
 
@@ -73,28 +73,108 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
         recorder.finish(live, "failed", error=live.error.message)
         raise
     if key is not None:  # the run outlives its client for a while: a task of its own
-        production = _production(recorder, live, builder, merged, deadline, own_deadline=True)
-        live.task = asyncio.create_task(_drain(production))
+        live.task = asyncio.create_task(_produce(recorder, live, builder, merged, deadline))
         return await respond(recorder, live, request, -1, deadline)
-    # Without a key the run ends with its client: this response produces it (no extra task).
-    production = _production(recorder, live, builder, merged, deadline, own_deadline=False)
+    # Without a key the run ends with its client: this response produces it, as with records
+    # off (no task, no generator in between), and tells the recorder where it stands.
+    if not prepared.stream:
+        return await _recorded_body(request, recorder, live, builder, merged, deadline)
     try:
-        if not prepared.stream:
-            await until_disconnect(request.receive, _drain(production), deadline)
-            if live.error is not None:
-                raise live.error
-            return Response(live.body, media_type="application/json")
-        first = await until_disconnect(request.receive, anext(production, None), deadline)
+        recorder.advance(live, "prefilling")
+        first = await until_disconnect(request.receive, _first_chunks(
+            merged, len(prepared.choices), _on_first_chunk(recorder, live)), deadline)
     except BaseException as exc:
-        await production.aclose()
-        if not live.done:  # cut before the production began: its `finally` never ran
-            live.error = exc if isinstance(exc, BackendError) else None
-            recorder.finish(live, "failed" if live.error is not None else "cancelled",
-                            error=live.error.message if live.error is not None else None)
-        raise
-    if first is None:  # over before its first event: refused or failed
-        raise live.error or BackendError(500, "internal error")
-    return SSEResponse(_Prepended(first, production), deadline=deadline)
+        await merged.aclose()
+        raise _end_cut(recorder, live, builder, exc) from None
+    live.started = True
+    outcome: dict = {}
+    return SSEResponse(_sse_events(builder, first, merged, outcome, _emitter(recorder, live)),
+                       deadline=deadline,
+                       on_end=lambda cut: _end_stream(recorder, live, builder, outcome, cut))
+
+
+async def _recorded_body(request: Request, recorder: RunRecorder, live: LiveRun,
+                         builder: ResponseBuilder, merged, deadline: float) -> Response:
+    """A keyless JSON run, produced by its response."""
+    try:
+        recorder.advance(live, "prefilling")
+        await until_disconnect(request.receive,
+                               _collect(builder, merged, _on_first_chunk(recorder, live)), deadline)
+        body = builder.final_body()
+        live.body = json.dumps(body).encode()
+    except BaseException as exc:
+        await merged.aclose()
+        raise _end_cut(recorder, live, builder, exc) from None
+    await merged.aclose()
+    _finish(recorder, live, "completed", None, body["usage"])
+    return Response(live.body, media_type="application/json")
+
+
+def _on_first_chunk(recorder: RunRecorder, live: LiveRun):
+    def first_chunk(chunk: dict) -> None:
+        workers = chunk.get("workers")
+        recorder.advance(live, "streaming", path=chunk.get("path"),
+                         route_reason=chunk.get("route_reason"),
+                         workers=list(workers) if workers else None)
+    return first_chunk
+
+
+def _emitter(recorder: RunRecorder, live: LiveRun):
+    """payload -> its SSE event, with the run's next event id when its events carry ids, kept
+    in the run's buffer (what retries, resumes and the record read)."""
+    events = live.events
+
+    def emit(payload) -> bytes:
+        event = sse(payload, f"{live.id}:{len(events)}" if live.event_ids else None)
+        events.append(event)
+        live.notify()
+        return event
+    return emit
+
+
+def _end_cut(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder,
+             cut: BaseException) -> BaseException:
+    """A keyless run whose response stopped before its output was whole: by the deadline or a
+    backend error (failed), its client leaving or the server stopping (cancelled), or a defect
+    (failed, logged). What to raise: `cut`, or for a defect the 500 its client gets."""
+    if isinstance(cut, BackendError):
+        live.error = cut
+        _finish(recorder, live, "failed", cut.message, builder.usage())
+    elif isinstance(cut, (ClientDisconnected, asyncio.CancelledError, OSError)):
+        _finish(recorder, live, "cancelled", None, builder.usage())
+    else:
+        log.error("%s: backend failed", live.id, exc_info=cut)
+        live.error = BackendError(500, "internal error")
+        _finish(recorder, live, "failed", live.error.message, builder.usage())
+        return live.error
+    return cut
+
+
+def _end_stream(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder, outcome: dict,
+                cut: Optional[BaseException]) -> None:
+    """A keyless stream's response is over (SSEResponse's on_end): `cut` None when its events
+    ran out, else why it stopped; the events a replay needs to end as a cut stream does."""
+    events = live.events
+    if cut is None or (events and events[-1].endswith(b"data: [DONE]\n\n")):
+        error = outcome.get("error")
+        _finish(recorder, live, "failed" if error else "completed", error, builder.usage())
+        return
+    deadline = isinstance(cut, BackendError)
+    reason = cut if deadline else BackendError(499, "the run was cancelled: its client left",
+                                               code="run_cancelled")
+    if events:
+        emit = _emitter(recorder, live)
+        emit(reason.body())
+        emit("[DONE]")
+    _finish(recorder, live, "failed" if deadline else "cancelled",
+            reason.message if deadline else None, builder.usage())
+
+
+def _finish(recorder: RunRecorder, live: LiveRun, state: str, error: Optional[str],
+            usage: dict) -> None:
+    recorder.finish(live, state, error=error, prompt_tokens=usage["prompt_tokens"],
+                    cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+                    output_tokens=usage["completion_tokens"])
 
 
 def _parse_and_digest(raw) -> tuple[dict, str]:
@@ -144,34 +224,25 @@ async def _unrecorded(request: Request, backend: Backend, intake: Intake, kind: 
     return SSEResponse(_sse_events(builder, first, merged, {}), deadline=deadline)
 
 
-async def _production(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder, merged,
-                      deadline: float, own_deadline: bool):
-    """The run's one computation: its SSE events (each with its id, into the run's buffer and
-    yielded) or its JSON body; every state it passes through recorded. `own_deadline`: the
-    request timeout is enforced here (a run in a task of its own); otherwise the response
-    that drives it enforces it and closes it."""
+async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder, merged,
+                   deadline: float) -> None:
+    """A keyed run's one computation, in a task of its own (it outlives its clients for a
+    while): its SSE events into the run's buffer, or its JSON body; every state it passes
+    through recorded; its request timeout enforced here."""
     outcome: dict = {}
-
-    def first_chunk(chunk: dict) -> None:
-        workers = chunk.get("workers")
-        recorder.advance(live, "streaming", path=chunk.get("path"),
-                         route_reason=chunk.get("route_reason"),
-                         workers=list(workers) if workers else None)
-
     state = "failed"
-    loop = asyncio.get_running_loop()
+    emit = _emitter(recorder, live)
     try:
         recorder.advance(live, "prefilling")
-        async with asyncio.timeout_at(deadline) if own_deadline else _NO_TIMEOUT:
+        async with asyncio.timeout_at(deadline):
             if builder.prepared.stream:
-                first = await _first_chunks(merged, len(builder.prepared.choices), first_chunk)
+                first = await _first_chunks(merged, len(builder.prepared.choices),
+                                            _on_first_chunk(recorder, live))
                 live.started = True
-                next_id = (lambda: live.event_id(len(live.events))) if live.event_ids else None
-                async for event in _sse_events(builder, first, merged, outcome, next_id):
-                    recorder.append(live, event)
-                    yield event
+                async for _ in _sse_events(builder, first, merged, outcome, emit):
+                    pass
             else:
-                await _collect(builder, merged, first_chunk)
+                await _collect(builder, merged, _on_first_chunk(recorder, live))
                 live.body = json.dumps(builder.final_body()).encode()
         state = "failed" if outcome.get("error") else "completed"
     except BackendError as exc:
@@ -180,24 +251,17 @@ async def _production(recorder: RunRecorder, live: LiveRun, builder: ResponseBui
         exc = _timeout_error()
         outcome["error"] = exc.message
         if live.events:  # the stream is under way: say so in it, then end it
-            for payload in (exc.body(), "[DONE]"):
-                recorder.append(live, sse(payload, live.event_id(len(live.events))
-                                          if live.event_ids else None))
+            emit(exc.body())
+            emit("[DONE]")
         else:
             live.error = exc
-    except (asyncio.CancelledError, GeneratorExit) as exc:
-        past = loop.time() >= deadline or PAST_DEADLINE in exc.args
-        cut = _timeout_error() if past else BackendError(
-            499, "the run was cancelled: its client left", code="run_cancelled")
-        if past:  # the response driving it timed out
-            outcome["error"] = cut.message
-        else:
-            state = "cancelled"
+    except asyncio.CancelledError:  # its last follower left it (after the grace), or shutdown
+        state = "cancelled"
         if live.events and not live.events[-1].endswith(b"data: [DONE]\n\n"):
             # A replay (a retry, a resume) ends the way a finished stream does, saying why.
-            for payload in (cut.body(), "[DONE]"):
-                recorder.append(live, sse(payload, live.event_id(len(live.events))
-                                          if live.event_ids else None))
+            emit(BackendError(499, "the run was cancelled: its client left",
+                              code="run_cancelled").body())
+            emit("[DONE]")
         raise
     except Exception:
         log.exception("%s: backend failed", live.id)
@@ -205,44 +269,14 @@ async def _production(recorder: RunRecorder, live: LiveRun, builder: ResponseBui
         outcome["error"] = live.error.message
     finally:
         await merged.aclose()
-        usage = builder.usage()
-        recorder.finish(live, state, error=outcome.get("error"),
-                        prompt_tokens=usage["prompt_tokens"],
-                        cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
-                        output_tokens=usage["completion_tokens"])
+        _finish(recorder, live, state, outcome.get("error"), builder.usage())
 
 
-_NO_TIMEOUT = contextlib.nullcontext()
 
 
 def _timeout_error() -> BackendError:
     return BackendError(504, "the request did not finish within request_timeout_s",
                         type="timeout_error", code="request_timeout")
-
-
-async def _drain(production) -> None:
-    async for _ in production:
-        pass
-
-
-class _Prepended:
-    """`first`, then the rest of `events`; closing it closes `events`, started or not."""
-
-    def __init__(self, first: bytes, events):
-        self._first: Optional[bytes] = first
-        self._events = events
-
-    def __aiter__(self) -> "_Prepended":
-        return self
-
-    async def __anext__(self) -> bytes:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        return await self._events.__anext__()
-
-    async def aclose(self) -> None:
-        await self._events.aclose()
 
 
 async def respond(recorder: RunRecorder, live: LiveRun, request: Request, after: int,
@@ -292,12 +326,10 @@ async def _first_chunks(merged, num_choices: int, on_first=None) -> list[tuple[i
 
 
 async def _sse_events(builder: ResponseBuilder, first: list, merged, outcome: dict,
-                      next_id=None):
-    """The encoded SSE events of a stream (each with the id `next_id()` gives, when given);
-    a failure after the first event is said in the stream and noted in `outcome["error"]`."""
-    def event(payload) -> bytes:
-        return sse(payload, next_id() if next_id is not None else None)
-
+                      event=sse):
+    """The SSE events of a stream, each encoded by `event(payload)` (a run's emitter keeps
+    them); a failure after the first event is said in the stream and noted in
+    `outcome["error"]`."""
     try:
         for index, chunk in first:
             payload = builder.add(index, chunk)

@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Awaitable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -61,10 +61,6 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-# The message of the CancelledError that work cut by until_disconnect's deadline receives.
-PAST_DEADLINE = "past the request deadline"
-
-
 async def until_disconnect(receive: Receive, work: Awaitable, deadline: Optional[float] = None):
     """The result of `work`, unless the client disconnects first (ClientDisconnected) or the
     loop time passes `deadline` (BackendError 504); either way `work` is cancelled."""
@@ -72,15 +68,10 @@ async def until_disconnect(receive: Receive, work: Awaitable, deadline: Optional
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_disconnect(receive))
     timeout = None if deadline is None else max(0.0, deadline - loop.time())
-    timed_out = False
     try:
-        done, _ = await asyncio.wait({task, watch}, timeout=timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        timed_out = not done
+        await asyncio.wait({task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:  # also when we are cancelled ourselves: nothing may outlive the request
-        # The work learns why it is cut (its CancelledError's message): a clock read there
-        # could still be short of the deadline the wait just passed.
-        task.cancel(PAST_DEADLINE if timed_out else None)
+        task.cancel()
         watch.cancel()
         await asyncio.gather(task, watch, return_exceptions=True)
     if not task.cancelled():
@@ -104,14 +95,18 @@ SSE_DONE = sse("[DONE]")
 class SSEResponse(Response):
     """Server-sent events from an async iterator of encoded events. The client leaving (or the
     deadline passing) cancels the iteration, and the iterator is closed in every case, so the
-    request behind it is aborted within one engine step."""
+    request behind it is aborted within one engine step. `on_end(cut)` is told once the
+    events are closed: `cut` None when they ran out, else what stopped them (ClientDisconnected,
+    the deadline's BackendError, OSError, CancelledError)."""
 
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], headers: Optional[dict] = None,
-                 deadline: Optional[float] = None):
+                 deadline: Optional[float] = None,
+                 on_end: Optional[Callable[[Optional[BaseException]], None]] = None):
         self.events = events
         self.deadline = deadline
+        self.on_end = on_end
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
@@ -125,18 +120,27 @@ class SSEResponse(Response):
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+        cut: Optional[BaseException] = None
         try:
             await until_disconnect(receive, pump(), self.deadline)
-        except ClientDisconnected:
+        except ClientDisconnected as exc:
+            cut = exc
             log.info("client disconnected mid-stream; request cancelled")
         except BackendError as exc:  # the deadline passed mid-stream: say so, then end
+            cut = exc
             log.warning("stream cut at request_timeout_s")
             try:
                 await send({"type": "http.response.body", "body": sse(exc.body()) + SSE_DONE,
                             "more_body": False})
             except OSError:
                 pass
-        except OSError:  # the socket broke while sending: the client is gone too
+        except OSError as exc:  # the socket broke while sending: the client is gone too
+            cut = exc
             log.info("client connection lost mid-stream; request cancelled")
+        except BaseException as exc:
+            cut = exc
+            raise
         finally:
             await self.events.aclose()
+            if self.on_end is not None:
+                self.on_end(cut)
