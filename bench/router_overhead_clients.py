@@ -4,6 +4,7 @@ interpreter to itself: sequential latency on one connection, or many connections
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -22,14 +23,20 @@ def percentiles(samples: list[float], qs=(50, 90, 99)) -> list[float]:
 
 # Run as `--client-role latency|load` in a child process; they print one JSON line.
 def latency_client(port: int, cases: list[dict], samples: int, warmup: int) -> dict:
-    """Sequential requests on one keep-alive connection, the cases interleaved so that noise from
-    other jobs on the box falls on all of them alike."""
+    """Sequential requests on one keep-alive connection per server, the cases interleaved (in
+    turn forwards and backwards) so that noise from other jobs on the box falls on all of them
+    alike."""
     import httpx
 
     times: dict[str, list[float]] = {c["name"]: [] for c in cases}
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+    clients = {p: httpx.Client(base_url=f"http://127.0.0.1:{p}", timeout=30)
+               for p in {case.get("port", port) for case in cases}}  # a case may name its own
+    with contextlib.ExitStack() as stack:
+        for client in clients.values():
+            stack.enter_context(client)
         for i in range(warmup + samples):
-            for case in cases:
+            for case in (cases if i % 2 == 0 else cases[::-1]):
+                client = clients[case.get("port", port)]
                 start = time.perf_counter()
                 r = client.request(case["method"], case["path"], content=case.get("body"),
                                    headers={"content-type": "application/json"})

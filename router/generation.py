@@ -123,13 +123,22 @@ def _emitter(recorder: RunRecorder, live: LiveRun):
     """payload -> its SSE event, with the run's next event id when its events carry ids, kept
     in the run's buffer (what retries, resumes and the record read)."""
     events = live.events
+    keep = recorder.append
 
-    def emit(payload) -> bytes:
-        event = sse(payload, f"{live.id}:{len(events)}" if live.event_ids else None)
-        events.append(event)
-        live.notify()
+    if live.event_ids:
+        prefix = f"{live.id}:"
+
+        def emit(payload) -> bytes:
+            event = sse(payload, f"{prefix}{len(events)}")
+            keep(live, event)
+            return event
+        return emit
+
+    def emit_plain(payload) -> bytes:
+        event = sse(payload)
+        keep(live, event)
         return event
-    return emit
+    return emit_plain
 
 
 def _end_cut(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder,

@@ -226,7 +226,8 @@ class RunRecorder:
 
     def append(self, live: LiveRun, payload: bytes) -> None:
         live.events.append(payload)
-        live.notify()
+        if live._changed is not None:  # someone waits (a follower); most runs have none
+            live.notify()
 
     def finish(self, live: LiveRun, state: str, **fields) -> None:
         """The run is over: its final row goes to the writer, with its output when a client
