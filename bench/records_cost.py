@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.router_overhead import sustained  # noqa: E402
 from bench.router_overhead_clients import run_client  # noqa: E402
 from bench.router_overhead_stack import (ECHO_PATH, asgi_call, build_stack,  # noqa: E402
-                                         completion_body)
+                                         completion_body, thread_cpu_s)
 
 MODES = ("off", "on")
 
@@ -125,8 +125,10 @@ def main() -> None:
         for r in range(args.rounds):
             for m in (MODES if r % 2 == 0 else MODES[::-1]):
                 gc.collect()
+                thread0 = thread_cpu_s(writer._thread.native_id)
                 loads[m].append(sustained(ports[m], tids[m], "/v1/completions", body, args,
                                           writer if m == "on" else None))
+                loads[m][-1]["writer_thread_s"] = thread_cpu_s(writer._thread.native_id) - thread0
         print(f"\n## Saturation: {args.clients} {args.load_client} clients, {args.rounds} x "
               f"{args.seconds:g} s per mode, alternated (medians; per round in brackets)")
         for key, label in (("rate", "req/s"), ("cpu_us_per_request", "server CPU µs/req")):
@@ -136,8 +138,9 @@ def main() -> None:
                   f"{statistics.median(on):>6.0f}  on/off "
                   f"{statistics.median(on) / statistics.median(off):.3f}  "
                   f"[{' '.join(f'{a / b:.2f}' for a, b in zip(on, off))}]")
-        writer_us = [x["writer_cpu_s"] * 1e6 / x["total_requests"] for x in loads["on"]]
-        print(f"{'of which writer proc.':<22} {statistics.median(writer_us):.0f} µs/req")
+        for key, label in (("writer_cpu_s", "process"), ("writer_thread_s", "thread")):
+            per = [x[key] * 1e6 / x["total_requests"] for x in loads["on"]]
+            print(f"{'of which writer ' + label:<22} {statistics.median(per):.0f} µs/req")
     finally:
         for server, _ in servers.values():
             server.stop()
