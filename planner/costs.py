@@ -106,6 +106,9 @@ class HostCosts:
     runtime_request_cpu_s: float = 0.0
     runtime_token_cpu_s: float = 0.0
     calibration_cores: float = 0.0       # router + client CPU during the sweep, in cores
+    # The other workers' engines running beside a worker's steps during the sweep, in cores
+    # (two colocated workers share its batches): its fitted step costs include that much.
+    calibration_others_cores: float = 0.0
 
     def cpu_s(self, requests: int, tokens: int, seconds: float, clients: bool) -> float:
         """CPU seconds the router, the workers outside their steps (and the clients if

@@ -63,6 +63,7 @@ class SimEngine:
         self._event = None                        # the pending step or run end
         self._run: Optional[tuple] = None         # a pure-decode run in progress
         self._step_plan: Optional[list] = None    # the single step in progress
+        self._began = 0.0                         # when the step or run in progress began
 
     # -- what the router sees --------------------------------------------------------------
     def load_report(self) -> dict:
@@ -123,13 +124,18 @@ class SimEngine:
         if self._run is None:
             return
         start, k, a, ctx_s, c0, batch = self._run
-        done = self._steps_done_by(self.sim.now - start, k, a, ctx_s, c0, batch)
+        cores = self.sim.cores
+        elapsed = self.sim.now - start if cores is None else cores.done(self)
+        done = self._steps_done_by(elapsed, k, a, ctx_s, c0, batch)
         cut = min(k, done + 1)
         if cut < k:
-            self.sim.cancel(self._event)
             self._run = (start, cut, a, ctx_s, c0, batch)
-            end = start + _run_seconds(cut, a, ctx_s, c0, batch)
-            self._event = self.sim.at(end, self._end_run)
+            if cores is None:
+                self.sim.cancel(self._event)
+                end = start + _run_seconds(cut, a, ctx_s, c0, batch)
+                self._event = self.sim.at(end, self._end_run)
+            else:
+                cores.resize(self, _run_seconds(cut, a, ctx_s, c0, batch))
 
     @staticmethod
     def _steps_done_by(elapsed: float, k: int, a: float, ctx_s: float, c0: int,
@@ -186,6 +192,8 @@ class SimEngine:
             tokens, budget, prompt = tokens + n, budget - n, prompt - n
         if not plan and not self.decode_batch:
             self._event = None
+            if self.sim.cores is not None:
+                self.sim.cores.rest(self)
             return
         if not plan:  # pure decode: a run up to the next request that finishes
             k = max(1, self.finishing[0][0] - self.step_no)
@@ -195,12 +203,21 @@ class SimEngine:
                 + c.coefficients["decode_seq_s"] * self.decode_batch
             ctx_s = c.coefficients["decode_context_s"]
             self._run = (now, k, a, ctx_s, self.decode_context, self.decode_batch)
-            seconds = _run_seconds(k, a, ctx_s, self.decode_context, self.decode_batch)
-            self._event = self.sim.at(now + seconds, self._end_run)
+            self._begin(now, _run_seconds(k, a, ctx_s, self.decode_context, self.decode_batch),
+                        self._end_run)
             return
-        seconds = c.step_s(tokens, attention, self.decode_batch, self.decode_context)
         self._step_plan = plan
-        self._event = self.sim.at(now + seconds, lambda: self._end_step(seconds))
+        self._begin(now, c.step_s(tokens, attention, self.decode_batch, self.decode_context),
+                    self._end_step)
+
+    def _begin(self, now: float, seconds: float, fn) -> None:
+        """A step (or a run of decode steps) of `seconds` of compute; on a node whose cores
+        the workers share (sim.cores), it takes longer while others run."""
+        self._began = now
+        if self.sim.cores is None:
+            self._event = self.sim.at(now + seconds, fn)
+        else:
+            self.sim.cores.begin(self, seconds, fn)
 
     def _account(self, steps: int, seconds: float) -> None:
         self.steps += steps
@@ -221,9 +238,9 @@ class SimEngine:
         self._finish_due()
         self._start_step(self.sim.now)
 
-    def _end_step(self, seconds: float) -> None:
+    def _end_step(self) -> None:
         plan, self._step_plan = self._step_plan, None
-        self._account(1, seconds)
+        self._account(1, self.sim.now - self._began)
         self.step_no += 1
         self.decode_context += self.decode_batch
         now = self.sim.now

@@ -325,9 +325,27 @@ async def _cpu_snapshot(client, base: str) -> dict:
                                        if load.get("engine_thread_cpu_s") is not None
                                        else (load.get("step_costs") or {}).get("busy_s") or 0.0)
                       for load in loads)
+    engines = {wid: ((w["load"].get("step_costs") or {}).get("busy_s"),
+                     w["load"].get("engine_thread_cpu_s"))
+               for wid, w in reply["workers"].items() if w["healthy"]}
     return {"time": time.monotonic(), "client_cpu_s": own.ru_utime + own.ru_stime,
             "router": reply.get("router"), "runtime_cpu_s": runtime,
-            "hosts": {load.get("host") for load in loads}}
+            "hosts": {load.get("host") for load in loads}, "engines": engines}
+
+
+def _engines_beside(before: dict, after: dict, seconds: float) -> tuple[float, float]:
+    """(the workers' step time over the stage, that time weighted by the other workers'
+    engine CPU rate over the stage, in cores): what the steps were fitted beside."""
+    deltas = {}
+    for wid, (busy1, cpu1) in after.items():
+        busy0, cpu0 = before.get(wid, (None, None))
+        if None in (busy0, busy1, cpu0, cpu1) or seconds <= 0:
+            return 0.0, 0.0
+        deltas[wid] = (max(0.0, busy1 - busy0), max(0.0, cpu1 - cpu0))
+    total_cpu = sum(cpu for _, cpu in deltas.values())
+    busy = sum(b for b, _ in deltas.values())
+    beside = sum(b * (total_cpu - cpu) / seconds for b, cpu in deltas.values())
+    return busy, beside
 
 
 def _cpu_spent(before: dict, after: dict) -> Optional[dict]:
@@ -335,7 +353,9 @@ def _cpu_spent(before: dict, after: dict) -> Optional[dict]:
             or after["runtime_cpu_s"] is None:
         return None  # a router or workers that do not report their CPU
     r0, r1 = before["router"], after["router"]
-    return {"seconds": after["time"] - before["time"],
+    seconds = after["time"] - before["time"]
+    engine_busy, engine_beside = _engines_beside(before["engines"], after["engines"], seconds)
+    return {"seconds": seconds, "engine_busy_s": engine_busy, "engine_beside_s": engine_beside,
             "requests": r1["requests"] - r0["requests"],
             "tokens": r1["output_tokens"] - r0["output_tokens"],
             "router_cpu_s": r1["cpu_s"] - r0["cpu_s"],

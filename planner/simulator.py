@@ -28,7 +28,7 @@ from typing import Callable, Optional
 from pd_runtime.config import RoutingConfig, SLOTarget
 from planner.costs import ClusterCosts
 from planner.engine_model import Seq, SimEngine
-from planner.host import stretches
+from planner.host import NodeCores, load_cores
 from planner.stats import percentile
 from planner.workload import SimRequest
 from router.cost_model import CostModel
@@ -86,8 +86,9 @@ class _Event:
 
 class ClusterSim:
     def __init__(self, costs: ClusterCosts, topology: Topology, seed: int = 0,
-                 stretch: Optional[dict[str, float]] = None):
-        """`stretch`: worker id -> factor on its step costs (planner/host.py)."""
+                 host_load: Optional[float] = None):
+        """`host_load`: the workers share the router's node (costs.host), whose other work
+        takes this many cores (planner/host.py NodeCores); None: each has its own cores."""
         if topology.num_decode < 1:
             raise ValueError("a deployment needs at least one decode worker")
         self.costs, self.topology = costs, topology
@@ -95,12 +96,10 @@ class ClusterSim:
         self._heap: list = []
         self._order = itertools.count()
         self.rng = random.Random(seed)
-        stretch = stretch or {}
-        self.prefill = [SimEngine(self, f"prefill-{i}", "prefill",
-                                  costs.prefill.scaled(stretch.get(f"prefill-{i}", 1.0)))
+        self.cores = NodeCores(self, costs.host, host_load) if host_load is not None else None
+        self.prefill = [SimEngine(self, f"prefill-{i}", "prefill", costs.prefill)
                         for i in range(topology.num_prefill)]
-        self.decode = [SimEngine(self, f"decode-{i}", "decode",
-                                 costs.decode.scaled(stretch.get(f"decode-{i}", 1.0)))
+        self.decode = [SimEngine(self, f"decode-{i}", "decode", costs.decode)
                        for i in range(topology.num_decode)]
         self.engines = {e.worker_id: e for e in self.prefill + self.decode}
         self.states = {wid: WorkerState(wid, e.role) for wid, e in self.engines.items()}
@@ -299,12 +298,12 @@ def shares_host(costs: ClusterCosts, topology: Topology) -> bool:
 
 def simulate(costs: ClusterCosts, topology: Topology, requests: list[SimRequest],
              slo: SLOTarget, seed: int = 0, rounds: int = 3) -> dict:
-    """One run; where the workers share the router's node, `rounds` runs, each with the step
-    stretch the one before it implies (planner/host.py)."""
+    """One run; where the workers share the router's node, `rounds` runs, each with the
+    node's other load (the traffic's CPU) that the one before it implies (planner/host.py)."""
     shared = shares_host(costs, topology)
-    stretch: dict[str, float] = {}
+    load = costs.host.idle_cores if shared else None
     for round_no in range(rounds if shared else 1):
-        sim = ClusterSim(costs, topology, seed, stretch)
+        sim = ClusterSim(costs, topology, seed, load)
         if shared:
             for engine in sim.engines.values():
                 engine.busy = []
@@ -314,10 +313,10 @@ def simulate(costs: ClusterCosts, topology: Topology, requests: list[SimRequest]
             tokens = sum(o.request.max_tokens for o in outcomes
                          if o.end_s is not None and not o.refused)
             cpu = costs.host.cpu_s(len(outcomes), tokens, 0.0, topology.clients_on_host)
-            stretch = stretches({w: e.busy for w, e in sim.engines.items()},
-                                {w: e.costs.threads for w, e in sim.engines.items()},
-                                costs.host, cpu)
+            load = load_cores(costs.host, [e.busy for e in sim.engines.values()], cpu)
     result["events"] = sim.events
-    if shared:
-        result["stretch"] = {w: round(s, 3) for w, s in stretch.items()}
+    if shared:  # each worker's mean stretch: its busy time over the compute in it
+        work = sim.cores.work_s
+        result["stretch"] = {w: round(e.busy_s / work[e], 3) if work.get(e) else 1.0
+                             for w, e in sim.engines.items()}
     return result

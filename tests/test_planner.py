@@ -13,7 +13,7 @@ import pytest
 
 from pd_runtime.config import RoutingConfig, SLOTarget
 from planner.costs import ClusterCosts, HostCosts, RoleCosts
-from planner.host import nnls, overlap_s, stretches, union_s
+from planner.host import load_cores, nnls, union_s
 from planner.engine_model import SimEngine
 from planner.simulator import ClusterSim, Topology, simulate
 from planner.workload import SimRequest, Workload, read_trace
@@ -176,28 +176,63 @@ def test_more_load_than_capacity_lowers_goodput_and_raises_latency():
 
 
 # ---------------------------------------------------------------------------------- the node
-def test_busy_overlaps_and_the_stretch_they_imply():
+def test_busy_time_and_the_node_load_it_implies():
     a = [(0.0, 1.0), (2.0, 3.0)]
     b = [(0.5, 2.5)]
-    assert overlap_s(a, b) == pytest.approx(1.0) and overlap_s(b, a) == pytest.approx(1.0)
     assert union_s([a, b]) == pytest.approx(3.0) and union_s([]) == 0.0
-    c = [(0.5, 1.0)]  # within a's first interval
-    host = HostCosts(cores=2)
-    # Any busy 2 s, 3 CPU seconds of host work meanwhile: 1.5 cores. a is busy 2 s, c during a
-    # quarter of it: a's demand 1 + 0.25 + 1.5 cores on 2; c's (always with a) 1 + 1 + 1.5.
-    s = stretches({"a": a, "c": c}, {"a": 1, "c": 1}, host, traffic_cpu_s=3.0)
-    assert s == pytest.approx({"a": 2.75 / 2, "c": 3.5 / 2})
-    # Relative to the calibration's own load (1.5 cores there: 2.5 / 2).
-    calibrated = HostCosts(cores=2, calibration_cores=1.5)
-    assert stretches({"a": a, "c": c}, {"a": 1, "c": 1}, calibrated, 3.0)["a"] == \
-        pytest.approx(2.75 / 2.5)
-    # Background CPU counts as it runs (a rate), traffic CPU over the busy time.
-    background = HostCosts(cores=2, idle_cores=0.5)
-    assert stretches({"a": a, "c": c}, {"a": 1, "c": 1}, background, 2.0)["a"] == \
-        pytest.approx((1 + 0.25 + 0.5 + 1.0) / 2)
+    # Any worker busy 3 s, 3 CPU seconds of traffic meanwhile: 1 core, on top of the background.
+    assert load_cores(HostCosts(cores=2, idle_cores=0.5), [a, b], 3.0) == pytest.approx(1.5)
+    assert load_cores(HostCosts(cores=2, idle_cores=0.5), [a, b], 30.0) == 2.0  # all of it
+
+
+def _shared_node(host: HostCosts, load: float) -> tuple[ClusterSim, SimEngine, SimEngine]:
+    sim = ClusterSim(costs(host=host), Topology(1, 1), host_load=load)
+    return sim, sim.engines["prefill-0"], sim.engines["decode-0"]
+
+
+def test_steps_on_a_shared_node_slow_down_only_while_they_overlap():
+    """Two one-thread workers on two cores with half a core of other work: alone a step runs
+    at full speed ((1 + 0.5) / 2 < 1), beside the other at 1 / 1.25; a step in progress is
+    re-timed when the other starts or stops."""
+    sim, a, b = _shared_node(HostCosts(cores=2), load=0.5)
+    ends: dict = {}
+
+    def piece(engine, seconds: float, name: str):
+        def done() -> None:
+            ends[name] = sim.now
+            sim.cores.rest(engine)
+        sim.cores.begin(engine, seconds, done)
+
+    sim.at(0.0, lambda: piece(a, 1.0, "a"))
+    sim.at(0.5, lambda: piece(b, 1.0, "b"))
+    sim.at(3.0, lambda: piece(a, 0.4, "a alone"))
+    sim.run([])
+    # a: 0.5 s alone, then its last 0.5 s of compute at 1.25; b: 0.5 s of compute beside a
+    # (0.625 s), then the rest alone.
+    assert ends["a"] == pytest.approx(1.125) and ends["b"] == pytest.approx(1.625)
+    assert ends["a alone"] == pytest.approx(3.4)
+    assert sim.cores.work_s[a] == pytest.approx(1.4) and not sim.cores.busy
+
+    # A run cut short while it shares the cores ends with the compute it has left.
+    sim, a, b = _shared_node(HostCosts(cores=2), load=0.5)
+    sim.at(0.0, lambda: piece(a, 2.0, "a"))
+    sim.at(0.0, lambda: piece(b, 2.0, "b"))
+    sim.at(1.0, lambda: sim.cores.resize(a, 1.0))  # 0.8 s of compute done by then; b 1.0 by
+    # a's end at 1.25, the rest alone
+    sim.run([])
+    assert ends["a"] == pytest.approx(1.25) and ends["b"] == pytest.approx(2.25)
+
+    # Relative to the calibration's own load (it fitted the steps with 1.5 cores busy): the
+    # pair's 2.5 cores stretch by 1.25 / 1.25, a worker alone runs faster than it measured.
+    sim, a, b = _shared_node(HostCosts(cores=2, calibration_cores=1.5), load=0.5)
+    sim.cores.busy, sim.cores.busy_threads = {a, b}, 2
+    assert sim.cores.stretch(a) == pytest.approx(1.0)
+    sim.cores.busy, sim.cores.busy_threads = {a}, 1
+    assert sim.cores.stretch(a) == pytest.approx(1 / 1.25)
     # Spare cores: no stretch.
-    assert stretches({"a": a, "c": c}, {"a": 1, "c": 1}, HostCosts(cores=16), 3.0) == \
-        {"a": 1.0, "c": 1.0}
+    sim, a, b = _shared_node(HostCosts(cores=16), load=3.0)
+    sim.cores.busy, sim.cores.busy_threads = {a, b}, 2
+    assert sim.cores.stretch(a) == 1.0
 
 
 def test_nonnegative_least_squares_recovers_and_clamps():
