@@ -64,6 +64,10 @@ def sweep_plan(max_model_len: int, quick: bool = False) -> list[tuple[str, int, 
     stages += [("colocated", min(top, 512), 24, 4)]                     # prefill among decodes
     stages += [("disaggregated", n, 2, 1) for n in lengths]            # prefill pool + link
     stages += [("disaggregated", min(top, 256), 16, 4)]
+    # The longest prompts two at once: one waits behind the other's prefill, then both decode
+    # at long context (the decode steps above attend to ~100 tokens: too few to tell what
+    # each token of context costs a step).
+    stages += [("disaggregated", lengths[-1], 48, 2)]
     return stages
 
 
