@@ -105,8 +105,8 @@ async def _recorded_body(request: Request, recorder: RunRecorder, live: LiveRun,
     except BaseException as exc:
         await merged.aclose()
         raise _end_cut(recorder, live, builder, exc) from None
+    _finish(recorder, live, "completed", None, body["usage"])  # before a cancel can cut in
     await merged.aclose()
-    _finish(recorder, live, "completed", None, body["usage"])
     return Response(live.body, media_type="application/json")
 
 
