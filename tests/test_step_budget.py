@@ -52,3 +52,21 @@ def test_prompt_chunks_shrink_to_the_step_target_and_tokens_do_not_change(llama_
     got, chunks = _run(roomy, prompts)
     assert got == want
     assert len(chunks) >= 3 and max(chunks) < 100
+
+
+def test_the_warm_up_seeds_the_step_cost_fit_but_not_the_recent_step_time(llama_dir):
+    """The warm-up's lone prefills teach the fit what a prompt token costs; the step-time
+    average the router reads as "what running requests see" starts with the first real step
+    (seeded by a lone 1024-token prefill it read ~0.2 s on an idle worker, and the router's SLO
+    check refused requests on it)."""
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=256, warmup_tokens=0)
+    untouched = llm.engine.step_costs.coefficients()["prefill_token_s"]
+    assert llm.engine.warm_up(512) > 0
+    costs = llm.engine.step_costs
+    report = costs.report()
+    assert report["steps"] == 0 and report["step_s_ewma"] == 0.0 and report["busy_s"] == 0.0
+    assert costs.coefficients()["prefill_token_s"] != untouched  # learned from the warm-up
+    llm.generate([[5 + i for i in range(8)]], SamplingParams(max_tokens=3, temperature=0.0,
+                                                           ignore_eos=True))
+    report = costs.report()
+    assert report["steps"] >= 3 and 0 < report["step_s_ewma"] <= report["busy_s"]

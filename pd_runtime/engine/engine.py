@@ -203,6 +203,7 @@ class LLMEngine:
                 self.step()
             if i == 0:
                 self.step_costs = StepCostModel()
+        self.step_costs.forget_recent()  # the fit stays; the step-time average starts anew
         self.block_manager.stats = type(self.block_manager.stats)()
         self.num_steps = 0
         return time.perf_counter() - started

@@ -101,6 +101,18 @@ class StepCostModel:
         self._ewma_tokens = tokens if self._ewma_tokens is None else \
             (1 - a) * self._ewma_tokens + a * tokens
 
+    def forget_recent(self) -> None:
+        """Keep what the fit learned; forget the counts and the recent averages. For the
+        warm-up's steps: they seed the fit, but ran alone and cold, and a step-time average
+        started from a lone 1024-token prefill read ~0.2 s for dozens of steps after (the
+        router took that for its running requests' step time and refused requests at once
+        on an idle worker)."""
+        self.steps = self.tokens = self.batch = 0
+        self.seconds = 0.0
+        self.prefill_tokens = self.decode_tokens = 0
+        self.step_counts = [0] * (len(STEP_BUCKETS_S) + 1)
+        self._ewma_step_s = self._ewma_batch = self._ewma_tokens = None
+
     def coefficients(self) -> dict:
         """Seconds per unit of each feature (per step, per prompt token, per prompt token x
         context token, per decoded sequence, per context token of a decoded sequence)."""
