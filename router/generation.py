@@ -89,8 +89,8 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
     live.started = True
     outcome: dict = {}
     return SSEResponse(_sse_events(builder, first, merged, outcome, _emitter(recorder, live)),
-                       deadline=deadline,
-                       on_end=lambda cut: _end_stream(recorder, live, builder, outcome, cut))
+                       deadline=deadline, on_end=lambda cut: _end_stream(
+                           recorder, live, builder, merged, outcome, cut))
 
 
 async def _recorded_body(request: Request, recorder: RunRecorder, live: LiveRun,
@@ -145,11 +145,12 @@ def _end_cut(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder,
              cut: BaseException) -> BaseException:
     """A keyless run whose response stopped before its output was whole: by the deadline or a
     backend error (failed), its client leaving or the server stopping (cancelled), or a defect
-    (failed, logged). What to raise: `cut`, or for a defect the 500 its client gets."""
+    (failed, logged; an OSError here is the backend's: nothing was sent yet). What to raise:
+    `cut`, or for a defect the 500 its client gets."""
     if isinstance(cut, BackendError):
         live.error = cut
         _finish(recorder, live, "failed", cut.message, builder.usage())
-    elif isinstance(cut, (ClientDisconnected, asyncio.CancelledError, OSError)):
+    elif isinstance(cut, ClientDisconnected) or not isinstance(cut, Exception):
         _finish(recorder, live, "cancelled", None, builder.usage())
     else:
         log.error("%s: backend failed", live.id, exc_info=cut)
@@ -159,24 +160,35 @@ def _end_cut(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder,
     return cut
 
 
-def _end_stream(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder, outcome: dict,
-                cut: Optional[BaseException]) -> None:
+async def _end_stream(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder, merged,
+                      outcome: dict, cut: Optional[BaseException]) -> None:
     """A keyless stream's response is over (SSEResponse's on_end): `cut` None when its events
-    ran out, else why it stopped; the events a replay needs to end as a cut stream does."""
+    ran out, else why it stopped. Recorded first (a cancel may cut the close short), with the
+    events a replay needs to end as the cut stream did; then the backend streams are closed
+    (they are already, unless the response never pulled an event)."""
     events = live.events
-    if cut is None or (events and events[-1].endswith(b"data: [DONE]\n\n")):
+    whole = bool(events) and events[-1].endswith(b"data: [DONE]\n\n")
+    if cut is None or (whole and not isinstance(cut, BackendError)):
+        # Every event was produced (a client gone while the last ones were on their way still
+        # got the run computed whole; a replay has all of it).
         error = outcome.get("error")
         _finish(recorder, live, "failed" if error else "completed", error, builder.usage())
-        return
-    deadline = isinstance(cut, BackendError)
-    reason = cut if deadline else BackendError(499, "the run was cancelled: its client left",
-                                               code="run_cancelled")
-    if events:
-        emit = _emitter(recorder, live)
-        emit(reason.body())
-        emit("[DONE]")
-    _finish(recorder, live, "failed" if deadline else "cancelled",
-            reason.message if deadline else None, builder.usage())
+    else:
+        if isinstance(cut, BackendError):  # the deadline: the client was told so
+            state, reason = "failed", cut
+        elif isinstance(cut, (ClientDisconnected, OSError)) or not isinstance(cut, Exception):
+            state, reason = "cancelled", BackendError(
+                499, "the run was cancelled: its client left", code="run_cancelled")
+        else:
+            log.error("%s: failed mid-stream", live.id, exc_info=cut)
+            state, reason = "failed", BackendError(500, "internal error while streaming")
+        if events and not whole:
+            emit = _emitter(recorder, live)
+            emit(reason.body())
+            emit("[DONE]")
+        _finish(recorder, live, state, reason.message if state == "failed" else None,
+                builder.usage())
+    await merged.aclose()
 
 
 def _finish(recorder: RunRecorder, live: LiveRun, state: str, error: Optional[str],
@@ -230,7 +242,8 @@ async def _unrecorded(request: Request, backend: Backend, intake: Intake, kind: 
     except BaseException:
         await merged.aclose()
         raise
-    return SSEResponse(_sse_events(builder, first, merged, {}), deadline=deadline)
+    return SSEResponse(_sse_events(builder, first, merged, {}), deadline=deadline,
+                       on_end=lambda _: merged.aclose())  # also when no event was pulled
 
 
 async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder, merged,
@@ -265,11 +278,16 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
         else:
             live.error = exc
     except asyncio.CancelledError:  # its last follower left it (after the grace), or shutdown
-        state = "cancelled"
+        late = asyncio.get_running_loop().time() >= deadline  # its timeout was due anyway
+        cut = _timeout_error() if late else BackendError(
+            499, "the run was cancelled: its client left", code="run_cancelled")
+        if late:
+            outcome["error"] = cut.message
+        else:
+            state = "cancelled"
         if live.events and not live.events[-1].endswith(b"data: [DONE]\n\n"):
             # A replay (a retry, a resume) ends the way a finished stream does, saying why.
-            emit(BackendError(499, "the run was cancelled: its client left",
-                              code="run_cancelled").body())
+            emit(cut.body())
             emit("[DONE]")
         raise
     except Exception:

@@ -95,15 +95,15 @@ SSE_DONE = sse("[DONE]")
 class SSEResponse(Response):
     """Server-sent events from an async iterator of encoded events. The client leaving (or the
     deadline passing) cancels the iteration, and the iterator is closed in every case, so the
-    request behind it is aborted within one engine step. `on_end(cut)` is told once the
-    events are closed: `cut` None when they ran out, else what stopped them (ClientDisconnected,
-    the deadline's BackendError, OSError, CancelledError)."""
+    request behind it is aborted within one engine step. `on_end(cut)` is awaited once the
+    events are closed (or failed to close): `cut` None when they ran out, else what stopped
+    them (ClientDisconnected, the deadline's BackendError, OSError, CancelledError, a defect)."""
 
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], headers: Optional[dict] = None,
                  deadline: Optional[float] = None,
-                 on_end: Optional[Callable[[Optional[BaseException]], None]] = None):
+                 on_end: Optional[Callable[[Optional[BaseException]], Awaitable]] = None):
         self.events = events
         self.deadline = deadline
         self.on_end = on_end
@@ -141,6 +141,8 @@ class SSEResponse(Response):
             cut = exc
             raise
         finally:
-            await self.events.aclose()
-            if self.on_end is not None:
-                self.on_end(cut)
+            try:
+                await self.events.aclose()
+            finally:
+                if self.on_end is not None:
+                    await self.on_end(cut)
