@@ -80,9 +80,14 @@ class NodeCores:
             self._retime(engine)
         stretch = self.stretch(engine)
         now = self.sim.now
-        self.pieces[engine] = [seconds, 0.0, now, stretch, fn]
+
+        def finished() -> None:  # done: no longer re-timed (fn may start other workers' work)
+            self.pieces.pop(engine, None)
+            fn()
+
+        self.pieces[engine] = [seconds, 0.0, now, stretch, finished]
         self.work_s[engine] = self.work_s.get(engine, 0.0) + seconds
-        engine._event = self.sim.at(now + seconds * stretch, fn)
+        engine._event = self.sim.at(now + seconds * stretch, finished)
 
     def rest(self, engine) -> None:
         """`engine` has nothing to do: the others' steps speed up."""

@@ -222,6 +222,20 @@ def test_steps_on_a_shared_node_slow_down_only_while_they_overlap():
     sim.run([])
     assert ends["a"] == pytest.approx(1.25) and ends["b"] == pytest.approx(2.25)
 
+    # A worker whose step ends starts another's work in that moment (a prefill's KV lands): its
+    # finished step is not re-timed, so it ends once.
+    sim, a, b = _shared_node(HostCosts(cores=2), load=0.5)
+    calls = []
+
+    def a_done() -> None:
+        calls.append(sim.now)
+        piece(b, 0.5, "b after a")
+        sim.cores.rest(a)
+
+    sim.at(0.0, lambda: sim.cores.begin(a, 1.0, a_done))
+    sim.run([])
+    assert calls == [pytest.approx(1.0)] and ends["b after a"] == pytest.approx(1.5)
+
     # Relative to the calibration's own load (it fitted the steps with 1.5 cores busy): the
     # pair's 2.5 cores stretch by 1.25 / 1.25, a worker alone runs faster than it measured.
     sim, a, b = _shared_node(HostCosts(cores=2, calibration_cores=1.5), load=0.5)
