@@ -337,18 +337,26 @@ async def _cpu_snapshot(client, base: str) -> dict:
             "hosts": {load.get("host") for load in loads}, "engines": engines}
 
 
-def _engines_beside(before: dict, after: dict, seconds: float) -> tuple[float, float]:
+def _engines_beside(before: dict, after: dict, seconds: float,
+                    cores: float) -> tuple[float, float]:
     """(the workers' step time over the stage, that time weighted by the other workers'
-    engine CPU rate over the stage, in cores): what the steps were fitted beside."""
-    deltas = {}
+    engine-thread CPU rate over the stage, in cores): what the steps were fitted beside. From
+    the router's copies of the load reports, which are up to a health interval old: a short
+    stage can see a second of earlier work, so the rate is held to the node's cores. A worker
+    not in both reports (started, stopped, restarted) is left out of the stage. An engine
+    thread's CPU is what it got, not what it wanted, and leaves out torch's other threads:
+    with more than one thread per worker this reads low."""
+    if seconds <= 0:
+        return 0.0, 0.0
+    deltas = []
     for wid, (busy1, cpu1) in after.items():
         busy0, cpu0 = before.get(wid, (None, None))
-        if None in (busy0, busy1, cpu0, cpu1) or seconds <= 0:
-            return 0.0, 0.0
-        deltas[wid] = (max(0.0, busy1 - busy0), max(0.0, cpu1 - cpu0))
-    total_cpu = sum(cpu for _, cpu in deltas.values())
-    busy = sum(b for b, _ in deltas.values())
-    beside = sum(b * (total_cpu - cpu) / seconds for b, cpu in deltas.values())
+        if None in (busy0, busy1, cpu0, cpu1) or busy1 < busy0 or cpu1 < cpu0:
+            continue
+        deltas.append((busy1 - busy0, cpu1 - cpu0))
+    total_cpu = sum(cpu for _, cpu in deltas)
+    busy = sum(b for b, _ in deltas)
+    beside = sum(b * min(cores, (total_cpu - cpu) / seconds) for b, cpu in deltas)
     return busy, beside
 
 
@@ -358,7 +366,8 @@ def _cpu_spent(before: dict, after: dict) -> Optional[dict]:
         return None  # a router or workers that do not report their CPU
     r0, r1 = before["router"], after["router"]
     seconds = after["time"] - before["time"]
-    engine_busy, engine_beside = _engines_beside(before["engines"], after["engines"], seconds)
+    engine_busy, engine_beside = _engines_beside(before["engines"], after["engines"], seconds,
+                                                 r1.get("cpus") or 1)
     return {"seconds": seconds, "engine_busy_s": engine_busy, "engine_beside_s": engine_beside,
             "requests": r1["requests"] - r0["requests"],
             "tokens": r1["output_tokens"] - r0["output_tokens"],

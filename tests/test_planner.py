@@ -13,7 +13,7 @@ import pytest
 
 from pd_runtime.config import RoutingConfig, SLOTarget
 from planner.costs import ClusterCosts, HostCosts, RoleCosts
-from planner.host import load_cores, nnls, union_s
+from planner.host import fit_host, load_cores, nnls, union_s
 from planner.engine_model import SimEngine
 from planner.simulator import ClusterSim, Topology, simulate
 from planner.workload import SimRequest, Workload, read_trace
@@ -247,6 +247,34 @@ def test_steps_on_a_shared_node_slow_down_only_while_they_overlap():
     sim, a, b = _shared_node(HostCosts(cores=16), load=3.0)
     sim.cores.busy, sim.cores.busy_threads = {a, b}, 2
     assert sim.cores.stretch(a) == 1.0
+
+
+def test_the_calibration_records_what_each_worker_stepped_beside():
+    """Per stage: each worker's step time, weighted by the other workers' engine CPU over the
+    stage (what its fitted step costs already hold); then the sweep's figure for the host."""
+    from planner.profile import _engines_beside
+
+    # Two workers, 2 s: p stepped 1.5 s beside d's 1.0 s of CPU (0.5 cores), d 1.0 s beside
+    # p's 1.2 s (0.6 cores).
+    before = {"p": (10.0, 20.0), "d": (5.0, 7.0)}
+    after = {"p": (11.5, 21.2), "d": (6.0, 8.0)}
+    busy, beside = _engines_beside(before, after, 2.0, cores=2)
+    assert busy == pytest.approx(2.5) and beside == pytest.approx(1.5 * 0.5 + 1.0 * 0.6)
+    # A stale report can bring a second of earlier work into a short stage: held to the cores.
+    _, beside = _engines_beside({"p": (10, 10), "d": (5, 5)}, {"p": (10.6, 10.6),
+                                                              "d": (5.5, 5.5)}, 0.08, cores=2)
+    assert beside == pytest.approx(0.6 * 2 + 0.5 * 2)
+    # A worker in one report only (started, stopped) is left out; a restarted one too.
+    assert _engines_beside({"p": (10, 10)}, {"p": (11, 11), "d": (1, 1)}, 2.0, 2) == (1, 0)
+    assert _engines_beside({"p": (10, 10), "d": (5, 5)}, {"p": (11, 11), "d": (0.1, 0.1)},
+                           2.0, 2) == (1, 0)
+    stages = [{"seconds": 2.0, "requests": 1, "tokens": 10, "router_cpu_s": 0.1,
+               "runtime_cpu_s": 0.1, "client_cpu_s": 0.1, "engine_busy_s": 2.5,
+               "engine_beside_s": 1.35},
+              {"seconds": 3.0, "requests": 2, "tokens": 5, "router_cpu_s": 0.2,
+               "runtime_cpu_s": 0.1, "client_cpu_s": 0.1, "engine_busy_s": 0.5,
+               "engine_beside_s": 0.0}]
+    assert fit_host(stages, 2).calibration_others_cores == pytest.approx(1.35 / 3.0)
 
 
 def test_nonnegative_least_squares_recovers_and_clamps():
