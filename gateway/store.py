@@ -30,6 +30,8 @@ RUN_FIELDS = ("id", "tenant", "state", "created_at", "updated_at", "idempotency_
 STATE_TIME = {"queued": "created_at", "prefilling": "prefilling_at",
               "streaming": "streaming_at", "completed": "ended_at", "failed": "ended_at",
               "cancelled": "ended_at"}
+# The states a run ends in.
+ENDED = ("completed", "failed", "cancelled")
 # A run's idempotency key may only be cleared: a run refused before it served anything frees
 # its key for a retry to run anew.
 UPDATABLE = set(RUN_FIELDS) - {"id", "tenant", "created_at", "body_hash", "owner"}
@@ -266,7 +268,7 @@ class SqlRunStore:
         if row is None:
             return []
         state, *times = _values(row)
-        ended = state if state in ("completed", "failed", "cancelled") else None
+        ended = state if state in ENDED else None
         return [(name, at) for name, at in zip(("queued", "prefilling", "streaming", ended),
                                                times) if name is not None and at is not None]
 

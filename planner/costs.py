@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -46,13 +46,6 @@ class RoleCosts:
                if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0)]
         if bad:
             raise ValueError(f"cost model: coefficients {bad} must be finite and >= 0")
-
-    def scaled(self, factor: float) -> "RoleCosts":
-        """The same worker with every step `factor` times as long (sharing its cores)."""
-        if factor == 1.0:
-            return self
-        return replace(self, coefficients={k: v * factor for k, v in self.coefficients.items()},
-                       step_overhead_s=self.step_overhead_s * factor)
 
     def worker_costs(self) -> WorkerCosts:
         c = self.coefficients

@@ -122,23 +122,19 @@ def _on_first_chunk(recorder: RunRecorder, live: LiveRun):
 def _emitter(recorder: RunRecorder, live: LiveRun):
     """payload -> its SSE event, with the run's next event id when its events carry ids, kept
     in the run's buffer (what retries, resumes and the record read)."""
-    events = live.events
-    keep = recorder.append
-
-    if live.event_ids:
-        prefix = f"{live.id}:"
-
-        def emit(payload) -> bytes:
-            event = sse(payload, f"{prefix}{len(events)}")
-            keep(live, event)
-            return event
-        return emit
-
-    def emit_plain(payload) -> bytes:
-        event = sse(payload)
-        keep(live, event)
+    def emit(payload) -> bytes:
+        event = sse(payload, live.event_id(len(live.events)) if live.event_ids else None)
+        recorder.append(live, event)
         return event
-    return emit_plain
+    return emit
+
+
+def _end_replay(emit, live: LiveRun, reason: BackendError) -> None:
+    """A stream cut short: its buffer ends as a finished stream does, saying why (what a retry
+    or a resume replays)."""
+    if live.events and not live.events[-1].endswith(b"data: [DONE]\n\n"):
+        emit(reason.body())
+        emit("[DONE]")
 
 
 def _end_cut(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder,
@@ -177,15 +173,11 @@ async def _end_stream(recorder: RunRecorder, live: LiveRun, builder: ResponseBui
         if isinstance(cut, BackendError):  # the deadline: the client was told so
             state, reason = "failed", cut
         elif isinstance(cut, (ClientDisconnected, OSError)) or not isinstance(cut, Exception):
-            state, reason = "cancelled", BackendError(
-                499, "the run was cancelled: its client left", code="run_cancelled")
+            state, reason = "cancelled", _client_left()
         else:
             log.error("%s: failed mid-stream", live.id, exc_info=cut)
             state, reason = "failed", BackendError(500, "internal error while streaming")
-        if events and not whole:
-            emit = _emitter(recorder, live)
-            emit(reason.body())
-            emit("[DONE]")
+        _end_replay(_emitter(recorder, live), live, reason)
         _finish(recorder, live, state, reason.message if state == "failed" else None,
                 builder.usage())
     await merged.aclose()
@@ -273,22 +265,17 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
         exc = _timeout_error()
         outcome["error"] = exc.message
         if live.events:  # the stream is under way: say so in it, then end it
-            emit(exc.body())
-            emit("[DONE]")
+            _end_replay(emit, live, exc)
         else:
             live.error = exc
     except asyncio.CancelledError:  # its last follower left it (after the grace), or shutdown
         late = asyncio.get_running_loop().time() >= deadline  # its timeout was due anyway
-        cut = _timeout_error() if late else BackendError(
-            499, "the run was cancelled: its client left", code="run_cancelled")
+        cut = _timeout_error() if late else _client_left()
         if late:
             outcome["error"] = cut.message
         else:
             state = "cancelled"
-        if live.events and not live.events[-1].endswith(b"data: [DONE]\n\n"):
-            # A replay (a retry, a resume) ends the way a finished stream does, saying why.
-            emit(cut.body())
-            emit("[DONE]")
+        _end_replay(emit, live, cut)
         raise
     except Exception:
         log.exception("%s: backend failed", live.id)
@@ -299,11 +286,13 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
         _finish(recorder, live, state, outcome.get("error"), builder.usage())
 
 
-
-
 def _timeout_error() -> BackendError:
     return BackendError(504, "the request did not finish within request_timeout_s",
                         type="timeout_error", code="request_timeout")
+
+
+def _client_left() -> BackendError:
+    return BackendError(499, "the run was cancelled: its client left", code="run_cancelled")
 
 
 async def respond(recorder: RunRecorder, live: LiveRun, request: Request, after: int,

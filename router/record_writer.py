@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 
 from gateway import record_process
 from gateway.runs import IN_FLIGHT, record_item
-from gateway.store import RUN_FIELDS
+from gateway.store import ENDED, RUN_FIELDS
 
 if TYPE_CHECKING:
     from router.run_records import LiveRun
@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 # How long the record writer lets runs' changes gather before it writes them.
 LINGER_S = 0.05
 _COLUMNS = frozenset(RUN_FIELDS)
-_ENDED = ("completed", "failed", "cancelled")
 
 
 class RunWriter:
@@ -127,7 +126,7 @@ class RunWriter:
         for live in begun:
             # Its end may have come in the round before (the loop ran between the two swaps):
             # then its final row is written and it is not open.
-            if live.stored not in _ENDED:
+            if live.stored not in ENDED:
                 self._open[live.id] = live
         items = []
         for live in ended:
@@ -138,7 +137,7 @@ class RunWriter:
             # state before the run is handed over as ended) is written by the ended round,
             # with its output, never here.
             state = live.state
-            if state not in _ENDED and state != live.stored:
+            if state not in ENDED and state != live.stored:
                 items.append((live, live.stored, self._item(live, state, None)))
         return items
 
