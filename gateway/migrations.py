@@ -85,4 +85,25 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                name TEXT PRIMARY KEY,
                seen_at REAL NOT NULL)""",
     ]),
+    (7, "retention: runs found by age, and the usage of deleted runs kept per tenant and day", [
+        # What the retention passes walk (gateway/retention.py): runs, and the outputs kept,
+        # older than a cutoff (an output's time is its run's, copied so that neither walk
+        # reads the other table).
+        "CREATE INDEX runs_by_created ON runs (created_at)",
+        "ALTER TABLE run_outputs ADD COLUMN created_at REAL",
+        """UPDATE run_outputs SET created_at = (SELECT created_at FROM runs r
+                                                WHERE r.id = run_outputs.run_id)""",
+        "CREATE INDEX run_outputs_by_created ON run_outputs (created_at)",
+        # A deleted run's usage row is added here first: the ledger's totals per UTC day
+        # (`day`: its first second) outlive the runs they count.
+        """CREATE TABLE usage_days (
+               tenant TEXT NOT NULL,
+               day REAL NOT NULL,
+               runs INTEGER NOT NULL,
+               input_tokens INTEGER NOT NULL,
+               cached_tokens INTEGER NOT NULL,
+               output_tokens INTEGER NOT NULL,
+               duration_s REAL NOT NULL,
+               PRIMARY KEY (tenant, day))""",
+    ]),
 ]

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Optional
 from urllib.parse import unquote, urlsplit
 
-from gateway.store import RunStore, SqliteRunStore
+from gateway.sqlite import SqliteRunStore
+from gateway.store import RunStore
 
 POSTGRES_SCHEMES = ("postgresql", "postgres")  # libpq accepts both
 

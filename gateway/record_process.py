@@ -1,6 +1,7 @@
 """The child process that writes run records for the router (router/run_records.py RunWriter):
 it opens the run store once, then records each round of runs' changes it is sent over its pipe
-and answers with what could not be recorded.
+and answers with what could not be recorded; between rounds it keeps the replica's lease alive
+and deletes what is past its keep (gateway/retention.py).
 
 A thread of the router's own would do the same work, but the sqlite3 module lets go of the
 interpreter lock on every row it steps, and with the serving loop busy each handover waits: a
@@ -19,23 +20,30 @@ log = logging.getLogger(__name__)
 
 
 def serve(conn, store_url: Optional[str], owner: Optional[str] = None,
-          lease_s: float = 30.0) -> None:
+          lease_s: float = 30.0, keep_outputs_s: Optional[float] = None,
+          keep_runs_s: Optional[float] = None) -> None:
     """Until the pipe closes or an empty message comes: a pickled list of runs' rows in
     (gateway/runs.py `record_item`), the pickled list of problems (one line each) out, or one
     string when nothing of the round could be written. With an
     `owner`, every lease_s / 3 between rounds: the owner is alive, and runs of replicas not
-    seen for `lease_s` are failed (a replica that stopped for good leaves none in flight)."""
+    seen for `lease_s` are failed (a replica that stopped for good leaves none in flight).
+    Outputs and runs past `keep_outputs_s` / `keep_runs_s` are deleted a batch at a time, a
+    round that comes in meanwhile served first."""
     from gateway.open import open_store
+    from gateway.retention import Retention
     from gateway.runs import Runs
 
     store = open_store(store_url)
     if hasattr(store, "cache_pages"):
         store.cache_pages(16384)  # index pages of a large store stay in memory
     runs = Runs(store)
-    beat_s, next_beat = lease_s / 3, 0.0
+    retention = Retention(store, keep_outputs_s, keep_runs_s)
+    beat_s = lease_s / 3
+    next_beat = 0.0 if owner is not None else None
+    next_trim = 0.0 if retention.interval_s is not None else None
     try:
         while True:
-            if owner is not None and time.monotonic() >= next_beat:
+            if next_beat is not None and time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + beat_s
                 try:
                     lapsed = runs.keep_alive(owner, lease_s)
@@ -44,8 +52,17 @@ def serve(conn, store_url: Optional[str], owner: Optional[str] = None,
                                     "failed", lapsed, lease_s)
                 except Exception:
                     log.exception("run records: the replica's lease could not be renewed")
+            if next_trim is not None and time.monotonic() >= next_trim:
+                try:
+                    more = retention.step()
+                except Exception:
+                    log.exception("run store: deleting runs past their keep failed; trying "
+                                  "again in %g s", retention.interval_s)
+                    more = False
+                next_trim = time.monotonic() + (0.0 if more else retention.interval_s)
+            wakes = [t for t in (next_beat, next_trim) if t is not None]
             try:
-                if owner is not None and not conn.poll(max(0.0, next_beat - time.monotonic())):
+                if wakes and not conn.poll(max(0.0, min(wakes) - time.monotonic())):
                     continue
                 message = conn.recv_bytes()
             except (EOFError, OSError):  # the router is gone

@@ -173,7 +173,7 @@ def record_item(run_id: str, tenant: str, created_at: float, row: dict, insert: 
                  "output_tokens": row.get("output_tokens") or 0,
                  "duration_s": row["updated_at"] - created_at}
     return {"run_id": run_id, "insert": insert, "row": row, "expect": expect, "usage": usage,
-            "output": output, "first": first or row.get("state")}
+            "output": output, "created_at": created_at, "first": first or row.get("state")}
 
 
 def _record_item(change: RunChange) -> dict:

@@ -1,20 +1,14 @@
 """Where run records live: one small interface (`RunStore`, the operations gateway/runs.py
-needs, each one transaction) and the embedded default, SQLite in WAL mode in a file under the
-user's data directory (no setup).
-
-SQLite serializes writers; `busy_timeout` makes a writer wait its turn instead of failing, so
-several threads (or processes on one machine) may share a file. Every method opens no
-transaction the caller must close: each is atomic on its own.
+needs, each one transaction) written once in SQL for every database (gateway/sqlite.py, the
+embedded default; gateway/postgres.py). Every method opens no transaction the caller must
+close: each is atomic on its own.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sqlite3
 import threading
 import time
-from pathlib import Path
 from typing import Optional, Protocol
 
 from gateway.migrations import MIGRATIONS
@@ -32,6 +26,7 @@ STATE_TIME = {"queued": "created_at", "prefilling": "prefilling_at",
               "cancelled": "ended_at"}
 # The states a run ends in.
 ENDED = ("completed", "failed", "cancelled")
+DAY_S = 86400.0  # the usage of deleted runs is kept per tenant and UTC day
 # A run's idempotency key may only be cleared: a run refused before it served anything frees
 # its key for a retry to run anew.
 UPDATABLE = set(RUN_FIELDS) - {"id", "tenant", "created_at", "body_hash", "owner"}
@@ -54,7 +49,8 @@ class RunStore(Protocol):
         """Several runs' rows in one transaction: each item's `row` (column -> value, its
         state and transition times among them) inserted (`insert` true) or, for a run already
         there, written over it if the run is in one of `expect`; then its `usage` row (a
-        dict, or None) and its `output` ((kind, body), or None). Per item: False when it
+        dict, or None) and its `output` ((kind, body), or None, kept with the run's
+        `created_at`). Per item: False when it
         could not be (a run not in `expect`, a row the database refused: nothing of it
         changed)."""
 
@@ -88,19 +84,20 @@ class RunStore(Protocol):
 
     def give_back(self, bucket: str, capacity: float, amount: float) -> None: ...
 
-    def usage_totals(self, tenant: str, since: float, until: float) -> dict: ...
+    def usage_totals(self, tenant: str, since: float, until: float) -> dict:
+        """The tenant's usage over [since, until): its runs' rows, and the totals of each UTC day
+        whose first second is in the window for runs already deleted."""
+
+    def delete_outputs(self, before: float, limit: int) -> int:
+        """The kept outputs of up to `limit` runs created before `before`, oldest first; how
+        many."""
+
+    def delete_runs(self, before: float, limit: int) -> int:
+        """Up to `limit` ended runs created before `before`, oldest first, with their outputs;
+        their usage rows added to the per-day totals first (in the same transaction, each row
+        once whichever process deletes it); how many."""
 
     def close(self) -> None: ...
-
-
-def default_path() -> Path:
-    """$PD_RUNTIME_DATA_DIR, else $XDG_DATA_HOME/pd-runtime, else ~/.local/share/pd-runtime."""
-    base = os.environ.get("PD_RUNTIME_DATA_DIR")
-    if base:
-        return Path(base) / "runs.sqlite3"
-    data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local",
-                                                           "share")
-    return Path(data) / "pd-runtime" / "runs.sqlite3"
 
 
 class SqlRunStore:
@@ -134,6 +131,7 @@ class SqlRunStore:
                 if self._exec(db, "SELECT 1 FROM schema_migrations WHERE version = ?",
                               (version,)).fetchone():
                     continue
+                log.info("run store: applying migration %d (%s)", version, name)
                 for statement in statements:
                     self._exec(db, statement)
                 self._exec(db, "INSERT INTO schema_migrations VALUES (?, ?, ?)",
@@ -256,10 +254,11 @@ class SqlRunStore:
         if usage:  # the primary key makes a second row for a run impossible
             cursor.executemany(self._sql("INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?) "
                                          "ON CONFLICT (run_id) DO NOTHING"), usage)
-        outputs = [(item["run_id"], *item["output"]) for item in items
+        outputs = [(item["run_id"], *item["output"], item["created_at"]) for item in items
                    if item["output"] is not None]
         if outputs:
-            cursor.executemany(self._sql("INSERT INTO run_outputs VALUES (?, ?, ?) "
+            cursor.executemany(self._sql("INSERT INTO run_outputs (run_id, kind, body, "
+                                         "created_at) VALUES (?, ?, ?, ?) "
                                          "ON CONFLICT (run_id) DO NOTHING"), outputs)
 
     def transitions(self, run_id: str) -> list[tuple[str, float]]:
@@ -300,8 +299,9 @@ class SqlRunStore:
 
     def save_output(self, run_id: str, kind: str, body: bytes) -> None:
         with self._tx() as db:
-            self._exec(db, "INSERT INTO run_outputs VALUES (?, ?, ?) "
-                       "ON CONFLICT (run_id) DO NOTHING", (run_id, kind, body))
+            self._exec(db, "INSERT INTO run_outputs (run_id, kind, body, created_at) "
+                       "SELECT ?, ?, ?, created_at FROM runs WHERE id = ? "
+                       "ON CONFLICT (run_id) DO NOTHING", (run_id, kind, body, run_id))
 
     def mark_followed(self, run_id: str, at: float) -> None:
         with self._tx() as db:
@@ -342,16 +342,58 @@ class SqlRunStore:
                        "WHERE name = ?", (amount, capacity, bucket))
 
     def usage_totals(self, tenant: str, since: float, until: float) -> dict:
-        row = self._exec(
-            self._db(),
-            "SELECT COUNT(*), COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
-            "COALESCE(SUM(output_tokens), 0), COALESCE(SUM(duration_s), 0) FROM usage "
+        db = self._db()
+        rows = _values(self._exec(
+            db, "SELECT COUNT(*), COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), "
+            "0), COALESCE(SUM(output_tokens), 0), COALESCE(SUM(duration_s), 0) FROM usage "
             "WHERE tenant = ? AND finished_at >= ? AND finished_at < ?",
-            (tenant, since, until)).fetchone()
-        runs, input_tokens, cached, output, duration = _values(row)
+            (tenant, since, until)).fetchone())
+        days = _values(self._exec(
+            db, "SELECT COALESCE(SUM(runs), 0), COALESCE(SUM(input_tokens), 0), "
+            "COALESCE(SUM(cached_tokens), 0), COALESCE(SUM(output_tokens), 0), "
+            "COALESCE(SUM(duration_s), 0) FROM usage_days WHERE tenant = ? AND day >= ? "
+            "AND day < ?", (tenant, since, until)).fetchone())
+        runs, input_tokens, cached, output, duration = (a + b for a, b in zip(rows, days))
         return {"runs": int(runs), "input_tokens": int(input_tokens),
                 "cached_tokens": int(cached), "output_tokens": int(output),
                 "duration_s": float(duration)}
+
+    def delete_outputs(self, before: float, limit: int) -> int:
+        with self._tx() as db:
+            return self._exec(db, "DELETE FROM run_outputs WHERE run_id IN (SELECT run_id FROM "
+                              "run_outputs WHERE created_at < ? ORDER BY created_at LIMIT ?)",
+                              (before, limit)).rowcount
+
+    def delete_runs(self, before: float, limit: int) -> int:
+        with self._tx() as db:
+            ids = [_first(row) for row in self._exec(
+                db, f"SELECT id FROM runs WHERE created_at < ? AND {_in_states(ENDED)} "
+                "ORDER BY created_at LIMIT ?", (before, limit)).fetchall()]
+            if not ids:
+                return 0
+            marks = ", ".join("?" for _ in ids)
+            # A second process deleting the same runs finds their usage rows gone (its DELETE
+            # waits for ours to commit): each row is added to its day once.
+            used = self._exec(db, f"DELETE FROM usage WHERE run_id IN ({marks}) RETURNING "
+                              "tenant, finished_at, input_tokens, cached_tokens, "
+                              "output_tokens, duration_s", ids).fetchall()
+            days: dict[tuple[str, float], list] = {}
+            for tenant, finished_at, *counts in map(_values, used):
+                totals = days.setdefault((tenant, finished_at // DAY_S * DAY_S),
+                                         [0, 0, 0, 0, 0.0])
+                for i, value in enumerate([1, *counts]):
+                    totals[i] += value
+            if days:
+                db.cursor().executemany(self._sql(
+                    "INSERT INTO usage_days VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, "
+                    "day) DO UPDATE SET runs = usage_days.runs + excluded.runs, input_tokens = "
+                    "usage_days.input_tokens + excluded.input_tokens, cached_tokens = "
+                    "usage_days.cached_tokens + excluded.cached_tokens, output_tokens = "
+                    "usage_days.output_tokens + excluded.output_tokens, duration_s = "
+                    "usage_days.duration_s + excluded.duration_s"),
+                    [(*key, *totals) for key, totals in days.items()])
+            self._exec(db, f"DELETE FROM run_outputs WHERE run_id IN ({marks})", ids)
+            return self._exec(db, f"DELETE FROM runs WHERE id IN ({marks})", ids).rowcount
 
 
 def _in_states(states: tuple[str, ...]) -> str:
@@ -368,63 +410,3 @@ def _values(row) -> list:
 
 def _first(row):
     return _values(row)[0]
-
-
-class SqliteRunStore(SqlRunStore):
-    def __init__(self, path: str | os.PathLike | None = None, busy_timeout_s: float = 30.0):
-        self.path = Path(path) if path is not None else default_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # One connection per thread (sqlite3 connections are not shared across threads).
-        self._local = threading.local()
-        self._busy_ms = int(busy_timeout_s * 1000)
-        self._all: list[sqlite3.Connection] = []
-        self._lock = threading.Lock()
-        self.schema_version = self._migrate()
-
-    def _db(self) -> sqlite3.Connection:
-        db = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            db.row_factory = sqlite3.Row
-            db.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
-            db.execute("PRAGMA journal_mode = WAL")
-            db.execute("PRAGMA synchronous = NORMAL")
-            db.execute("PRAGMA foreign_keys = ON")
-            self._local.db = db
-            with self._lock:
-                self._all.append(db)
-        return db
-
-    def _tx(self):
-        return _Transaction(self._db())
-
-    def cache_pages(self, pages: int) -> None:
-        """A larger page cache for this thread's connection (the default is 2 MiB)."""
-        self._db().execute(f"PRAGMA cache_size = {int(pages)}")
-
-    def _sql(self, statement: str) -> str:
-        # BEGIN IMMEDIATE already holds the database's one write lock: no row locks to take.
-        return statement.replace(" FOR UPDATE_IF_SUPPORTED", "").replace("MIN_OF(", "MIN(")
-
-
-class _Transaction:
-    """BEGIN IMMEDIATE (the write lock taken up front: no upgrade deadlock), COMMIT or ROLLBACK;
-    inside a transaction already open (a batch), a savepoint, released or rolled back to."""
-
-    def __init__(self, db: sqlite3.Connection):
-        self.db = db
-        self.nested = False
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.nested = self.db.in_transaction
-        self.db.execute("SAVEPOINT op" if self.nested else "BEGIN IMMEDIATE")
-        return self.db
-
-    def __exit__(self, kind, exc, tb) -> None:
-        if not self.nested:
-            self.db.execute("COMMIT" if kind is None else "ROLLBACK")
-        elif kind is None:
-            self.db.execute("RELEASE op")
-        else:
-            self.db.execute("ROLLBACK TO op")
-            self.db.execute("RELEASE op")

@@ -106,6 +106,23 @@ class RunsConfig(_Strict):
     # one not seen for this long (stopped, not restarted on its port) are marked failed, so a
     # retry following one through the store gets an answer instead of waiting it out.
     owner_lease_s: float = Field(30.0, gt=0)
+    # A run's recorded output (what an Idempotency-Key retry or a Last-Event-ID resume
+    # replays) is deleted this long after the run began; a later retry of it gets 409. null:
+    # kept for good.
+    keep_outputs_s: Optional[float] = Field(86400.0, gt=0)
+    # A run's record (GET /v1/runs/{id}) and its Idempotency-Key are deleted this long after
+    # it began; its usage stays in the ledger as the tenant's totals for its UTC day. null:
+    # kept for good (the store then grows with every request).
+    keep_runs_s: Optional[float] = Field(30 * 86400.0, gt=0)
+
+    @model_validator(mode="after")
+    def _outputs_within_runs(self):
+        if (self.keep_outputs_s is not None and self.keep_runs_s is not None
+                and self.keep_outputs_s > self.keep_runs_s):
+            raise FieldValueError(("keep_outputs_s",), f"{self.keep_outputs_s:g} is longer "
+                                  f"than keep_runs_s ({self.keep_runs_s:g}): an output goes "
+                                  "with its run")
+        return self
 
     @field_validator("store")
     @classmethod

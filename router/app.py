@@ -49,7 +49,7 @@ def open_recorder(router_config: RouterConfig, owner: Optional[str] = None
     return RunRecorder(open_store(runs.store), runs.store,
                        owner or owner_name(router_config.host, router_config.port),
                        runs.detach_grace_s, runs.keep_finished, runs.event_ids,
-                       runs.owner_lease_s)
+                       runs.owner_lease_s, runs.keep_outputs_s, runs.keep_runs_s)
 
 
 def create_app(backend: Backend, router_config: RouterConfig,

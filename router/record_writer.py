@@ -39,12 +39,15 @@ class RunWriter:
     be recorded is logged and counted, not fatal."""
 
     def __init__(self, store_url: Optional[str], owner: Optional[str] = None,
-                 linger_s: float = LINGER_S, owner_lease_s: float = 30.0):
+                 linger_s: float = LINGER_S, owner_lease_s: float = 30.0,
+                 keep_outputs_s: Optional[float] = None, keep_runs_s: Optional[float] = None):
         """`owner`: this replica's name on its runs, kept alive in the store every
-        owner_lease_s / 3 by the writer process."""
+        owner_lease_s / 3 by the writer process, which also deletes outputs and runs past
+        their keep (None: kept for good)."""
         self.store_url = store_url
         self.owner = owner
         self.owner_lease_s = owner_lease_s
+        self.keeps = (keep_outputs_s, keep_runs_s)
         self.linger_s = linger_s
         self.failures = 0
         # Filled by the serving loop (an append is atomic), swapped out by the writer thread.
@@ -164,7 +167,7 @@ class RunWriter:
         ours, theirs = context.Pipe()
         self._process = context.Process(target=record_process.serve, name="pd-run-records",
                                         args=(theirs, self.store_url, self.owner,
-                                              self.owner_lease_s), daemon=True)
+                                              self.owner_lease_s, *self.keeps), daemon=True)
         self._process.start()
         theirs.close()
         self._conn = ours

@@ -107,16 +107,19 @@ def owner_name(host: str, port: int, replica: int = 0) -> str:
 class RunRecorder:
     def __init__(self, store: RunStore, store_url: Optional[str], owner: str,
                  detach_grace_s: float = 10.0, keep_finished: int = 1024,
-                 event_ids: str = "auto", owner_lease_s: float = 30.0):
+                 event_ids: str = "auto", owner_lease_s: float = 30.0,
+                 keep_outputs_s: Optional[float] = None, keep_runs_s: Optional[float] = None):
         """`store` for this process's own reads and idempotency claims; `store_url` names the
-        same store for the record writer's process."""
+        same store for the record writer's process (which deletes outputs and runs past
+        `keep_outputs_s` / `keep_runs_s`; None keeps them)."""
         self.store = store
         self.runs = Runs(store)
         self.owner = owner
         self.detach_grace_s = detach_grace_s
         self.keep_finished = keep_finished
         self.always_event_ids = event_ids == "always"
-        self.writer = RunWriter(store_url, owner, owner_lease_s=owner_lease_s)
+        self.writer = RunWriter(store_url, owner, owner_lease_s=owner_lease_s,
+                                keep_outputs_s=keep_outputs_s, keep_runs_s=keep_runs_s)
         self.live: dict[str, LiveRun] = {}
         self._by_key: dict[tuple[str, str], str] = {}
         self._claims: dict[tuple[str, str], asyncio.Future] = {}
@@ -347,8 +350,9 @@ class RunRecorder:
                 live.body = data
         elif live.state == "completed":
             live.error = BackendError(
-                409, f"run {live.id} completed; its output was not kept (send an "
-                "Idempotency-Key, or Accept: text/event-stream for a stream, to keep it)",
+                409, f"run {live.id} completed; its output is not kept (a run's output is "
+                "kept when it has an Idempotency-Key, or is a stream sent with "
+                "Accept: text/event-stream, for router.runs.keep_outputs_s after it began)",
                 code="output_not_kept")
         else:
             live.error = BackendError(

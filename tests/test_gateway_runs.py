@@ -22,7 +22,7 @@ from gateway.migrations import MIGRATIONS
 from gateway.open import open_store
 from gateway.postgres import PostgresRunStore
 from gateway.runs import IdempotencyConflict, InvalidTransition, Runs
-from gateway.store import SqliteRunStore, default_path
+from gateway.sqlite import SqliteRunStore, default_path
 
 REPO = Path(__file__).resolve().parent.parent
 
