@@ -193,9 +193,7 @@ class PoolBackend:
         if decision.path == "none" and decision.retry_after_s is not None:
             self.metrics.refusals.labels(tenant_id, decision.reason).inc()
             await self.tenants.refund_async(tenant, len(prompt_ids) + params.max_tokens)
-            yield _refusal(429, "overloaded", "no worker can meet the latency targets now "
-                           f"(best option: TTFT {decision.predicted_ttft_s:.2f}s, TPOT "
-                           f"{decision.predicted_tpot_s * 1000:.0f}ms predicted)",
+            yield _refusal(429, "overloaded", decision.refusal,
                            retry_after_s=decision.retry_after_s)
             return
         if decision.decode_worker is None:

@@ -60,6 +60,7 @@ class Decision:
     predicted_tpot_s: Optional[float] = None
     prefill_s: float = 0.0                     # slo mode: predicted compute of this prefill
     retry_after_s: Optional[float] = None      # slo mode, refused: when to try again
+    refusal: Optional[str] = None              # slo mode, refused: why, for the client
 
 
 def _fraction(num: float, den: float) -> float:
@@ -321,9 +322,33 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         "slo_ttft_unmet" if best.ttft_s > target.ttft_s else "slo_tpot_unmet"
     retry = wait(best)
     if met:  # would stall the decode worker's streams: when the prefill worker catches up
-        retry = min((max(0.0, o.ttft_s - target.ttft_s) for o in options
-                     if o.path == "disaggregated"), default=1.0)
+        best = min((o for o in options if o.path == "disaggregated"), key=lambda o: o.ttft_s)
+        retry = max(0.0, best.ttft_s - target.ttft_s)
     elif not any(o.idle_meets for o in options):  # served once a worker is free
         retry = min((o.backlog_s for o in options if spares_streams(o)), default=1.0)
     return Decision("none", reason, None, None, prompt_len, 0, best.ttft_s, best.tpot_s,
-                    best.prefill_s, retry_after_s=min(60.0, max(0.5, retry)))
+                    best.prefill_s, retry_after_s=min(60.0, max(0.5, retry)),
+                    refusal=_refusal(reason, best, prompt_len, target, cfg.slo_margin,
+                                     any(o.idle_meets for o in options)))
+
+
+def _refusal(reason: str, best: Option, prompt_len: int, admit: SLOTarget, margin: float,
+             idle_meets: bool) -> str:
+    """What a refused client is told: which target the best option misses, by how much, and
+    against what limit (the target x slo_margin, less the time it already waited)."""
+    ttft = f"TTFT {best.ttft_s:.2f}s predicted (admitted up to {admit.ttft_s:.2f}s"
+    tpot = f"TPOT {best.tpot_s * 1000:.0f}ms predicted (admitted up to " \
+        f"{admit.tpot_s * 1000:.0f}ms"
+    limits = f": the targets x slo_margin {margin:g})"
+    if reason == "slo_would_stall":
+        return (f"the prefill workers are busy ({ttft}{limits}), and prefilling this "
+                f"{prompt_len}-token prompt on a decode worker would stall the streams it is "
+                "running")
+    if not idle_meets:
+        miss = f"{ttft}{limits}" if reason == "slo_ttft_unmet" else f"{tpot}{limits}"
+        return (f"no worker could meet the latency targets for this request even idle: {miss}; "
+                "it is served when a worker has nothing queued")
+    if reason == "slo_ttft_unmet":
+        return f"no worker can meet the latency targets now: {ttft}{limits}"
+    return (f"no worker can meet the latency targets now: {tpot}{limits}; the decode workers' "
+            "running streams must thin out first")

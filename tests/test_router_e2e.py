@@ -258,7 +258,7 @@ def test_slo_mode_routes_by_prediction_and_refuses_early(product):
     refused = [r for r in answers if r.status_code == 429]
     assert refused and all(r.status_code in (200, 429) for r in answers)
     assert all(int(r.headers["Retry-After"]) >= 1 for r in refused)
-    assert "latency targets" in refused[0].json()["error"]["message"]
+    assert "latency targets for this request even idle" in refused[0].json()["error"]["message"]
     assert time.monotonic() - started < 30
     assert decisions(port).get(("none", "slo_ttft_unmet"), 0) >= len(refused)
     set_routing(product, max_local_prefill_tokens=64)

@@ -105,6 +105,11 @@ def test_each_path_does_its_job_while_it_can_meet_the_targets():
     refused = c2.decide(2048)
     assert (refused.path, refused.reason) == ("none", "slo_would_stall")
     assert 0.5 <= refused.retry_after_s < 2.0  # 3 s queued + 0.4 s against 2.5 s
+    # The client is told why: the prefill worker's TTFT (not a colocated option that meets the
+    # targets, which would read as a contradiction) and the stall.
+    assert refused.refusal.startswith("the prefill workers are busy (TTFT 3.4")
+    assert "admitted up to 2.25s" in refused.refusal
+    assert "2048-token prompt on a decode worker would stall" in refused.refusal
 
 
 def test_picks_the_decode_worker_the_model_says_is_faster():
@@ -125,6 +130,9 @@ def test_refuses_with_retry_after_when_no_option_meets_the_ttft_target():
         c.ledgers["d0"].add_prefill(f"d{i}", 0.2, c.now)
     refused = c.decide(2048, target=SLOTarget(ttft_s=2.5, tpot_s=10.0))
     assert refused.path == "none" and refused.reason == "slo_ttft_unmet"
+    assert refused.refusal == ("no worker can meet the latency targets now: TTFT "
+                               f"{refused.predicted_ttft_s:.2f}s predicted (admitted up to "
+                               "2.25s: the targets x slo_margin 0.9)")
     # The best option would start in 4 s and take 0.42 s: 2.2 s over the 2.5 s target less
     # the 10% margin (slo_margin).
     assert refused.retry_after_s == pytest.approx(4.0 + 0.415 + 2 * c.costs.rpc_s - 2.25,
@@ -141,6 +149,8 @@ def test_refuses_when_the_decode_worker_would_miss_tpot():
     refused = c.decide(128)
     assert (refused.path, refused.reason) == ("none", "slo_tpot_unmet")
     assert refused.retry_after_s >= 0.5
+    assert refused.refusal.startswith("no worker can meet the latency targets now: TPOT 12")
+    assert "admitted up to 90ms" in refused.refusal and "thin out" in refused.refusal
     # A looser TPOT target for this tenant admits it.
     cfg = RoutingConfig(tenant_slos={"batch": SLOTarget(ttft_s=10, tpot_s=0.5)})
     assert c.decide(128, target=slo_target(cfg, "batch", 128), cfg=cfg).path != "none"
@@ -158,6 +168,8 @@ def test_a_prompt_no_idle_worker_could_serve_in_time_is_served_when_one_is_free(
     # p0 is busy; d0 computes nothing yet but carries huge-1's stream: come back later.
     second = c.decide(10_000, target=target)
     assert second.path == "none" and second.retry_after_s > 0.5
+    assert second.refusal.startswith("no worker could meet the latency targets for this "
+                                     "request even idle: TTFT")
     # Both queues' work is now ahead of a short prompt on p0, but d0 can take it at once.
     assert c.decide(128, target=target).path == "colocated"
 
