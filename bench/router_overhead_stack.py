@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
-from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
+
+from router.cpu_time import cpu_s, read_stat
 
 ECHO_PATH = "/bench/echo"
 
@@ -56,8 +56,7 @@ def build_stack(model_dir: str, num_prefill: int, num_decode: int, runs: bool = 
 
 def thread_cpu_s(native_id: int) -> float:
     """utime + stime of one thread of this process (Linux)."""
-    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu_s(read_stat(f"/proc/self/task/{native_id}/stat"))
 
 
 # ---------------------------------------------------------------------------------- in process

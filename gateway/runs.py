@@ -16,10 +16,9 @@ import hashlib
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Optional
 
-from gateway.store import STATE_TIME, RunStore
+from gateway.store import RunStore
 
 TRANSITIONS = {
     "queued": ("prefilling", "failed", "cancelled"),
@@ -28,19 +27,6 @@ TRANSITIONS = {
     "completed": (), "failed": (), "cancelled": (),
 }
 IN_FLIGHT = ("queued", "prefilling", "streaming")
-
-
-@dataclass
-class RunChange:
-    """What happened to a run since it was last recorded (gathered by a writer, recorded in
-    one go): its creation if that is new, its transitions (state, time, fields), its output."""
-
-    run_id: str
-    tenant: str
-    created_at: float
-    created: Optional[dict] = None
-    steps: list[tuple[str, float, dict]] = field(default_factory=list)
-    output: Optional[tuple[str, bytes]] = None
 
 
 class InvalidTransition(RuntimeError):
@@ -130,21 +116,6 @@ class Runs:
             current = (self.store.get_run(run_id) or {}).get("state")
             raise InvalidTransition(f"run {run_id}: {current} -> {state} is not allowed")
 
-    def record(self, changes: list["RunChange"]) -> list[str]:
-        """Several runs' changes since they were last recorded, in one transaction: each run's
-        creation (if among them), every transition with its time, the latest fields, its
-        usage on completion and its output. Returns what could not be recorded (a transition
-        the state machine refuses), one line each; the others are recorded."""
-        problems, items = [], []
-        for change in changes:
-            try:
-                items.append(_record_item(change))
-            except InvalidTransition as exc:
-                problems.append(str(exc))
-            except Exception as exc:  # one malformed change must not cost the round
-                problems.append(f"run {change.run_id}: {type(exc).__name__}: {exc}")
-        return problems + self.record_items(items)
-
     def record_items(self, items: list[dict]) -> list[str]:
         """Runs' rows as `record_item` makes them, in one transaction; what could not be
         recorded, one line each."""
@@ -174,24 +145,3 @@ def record_item(run_id: str, tenant: str, created_at: float, row: dict, insert: 
                  "duration_s": row["updated_at"] - created_at}
     return {"run_id": run_id, "insert": insert, "row": row, "expect": expect, "usage": usage,
             "output": output, "created_at": created_at, "first": first or row.get("state")}
-
-
-def _record_item(change: RunChange) -> dict:
-    """What the store writes for one run's changes; the chain of transitions checked here,
-    the state it starts from by the store."""
-    states = [state for state, _, _ in change.steps]
-    start = change.created["state"] if change.created is not None else None
-    for before, after in zip([start] + states, states):
-        if before is not None and after not in TRANSITIONS[before]:
-            raise InvalidTransition(f"run {change.run_id}: {before} -> {after} is not allowed")
-    row = dict(change.created) if change.created is not None else {}
-    for state, at, fields in change.steps:
-        row.update(fields)
-        row["state"], row["updated_at"], row[STATE_TIME[state]] = state, at, at
-    if row.get("workers") is not None and not isinstance(row["workers"], str):
-        row["workers"] = json.dumps(list(row["workers"]))
-    expect = () if not states else tuple(
-        s for s, nexts in TRANSITIONS.items() if states[0] in nexts)
-    return record_item(change.run_id, change.tenant, change.created_at, row,
-                       change.created is not None, expect, change.output,
-                       states[0] if states else start)

@@ -20,6 +20,7 @@ from pd_runtime.api import SamplingParams, error_chunk
 from pd_runtime.config import ClusterConfig, TenantConfig
 from pd_runtime.tokenizer import Tokenizer
 from router.cost_model import CostModel
+from router.cpu_time import cpu_s, read_stat
 from router.ledger import Ledgers
 from router.metrics import RouterMetrics
 from router.policy import Decision, WorkerState, decide, decide_slo, slo_target
@@ -309,18 +310,14 @@ def process_cpu_s() -> float:
     own, ended = resource.getrusage(resource.RUSAGE_SELF), \
         resource.getrusage(resource.RUSAGE_CHILDREN)
     total = own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
-    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    me = os.getpid()
     try:
         pids = [p for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
         return total
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me:  # ppid; then utime, stime at 11, 12
-            total += (int(fields[11]) + int(fields[12])) / tick
+        fields = read_stat(f"/proc/{pid}/stat")
+        if fields is not None and int(fields[1]) == me:  # a child of ours
+            total += cpu_s(fields)
     return total
 

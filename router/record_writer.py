@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import os
 import pickle
 import threading
 import time
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Optional
 from gateway import record_process
 from gateway.runs import IN_FLIGHT, record_item
 from gateway.store import ENDED, RUN_FIELDS
+from router.cpu_time import cpu_s, read_stat
 
 if TYPE_CHECKING:
     from router.run_records import LiveRun
@@ -202,11 +202,8 @@ class RunWriter:
     def process_cpu_s(self) -> float:
         """CPU seconds the writer process has used (Linux; 0 before its first round)."""
         process = self._process
-        try:
-            fields = open(f"/proc/{process.pid}/stat").read().rsplit(")", 1)[1].split()
-        except (AttributeError, OSError):
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        fields = read_stat(f"/proc/{process.pid}/stat") if process is not None else None
+        return cpu_s(fields) if fields is not None else 0.0
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until everything the runs did so far is written: a round that starts after

@@ -354,24 +354,30 @@ def test_recorded_outputs_owners_and_shared_rate_buckets(runs):
 
 
 def test_a_round_records_every_run_it_can_and_names_the_others(runs):
-    from gateway.runs import RunChange
+    from gateway.runs import IN_FLIGHT, record_item
 
-    def change(run_id: str, steps: list) -> RunChange:
-        row = Runs.new_run("acme", run_id, "router-0", now=100.0)
-        return RunChange(run_id, "acme", 100.0, row, steps)
+    def row(run_id: str, state: str, **fields) -> dict:
+        return {**Runs.new_run("acme", run_id, "router-0", now=100.0), "state": state,
+                "updated_at": 103.0, **fields}
 
-    good = change("run-good", [("prefilling", 101.0, {}),
-                               ("streaming", 102.0, {"path": "colocated", "workers": None}),
-                               ("completed", 103.0, {"prompt_tokens": 3, "output_tokens": 2})])
-    bad_chain = change("run-bad-chain", [("completed", 101.0, {})])  # queued -> completed
-    malformed = change("run-malformed", [("prefilling", 101.0, {"workers": 7})])
-    problems = runs.record([good, bad_chain, malformed])
-    assert len(problems) == 2 and "run-bad-chain" in problems[0] and "run-malformed" in problems[1]
+    done = row("run-good", "completed", prefilling_at=101.0, streaming_at=102.0,
+               ended_at=103.0, path="colocated", prompt_tokens=3, output_tokens=2)
+    good = record_item("run-good", "acme", 100.0, done, True, IN_FLIGHT, ("json", b"{}"))
+    runs.store.insert_run(row("run-ended", "failed"))
+    late = record_item("run-ended", "acme", 100.0, {"state": "streaming", "updated_at": 104.0,
+                                                   "streaming_at": 104.0}, False)
+    refused = record_item("run-refused", "acme", 100.0, row("run-refused", "queued",
+                                                            tenant=None), True)
+    problems = runs.record_items([good, late, refused])
+    assert len(problems) == 2
+    assert "run-ended: failed -> streaming could not be recorded" in problems[0]
+    assert "run-refused" in problems[1]
     record = runs.get("run-good")
-    assert record["state"] == "completed" and record["workers"] is None
+    assert record["state"] == "completed" and runs.store.get_output("run-good") == ("json", b"{}")
     assert [s for s, _ in runs.store.transitions("run-good")] == [
         "queued", "prefilling", "streaming", "completed"]
-    assert runs.usage("acme")["runs"] == 1 and runs.get("run-bad-chain") is None
+    assert runs.get("run-ended")["state"] == "failed" and runs.get("run-refused") is None
+    assert runs.usage("acme")["runs"] == 1
 
 
 def test_runs_of_a_replica_not_seen_for_its_lease_are_failed(runs):
