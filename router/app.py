@@ -29,6 +29,7 @@ from pd_runtime.config import RouterConfig
 from router.backend import Backend, BackendError
 from router.generation import bearer_key, generation, no_run, respond, tenant_name
 from router.intake import Intake
+from router.metrics import RunRecordMetrics
 from router.protocol import InvalidRequest
 from router.run_records import RunRecorder, owner_name, parse_event_id
 from router.streaming import ClientDisconnected
@@ -156,11 +157,14 @@ def create_app(backend: Backend, router_config: RouterConfig,
             raise BackendError(503, "no worker can serve requests yet", code="not_ready")
         return {"status": "ready"}
 
+    records = RunRecordMetrics(recorder.writer) if recorder is not None else None
+
     @app.get("/metrics")
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(backend.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+        text = backend.metrics_text() + (records.text() if records is not None else b"")
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -29,6 +29,14 @@ log = logging.getLogger(__name__)
 # How long the record writer lets runs' changes gather before it writes them.
 LINGER_S = 0.05
 _COLUMNS = frozenset(RUN_FIELDS)
+# While the store cannot be written, ended runs' final rows wait in memory, bounded: past
+# WAITING_OUTPUT_BYTES the oldest waiting outputs are let go (their runs are still recorded; a
+# retry of one is told its output is not kept), past WAITING_RUNS the oldest rows too (their
+# usage is lost: counted and logged). A backlog is written ROUND_MAX rows a round.
+WAITING_RUNS = 100_000
+WAITING_OUTPUT_BYTES = 64 << 20
+ROUND_MAX = 5_000
+BACKOFF_MAX_S = 5.0  # after failed rounds, the next waits longer, up to this
 
 
 class RunWriter:
@@ -36,7 +44,8 @@ class RunWriter:
     begins and ends within a round is one row (its state, times, routing and token counts)
     and its usage row; one still going at a round's end is written in flight (what start-up
     recovery finds after a crash) and again whenever its state has moved. A round that cannot
-    be recorded is logged and counted, not fatal."""
+    be recorded is logged and counted, not fatal: its ended runs' rows wait for the next
+    (bounded), its runs in flight are read again."""
 
     def __init__(self, store_url: Optional[str], owner: Optional[str] = None,
                  linger_s: float = LINGER_S, owner_lease_s: float = 30.0,
@@ -49,7 +58,10 @@ class RunWriter:
         self.owner_lease_s = owner_lease_s
         self.keeps = (keep_outputs_s, keep_runs_s)
         self.linger_s = linger_s
-        self.failures = 0
+        self.failures = 0  # rounds (or rows of one) that could not be written
+        self.outputs_dropped = 0  # waiting outputs let go while the store failed
+        self.runs_dropped = 0  # waiting rows let go: runs never recorded
+        self._waiting: list[dict] = []  # the writer thread's: ended runs' rows not yet written
         # Filled by the serving loop (an append is atomic), swapped out by the writer thread.
         self._begun: list["LiveRun"] = []
         self._ended: list["LiveRun"] = []
@@ -64,6 +76,11 @@ class RunWriter:
         self._start_process()  # now, at start-up: not in the middle of serving
         self._thread = threading.Thread(target=self._loop, name="run-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        """Ended runs' rows not yet written (the store failed lately)."""
+        return len(self._waiting)
 
     # -- the serving loop's side ---------------------------------------------------------------
     def begun(self, live: "LiveRun") -> None:
@@ -80,48 +97,80 @@ class RunWriter:
     def _loop(self) -> None:
         failed = 0  # rounds in a row that could not be written: the next waits longer
         while True:
-            if not self._open:  # runs in flight: a round every linger, for their progress
+            if not self._open and not self._waiting:  # else a round every linger
                 self._wake.wait()
             if not self._closing and self.linger_s > 0:
                 # Let the runs' next changes join this round; after failures, give the store
-                # time (up to 5 s) rather than retrying it every round.
-                time.sleep(min(5.0, self.linger_s * 2 ** failed))
+                # time rather than retrying it every round.
+                time.sleep(min(BACKOFF_MAX_S, self.linger_s * 2 ** failed))
             with self._lock:
                 self._wake.clear()  # before the swap: an append after it wakes the next round
                 self._started += 1
                 closing = self._closing
             begun, self._begun = self._begun, []
             ended, self._ended = self._ended, []
-            items: list[tuple["LiveRun", Optional[str], dict]] = []
+            waiting = self._waiting[:ROUND_MAX]
+            items: Optional[list[tuple["LiveRun", Optional[str], dict]]] = None
             try:
                 items = self._items(begun, ended)
-                if items:
-                    for problem in self._record([item for _, _, item in items]):
+                rows = waiting + [item for _, _, item in items]
+                if rows:
+                    for problem in self._record(rows):
                         self.failures += 1
                         log.warning("run record: %s", problem)
+                del self._waiting[:len(waiting)]
+                if self._waiting:
+                    self._wake.set()  # the rest of a backlog: the next round
                 failed = 0
             except Exception:
-                # Nothing of the round was written: its runs go again with the next one (a
-                # row is the run's whole state, so writing it later is writing it right).
+                # Nothing of the round was written: ended runs' rows wait for the next one (a
+                # row is the run's whole state, so writing it later is writing it right); runs
+                # in flight are read again then.
                 self.failures += 1
                 if failed == 0 or failed % 20 == 0:
                     log.exception("run records: a round of %d runs failed (%d in a row); "
-                                  "retrying it", len(items), failed + 1)
+                                  "retrying it", len(waiting) + len(items or ended), failed + 1)
                 failed += 1
+                if items is None:  # it failed before its rows were made: make them again
+                    self._ended[:0] = ended
+                for live, before, item in items or ():
+                    if item["row"]["state"] in ENDED:
+                        self._waiting.append(item)
+                    else:
+                        live.stored = before
                 if closing:  # no next round to take them
                     log.error("run records: %d runs' last changes not recorded at shutdown",
-                              len(items))
+                              len(self._waiting) + len(self._ended))
+                    self._waiting.clear()
+                    self._ended.clear()
                 else:
-                    for live, before, _ in items:
-                        live.stored = before
-                    self._ended[:0] = ended
+                    self._bound_waiting()
                     self._wake.set()  # a next round, even if no run comes or goes
             finally:
                 with self._lock:
                     self._done += 1
                     self._rounds.notify_all()
-            if closing and not self._begun and not self._ended:
+            if closing and not self._begun and not self._ended and not self._waiting:
                 return
+
+    def _bound_waiting(self) -> None:
+        """Rows waiting for the store held to WAITING_RUNS and their outputs to
+        WAITING_OUTPUT_BYTES, the oldest let go first."""
+        extra = len(self._waiting) - WAITING_RUNS
+        if extra > 0:
+            del self._waiting[:extra]
+            self.runs_dropped += extra
+            log.error("run records: the store has not been written for a while; %d more runs "
+                      "let go unrecorded (%d in all, their usage lost); %d wait", extra,
+                      self.runs_dropped, len(self._waiting))
+        size = sum(len(item["output"][1]) for item in self._waiting if item["output"])
+        for item in self._waiting:
+            if size <= WAITING_OUTPUT_BYTES:
+                break
+            if item["output"]:
+                size -= len(item["output"][1])
+                item["output"] = None
+                self.outputs_dropped += 1
 
     def _items(self, begun: list["LiveRun"], ended: list["LiveRun"]
                ) -> list[tuple["LiveRun", Optional[str], dict]]:

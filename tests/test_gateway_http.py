@@ -405,3 +405,16 @@ def test_a_claim_cancelled_during_its_store_write_frees_the_key(tmp_path):
         assert record["state"] == "cancelled" and record["idempotency_key"] is None
     finally:
         recorder.close()
+
+
+def test_the_record_writers_health_is_in_the_metrics(server):
+    backend, port = server
+    httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers=ACME, timeout=60,
+               json={"model": backend.model_name, "prompt": "metrics", "max_tokens": 2})
+    _recorder(port).writer.flush()
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    for line in ("pd_run_records_failures_total 0.0", "pd_run_records_waiting 0.0",
+                 'pd_run_records_dropped_total{what="runs"} 0.0',
+                 'pd_run_records_dropped_total{what="outputs"} 0.0'):
+        assert line in text.splitlines(), line
+    assert "pd_requests_total" in text, "the router's own metrics are still there"

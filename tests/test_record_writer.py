@@ -130,3 +130,53 @@ def test_a_store_that_keeps_failing_is_retried_less_and_less_often_and_shutdown_
     started = time.monotonic()
     writer.close(timeout_s=10)
     assert time.monotonic() - started < 8 and not writer._thread.is_alive()
+
+
+def test_rows_waiting_for_a_failing_store_are_bounded_and_written_when_it_returns(
+        tmp_path, monkeypatch):
+    """While the store fails, ended runs wait as their rows (not their whole LiveRun), the
+    oldest outputs let go past the byte bound and the oldest rows past the run bound, each
+    counted; when the store returns, the backlog is written a bounded number of rows a round."""
+    import router.record_writer as record_writer
+
+    output_bytes = len(_live_run("run-00", "completed", True).kept_output[1])
+    monkeypatch.setattr(record_writer, "WAITING_RUNS", 8)
+    monkeypatch.setattr(record_writer, "WAITING_OUTPUT_BYTES", 5 * output_bytes)
+    monkeypatch.setattr(record_writer, "ROUND_MAX", 3)
+    monkeypatch.setattr(record_writer, "BACKOFF_MAX_S", 0.05)
+    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
+    writer = RunWriter(url, "here:8000/0", linger_s=0.01)
+    real, sizes, down = writer._record, [], [True]
+
+    def until_back(items):
+        sizes.append(len(items))
+        if down[0]:
+            raise OSError("the store is unreachable")
+        return real(items)
+
+    writer._record = until_back
+    store = open_store(url)
+    try:
+        for i in range(12):
+            writer.ended(_live_run(f"run-{i:02d}", "completed", True))
+            writer.flush()
+        assert writer.runs_dropped == 4 and len(writer._waiting) == 8
+        assert writer.outputs_dropped == 7, "runs 0-6 lost their outputs (0-3 then went whole)"
+        assert not writer._ended, "what waits is rows, not the runs"
+        down[0] = False
+        deadline = time.monotonic() + 20
+        while writer._waiting and time.monotonic() < deadline:
+            writer.flush()
+        assert not writer._waiting
+        assert max(sizes[-3:]) <= 3, "a backlog goes a bounded number of rows a round"
+        for i in range(12):
+            record, output = store.get_run(f"run-{i:02d}"), store.get_output(f"run-{i:02d}")
+            if i < 4:
+                assert record is None, "let go unrecorded"
+            else:
+                assert record["state"] == "completed"
+                assert (output is not None) == (i >= 7), i
+        assert Runs(store).usage("acme")["runs"] == 8
+    finally:
+        writer.close()
+        store.close()
