@@ -70,6 +70,19 @@ class PostgresServer:
         # --no-sync and fsync=off: a test database need not survive a power cut.
         self._run([self.bin / "initdb", "-D", self.data, "-U", "postgres", "--auth=trust",
                    "--encoding=UTF8", "--locale=C", "--no-sync"], timeout_s)
+        self._launch(began + timeout_s)
+        self.start_s = time.monotonic() - began
+
+    def pause(self) -> None:
+        """An outage: the server stopped (its clients' connections broken), its data kept for
+        resume() (a fast stop: this server does not sync its commits, and an immediate stop
+        would lose the last of them, which a real database does not)."""
+        self._halt("fast")
+
+    def resume(self, timeout_s: float = 60.0) -> None:
+        self._launch(time.monotonic() + timeout_s)
+
+    def _launch(self, deadline: float) -> None:
         with open(self.log, "ab") as log:
             self._proc = subprocess.Popen(
                 [self.bin / "postgres", "-D", self.data, "-k", self.root, "-p", str(PORT),
@@ -77,7 +90,6 @@ class PostgresServer:
                  "-c", "full_page_writes=off", "-c", "max_connections=120"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 **self._as_user())
-        deadline = began + timeout_s
         while True:
             try:
                 psycopg.connect(self.url("postgres"), connect_timeout=2).close()
@@ -87,7 +99,6 @@ class PostgresServer:
                     self.stop()
                     raise RuntimeError(f"PostgreSQL did not start; its log:\n{self._log_tail()}")
                 time.sleep(0.05)
-        self.start_s = time.monotonic() - began
 
     def create_database(self) -> str:
         """A new empty database; its URL (unix socket host, libpq style)."""
@@ -97,13 +108,18 @@ class PostgresServer:
         return self.url(name)
 
     def stop(self) -> None:
-        """pg_ctl stop -m immediate (its children quit at once, nothing is flushed), then make
+        """The server stopped and its directory removed."""
+        self._halt()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _halt(self, mode: str = "immediate") -> None:
+        """pg_ctl stop (immediate: its children quit at once, nothing is flushed), then make
         sure the postmaster and every process it started are gone."""
         proc, self._proc = self._proc, None
         if proc is not None:
             children = _children(proc.pid)
             if proc.poll() is None:
-                subprocess.run([self.bin / "pg_ctl", "stop", "-D", self.data, "-m", "immediate",
+                subprocess.run([self.bin / "pg_ctl", "stop", "-D", self.data, "-m", mode,
                                 "-w", "-t", "30"], capture_output=True, timeout=60,
                                **self._as_user())
             try:
@@ -114,7 +130,6 @@ class PostgresServer:
             for pid, started in children:  # the postmaster waits for them; this is a backstop
                 if _start_time(pid) == started:
                     os.kill(pid, 9)
-        shutil.rmtree(self.root, ignore_errors=True)
 
     def _run(self, command: list, timeout_s: float) -> None:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,

@@ -2,7 +2,8 @@
 replica's keep-alive and lease from its writer process, the rounds' hand-over between the
 serving loop and the writer thread (a run's end before its start, a run caught between its
 final state and its hand-over), and a round that could not be written (retried, backing off,
-given up at shutdown)."""
+given up at shutdown, bounded while the store fails), and a PostgreSQL outage under a serving
+router: no request lost, every record written once the database is back."""
 
 from __future__ import annotations
 
@@ -180,3 +181,50 @@ def test_rows_waiting_for_a_failing_store_are_bounded_and_written_when_it_return
     finally:
         writer.close()
         store.close()
+
+
+def test_a_database_outage_costs_no_request_and_no_record(llama_dir):
+    """PostgreSQL stopped under a serving router: every request is answered, the ended runs'
+    rows wait in the router (seen in /metrics), and once the database is back the writer's
+    process reconnects and writes them all, their usage with them."""
+    import httpx
+
+    from pd_runtime.config import RouterConfig
+    from pd_runtime.tokenizer import Tokenizer
+    from tests.postgres_server import running_server
+    from tests.router_support.scripted_backend import ScriptedBackend, token_chunk
+    from tests.router_support.serving import APPS, serving
+
+    with running_server() as server:
+        url = server.create_database()
+        backend = ScriptedBackend(Tokenizer(llama_dir), [token_chunk("a"),
+                                                         token_chunk("b", finished=True)])
+        with serving(backend, RouterConfig(runs={"store": url})) as (_, port):
+            writer = APPS[port].state.recorder.writer
+            base = f"http://127.0.0.1:{port}"
+
+            def ask() -> str:
+                answer = httpx.post(f"{base}/v1/completions", timeout=30,
+                                    json={"model": "scripted", "prompt": "x", "max_tokens": 2})
+                assert answer.status_code == 200, answer.text
+                return answer.json()["id"]
+
+            ids = [ask()]
+            writer.flush()
+            server.pause()
+            ids += [ask() for _ in range(20)]
+            writer.flush()
+            assert writer.failures >= 1 and writer.waiting >= 1
+            assert f"pd_run_records_waiting {float(writer.waiting)}" in \
+                httpx.get(f"{base}/metrics").text
+            server.resume()
+            deadline = time.monotonic() + 30
+            while writer.waiting and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert writer.waiting == 0 and writer.runs_dropped == 0
+            store = open_store(url)
+            try:
+                assert all(store.get_run(run_id)["state"] == "completed" for run_id in ids)
+                assert Runs(store).usage("anonymous")["runs"] == 21
+            finally:
+                store.close()
