@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import lru_cache
 from typing import Iterator, Optional
 
@@ -17,7 +17,7 @@ import psycopg
 from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict
 
-from gateway.store import SqlRunStore
+from gateway.store import SqlRunStore, StoreUnavailable, _first_line
 
 # Any key no other application on the same database locks: "pd_runs" in ASCII.
 _MIGRATION_LOCK_KEY = 0x70645F72756E73
@@ -42,7 +42,10 @@ class PostgresRunStore(SqlRunStore):
     def _db(self) -> psycopg.Connection:
         db = getattr(self._local, "db", None)
         if db is None or db.closed:  # closed also when the server dropped it: reconnect
-            db = psycopg.connect(**self._params, autocommit=True, row_factory=_rows)
+            try:
+                db = psycopg.connect(**self._params, autocommit=True, row_factory=_rows)
+            except psycopg.OperationalError as exc:
+                raise StoreUnavailable(_first_line(exc)) from exc
             # The locking here is reasoned at READ COMMITTED, whatever the server's default.
             db.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
             db.execute(f"SET lock_timeout = {self._lock_ms}")
@@ -52,10 +55,35 @@ class PostgresRunStore(SqlRunStore):
         return db
 
     @contextmanager
-    def _tx(self) -> Iterator[psycopg.Connection]:
-        db = self._db()
-        with db.transaction():  # BEGIN; COMMIT, or ROLLBACK when the block raises
+    def _transaction(self) -> Iterator[psycopg.Connection]:
+        for attempt in range(2):
+            db = self._db()
+            stack = ExitStack()
+            try:
+                # BEGIN; COMMIT, or ROLLBACK when the block raises
+                stack.enter_context(db.transaction())
+                break
+            except psycopg.OperationalError:
+                if attempt or not db.closed:
+                    raise
+                # The server dropped the connection while it was idle (it restarted): BEGIN
+                # did nothing, so once more on a new one.
+        with stack:
             yield db
+
+    def _exec(self, db, statement: str, params=()):
+        idle = db.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        try:
+            return super()._exec(db, statement, params)
+        except StoreUnavailable:
+            if not idle or not db.closed:
+                raise
+            # A read on a connection the server dropped while it was idle: once more, anew.
+            return super()._exec(self._db(), statement, params)
+
+    def _unavailable(self, exc: BaseException) -> bool:
+        # Connection lost or refused, the server shutting down, lock_timeout: no answer.
+        return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
 
     def _sql(self, statement: str) -> str:
         return _to_postgres(statement)

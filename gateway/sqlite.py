@@ -50,8 +50,12 @@ class SqliteRunStore(SqlRunStore):
                 self._all.append(db)
         return db
 
-    def _tx(self):
+    def _transaction(self):
         return _Transaction(self._db())
+
+    def _unavailable(self, exc: BaseException) -> bool:
+        # sqlite3 reports wrong SQL as OperationalError too: only these mean no answer.
+        return isinstance(exc, sqlite3.OperationalError) and str(exc).startswith(_NO_ANSWER)
 
     def cache_pages(self, pages: int) -> None:
         """A larger page cache for this thread's connection (the default is 2 MiB)."""
@@ -60,6 +64,10 @@ class SqliteRunStore(SqlRunStore):
     def _sql(self, statement: str) -> str:
         # BEGIN IMMEDIATE already holds the database's one write lock: no row locks to take.
         return statement.replace(" FOR UPDATE_IF_SUPPORTED", "").replace("MIN_OF(", "MIN(")
+
+
+_NO_ANSWER = ("database is locked", "database table is locked", "disk I/O error",
+              "unable to open database file", "database or disk is full")
 
 
 class _Transaction:

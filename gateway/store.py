@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from typing import Optional, Protocol
 
 from gateway.migrations import MIGRATIONS
@@ -30,6 +31,12 @@ DAY_S = 86400.0  # the usage of deleted runs is kept per tenant and UTC day
 # A run's idempotency key may only be cleared: a run refused before it served anything frees
 # its key for a retry to run anew.
 UPDATABLE = set(RUN_FIELDS) - {"id", "tenant", "created_at", "body_hash", "owner"}
+
+
+class StoreUnavailable(RuntimeError):
+    """The run store did not answer: unreachable, restarting, out of disk, or a lock held past
+    the busy timeout (not a wrong statement). The operation is not done (a commit that failed
+    this way may have been); the caller may try again later."""
 
 
 class RunStore(Protocol):
@@ -102,22 +109,47 @@ class RunStore(Protocol):
 
 class SqlRunStore:
     """The RunStore operations in SQL, written once for every database: a subclass supplies a
-    connection per thread (`_db`), a write transaction (`_tx`) and its placeholder style
-    (`_sql`, from the `?` written here)."""
+    connection per thread (`_db`), a write transaction (`_transaction`), which of its driver's
+    errors mean no answer (`_unavailable`) and its placeholder style (`_sql`, from the `?`
+    written here)."""
 
     schema_version = 0
 
     def _db(self):
         raise NotImplementedError
 
-    def _tx(self):
+    def _transaction(self):
+        """The database's own transaction (a context manager giving the connection)."""
         raise NotImplementedError
+
+    def _unavailable(self, exc: BaseException) -> bool:
+        """Whether a driver's error means the store did not answer (StoreUnavailable)."""
+        return False
 
     def _sql(self, statement: str) -> str:
         return statement
 
     def _exec(self, db, statement: str, params=()):
-        return db.execute(self._sql(statement), params)
+        try:
+            return db.execute(self._sql(statement), params)
+        except Exception as exc:
+            if self._unavailable(exc):
+                raise StoreUnavailable(_first_line(exc)) from exc
+            raise
+
+    @contextmanager
+    def _tx(self):
+        """A write transaction (a savepoint inside one already open); the driver's errors that
+        mean the store did not answer, at BEGIN or COMMIT too, raised as StoreUnavailable."""
+        try:
+            with self._transaction() as db:
+                yield db
+        except StoreUnavailable:
+            raise
+        except Exception as exc:
+            if self._unavailable(exc):
+                raise StoreUnavailable(_first_line(exc)) from exc
+            raise
 
     def _migrate(self) -> int:
         with self._tx() as db:
@@ -203,6 +235,8 @@ class SqlRunStore:
                 with self._tx():  # runs new in this round (most): a few statements for all
                     self._record_new(db, new)
                 done = {id(item) for item in new}
+            except StoreUnavailable:  # the round fails as a whole: it goes again later
+                raise
             except Exception:
                 log.exception("run records: %d new runs failed together; recording them one "
                               "by one", len(new))
@@ -214,6 +248,8 @@ class SqlRunStore:
                     continue
                 try:
                     results.append(self._record_one(db, item))
+                except StoreUnavailable:
+                    raise
                 except Exception:
                     log.exception("run record of %s failed", item["run_id"])
                     results.append(False)
@@ -410,3 +446,8 @@ def _values(row) -> list:
 
 def _first(row):
     return _values(row)[0]
+
+
+def _first_line(exc: BaseException) -> str:
+    """A driver error for a client: its type and first line (no URL, no password)."""
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"

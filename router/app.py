@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.store import StoreUnavailable
 from pd_runtime.config import RouterConfig
 from router.backend import Backend, BackendError
 from router.generation import bearer_key, generation, no_run, respond, tenant_name
@@ -234,6 +235,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in errors[0].get("loc", ())[1:]] if errors else []
         return error_response(InvalidRequest(errors[0]["msg"] if errors else "invalid request",
                                              param=loc[0] if loc else None))
+
+    @app.exception_handler(StoreUnavailable)
+    async def store_unavailable(request: Request, exc: StoreUnavailable):
+        # An idempotency claim, a run's record or the usage ledger could not be read or
+        # written: the client may send it again shortly (nothing was computed for it).
+        return error_response(BackendError(
+            503, f"the run store is unavailable ({exc}); send the request again shortly",
+            code="store_unavailable", retry_after_s=2.0))
 
     @app.exception_handler(ClientDisconnected)
     async def disconnected(request: Request, exc: ClientDisconnected):

@@ -400,3 +400,33 @@ def test_runs_of_a_replica_not_seen_for_its_lease_are_failed(runs):
     assert [runs.get(r)["state"] for r in ("run-live", "run-mine", "run-done")] == [
         "prefilling", "prefilling", "completed"]
     assert runs.usage("acme")["runs"] == 1  # the failed run is not billed
+
+
+def test_a_postgres_store_answers_the_first_call_after_its_server_restarts():
+    """A restart breaks every idle connection; the next read and the next write each find
+    theirs dropped and go once more on a new one, instead of failing once per thread. While the
+    server is down, calls raise StoreUnavailable (the router answers 503)."""
+    from gateway.store import StoreUnavailable
+    from tests.postgres_server import running_server
+
+    with running_server() as server:
+        store = open_store(server.create_database())
+        try:
+            runs = Runs(store)
+            run, _ = runs.create("acme")
+            assert runs.get(run["id"])["state"] == "queued"
+            server.pause()
+            with pytest.raises(StoreUnavailable):
+                runs.get(run["id"])
+            with pytest.raises(StoreUnavailable):
+                runs.create("acme")
+            server.resume()
+            assert runs.get(run["id"])["state"] == "queued"
+            server.pause()
+            server.resume()
+            runs.advance(run["id"], "prefilling")  # a write first: BEGIN on a new connection
+            server.pause()
+            server.resume()
+            assert runs.get(run["id"])["state"] == "prefilling"  # a read first
+        finally:
+            store.close()

@@ -184,16 +184,18 @@ def test_rows_waiting_for_a_failing_store_are_bounded_and_written_when_it_return
 
 
 def test_a_database_outage_costs_no_request_and_no_record(llama_dir):
-    """PostgreSQL stopped under a serving router: every request is answered, the ended runs'
-    rows wait in the router (seen in /metrics), and once the database is back the writer's
-    process reconnects and writes them all, their usage with them."""
+    """PostgreSQL stopped under a serving router: every request without an Idempotency-Key is
+    answered; one with a key (its claim must be written first), a run's record and the usage
+    ledger get 503 store_unavailable with Retry-After, not a 500; the ended runs' rows wait in
+    the router (seen in /metrics). Once the database is back, the first read is answered (the
+    dropped connection replaced) and the writer's process writes every waiting row."""
     import httpx
 
     from pd_runtime.config import RouterConfig
     from pd_runtime.tokenizer import Tokenizer
     from tests.postgres_server import running_server
     from tests.router_support.scripted_backend import ScriptedBackend, token_chunk
-    from tests.router_support.serving import APPS, serving
+    from tests.router_support.serving import APPS, assert_error_body, serving
 
     with running_server() as server:
         url = server.create_database()
@@ -213,11 +215,19 @@ def test_a_database_outage_costs_no_request_and_no_record(llama_dir):
             writer.flush()
             server.pause()
             ids += [ask() for _ in range(20)]
+            keyed = httpx.post(f"{base}/v1/completions", timeout=30,
+                               headers={"Idempotency-Key": "during-the-outage"},
+                               json={"model": "scripted", "prompt": "x", "max_tokens": 2})
+            for answer in (keyed, httpx.get(f"{base}/v1/runs/{ids[0]}"),
+                           httpx.get(f"{base}/v1/usage")):
+                error = assert_error_body(answer, 503)
+                assert error["code"] == "store_unavailable" and answer.headers["retry-after"]
             writer.flush()
             assert writer.failures >= 1 and writer.waiting >= 1
             assert f"pd_run_records_waiting {float(writer.waiting)}" in \
                 httpx.get(f"{base}/metrics").text
             server.resume()
+            assert httpx.get(f"{base}/v1/runs/{ids[0]}").json()["state"] == "completed"
             deadline = time.monotonic() + 30
             while writer.waiting and time.monotonic() < deadline:
                 time.sleep(0.1)
