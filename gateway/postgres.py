@@ -17,7 +17,8 @@ import psycopg
 from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict
 
-from gateway.store import SqlRunStore, StoreUnavailable, _first_line
+from gateway.sql_store import SqlRunStore, _first_line
+from gateway.store import StoreUnavailable
 
 # Any key no other application on the same database locks: "pd_runs" in ASCII.
 _MIGRATION_LOCK_KEY = 0x70645F72756E73

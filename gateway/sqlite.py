@@ -12,7 +12,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from gateway.store import SqlRunStore
+from gateway.sql_store import SqlRunStore
 
 
 def default_path() -> Path:

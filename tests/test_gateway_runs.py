@@ -158,9 +158,9 @@ def test_migrations_are_versioned_and_applied_once(store_url):
 def test_a_store_of_schema_4_keeps_its_runs_transition_times(store_url, monkeypatch):
     """Migration 5 moves run_transitions into columns of runs: a store written by the code of
     schema 4 reads the same states and times after it."""
-    import gateway.store
+    import gateway.sql_store
 
-    monkeypatch.setattr(gateway.store, "MIGRATIONS", MIGRATIONS[:4])
+    monkeypatch.setattr(gateway.sql_store, "MIGRATIONS", MIGRATIONS[:4])
     old = open_store(store_url)
     with old._tx() as db:
         for run_id, state, steps in [("run-done", "completed", [("queued", 10.0),

@@ -119,9 +119,9 @@ def test_processes_trimming_one_store_at_once_count_each_deleted_run_once(store_
 def test_a_store_of_schema_6_keeps_its_outputs_ages(store_url, monkeypatch):
     """Migration 7 copies each kept output's run creation time onto it: an old output goes
     at the first pass after the upgrade, a recent one stays."""
-    import gateway.store
+    import gateway.sql_store
 
-    monkeypatch.setattr(gateway.store, "MIGRATIONS", MIGRATIONS[:6])
+    monkeypatch.setattr(gateway.sql_store, "MIGRATIONS", MIGRATIONS[:6])
     previous = open_store(store_url)
     with previous._tx() as db:
         for run_id, created_at in (("run-old", NOW - DAY_S), ("run-new", NOW - 60)):
