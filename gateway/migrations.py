@@ -96,13 +96,15 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         "CREATE INDEX run_outputs_by_created ON run_outputs (created_at)",
         # A deleted run's usage row is added here first: the ledger's totals per UTC day
         # (`day`: its first second) outlive the runs they count.
+        # BIGINT: a tenant's day of tokens passes 2^31 at ~25k tokens/s (PostgreSQL's INTEGER
+        # is 4 bytes; SQLite's is 8 either way).
         """CREATE TABLE usage_days (
                tenant TEXT NOT NULL,
                day REAL NOT NULL,
-               runs INTEGER NOT NULL,
-               input_tokens INTEGER NOT NULL,
-               cached_tokens INTEGER NOT NULL,
-               output_tokens INTEGER NOT NULL,
+               runs BIGINT NOT NULL,
+               input_tokens BIGINT NOT NULL,
+               cached_tokens BIGINT NOT NULL,
+               output_tokens BIGINT NOT NULL,
                duration_s REAL NOT NULL,
                PRIMARY KEY (tenant, day))""",
     ]),

@@ -20,6 +20,13 @@ from psycopg.conninfo import conninfo_to_dict
 from gateway.sql_store import SqlRunStore, _first_line
 from gateway.store import StoreUnavailable
 
+# SQLSTATEs of a server that cannot answer now (a later try may succeed): connection
+# exceptions, insufficient resources (disk full, too many connections), transaction rollbacks
+# (deadlock, serialization), and: shutting down, crashed, starting up, a lock not available
+# (lock_timeout), a statement cancelled (statement_timeout), a read-only server (a standby,
+# or a primary in failover).
+_NO_ANSWER_CLASSES = ("08", "53", "40")
+_NO_ANSWER_STATES = ("57P01", "57P02", "57P03", "55P03", "57014", "25006")
 # Any key no other application on the same database locks: "pd_runs" in ASCII.
 _MIGRATION_LOCK_KEY = 0x70645F72756E73
 
@@ -43,13 +50,18 @@ class PostgresRunStore(SqlRunStore):
     def _db(self) -> psycopg.Connection:
         db = getattr(self._local, "db", None)
         if db is None or db.closed:  # closed also when the server dropped it: reconnect
+            db = None
             try:
                 db = psycopg.connect(**self._params, autocommit=True, row_factory=_rows)
-            except psycopg.OperationalError as exc:
-                raise StoreUnavailable(_first_line(exc)) from exc
-            # The locking here is reasoned at READ COMMITTED, whatever the server's default.
-            db.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-            db.execute(f"SET lock_timeout = {self._lock_ms}")
+                # The locking here is reasoned at READ COMMITTED, whatever the server's default.
+                db.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+                db.execute(f"SET lock_timeout = {self._lock_ms}")
+            except psycopg.Error as exc:
+                if db is not None:
+                    db.close()
+                if self._unavailable(exc):
+                    raise StoreUnavailable(_first_line(exc)) from exc
+                raise
             self._local.db = db
             with self._lock:
                 self._all.append(db)
@@ -59,13 +71,15 @@ class PostgresRunStore(SqlRunStore):
     def _transaction(self) -> Iterator[psycopg.Connection]:
         for attempt in range(2):
             db = self._db()
+            idle = db.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
             stack = ExitStack()
             try:
-                # BEGIN; COMMIT, or ROLLBACK when the block raises
+                # BEGIN (a savepoint inside a transaction); COMMIT, or ROLLBACK when the block
+                # raises
                 stack.enter_context(db.transaction())
                 break
             except psycopg.OperationalError:
-                if attempt or not db.closed:
+                if attempt or not idle or not db.closed:
                     raise
                 # The server dropped the connection while it was idle (it restarted): BEGIN
                 # did nothing, so once more on a new one.
@@ -83,8 +97,16 @@ class PostgresRunStore(SqlRunStore):
             return super()._exec(self._db(), statement, params)
 
     def _unavailable(self, exc: BaseException) -> bool:
-        # Connection lost or refused, the server shutting down, lock_timeout: no answer.
-        return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+        """By SQLSTATE, not by class (OperationalError also holds errors that every retry
+        meets again, such as a key too long for its index)."""
+        if isinstance(exc, psycopg.InterfaceError):  # a connection already closed
+            return True
+        if not isinstance(exc, psycopg.Error):
+            return False
+        state = exc.sqlstate
+        if state is None:  # no answer to carry one: connection refused, lost, timed out
+            return isinstance(exc, psycopg.OperationalError)
+        return state[:2] in _NO_ANSWER_CLASSES or state in _NO_ANSWER_STATES
 
     def _sql(self, statement: str) -> str:
         return _to_postgres(statement)

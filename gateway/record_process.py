@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import signal
 import time
 from typing import Optional
 
@@ -33,6 +34,11 @@ def serve(conn, store_url: Optional[str], owner: Optional[str] = None,
     from gateway.retention import Retention
     from gateway.runs import Runs
 
+    # Ctrl-C reaches the terminal's whole process group: the router drains, sends its last
+    # round, then closes the pipe, which ends this process. (SIGTERM still ends it at once: a
+    # process that outlived its router would hold multiprocessing's exit join.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     store = open_store(store_url)
     if hasattr(store, "cache_pages"):
         store.cache_pages(16384)  # index pages of a large store stay in memory
@@ -40,17 +46,25 @@ def serve(conn, store_url: Optional[str], owner: Optional[str] = None,
     retention = Retention(store, keep_outputs_s, keep_runs_s)
     beat_s = lease_s / 3
     next_beat = 0.0 if owner is not None else None
+    # Since when this replica's own beats have reached the store (None: the last one did not).
+    # After a failed beat it judges no other replica until it has been seen for a whole lease
+    # itself: the others could not renew theirs through the same outage.
+    seen_since: Optional[float] = float("-inf")
     next_trim = 0.0 if retention.interval_s is not None else None
     try:
         while True:
             if next_beat is not None and time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + beat_s
                 try:
-                    lapsed = runs.keep_alive(owner, lease_s)
+                    judge = seen_since is not None and time.monotonic() - seen_since >= lease_s
+                    lapsed = runs.keep_alive(owner, lease_s, judge=judge)
+                    if seen_since is None:
+                        seen_since = time.monotonic()
                     if lapsed:
                         log.warning("%d runs of router replicas not seen for %g s marked "
                                     "failed", lapsed, lease_s)
                 except Exception:
+                    seen_since = None
                     log.exception("run records: the replica's lease could not be renewed")
             if next_trim is not None and time.monotonic() >= next_trim:
                 try:

@@ -177,18 +177,24 @@ class SqlRunStore:
     def _record_one(self, db, item: dict) -> bool:
         row = item["row"]
         with self._tx():
-            if item["insert"]:
+            found = self._exec(db, "SELECT state FROM runs WHERE id = ? FOR UPDATE_IF_SUPPORTED",
+                               (item["run_id"],)).fetchone()
+            if found is None:
+                if not item["insert"]:
+                    return False
                 columns = [f for f in RUN_FIELDS if f in row]
                 self._exec(db, f"INSERT INTO runs ({', '.join(columns)}) VALUES "
                            f"({', '.join('?' for _ in columns)})", [row[c] for c in columns])
-            else:
-                found = self._exec(db, "SELECT state FROM runs WHERE id = ? "
-                                   "FOR UPDATE_IF_SUPPORTED", (item["run_id"],)).fetchone()
-                if found is None or _first(found) not in item["expect"]:
+            elif not (item["insert"] and _first(found) == row.get("state")):
+                # A row to insert that is there already: a round committed whose answer was
+                # lost (the writer sent it again, its runs' rows as new). Already in this
+                # state: nothing to change; else moved on like any other.
+                if _first(found) not in item["expect"]:
                     return False
-                self._exec(db, f"UPDATE runs SET {', '.join(f'{k} = ?' for k in row)} "
-                           "WHERE id = ?", [*row.values(), item["run_id"]])
-            self._record_rows(db, [item])
+                changes = {k: v for k, v in row.items() if k in UPDATABLE}
+                self._exec(db, f"UPDATE runs SET {', '.join(f'{k} = ?' for k in changes)} "
+                           "WHERE id = ?", [*changes.values(), item["run_id"]])
+            self._record_rows(db, [item])  # usage and output at most once (ON CONFLICT)
             return True
 
     def _record_rows(self, db, items: list[dict]) -> None:
@@ -288,14 +294,13 @@ class SqlRunStore:
                        "WHERE name = ?", (amount, capacity, bucket))
 
     def usage_totals(self, tenant: str, since: float, until: float) -> dict:
-        db = self._db()
         rows = _values(self._exec(
-            db, "SELECT COUNT(*), COALESCE(SUM(input_tokens), 0), COALESCE(SUM(cached_tokens), "
-            "0), COALESCE(SUM(output_tokens), 0), COALESCE(SUM(duration_s), 0) FROM usage "
-            "WHERE tenant = ? AND finished_at >= ? AND finished_at < ?",
-            (tenant, since, until)).fetchone())
-        days = _values(self._exec(
-            db, "SELECT COALESCE(SUM(runs), 0), COALESCE(SUM(input_tokens), 0), "
+            self._db(), "SELECT COUNT(*), COALESCE(SUM(input_tokens), 0), "
+            "COALESCE(SUM(cached_tokens), 0), COALESCE(SUM(output_tokens), 0), "
+            "COALESCE(SUM(duration_s), 0) FROM usage WHERE tenant = ? AND finished_at >= ? "
+            "AND finished_at < ?", (tenant, since, until)).fetchone())
+        days = _values(self._exec(  # the connection anew: the first read may have replaced it
+            self._db(), "SELECT COALESCE(SUM(runs), 0), COALESCE(SUM(input_tokens), 0), "
             "COALESCE(SUM(cached_tokens), 0), COALESCE(SUM(output_tokens), 0), "
             "COALESCE(SUM(duration_s), 0) FROM usage_days WHERE tenant = ? AND day >= ? "
             "AND day < ?", (tenant, since, until)).fetchone())

@@ -236,12 +236,18 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(InvalidRequest(errors[0]["msg"] if errors else "invalid request",
                                              param=loc[0] if loc else None))
 
+    logged = [0.0]
+
     @app.exception_handler(StoreUnavailable)
     async def store_unavailable(request: Request, exc: StoreUnavailable):
         # An idempotency claim, a run's record or the usage ledger could not be read or
-        # written: the client may send it again shortly (nothing was computed for it).
+        # written: the client may send it again shortly (nothing was computed for it). The
+        # driver's words (hosts, ports, index names) go to the log, not to clients.
+        if time.monotonic() - logged[0] >= 10.0:
+            logged[0] = time.monotonic()
+            log.warning("the run store did not answer (%s): 503 to clients that need it", exc)
         return error_response(BackendError(
-            503, f"the run store is unavailable ({exc}); send the request again shortly",
+            503, "the run store is unavailable; send the request again shortly",
             code="store_unavailable", retry_after_s=2.0))
 
     @app.exception_handler(ClientDisconnected)

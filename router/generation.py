@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.runs import IdempotencyConflict, body_hash
 from router.backend import Backend, BackendError
 from router.intake import INLINE_MAX_BYTES, Intake
-from router.protocol import parse_json
+from router.protocol import InvalidRequest, parse_json
 from router.responses import ResponseBuilder
 from router.run_records import LiveRun, RunRecorder, parse_event_id
 from router.streaming import (ClientDisconnected, SSEResponse, merge_streams, sse,
@@ -49,6 +49,9 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
         if live is None:
             raise no_run(resume[0])
         return await respond(recorder, live, request, resume[1], deadline)
+    if key is not None and len(key) > MAX_KEY_CHARS:
+        raise InvalidRequest(f"Idempotency-Key is {len(key)} characters; at most "
+                             f"{MAX_KEY_CHARS}", param="Idempotency-Key")
     body = digest = None
     if key is not None:  # what the key stands for; a large body is parsed off the loop
         body, digest = (_parse_and_digest(raw) if len(raw) <= INLINE_MAX_BYTES
@@ -196,6 +199,7 @@ def _parse_and_digest(raw) -> tuple[dict, str]:
 
 
 _RUN_HEADERS = {b"last-event-id": 0, b"idempotency-key": 1, b"accept": 2}
+MAX_KEY_CHARS = 255  # an Idempotency-Key is an id (a UUID is 36), stored and indexed
 
 
 def _run_headers(request: Request) -> tuple[Optional[str], Optional[str], str]:

@@ -340,8 +340,9 @@ def _refusal(reason: str, best: Option, prompt_len: int, admit: SLOTarget, margi
     tpot = f"TPOT {best.tpot_s * 1000:.0f}ms predicted (admitted up to " \
         f"{admit.tpot_s * 1000:.0f}ms"
     limits = f": the targets x slo_margin {margin:g})"
-    if reason == "slo_would_stall":
-        return (f"the prefill workers are busy ({ttft}{limits}), and prefilling this "
+    if reason == "slo_would_stall":  # `best`: the prefill worker's option, which misses
+        busy = ttft if best.ttft_s > admit.ttft_s else tpot
+        return (f"the prefill workers are busy ({busy}{limits}), and prefilling this "
                 f"{prompt_len}-token prompt on a decode worker would stall the streams it is "
                 "running")
     if not idle_meets:

@@ -102,7 +102,7 @@ class RunWriter:
             if not self._closing and self.linger_s > 0:
                 # Let the runs' next changes join this round; after failures, give the store
                 # time rather than retrying it every round.
-                time.sleep(min(BACKOFF_MAX_S, self.linger_s * 2 ** failed))
+                time.sleep(min(BACKOFF_MAX_S, self.linger_s * 2 ** min(failed, 30)))
             with self._lock:
                 self._wake.clear()  # before the swap: an append after it wakes the next round
                 self._started += 1
@@ -125,7 +125,9 @@ class RunWriter:
             except Exception:
                 # Nothing of the round was written: ended runs' rows wait for the next one (a
                 # row is the run's whole state, so writing it later is writing it right); runs
-                # in flight are read again then.
+                # in flight are read again then. Closing, one more round is tried (a writer
+                # process killed with the router's own process group is started anew), not
+                # more if the store was failing before.
                 self.failures += 1
                 if failed == 0 or failed % 20 == 0:
                     log.exception("run records: a round of %d runs failed (%d in a row); "
@@ -138,7 +140,7 @@ class RunWriter:
                         self._waiting.append(item)
                     else:
                         live.stored = before
-                if closing:  # no next round to take them
+                if closing and failed > 1:  # no next round to take them
                     log.error("run records: %d runs' last changes not recorded at shutdown",
                               len(self._waiting) + len(self._ended))
                     self._waiting.clear()

@@ -418,3 +418,14 @@ def test_the_record_writers_health_is_in_the_metrics(server):
                  'pd_run_records_dropped_total{what="outputs"} 0.0'):
         assert line in text.splitlines(), line
     assert "pd_requests_total" in text, "the router's own metrics are still there"
+
+
+def test_an_idempotency_key_longer_than_an_id_is_a_400(server):
+    backend, port = server
+    body = {"model": backend.model_name, "prompt": "k", "max_tokens": 1}
+    error = assert_error_body(httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                                         headers={**ACME, "Idempotency-Key": "k" * 256}), 400)
+    assert error["param"] == "Idempotency-Key" and "at most 255" in error["message"]
+    ok = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                    headers={**ACME, "Idempotency-Key": "k" * 255}, timeout=60)
+    assert ok.status_code == 200

@@ -430,3 +430,23 @@ def test_a_postgres_store_answers_the_first_call_after_its_server_restarts():
             assert runs.get(run["id"])["state"] == "prefilling"  # a read first
         finally:
             store.close()
+
+
+def test_a_postgres_error_every_retry_meets_is_not_taken_for_an_outage(postgres_server):
+    """Errors are told apart by SQLSTATE: a key too long for its index is an OperationalError
+    too, but no later try succeeds (the router answers 500, not 503 with Retry-After)."""
+    import secrets
+
+    import psycopg
+
+    store = open_store(postgres_server.create_database())
+    try:
+        with pytest.raises(psycopg.errors.ProgramLimitExceeded):  # raised as it is
+            Runs(store).create("acme", {"a": 1}, idempotency_key=secrets.token_hex(4000))
+        with pytest.raises(psycopg.errors.UndefinedTable):
+            store._exec(store._db(), "SELECT * FROM no_such_table")
+        assert store._unavailable(psycopg.errors.lookup("55P03")("lock timeout"))
+        assert store._unavailable(psycopg.errors.lookup("25006")("read-only transaction"))
+        assert not store._unavailable(psycopg.errors.lookup("54000")("too long"))
+    finally:
+        store.close()

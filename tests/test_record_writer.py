@@ -238,3 +238,129 @@ def test_a_database_outage_costs_no_request_and_no_record(llama_dir):
                 assert Runs(store).usage("anonymous")["runs"] == 21
             finally:
                 store.close()
+
+
+def test_a_round_committed_whose_answer_was_lost_is_written_right_again(tmp_path):
+    """The writer process committed a round and died before answering (or a COMMIT's reply was
+    lost): the writer sends the round's rows again, a run in flight then as new; its row is
+    there, so it is moved on, and the run's end is recorded and billed once."""
+    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
+    writer = RunWriter(url, "here:8000/0", linger_s=0.01)
+    real, lose_answer = writer._record, [True]
+
+    def answer_lost_once(items):
+        problems = real(items)  # committed
+        if lose_answer[0]:
+            lose_answer[0] = False
+            raise EOFError("the writer process died after its COMMIT")
+        return problems
+
+    writer._record = answer_lost_once
+    store = open_store(url)
+    try:
+        live = LiveRun("run-1", "acme", False)
+        live.state = "prefilling"
+        live.info["prefilling_at"] = time.time()
+        writer.begun(live)
+        writer.flush()
+        assert store.get_run("run-1")["state"] == "prefilling" and live.stored is None
+        live.info.update(streaming_at=time.time(), ended_at=time.time(), prompt_tokens=5,
+                         output_tokens=3)
+        live.kept_output = ("json", b"{}")
+        live.state, live.done = "completed", True
+        writer.ended(live)
+        writer.flush()
+        writer.flush()
+        assert store.get_run("run-1")["state"] == "completed"
+        assert store.get_output("run-1") == ("json", b"{}")
+        assert Runs(store).usage("acme") == {**Runs(store).usage("acme"), "runs": 1,
+                                             "input_tokens": 5, "output_tokens": 3}
+        assert writer.failures == 1, "the lost answer only; no row refused after it"
+    finally:
+        writer.close()
+        store.close()
+
+
+def test_after_a_database_outage_no_replica_is_judged_lapsed_until_it_could_renew(tmp_path):
+    """Through an outage no replica can renew its lease. When the database is back, a replica
+    whose own beats failed judges the others only after it has been seen for a whole lease
+    itself (they renew meanwhile), not at its first beat back, which failed the runs of every
+    replica slower to reconnect and lost their records and usage."""
+    from tests.postgres_server import running_server
+
+    lease_s = 3.0
+    with running_server() as server:
+        url = server.create_database()
+        store = open_store(url)
+        runs = Runs(store)
+        other, _ = runs.create("acme", owner="slow:8000/0")  # a run of a replica still alive
+        store.owner_seen("slow:8000/0", time.time())
+        store.close()
+        writer = RunWriter(url, "here:8000/0", owner_lease_s=lease_s)
+        try:
+            time.sleep(lease_s / 3)  # a beat of ours before the outage
+            server.pause()
+            time.sleep(lease_s + 1.0)
+            server.resume()
+            back = time.monotonic()
+            store = open_store(url)
+            runs = Runs(store)
+            while time.monotonic() - back < lease_s - 0.5:
+                assert runs.get(other["id"])["state"] == "queued", \
+                    f"failed {time.monotonic() - back:.1f} s after the database came back"
+                time.sleep(0.2)
+            # The other replica never renews: a lease after our own renewal, its run is failed.
+            deadline = time.monotonic() + 3 * lease_s
+            while runs.get(other["id"])["state"] != "failed" and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert runs.get(other["id"])["state"] == "failed"
+            store.close()
+        finally:
+            writer.close()
+
+
+def test_ctrl_c_leaves_the_writer_process_to_finish_the_last_round(tmp_path):
+    """Ctrl-C signals the terminal's whole process group: the writer's process ignores it, so
+    the router's shutdown still writes its last round through it."""
+    import os
+    import signal
+
+    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
+    writer = RunWriter(url, "here:8000/0")
+    store = open_store(url)
+    try:
+        writer.ended(_live_run("run-first", "completed", True))
+        writer.flush()  # answered: the process is serving, its handlers set
+        os.kill(writer._process.pid, signal.SIGINT)
+        time.sleep(0.3)
+        assert writer._process.is_alive()
+        writer.ended(_live_run("run-last", "completed", True))
+        writer.close()
+        assert store.get_run("run-last")["state"] == "completed"
+        assert writer.failures == 0
+    finally:
+        writer.close()
+        store.close()
+
+
+def test_a_writer_process_killed_before_shutdown_is_started_anew_for_the_last_round(tmp_path):
+    """A service manager's SIGTERM to the whole group ends the writer's process at once; the
+    router's last round finds it gone and goes once more through a new one."""
+    import os
+    import signal
+
+    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
+    writer = RunWriter(url, "here:8000/0")
+    store = open_store(url)
+    try:
+        writer.ended(_live_run("run-first", "completed", True))
+        writer.flush()
+        os.kill(writer._process.pid, signal.SIGTERM)
+        writer._process.join(5)
+        writer.ended(_live_run("run-last", "completed", True))
+        writer.close()
+        assert store.get_run("run-last")["state"] == "completed"
+        assert writer.failures == 1
+    finally:
+        writer.close()
+        store.close()
