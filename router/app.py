@@ -119,7 +119,11 @@ def create_app(backend: Backend, router_config: RouterConfig,
         tenant = tenant_name(backend.authenticate(bearer_key(request)))
         start = _float_param(request, "start_time", 0.0)
         end = _float_param(request, "end_time", time.time() + 1)
-        totals = await asyncio.to_thread(_records(recorder).runs.usage, tenant, start, end)
+        records = _records(recorder)
+        # What this router served so far is in the ledger first (its writer's next round, a
+        # few ms; bounded when the store is slow): a client counts the request it just made.
+        await asyncio.to_thread(records.writer.flush, 2.0)
+        totals = await asyncio.to_thread(records.runs.usage, tenant, start, end)
         return {"object": "usage", "tenant": tenant, "start_time": start, "end_time": end,
                 **totals}
 

@@ -429,3 +429,17 @@ def test_an_idempotency_key_longer_than_an_id_is_a_400(server):
     ok = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
                     headers={**ACME, "Idempotency-Key": "k" * 255}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_usage_asked_right_after_a_request_counts_it(server):
+    """The ledger is written by the record writer's next round; /v1/usage waits for it, so a
+    client reading its usage the moment its response ended sees the request."""
+    backend, port = server
+    base = f"http://127.0.0.1:{port}"
+    before = httpx.get(f"{base}/v1/usage", headers=BETA).json()["runs"]
+    with httpx.Client(base_url=base, headers=BETA, timeout=60) as http:
+        for i in range(3):
+            done = http.post("/v1/completions", json={"model": backend.model_name,
+                                                      "prompt": f"count me {i}", "max_tokens": 2})
+            assert done.status_code == 200
+            assert http.get("/v1/usage").json()["runs"] == before + i + 1
