@@ -13,7 +13,7 @@ before it).
    lock (what a round of records may wait behind), and µs per run deleted against µs per run
    written: under 1, retention keeps up with any rate the store can write.
 3. The upgrade: the second store taken back to schema 6, then opened (migration 7 builds the
-   indexes and copies the outputs' ages).
+   indexes and copies the outputs' ages; 8 adds a table).
 """
 
 from __future__ import annotations
@@ -63,12 +63,13 @@ def opened(path: Path, indexed: bool) -> SqliteRunStore:
 
 
 def back_to_schema_6(path: Path) -> None:
-    """Undo migration 7 on a store: what a router of the previous version left."""
+    """Undo migrations 7 and 8 on a store: what a router of the version before retention
+    left."""
     db = sqlite3.connect(path, isolation_level=None)
-    for statement in ("DROP INDEX IF EXISTS runs_by_created",
+    for statement in ("DROP TABLE run_events", "DROP INDEX IF EXISTS runs_by_created",
                       "DROP INDEX IF EXISTS run_outputs_by_created",
                       "ALTER TABLE run_outputs DROP COLUMN created_at", "DROP TABLE usage_days",
-                      "DELETE FROM schema_migrations WHERE version = 7"):
+                      "DELETE FROM schema_migrations WHERE version >= 7"):
         db.execute(statement)
     db.close()
 
@@ -90,7 +91,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--batch", type=int, default=BATCH, help="runs a retention step deletes")
     args = parser.parse_args()
-    assert MIGRATIONS[-1][0] == 7, "part 3 undoes migration 7"
+    assert MIGRATIONS[-1][0] == 8, "part 3 undoes migrations 7 and 8"
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"without": Path(tmp) / "without.sqlite3", "current": Path(tmp) / "current.sqlite3"}
         stores = {"without": opened(paths["without"], indexed=False),
@@ -150,7 +151,7 @@ def main() -> None:
         back_to_schema_6(paths["without"])
         start = time.perf_counter()
         SqliteRunStore(paths["without"]).close()
-        print(f"\n3. upgrade of a schema-6 store ({first} runs) to schema 7: "
+        print(f"\n3. upgrade of a schema-6 store ({first} runs) to schema 8: "
               f"{time.perf_counter() - start:.2f} s")
 
 

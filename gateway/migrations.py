@@ -108,4 +108,13 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                duration_s REAL NOT NULL,
                PRIMARY KEY (tenant, day))""",
     ]),
+    (8, "the events of a run still going, for a client following it from another replica", [
+        # Written by the producing replica only while another replica's client follows the
+        # run (runs.followed_at), deleted with its final row (its output then holds them).
+        """CREATE TABLE run_events (
+               run_id TEXT NOT NULL REFERENCES runs (id),
+               seq INTEGER NOT NULL,
+               data BLOB NOT NULL,
+               PRIMARY KEY (run_id, seq))""",
+    ]),
 ]

@@ -20,12 +20,19 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 
+# A run counts as followed from another replica while its followers marked it this recently
+# (they mark it every second: router/run_records.py FOLLOW_MARK_S).
+FOLLOWED_S = 3.0
+
+
 def serve(conn, store_url: Optional[str], owner: Optional[str] = None,
           lease_s: float = 30.0, keep_outputs_s: Optional[float] = None,
           keep_runs_s: Optional[float] = None) -> None:
-    """Until the pipe closes or an empty message comes: a pickled list of runs' rows in
-    (gateway/runs.py `record_item`), the pickled list of problems (one line each) out, or one
-    string when nothing of the round could be written. With an
+    """Until the pipe closes or an empty message comes: a round in, pickled (its runs' rows as
+    gateway/runs.py `record_item` makes them, the new events of runs followed from other
+    replicas, whether to say which runs are followed), and pickled out (the problems, one line
+    each; this owner's runs in flight followed from elsewhere), or one string when nothing of
+    the round could be written. With an
     `owner`, every lease_s / 3 between rounds: the owner is alive, and runs of replicas not
     seen for `lease_s` are failed (a replica that stopped for good leaves none in flight).
     Outputs and runs past `keep_outputs_s` / `keep_runs_s` are deleted a batch at a time, a
@@ -91,10 +98,15 @@ def serve(conn, store_url: Optional[str], owner: Optional[str] = None,
             if not message:
                 return
             try:
-                problems = runs.record_items(pickle.loads(message))
+                items, events, ask_followed = pickle.loads(message)
+                problems = runs.record_items(items)
+                store.add_events(events)
+                followed = store.followed(owner, time.time() - FOLLOWED_S) \
+                    if ask_followed and owner is not None else []
+                answer = (problems, followed)
             except Exception as exc:  # nothing of the round was written: say so (a str), so
                 # the router sends it again with the next one; keep serving
-                problems = f"the round of records failed: {type(exc).__name__}: {exc}"
-            conn.send_bytes(pickle.dumps(problems))
+                answer = f"the round of records failed: {type(exc).__name__}: {exc}"
+            conn.send_bytes(pickle.dumps(answer))
     finally:
         store.close()

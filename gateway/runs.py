@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Optional
 
-from gateway.store import RunStore
+from gateway.store import IN_FLIGHT, RunStore
 
 TRANSITIONS = {
     "queued": ("prefilling", "failed", "cancelled"),
@@ -26,7 +26,6 @@ TRANSITIONS = {
     "streaming": ("completed", "failed", "cancelled"),
     "completed": (), "failed": (), "cancelled": (),
 }
-IN_FLIGHT = ("queued", "prefilling", "streaming")
 
 
 class InvalidTransition(RuntimeError):

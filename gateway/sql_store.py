@@ -12,7 +12,8 @@ from contextlib import contextmanager
 from typing import Optional
 
 from gateway.migrations import MIGRATIONS
-from gateway.store import DAY_S, ENDED, RUN_FIELDS, STATE_TIME, UPDATABLE, StoreUnavailable
+from gateway.store import (DAY_S, ENDED, IN_FLIGHT, RUN_FIELDS, STATE_TIME, UPDATABLE,
+                           StoreUnavailable)
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,9 @@ class SqlRunStore:
         if usage:  # the primary key makes a second row for a run impossible
             cursor.executemany(self._sql("INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?) "
                                          "ON CONFLICT (run_id) DO NOTHING"), usage)
+        published = [(item["run_id"],) for item in items if item.get("drop_events")]
+        if published:  # the run's end: its output holds them now
+            cursor.executemany(self._sql("DELETE FROM run_events WHERE run_id = ?"), published)
         outputs = [(item["run_id"], *item["output"], item["created_at"]) for item in items
                    if item["output"] is not None]
         if outputs:
@@ -309,6 +313,23 @@ class SqlRunStore:
                 "cached_tokens": int(cached), "output_tokens": int(output),
                 "duration_s": float(duration)}
 
+    def add_events(self, events: list[tuple[str, int, bytes]]) -> None:
+        if not events:
+            return
+        with self._tx() as db:
+            db.cursor().executemany(self._sql("INSERT INTO run_events VALUES (?, ?, ?) "
+                                              "ON CONFLICT (run_id, seq) DO NOTHING"), events)
+
+    def events_after(self, run_id: str, after: int) -> list[bytes]:
+        rows = self._exec(self._db(), "SELECT data FROM run_events WHERE run_id = ? AND "
+                          "seq > ? ORDER BY seq", (run_id, after)).fetchall()
+        return [bytes(_first(row)) for row in rows]
+
+    def followed(self, owner: str, since: float) -> list[str]:
+        rows = self._exec(self._db(), f"SELECT id FROM runs WHERE {_in_states(IN_FLIGHT)} AND "
+                          "owner = ? AND followed_at >= ?", (owner, since)).fetchall()
+        return [_first(row) for row in rows]
+
     def delete_outputs(self, before: float, limit: int) -> int:
         with self._tx() as db:
             return self._exec(db, "DELETE FROM run_outputs WHERE run_id IN (SELECT run_id FROM "
@@ -344,6 +365,7 @@ class SqlRunStore:
                     "usage_days.duration_s + excluded.duration_s"),
                     [(*key, *totals) for key, totals in days.items()])
             self._exec(db, f"DELETE FROM run_outputs WHERE run_id IN ({marks})", ids)
+            self._exec(db, f"DELETE FROM run_events WHERE run_id IN ({marks})", ids)
             return self._exec(db, f"DELETE FROM runs WHERE id IN ({marks})", ids).rowcount
 
 

@@ -17,8 +17,9 @@ RUN_FIELDS = ("id", "tenant", "state", "created_at", "updated_at", "idempotency_
 STATE_TIME = {"queued": "created_at", "prefilling": "prefilling_at",
               "streaming": "streaming_at", "completed": "ended_at", "failed": "ended_at",
               "cancelled": "ended_at"}
-# The states a run ends in.
+# The states a run ends in, and those it is in until then.
 ENDED = ("completed", "failed", "cancelled")
+IN_FLIGHT = ("queued", "prefilling", "streaming")
 DAY_S = 86400.0  # the usage of deleted runs is kept per tenant and UTC day
 # A run's idempotency key may only be cleared: a run refused before it served anything frees
 # its key for a retry to run anew.
@@ -49,7 +50,7 @@ class RunStore(Protocol):
         state and transition times among them) inserted (`insert` true) or, for a run already
         there, written over it if the run is in one of `expect`; then its `usage` row (a
         dict, or None) and its `output` ((kind, body), or None, kept with the run's
-        `created_at`). Per item: False when it
+        `created_at`); with `drop_events`, its published events deleted. Per item: False when it
         could not be (a run not in `expect`, a row the database refused: nothing of it
         changed)."""
 
@@ -86,6 +87,17 @@ class RunStore(Protocol):
     def usage_totals(self, tenant: str, since: float, until: float) -> dict:
         """The tenant's usage over [since, until): its runs' rows, and the totals of each UTC day
         whose first second is in the window for runs already deleted."""
+
+    def add_events(self, events: list[tuple[str, int, bytes]]) -> None:
+        """(run id, seq, event) of runs still going, for clients of other replicas; an event
+        already there is left as it is."""
+
+    def events_after(self, run_id: str, after: int) -> list[bytes]:
+        """The run's published events after sequence number `after`, in order."""
+
+    def followed(self, owner: str, since: float) -> list[str]:
+        """The runs of `owner` in flight that a client of another replica has waited for
+        since `since` (runs.followed_at)."""
 
     def delete_outputs(self, before: float, limit: int) -> int:
         """The kept outputs of up to `limit` runs created before `before`, oldest first; how

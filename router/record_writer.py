@@ -37,6 +37,7 @@ WAITING_RUNS = 100_000
 WAITING_OUTPUT_BYTES = 64 << 20
 ROUND_MAX = 5_000
 BACKOFF_MAX_S = 5.0  # after failed rounds, the next waits longer, up to this
+ASK_FOLLOWED_S = 0.25  # while runs are open, which of them are followed from elsewhere
 
 
 class RunWriter:
@@ -62,6 +63,11 @@ class RunWriter:
         self.outputs_dropped = 0  # waiting outputs let go while the store failed
         self.runs_dropped = 0  # waiting rows let go: runs never recorded
         self._waiting: list[dict] = []  # the writer thread's: ended runs' rows not yet written
+        # Open runs a client of another replica follows (the process says which, each round),
+        # and how many of their events are in the store for it.
+        self._followed: set[str] = set()
+        self._published: dict[str, int] = {}
+        self._next_ask = 0.0
         # Filled by the serving loop (an append is atomic), swapped out by the writer thread.
         self._begun: list["LiveRun"] = []
         self._ended: list["LiveRun"] = []
@@ -114,10 +120,18 @@ class RunWriter:
             try:
                 items = self._items(begun, ended)
                 rows = waiting + [item for _, _, item in items]
-                if rows:
-                    for problem in self._record(rows):
+                events, published = self._events()
+                ask = bool(self._open) and time.monotonic() >= self._next_ask
+                if rows or events or ask:
+                    if ask:
+                        self._next_ask = time.monotonic() + ASK_FOLLOWED_S
+                    problems, followed = self._record(rows, events, ask)
+                    for problem in problems:
                         self.failures += 1
                         log.warning("run record: %s", problem)
+                    self._published.update(published)
+                    if ask:
+                        self._followed = set(followed)
                 del self._waiting[:len(waiting)]
                 if self._waiting:
                     self._wake.set()  # the rest of a backlog: the next round
@@ -185,7 +199,11 @@ class RunWriter:
         items = []
         for live in ended:
             self._open.pop(live.id, None)
-            items.append((live, live.stored, self._item(live, live.state, live.kept_output)))
+            item = self._item(live, live.state, live.kept_output)
+            self._followed.discard(live.id)
+            if self._published.pop(live.id, None) is not None:
+                item["drop_events"] = True
+            items.append((live, live.stored, item))
         for live in self._open.values():
             # Read once: a run that reached its end (finish() is on its way: it sets the
             # state before the run is handed over as ended) is written by the ended round,
@@ -194,6 +212,19 @@ class RunWriter:
             if state not in ENDED and state != live.stored:
                 items.append((live, live.stored, self._item(live, state, None)))
         return items
+
+    def _events(self) -> tuple[list[tuple[str, int, bytes]], dict[str, int]]:
+        """The events of open runs followed from another replica that are not yet in the
+        store, and how many each run will have there once they are."""
+        events, published = [], {}
+        for run_id in self._followed:
+            live = self._open.get(run_id)
+            if live is None or not live.stream:
+                continue
+            done, upto = self._published.get(run_id, 0), len(live.events)
+            events += [(run_id, seq, live.events[seq]) for seq in range(done, upto)]
+            published[run_id] = upto
+        return events, published
 
     def _item(self, live: "LiveRun", state: str, output) -> dict:
         """The row of `live` in `state` (read before its fields, which may be newer, never
@@ -237,18 +268,21 @@ class RunWriter:
                 process.kill()
                 process.join()
 
-    def _record(self, items: list[dict]) -> list[str]:
+    def _record(self, items: list[dict], events: list = (), ask_followed: bool = False
+                ) -> tuple[list[str], list[str]]:
+        """(problems, runs followed from other replicas) of a round written by the process."""
         if self._conn is None:
             self._start_process()
         try:
-            self._conn.send_bytes(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL))
-            problems = pickle.loads(self._conn.recv_bytes())
+            self._conn.send_bytes(pickle.dumps((items, list(events), ask_followed),
+                                               protocol=pickle.HIGHEST_PROTOCOL))
+            answer = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError):
             self._stop_process(timeout_s=1.0)  # it died: the next round starts a new one
             raise
-        if isinstance(problems, str):  # the round as a whole could not be written
-            raise RuntimeError(problems)
-        return problems
+        if isinstance(answer, str):  # the round as a whole could not be written
+            raise RuntimeError(answer)
+        return answer
 
     def process_cpu_s(self) -> float:
         """CPU seconds the writer process has used (Linux; 0 before its first round)."""

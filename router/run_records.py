@@ -59,6 +59,7 @@ class LiveRun:
     event_ids: bool = True  # its SSE events carry `id:` lines
     followers: int = 0
     task: Optional[asyncio.Task] = None
+    settling: Optional[asyncio.Task] = None  # a stub's: following the run through the store
     detach_timer: Optional[asyncio.TimerHandle] = None  # the grace of its last follower
     # Its record's columns as they stand: path, route_reason, workers, token counts, error,
     # the time it entered each state (gateway/store.py STATE_TIME).
@@ -278,6 +279,8 @@ class RunRecorder:
         """A follower is gone; the last one leaving a run still going cancels it, at once or
         (the client sent an Idempotency-Key: it will retry) after detach_grace_s."""
         live.followers -= 1
+        if live.followers == 0 and live.settling is not None and not live.done:
+            live.settling.cancel()  # a stub nobody reads any more: stop polling the store
         if live.followers > 0 or live.done or live.task is None:
             return
         grace = self.detach_grace_s if live.key is not None else 0.0
@@ -317,26 +320,44 @@ class RunRecorder:
     async def wait_ready(self, live: LiveRun) -> None:
         """Until a response may begin: a stream's every choice has its first chunk, or the
         run is over (a JSON body is whole only then)."""
-        await self._settle(live)
+        self._settle(live)
         while not (live.done or (live.stream and live.started)):
             await live.changed()
 
-    async def _settle(self, live: LiveRun) -> None:
-        """A run another process owns (a stub): wait for its record to finish, then take its
-        output from the store."""
-        if not live.remote or live.done:
-            return
+    def _settle(self, live: LiveRun) -> None:
+        """A run another process owns (a stub): follow it through the store, once per stub."""
+        if live.remote and not live.done and live.settling is None:
+            live.settling = asyncio.ensure_future(self._follow_remote(live))
+
+    async def _follow_remote(self, live: LiveRun) -> None:
+        """Poll the run's record until it is over, then take its output; meanwhile mark it
+        followed, which has its producer publish its events (a stream's), and pass them on
+        as they come."""
         marked = 0.0
-        while True:
-            record = await asyncio.to_thread(self.runs.get, live.id)
-            if record is None or not TRANSITIONS.get(record["state"]):
-                break
-            if time.monotonic() - marked >= FOLLOW_MARK_S:  # keep its producer from giving up
-                marked = time.monotonic()
-                await asyncio.to_thread(self.store.mark_followed, live.id, time.time())
-            await asyncio.sleep(POLL_S)
-        output = await asyncio.to_thread(self.store.get_output, live.id) if record else None
-        self._load_finished(live, record, output)
+        try:
+            while True:
+                record = await asyncio.to_thread(self.runs.get, live.id)
+                if record is None or not TRANSITIONS.get(record["state"]):
+                    break
+                if time.monotonic() - marked >= FOLLOW_MARK_S:  # keep its producer going
+                    marked = time.monotonic()
+                    await asyncio.to_thread(self.store.mark_followed, live.id, time.time())
+                fresh = await asyncio.to_thread(self.store.events_after, live.id,
+                                                len(live.events) - 1)
+                if fresh:
+                    live.events.extend(fresh)
+                    live.started = True
+                    live.notify()
+                await asyncio.sleep(POLL_S)
+            output = await asyncio.to_thread(self.store.get_output, live.id) if record else None
+            self._load_finished(live, record, output)
+        except Exception as exc:  # the store failed us: the followers end with it
+            log.warning("following run %s through the store failed: %s", live.id, exc)
+            live.error = BackendError(503, f"following run {live.id} failed: the run store "
+                                      "did not answer; resume it again shortly",
+                                      code="store_unavailable", retry_after_s=2.0)
+            live.started = live.done = True
+        live.notify()
 
     @staticmethod
     def _load_finished(live: LiveRun, record: Optional[dict], output) -> None:
@@ -368,7 +389,7 @@ class RunRecorder:
         return Following(self._events(live, after), lambda: self.leave(live))
 
     async def _events(self, live: LiveRun, after: int) -> AsyncIterator[bytes]:
-        await self._settle(live)
+        self._settle(live)
         seq = after + 1
         while True:
             while seq < len(live.events):

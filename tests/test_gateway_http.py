@@ -375,6 +375,42 @@ def test_a_retry_that_lands_on_another_replica_keeps_the_run_going(llama_dir, tm
         assert a_backend.calls == 1 and b_backend.calls == 0
 
 
+def test_a_stream_resumed_on_another_replica_flows_while_the_run_goes_on(llama_dir, tmp_path):
+    """A client cut from replica A's stream resumes on replica B (Last-Event-ID): B marks the
+    run followed, A publishes its events to the store from then on, and B passes them on as
+    they come, not at the run's end; the whole is byte for byte the uncut stream."""
+    script = _words(30, then_end=True)
+    config = _config(store=str(tmp_path / "runs.sqlite3"), detach_grace_s=5.0)
+    a_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
+    b_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
+    with serving(a_backend, config) as (_, a_port), serving(b_backend, config) as (_, b_port):
+        body = {"model": "scripted", "prompt": "x", "max_tokens": 40, "stream": True}
+        headers = {**ACME, **SSE, "Idempotency-Key": "flows"}
+        with httpx.stream("POST", f"http://127.0.0.1:{a_port}/v1/completions", json=body,
+                          headers=headers, timeout=30) as response:
+            first = next(line for line in response.iter_lines() if line.startswith("id: "))
+        run_id, seq = first[len("id: "):].rsplit(":", 1)
+        producer = _recorder(a_port).live[run_id]
+        resumed, done_when_seen = [], []
+        with httpx.stream("POST", f"http://127.0.0.1:{b_port}/v1/completions", json=body,
+                          headers={**headers, "Last-Event-ID": f"{run_id}:{seq}"},
+                          timeout=60) as response:
+            assert response.status_code == 200
+            for chunk in response.iter_bytes():
+                resumed.append(chunk)
+                done_when_seen.append(producer.done)
+        assert done_when_seen[0] is False, "B's first bytes came only after A's run ended"
+        _recorder(a_port).writer.flush()
+        whole = httpx.get(f"http://127.0.0.1:{b_port}/v1/runs/{run_id}/events",
+                          headers=ACME).content
+        events = _events(whole)
+        assert len(events) == 32 and events[-1].endswith(b"data: [DONE]\n\n")
+        assert b"".join(resumed) == b"".join(events[int(seq) + 1:])
+        assert a_backend.calls == 1 and b_backend.calls == 0
+        store = _recorder(a_port).store
+        assert store.events_after(run_id, -1) == [], "published events go with the run's end"
+
+
 def test_a_claim_cancelled_during_its_store_write_frees_the_key(tmp_path):
     from gateway.sqlite import SqliteRunStore
     from router.run_records import RunRecorder

@@ -450,3 +450,32 @@ def test_a_postgres_error_every_retry_meets_is_not_taken_for_an_outage(postgres_
         assert not store._unavailable(psycopg.errors.lookup("54000")("too long"))
     finally:
         store.close()
+
+
+def test_a_followed_runs_events_are_published_until_its_end(runs):
+    """What a replica's client following another's run reads: the runs of an owner in flight
+    and followed lately, their events after a sequence number (each written once however
+    often sent), gone with the run's final row, and with the run when retention deletes it."""
+    from gateway.retention import Retention
+    from gateway.runs import IN_FLIGHT, record_item
+
+    store = runs.store
+    run, _ = runs.create("acme", owner="a:8000/0")
+    quiet, _ = runs.create("acme", owner="a:8000/0")
+    assert store.followed("a:8000/0", 0.0) == []
+    store.mark_followed(run["id"], 100.0)
+    assert store.followed("a:8000/0", 99.0) == [run["id"]]
+    assert store.followed("a:8000/0", 101.0) == [] and store.followed("b:8000/0", 0.0) == []
+    store.add_events([(run["id"], 0, b"data: 0\n\n"), (run["id"], 1, b"data: 1\n\n")])
+    store.add_events([(run["id"], 1, b"data: 1\n\n"), (run["id"], 2, b"data: 2\n\n")])
+    assert store.events_after(run["id"], -1) == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"]
+    assert store.events_after(run["id"], 1) == [b"data: 2\n\n"]
+    end = {"state": "completed", "updated_at": 103.0, "ended_at": 103.0}
+    item = record_item(run["id"], "acme", run["created_at"], end, False, IN_FLIGHT,
+                       ("sse", b"data: 0\n\ndata: 1\n\ndata: 2\n\n"))
+    assert store.record([{**item, "drop_events": True}]) == [True]
+    assert store.events_after(run["id"], -1) == [] and store.followed("a:8000/0", 0.0) == []
+    store.add_events([(quiet["id"], 0, b"data: q\n\n")])  # a run a crash left in flight
+    runs.recover("a:8000/0")
+    Retention(store, None, 1.0).run_pass(time.time() + 10)
+    assert runs.get(quiet["id"]) is None and store.events_after(quiet["id"], -1) == []

@@ -93,11 +93,11 @@ def test_a_round_that_could_not_be_written_goes_again_with_the_next(tmp_path):
     writer = RunWriter(url, "here:8000/0")
     real, calls = writer._record, []
 
-    def failing_once(items):
+    def failing_once(items, *rest):
         calls.append(len(items))
         if len(calls) == 1:
             raise OSError("the writer process is gone")
-        return real(items)
+        return real(items, *rest)
 
     writer._record = failing_once
     store = open_store(url)
@@ -119,7 +119,7 @@ def test_a_store_that_keeps_failing_is_retried_less_and_less_often_and_shutdown_
     writer = RunWriter(f"sqlite://{tmp_path / 'runs.sqlite3'}", "here:8000/0")
     calls = []
 
-    def failing(items):
+    def failing(items, *rest):
         calls.append(time.monotonic())
         raise OSError("the store is unreachable")
 
@@ -149,11 +149,11 @@ def test_rows_waiting_for_a_failing_store_are_bounded_and_written_when_it_return
     writer = RunWriter(url, "here:8000/0", linger_s=0.01)
     real, sizes, down = writer._record, [], [True]
 
-    def until_back(items):
+    def until_back(items, *rest):
         sizes.append(len(items))
         if down[0]:
             raise OSError("the store is unreachable")
-        return real(items)
+        return real(items, *rest)
 
     writer._record = until_back
     store = open_store(url)
@@ -248,12 +248,12 @@ def test_a_round_committed_whose_answer_was_lost_is_written_right_again(tmp_path
     writer = RunWriter(url, "here:8000/0", linger_s=0.01)
     real, lose_answer = writer._record, [True]
 
-    def answer_lost_once(items):
-        problems = real(items)  # committed
+    def answer_lost_once(*args):
+        answer = real(*args)  # committed
         if lose_answer[0]:
             lose_answer[0] = False
             raise EOFError("the writer process died after its COMMIT")
-        return problems
+        return answer
 
     writer._record = answer_lost_once
     store = open_store(url)
