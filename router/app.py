@@ -32,7 +32,8 @@ from router.generation import bearer_key, generation, no_run, respond, tenant_na
 from router.intake import Intake
 from router.metrics import RunRecordMetrics
 from router.protocol import InvalidRequest
-from router.run_records import RunRecorder, owner_name, parse_event_id
+from router.live_run import parse_event_id
+from router.run_records import RunRecorder, owner_name
 from router.streaming import ClientDisconnected
 
 log = logging.getLogger("router.http")

@@ -20,7 +20,8 @@ from router.backend import Backend, BackendError
 from router.intake import INLINE_MAX_BYTES, Intake
 from router.protocol import InvalidRequest, parse_json
 from router.responses import ResponseBuilder
-from router.run_records import LiveRun, RunRecorder, parse_event_id
+from router.live_run import LiveRun, parse_event_id
+from router.run_records import RunRecorder
 from router.streaming import (ClientDisconnected, SSEResponse, merge_streams, sse,
                               until_disconnect)
 

@@ -1,5 +1,5 @@
 """The router's run record writer: a thread that, every `linger_s` while runs come and go, reads
-the runs this process is producing (router/run_records.py LiveRun) and sends the rows that
+the runs this process is producing (router/live_run.py LiveRun) and sends the rows that
 changed over a pipe to a child process that writes them in one transaction
 (gateway/record_process.py). Nothing here waits on the store, and the serving loop does not
 call in per transition: it hands a run over when it begins and when it ends (a list append
@@ -22,7 +22,7 @@ from gateway.store import ENDED, RUN_FIELDS
 from router.cpu_time import cpu_s, read_stat
 
 if TYPE_CHECKING:
-    from router.run_records import LiveRun
+    from router.live_run import LiveRun
 
 log = logging.getLogger(__name__)
 

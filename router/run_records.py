@@ -19,12 +19,12 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
 from gateway.runs import IdempotencyConflict, Runs, TRANSITIONS
 from gateway.store import STATE_TIME, RunStore
 from router.backend import BackendError
+from router.live_run import Following, LiveRun, split_events
 from router.record_writer import RunWriter
 
 log = logging.getLogger(__name__)
@@ -35,66 +35,6 @@ POLL_S = 0.05
 FOLLOW_MARK_S = 1.0
 # Finished runs kept in memory hold at most this much output (older ones: from the store).
 KEEP_FINISHED_BYTES = 64 << 20
-
-
-@dataclass(slots=True)
-class LiveRun:
-    """A run this process is producing (or produced recently). `events`: the SSE events as
-    sent, each with its id (streams); `body`: the JSON response (otherwise); `error`: the
-    failure answered with its own HTTP status (nothing was sent before it)."""
-
-    id: str
-    tenant: str
-    stream: bool
-    key: Optional[str] = None
-    digest: Optional[str] = None
-    state: str = "queued"
-    created_at: float = field(default_factory=time.time)
-    events: list[bytes] = field(default_factory=list)
-    body: Optional[bytes] = None
-    error: Optional[BackendError] = None
-    started: bool = False  # every choice has its first chunk: the response may begin
-    done: bool = False
-    remote: bool = False  # a stub for a run of another process, read from the store
-    event_ids: bool = True  # its SSE events carry `id:` lines
-    followers: int = 0
-    task: Optional[asyncio.Task] = None
-    settling: Optional[asyncio.Task] = None  # a stub's: following the run through the store
-    detach_timer: Optional[asyncio.TimerHandle] = None  # the grace of its last follower
-    # Its record's columns as they stand: path, route_reason, workers, token counts, error,
-    # the time it entered each state (gateway/store.py STATE_TIME).
-    info: dict = field(default_factory=dict)
-    stored: Optional[str] = None  # the state its store row has (None: no row yet)
-    kept_output: Optional[tuple[str, bytes]] = None  # written with its end: a client may ask
-    _changed: Optional[asyncio.Event] = None  # made when someone first waits
-
-    def notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
-
-    async def changed(self) -> None:
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        await self._changed.wait()
-
-    def event_id(self, seq: int) -> str:
-        return f"{self.id}:{seq}"
-
-
-def parse_event_id(value: Optional[str]) -> Optional[tuple[str, int]]:
-    """`<run id>:<seq>` -> (run id, seq); None for anything else."""
-    if not value:
-        return None
-    run_id, sep, seq = value.strip().rpartition(":")
-    if not sep or not run_id or not seq.isdigit():
-        return None
-    return run_id, int(seq)
-
-
-def split_events(recorded: bytes) -> list[bytes]:
-    """A recorded SSE stream back into its events (JSON data never holds a raw blank line)."""
-    return [part + b"\n\n" for part in recorded.split(b"\n\n") if part]
 
 
 def owner_name(host: str, port: int, replica: int = 0) -> str:
@@ -425,29 +365,6 @@ class RunRecorder:
         if isinstance(record.get("workers"), str):
             record["workers"] = json.loads(record["workers"])
         return record
-
-
-class Following:
-    """An event iterator that calls `on_close` once when closed, even if never started (an
-    async generator's own `finally` does not run then)."""
-
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]):
-        self._events = events
-        self._on_close: Optional[Callable[[], None]] = on_close
-
-    def __aiter__(self) -> "Following":
-        return self
-
-    async def __anext__(self) -> bytes:
-        return await self._events.__anext__()
-
-    async def aclose(self) -> None:
-        try:
-            await self._events.aclose()
-        finally:
-            on_close, self._on_close = self._on_close, None
-            if on_close is not None:
-                on_close()
 
 
 def _stub(record: dict, tenant: str) -> LiveRun:

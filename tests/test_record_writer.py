@@ -12,7 +12,7 @@ import time
 from gateway.open import open_store
 from gateway.runs import Runs
 from router.record_writer import RunWriter
-from router.run_records import LiveRun
+from router.live_run import LiveRun
 
 
 def test_the_record_writer_process_keeps_its_replica_alive_and_fails_lapsed_runs(store_url):
