@@ -99,14 +99,18 @@ def serve(conn, store_url: Optional[str], owner: Optional[str] = None,
                 return
             try:
                 items, events, ask_followed = pickle.loads(message)
-                problems = runs.record_items(items)
-                store.add_events(events)
-                followed = store.followed(owner, time.time() - FOLLOWED_S) \
-                    if ask_followed and owner is not None else []
-                answer = (problems, followed)
+                problems = runs.record_items(items, events)
             except Exception as exc:  # nothing of the round was written: say so (a str), so
                 # the router sends it again with the next one; keep serving
                 answer = f"the round of records failed: {type(exc).__name__}: {exc}"
+            else:
+                followed = None  # None: not asked, or the look-up failed (the round stands)
+                if ask_followed and owner is not None:
+                    try:
+                        followed = store.followed(owner, time.time() - FOLLOWED_S)
+                    except Exception as exc:
+                        log.warning("run records: which runs are followed: %s", exc)
+                answer = (problems, followed)
             conn.send_bytes(pickle.dumps(answer))
     finally:
         store.close()

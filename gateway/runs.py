@@ -118,13 +118,16 @@ class Runs:
             current = (self.store.get_run(run_id) or {}).get("state")
             raise InvalidTransition(f"run {run_id}: {current} -> {state} is not allowed")
 
-    def record_items(self, items: list[dict]) -> list[str]:
-        """Runs' rows as `record_item` makes them, in one transaction; what could not be
-        recorded, one line each."""
+    def record_items(self, items: list[dict], events: list = ()) -> list[str]:
+        """Runs' rows as `record_item` makes them, and events of runs still going, in one
+        transaction; what could not be recorded, one line each."""
         problems = []
-        for item, ok in zip(items, self.store.record(items)):
+        for item, ok in zip(items, self.store.record(items, events)):
             if not ok:
-                current = (self.store.get_run(item["run_id"]) or {}).get("state")
+                try:  # committed already: a failing look-up must not undo the answer
+                    current = (self.store.get_run(item["run_id"]) or {}).get("state")
+                except Exception:
+                    current = "?"
                 problems.append(f"run {item['run_id']}: {current} -> {item['first']} could "
                                 "not be recorded")
         return problems

@@ -134,7 +134,8 @@ class SqlRunStore:
                             usage["duration_s"], at))
             return was
 
-    def record(self, items: list[dict]) -> list[bool]:
+    def record(self, items: list[dict], events: list[tuple[str, int, bytes]] = ()
+               ) -> list[bool]:
         for item in items:
             if not item["insert"]:
                 bad = set(item["row"]) - UPDATABLE
@@ -164,6 +165,7 @@ class SqlRunStore:
                 except Exception:
                     log.exception("run record of %s failed", item["run_id"])
                     results.append(False)
+            self._add_events(db, events)
             return results
 
     def _record_new(self, db, items: list[dict]) -> None:
@@ -186,10 +188,10 @@ class SqlRunStore:
                 columns = [f for f in RUN_FIELDS if f in row]
                 self._exec(db, f"INSERT INTO runs ({', '.join(columns)}) VALUES "
                            f"({', '.join('?' for _ in columns)})", [row[c] for c in columns])
-            elif not (item["insert"] and _first(found) == row.get("state")):
-                # A row to insert that is there already: a round committed whose answer was
-                # lost (the writer sent it again, its runs' rows as new). Already in this
-                # state: nothing to change; else moved on like any other.
+            elif _first(found) != row.get("state"):
+                # (Already in this state: a round committed whose answer was lost, sent again;
+                # nothing to change. A row to insert that is there already, for the same
+                # reason, is moved on like any other.)
                 if _first(found) not in item["expect"]:
                     return False
                 changes = {k: v for k, v in row.items() if k in UPDATABLE}
@@ -249,6 +251,9 @@ class SqlRunStore:
     def _fail_where(self, where: str, params: list, error: str, at: float) -> int:
         """Every run matching `where` to failed with `error` at `at`; how many."""
         with self._tx() as db:
+            # Events published for followers go with the run's end, as at a final row.
+            self._exec(db, f"DELETE FROM run_events WHERE run_id IN (SELECT id FROM runs WHERE "
+                       f"{where})", params)
             return self._exec(db, f"UPDATE runs SET state = 'failed', error = ?, "
                               f"updated_at = ?, ended_at = ? WHERE {where}",
                               [error, at, at, *params]).rowcount
@@ -314,11 +319,17 @@ class SqlRunStore:
                 "duration_s": float(duration)}
 
     def add_events(self, events: list[tuple[str, int, bytes]]) -> None:
-        if not events:
-            return
         with self._tx() as db:
-            db.cursor().executemany(self._sql("INSERT INTO run_events VALUES (?, ?, ?) "
-                                              "ON CONFLICT (run_id, seq) DO NOTHING"), events)
+            self._add_events(db, events)
+
+    def _add_events(self, db, events) -> None:
+        """Each event once, and none of a run no longer there (deleted or never written: its
+        events would fail the whole round on the foreign key, every time it is sent)."""
+        if events:
+            db.cursor().executemany(self._sql(
+                "INSERT INTO run_events SELECT ?, ?, ? WHERE EXISTS (SELECT 1 FROM runs WHERE "
+                "id = ?) ON CONFLICT (run_id, seq) DO NOTHING"),
+                [(run_id, seq, data, run_id) for run_id, seq, data in events])
 
     def events_after(self, run_id: str, after: int) -> list[bytes]:
         rows = self._exec(self._db(), "SELECT data FROM run_events WHERE run_id = ? AND "
@@ -332,6 +343,11 @@ class SqlRunStore:
 
     def delete_outputs(self, before: float, limit: int) -> int:
         with self._tx() as db:
+            # Events published for a follower and left by a final row that was refused (few:
+            # the table holds followed runs' only): outputs, in effect.
+            self._exec(db, "DELETE FROM run_events WHERE run_id IN (SELECT e.run_id FROM "
+                       "run_events e JOIN runs r ON r.id = e.run_id WHERE r.created_at < ? "
+                       f"AND r.{_in_states(ENDED)})", (before,))
             return self._exec(db, "DELETE FROM run_outputs WHERE run_id IN (SELECT run_id FROM "
                               "run_outputs WHERE created_at < ? ORDER BY created_at LIMIT ?)",
                               (before, limit)).rowcount

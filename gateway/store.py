@@ -45,8 +45,10 @@ class RunStore(Protocol):
         completion, its usage row, at most one per run); returns the state it was in, or None
         when it was not in `expect` (nothing changed)."""
 
-    def record(self, items: list[dict]) -> list[bool]:
-        """Several runs' rows in one transaction: each item's `row` (column -> value, its
+    def record(self, items: list[dict], events: list[tuple[str, int, bytes]] = ()
+               ) -> list[bool]:
+        """Several runs' rows, and events of runs still going (as add_events), in one
+        transaction: each item's `row` (column -> value, its
         state and transition times among them) inserted (`insert` true) or, for a run already
         there, written over it if the run is in one of `expect`; then its `usage` row (a
         dict, or None) and its `output` ((kind, body), or None, kept with the run's

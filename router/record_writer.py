@@ -130,7 +130,7 @@ class RunWriter:
                         self.failures += 1
                         log.warning("run record: %s", problem)
                     self._published.update(published)
-                    if ask:
+                    if followed is not None:
                         self._followed = set(followed)
                 del self._waiting[:len(waiting)]
                 if self._waiting:

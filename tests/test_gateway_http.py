@@ -411,6 +411,58 @@ def test_a_stream_resumed_on_another_replica_flows_while_the_run_goes_on(llama_d
         assert store.events_after(run_id, -1) == [], "published events go with the run's end"
 
 
+def test_a_followed_stream_whose_producer_stops_ends_saying_so(tmp_path):
+    """Replica B passes on the events replica A published; A stops mid-run (its restart fails
+    the run). B's client gets the error and [DONE] after the events it had, not a stream
+    that ends as if whole; the published events are gone with the run's end."""
+    from gateway.sqlite import SqliteRunStore
+    from router.run_records import RunRecorder
+    from router.streaming import sse
+
+    path = tmp_path / "runs.sqlite3"
+
+    def recorder(owner):
+        return RunRecorder(SqliteRunStore(path), f"sqlite://{path}", owner)
+
+    async def scenario():
+        a, b = recorder("a:1/0"), recorder("b:1/0")
+        body = {"prompt": "x", "stream": True}
+        live, _ = await a.open("run-x", "acme", True, "k", body)
+        a.advance(live, "prefilling")
+        a.advance(live, "streaming")
+        stub, created = await b.open("run-y", "acme", True, "k", body)
+        assert not created and stub.remote
+        b.join(stub)
+        got = []
+
+        async def produce_then_stop():
+            for i in range(4):
+                a.append(live, sse({"i": i}, live.event_id(len(live.events))))
+                await asyncio.sleep(0.3)
+            while len(got) < 4:
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(a.writer.close)  # A's process is gone ...
+            again = recorder("a:1/0")  # ... and back on its port: its run in flight failed
+            assert again.recovered == 1
+            await asyncio.to_thread(again.close)
+
+        producer = asyncio.ensure_future(produce_then_stop())
+        await asyncio.wait_for(b.wait_ready(stub), 10)
+        events = b.follow(stub, -1)
+        async for event in events:
+            got.append(event)
+        await events.aclose()
+        await producer
+        assert got[:4] == live.events[:4]
+        assert b'"code":"run_failed"' in got[4] and got[5].endswith(b"data: [DONE]\n\n")
+        assert got[4].startswith(b"id: run-x:4\n") and len(got) == 6
+        assert b.store.events_after("run-x", -1) == []
+        await asyncio.to_thread(b.close)
+        a.store.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_claim_cancelled_during_its_store_write_frees_the_key(tmp_path):
     from gateway.sqlite import SqliteRunStore
     from router.run_records import RunRecorder
