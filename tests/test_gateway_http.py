@@ -6,6 +6,7 @@ resumed with Last-Event-ID byte for byte (while running and after), runs and usa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -352,15 +353,23 @@ def test_runs_still_going_at_shutdown_are_recorded_cancelled(llama_dir, tmp_path
     assert backend.closed, "the backend request was aborted"
 
 
+@contextlib.contextmanager
+def _two_replicas(llama_dir, tmp_path, words: int, detach_grace_s: float):
+    """Two routers on one store (replicas A and B), each over a backend pacing `words` words
+    10 a second: (A's backend, A's port, B's backend, B's port)."""
+    script = _words(words, then_end=True)
+    config = _config(store=str(tmp_path / "runs.sqlite3"), detach_grace_s=detach_grace_s)
+    a_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
+    b_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
+    with serving(a_backend, config) as (_, a_port), serving(b_backend, config) as (_, b_port):
+        yield a_backend, a_port, b_backend, b_port
+
+
 def test_a_retry_that_lands_on_another_replica_keeps_the_run_going(llama_dir, tmp_path):
     """Two routers on one store (replicas): the client leaves replica A's keyed stream and
     retries on replica B. B follows the run through the store and marks it followed, so A does
     not cancel it when the grace runs out; B answers with the whole stream."""
-    script = _words(24, then_end=True)
-    config = _config(store=str(tmp_path / "runs.sqlite3"), detach_grace_s=0.3)
-    a_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
-    b_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
-    with serving(a_backend, config) as (_, a_port), serving(b_backend, config) as (_, b_port):
+    with _two_replicas(llama_dir, tmp_path, 24, 0.3) as (a_backend, a_port, b_backend, b_port):
         body = {"model": "scripted", "prompt": "x", "max_tokens": 40, "stream": True}
         headers = {**ACME, "Idempotency-Key": "across"}
         with httpx.stream("POST", f"http://127.0.0.1:{a_port}/v1/completions", json=body,
@@ -379,11 +388,7 @@ def test_a_stream_resumed_on_another_replica_flows_while_the_run_goes_on(llama_d
     """A client cut from replica A's stream resumes on replica B (Last-Event-ID): B marks the
     run followed, A publishes its events to the store from then on, and B passes them on as
     they come, not at the run's end; the whole is byte for byte the uncut stream."""
-    script = _words(30, then_end=True)
-    config = _config(store=str(tmp_path / "runs.sqlite3"), detach_grace_s=5.0)
-    a_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
-    b_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
-    with serving(a_backend, config) as (_, a_port), serving(b_backend, config) as (_, b_port):
+    with _two_replicas(llama_dir, tmp_path, 30, 5.0) as (a_backend, a_port, b_backend, b_port):
         body = {"model": "scripted", "prompt": "x", "max_tokens": 40, "stream": True}
         headers = {**ACME, **SSE, "Idempotency-Key": "flows"}
         with httpx.stream("POST", f"http://127.0.0.1:{a_port}/v1/completions", json=body,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from gateway.open import open_store
 from gateway.runs import Runs
 from router.record_writer import RunWriter
@@ -319,9 +321,13 @@ def test_after_a_database_outage_no_replica_is_judged_lapsed_until_it_could_rene
             writer.close()
 
 
-def test_ctrl_c_leaves_the_writer_process_to_finish_the_last_round(tmp_path):
-    """Ctrl-C signals the terminal's whole process group: the writer's process ignores it, so
-    the router's shutdown still writes its last round through it."""
+@pytest.mark.parametrize("signal_name, lives, failures", [("SIGINT", True, 0),
+                                                          ("SIGTERM", False, 1)])
+def test_the_last_round_goes_through_after_a_signal_to_the_process_group(
+        tmp_path, signal_name, lives, failures):
+    """Ctrl-C signals the terminal's whole process group: the writer's process ignores it and
+    writes the router's last round. A service manager's SIGTERM to the group ends it at once:
+    the last round finds it gone and goes once more through a new one."""
     import os
     import signal
 
@@ -331,36 +337,13 @@ def test_ctrl_c_leaves_the_writer_process_to_finish_the_last_round(tmp_path):
     try:
         writer.ended(_live_run("run-first", "completed", True))
         writer.flush()  # answered: the process is serving, its handlers set
-        os.kill(writer._process.pid, signal.SIGINT)
-        time.sleep(0.3)
-        assert writer._process.is_alive()
+        os.kill(writer._process.pid, getattr(signal, signal_name))
+        writer._process.join(0.5)
+        assert writer._process.is_alive() == lives
         writer.ended(_live_run("run-last", "completed", True))
         writer.close()
         assert store.get_run("run-last")["state"] == "completed"
-        assert writer.failures == 0
-    finally:
-        writer.close()
-        store.close()
-
-
-def test_a_writer_process_killed_before_shutdown_is_started_anew_for_the_last_round(tmp_path):
-    """A service manager's SIGTERM to the whole group ends the writer's process at once; the
-    router's last round finds it gone and goes once more through a new one."""
-    import os
-    import signal
-
-    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
-    writer = RunWriter(url, "here:8000/0")
-    store = open_store(url)
-    try:
-        writer.ended(_live_run("run-first", "completed", True))
-        writer.flush()
-        os.kill(writer._process.pid, signal.SIGTERM)
-        writer._process.join(5)
-        writer.ended(_live_run("run-last", "completed", True))
-        writer.close()
-        assert store.get_run("run-last")["state"] == "completed"
-        assert writer.failures == 1
+        assert writer.failures == failures
     finally:
         writer.close()
         store.close()
