@@ -66,6 +66,8 @@ class SqlRunStore:
         with self._tx() as db:
             self._exec(db, "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER "
                        "PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)")
+            # An upgrade says what it applies (it may take a while on a large store).
+            upgrade = self._exec(db, "SELECT 1 FROM schema_migrations").fetchone() is not None
         for version, name, statements in MIGRATIONS:
             with self._tx() as db:
                 # Another process may be applying it too: whoever commits the claim first wins,
@@ -74,7 +76,8 @@ class SqlRunStore:
                 if self._exec(db, "SELECT 1 FROM schema_migrations WHERE version = ?",
                               (version,)).fetchone():
                     continue
-                log.info("run store: applying migration %d (%s)", version, name)
+                if upgrade:
+                    log.info("run store: applying migration %d (%s)", version, name)
                 for statement in statements:
                     self._exec(db, statement)
                 self._exec(db, "INSERT INTO schema_migrations VALUES (?, ?, ?)",
