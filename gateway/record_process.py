@@ -20,9 +20,10 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 
-# A run counts as followed from another replica while its followers marked it this recently
-# (they mark it every second: router/run_records.py FOLLOW_MARK_S).
-FOLLOWED_S = 3.0
+# A run counts as followed from another replica when a follower marked it this recently (they
+# mark it every second: router/run_records.py FOLLOW_MARK_S); generous, as the mark is the
+# follower's clock and the look-up this one's.
+FOLLOWED_S = 30.0
 
 
 def serve(conn, store_url: Optional[str], owner: Optional[str] = None,

@@ -63,8 +63,8 @@ class RunWriter:
         self.outputs_dropped = 0  # waiting outputs let go while the store failed
         self.runs_dropped = 0  # waiting rows let go: runs never recorded
         self._waiting: list[dict] = []  # the writer thread's: ended runs' rows not yet written
-        # Open runs a client of another replica follows (the process says which, each round),
-        # and how many of their events are in the store for it.
+        # Open runs a client of another replica has followed (the process says which, every
+        # ASK_FOLLOWED_S), and how many of their events are in the store for it.
         self._followed: set[str] = set()
         self._published: dict[str, int] = {}
         self._next_ask = 0.0
@@ -130,8 +130,8 @@ class RunWriter:
                         self.failures += 1
                         log.warning("run record: %s", problem)
                     self._published.update(published)
-                    if followed is not None:
-                        self._followed = set(followed)
+                    if followed is not None:  # followed once: published until its end
+                        self._followed.update(followed)
                 del self._waiting[:len(waiting)]
                 if self._waiting:
                     self._wake.set()  # the rest of a backlog: the next round
