@@ -131,7 +131,7 @@ class RunWriter:
                         log.warning("run record: %s", problem)
                     self._published.update(published)
                     if followed is not None:  # followed once: published until its end
-                        self._followed.update(followed)
+                        self._followed.update(r for r in followed if r in self._open)
                 del self._waiting[:len(waiting)]
                 if self._waiting:
                     self._wake.set()  # the rest of a backlog: the next round
