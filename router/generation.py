@@ -20,7 +20,7 @@ from router.backend import Backend, BackendError
 from router.intake import INLINE_MAX_BYTES, Intake
 from router.protocol import InvalidRequest, parse_json
 from router.responses import ResponseBuilder
-from router.live_run import LiveRun, parse_event_id
+from router.live_run import LiveRun, end_as_cut, parse_event_id
 from router.run_records import RunRecorder
 from router.streaming import (ClientDisconnected, SSEResponse, merge_streams, sse,
                               until_disconnect)
@@ -127,18 +127,10 @@ def _emitter(recorder: RunRecorder, live: LiveRun):
     """payload -> its SSE event, with the run's next event id when its events carry ids, kept
     in the run's buffer (what retries, resumes and the record read)."""
     def emit(payload) -> bytes:
-        event = sse(payload, live.event_id(len(live.events)) if live.event_ids else None)
+        event = live.next_event(payload)
         recorder.append(live, event)
         return event
     return emit
-
-
-def _end_replay(emit, live: LiveRun, reason: BackendError) -> None:
-    """A stream cut short: its buffer ends as a finished stream does, saying why (what a retry
-    or a resume replays)."""
-    if live.events and not live.events[-1].endswith(b"data: [DONE]\n\n"):
-        emit(reason.body())
-        emit("[DONE]")
 
 
 def _end_cut(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder,
@@ -181,7 +173,7 @@ async def _end_stream(recorder: RunRecorder, live: LiveRun, builder: ResponseBui
         else:
             log.error("%s: failed mid-stream", live.id, exc_info=cut)
             state, reason = "failed", BackendError(500, "internal error while streaming")
-        _end_replay(_emitter(recorder, live), live, reason)
+        end_as_cut(live, reason, _emitter(recorder, live))
         _finish(recorder, live, state, reason.message if state == "failed" else None,
                 builder.usage())
     await merged.aclose()
@@ -270,7 +262,7 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
         exc = _timeout_error()
         outcome["error"] = exc.message
         if live.events:  # the stream is under way: say so in it, then end it
-            _end_replay(emit, live, exc)
+            end_as_cut(live, exc, emit)
         else:
             live.error = exc
     except asyncio.CancelledError:  # its last follower left it (after the grace), or shutdown
@@ -280,7 +272,7 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
             outcome["error"] = cut.message
         else:
             state = "cancelled"
-        _end_replay(emit, live, cut)
+        end_as_cut(live, cut, emit)
         raise
     except Exception:
         log.exception("%s: backend failed", live.id)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
 from router.backend import BackendError
+from router.streaming import sse
 
 
 @dataclass(slots=True)
@@ -56,6 +57,18 @@ class LiveRun:
 
     def event_id(self, seq: int) -> str:
         return f"{self.id}:{seq}"
+
+    def next_event(self, payload) -> bytes:
+        """`payload` as this run's next SSE event, with its id when its events carry ids."""
+        return sse(payload, self.event_id(len(self.events)) if self.event_ids else None)
+
+
+def end_as_cut(live: LiveRun, reason: BackendError, emit: Callable[[object], object]) -> None:
+    """A stream cut short ends as a finished one does, saying why: what a retry, a resume or
+    a follower on another replica replays. `emit` keeps a payload as the run's next event."""
+    if live.events and not live.events[-1].endswith(b"data: [DONE]\n\n"):
+        emit(reason.body())
+        emit("[DONE]")
 
 
 def parse_event_id(value: Optional[str]) -> Optional[tuple[str, int]]:

@@ -24,9 +24,8 @@ from typing import AsyncIterator, Callable, Optional
 from gateway.runs import IdempotencyConflict, Runs, TRANSITIONS
 from gateway.store import STATE_TIME, RunStore
 from router.backend import BackendError
-from router.live_run import Following, LiveRun, split_events
+from router.live_run import Following, LiveRun, end_as_cut, split_events
 from router.record_writer import RunWriter
-from router.streaming import sse
 
 log = logging.getLogger(__name__)
 
@@ -298,13 +297,11 @@ class RunRecorder:
                                       "did not answer; resume it again shortly",
                                       code="store_unavailable", retry_after_s=2.0)
             live.started = live.done = True
-        if live.error is not None and live.events and \
-                not live.events[-1].endswith(b"data: [DONE]\n\n"):
-            # Its published events were passed on and it ended without an output to finish
-            # them (its producer stopped, or the store failed us): the stream says so and
-            # ends as a cut one does, not as if whole.
-            for payload in (live.error.body(), "[DONE]"):
-                live.events.append(sse(payload, live.event_id(len(live.events))))
+        if live.error is not None:
+            # Published events passed on and no output to finish them (its producer stopped,
+            # or the store failed us): the stream says so, not as if whole.
+            end_as_cut(live, live.error, lambda payload: live.events.append(
+                live.next_event(payload)))
         live.notify()
 
     @staticmethod
