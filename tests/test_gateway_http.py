@@ -6,7 +6,6 @@ resumed with Last-Event-ID byte for byte (while running and after), runs and usa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 
@@ -14,38 +13,22 @@ import httpx
 import openai
 import pytest
 
-from pd_runtime.config import RouterConfig, TenantConfig
+from pd_runtime.config import RouterConfig
 from pd_runtime.tokenizer import Tokenizer
-from router.tenants import Tenants
-from tests.router_support.scripted_backend import ScriptedBackend, token_chunk
+from tests.router_support.gateway_clients import ACME, BETA, SSE, TENANTS
+from tests.router_support.gateway_clients import TenantScripted as _TenantScripted
+from tests.router_support.gateway_clients import config as _config
+from tests.router_support.gateway_clients import events as _events
+from tests.router_support.gateway_clients import recorder as _recorder
+from tests.router_support.gateway_clients import words as _words
+from tests.router_support.scripted_backend import token_chunk
 from tests.router_support.serving import assert_error_body, local, serving
-
-TENANTS = [TenantConfig(tenant_id="acme", api_key="sk-acme"),
-           TenantConfig(tenant_id="beta", api_key="sk-beta")]
-ACME = {"Authorization": "Bearer sk-acme"}
-BETA = {"Authorization": "Bearer sk-beta"}
-SSE = {"Accept": "text/event-stream"}  # a client that reads SSE as SSE: events get ids
-
-
-def _config(**runs) -> RouterConfig:
-    return RouterConfig(tenants=TENANTS, routing={"mode": "always_colocated"}, runs=runs)
-
 
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
     store = str(tmp_path_factory.mktemp("runs") / "runs.sqlite3")
     with local(llama_dir, _config(store=store)) as served:
         yield served
-
-
-def _events(raw: bytes) -> list[bytes]:
-    return [part + b"\n\n" for part in raw.split(b"\n\n") if part]
-
-
-def _recorder(port):
-    from tests.router_support.serving import APPS
-
-    return APPS[port].state.recorder
 
 
 def test_fifty_concurrent_retries_are_one_run_one_computation_one_ledger_row(server):
@@ -142,29 +125,6 @@ def test_a_stream_cut_after_k_events_resumes_byte_identical_after_it_ends(server
     assert_error_body(httpx.get(f"{base}/v1/runs/{run_id}/events", headers=BETA), 404)
     assert_error_body(httpx.post(f"{base}/v1/completions", json=body,
                                  headers={**BETA, "Last-Event-ID": f"{run_id}:3"}), 404)
-
-
-def _words(count: int, then_end: bool = False) -> list[dict]:
-    """A script of `count` word chunks, and a last " end" chunk that finishes it."""
-    script = [token_chunk(f" w{i}", i + 1) for i in range(count)]
-    return script + [token_chunk(" end", count + 1, finished=True)] if then_end else script
-
-
-class _TenantScripted(ScriptedBackend):
-    """The scripted backend (paced chunks) with the router's API keys."""
-
-    def __init__(self, tokenizer, script, step_s):
-        super().__init__(tokenizer, script, step_s=step_s)
-        self.tenants = Tenants(TENANTS)
-        self.calls = 0
-
-    def authenticate(self, api_key):
-        return self.tenants.authenticate(api_key)
-
-    async def generate(self, *args, **kwargs):
-        self.calls += 1
-        async for chunk in super().generate(*args, **kwargs):
-            yield chunk
 
 
 def test_a_stream_cut_while_running_resumes_with_the_remaining_events(llama_dir, tmp_path):
@@ -351,121 +311,6 @@ def test_runs_still_going_at_shutdown_are_recorded_cancelled(llama_dir, tmp_path
     finally:
         reader.close()
     assert backend.closed, "the backend request was aborted"
-
-
-@contextlib.contextmanager
-def _two_replicas(llama_dir, tmp_path, words: int, detach_grace_s: float):
-    """Two routers on one store (replicas A and B), each over a backend pacing `words` words
-    10 a second: (A's backend, A's port, B's backend, B's port)."""
-    script = _words(words, then_end=True)
-    config = _config(store=str(tmp_path / "runs.sqlite3"), detach_grace_s=detach_grace_s)
-    a_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
-    b_backend = _TenantScripted(Tokenizer(llama_dir), script, step_s=0.1)
-    with serving(a_backend, config) as (_, a_port), serving(b_backend, config) as (_, b_port):
-        yield a_backend, a_port, b_backend, b_port
-
-
-def test_a_retry_that_lands_on_another_replica_keeps_the_run_going(llama_dir, tmp_path):
-    """Two routers on one store (replicas): the client leaves replica A's keyed stream and
-    retries on replica B. B follows the run through the store and marks it followed, so A does
-    not cancel it when the grace runs out; B answers with the whole stream."""
-    with _two_replicas(llama_dir, tmp_path, 24, 0.3) as (a_backend, a_port, b_backend, b_port):
-        body = {"model": "scripted", "prompt": "x", "max_tokens": 40, "stream": True}
-        headers = {**ACME, "Idempotency-Key": "across"}
-        with httpx.stream("POST", f"http://127.0.0.1:{a_port}/v1/completions", json=body,
-                          headers=headers, timeout=30) as response:
-            next(line for line in response.iter_lines() if line.startswith("data: {"))
-        retried = httpx.post(f"http://127.0.0.1:{b_port}/v1/completions", json=body,
-                             headers=headers, timeout=60)
-        events = _events(retried.content)
-        assert retried.status_code == 200 and len(events) == 26, retried.content[-500:]
-        assert events[-1].endswith(b"data: [DONE]\n\n") and b"run_cancelled" not in \
-            retried.content
-        assert a_backend.calls == 1 and b_backend.calls == 0
-
-
-def test_a_stream_resumed_on_another_replica_flows_while_the_run_goes_on(llama_dir, tmp_path):
-    """A client cut from replica A's stream resumes on replica B (Last-Event-ID): B marks the
-    run followed, A publishes its events to the store from then on, and B passes them on as
-    they come, not at the run's end; the whole is byte for byte the uncut stream."""
-    with _two_replicas(llama_dir, tmp_path, 30, 5.0) as (a_backend, a_port, b_backend, b_port):
-        body = {"model": "scripted", "prompt": "x", "max_tokens": 40, "stream": True}
-        headers = {**ACME, **SSE, "Idempotency-Key": "flows"}
-        with httpx.stream("POST", f"http://127.0.0.1:{a_port}/v1/completions", json=body,
-                          headers=headers, timeout=30) as response:
-            first = next(line for line in response.iter_lines() if line.startswith("id: "))
-        run_id, seq = first[len("id: "):].rsplit(":", 1)
-        producer = _recorder(a_port).live[run_id]
-        resumed, done_when_seen = [], []
-        with httpx.stream("POST", f"http://127.0.0.1:{b_port}/v1/completions", json=body,
-                          headers={**headers, "Last-Event-ID": f"{run_id}:{seq}"},
-                          timeout=60) as response:
-            assert response.status_code == 200
-            for chunk in response.iter_bytes():
-                resumed.append(chunk)
-                done_when_seen.append(producer.done)
-        assert done_when_seen[0] is False, "B's first bytes came only after A's run ended"
-        _recorder(a_port).writer.flush()
-        whole = httpx.get(f"http://127.0.0.1:{b_port}/v1/runs/{run_id}/events",
-                          headers=ACME).content
-        events = _events(whole)
-        assert len(events) == 32 and events[-1].endswith(b"data: [DONE]\n\n")
-        assert b"".join(resumed) == b"".join(events[int(seq) + 1:])
-        assert a_backend.calls == 1 and b_backend.calls == 0
-        store = _recorder(a_port).store
-        assert store.events_after(run_id, -1) == [], "published events go with the run's end"
-
-
-def test_a_followed_stream_whose_producer_stops_ends_saying_so(tmp_path):
-    """Replica B passes on the events replica A published; A stops mid-run (its restart fails
-    the run). B's client gets the error and [DONE] after the events it had, not a stream
-    that ends as if whole; the published events are gone with the run's end."""
-    from gateway.sqlite import SqliteRunStore
-    from router.run_records import RunRecorder
-    from router.streaming import sse
-
-    path = tmp_path / "runs.sqlite3"
-
-    def recorder(owner):
-        return RunRecorder(SqliteRunStore(path), f"sqlite://{path}", owner)
-
-    async def scenario():
-        a, b = recorder("a:1/0"), recorder("b:1/0")
-        body = {"prompt": "x", "stream": True}
-        live, _ = await a.open("run-x", "acme", True, "k", body)
-        a.advance(live, "prefilling")
-        a.advance(live, "streaming")
-        stub, created = await b.open("run-y", "acme", True, "k", body)
-        assert not created and stub.remote
-        b.join(stub)
-        got = []
-
-        async def produce_then_stop():
-            for i in range(4):
-                a.append(live, sse({"i": i}, live.event_id(len(live.events))))
-                await asyncio.sleep(0.3)
-            while len(got) < 4:
-                await asyncio.sleep(0.05)
-            await asyncio.to_thread(a.writer.close)  # A's process is gone ...
-            again = recorder("a:1/0")  # ... and back on its port: its run in flight failed
-            assert again.recovered == 1
-            await asyncio.to_thread(again.close)
-
-        producer = asyncio.ensure_future(produce_then_stop())
-        await asyncio.wait_for(b.wait_ready(stub), 10)
-        events = b.follow(stub, -1)
-        async for event in events:
-            got.append(event)
-        await events.aclose()
-        await producer
-        assert got[:4] == live.events[:4]
-        assert b'"code":"run_failed"' in got[4] and got[5].endswith(b"data: [DONE]\n\n")
-        assert got[4].startswith(b"id: run-x:4\n") and len(got) == 6
-        assert b.store.events_after("run-x", -1) == []
-        await asyncio.to_thread(b.close)
-        a.store.close()
-
-    asyncio.run(scenario())
 
 
 def test_a_claim_cancelled_during_its_store_write_frees_the_key(tmp_path):
