@@ -74,7 +74,7 @@ class Retention:
         return more
 
     def run_pass(self, now: Optional[float] = None) -> None:
-        """A whole pass at once (tests, and a store opened only to trim it)."""
+        """A whole pass at once (tests and bench/store_retention.py)."""
         while self.step(now):
             pass
 
