@@ -247,26 +247,29 @@ class WorkerError(RuntimeError):
 class ModelCard:
     """What the router must know of the served model, from the workers (ready() reports it):
     the identity its block hashes start from, the block size, the context limit
-    (max_model_len, as the workers enforce it) and the tokenizer's files
-    (`pd_runtime.tokenizer.read_tokenizer_files`). With it the router needs no model files."""
+    (max_model_len, as the workers enforce it), the tokenizer's files
+    (`pd_runtime.tokenizer.read_tokenizer_files`) and the model's sampling defaults
+    (`pd_runtime.sampling_defaults`). With it the router needs no model files."""
 
     identity: str
     block_size: int
     max_model_len: int
     tokenizer_files: dict
+    sampling_defaults: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"identity": self.identity, "block_size": self.block_size,
-                "max_model_len": self.max_model_len, "tokenizer_files": self.tokenizer_files}
+                "max_model_len": self.max_model_len, "tokenizer_files": self.tokenizer_files,
+                "sampling_defaults": self.sampling_defaults}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelCard":
         return cls(str(d["identity"]), int(d["block_size"]), int(d["max_model_len"]),
-                   dict(d["tokenizer_files"]))
+                   dict(d["tokenizer_files"]), dict(d.get("sampling_defaults") or {}))
 
     def differs_from(self, other: "ModelCard") -> Optional[str]:
         """Which field two workers disagree on (None when they serve the same model alike)."""
-        for name in ("identity", "block_size", "max_model_len"):
+        for name in ("identity", "block_size", "max_model_len", "sampling_defaults"):
             if getattr(self, name) != getattr(other, name):
                 return f"{name}: {getattr(self, name)!r} vs {getattr(other, name)!r}"
         return None

@@ -150,6 +150,9 @@ class RouterConfig(_Strict):
     runs: RunsConfig = Field(default_factory=RunsConfig)
     # Router processes serving `port` together (SO_REUSEPORT), all over the same pools.
     replicas: int = Field(1, ge=1, le=64)
+    # What a request that leaves a sampling field out gets: "model", the sampling fields of the
+    # model's generation_config.json (as vLLM does), else OpenAI's; "openai", always OpenAI's.
+    sampling_defaults: Literal["model", "openai"] = "model"
 
     @model_validator(mode="after")
     def _check(self):

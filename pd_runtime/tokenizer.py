@@ -15,6 +15,7 @@ from typing import Optional, Union
 from tokenizers import Tokenizer as HFTokenizer
 
 from pd_runtime.api import ModelLoadError
+from pd_runtime.chat_template import ChatTemplate
 
 
 def _token_text(value) -> Optional[str]:
@@ -83,26 +84,19 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> str:
+        """The prompt text (pd_runtime.chat_template: as transformers renders it); `kwargs`:
+        `continue_final_message` and the template's own variables (enable_thinking, ...)."""
         if not self.chat_template:
             raise ModelLoadError("this model directory has no chat template "
                                  "(tokenizer_config.json chat_template)")
         if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                     **kwargs)
+            self._template = ChatTemplate(self.chat_template)
+        variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                     **kwargs}
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt,
+                                     **variables)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template already carries any BOS; adding special tokens again would double it.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt),
                            add_special_tokens=False)
-
-
-def _raise_template_error(message: str):
-    from pd_runtime.api import InvalidRequestError
-
-    raise InvalidRequestError(f"chat template: {message}", param="messages")

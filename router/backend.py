@@ -85,6 +85,8 @@ class Backend(Protocol):
     model_name: str  # the served model id (GET /v1/models, the `model` field)
     max_model_len: int  # prompt + generated tokens must fit in this
     tokenizer: Tokenizer
+    # Sampling fields a request leaves out take these (pd_runtime.sampling_defaults; {}: OpenAI's).
+    sampling_defaults: dict
 
     def authenticate(self, api_key: Optional[str]) -> Optional[TenantConfig]: ...
 

@@ -57,6 +57,12 @@ class PoolBackend:
         card = client.fetch_model_card()
         self.tokenizer = Tokenizer(card.tokenizer_files)
         self.max_model_len = card.max_model_len  # as the workers enforce it
+        self.sampling_defaults = card.sampling_defaults \
+            if cfg.router.sampling_defaults == "model" else {}
+        if self.sampling_defaults:
+            log.info("requests that leave them out get the model's sampling defaults "
+                     "(generation_config.json): %s; router.sampling_defaults: openai turns "
+                     "this off", self.sampling_defaults)
         self.metrics = RouterMetrics()
         self.tenants = Tenants(cfg.router.tenants)
         self.index = PrefixIndex(card.identity, card.block_size)
@@ -138,7 +144,8 @@ class PoolBackend:
     def active_config(self) -> dict:
         return {"routing": self.reloader.current.model_dump(),
                 "config_file": str(self.reloader.path) if self.reloader.path else None,
-                "last_reload_error": self.reloader.last_error}
+                "last_reload_error": self.reloader.last_error,
+                "sampling_defaults": self.sampling_defaults}
 
     def worker_reports(self) -> dict:
         """worker id -> role, health and the cost figures of its last load report."""

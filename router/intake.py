@@ -81,13 +81,13 @@ class Intake:
         backend = self.backend
         if len(raw) <= INLINE_MAX_BYTES or self._tokenizer_state is None:
             return PREPARE[kind](parse_json(raw), backend.tokenizer, backend.model_name,
-                                 backend.max_model_len)
+                                 backend.max_model_len, backend.sampling_defaults)
         if kind == "completion" and len(raw) <= INLINE_TOKEN_IDS_MAX_BYTES:
             body = parse_json(raw)
             if _token_id_prompts(body.get("prompt")):
                 self.prepared_inline_ids += 1
                 return PREPARE[kind](body, backend.tokenizer, backend.model_name,
-                                     backend.max_model_len)
+                                     backend.max_model_len, backend.sampling_defaults)
         self.prepared_in_child += 1
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(None, _write_temporary, raw)
@@ -97,7 +97,7 @@ class Intake:
             # large tokenizer to a child still starting up would block the loop.
             future = await loop.run_in_executor(None, functools.partial(
                 pool.submit, parser_process.prepare, kind, path, backend.model_name,
-                backend.max_model_len))
+                backend.max_model_len, backend.sampling_defaults))
             outcome = await asyncio.wrap_future(future)
         except BrokenProcessPool:  # the child died (killed, out of memory): a new one next time
             self._discard(pool)

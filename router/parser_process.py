@@ -24,7 +24,7 @@ def init(tokenizer_state: bytes) -> None:
     _tokenizer = pickle.loads(tokenizer_state)
 
 
-def prepare(kind: str, body_path: str, model_name: str, max_model_len: int):
+def prepare(kind: str, body_path: str, model_name: str, max_model_len: int, defaults: dict):
     """A PreparedRequest with array-packed prompts (unpickled without a per-int cost), or the
     fields of the error to answer with (an exception that needs keyword arguments does not
     survive pickling)."""
@@ -35,7 +35,7 @@ def prepare(kind: str, body_path: str, model_name: str, max_model_len: int):
         raw = file.read()
     build = prepare_chat if kind == "chat" else prepare_completion
     try:
-        prepared = build(parse_json(raw), _tokenizer, model_name, max_model_len)
+        prepared = build(parse_json(raw), _tokenizer, model_name, max_model_len, defaults)
     except BackendError as exc:
         return exc.status, exc.message, exc.type, exc.param, exc.code
     prepared.prompts = [array("q", prompt) for prompt in prepared.prompts]

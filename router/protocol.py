@@ -16,8 +16,9 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from pd_runtime.api import InvalidRequestError, SamplingParams
-from router.schema import (ChatCompletionRequest, ChatMessage, ChoiceSpec, CompletionRequest,
-                           InvalidRequest, PreparedRequest, Body, SamplingBody)
+from router.chat_prompt import chat_text
+from router.schema import (ChatCompletionRequest, ChoiceSpec, CompletionRequest, InvalidRequest,
+                           PreparedRequest, Body, SamplingBody)
 from router.text_checks import lone_surrogate_field, min_tokens
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -42,6 +43,8 @@ _OFF_VALUES: dict[str, tuple] = {
     "prediction": (None,),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
+    # vLLM's per-request template: this server renders the model's own.
+    "chat_template": (None,),
 }
 
 
@@ -119,11 +122,15 @@ def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[str, float]:
     return dict(bias)
 
 
-def _sampling_fields(body: SamplingBody, max_tokens: Optional[int], vocab_size: int) -> dict:
+def _sampling_fields(body: SamplingBody, max_tokens: Optional[int], vocab_size: int,
+                     defaults: dict) -> dict:
+    """SamplingParams fields: the body's, else the model's `defaults` (sampling_defaults.py)."""
     params: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         value = getattr(body, name)
+        if value is None:
+            value = defaults.get(name)
         if value is not None:
             params[name] = value
     for name in ("top_k", "seed", "priority"):
@@ -246,8 +253,16 @@ def _completion_prompts(prompt: Any, tokenizer, max_model_len: int
     return prompts, texts
 
 
-def prepare_completion(data: dict, tokenizer, model_name: str,
-                       max_model_len: int) -> PreparedRequest:
+def _default_max_tokens(endpoint_default: int, defaults: dict) -> int:
+    """A request that names no max_tokens: the endpoint's default, or the model's
+    max_new_tokens when smaller (it never caps a value the request names)."""
+    return min(endpoint_default, defaults.get("max_tokens", endpoint_default))
+
+
+def prepare_completion(data: dict, tokenizer, model_name: str, max_model_len: int,
+                       defaults: Optional[dict] = None) -> PreparedRequest:
+    """`defaults`: the model's sampling defaults for fields the body leaves out ({}: OpenAI's)."""
+    defaults = defaults or {}
     body: CompletionRequest = _validate(CompletionRequest, data)
     _check_model(body.model, model_name)
     if body.prompt is None:
@@ -255,8 +270,9 @@ def prepare_completion(data: dict, tokenizer, model_name: str,
     _refuse_unimplemented(body, data)
     prompts, texts = _completion_prompts(body.prompt, tokenizer, max_model_len)
     _check_n(body, len(prompts))
-    max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
-    params = _sampling_fields(body, max_tokens, tokenizer.vocab_size)
+    max_tokens = _default_max_tokens(16, defaults) if body.max_tokens is None \
+        else body.max_tokens  # 16: OpenAI's default
+    params = _sampling_fields(body, max_tokens, tokenizer.vocab_size, defaults)
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
         if body.echo:
@@ -272,52 +288,25 @@ def prepare_completion(data: dict, tokenizer, model_name: str,
                            body.logprobs, echo)
 
 
-def _message_dict(message: ChatMessage, index: int) -> dict:
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise InvalidRequest(f"messages[{index}].content: only text parts are supported "
-                                     f"(got type {part.type!r})", param="messages")
-            texts.append(part.text)
-        content = "".join(texts)
-    out = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        out["name"] = message.name
-    return out
-
-
-def _chat_prompt(messages: list[ChatMessage], tokenizer, max_model_len: int) -> list[int]:
-    if not messages:
-        raise InvalidRequest("messages must not be empty", param="messages")
-    dicts = [_message_dict(m, i) for i, m in enumerate(messages)]
-    try:
-        text = tokenizer.apply_chat_template(dicts)
-    except InvalidRequestError as exc:
-        raise InvalidRequest(str(exc), param="messages") from None
-    except Exception as exc:  # the template is user-influenced code: any failure is a bad request
-        raise InvalidRequest(f"the chat template failed on these messages: {exc}",
-                             param="messages") from None
-    # As Tokenizer.encode_chat: the template already carries any BOS.
-    ids = _encode(text, tokenizer, max_model_len, "messages", add_special_tokens=False)
-    if not ids:
-        raise InvalidRequest("the chat prompt is empty", param="messages")
-    return ids
-
-
-def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int) -> PreparedRequest:
+def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
+                 defaults: Optional[dict] = None) -> PreparedRequest:
+    defaults = defaults or {}
     body: ChatCompletionRequest = _validate(ChatCompletionRequest, data)
     _check_model(body.model, model_name)
     _refuse_unimplemented(body, data)
-    prompt = _chat_prompt(body.messages, tokenizer, max_model_len)
+    # As Tokenizer.encode_chat: the template already carries any BOS.
+    prompt = _encode(chat_text(body, tokenizer), tokenizer, max_model_len, "messages",
+                     add_special_tokens=False)
+    if not prompt:
+        raise InvalidRequest("the chat prompt is empty", param="messages")
     _check_n(body, 1)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     # OpenAI's default for chat: as much as the context leaves.
-    max_tokens = requested if requested is not None else max(1, max_model_len - len(prompt))
-    params = _sampling_fields(body, max_tokens, tokenizer.vocab_size)
+    max_tokens = requested if requested is not None else \
+        _default_max_tokens(max(1, max_model_len - len(prompt)), defaults)
+    params = _sampling_fields(body, max_tokens, tokenizer.vocab_size, defaults)
     logprobs = None
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")

@@ -76,6 +76,10 @@ class ChatCompletionRequest(SamplingBody):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
     max_completion_tokens: Optional[int] = None
+    # Extensions (vLLM's): how the chat template ends the prompt, and its own variables.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 @dataclass

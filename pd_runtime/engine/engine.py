@@ -26,6 +26,7 @@ from pd_runtime.engine.step_costs import StepCostModel, StepWork
 from pd_runtime.engine.sequence import FinishReason, Request, RequestStatus
 from pd_runtime.engine.speculative import Speculator
 from pd_runtime.engine.swap_space import SwapSpace
+from pd_runtime.sampling_defaults import read_sampling_defaults
 from pd_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class LLMEngine:
         self.model_config = load_model_config(config.model)
         self.max_model_len = context_limit(self.model_config, config.max_model_len, config.model)
         self.tokenizer = Tokenizer(config.model)
+        # What a request that leaves a sampling field out gets (the router applies them).
+        self.sampling_defaults = read_sampling_defaults(config.model)
         self.runner = ModelRunner(config, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           self.model_config.identity,

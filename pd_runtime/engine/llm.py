@@ -33,6 +33,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's own defaults (its generation_config.json), which
+        `generate` uses when given none; an explicit SamplingParams() uses the plain ones."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False) -> list[CompletionOutput]:
@@ -40,7 +45,7 @@ class LLM:
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params must be one object or one per prompt")
         engine = self.engine

@@ -154,7 +154,7 @@ class PDWorker:
         """What the router must know of the model (api.ModelCard), so it reads no model files."""
         e = self.engine
         return ModelCard(e.model_config.identity, e.block_manager.block_size, e.max_model_len,
-                         e.tokenizer.files).to_dict()
+                         e.tokenizer.files, e.sampling_defaults).to_dict()
 
     async def ping(self) -> bool:
         """Liveness, as cheap as a call gets: answers unless the actor is stopped or its

@@ -27,6 +27,7 @@ class ScriptedBackend:
         self.model_name = "scripted"
         self.max_model_len = 128
         self.tokenizer = tokenizer
+        self.sampling_defaults: dict = {}
         self.script = script
         self.is_ready = is_ready
         self.step_s = step_s
