@@ -30,6 +30,13 @@ VARIANTS = {
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 64}}),
     "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    # YaRN as Qwen checkpoints enable it for long contexts (Qwen2/3 read rope scaling as Llama).
+    "yarn-rope": ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 32}}),
+    "yarn-mscale": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0,
+                                               "original_max_position_embeddings": 16,
+                                               "mscale": 0.9, "mscale_all_dim": 0.7,
+                                               "beta_fast": 16, "beta_slow": 2}}),
 }
 
 
@@ -74,8 +81,8 @@ def variant(request, model_factory):
     return _variant(request.param, model_factory)
 
 
-# Greedy runs cover each family once plus llama3 rope scaling; logits pin every variant.
-@pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope"])
+# Greedy runs cover each family once plus llama3 and YaRN rope scaling; logits pin every variant.
+@pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

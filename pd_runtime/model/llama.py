@@ -10,6 +10,8 @@ and attention by fixed-order native kernels (the runner passes their metadata).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -39,7 +41,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies after `rope_scaling` (default, linear, llama3), float32."""
+    """Inverse frequencies after `rope_scaling` (default, linear, llama3, yarn), float32."""
     r = cfg.rope
     dim = cfg.head_dim
     inv = 1.0 / (r.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -55,7 +57,44 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if r.rope_type == "yarn":
+        return _yarn_inv_freq(r, dim)
     return inv
+
+
+def _yarn_inv_freq(r, dim: int) -> torch.Tensor:
+    """YaRN: dimensions that turn more than beta_fast times over the pretraining context keep
+    their frequency, those under beta_slow are interpolated by `factor`, a linear ramp between."""
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(r.original_max_position_embeddings / (rotations * 2 * math.pi)) \
+            / (2 * math.log(r.theta))
+
+    low, high = dim_of(r.beta_fast), dim_of(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    base = r.theta ** (torch.arange(0, dim, 2).float() / dim)
+    kept = 1 - ramp  # the share of each dimension's own (extrapolated) frequency
+    return (1.0 / (r.factor * base)) * (1 - kept) + (1.0 / base) * kept
+
+
+def rope_attention_scale(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise)."""
+    r = cfg.rope
+    if r.rope_type != "yarn":
+        return 1.0
+    if r.attention_factor is not None:
+        return r.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if r.mscale and r.mscale_all_dim:
+        return mscale(r.factor, r.mscale) / mscale(r.factor, r.mscale_all_dim)
+    return mscale(r.factor)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -148,8 +187,9 @@ class LlamaModel:
         n_pos = max_positions or cfg.max_position_embeddings
         freqs = torch.arange(n_pos, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1).to(device)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        scale = rope_attention_scale(cfg)
+        self.cos = (emb.cos() * scale).to(dtype)
+        self.sin = (emb.sin() * scale).to(dtype)
 
     def _probe_row_stability(self) -> None:
         """Find each matmul shape's stable row count (the first layer stands for all: same

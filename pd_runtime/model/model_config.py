@@ -27,11 +27,17 @@ _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn: the pretraining context
+    beta_fast: float = 32.0  # yarn: the correction range's rotation bounds
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: the correction range rounded outwards to whole dimensions
+    attention_factor: Optional[float] = None  # yarn: cos/sin scale (None: from factor, mscale)
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -67,16 +73,35 @@ def _rope_from(raw: dict, path: Path) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "linear", "llama3"):
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
         raise ModelLoadError(f"{path}: rope type {rope_type!r} is not supported "
-                             "(supported: default, linear, llama3)")
+                             "(supported: default, linear, llama3, yarn)")
+    # As transformers reads it: a top-level original_max_position_embeddings first, then the
+    # scaling's own, then the model's context.
+    original = raw.get("original_max_position_embeddings") or \
+        params.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 8192)
+
+    def number(key: str, default):
+        value = params.get(key)
+        return default if value is None else float(value)
+
+    factor = number("factor", 1.0)
+    if rope_type == "yarn" and params.get("factor") is None:  # the context's own ratio
+        factor = int(raw.get("max_position_embeddings", original)) / int(original)
+
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        factor=factor,
+        low_freq_factor=number("low_freq_factor", 1.0),
+        high_freq_factor=number("high_freq_factor", 4.0),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=number("attention_factor", None),
+        mscale=number("mscale", None),
+        mscale_all_dim=number("mscale_all_dim", None),
     )
 
 
