@@ -32,7 +32,7 @@ VARIANTS = {
     "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     # YaRN as Qwen checkpoints enable it for long contexts (Qwen2/3 read rope scaling as Llama).
     "yarn-rope": ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                             "original_max_position_embeddings": 32}}),
+                                             "original_max_position_embeddings": 512}}),
     "yarn-mscale": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0,
                                                "original_max_position_embeddings": 16,
                                                "mscale": 0.9, "mscale_all_dim": 0.7,
@@ -123,3 +123,20 @@ def test_bfloat16_runs_and_tracks_float32(llama_dir):
     # bf16 has ~3 significant digits; the argmax should mostly agree.
     agree = (f32.argmax(-1) == bf16.argmax(-1)).float().mean().item()
     assert agree > 0.8
+
+
+def test_yarn_serves_its_extended_context(model_factory):
+    """With YaRN the context is the pretraining one times the factor (as vLLM derives it), past
+    max_position_embeddings; greedy tokens there are transformers' own."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    path = model_factory("qwen3", max_position_embeddings=64, rope_scaling=yarn)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    assert llm.engine.max_model_len == 128
+    prompt = llm.tokenizer.encode(PROMPTS[1] * 2)[:90]
+    out = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0,
+                                                ignore_eos=True))[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)[0, 90:]
+    assert out.token_ids == ref.tolist()

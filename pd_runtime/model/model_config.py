@@ -162,13 +162,16 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     )
 
 
-
 def context_limit(model: ModelConfig, requested: Optional[int], name: str = "") -> int:
     """The longest sequence (prompt + output) served for a model: `requested` (max_model_len;
-    None = the model's), at most its max_position_embeddings, and at most its sliding window:
-    attention here is over the whole context, which is what a sliding-window model computes only
-    up to its window. An explicit request above the window is refused naming the field."""
-    limit = min(requested or model.max_position_embeddings, model.max_position_embeddings)
+    None = the model's), at most its max_position_embeddings (with YaRN, its pretraining context
+    times the scaling factor, as vLLM derives it), and at most its sliding window: attention here
+    is over the whole context, which is what a sliding-window model computes only up to its
+    window. An explicit request above the window is refused naming the field."""
+    longest = model.max_position_embeddings
+    if model.rope.rope_type == "yarn":
+        longest = int(model.rope.original_max_position_embeddings * model.rope.factor)
+    limit = min(requested or longest, longest)
     window = model.sliding_window
     if window and limit > window:
         if requested:
