@@ -33,10 +33,13 @@ def read_tokenizer_files(model_dir: Union[str, Path]) -> dict:
         raise ModelLoadError(f"{path}: missing (a fast tokenizer file is required)")
     cfg_path = model_dir / "tokenizer_config.json"
     tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    template = tcfg.get("chat_template")
+    template = _default_template(tcfg.get("chat_template"))
     tmpl_file = model_dir / "chat_template.jinja"
     if template is None and tmpl_file.is_file():
         template = tmpl_file.read_text()
+    json_file = model_dir / "chat_template.json"  # where processors (and older saves) keep it
+    if template is None and json_file.is_file():
+        template = _default_template(json.loads(json_file.read_text()).get("chat_template"))
     eos = []
     gen = model_dir / "generation_config.json"
     if gen.is_file():
@@ -45,6 +48,14 @@ def read_tokenizer_files(model_dir: Union[str, Path]) -> dict:
     return {"tokenizer_json": path.read_text(), "bos_token": _token_text(tcfg.get("bos_token")),
             "eos_token": _token_text(tcfg.get("eos_token")), "chat_template": template,
             "generation_eos_token_ids": [int(i) for i in eos]}
+
+
+def _default_template(value) -> Optional[str]:
+    """A template, or the one named "default" of a list of named ones (as transformers picks)."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default")
+    return value
 
 
 class Tokenizer:

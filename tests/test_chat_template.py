@@ -151,3 +151,32 @@ def test_chat_options_over_http(served, reference):
         with pytest.raises(openai.BadRequestError) as err:
             _prompt_tokens(client, model, OPEN_ENDED, **extra)
         assert err.value.body["param"] == param, extra
+
+
+def test_named_templates_and_template_files(llama_dir, tmp_path):
+    """tokenizer_config.json may hold a list of named templates (the "default" one is used, as
+    transformers picks it); processors keep the template in chat_template.json."""
+    import json
+    import shutil
+
+    named = tmp_path / "named"
+    shutil.copytree(llama_dir, named)
+    config_file = named / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "TOOLS{{ messages[0].content }}"},
+                               {"name": "default", "template": TEMPLATES["loop_controls"]}]
+    config_file.write_text(json.dumps(config))
+    (named / "chat_template.jinja").unlink(missing_ok=True)
+    got = Tokenizer(named).apply_chat_template(MESSAGES)
+    assert got.startswith("[sys]")
+    assert got == AutoTokenizer.from_pretrained(named).apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True)
+
+    in_json = tmp_path / "json"
+    shutil.copytree(named, in_json)
+    config.pop("chat_template")
+    (in_json / "tokenizer_config.json").write_text(json.dumps(config))
+    (in_json / "chat_template.json").write_text(json.dumps(
+        {"chat_template": TEMPLATES["trimming"]}))
+    assert Tokenizer(in_json).apply_chat_template(MESSAGES[:2]) == \
+        "<|system|>Réponds <court> & \"net\" 🙂<|end|><|user|>first<|end|><|assistant|>"
