@@ -33,6 +33,16 @@ def test_unknown_architecture_names_file(llama_dir, tmp_path):
         load_model(path)
 
 
+def test_quantized_checkpoint_refused_by_name(llama_dir, tmp_path):
+    """FP8/AWQ/GPTQ weights would load as numbers without their scales: wrong text, silently."""
+    path = copy_model(llama_dir, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"config.json: quantized .*'fp8'"):
+        LLM(str(path))
+
+
 def test_missing_files_named(llama_dir, tmp_path):
     path = copy_model(llama_dir, tmp_path / "m")
     (path / "model.safetensors").unlink()

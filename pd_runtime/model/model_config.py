@@ -124,6 +124,15 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"{path}: unsupported architecture {raw.get('architectures')} / model_type "
             f"{raw.get('model_type')!r}; supported: {sorted(_ARCHITECTURES)}")
 
+    # Quantized weights (AWQ, GPTQ, FP8, ...) would load as numbers without their scales: refuse.
+    quant = raw.get("quantization_config") or raw.get("compression_config")
+    if quant:
+        method = (quant.get("quant_method") or quant.get("format")) \
+            if isinstance(quant, dict) else quant
+        raise ModelLoadError(f"{path}: quantized checkpoints are not supported "
+                             f"(quantization_config: {method!r}); serve the unquantized model "
+                             "(kv_cache_dtype: int8 quantizes the KV cache)")
+
     def need(key):
         if key not in raw:
             raise ModelLoadError(f"{path}: missing field {key!r}")
