@@ -7,7 +7,7 @@ travelling as data so the router can map them to HTTP statuses.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 
@@ -56,6 +56,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's: neither EOS (unless ignored) nor a stop token id before this many tokens, and
+    # stop strings only in the text after them.
+    min_tokens: int = 0
     logprobs: Optional[int] = None  # top-n logprobs per generated token (0: only the sampled one)
     skip_special_tokens: bool = True
     # OpenAI: subtracted once per earlier occurrence (frequency) or once if present (presence),
@@ -84,6 +87,11 @@ class SamplingParams:
         parameters are judged once; a dict (a caller that built none) is checked now."""
         return value if isinstance(value, cls) else cls(**value)
 
+    def first_token_only(self) -> "SamplingParams":
+        """These parameters for the first token alone (a prefill worker's part of a
+        disaggregated request): that token is chosen exactly as under the whole request."""
+        return replace(self, max_tokens=1, min_tokens=min(self.min_tokens, 1))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -92,7 +100,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the sampler must change this row's logits before choosing (penalties, bias)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
     def validate(self) -> None:
         def bad(param: str, msg: str):
@@ -104,6 +112,9 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got "
+                f"{self.min_tokens!r}")
         if not number_in(self.temperature, 0.0, 100.0):
             bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
         if not (number_in(self.top_p, 0.0, 1.0) and self.top_p > 0.0):

@@ -151,6 +151,7 @@ def _sampling_fields(body: SamplingBody, max_tokens: Optional[int], vocab_size: 
                                  param="stop_token_ids")
         params["stop_token_ids"] = list(body.stop_token_ids)
     params["ignore_eos"] = body.ignore_eos
+    params["min_tokens"] = body.min_tokens
     params["skip_special_tokens"] = body.skip_special_tokens
     if max_tokens is not None:
         params["max_tokens"] = max_tokens

@@ -44,6 +44,7 @@ class SamplingBody(Body):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
+    min_tokens: int = 0  # extension (vLLM): no EOS, stop token id or stop string before these
     skip_special_tokens: bool = True
     priority: int = 0  # extension: lower values are scheduled first
     presence_penalty: Optional[float] = None

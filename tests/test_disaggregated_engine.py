@@ -56,7 +56,7 @@ def disaggregated(prefill, decode, items, params, texts=None):
     for (rid, prompt), p in zip(items, params):
         res = decode.remote.reserve(rid, prompt, p)
         assert res is not None
-        first_params = SamplingParams(**{**p.__dict__, "max_tokens": 1})
+        first_params = p.first_token_only()
         prefill.add_request(rid, prompt, first_params, hold_blocks=True)
         first = {}
         run_to_end(prefill, first)
@@ -79,13 +79,19 @@ def test_disaggregated_equals_colocated(pair, llama_dir, dtype):
     prefill, decode = pair
     ps = prompts() + [[5 + (i * 7) % 400 for i in range(300)]]  # and one of many blocks
     colocated = LLM(llama_dir, dtype=dtype, num_kv_blocks=128)
-    for params in ([GREEDY] * len(ps), [seeded(i) for i in range(len(ps))]):
+    # And EOS pushed up but held back by min_tokens, the first token's ban on the prefill side.
+    eos = min(colocated.engine.eos_token_ids)
+    held = [SamplingParams(max_tokens=20, temperature=0.8, seed=500 + i, min_tokens=4,
+                           logit_bias={eos: 12.0}) for i in range(len(ps))]
+    for params in ([GREEDY] * len(ps), [seeded(i) for i in range(len(ps))], held):
         outs = colocated.generate(ps, params)
         items = [(f"r{i}-{params[0].seed}", p) for i, p in enumerate(ps)]
         texts = {}
         got = disaggregated(prefill, decode, items, params, texts)
         assert [got[rid] for rid, _ in items] == [o.token_ids for o in outs]
         assert [texts[rid] for rid, _ in items] == [o.text for o in outs]
+    assert any(len(o.token_ids) == 5 and o.token_ids[-1] == eos for o in outs)
+    assert all(eos not in o.token_ids[:4] for o in outs)
 
 
 def test_decode_prefix_cache_reduces_shipped_blocks(pair):
@@ -136,7 +142,7 @@ def test_transfer_failure_after_first_token_keeps_one_stream(pair, llama_dir, dt
     for i, (p, sp) in enumerate(zip(ps, params)):
         rid = f"t{i}"
         decode.remote.reserve(rid, p, sp)
-        prefill.add_request(rid, p, SamplingParams(**{**sp.__dict__, "max_tokens": 1}))
+        prefill.add_request(rid, p, sp.first_token_only())
         first = {}
         run_to_end(prefill, first)
         out = decode.remote.accept_first_token(rid, first[rid][0])
@@ -234,7 +240,7 @@ def test_layers_ship_as_the_last_prompt_step_computes_them(llama_dir):
         decode.runner.kv_cache[layer, :, res.missing_block_ids] = \
             prefill.runner.kv_cache[layer, :, src]
 
-    prefill.add_request("s", prompt, SamplingParams(**{**GREEDY.__dict__, "max_tokens": 1}),
+    prefill.add_request("s", prompt, GREEDY.first_token_only(),
                         hold_blocks=True, layer_sink=sink)
     first = {}
     while prefill.has_unfinished_requests():

@@ -159,6 +159,20 @@ def test_echo_stop_and_side_endpoints(server, client):
     assert 'router_http_requests_total{path="/v1/completions",status="200"}' in metrics.text
 
 
+def test_min_tokens_as_load_generators_send_it(server, client):
+    """vLLM's min_tokens (benchmarks send it to fix output lengths): no EOS before it."""
+    backend, _ = server
+    eos = min(backend.tokenizer.eos_token_ids)
+    extra = {"min_tokens": 6, "logit_bias": {str(eos): 100}}
+    got = client.completions.create(model=backend.model_name, prompt="fixed length",
+                                    max_tokens=10, temperature=0, extra_body=extra)
+    assert got.usage.completion_tokens == 7 and got.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model=backend.model_name, max_tokens=10,
+                                          messages=[{"role": "user", "content": "x"}],
+                                          extra_body=extra, temperature=0)
+    assert chat.usage.completion_tokens == 7
+
+
 # ---------------------------------------------------------------------------------- errors
 def test_openai_client_sees_typed_400s(server, client):
     backend, _ = server
@@ -176,6 +190,7 @@ def test_openai_client_sees_typed_400s(server, client):
         (dict(model=name, prompt="x", max_tokens=backend.max_model_len), "prompt"),
         (dict(model=name, prompt="x", stop=[""]), "stop"),
         (dict(model=name, prompt="x", extra_body={"top_k": "3"}), "top_k"),
+        (dict(model=name, prompt="x", extra_body={"min_tokens": 3}), "min_tokens"),
     ]
     for args, param in cases:
         with pytest.raises(openai.BadRequestError) as caught:

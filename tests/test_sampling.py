@@ -83,6 +83,33 @@ def test_max_tokens_stop_token_ids_and_eos(llm):
         engine.eos_token_ids = saved
 
 
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(llm):
+    """vLLM's min_tokens: no EOS (unless ignored) and no stop token id among the first
+    min_tokens, and stop strings only in the text after them."""
+    prompt = [[10, 20, 30, 40]]
+    eos = min(llm.engine.eos_token_ids)
+
+    def run(**kw):
+        return llm.generate(prompt, SamplingParams(**{"max_tokens": 12, "temperature": 0,
+                                                      **kw}))[0]
+
+    assert run(logit_bias={eos: 100}).token_ids == [eos]
+    out = run(logit_bias={eos: 100}, min_tokens=5)
+    assert len(out.token_ids) == 6 and eos not in out.token_ids[:5]
+    assert out.token_ids[5] == eos and out.finish_reason == "stop"
+    # With ignore_eos an EOS does not end the request, so min_tokens does not hold it back.
+    assert run(logit_bias={eos: 100}, min_tokens=5, ignore_eos=True).token_ids[0] == eos
+    out = run(logit_bias={42: 100}, stop_token_ids=[42], min_tokens=3, ignore_eos=True)
+    assert out.token_ids[3:] == [42] and 42 not in out.token_ids[:3]
+
+    base = run(ignore_eos=True, max_tokens=8)
+    stop = base.text[:3]
+    assert len(stop) == 3 and base.text.count(stop) == 1
+    assert run(ignore_eos=True, max_tokens=8, stop=[stop]).text == ""
+    kept = run(ignore_eos=True, max_tokens=8, stop=[stop], min_tokens=8)
+    assert kept.token_ids == base.token_ids and kept.text == base.text
+
+
 def test_stop_strings_cut_text(llm):
     prompt = ["The quick brown fox"]
     base = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
@@ -115,6 +142,8 @@ def test_logprobs_are_log_softmax_of_logits(llm):
     (dict(top_k=-3), "top_k"),
     (dict(min_p=2.0), "min_p"),
     (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=4, min_tokens=5), "min_tokens"),
+    (dict(min_tokens=-1), "min_tokens"),
     (dict(logprobs=100), "logprobs"),
     (dict(stop=[""]), "stop"),
 ])

@@ -53,10 +53,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.max_model_len,
                                    config.priority_aging_steps, swap)
-        self.sampler = Sampler(config.seed, config.device)
         self.requests: dict[str, Request] = {}
         self.remote = RemoteKV(self)  # disaggregation: reserved blocks, held blocks
         self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.sampler = Sampler(config.seed, config.device, self.eos_token_ids)
         self.num_steps = 0
         self.speculator = None
         if config.speculative_method == "ngram":
@@ -341,7 +341,9 @@ class LLMEngine:
             reason = FinishReason.LENGTH
         text_before = len(req.text)
         detokenize_step(self.tokenizer, req, flush=reason is not None)
-        if params.stop and apply_stop_strings(req, text_before):
+        # As vLLM: stop strings only in the text after the first min_tokens tokens.
+        if params.stop and len(req.output_token_ids) > params.min_tokens and \
+                apply_stop_strings(req, text_before):
             reason = FinishReason.STOP
         # Streamed text holds back a tail that could still grow into a stop string, so no
         # delta ever carries text the final answer cuts off.

@@ -8,6 +8,7 @@ adjustment is computed row by row, so its tokens do not depend on what else shar
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,8 +35,10 @@ class Sampler:
     """Works on the logits' device; the one device-to-host copy of a step is the packed result
     (token ids, and the logprobs when a row asks for them): see `sample_on_device`."""
 
-    def __init__(self, seed: int = 0, device: str | torch.device = "cpu"):
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu",
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.device = torch.device(device)
+        self.eos_token_ids = eos_token_ids  # what min_tokens holds back, with stop_token_ids
         # None on a device without generators (`meta`, where the tests place a step): its
         # draws then use the device's default one.
         self.generator = torch.Generator(self.device).manual_seed(seed) \
@@ -130,9 +133,10 @@ class Sampler:
 
     def adjust_logits(self, logits: torch.Tensor, params: list[SamplingParams],
                       histories: Optional[list[History]]) -> torch.Tensor:
-        """The logits to choose from: each row with its logit bias, then its repetition,
-        frequency and presence penalties (vLLM's order). `logits` itself is left unchanged; with
-        nothing to adjust it is returned as it is, at no cost.
+        """The logits to choose from: each row with its logit bias, its EOS and stop token ids
+        ruled out while it has fewer than min_tokens, then its repetition, frequency and
+        presence penalties (vLLM's order). `logits` itself is left unchanged; with nothing to
+        adjust it is returned as it is, at no cost.
 
         Every operation is elementwise on gathered entries and scattered back to them, so an
         entry's value depends on its own row alone: batched or not, a row gets the same bits."""
@@ -140,9 +144,9 @@ class Sampler:
         if not rows:
             return logits
         chosen = [params[i] for i in rows]
-        if histories is None and any(p.presence_penalty or p.frequency_penalty
+        if histories is None and any(p.presence_penalty or p.frequency_penalty or p.min_tokens
                                      or p.repetition_penalty != 1.0 for p in chosen):
-            raise ValueError("repetition penalties need the token histories")
+            raise ValueError("repetition penalties and min_tokens need the token histories")
         out = logits.clone()
         index = _long(rows, out.device)
         sub = out[index]
@@ -159,6 +163,15 @@ class Sampler:
         if bias_rows:
             where = (_long(bias_rows, sub.device), _long(bias_ids, sub.device))
             sub[where] += torch.tensor(bias_values, dtype=sub.dtype, device=sub.device)
+        banned_rows, banned_ids = [], []
+        for j, p in enumerate(chosen):
+            if p.min_tokens and len(histories[rows[j]][1]) < p.min_tokens:
+                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                ids = [t for t in ids if t < vocab]
+                banned_rows += [j] * len(ids)
+                banned_ids += ids
+        if banned_rows:
+            sub[_long(banned_rows, sub.device), _long(banned_ids, sub.device)] = -math.inf
         if histories is not None:
             self._penalize(sub, chosen, [histories[i] for i in rows])
         out[index] = sub

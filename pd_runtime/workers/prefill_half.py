@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import enum
 import logging
 import time
@@ -220,7 +219,7 @@ async def serve_prefill(worker, request: GenerationRequest, decode_metadata: byt
         return error_chunk(RuntimeError(f"request {request_id} was cancelled"
                                         + (" (started after its hedge)" if late else "")), 499)
     peer_id = _peer_for(worker, decode_metadata)
-    first_params = dataclasses.replace(request.params, max_tokens=1)
+    first_params = request.params.first_token_only()
     streamer = LayerStreamer(worker, request_id, peer_id, dst_block_ids, skip_blocks,
                              worker.stream_layers)
     now = time.monotonic()  # a record whose transfer never started cannot outlive this
