@@ -55,6 +55,7 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
     ignore_eos: bool = False
     # vLLM's: neither EOS (unless ignored) nor a stop token id before this many tokens, and
     # stop strings only in the text after them.

@@ -43,8 +43,21 @@ _OFF_VALUES: dict[str, tuple] = {
     "prediction": (None,),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
-    # vLLM's per-request template: this server renders the model's own.
+    # vLLM's extensions that would change the output: its per-request template (this server
+    # renders the model's own), structured outputs, token restrictions, beam search.
     "chat_template": (None,),
+    "documents": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
+    "use_beam_search": (None, False),
+    "logits_processors": (None,),
+    "return_tokens_as_token_ids": (None, False),
 }
 
 
@@ -152,6 +165,7 @@ def _sampling_fields(body: SamplingBody, max_tokens: Optional[int], vocab_size: 
         params["stop_token_ids"] = list(body.stop_token_ids)
     params["ignore_eos"] = body.ignore_eos
     params["min_tokens"] = body.min_tokens
+    params["include_stop_str_in_output"] = body.include_stop_str_in_output
     params["skip_special_tokens"] = body.skip_special_tokens
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
@@ -193,12 +207,28 @@ def _refuse_long_prompt(num_tokens: int, at_least: str, max_model_len: int, para
 
 
 def _encode(text: str, tokenizer, max_model_len: int, param: str,
-            add_special_tokens: bool = True) -> list[int]:
-    """Token ids of `text`, refusing first, from its length alone, a text that cannot fit:
-    tokenizing megabytes only to count them would take seconds."""
-    _refuse_long_prompt(min_tokens(text, tokenizer, max_model_len), "at least ", max_model_len,
-                        param)
+            add_special_tokens: bool = True, truncating: bool = False) -> list[int]:
+    """Token ids of `text`, refusing first, from its length alone, a text that cannot fit
+    (unless the caller keeps only its end): tokenizing megabytes only to count them would take
+    seconds."""
+    if not truncating:
+        _refuse_long_prompt(min_tokens(text, tokenizer, max_model_len), "at least ",
+                            max_model_len, param)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens) if text else []
+
+
+def _keep_last(body: SamplingBody, max_model_len: int) -> Optional[int]:
+    """vLLM's truncate_prompt_tokens: how many of the prompt's last tokens to keep (-1: as many
+    as the context holds), or None to refuse a prompt too long for the context."""
+    value = body.truncate_prompt_tokens
+    if value is None:
+        return None
+    if value == -1:
+        return max_model_len
+    if not 1 <= value <= max_model_len:
+        raise InvalidRequest(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] "
+                             f"(the context), got {value}", param="truncate_prompt_tokens")
+    return value
 
 
 def _choices(prompts: list[list[int]], n: int, params: SamplingParams) -> list[ChoiceSpec]:
@@ -219,11 +249,14 @@ def is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and set(map(type, value)) == {int}
 
 
-def _completion_prompts(prompt: Any, tokenizer, max_model_len: int
+def _completion_prompts(prompt: Any, tokenizer, max_model_len: int,
+                        keep_last: Optional[int] = None
                         ) -> tuple[list[list[int]], list[Optional[str]]]:
-    """Token ids of each prompt (and its text when given as text)."""
+    """Token ids of each prompt (its last `keep_last`, when given), and its text when given as
+    text and kept whole."""
     def is_ids(value):
-        if isinstance(value, list) and value and isinstance(value[0], int):
+        if keep_last is None and isinstance(value, list) and value and \
+                isinstance(value[0], int):
             # Length first: checking the type of every id of a huge list costs seconds.
             _refuse_long_prompt(len(value), "", max_model_len, "prompt")
         return is_token_ids(value)
@@ -241,12 +274,14 @@ def _completion_prompts(prompt: Any, tokenizer, max_model_len: int
     prompts, texts = [], []
     for item in items:
         if isinstance(item, str):
-            ids = _encode(item, tokenizer, max_model_len, "prompt")
-            texts.append(item)
+            ids = _encode(item, tokenizer, max_model_len, "prompt",
+                          truncating=keep_last is not None)
+            texts.append(item if keep_last is None or len(ids) <= keep_last else None)
+            ids = ids[-keep_last:] if keep_last else ids
         else:
             if min(item) < 0 or max(item) > INT64_MAX:
                 raise InvalidRequest("prompt token ids must be non-negative", param="prompt")
-            ids = list(item)
+            ids = list(item[-keep_last:] if keep_last else item)
             texts.append(None)
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -269,7 +304,8 @@ def prepare_completion(data: dict, tokenizer, model_name: str, max_model_len: in
     if body.prompt is None:
         raise InvalidRequest("prompt is required", param="prompt")
     _refuse_unimplemented(body, data)
-    prompts, texts = _completion_prompts(body.prompt, tokenizer, max_model_len)
+    prompts, texts = _completion_prompts(body.prompt, tokenizer, max_model_len,
+                                         _keep_last(body, max_model_len))
     _check_n(body, len(prompts))
     max_tokens = _default_max_tokens(16, defaults) if body.max_tokens is None \
         else body.max_tokens  # 16: OpenAI's default
@@ -296,8 +332,10 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
     _check_model(body.model, model_name)
     _refuse_unimplemented(body, data)
     # As Tokenizer.encode_chat: the template already carries any BOS.
+    keep_last = _keep_last(body, max_model_len)
     prompt = _encode(chat_text(body, tokenizer), tokenizer, max_model_len, "messages",
-                     add_special_tokens=False)
+                     add_special_tokens=False, truncating=keep_last is not None)
+    prompt = prompt[-keep_last:] if keep_last else prompt
     if not prompt:
         raise InvalidRequest("the chat prompt is empty", param="messages")
     _check_n(body, 1)

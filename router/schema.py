@@ -45,6 +45,8 @@ class SamplingBody(Body):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
     min_tokens: int = 0  # extension (vLLM): no EOS, stop token id or stop string before these
+    include_stop_str_in_output: bool = False  # extension (vLLM)
+    truncate_prompt_tokens: Optional[int] = None  # extension (vLLM): keep the prompt's last N
     skip_special_tokens: bool = True
     priority: int = 0  # extension: lower values are scheduled first
     presence_penalty: Optional[float] = None

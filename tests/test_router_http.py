@@ -173,6 +173,31 @@ def test_min_tokens_as_load_generators_send_it(server, client):
     assert chat.usage.completion_tokens == 7
 
 
+def test_truncate_prompt_tokens_keeps_the_end(server, client, offline):
+    backend, _ = server
+    name, limit = backend.model_name, backend.max_model_len
+    ids = [5 + (7 * i) % 300 for i in range(limit + 40)]
+    want = offline.generate(ids[-30:], greedy(4))[0]
+    got = client.completions.create(model=name, prompt=ids, max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True, "truncate_prompt_tokens": 30})
+    assert got.usage.prompt_tokens == 30 and got.choices[0].text == want.text
+    text = "the long prompt " * limit
+    got = client.completions.create(model=name, prompt=text, max_tokens=2, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 25})
+    assert got.usage.prompt_tokens == 25
+    chat = client.chat.completions.create(model=name, max_tokens=2, temperature=0,
+                                          messages=[{"role": "user", "content": text}],
+                                          extra_body={"truncate_prompt_tokens": 25})
+    assert chat.usage.prompt_tokens == 25
+    for extra, param in (({}, "prompt"), ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                         ({"truncate_prompt_tokens": limit + 1}, "truncate_prompt_tokens"),
+                         ({"guided_json": {"type": "object"}}, "guided_json"),
+                         ({"use_beam_search": True}, "use_beam_search")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=name, prompt=ids, max_tokens=2, extra_body=extra)
+        assert caught.value.body["param"] == param, extra
+
+
 # ---------------------------------------------------------------------------------- errors
 def test_openai_client_sees_typed_400s(server, client):
     backend, _ = server

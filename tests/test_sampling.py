@@ -121,6 +121,10 @@ def test_stop_strings_cut_text(llm):
     assert out.finish_reason == "stop"
     assert out.text == text[:text.index(stop)]
     assert len(out.token_ids) < len(base.token_ids)
+    kept = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0, stop=[stop],
+                                               include_stop_str_in_output=True,
+                                               ignore_eos=True))[0]
+    assert kept.text == text[:text.index(stop) + 3] and kept.token_ids == out.token_ids
 
 
 def test_logprobs_are_log_softmax_of_logits(llm):

@@ -27,17 +27,20 @@ class RequestOutput:
 
 
 def apply_stop_strings(req: Request, text_before: int) -> bool:
-    """Cut the text before the first stop string that the new text completed."""
+    """Cut the text before the first stop string that the new text completed (after it, with
+    include_stop_str_in_output)."""
     longest = max(len(s) for s in req.params.stop)
     window_start = max(0, text_before - longest + 1)
     best = None
     for stop in req.params.stop:
         pos = req.text.find(stop, window_start)
-        if pos != -1 and (best is None or pos < best):
-            best = pos
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
     if best is None:
         return False
-    req.text = req.text[:best]
+    pos, stop = best
+    req.text = req.text[:pos + len(stop)] if req.params.include_stop_str_in_output \
+        else req.text[:pos]
     return True
 
 
