@@ -57,7 +57,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
     ignore_eos: bool = False
-    # vLLM's: neither EOS (unless ignored) nor a stop token id before this many tokens, and
+    # vLLM's: neither EOS (ignore_eos or not) nor a stop token id before this many tokens, and
     # stop strings only in the text after them.
     min_tokens: int = 0
     logprobs: Optional[int] = None  # top-n logprobs per generated token (0: only the sampled one)

@@ -68,6 +68,15 @@ def test_max_tokens_stop_token_ids_and_eos(llm):
     out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0,
                                               stop_token_ids=[stop_at], ignore_eos=True))[0]
     assert out.token_ids == base.token_ids[:first + 1] and out.finish_reason == "stop"
+    # The stop token's text is left out, unless include_stop_str_in_output (vLLM's behaviour).
+    tok = llm.tokenizer
+    first = next(i for i, t in enumerate(base.token_ids)
+                 if i >= 2 and tok.decode([t]).strip() and t not in base.token_ids[:i])
+    texts = [llm.generate(prompt, SamplingParams(
+        max_tokens=12, temperature=0, stop_token_ids=[base.token_ids[first]], ignore_eos=True,
+        include_stop_str_in_output=include))[0].text for include in (False, True)]
+    assert texts == [tok.decode(base.token_ids[:first]), tok.decode(base.token_ids[:first + 1])]
+    assert texts[0] != texts[1]
     # Make the model's own greedy token an eos: generation must stop there unless ignore_eos.
     engine = llm.engine
     saved = engine.eos_token_ids
@@ -84,7 +93,7 @@ def test_max_tokens_stop_token_ids_and_eos(llm):
 
 
 def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(llm):
-    """vLLM's min_tokens: no EOS (unless ignored) and no stop token id among the first
+    """vLLM's min_tokens: no EOS (ignore_eos or not) and no stop token id among the first
     min_tokens, and stop strings only in the text after them."""
     prompt = [[10, 20, 30, 40]]
     eos = min(llm.engine.eos_token_ids)
@@ -97,8 +106,9 @@ def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(llm):
     out = run(logit_bias={eos: 100}, min_tokens=5)
     assert len(out.token_ids) == 6 and eos not in out.token_ids[:5]
     assert out.token_ids[5] == eos and out.finish_reason == "stop"
-    # With ignore_eos an EOS does not end the request, so min_tokens does not hold it back.
-    assert run(logit_bias={eos: 100}, min_tokens=5, ignore_eos=True).token_ids[0] == eos
+    # Under ignore_eos too (as vLLM: load generators send both to fix lengths).
+    out = run(logit_bias={eos: 100}, min_tokens=5, ignore_eos=True)
+    assert eos not in out.token_ids[:5] and out.token_ids[5:] == [eos] * 7
     out = run(logit_bias={42: 100}, stop_token_ids=[42], min_tokens=3, ignore_eos=True)
     assert out.token_ids[3:] == [42] and 42 not in out.token_ids[:3]
 

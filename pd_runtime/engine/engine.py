@@ -340,7 +340,9 @@ class LLMEngine:
         elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         text_before = len(req.text)
-        detokenize_step(self.tokenizer, req, flush=reason is not None)
+        detokenize_step(self.tokenizer, req, flush=reason is not None,
+                        drop_last=reason is FinishReason.STOP
+                        and not params.include_stop_str_in_output)
         # As vLLM: stop strings only in the text after the first min_tokens tokens.
         if params.stop and len(req.output_token_ids) > params.min_tokens and \
                 apply_stop_strings(req, text_before):

@@ -166,7 +166,8 @@ class Sampler:
         banned_rows, banned_ids = [], []
         for j, p in enumerate(chosen):
             if p.min_tokens and len(histories[rows[j]][1]) < p.min_tokens:
-                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                # EOS even under ignore_eos, as vLLM holds it back (its all_stop_token_ids).
+                ids = set(p.stop_token_ids) | self.eos_token_ids
                 ids = [t for t in ids if t < vocab]
                 banned_rows += [j] * len(ids)
                 banned_ids += ids
