@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any
+from typing import Any, Optional
 
 # Appended to the final message when it is to be continued, then cut off with everything after.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -50,10 +50,11 @@ class ChatTemplate:
         self.source = source
         self._template = env.from_string(source)
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, **variables: Any) -> str:
+    def render(self, messages: list[dict], /, add_generation_prompt: bool = True, *,
+               continue_final_message: bool = False, variables: Optional[dict] = None) -> str:
         """The prompt text. With `continue_final_message`, the text ends where the final
-        message's content ends (no end-of-turn token after it), for the model to go on."""
+        message's content ends (no end-of-turn token after it), for the model to go on.
+        `variables`: the template's other names (special tokens, its own options)."""
         if continue_final_message:
             if add_generation_prompt:
                 raise ChatTemplateError("continue_final_message and add_generation_prompt "
@@ -63,8 +64,8 @@ class ChatTemplate:
                                         "text content")
             final = messages[-1]["content"]
             messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
-        text = self._template.render(messages=messages,
-                                     add_generation_prompt=add_generation_prompt, **variables)
+        text = self._template.render({**(variables or {}), "messages": messages,
+                                      "add_generation_prompt": add_generation_prompt})
         if not continue_final_message:
             return text
         tag = _CONTINUE_TAG.strip()

@@ -9,6 +9,7 @@ Token ids the tokenizer does not know (padded embedding rows, as in Qwen) decode
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Optional, Union
 
@@ -16,6 +17,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from pd_runtime.api import ModelLoadError
 from pd_runtime.chat_template import ChatTemplate
+
+log = logging.getLogger(__name__)
 
 
 def _token_text(value) -> Optional[str]:
@@ -26,28 +29,53 @@ def _token_text(value) -> Optional[str]:
 
 def read_tokenizer_files(model_dir: Union[str, Path]) -> dict:
     """What a tokenizer is made of, as plain data (msgpack/pickle-friendly): the fast
-    tokenizer file, tokenizer_config.json, the chat template and generation_config's EOS ids."""
+    tokenizer file, tokenizer_config.json's special tokens, the chat template (a
+    chat_template.jinja first, as transformers reads it) and generation_config's EOS ids."""
     model_dir = Path(model_dir)
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise ModelLoadError(f"{path}: missing (a fast tokenizer file is required)")
-    cfg_path = model_dir / "tokenizer_config.json"
-    tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    template = _default_template(tcfg.get("chat_template"))
+    tcfg = _json_file(model_dir / "tokenizer_config.json")
+    special = _json_file(model_dir / "special_tokens_map.json")
+    tokens = {name: _token_text(tcfg.get(name, special.get(name))) for name in _SPECIAL_TOKENS}
+    extra = tcfg.get("additional_special_tokens", special.get("additional_special_tokens"))
+    if isinstance(extra, list):
+        tokens["additional_special_tokens"] = [_token_text(t) for t in extra]
+    template = None
     tmpl_file = model_dir / "chat_template.jinja"
-    if template is None and tmpl_file.is_file():
+    if tmpl_file.is_file():
         template = tmpl_file.read_text()
-    json_file = model_dir / "chat_template.json"  # where processors (and older saves) keep it
-    if template is None and json_file.is_file():
-        template = _default_template(json.loads(json_file.read_text()).get("chat_template"))
-    eos = []
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-        eos = value if isinstance(value, list) else [value] if value is not None else []
-    return {"tokenizer_json": path.read_text(), "bos_token": _token_text(tcfg.get("bos_token")),
-            "eos_token": _token_text(tcfg.get("eos_token")), "chat_template": template,
+    if template is None:
+        template = _default_template(tcfg.get("chat_template"))
+    if template is None:  # where processors (and older saves) keep it
+        template = _default_template(
+            _json_file(model_dir / "chat_template.json").get("chat_template"))
+    try:
+        value = _json_file(model_dir / "generation_config.json").get("eos_token_id")
+    except ModelLoadError as exc:  # sampling_defaults.py warns about it too: serve without
+        log.warning("%s; its EOS ids are not used", exc)
+        value = None
+    eos = value if isinstance(value, list) else [value] if value is not None else []
+    return {"tokenizer_json": path.read_text(), "bos_token": tokens["bos_token"],
+            "eos_token": tokens["eos_token"], "chat_template": template,
+            "special_tokens": {k: v for k, v in tokens.items() if v is not None},
             "generation_eos_token_ids": [int(i) for i in eos]}
+
+
+# The special tokens a chat template sees by name, as transformers passes them.
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                   "mask_token")
+
+
+def _json_file(path: Path) -> dict:
+    """A JSON object from `path` ({} when there is no such file)."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON: {exc}") from None
+    return value if isinstance(value, dict) else {}
 
 
 def _default_template(value) -> Optional[str]:
@@ -89,25 +117,46 @@ class Tokenizer:
         # so a long prompt tokenized on a thread does not stall the router's event loop.
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def truncate(self, text: str, ids: list[int], keep: int, from_start: bool = False
+                 ) -> list[int]:
+        """`ids` (the encoding of `text` with special tokens) cut to `keep` tokens as an HF
+        tokenizer truncates: the special tokens it added stay, the text's tokens lose their
+        start (their end, `from_start`)."""
+        if len(ids) <= keep:
+            return ids
+        plain = self.encode(text, add_special_tokens=False)
+        start = next((k for k in range(len(ids) - len(plain) + 1)
+                      if ids[k:k + len(plain)] == plain), 0)
+        prefix, suffix = ids[:start], ids[start + len(plain):]
+        room = keep - len(prefix) - len(suffix)
+        if room < 1:
+            return ids[-keep:] if not from_start else ids[:keep]
+        body = plain[:room] if from_start else plain[-room:]
+        return prefix + body + suffix
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         known = [t for t in token_ids if 0 <= t < self.vocab_size]
         return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
                             **kwargs) -> str:
-        """The prompt text (pd_runtime.chat_template: as transformers renders it); `kwargs`:
-        `continue_final_message` and the template's own variables (enable_thinking, ...)."""
+        """The prompt text (pd_runtime.chat_template: as transformers renders it, with the
+        special tokens by name and no tools or documents); `kwargs`: `continue_final_message`
+        and the template's own variables (enable_thinking, ...)."""
         if not self.chat_template:
             raise ModelLoadError("this model directory has no chat template "
                                  "(tokenizer_config.json chat_template)")
         if self._template is None:
             self._template = ChatTemplate(self.chat_template)
-        variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
-                     **kwargs}
-        return self._template.render(messages, add_generation_prompt=add_generation_prompt,
-                                     **variables)
+        continue_final = bool(kwargs.pop("continue_final_message", False))
+        special = self.files.get("special_tokens") or {
+            "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        variables = {**special, "tools": None, "documents": None, **kwargs}
+        return self._template.render(messages, add_generation_prompt,
+                                     continue_final_message=continue_final, variables=variables)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], /, add_generation_prompt: bool = True,
+                    **kwargs) -> list[int]:
         # The template already carries any BOS; adding special tokens again would double it.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
                            add_special_tokens=False)

@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from pd_runtime.chat_template import ChatTemplateError
 from pd_runtime.tokenizer import Tokenizer, read_tokenizer_files
-from tests.router_support.serving import local
+from pd_runtime import LLM, SamplingParams
+from tests.router_support.serving import ENGINE, local
 
 # Each uses something a plain sandboxed Jinja environment lacks or renders differently.
 TEMPLATES = {
@@ -37,6 +38,10 @@ TEMPLATES = {
         "not enable_thinking %}<think></think>{% endif %}{% endif %}"),
     # strftime_now with a date-only format (the day cannot turn between the two renders).
     "strftime": "{{ strftime_now('%Y') }}{% for m in messages %}{{ m.content }}{% endfor %}",
+    # The names transformers always passes: special tokens, and tools / documents as none.
+    "special_tokens": (
+        "{% if tools is not none %}TOOLS{% endif %}{% if documents is none %}[no docs]{% endif %}"
+        "{{ pad_token }}|{{ eos_token }}|{% for m in messages %}{{ m.content }}{% endfor %}"),
     # A template that trims content: continuing the final message must cut at the trimmed end.
     "trimming": (
         "{% for m in messages %}<|{{ m.role }}|>{{ m.content | trim }}<|end|>{% endfor %}"
@@ -180,3 +185,21 @@ def test_named_templates_and_template_files(llama_dir, tmp_path):
         {"chat_template": TEMPLATES["trimming"]}))
     assert Tokenizer(in_json).apply_chat_template(MESSAGES[:2]) == \
         "<|system|>Réponds <court> & \"net\" 🙂<|end|><|user|>first<|end|><|assistant|>"
+
+
+def test_offline_chat_answers_as_the_chat_api(served, llama_dir):
+    backend, client = served
+    llm = LLM(llama_dir, **ENGINE)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for conversations, options in (([MESSAGES], {}),
+                                   ([OPEN_ENDED, MESSAGES], {"add_generation_prompt": False,
+                                                             "continue_final_message": True})):
+        offline = llm.chat(conversations if len(conversations) > 1 else conversations[0],
+                           params, **options)
+        assert len(offline) == len(conversations)
+        for messages, got in zip(conversations, offline):
+            api = client.chat.completions.create(
+                model=backend.model_name, messages=messages, max_tokens=8, temperature=0,
+                extra_body={"ignore_eos": True, **options})
+            assert got.text == api.choices[0].message.content
+            assert len(got.prompt_token_ids) == api.usage.prompt_tokens

@@ -38,6 +38,20 @@ class LLM:
         `generate` uses when given none; an explicit SamplingParams() uses the plain ones."""
         return SamplingParams(**self.engine.sampling_defaults)
 
+    def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = False, *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: Optional[dict] = None) -> list[CompletionOutput]:
+        """One conversation (a list of {"role", "content"} messages) or several, through the
+        model's chat template (as the chat API renders it), then `generate`."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode_chat(list(c), add_generation_prompt,
+                                              continue_final_message=continue_final_message,
+                                              **(chat_template_kwargs or {}))
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False) -> list[CompletionOutput]:
