@@ -58,6 +58,11 @@ _OFF_VALUES: dict[str, tuple] = {
     "use_beam_search": (None, False),
     "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True),
+    "cache_salt": (None,),
+    "logprob_token_ids": (None,),
+    "thinking_token_budget": (None,),
+    "repetition_detection": (None,),
 }
 
 
@@ -217,18 +222,30 @@ def _encode(text: str, tokenizer, max_model_len: int, param: str,
     return tokenizer.encode(text, add_special_tokens=add_special_tokens) if text else []
 
 
-def _keep_last(body: SamplingBody, max_model_len: int) -> Optional[int]:
-    """vLLM's truncate_prompt_tokens: how many of the prompt's last tokens to keep (-1: as many
-    as the context holds), or None to refuse a prompt too long for the context."""
+def _truncation(body: SamplingBody, max_model_len: int, room: int) -> Optional[tuple[int, bool]]:
+    """vLLM's truncate_prompt_tokens: how many prompt tokens to keep (-1: as many as leave
+    `room` output tokens in the context) and whether from the start (truncation_side "right"),
+    or None to refuse a prompt too long for the context."""
     value = body.truncate_prompt_tokens
     if value is None:
         return None
-    if value == -1:
-        return max_model_len
-    if not 1 <= value <= max_model_len:
-        raise InvalidRequest(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] "
-                             f"(the context), got {value}", param="truncate_prompt_tokens")
-    return value
+    most = max_model_len - room
+    keep = most if value == -1 else value
+    if not 1 <= keep <= most:
+        raise InvalidRequest(f"truncate_prompt_tokens must be -1 or in [1, {most}] (the context "
+                             f"of {max_model_len} less {room} tokens of output), got {value}",
+                             param="truncate_prompt_tokens")
+    return keep, body.truncation_side == "right"
+
+
+def _cut(ids: list[int], text: Optional[str], tokenizer,
+         truncation: Optional[tuple[int, bool]]) -> list[int]:
+    if truncation is None:
+        return ids
+    keep, from_start = truncation
+    if text is not None:  # the special tokens the tokenizer added stay, as HF truncates
+        return tokenizer.truncate(text, ids, keep, from_start)
+    return ids[:keep] if from_start else ids[-keep:]
 
 
 def _choices(prompts: list[list[int]], n: int, params: SamplingParams) -> list[ChoiceSpec]:
@@ -250,12 +267,13 @@ def is_token_ids(value: Any) -> bool:
 
 
 def _completion_prompts(prompt: Any, tokenizer, max_model_len: int,
-                        keep_last: Optional[int] = None
+                        truncation: Optional[tuple[int, bool]] = None,
+                        add_special_tokens: bool = True
                         ) -> tuple[list[list[int]], list[Optional[str]]]:
-    """Token ids of each prompt (its last `keep_last`, when given), and its text when given as
-    text and kept whole."""
+    """Token ids of each prompt (truncated, when asked), and its text when given as text and
+    kept whole."""
     def is_ids(value):
-        if keep_last is None and isinstance(value, list) and value and \
+        if truncation is None and isinstance(value, list) and value and \
                 isinstance(value[0], int):
             # Length first: checking the type of every id of a huge list costs seconds.
             _refuse_long_prompt(len(value), "", max_model_len, "prompt")
@@ -274,14 +292,15 @@ def _completion_prompts(prompt: Any, tokenizer, max_model_len: int,
     prompts, texts = [], []
     for item in items:
         if isinstance(item, str):
-            ids = _encode(item, tokenizer, max_model_len, "prompt",
-                          truncating=keep_last is not None)
-            texts.append(item if keep_last is None or len(ids) <= keep_last else None)
-            ids = ids[-keep_last:] if keep_last else ids
+            ids = _encode(item, tokenizer, max_model_len, "prompt", add_special_tokens,
+                          truncating=truncation is not None)
+            cut = _cut(ids, item, tokenizer, truncation)
+            texts.append(item if len(cut) == len(ids) else None)
+            ids = cut
         else:
             if min(item) < 0 or max(item) > INT64_MAX:
                 raise InvalidRequest("prompt token ids must be non-negative", param="prompt")
-            ids = list(item[-keep_last:] if keep_last else item)
+            ids = _cut(list(item), None, tokenizer, truncation)
             texts.append(None)
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -304,11 +323,12 @@ def prepare_completion(data: dict, tokenizer, model_name: str, max_model_len: in
     if body.prompt is None:
         raise InvalidRequest("prompt is required", param="prompt")
     _refuse_unimplemented(body, data)
-    prompts, texts = _completion_prompts(body.prompt, tokenizer, max_model_len,
-                                         _keep_last(body, max_model_len))
-    _check_n(body, len(prompts))
     max_tokens = _default_max_tokens(16, defaults) if body.max_tokens is None \
         else body.max_tokens  # 16: OpenAI's default
+    truncation = _truncation(body, max_model_len, max_tokens)
+    prompts, texts = _completion_prompts(body.prompt, tokenizer, max_model_len, truncation,
+                                         body.add_special_tokens is not False)
+    _check_n(body, len(prompts))
     params = _sampling_fields(body, max_tokens, tokenizer.vocab_size, defaults)
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
@@ -331,16 +351,20 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
     body: ChatCompletionRequest = _validate(ChatCompletionRequest, data)
     _check_model(body.model, model_name)
     _refuse_unimplemented(body, data)
-    # As Tokenizer.encode_chat: the template already carries any BOS.
-    keep_last = _keep_last(body, max_model_len)
-    prompt = _encode(chat_text(body, tokenizer), tokenizer, max_model_len, "messages",
-                     add_special_tokens=False, truncating=keep_last is not None)
-    prompt = prompt[-keep_last:] if keep_last else prompt
+    if body.echo:
+        raise InvalidRequest("echo is not supported on chat completions",
+                             param="echo", code="unsupported_parameter")
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    truncation = _truncation(body, max_model_len, requested or 1)
+    # As Tokenizer.encode_chat: the template already carries any BOS (vLLM's default too).
+    text = chat_text(body, tokenizer)
+    prompt = _encode(text, tokenizer, max_model_len, "messages", bool(body.add_special_tokens),
+                     truncating=truncation is not None)
+    prompt = _cut(prompt, text, tokenizer, truncation)
     if not prompt:
         raise InvalidRequest("the chat prompt is empty", param="messages")
     _check_n(body, 1)
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None \
-        else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     # OpenAI's default for chat: as much as the context leaves.
     max_tokens = requested if requested is not None else \

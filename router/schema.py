@@ -46,7 +46,12 @@ class SamplingBody(Body):
     ignore_eos: bool = False
     min_tokens: int = 0  # extension (vLLM): no EOS, stop token id or stop string before these
     include_stop_str_in_output: bool = False  # extension (vLLM)
-    truncate_prompt_tokens: Optional[int] = None  # extension (vLLM): keep the prompt's last N
+    # Extensions (vLLM's): keep N of the prompt's tokens, its last (truncation_side "left",
+    # the default) or its first ("right"); whether the tokenizer adds its special tokens
+    # (completions: yes, chat: no, the template carries them).
+    truncate_prompt_tokens: Optional[int] = None
+    truncation_side: Optional[Literal["left", "right"]] = None
+    add_special_tokens: Optional[bool] = None
     skip_special_tokens: bool = True
     priority: int = 0  # extension: lower values are scheduled first
     presence_penalty: Optional[float] = None
@@ -83,6 +88,7 @@ class ChatCompletionRequest(SamplingBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    echo: Optional[bool] = None  # vLLM's chat echo: refused when true
 
 
 @dataclass

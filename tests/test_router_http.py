@@ -173,7 +173,11 @@ def test_min_tokens_as_load_generators_send_it(server, client):
     assert chat.usage.completion_tokens == 7
 
 
-def test_truncate_prompt_tokens_keeps_the_end(server, client, offline):
+def test_truncate_prompt_tokens_keeps_the_end(server, client, offline, llama_dir):
+    """vLLM's truncate_prompt_tokens: the prompt cut as an HF tokenizer cuts it (its BOS kept),
+    from the start or the end (truncation_side); -1 leaves room for max_tokens."""
+    from transformers import AutoTokenizer
+
     backend, _ = server
     name, limit = backend.model_name, backend.max_model_len
     ids = [5 + (7 * i) % 300 for i in range(limit + 40)]
@@ -181,21 +185,54 @@ def test_truncate_prompt_tokens_keeps_the_end(server, client, offline):
     got = client.completions.create(model=name, prompt=ids, max_tokens=4, temperature=0,
                                     extra_body={"ignore_eos": True, "truncate_prompt_tokens": 30})
     assert got.usage.prompt_tokens == 30 and got.choices[0].text == want.text
-    text = "the long prompt " * limit
-    got = client.completions.create(model=name, prompt=text, max_tokens=2, temperature=0,
-                                    extra_body={"truncate_prompt_tokens": 25})
-    assert got.usage.prompt_tokens == 25
+    got = client.completions.create(model=name, prompt=ids, max_tokens=4, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": -1})
+    assert got.usage.prompt_tokens == limit - 4
+    text = " ".join(f"word{i}" for i in range(limit))
+    for side in ("left", "right"):
+        reference = AutoTokenizer.from_pretrained(llama_dir, truncation_side=side)
+        cut = reference(text, truncation=True, max_length=25)["input_ids"]
+        assert cut[0] == reference.bos_token_id
+        want = offline.generate(cut, greedy(3))[0]
+        got = client.completions.create(model=name, prompt=text, max_tokens=3, temperature=0,
+                                        extra_body={"ignore_eos": True, "truncation_side": side,
+                                                    "truncate_prompt_tokens": 25})
+        assert got.usage.prompt_tokens == 25 and got.choices[0].text == want.text, side
     chat = client.chat.completions.create(model=name, max_tokens=2, temperature=0,
                                           messages=[{"role": "user", "content": text}],
                                           extra_body={"truncate_prompt_tokens": 25})
     assert chat.usage.prompt_tokens == 25
     for extra, param in (({}, "prompt"), ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-                         ({"truncate_prompt_tokens": limit + 1}, "truncate_prompt_tokens"),
+                         ({"truncate_prompt_tokens": limit - 1}, "truncate_prompt_tokens"),
                          ({"guided_json": {"type": "object"}}, "guided_json"),
-                         ({"use_beam_search": True}, "use_beam_search")):
+                         ({"use_beam_search": True}, "use_beam_search"),
+                         ({"cache_salt": "mine"}, "cache_salt")):
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model=name, prompt=ids, max_tokens=2, extra_body=extra)
         assert caught.value.body["param"] == param, extra
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=name, max_tokens=2, extra_body={"echo": True},
+                                       messages=[{"role": "user", "content": "x"}])
+    assert caught.value.body["param"] == "echo"
+
+
+def test_add_special_tokens(server, client, offline):
+    backend, _ = server
+    tok = backend.tokenizer
+    plain = tok.encode("no bos here", add_special_tokens=False)
+    assert tok.encode("no bos here") != plain  # the tokenizer adds a BOS by default
+    for extra, ids in (({}, tok.encode("no bos here")),
+                       ({"add_special_tokens": False}, plain)):
+        got = client.completions.create(model=backend.model_name, prompt="no bos here",
+                                        max_tokens=3, temperature=0,
+                                        extra_body={"ignore_eos": True, **extra})
+        assert got.usage.prompt_tokens == len(ids)
+        assert got.choices[0].text == offline.generate(ids, greedy(3))[0].text
+    messages = [{"role": "user", "content": "hi"}]
+    chat = [client.chat.completions.create(model=backend.model_name, messages=messages,
+                                           max_tokens=1, extra_body=extra)
+            for extra in ({}, {"add_special_tokens": True})]
+    assert chat[1].usage.prompt_tokens == chat[0].usage.prompt_tokens + 1
 
 
 # ---------------------------------------------------------------------------------- errors
