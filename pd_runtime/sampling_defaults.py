@@ -2,10 +2,10 @@
 which leaves them out gets, as vLLM applies them (torch-free; the router reads them off the
 workers' model card).
 
-Read: temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens (as max_tokens: the
-default when a request names none, never a cap on one it names). `do_sample` is not read, as
-vLLM does not: a checkpoint that ships a temperature is sampled with it. A value this engine
-would refuse is left out with a warning naming it, so an odd file never stops a model serving.
+Read: temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens (as max_tokens:
+a bound on the default length of a request that names none, never on one it names). `do_sample`
+is not read, as vLLM does not: a checkpoint that ships a temperature is sampled with it. A value
+this engine would refuse, or a file that is not JSON, is left out with a warning naming it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def read_sampling_defaults(model_dir: Union[str, Path]) -> dict:
         return {}
     try:
         raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (ValueError, UnicodeDecodeError) as exc:
         log.warning("%s: not valid JSON (%s); no sampling defaults from it", path, exc)
         return {}
     defaults = {}

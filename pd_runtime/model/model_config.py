@@ -61,9 +61,15 @@ class ModelConfig:
 
     @property
     def identity(self) -> str:
-        """A short string covering everything that changes the KV layout (used by handshakes)."""
+        """A short string covering everything that changes the KV layout or its values for the
+        same tokens (handshakes and prefix-cache hashes start from it): the shapes, and the
+        rope, since two pools on one set of weights with different rope scaling would exchange
+        KV neither could use."""
+        r = self.rope
+        rope = f"-rope{r.theta:g}" if r.rope_type == "default" else \
+            f"-rope{r.theta:g}-{r.rope_type}{r.factor:g}@{r.original_max_position_embeddings}"
         return (f"{self.family}-L{self.num_layers}-H{self.hidden_size}-kv{self.num_kv_heads}"
-                f"x{self.head_dim}-V{self.vocab_size}")
+                f"x{self.head_dim}-V{self.vocab_size}{rope}")
 
 
 def _rope_from(raw: dict, path: Path) -> RopeConfig:
