@@ -14,6 +14,7 @@ import pytest
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.config import RouterConfig
 from pd_runtime.sampling_defaults import read_sampling_defaults
+from pd_runtime.tokenizer import Tokenizer
 from tests.router_support.serving import APPS, ENGINE, local
 
 GENERATION_CONFIG = {"bos_token_id": 0, "eos_token_id": [1, 3], "do_sample": False,
@@ -40,6 +41,13 @@ def test_read_from_generation_config(model_dir, tmp_path, caplog):
         assert read_sampling_defaults(tmp_path) == {"temperature": 0.6, "min_p": 0.05,
                                                     "top_k": 20}
     assert "top_p=0.0 left out" in caplog.text
+    # A file that is not JSON costs its defaults and EOS ids, with a warning, not the model.
+    shutil.copytree(model_dir, tmp_path / "broken")
+    (tmp_path / "broken" / "generation_config.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        assert read_sampling_defaults(tmp_path / "broken") == {}
+        assert Tokenizer(tmp_path / "broken").eos_token_ids
+    assert "not valid JSON" in caplog.text
 
 
 def test_offline_generate_without_params_uses_them(model_dir):
