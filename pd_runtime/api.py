@@ -61,6 +61,9 @@ class SamplingParams:
     # stop strings only in the text after them.
     min_tokens: int = 0
     logprobs: Optional[int] = None  # top-n logprobs per generated token (0: only the sampled one)
+    # top-n logprobs of each prompt token (completions with echo); such a request runs where its
+    # prompt is computed (colocated) and takes no prefix-cache hit.
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     # OpenAI: subtracted once per earlier occurrence (frequency) or once if present (presence),
     # counting generated tokens only.
@@ -129,6 +132,10 @@ class SamplingParams:
         if self.logprobs is not None and not (isinstance(self.logprobs, int)
                                               and 0 <= self.logprobs <= 20):
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
+                                                     and 0 <= self.prompt_logprobs <= 20):
+            bad("prompt_logprobs", f"must be an integer in [0, 20], got "
+                f"{self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -209,6 +216,7 @@ def output_chunk(out, path: str) -> dict:
         "finished": out.finished,
         "finish_reason": out.finish_reason,
         "logprobs": out.new_logprobs,
+        "prompt_logprobs": getattr(out, "prompt_logprobs", None),
         "num_prompt_tokens": out.num_prompt_tokens,
         "num_cached_tokens": out.num_cached_tokens,
         "path": path,
@@ -222,6 +230,8 @@ def merge_chunks(into: dict, later: dict) -> dict:
     into["text"] = (into["text"] or "") + (later["text"] or "")
     if into["logprobs"] is not None or later["logprobs"] is not None:
         into["logprobs"] = (into["logprobs"] or []) + (later["logprobs"] or [])
+    if into.get("prompt_logprobs") is None:
+        into["prompt_logprobs"] = later.get("prompt_logprobs")
     for key in ("finished", "finish_reason", "queue_s"):
         into[key] = later[key]
     return into

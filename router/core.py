@@ -273,6 +273,8 @@ class PoolBackend:
                 tenant_id: str, waited_s: float = 0.0) -> Decision:
         cfg = self.reloader.current
         decode, prefill = self._states(self.client.decode), self._states(self.client.prefill)
+        if params.prompt_logprobs is not None:  # scored where the prompt is computed
+            prefill = []
         if cfg.mode != "slo":
             return decide(len(prompt_ids), decode, prefill, hits, cfg, self._rng)
         target = slo_target(cfg, tenant_id, len(prompt_ids))

@@ -332,9 +332,8 @@ def prepare_completion(data: dict, tokenizer, model_name: str, max_model_len: in
     params = _sampling_fields(body, max_tokens, tokenizer.vocab_size, defaults)
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
-        if body.echo:
-            raise InvalidRequest("echo with logprobs is not supported (no prompt logprobs)",
-                                 param="echo")
+        if body.echo:  # the prompt's tokens are scored too (how evaluation harnesses score)
+            params["prompt_logprobs"] = body.logprobs
     sampling = _check_sampling(params)
     for prompt in prompts:
         _check_length(prompt, max_tokens, max_model_len, "prompt")

@@ -24,6 +24,7 @@ class _Choice:
     logprobs: list = field(default_factory=list)  # per token (logprob, {token_id: logprob})
     finish_reason: Optional[str] = None
     num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list] = None  # echo with logprobs: per prompt position
     started: bool = False  # a stream event went out for it (chat: the role; completions: echo)
 
 
@@ -54,6 +55,8 @@ class ResponseBuilder:
         choice.logprobs.extend(entries)
         choice.num_cached_tokens = max(choice.num_cached_tokens,
                                        int(chunk.get("num_cached_tokens") or 0))
+        if choice.prompt_logprobs is None and chunk.get("prompt_logprobs") is not None:
+            choice.prompt_logprobs = list(chunk["prompt_logprobs"])
         if chunk.get("finished"):
             choice.finish_reason = chunk.get("finish_reason") or "stop"
         first = not choice.started
@@ -61,6 +64,8 @@ class ResponseBuilder:
         if not (prefix or text or entries or choice.finish_reason or first):
             return None
         logprobs = self._logprobs(token_ids[:len(entries)], entries, offset) if entries else None
+        if prefix and choice.prompt_logprobs is not None:  # the echoed prompt's, then these
+            logprobs = self._with_prompt(choice, logprobs)
         if self.prepared.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text or first:
@@ -87,6 +92,8 @@ class ResponseBuilder:
                 if self.prepared.echo_texts is not None else 0
             logprobs = self._logprobs(choice.token_ids[:len(entries)], entries, start) \
                 if self.prepared.logprobs is not None else None
+            if logprobs is not None and choice.prompt_logprobs is not None:
+                logprobs = self._with_prompt(choice, logprobs)
             if self.prepared.kind == "chat":
                 items.append({"index": choice.index, "logprobs": logprobs,
                               "message": {"role": "assistant", "content": choice.text},
@@ -138,6 +145,27 @@ class ResponseBuilder:
                 "top_logprobs": [{text(int(k)): float(v) for k, v in e[1].items()}
                                  for e in entries],
                 "text_offset": offsets}
+
+    def _with_prompt(self, choice: _Choice, generated: Optional[dict]) -> dict:
+        """Completions with echo and logprobs: the prompt's tokens first (the first one has no
+        logprob: nothing precedes it), their offsets from the start of the echoed text."""
+        prompt = self.prepared.prompts[choice.prompt_index]
+        entries = choice.prompt_logprobs
+        text = self._token_text
+        tokens = [text(t) for t in prompt]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        out = {"tokens": tokens,
+               "token_logprobs": [None if e is None else float(e[0]) for e in entries],
+               "top_logprobs": [None if e is None else
+                                {text(int(k)): float(v) for k, v in e[1].items()}
+                                for e in entries],
+               "text_offset": offsets}
+        for key in out if generated else ():
+            out[key] = out[key] + generated[key]
+        return out
 
     def _chat_entry(self, token: int, entry) -> dict:
         text = self._token_text(token)

@@ -216,6 +216,42 @@ def test_truncate_prompt_tokens_keeps_the_end(server, client, offline, llama_dir
     assert caught.value.body["param"] == "echo"
 
 
+def test_echo_with_logprobs_scores_the_prompt(server, client, offline, llama_dir):
+    """How evaluation harnesses score a text (lm-eval's local-completions loglikelihood):
+    token-id prompts, echo, logprobs 1, max_tokens 1; the prompt's logprobs are transformers'."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    backend, _ = server
+    ids = [[5 + (11 * i) % 300 for i in range(40)], [7, 8, 9, 10, 11]]
+    got = client.completions.create(model=backend.model_name, prompt=ids, max_tokens=1,
+                                    temperature=0, logprobs=1, echo=True, seed=1234)
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    for choice, prompt in zip(sorted(got.choices, key=lambda c: c.index), ids):
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(prompt) + 1 and lp.token_logprobs[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)
+        for p in range(1, len(prompt)):
+            assert abs(lp.token_logprobs[p] - ref[p - 1, prompt[p]].item()) < 1e-4
+            best = ref[p - 1].max().item()
+            assert abs(max(lp.top_logprobs[p].values()) - best) < 1e-4
+        # lm-eval's reading: the continuation's logprob and whether greedy would produce it.
+        ctx = len(prompt) // 2
+        total = sum(lp.token_logprobs[ctx:-1])
+        assert abs(total - ref[ctx - 1:-1].gather(1, torch.tensor(prompt[ctx:])[:, None]).sum()
+                   .item()) < 1e-3
+        generated = offline.generate(prompt, greedy(1))[0].text
+        assert choice.text == backend.tokenizer.decode(prompt, skip_special_tokens=False) \
+            + generated
+    streamed = list(client.completions.create(model=backend.model_name, prompt=ids[1],
+                                              max_tokens=2, temperature=0, logprobs=1,
+                                              echo=True, stream=True))
+    first = streamed[0].choices[0].logprobs
+    assert first.token_logprobs[0] is None and len(first.token_logprobs) == len(ids[1]) + 1
+    assert first.token_logprobs[1:5] == got.choices[1].logprobs.token_logprobs[1:5]
+
+
 def test_add_special_tokens(server, client, offline):
     backend, _ = server
     tok = backend.tokenizer

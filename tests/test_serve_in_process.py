@@ -57,6 +57,16 @@ def test_serve_in_process_both_paths_match_offline(llama_dir, tmp_path):
         metrics = httpx.get(base + "/metrics").text
         assert 'pd_routing_decisions_total{path="disaggregated"' in metrics
         assert 'pd_routing_decisions_total{path="colocated"' in metrics
+        # A long prompt scored (echo + logprobs) runs where it is computed: colocated.
+        fresh = [(11 * i) % 400 + 3 for i in range(150)]  # nothing of it cached anywhere
+        scored = client.completions.create(model=model, prompt=fresh, max_tokens=1,
+                                           temperature=0, logprobs=1, echo=True)
+        want = offline.generate([fresh], SamplingParams(max_tokens=1, temperature=0,
+                                                        prompt_logprobs=1))[0]
+        assert scored.choices[0].logprobs.token_logprobs[:len(fresh)] == \
+            [None] + [e[0] for e in want.prompt_logprobs[1:]]
+        assert _decisions(httpx.get(base + "/metrics").text, "disaggregated") == \
+            _decisions(metrics, "disaggregated")
     finally:
         code = stop_serve(proc, timeout_s=30)
         log.close()
@@ -64,3 +74,8 @@ def test_serve_in_process_both_paths_match_offline(llama_dir, tmp_path):
     time.sleep(0.5)
     left = [p for p in processes.tree(proc.pid, session=proc.pid) if processes.alive(p)]
     assert not left, f"processes left behind: {[(p.pid, p.cmdline[:80]) for p in left]}"
+
+
+def _decisions(metrics: str, path: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith(f'pd_routing_decisions_total{{path="{path}"'))

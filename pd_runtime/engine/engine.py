@@ -15,6 +15,7 @@ import torch
 from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, RequestTooLargeError,
                             SamplingParams)
 from pd_runtime.config import EngineConfig
+from pd_runtime.engine import prompt_logprobs
 from pd_runtime.engine.block_manager import BlockManager
 from pd_runtime.engine.detokenizer import detokenize_step
 from pd_runtime.engine.model_runner import ModelRunner
@@ -155,6 +156,8 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
                 f"{self.block_manager.blocks_needed(longest)} KV blocks; this worker has "
                 f"{self.block_manager.num_blocks}", param="max_tokens")
+        if params.prompt_logprobs is not None:
+            cache_salt = prompt_logprobs.isolating_salt(cache_salt, request_id)
         req = Request(request_id, ids, params, self.eos_token_ids, priority, cache_salt,
                       prompt=prompt if isinstance(prompt, str) else None)
         if params.seed is not None:
@@ -247,8 +250,13 @@ class LLMEngine:
                 work.prefill_attention += n * s.start + n * (n + 1) // 2
         self.last_step_decode_tokens = work.decode_seqs
         self.last_step_prefill_tokens = work.prefill_tokens
-        logits = self.runner.execute(plan, self._layer_hook(plan))
+        whole = prompt_logprobs.chunks_wanting_rows(plan.scheduled, self.requests)
+        logits = self.runner.execute(plan, self._layer_hook(plan), tuple(whole))
         sampled = [(self.requests[s.request_id], s) for s in plan.scheduled if s.sample]
+        if whole:
+            num_sampled = sum(len(s.draft_ids) + 1 for _, s in sampled)
+            prompt_logprobs.record(whole, self.requests, logits[num_sampled:])
+            logits = logits[:num_sampled]
         result = self._sample(logits, sampled) if sampled else None
         now = time.monotonic()
         for s in plan.scheduled:
@@ -369,6 +377,7 @@ class LLMEngine:
             new_logprobs=[logprob] if logprob is not None else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
             prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=req.prompt_logprobs if len(req.output_token_ids) == 1 else None,
             queue_s=(req.first_scheduled_time - req.arrival_time)
             if reason is not None and req.first_scheduled_time is not None else None)
 

@@ -25,6 +25,8 @@ class CompletionOutput:
     # (logprob of the token, {token_id: logprob} of the top-n).
     logprobs: Optional[list[tuple[float, dict[int, float]]]] = None
     num_cached_tokens: int = 0
+    # With prompt_logprobs: per prompt position (None for the first), as the top-n logprobs.
+    prompt_logprobs: Optional[list] = None
 
 
 class LLM:
@@ -89,6 +91,8 @@ class LLM:
 
     @staticmethod
     def _collect(result: CompletionOutput, out: RequestOutput) -> int:
+        if out.prompt_logprobs is not None:
+            result.prompt_logprobs = out.prompt_logprobs
         result.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             result.logprobs.extend(out.new_logprobs)

@@ -112,8 +112,10 @@ class ModelRunner:
                  cfg.num_kv_heads, row, config.kv_cache_dtype, self.num_blocks,
                  self.block_size, self.num_blocks * block_bytes / 2**20)
 
-    def execute(self, plan: SchedulerOutput, on_layer=None) -> torch.Tensor | None:
-        """Run one step; returns logits `[num_sampled, vocab]` in plan order of sample rows.
+    def execute(self, plan: SchedulerOutput, on_layer=None,
+                whole_chunks: tuple = ()) -> torch.Tensor | None:
+        """Run one step; returns logits `[num_sampled, vocab]` in plan order of sample rows,
+        then every row of the `whole_chunks` (scheduled chunks, plan order: prompt logprobs).
         `on_layer(i)`: called once layer i's K/V of this step are in the cache."""
         self._on_layer = on_layer
         if plan.swap_out:
@@ -139,7 +141,10 @@ class ModelRunner:
         rows = [r for s in plan.scheduled if s.sample
                 for r in range(row_of[s.request_id] - len(s.draft_ids),
                                row_of[s.request_id] + 1)]
-        if self.graphs is not None and not prefills:
+        rows += [r for s in whole_chunks
+                 for r in range(row_of[s.request_id] - len(s.token_ids) + 1,
+                                row_of[s.request_id] + 1)]
+        if self.graphs is not None and not prefills and not whole_chunks:
             logits = self.graphs.run(decodes)
             if logits is not None:  # rows in plan order (every decode row is sampled)
                 return logits if rows == list(range(len(rows))) \

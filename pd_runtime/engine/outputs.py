@@ -24,6 +24,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)
     queue_s: Optional[float] = None  # arrival to first scheduled; on the final output only
+    # On the first output of a request that asked for them (prompt_logprobs.PromptLogprobs).
+    prompt_logprobs: Optional[list] = None
 
 
 def apply_stop_strings(req: Request, text_before: int) -> bool:

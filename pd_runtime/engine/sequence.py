@@ -55,6 +55,8 @@ class Request:
     waited_steps: int = 0              # steps passed over while waiting (priority aging)
     generator: Any = None              # torch.Generator for seeded sampling, owned by the sampler
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Per prompt position, when asked (prompt_logprobs.py); sent with the first output.
+    prompt_logprobs: Optional[list] = None
     # Detokenizer state (see detokenizer.py).
     text: str = ""
     emitted_len: int = 0               # characters of `text` already sent out as deltas

@@ -1,0 +1,58 @@
+"""Log-probabilities of a prompt's own tokens (completions with echo and logprobs: how
+evaluation harnesses score a text), computed from the logits of the prompt's chunks.
+
+A request that asks for them gets every row of its prefill chunks from the model runner, not
+only the last; the logits at position p score prompt token p + 1, so entry 0 stays None. It is
+admitted with a cache salt of its own (no prefix-cache hit: every position must be computed),
+and a recompute after preemption writes the same entries again. The first output carries them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+# Per prompt position: (logprob of the token there, {token id: logprob} of the top-n), or None.
+PromptLogprobs = list[Optional[tuple[float, dict[int, float]]]]
+
+
+def isolating_salt(cache_salt: Optional[str], request_id: str) -> str:
+    """A cache salt no other request shares, so no prompt position is served from the cache."""
+    return f"{cache_salt or ''}\x00prompt-logprobs\x00{request_id}"
+
+
+def chunks_wanting_rows(scheduled: list, requests: dict) -> list:
+    """The scheduled chunks (plan order) whose rows score prompt tokens."""
+    out = []
+    for s in scheduled:
+        req = requests[s.request_id]
+        if req.params.prompt_logprobs is not None and s.start < req.num_prompt_tokens - 1:
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None] * req.num_prompt_tokens
+            out.append(s)
+    return out
+
+
+def record(chunks: list, requests: dict, logits: torch.Tensor) -> None:
+    """`logits`: every row of `chunks`, in order. Writes each scored prompt token's entry."""
+    row = 0
+    for s in chunks:
+        req = requests[s.request_id]
+        n = len(s.token_ids)
+        prompt = req.prompt_token_ids
+        # Position p scores token p + 1; only prompt tokens are scored here.
+        scored = min(n, len(prompt) - 1 - s.start)
+        if scored > 0:
+            chunk = torch.log_softmax(logits[row:row + scored].float(), dim=-1)
+            targets = torch.tensor(prompt[s.start + 1:s.start + 1 + scored],
+                                   device=chunk.device)
+            chosen = chunk.gather(1, targets[:, None]).view(-1).tolist()
+            top_n = req.params.prompt_logprobs
+            tops = [{} for _ in range(scored)]
+            if top_n:
+                values, ids = chunk.topk(top_n, dim=-1)
+                tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            for j in range(scored):
+                req.prompt_logprobs[s.start + 1 + j] = (chosen[j], tops[j])
+        row += n
