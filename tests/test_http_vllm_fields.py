@@ -1,0 +1,144 @@
+"""vLLM's request extensions as the tools that send them use them, over HTTP with the official
+`openai` client (the router over an in-process worker, as tests/test_router_http.py serves it):
+min_tokens, prompt truncation, special tokens, echo with logprobs (evaluation harnesses)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from pd_runtime import LLM, SamplingParams
+from tests.router_support.serving import ENGINE, local
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    with local(llama_dir) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    backend, port = server
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir):
+    return LLM(llama_dir, **ENGINE)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_min_tokens_as_load_generators_send_it(server, client):
+    """vLLM's min_tokens (benchmarks send it to fix output lengths): no EOS before it."""
+    backend, _ = server
+    eos = min(backend.tokenizer.eos_token_ids)
+    extra = {"min_tokens": 6, "logit_bias": {str(eos): 100}}
+    got = client.completions.create(model=backend.model_name, prompt="fixed length",
+                                    max_tokens=10, temperature=0, extra_body=extra)
+    assert got.usage.completion_tokens == 7 and got.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model=backend.model_name, max_tokens=10,
+                                          messages=[{"role": "user", "content": "x"}],
+                                          extra_body=extra, temperature=0)
+    assert chat.usage.completion_tokens == 7
+
+
+def test_truncate_prompt_tokens_keeps_the_end(server, client, offline, llama_dir):
+    """vLLM's truncate_prompt_tokens: the prompt cut as an HF tokenizer cuts it (its BOS kept),
+    from the start or the end (truncation_side); -1 leaves room for max_tokens."""
+    from transformers import AutoTokenizer
+
+    backend, _ = server
+    name, limit = backend.model_name, backend.max_model_len
+    ids = [5 + (7 * i) % 300 for i in range(limit + 40)]
+    want = offline.generate(ids[-30:], greedy(4))[0]
+    got = client.completions.create(model=name, prompt=ids, max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True, "truncate_prompt_tokens": 30})
+    assert got.usage.prompt_tokens == 30 and got.choices[0].text == want.text
+    got = client.completions.create(model=name, prompt=ids, max_tokens=4, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": -1})
+    assert got.usage.prompt_tokens == limit - 4
+    text = " ".join(f"word{i}" for i in range(limit))
+    for side in ("left", "right"):
+        reference = AutoTokenizer.from_pretrained(llama_dir, truncation_side=side)
+        cut = reference(text, truncation=True, max_length=25)["input_ids"]
+        assert cut[0] == reference.bos_token_id
+        want = offline.generate(cut, greedy(3))[0]
+        got = client.completions.create(model=name, prompt=text, max_tokens=3, temperature=0,
+                                        extra_body={"ignore_eos": True, "truncation_side": side,
+                                                    "truncate_prompt_tokens": 25})
+        assert got.usage.prompt_tokens == 25 and got.choices[0].text == want.text, side
+    chat = client.chat.completions.create(model=name, max_tokens=2, temperature=0,
+                                          messages=[{"role": "user", "content": text}],
+                                          extra_body={"truncate_prompt_tokens": 25})
+    assert chat.usage.prompt_tokens == 25
+    for extra, param in (({}, "prompt"), ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                         ({"truncate_prompt_tokens": limit - 1}, "truncate_prompt_tokens"),
+                         ({"guided_json": {"type": "object"}}, "guided_json"),
+                         ({"use_beam_search": True}, "use_beam_search"),
+                         ({"cache_salt": "mine"}, "cache_salt")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=name, prompt=ids, max_tokens=2, extra_body=extra)
+        assert caught.value.body["param"] == param, extra
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=name, max_tokens=2, extra_body={"echo": True},
+                                       messages=[{"role": "user", "content": "x"}])
+    assert caught.value.body["param"] == "echo"
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, client, offline, llama_dir):
+    """How evaluation harnesses score a text (lm-eval's local-completions loglikelihood):
+    token-id prompts, echo, logprobs 1, max_tokens 1; the prompt's logprobs are transformers'."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    backend, _ = server
+    ids = [[5 + (11 * i) % 300 for i in range(40)], [7, 8, 9, 10, 11]]
+    got = client.completions.create(model=backend.model_name, prompt=ids, max_tokens=1,
+                                    temperature=0, logprobs=1, echo=True, seed=1234)
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    for choice, prompt in zip(sorted(got.choices, key=lambda c: c.index), ids):
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(prompt) + 1 and lp.token_logprobs[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)
+        for p in range(1, len(prompt)):
+            assert abs(lp.token_logprobs[p] - ref[p - 1, prompt[p]].item()) < 1e-4
+            best = ref[p - 1].max().item()
+            assert abs(max(lp.top_logprobs[p].values()) - best) < 1e-4
+        # lm-eval's reading: the continuation's logprob and whether greedy would produce it.
+        ctx = len(prompt) // 2
+        total = sum(lp.token_logprobs[ctx:-1])
+        assert abs(total - ref[ctx - 1:-1].gather(1, torch.tensor(prompt[ctx:])[:, None]).sum()
+                   .item()) < 1e-3
+        generated = offline.generate(prompt, greedy(1))[0].text
+        assert choice.text == backend.tokenizer.decode(prompt, skip_special_tokens=False) \
+            + generated
+    streamed = list(client.completions.create(model=backend.model_name, prompt=ids[1],
+                                              max_tokens=2, temperature=0, logprobs=1,
+                                              echo=True, stream=True))
+    first = streamed[0].choices[0].logprobs
+    assert first.token_logprobs[0] is None and len(first.token_logprobs) == len(ids[1]) + 1
+    assert first.token_logprobs[1:5] == got.choices[1].logprobs.token_logprobs[1:5]
+
+
+def test_add_special_tokens(server, client, offline):
+    backend, _ = server
+    tok = backend.tokenizer
+    plain = tok.encode("no bos here", add_special_tokens=False)
+    assert tok.encode("no bos here") != plain  # the tokenizer adds a BOS by default
+    for extra, ids in (({}, tok.encode("no bos here")),
+                       ({"add_special_tokens": False}, plain)):
+        got = client.completions.create(model=backend.model_name, prompt="no bos here",
+                                        max_tokens=3, temperature=0,
+                                        extra_body={"ignore_eos": True, **extra})
+        assert got.usage.prompt_tokens == len(ids)
+        assert got.choices[0].text == offline.generate(ids, greedy(3))[0].text
+    messages = [{"role": "user", "content": "hi"}]
+    chat = [client.chat.completions.create(model=backend.model_name, messages=messages,
+                                           max_tokens=1, extra_body=extra)
+            for extra in ({}, {"add_special_tokens": True})]
+    assert chat[1].usage.prompt_tokens == chat[0].usage.prompt_tokens + 1
