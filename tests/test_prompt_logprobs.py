@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.api import InvalidRequestError
+from pd_runtime.engine import prompt_logprobs
 
 PROMPT = [5 + (13 * i) % 400 for i in range(70)]
 
@@ -20,8 +21,9 @@ def reference(llama_dir):
         return torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
 
 
-@pytest.mark.parametrize("chunk", [2048, 16])
-def test_prompt_logprobs_are_transformers(llama_dir, reference, chunk):
+@pytest.mark.parametrize("chunk, slice_rows", [(2048, 256), (2048, 7), (16, 7)])
+def test_prompt_logprobs_are_transformers(llama_dir, reference, chunk, slice_rows, monkeypatch):
+    monkeypatch.setattr(prompt_logprobs, "_SLICE_ROWS", slice_rows)
     llm = LLM(llama_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=chunk)
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)
     out = llm.generate([PROMPT], params)[0]

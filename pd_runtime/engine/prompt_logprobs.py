@@ -39,20 +39,29 @@ def record(chunks: list, requests: dict, logits: torch.Tensor) -> None:
     row = 0
     for s in chunks:
         req = requests[s.request_id]
-        n = len(s.token_ids)
-        prompt = req.prompt_token_ids
         # Position p scores token p + 1; only prompt tokens are scored here.
-        scored = min(n, len(prompt) - 1 - s.start)
-        if scored > 0:
-            chunk = torch.log_softmax(logits[row:row + scored].float(), dim=-1)
-            targets = torch.tensor(prompt[s.start + 1:s.start + 1 + scored],
-                                   device=chunk.device)
-            chosen = chunk.gather(1, targets[:, None]).view(-1).tolist()
-            top_n = req.params.prompt_logprobs
-            tops = [{} for _ in range(scored)]
-            if top_n:
-                values, ids = chunk.topk(top_n, dim=-1)
-                tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-            for j in range(scored):
-                req.prompt_logprobs[s.start + 1 + j] = (chosen[j], tops[j])
-        row += n
+        scored = min(len(s.token_ids), req.num_prompt_tokens - 1 - s.start)
+        for first in range(0, max(scored, 0), _SLICE_ROWS):
+            count = min(_SLICE_ROWS, scored - first)
+            _score(req, s.start + first, logits[row + first:row + first + count])
+        row += len(s.token_ids)
+
+
+# Rows scored at once: a long chunk's log-softmax over a large vocabulary (128k entries a row)
+# would otherwise be a second copy of all its logits.
+_SLICE_ROWS = 256
+
+
+def _score(req, start: int, logits: torch.Tensor) -> None:
+    """Entries for prompt positions start + 1 .. start + len(logits)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    n = len(logits)
+    targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + n], device=logprobs.device)
+    chosen = logprobs.gather(1, targets[:, None]).view(-1).tolist()
+    top_n = req.params.prompt_logprobs
+    tops: list[dict[int, float]] = [{} for _ in range(n)]
+    if top_n:
+        values, ids = logprobs.topk(top_n, dim=-1)
+        tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    for j in range(n):
+        req.prompt_logprobs[start + 1 + j] = (chosen[j], tops[j])
