@@ -189,8 +189,12 @@ class PoolBackend:
         salt = self.tenants.cache_salt(tenant)
         hashes = self.index.hashes(prompt_ids, salt)
         workers = self.client.prefill + self.client.decode
-        hits = {w.worker_id: self.index.expected_hit_tokens(w.worker_id, hashes,
-                                                            len(prompt_ids)) for w in workers}
+        # A scored prompt (prompt logprobs) is computed whole, under a salt of its own: it
+        # neither hits nor leaves blocks that the index could count.
+        scored = params.prompt_logprobs is not None
+        hits = {} if scored else {
+            w.worker_id: self.index.expected_hit_tokens(w.worker_id, hashes, len(prompt_ids))
+            for w in workers}
         decision = await self._route(prompt_ids, params, hits, tenant_id, arrival)
         self.metrics.decisions.labels(decision.path, decision.reason).inc()
         if decision.predicted_ttft_s is not None:
@@ -213,7 +217,8 @@ class PoolBackend:
         chosen = [w for w in (decision.decode_worker, decision.prefill_worker) if w]
         for w in chosen:
             self.inflight[w] = self.inflight.get(w, 0) + 1
-            self.index.record(w, hashes)
+            if not scored:
+                self.index.record(w, hashes)
         path = decision.path
         runner = decision.prefill_worker or decision.decode_worker  # who computes the prompt
         dispatched = time.monotonic()

@@ -225,17 +225,20 @@ def _encode(text: str, tokenizer, max_model_len: int, param: str,
 def _truncation(body: SamplingBody, max_model_len: int, room: int) -> Optional[tuple[int, bool]]:
     """vLLM's truncate_prompt_tokens: how many prompt tokens to keep (-1: as many as leave
     `room` output tokens in the context) and whether from the start (truncation_side "right"),
-    or None to refuse a prompt too long for the context."""
+    or None to refuse a prompt too long for the context. A kept prompt that still leaves no
+    room for max_tokens is refused afterwards, as any prompt is."""
     value = body.truncate_prompt_tokens
     if value is None:
         return None
-    most = max_model_len - room
-    keep = most if value == -1 else value
-    if not 1 <= keep <= most:
-        raise InvalidRequest(f"truncate_prompt_tokens must be -1 or in [1, {most}] (the context "
-                             f"of {max_model_len} less {room} tokens of output), got {value}",
-                             param="truncate_prompt_tokens")
-    return keep, body.truncation_side == "right"
+    if value == -1:
+        if room >= max_model_len:
+            raise InvalidRequest(f"max_tokens ({room}) leaves no room in this model's context "
+                                 f"of {max_model_len} tokens for a prompt", param="max_tokens")
+        return max_model_len - room, body.truncation_side == "right"
+    if not 1 <= value <= max_model_len:
+        raise InvalidRequest(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] "
+                             f"(the context), got {value}", param="truncate_prompt_tokens")
+    return value, body.truncation_side == "right"
 
 
 def _cut(ids: list[int], text: Optional[str], tokenizer,

@@ -148,7 +148,8 @@ class ResponseBuilder:
 
     def _with_prompt(self, choice: _Choice, generated: Optional[dict]) -> dict:
         """Completions with echo and logprobs: the prompt's tokens first (the first one has no
-        logprob: nothing precedes it), their offsets from the start of the echoed text."""
+        logprob: nothing precedes it), then the generated ones; offsets from the token strings
+        (a BOS has a string of its own there, not in the echoed text), as vLLM counts them."""
         prompt = self.prepared.prompts[choice.prompt_index]
         entries = choice.prompt_logprobs
         text = self._token_text
@@ -163,8 +164,12 @@ class ResponseBuilder:
                                 {text(int(k)): float(v) for k, v in e[1].items()}
                                 for e in entries],
                "text_offset": offsets}
-        for key in out if generated else ():
-            out[key] = out[key] + generated[key]
+        if generated:
+            for key in ("tokens", "token_logprobs", "top_logprobs"):
+                out[key] = out[key] + generated[key]
+            for token in generated["tokens"]:  # on from the prompt's token strings
+                out["text_offset"].append(at)
+                at += len(token)
         return out
 
     def _chat_entry(self, token: int, entry) -> dict:

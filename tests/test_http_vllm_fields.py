@@ -61,6 +61,10 @@ def test_truncate_prompt_tokens_keeps_the_end(server, client, offline, llama_dir
     got = client.completions.create(model=name, prompt=ids, max_tokens=4, temperature=0,
                                     extra_body={"truncate_prompt_tokens": -1})
     assert got.usage.prompt_tokens == limit - 4
+    # A bound past the prompt's length is no error (as vLLM): nothing to cut.
+    short = client.completions.create(model=name, prompt="hi", max_tokens=2,
+                                      extra_body={"truncate_prompt_tokens": limit})
+    assert short.usage.prompt_tokens == len(backend.tokenizer.encode("hi"))
     text = " ".join(f"word{i}" for i in range(limit))
     for side in ("left", "right"):
         reference = AutoTokenizer.from_pretrained(llama_dir, truncation_side=side)
@@ -76,7 +80,9 @@ def test_truncate_prompt_tokens_keeps_the_end(server, client, offline, llama_dir
                                           extra_body={"truncate_prompt_tokens": 25})
     assert chat.usage.prompt_tokens == 25
     for extra, param in (({}, "prompt"), ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-                         ({"truncate_prompt_tokens": limit - 1}, "truncate_prompt_tokens"),
+                         ({"truncate_prompt_tokens": limit + 1}, "truncate_prompt_tokens"),
+                         # Kept, it still leaves no room for max_tokens: refused as any prompt.
+                         ({"truncate_prompt_tokens": limit - 1}, "prompt"),
                          ({"guided_json": {"type": "object"}}, "guided_json"),
                          ({"use_beam_search": True}, "use_beam_search"),
                          ({"cache_salt": "mine"}, "cache_salt")):
@@ -117,6 +123,11 @@ def test_echo_with_logprobs_scores_the_prompt(server, client, offline, llama_dir
         generated = offline.generate(prompt, greedy(1))[0].text
         assert choice.text == backend.tokenizer.decode(prompt, skip_special_tokens=False) \
             + generated
+    one = client.completions.create(model=backend.model_name, prompt=[[5]], max_tokens=1,
+                                    temperature=0, logprobs=1, echo=True).choices[0].logprobs
+    assert one.token_logprobs[0] is None and len(one.token_logprobs) == 2
+    # Offsets from the token strings, prompt and generated alike (as vLLM gives them).
+    assert one.text_offset == [0, len(one.tokens[0])]
     streamed = list(client.completions.create(model=backend.model_name, prompt=ids[1],
                                               max_tokens=2, temperature=0, logprobs=1,
                                               echo=True, stream=True))

@@ -45,6 +45,12 @@ def test_prompt_logprobs_are_transformers(llama_dir, reference, chunk, slice_row
     assert llm.engine.block_manager.num_free_blocks == 64
 
 
+def test_a_one_token_prompt_has_its_one_entry(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=64)
+    out = llm.generate([[5]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))[0]
+    assert out.prompt_logprobs == [None] and len(out.token_ids) == 2
+
+
 def test_prompt_logprobs_validated():
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(prompt_logprobs=21)

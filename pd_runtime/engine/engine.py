@@ -160,6 +160,8 @@ class LLMEngine:
             cache_salt = prompt_logprobs.isolating_salt(cache_salt, request_id)
         req = Request(request_id, ids, params, self.eos_token_ids, priority, cache_salt,
                       prompt=prompt if isinstance(prompt, str) else None)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         if params.seed is not None:
             req.generator = Sampler.make_generator(params.seed, self.config.device)
         return req
@@ -254,9 +256,9 @@ class LLMEngine:
         logits = self.runner.execute(plan, self._layer_hook(plan), tuple(whole))
         sampled = [(self.requests[s.request_id], s) for s in plan.scheduled if s.sample]
         if whole:
-            num_sampled = sum(len(s.draft_ids) + 1 for _, s in sampled)
-            prompt_logprobs.record(whole, self.requests, logits[num_sampled:])
-            logits = logits[:num_sampled]
+            prompt_logprobs.record(whole, self.requests, self.runner.whole_hidden,
+                                   self.runner.model.compute_logits)
+            self.runner.whole_hidden = None
         result = self._sample(logits, sampled) if sampled else None
         now = time.monotonic()
         for s in plan.scheduled:

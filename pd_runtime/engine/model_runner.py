@@ -114,9 +114,12 @@ class ModelRunner:
 
     def execute(self, plan: SchedulerOutput, on_layer=None,
                 whole_chunks: tuple = ()) -> torch.Tensor | None:
-        """Run one step; returns logits `[num_sampled, vocab]` in plan order of sample rows,
-        then every row of the `whole_chunks` (scheduled chunks, plan order: prompt logprobs).
-        `on_layer(i)`: called once layer i's K/V of this step are in the cache."""
+        """Run one step; returns logits `[num_sampled, vocab]` in plan order of sample rows.
+        `on_layer(i)`: called once layer i's K/V of this step are in the cache.
+        `whole_chunks` (scheduled chunks, plan order): every row of their hidden states, before
+        the vocabulary projection, is left in `whole_hidden` (prompt logprobs project them a
+        slice at a time: a long chunk's logits at once could outgrow the memory plan)."""
+        self.whole_hidden = None
         self._on_layer = on_layer
         if plan.swap_out:
             dev, host = zip(*plan.swap_out)
@@ -141,6 +144,7 @@ class ModelRunner:
         rows = [r for s in plan.scheduled if s.sample
                 for r in range(row_of[s.request_id] - len(s.draft_ids),
                                row_of[s.request_id] + 1)]
+        num_sampled = len(rows)
         rows += [r for s in whole_chunks
                  for r in range(row_of[s.request_id] - len(s.token_ids) + 1,
                                 row_of[s.request_id] + 1)]
@@ -153,7 +157,10 @@ class ModelRunner:
             hidden = self._forward_device(decodes, prefills, rows)
         else:
             hidden = self._forward_host(decodes, prefills, ordered, rows)
-        if not rows:
+        if len(rows) > num_sampled:
+            self.whole_hidden = hidden[num_sampled:]
+            hidden = hidden[:num_sampled]
+        if not num_sampled:
             return None
         return self.model.compute_logits(hidden)
 

@@ -2,9 +2,9 @@
 evaluation harnesses score a text), computed from the logits of the prompt's chunks.
 
 A request that asks for them gets every row of its prefill chunks from the model runner, not
-only the last; the logits at position p score prompt token p + 1, so entry 0 stays None. It is
-admitted with a cache salt of its own (no prefix-cache hit: every position must be computed),
-and a recompute after preemption writes the same entries again. The first output carries them.
+only the last; the logits at position p score prompt token p + 1, so entry 0 stays None (a
+one-token prompt has only that entry). It is admitted with a cache salt of its own (no
+prefix-cache hit: every position must be computed). The first output carries them.
 """
 
 from __future__ import annotations
@@ -23,19 +23,17 @@ def isolating_salt(cache_salt: Optional[str], request_id: str) -> str:
 
 
 def chunks_wanting_rows(scheduled: list, requests: dict) -> list:
-    """The scheduled chunks (plan order) whose rows score prompt tokens."""
-    out = []
-    for s in scheduled:
-        req = requests[s.request_id]
-        if req.params.prompt_logprobs is not None and s.start < req.num_prompt_tokens - 1:
-            if req.prompt_logprobs is None:
-                req.prompt_logprobs = [None] * req.num_prompt_tokens
-            out.append(s)
-    return out
+    """The scheduled chunks (plan order) whose rows score prompt tokens: none once the request
+    has output (its entries went out with the first; a recompute or a resumed request would
+    only compute them again)."""
+    return [s for s in scheduled
+            if (req := requests[s.request_id]).prompt_logprobs is not None
+            and not req.output_token_ids and s.start < req.num_prompt_tokens - 1]
 
 
-def record(chunks: list, requests: dict, logits: torch.Tensor) -> None:
-    """`logits`: every row of `chunks`, in order. Writes each scored prompt token's entry."""
+def record(chunks: list, requests: dict, hidden: torch.Tensor, project) -> None:
+    """`hidden`: every row of `chunks`, in order, before `project` (the vocabulary projection,
+    applied a slice at a time). Writes each scored prompt token's entry."""
     row = 0
     for s in chunks:
         req = requests[s.request_id]
@@ -43,12 +41,12 @@ def record(chunks: list, requests: dict, logits: torch.Tensor) -> None:
         scored = min(len(s.token_ids), req.num_prompt_tokens - 1 - s.start)
         for first in range(0, max(scored, 0), _SLICE_ROWS):
             count = min(_SLICE_ROWS, scored - first)
-            _score(req, s.start + first, logits[row + first:row + first + count])
+            _score(req, s.start + first, project(hidden[row + first:row + first + count]))
         row += len(s.token_ids)
 
 
-# Rows scored at once: a long chunk's log-softmax over a large vocabulary (128k entries a row)
-# would otherwise be a second copy of all its logits.
+# Rows projected and scored at once: a long chunk's logits over a large vocabulary (128k
+# entries a row) would otherwise all be held together, past what the memory plan counts.
 _SLICE_ROWS = 256
 
 

@@ -5,9 +5,10 @@ Llama, Mistral, Qwen2 and Qwen3 differ only in the flags below; anything else is
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -61,13 +62,14 @@ class ModelConfig:
 
     @property
     def identity(self) -> str:
-        """A short string covering everything that changes the KV layout or its values for the
-        same tokens (handshakes and prefix-cache hashes start from it): the shapes, and the
-        rope, since two pools on one set of weights with different rope scaling would exchange
-        KV neither could use."""
+        """A short string covering the KV layout and the rope (handshakes and prefix-cache
+        hashes start from it): two pools on one set of weights with different rope settings
+        would otherwise exchange KV neither could use. The weights themselves are not in it."""
         r = self.rope
-        rope = f"-rope{r.theta:g}" if r.rope_type == "default" else \
-            f"-rope{r.theta:g}-{r.rope_type}{r.factor:g}@{r.original_max_position_embeddings}"
+        rope = f"-rope{r.theta!r}"
+        if r.rope_type != "default":  # every parameter of the scaling, digested
+            digest = hashlib.sha256(repr(astuple(r)).encode()).hexdigest()[:8]
+            rope += f"-{r.rope_type}-{digest}"
         return (f"{self.family}-L{self.num_layers}-H{self.hidden_size}-kv{self.num_kv_heads}"
                 f"x{self.head_dim}-V{self.vocab_size}{rope}")
 
