@@ -1,5 +1,6 @@
 """The HTTP front door: OpenAI completions and chat (streaming and not), models, health, readiness,
-metrics and the active router config, served through a Backend (router/backend.py).
+metrics, the active router config and vLLM's tokenizer endpoints (router/tokenize_api.py),
+served through a Backend (router/backend.py).
 
 Every response carries X-Request-Id and every error an OpenAI error body; user input never
 yields a 500. Request flow: auth -> read (size limit) -> parse and validate (router/intake.py,
@@ -27,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.store import StoreUnavailable
 from pd_runtime.config import RouterConfig
+from router import tokenize_api
 from router.backend import Backend, BackendError
 from router.generation import bearer_key, generation, no_run, respond, tenant_name
 from router.intake import Intake
@@ -140,6 +142,21 @@ def create_app(backend: Backend, router_config: RouterConfig,
             raise BackendError(404, f"the model {model!r} does not exist", param="model",
                                code="model_not_found")
         return _model_card(backend)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        backend.authenticate(bearer_key(request))
+        return await tokenize_api.tokenize(await intake.read_body(request), backend)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        backend.authenticate(bearer_key(request))
+        return tokenize_api.detokenize(await intake.read_body(request), backend)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        backend.authenticate(bearer_key(request))
+        return tokenize_api.tokenizer_info(backend)
 
     @app.get("/v1/router/config")
     async def router_config_view(request: Request):

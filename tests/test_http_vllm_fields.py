@@ -153,3 +153,34 @@ def test_add_special_tokens(server, client, offline):
                                            max_tokens=1, extra_body=extra)
             for extra in ({}, {"add_special_tokens": True})]
     assert chat[1].usage.prompt_tokens == chat[0].usage.prompt_tokens + 1
+
+
+def test_tokenizer_endpoints(server):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, as lm-eval's remote tokenizer uses
+    them (a client with no copy of the model's files)."""
+    import httpx
+
+    backend, port = server
+    base = f"http://127.0.0.1:{port}"
+    tok = backend.tokenizer
+    got = httpx.post(f"{base}/tokenize", json={"prompt": "hello world"}).json()
+    assert got["tokens"] == tok.encode("hello world") and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == backend.max_model_len and got["token_strs"] is None
+    plain = httpx.post(f"{base}/tokenize", json={"prompt": "test", "add_special_tokens": False,
+                                                  "return_token_strs": True}).json()
+    assert plain["tokens"] == tok.encode("test", add_special_tokens=False)
+    assert "".join(plain["token_strs"]) == "test"
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{base}/tokenize", json={"model": backend.model_name,
+                                                 "messages": messages}).json()
+    assert chat["tokens"] == tok.encode_chat(messages)
+    back = httpx.post(f"{base}/detokenize", json={"tokens": got["tokens"]}).json()
+    assert back["prompt"] == tok.decode(got["tokens"], skip_special_tokens=False)
+    info = httpx.get(f"{base}/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    for path, body, param in (("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/detokenize", {"tokens": "1 2"}, "tokens")):
+        response = httpx.post(base + path, json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
