@@ -14,33 +14,11 @@ import httpx
 import openai
 import pytest
 
-from pd_runtime import LLM, SamplingParams
 from pd_runtime.config import RouterConfig, TenantConfig
 from pd_runtime.tokenizer import Tokenizer
 from tests.router_support.scripted_backend import ScriptedBackend, error, token_chunk
-from tests.router_support.serving import ENGINE, ERROR_KEYS, assert_error_body, engine_of, local, \
-    serving
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    with local(llama_dir) as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    backend, port = server
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline(llama_dir):
-    return LLM(llama_dir, **ENGINE)
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+from tests.router_support.served_model import client, greedy, offline, server  # noqa: F401
+from tests.router_support.serving import ERROR_KEYS, assert_error_body, engine_of, local, serving
 
 
 # ---------------------------------------------------------------------------------- happy paths
