@@ -29,18 +29,13 @@ from pd_runtime.tokenizer import Tokenizer
 from router.intake import INLINE_MAX_BYTES, Intake
 from router.text_checks import lone_surrogate_field, min_tokens
 from tests.router_support.scripted_backend import ScriptedBackend, token_chunk
-from tests.router_support.serving import APPS, ENGINE, assert_error_body, local, serving
+from tests.router_support.served_model import server  # noqa: F401  (a fixture)
+from tests.router_support.serving import APPS, ENGINE, assert_error_body, serving
 
 POLLER = Path(__file__).parent / "router_support" / "health_poller.py"
 POSTER = Path(__file__).parent / "router_support" / "post_body.py"
 MB = 1_000_000
 IDLE_BASELINE_MAX_S = 8.0
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    with local(llama_dir) as served:
-        yield served
 
 
 @pytest.fixture(scope="module")
