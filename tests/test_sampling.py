@@ -120,6 +120,22 @@ def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(llm):
     assert kept.token_ids == base.token_ids and kept.text == base.text
 
 
+def test_a_stop_token_completing_a_character_leaves_no_replacement_char(llm):
+    """'日' is three byte tokens; a stop on the third leaves its bytes out, not a U+FFFD."""
+    tok, engine = llm.tokenizer, llm.engine
+    a, b, c = tok.encode("日", add_special_tokens=False)
+    for include, want in ((False, "ok "), (True, "ok 日")):
+        engine.add_request(f"bytes-{include}", [10, 20, 30], SamplingParams(
+            max_tokens=8, temperature=0, stop_token_ids=[c], logit_bias={c: 100},
+            include_stop_str_in_output=include),
+            resume_output_ids=tok.encode("ok ", add_special_tokens=False) + [a, b])
+        text = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.text  # the whole text so far (the resumed tokens' included)
+        assert text == want and "\ufffd" not in text
+
+
 def test_stop_strings_cut_text(llm):
     prompt = ["The quick brown fox"]
     base = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]

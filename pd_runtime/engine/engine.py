@@ -350,9 +350,11 @@ class LLMEngine:
         elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         text_before = len(req.text)
-        detokenize_step(self.tokenizer, req, flush=reason is not None,
-                        drop_last=reason is FinishReason.STOP
-                        and not params.include_stop_str_in_output)
+        # A stop token's own text is left out (as vLLM leaves it out), and so are the bytes of
+        # a character it would have completed: no U+FFFD at the end for it.
+        drop = reason is FinishReason.STOP and not params.include_stop_str_in_output
+        detokenize_step(self.tokenizer, req, flush=reason is not None and not drop,
+                        drop_last=drop)
         # As vLLM: stop strings only in the text after the first min_tokens tokens.
         if params.stop and len(req.output_token_ids) > params.min_tokens and \
                 apply_stop_strings(req, text_before):
