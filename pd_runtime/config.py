@@ -301,6 +301,18 @@ class ClusterConfig(_Strict):
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _pool_defaults(cls, data):
+        # A prefill or decode section that only tunes its engine keeps the pool's one worker;
+        # a colocated pool (none by default) must say how many it wants.
+        if isinstance(data, dict):
+            for role in ("prefill", "decode"):
+                section = data.get(role)
+                if isinstance(section, dict) and "num_workers" not in section:
+                    data = {**data, role: {**section, "num_workers": 1}}
+        return data
+
     @model_validator(mode="after")
     def _check(self):
         if self.decode.num_workers + self.colocated.num_workers == 0:

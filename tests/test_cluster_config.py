@@ -347,6 +347,14 @@ def test_unusable_files(text, line, reason):
     assert error.field == "" and error.line == line and reason in error.reason
 
 
+def test_a_pool_section_tuning_only_its_engine_keeps_its_worker(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("prefill:\n  engine: {dtype: float32}\ndecode:\n  engine: {dtype: float32}\n")
+    cfg = load_cluster_config(path)
+    assert (cfg.prefill.num_workers, cfg.decode.num_workers) == (1, 1)
+    assert cfg.prefill.engine.dtype == cfg.decode.engine.dtype == "float32"
+
+
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_cluster_config(tmp_path / "nope.yaml")
