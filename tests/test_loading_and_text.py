@@ -85,6 +85,37 @@ def test_sharded_checkpoint_loads_identically(llama_dir, tmp_path):
     assert a == b
 
 
+def test_pytorch_bin_checkpoints_load_identically(llama_dir, tmp_path):
+    """Older checkpoints ship pickled PyTorch weights: one pytorch_model.bin, or shards with
+    their index (and a training_args.bin beside them, which is not weights)."""
+    import torch
+
+    tensors = load_file(f"{llama_dir}/model.safetensors")
+    single = copy_model(llama_dir, tmp_path / "single")
+    (single / "model.safetensors").unlink()
+    torch.save(tensors, single / "pytorch_model.bin")
+    (single / "training_args.bin").write_bytes(b"not a state dict")
+    sharded = copy_model(llama_dir, tmp_path / "sharded")
+    (sharded / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for i, keys in enumerate((names[::2], names[1::2])):
+        fname = f"pytorch_model-0000{i + 1}-of-00002.bin"
+        torch.save({k: tensors[k] for k in keys}, sharded / fname)
+        weight_map.update({k: fname for k in keys})
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    prompt = [[5, 9, 33, 70]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = LLM(llama_dir, dtype="float32", num_kv_blocks=32).generate(prompt, params)[0].token_ids
+    for path in (single, sharded):
+        assert LLM(str(path), dtype="float32", num_kv_blocks=32).generate(
+            prompt, params)[0].token_ids == want
+    # A pickle that is not plain tensors is refused, not run.
+    (single / "pytorch_model.bin").write_bytes(b"\x80\x04cos\nsystem\n.")
+    with pytest.raises(ModelLoadError, match="pytorch_model.bin.*weights_only"):
+        load_model(single)
+
+
 def test_padded_vocab_generates_and_decodes(model_factory):
     # Embedding rows beyond the tokenizer (as in Qwen): sampling may pick them.
     path = model_factory("qwen2", vocab_size=640, tokenizer_vocab_size=512)

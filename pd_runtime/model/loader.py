@@ -1,4 +1,5 @@
-"""Loads an HF model directory (config.json + single or sharded safetensors) into LlamaModel.
+"""Loads an HF model directory (config.json + single or sharded safetensors, or PyTorch .bin
+weights as older checkpoints ship them) into LlamaModel.
 
 Every missing file, missing tensor or shape mismatch is a ModelLoadError naming file and tensor.
 """
@@ -49,25 +50,53 @@ def resolve_dtype(requested: str, cfg: ModelConfig, device: str = "cpu") -> torc
 
 
 def _shard_files(model_dir: Path) -> dict[str, Path]:
-    """tensor name -> safetensors file, from the index when the checkpoint is sharded."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = {name: model_dir / fname for name, fname in weight_map.items()}
-        for f in set(files.values()):
-            if not f.is_file():
-                raise ModelLoadError(f"{f}: listed in {index.name} but missing")
-        return files
-    single = model_dir / "model.safetensors"
-    candidates = [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
-    if not candidates:
-        raise ModelLoadError(f"{model_dir}: no model.safetensors or *.safetensors found")
-    files = {}
-    for f in candidates:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                files[name] = f
-    return files
+    """tensor name -> weights file: safetensors (single, sharded by an index, or any *.safetensors),
+    else PyTorch's pickled files (pytorch_model.bin, sharded by its index), as older checkpoints
+    ship them; read with torch.load(weights_only=True), which runs no pickled code."""
+    for index_name, single_name, pattern in (
+            ("model.safetensors.index.json", "model.safetensors", "*.safetensors"),
+            ("pytorch_model.bin.index.json", "pytorch_model.bin", "pytorch_model*.bin")):
+        index = model_dir / index_name
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = {name: model_dir / fname for name, fname in weight_map.items()}
+            for f in set(files.values()):
+                if not f.is_file():
+                    raise ModelLoadError(f"{f}: listed in {index.name} but missing")
+            return files
+        single = model_dir / single_name
+        candidates = [single] if single.is_file() else sorted(model_dir.glob(pattern))
+        if candidates:
+            files = {}
+            for f in candidates:
+                for name in _open_weights(f).keys():
+                    files[name] = f
+            return files
+    raise ModelLoadError(f"{model_dir}: no model.safetensors or *.safetensors found (nor "
+                         "pytorch_model.bin)")
+
+
+def _open_weights(path: Path):
+    """A weights file as a mapping-like reader: `keys()` and `get_tensor(name)`."""
+    if path.suffix == ".safetensors":
+        return safe_open(str(path), framework="pt")
+    try:
+        return _PickledWeights(torch.load(str(path), map_location="cpu", weights_only=True,
+                                          mmap=True))
+    except Exception as exc:  # not a state dict torch can read without running code
+        raise ModelLoadError(f"{path}: not a PyTorch weights file torch.load can read safely "
+                             f"(weights_only): {exc}") from None
+
+
+class _PickledWeights:
+    def __init__(self, state: dict):
+        self.state = state
+
+    def keys(self):
+        return self.state.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.state[name]
 
 
 class _TensorReader:
@@ -80,7 +109,7 @@ class _TensorReader:
         if path is None:
             raise ModelLoadError(f"tensor {name!r} missing from the checkpoint")
         if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
+            self._handles[path] = _open_weights(path)
         tensor = self._handles[path].get_tensor(name)
         if tuple(tensor.shape) != tuple(shape):
             raise ModelLoadError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
