@@ -63,9 +63,11 @@ class ResponseBuilder:
         choice.started = True
         if not (prefix or text or entries or choice.finish_reason or first):
             return None
-        logprobs = self._logprobs(token_ids[:len(entries)], entries, offset) if entries else None
         if prefix and choice.prompt_logprobs is not None:  # the echoed prompt's, then these
-            logprobs = self._with_prompt(choice, logprobs)
+            logprobs = self._with_prompt(choice, token_ids[:len(entries)], entries)
+        else:
+            logprobs = self._logprobs(token_ids[:len(entries)], entries, offset) \
+                if entries else None
         if self.prepared.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text or first:
@@ -90,10 +92,11 @@ class ResponseBuilder:
             entries = choice.logprobs if self.prepared.logprobs is not None else []
             start = len(self.prepared.echo_texts[choice.prompt_index]) \
                 if self.prepared.echo_texts is not None else 0
-            logprobs = self._logprobs(choice.token_ids[:len(entries)], entries, start) \
-                if self.prepared.logprobs is not None else None
-            if logprobs is not None and choice.prompt_logprobs is not None:
-                logprobs = self._with_prompt(choice, logprobs)
+            logprobs = None
+            if self.prepared.logprobs is not None and choice.prompt_logprobs is not None:
+                logprobs = self._with_prompt(choice, choice.token_ids[:len(entries)], entries)
+            elif self.prepared.logprobs is not None:
+                logprobs = self._logprobs(choice.token_ids[:len(entries)], entries, start)
             if self.prepared.kind == "chat":
                 items.append({"index": choice.index, "logprobs": logprobs,
                               "message": {"role": "assistant", "content": choice.text},
@@ -141,36 +144,20 @@ class ResponseBuilder:
             tokens.append(text(token))
             offsets.append(offset)
             offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [float(e[0]) for e in entries],
-                "top_logprobs": [{text(int(k)): float(v) for k, v in e[1].items()}
+        # None: a prompt's first token (echo), which nothing precedes to score it.
+        return {"tokens": tokens,
+                "token_logprobs": [None if e is None else float(e[0]) for e in entries],
+                "top_logprobs": [None if e is None else
+                                 {text(int(k)): float(v) for k, v in e[1].items()}
                                  for e in entries],
                 "text_offset": offsets}
 
-    def _with_prompt(self, choice: _Choice, generated: Optional[dict]) -> dict:
+    def _with_prompt(self, choice: _Choice, token_ids: list[int], entries: list) -> dict:
         """Completions with echo and logprobs: the prompt's tokens first (the first one has no
         logprob: nothing precedes it), then the generated ones; offsets from the token strings
         (a BOS has a string of its own there, not in the echoed text), as vLLM counts them."""
         prompt = self.prepared.prompts[choice.prompt_index]
-        entries = choice.prompt_logprobs
-        text = self._token_text
-        tokens = [text(t) for t in prompt]
-        offsets, at = [], 0
-        for token in tokens:
-            offsets.append(at)
-            at += len(token)
-        out = {"tokens": tokens,
-               "token_logprobs": [None if e is None else float(e[0]) for e in entries],
-               "top_logprobs": [None if e is None else
-                                {text(int(k)): float(v) for k, v in e[1].items()}
-                                for e in entries],
-               "text_offset": offsets}
-        if generated:
-            for key in ("tokens", "token_logprobs", "top_logprobs"):
-                out[key] = out[key] + generated[key]
-            for token in generated["tokens"]:  # on from the prompt's token strings
-                out["text_offset"].append(at)
-                at += len(token)
-        return out
+        return self._logprobs(prompt + token_ids, choice.prompt_logprobs + entries, 0)
 
     def _chat_entry(self, token: int, entry) -> dict:
         text = self._token_text(token)
