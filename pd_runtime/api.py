@@ -73,6 +73,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # token id -> added to its logit; keys may arrive as strings (JSON object keys).
     logit_bias: Optional[dict[int, float]] = None
+    # The output held to a JSON schema, regex, choice list or grammar (structured.py): a dict
+    # with one of json, regex, choice, grammar, json_object, as vLLM's structured_outputs.
+    structured_outputs: Optional[dict] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -147,6 +150,15 @@ class SamplingParams:
                 and 0.0 < self.repetition_penalty < math.inf):
             bad("repetition_penalty", f"must be a finite number > 0, got "
                 f"{self.repetition_penalty!r}")
+        if self.structured_outputs is not None:
+            from pd_runtime import structured
+
+            structured.check(self.structured_outputs)  # compiled once per spec (cached)
+            if self.min_tokens:
+                # The grammar decides where the output ends; a floor on its length would
+                # leave no token to choose once the grammar is complete.
+                bad("min_tokens", "cannot be combined with structured outputs (the grammar "
+                    "decides where the output ends)")
         if self.logit_bias is not None:
             if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
                 bad("logit_bias", f"may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got "

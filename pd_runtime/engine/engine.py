@@ -18,6 +18,7 @@ from pd_runtime.config import EngineConfig
 from pd_runtime.engine import prompt_logprobs
 from pd_runtime.engine.block_manager import BlockManager
 from pd_runtime.engine.detokenizer import detokenize_step
+from pd_runtime.engine.grammar import GrammarMasks
 from pd_runtime.engine.model_runner import ModelRunner
 from pd_runtime.engine.outputs import RequestOutput, apply_stop_strings, merged  # noqa: F401
 from pd_runtime.engine.remote_kv import RemoteKV
@@ -58,6 +59,7 @@ class LLMEngine:
         self.remote = RemoteKV(self)  # disaggregation: reserved blocks, held blocks
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.sampler = Sampler(config.seed, config.device, self.eos_token_ids)
+        self.grammars = GrammarMasks(self.tokenizer, self.model_config.vocab_size)
         self.num_steps = 0
         self.speculator = None
         if config.speculative_method == "ngram":
@@ -164,6 +166,7 @@ class LLMEngine:
             req.prompt_logprobs = [None] * len(ids)
         if params.seed is not None:
             req.generator = Sampler.make_generator(params.seed, self.config.device)
+        req.grammar = self.grammars.start(params)
         return req
 
     def abort(self, request_id: str) -> bool:
@@ -304,8 +307,10 @@ class LLMEngine:
         history up to its position, a seeded request's rows drawing from its generator in
         order (whose state after each draft row is kept, to put back what a rejection
         discards)."""
-        params, generators, histories, keep = [], [], [], set()
+        params, generators, histories, constrained, keep = [], [], [], [], set()
         for req, s in sampled:
+            if req.grammar is not None:  # one row: such a request is given no drafts
+                constrained.append((len(params), req))
             for j in range(len(s.draft_ids) + 1):
                 if j and req.generator is not None and not req.params.greedy:
                     keep.add(len(params) - 1)
@@ -313,11 +318,14 @@ class LLMEngine:
                 generators.append(req.generator)
                 histories.append((req.prompt_token_ids, req.output_token_ids + s.draft_ids[:j]
                                   if j and req.params.adjusts_logits else req.output_token_ids))
+        self.grammars.mask(logits, constrained)
         if keep:
             return self.sampler(logits, params, generators, histories, keep_states=keep)
         return self.sampler(logits, params, generators, histories)
 
     def _draft(self, req: Request, budget: int) -> list[int]:
+        if req.grammar is not None:
+            return []
         return self.speculator.draft(req, budget, self.max_model_len)
 
     def _prompt_budget(self) -> Optional[int]:
@@ -343,7 +351,9 @@ class LLMEngine:
     def _finish_token(self, req: Request, token: int, logprob) -> RequestOutput:
         params = req.params
         reason = None
-        if not params.ignore_eos and token in req.eos_token_ids:
+        # Under a grammar, EOS is only ever allowed where the grammar is complete: it ends the
+        # request even under ignore_eos.
+        if token in req.eos_token_ids and (not params.ignore_eos or req.grammar is not None):
             reason = FinishReason.STOP
         elif token in params.stop_token_ids:
             reason = FinishReason.STOP

@@ -84,6 +84,9 @@ class Sampler:
         # Logprobs are those of the model's raw logits, before bias, penalties and temperature:
         # what vLLM reports by default (logprobs_mode "raw_logprobs").
         raw_logprobs = torch.log_softmax(logits[_long(want, device)], dim=-1) if want else None
+        if raw_logprobs is not None:
+            # A token a grammar rules out has -inf; -9999 (as vLLM reports it) stays valid JSON.
+            raw_logprobs = raw_logprobs.clamp(min=-9999.0)
         logits = self.adjust_logits(logits, params, histories)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]

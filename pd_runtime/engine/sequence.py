@@ -65,6 +65,7 @@ class Request:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     lookup: Any = None                 # speculative decoding's per-request state (speculative.py)
+    grammar: Any = None                # structured outputs' matcher state (grammar.py)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,181 @@
+"""Structured outputs in the engine (pd_runtime/engine/grammar.py): each kind of spec holds the
+output to it, and a constrained request gives the same tokens alone or batched, colocated or
+disaggregated, resumed after a lost worker, with speculation on or off."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import jsonschema
+import pytest
+
+from pd_runtime import LLM, SamplingParams
+from pd_runtime.api import InvalidRequestError
+from tests.test_disaggregated_engine import disaggregated, dtype, pair, run_to_end  # noqa: F401
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                  "maxItems": 3},
+                         "ok": {"type": "boolean"}}}
+# Compact JSON: the random test model would otherwise fill max_tokens with whitespace.
+JSON = {"json": SCHEMA, "disable_any_whitespace": True}
+REGEX = {"regex": r"[a-z]{2,5}-[0-9]{1,3}"}
+CHOICE = {"choice": ["alpha", "beta", "gamma delta"]}
+GRAMMAR = {"grammar": 'start: "(" NUM ("+" NUM)? ("+" NUM)? ")"\nNUM: /[0-9]{1,2}/'}
+SPECS = [JSON, REGEX, CHOICE, GRAMMAR]
+PROMPTS = ["The answer is", "Once upon a time there was", "def f(x):", "Name and age:"]
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(llama_dir, num_kv_blocks=256)
+
+
+def params(spec, i=0, greedy=False, **kw):
+    sampling = dict(temperature=0.0) if greedy else dict(temperature=1.0, seed=11 + i)
+    return SamplingParams(max_tokens=120, structured_outputs=spec, **sampling, **kw)
+
+
+def holds(spec, text: str) -> bool:
+    if "json" in spec:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    if "regex" in spec:
+        return re.fullmatch(spec["regex"], text) is not None
+    if "choice" in spec:
+        return text in spec["choice"]
+    return re.fullmatch(r"\([0-9]{1,2}(\+[0-9]{1,2}){0,2}\)", text) is not None
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_each_kind_of_spec_holds_the_output(llm, greedy):
+    outs = llm.generate([p for p in PROMPTS for _ in SPECS],
+                        [params(s, i, greedy) for i, (_, s) in
+                         enumerate((p, s) for p in PROMPTS for s in SPECS)])
+    for i, out in enumerate(outs):
+        spec = SPECS[i % len(SPECS)]
+        assert out.finish_reason == "stop", (spec, out.text)
+        assert holds(spec, out.text), (spec, out.text)
+        assert out.token_ids[-1] in llm.engine.eos_token_ids  # the grammar's end, then EOS
+
+
+def test_json_object_starts_an_object(llm):
+    out = llm.generate(["x"], SamplingParams(max_tokens=40, temperature=0.0,
+                                             structured_outputs={"json_object": True}))[0]
+    assert out.text.startswith("{")
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(out.text), dict)
+
+
+def test_same_tokens_alone_and_batched(llm):
+    """Masks are per row: a constrained request's tokens do not depend on its batch, which
+    mixes constrained and unconstrained requests."""
+    free = SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True)
+    batch = llm.generate(PROMPTS + PROMPTS, [params(s, i) for i, s in enumerate(SPECS)]
+                         + [free] * len(PROMPTS))
+    for i, spec in enumerate(SPECS):
+        alone = llm.generate([PROMPTS[i]], [params(spec, i)])[0]
+        assert alone.token_ids == batch[i].token_ids and alone.text == batch[i].text
+
+
+def test_disaggregated_and_resumed_equal_colocated(pair, llama_dir):  # noqa: F811
+    """The prefill worker's first token is chosen under the grammar; the decode worker's
+    matcher consumes it before its own first mask; a resumed request's matcher its resumed
+    tokens."""
+    prefill, decode = pair
+    reference = LLM(llama_dir, dtype=prefill.config.dtype, num_kv_blocks=128)
+    items = [(f"r{i}", reference.engine.tokenize_prompt(p)) for i, p in enumerate(PROMPTS)]
+    sampling = [params(s, i) for i, s in enumerate(SPECS)]
+    want = reference.generate([ids for _, ids in items], sampling)
+    texts: dict = {}
+    got = disaggregated(prefill, decode, items, sampling, texts)
+    for (rid, _), out in zip(items, want):
+        assert got[rid] == out.token_ids and texts[rid] == out.text, rid
+    engine = reference.engine
+    for (rid, ids), p, out in zip(items, sampling, want):
+        cut = len(out.token_ids) // 2
+        engine.add_request(rid, ids, p, resume_output_ids=out.token_ids[:cut])
+        rest: dict = {}
+        run_to_end(engine, rest)
+        assert out.token_ids[:cut] + rest[rid] == out.token_ids, rid
+
+
+def test_speculation_changes_nothing(llama_dir, llm):
+    spec_llm = LLM(llama_dir, num_kv_blocks=256, speculative_method="ngram",
+                   speculative_tokens=4, speculative_ngram_min=1)
+    sampling = [params(s, i, greedy=True) for i, s in enumerate(SPECS)]
+    want = llm.generate(PROMPTS, sampling)
+    got = spec_llm.generate(PROMPTS, sampling)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = spec_llm.engine.speculator.stats
+    assert stats.report()["drafted_tokens"] == 0
+    # The same engine drafts for an unconstrained request that repeats itself.
+    spec_llm.generate(["a b c a b c a b c a b c"], SamplingParams(max_tokens=24, temperature=0.0,
+                                                                  ignore_eos=True))
+    assert stats.report()["drafted_tokens"] > 0
+
+
+def test_the_grammars_end_ends_the_request_under_ignore_eos(llm):
+    out = llm.generate(["pick"], params(CHOICE, greedy=True, ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.text in CHOICE["choice"]
+    assert out.token_ids[-1] in llm.engine.eos_token_ids
+
+
+def test_logprobs_of_ruled_out_tokens_stay_finite(llm):
+    out = llm.generate(["pick"], params(CHOICE, greedy=True, logprobs=5))[0]
+    for chosen, top in out.logprobs:
+        assert math.isfinite(chosen) and chosen > -9999
+        assert all(-9999.0 <= v <= 0 for v in top.values())
+    json.dumps(out.logprobs, allow_nan=False)  # an HTTP body can carry them
+    # Where only EOS is allowed, everything else is reported at the floor.
+    assert -9999.0 in out.logprobs[-1][1].values()
+
+
+@pytest.mark.parametrize("spec, says", [
+    ({"regex": "a(b"}, "unclosed group"),
+    ({"json": {"type": "nonsense"}}, "nonsense"),
+    ({"json": "{not json"}, "not JSON"),
+    ({"grammar": "start: undefined_rule"}, "undefined_rule"),
+    ({"choice": []}, "choice"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one"),
+    ({}, "exactly one"),
+    ({"regex": "a", "whitespace_pattern": " "}, "whitespace_pattern"),
+    ({"json_object": True, "disable_any_whitespace": "yes"}, "boolean"),
+    ("a", "must be an object"),
+])
+def test_bad_specs_are_refused_naming_the_field(spec, says):
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(structured_outputs=spec)
+    assert caught.value.param == "structured_outputs" and says in str(caught.value)
+
+
+def test_min_tokens_with_a_grammar_is_refused():
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(min_tokens=3, max_tokens=8, structured_outputs=CHOICE)
+    assert caught.value.param == "min_tokens"
+
+
+def test_disable_additional_properties_closes_every_object(llm):
+    """vLLM's disable_additional_properties: objects that leave additionalProperties out get
+    false, nested ones too; a property named like a keyword is not taken for one."""
+    from pd_runtime.structured import _closed
+
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "items": {"type": "array", "items": {"type": "object"}}}}
+    closed = _closed(json.loads(json.dumps(schema)))
+    assert closed["additionalProperties"] is False
+    inner = closed["properties"]
+    assert inner["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in inner  # the property map itself is no schema
+    assert inner["items"]["items"]["additionalProperties"] is False
+    out = llm.generate(["x"], SamplingParams(
+        max_tokens=80, temperature=0.0, structured_outputs={
+            "json": {"type": "object", "properties": {"k": {"type": "boolean"}},
+                     "required": ["k"]},
+            "disable_additional_properties": True, "disable_any_whitespace": True}))[0]
+    assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"k"}
