@@ -23,6 +23,11 @@ PARAM = "structured_outputs"
 # Bounds the work a request can ask of the router and of each engine step.
 MAX_SPEC_CHARS = 100_000
 MAX_CHOICES = 1024
+# Whitespace between JSON tokens: a run of spaces or tabs, or one line break and its
+# indentation, at most 32 characters each. Whatever a formatter writes, but a model cannot
+# fill max_tokens with blank lines, as it can where any run is allowed (vLLM's default).
+# disable_any_whitespace: none at all.
+JSON_WHITESPACE = r"(?:[\x20\x09]{1,32}|\x0D?\x0A[\x20\x09]{0,32})"
 
 
 def check(spec: Any, param: str = PARAM) -> None:
@@ -85,8 +90,9 @@ def _compiled(key: str, param: str) -> str:
             _bad(f"json must be a JSON schema (an object), got {type(schema).__name__}")
         if spec.get("disable_additional_properties"):
             schema = _closed(copy.deepcopy(schema))
-        grammar = matcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": not spec.get("disable_any_whitespace")})
+        options = {"whitespace_flexible": False} if spec.get("disable_any_whitespace") \
+            else {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
+        grammar = matcher.grammar_from_json_schema(schema, defaults=options)
     elif kind == "regex":
         if not isinstance(value, str):
             _bad("regex must be a string")

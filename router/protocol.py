@@ -19,6 +19,7 @@ from pd_runtime.api import InvalidRequestError, SamplingParams
 from router.chat_prompt import chat_text
 from router.schema import (ChatCompletionRequest, ChoiceSpec, CompletionRequest, InvalidRequest,
                            PreparedRequest, Body, SamplingBody)
+from router.structured_fields import structured_spec
 from router.text_checks import lone_surrogate_field, min_tokens
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -32,7 +33,6 @@ MAX_STOP_TOKEN_IDS = 1024
 # else is refused naming the field, rather than accepted and silently ignored.
 _OFF_VALUES: dict[str, tuple] = {
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True),  # OpenAI's default; without tools it does nothing
@@ -44,14 +44,11 @@ _OFF_VALUES: dict[str, tuple] = {
     "reasoning_effort": (None,),
     "web_search_options": (None,),
     # vLLM's extensions that would change the output: its per-request template (this server
-    # renders the model's own), structured outputs, token restrictions, beam search.
+    # renders the model's own), token restrictions, beam search. (Structured outputs:
+    # router/structured_fields.py.)
     "chat_template": (None,),
     "documents": (None, []),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
+    "guided_whitespace_pattern": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "prompt_logprobs": (None,),
@@ -172,6 +169,9 @@ def _sampling_fields(body: SamplingBody, max_tokens: Optional[int], vocab_size: 
     params["min_tokens"] = body.min_tokens
     params["include_stop_str_in_output"] = body.include_stop_str_in_output
     params["skip_special_tokens"] = body.skip_special_tokens
+    spec, _ = structured_spec(body.model_extra or {}) if body.model_extra else (None, None)
+    if spec is not None:
+        params["structured_outputs"] = spec
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
     return params

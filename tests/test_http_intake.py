@@ -267,7 +267,6 @@ def test_lone_surrogates_are_400_and_pairs_are_text(url):
 UNIMPLEMENTED = [  # (field, a value that would need the feature, values that mean "off")
     ("best_of", 3, [None, 1]),
     ("suffix", "tail", [None, ""]),
-    ("response_format", {"type": "json_object"}, [None, {"type": "text"}]),
     ("tools", [{"type": "function", "function": {"name": "f"}}], [None, []]),
     ("tool_choice", "auto", [None, "none"]),
     ("parallel_tool_calls", False, [None, True]),

@@ -61,7 +61,7 @@ def test_truncate_prompt_tokens_keeps_the_end(server, client, offline, llama_dir
                          ({"truncate_prompt_tokens": limit + 1}, "truncate_prompt_tokens"),
                          # Kept, it still leaves no room for max_tokens: refused as any prompt.
                          ({"truncate_prompt_tokens": limit - 1}, "prompt"),
-                         ({"guided_json": {"type": "object"}}, "guided_json"),
+                         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
                          ({"use_beam_search": True}, "use_beam_search"),
                          ({"cache_salt": "mine"}, "cache_salt")):
         with pytest.raises(openai.BadRequestError) as caught:
