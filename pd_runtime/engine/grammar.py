@@ -35,6 +35,7 @@ class GrammarMasks:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size  # the logits' width
         self._ll_tokenizer = None      # built at the first constrained request (~ms to ~1 s)
+        self._executor = None          # llguidance's thread pool for a batch's masks
 
     def start(self, params: SamplingParams) -> Optional[GrammarState]:
         """The state of a new request (None when its output is unconstrained)."""
@@ -67,14 +68,17 @@ class GrammarMasks:
 
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, Any]]) -> None:
         """Rules out, in place, every token the grammar of request `req` does not allow next in
-        its row, for each (row, req) in `rows` (requests with a GrammarState). One host-to-
-        device copy of the packed masks per step."""
+        its row, for each (row, req) in `rows` (requests with a GrammarState). The masks are
+        computed on the host in parallel (llguidance's executor); on a device, the packed
+        bits (1/32 of the logits' size) are what is copied there and unpacked."""
         if not rows:
             return
+        import llguidance
         import llguidance.numpy as llnp
 
         width = self._tokenizer_for_grammars().vocab_size
         bits = llnp.allocate_token_bitmask(len(rows), width)
+        matchers = []
         for j, (_, req) in enumerate(rows):
             state: GrammarState = req.grammar
             new = req.output_token_ids[state.consumed:]
@@ -83,15 +87,30 @@ class GrammarMasks:
                             "from here", req.request_id,
                             state.matcher.get_error().splitlines()[0])
             state.consumed = len(req.output_token_ids)
-            # A matcher in an error state allows EOS alone: the request ends.
-            llnp.fill_next_token_bitmask(state.matcher, bits, j)
-        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+            matchers.append((state.matcher, j))  # one in an error state allows EOS alone
+        if len(matchers) == 1:
+            llnp.fill_next_token_bitmask(matchers[0][0], bits, 0)
+        else:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llnp.fill_next_token_bitmask_par(self._executor, matchers, bits)
         vocab = logits.shape[1]
-        allowed = torch.from_numpy(allowed[:, :vocab].astype(bool))
-        if allowed.shape[1] < vocab:  # logits wider than the tokenizer: those ids never fit
-            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-        index = torch.tensor([row for row, _ in rows], dtype=torch.long)
-        if logits.device.type != "cpu":
-            allowed, index = allowed.to(logits.device), index.to(logits.device)
+        if logits.device.type == "cpu":
+            ruled_out = torch.from_numpy(
+                np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little") == 0)
+        else:
+            packed = torch.from_numpy(bits).to(logits.device)
+            shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+            ruled_out = ((packed.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1) == 0
+        ruled_out = ruled_out[:, :vocab]
+        if ruled_out.shape[1] < vocab:  # logits wider than the tokenizer: those ids never fit
+            ruled_out = torch.nn.functional.pad(ruled_out, (0, vocab - ruled_out.shape[1]),
+                                                value=True)
+        if len(rows) < logits.shape[0]:  # other rows stay as they are
+            index = torch.tensor([row for row, _ in rows], dtype=torch.long,
+                                 device=logits.device)
+            full = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+            full[index] = ruled_out
+            ruled_out = full
         with torch.inference_mode():  # the runner's logits are inference tensors
-            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+            logits.masked_fill_(ruled_out, float("-inf"))
