@@ -125,6 +125,35 @@ def test_both_paths_same_greedy_text_and_metrics(product):
     assert 'pd_ttft_seconds_count{path="colocated"}' in text
 
 
+def test_structured_outputs_same_text_on_both_paths(product):
+    """The prefill worker chooses the first token under the grammar, the decode worker goes on
+    from it: the text of a disaggregated request is the offline engine's, as a colocated one's."""
+    from pd_runtime import LLM, SamplingParams
+
+    client, port = product["client"], product["port"]
+    schema = {"type": "object", "required": ["id", "ok"], "additionalProperties": False,
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                             "ok": {"type": "boolean"}}}
+    llm = LLM(product["model_dir"], dtype="float32", num_kv_blocks=NUM_BLOCKS)
+    cases = [({"guided_regex": "[a-z]{3,8}"}, {"regex": "[a-z]{3,8}"}),
+             ({"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+              {"json": schema, "disable_any_whitespace": True})]
+    for i, (extra, spec) in enumerate(cases):
+        for prompt in (SHORT + f" {i}", fresh_long(f"so{i}x")):
+            before = decisions(port)
+            got = client.completions.create(model=client.models.list().data[0].id,
+                                            prompt=prompt, max_tokens=40, temperature=1.0,
+                                            seed=3, extra_body=extra)
+            after = decisions(port)
+            want = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=1.0, seed=3,
+                                                         structured_outputs=spec))[0]
+            assert got.choices[0].text == want.text, (extra, prompt[:20])
+            assert got.choices[0].finish_reason == want.finish_reason == "stop"
+            if prompt != SHORT + f" {i}":
+                assert after.get(("disaggregated", "long_prompt"), 0) == before.get(
+                    ("disaggregated", "long_prompt"), 0) + 1
+
+
 def set_routing(product, **routing):
     write_config(product["path"], product["model_dir"], **routing)
     deadline = time.monotonic() + 10
