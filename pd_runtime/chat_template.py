@@ -78,6 +78,21 @@ class ChatTemplate:
         return text[:at].rstrip()  # the template trimmed the content: so is its end here
 
 
+def tool_call_format(template: Optional[str]) -> Optional[str]:
+    """The tool-call format a chat template teaches its model (router/tools.py reads calls in
+    it): "hermes" (<tool_call> blocks: Qwen2.5, Qwen3, Hermes), "mistral" ([TOOL_CALLS]),
+    "llama3_json" (Llama 3.1-3.3's JSON calls), or None."""
+    if not template:
+        return None
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or ('"parameters"' in template and "ipython" in template):
+        return "llama3_json"
+    return None
+
+
 def _tojson(value: Any, ensure_ascii: bool = False, indent=None, separators=None,
             sort_keys: bool = False) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,

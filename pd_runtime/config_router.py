@@ -153,6 +153,11 @@ class RouterConfig(_Strict):
     # What a request that leaves a sampling field out gets: "model", the sampling fields of the
     # model's generation_config.json (as vLLM does), else OpenAI's; "openai", always OpenAI's.
     sampling_defaults: Literal["model", "openai"] = "model"
+    # How the model writes tool calls, for chat requests with tool_choice "auto"
+    # (router/tools.py): "auto", the format its chat template shows (<tool_call> blocks:
+    # hermes; [TOOL_CALLS]: mistral; <|python_tag|>: llama3_json), else none; "none": auto
+    # tool choice refused.
+    tool_call_parser: Literal["auto", "hermes", "mistral", "llama3_json", "none"] = "auto"
 
     @model_validator(mode="after")
     def _check(self):

@@ -8,9 +8,12 @@ A message's text parts are joined with newlines, as vLLM joins them for text-onl
 
 from __future__ import annotations
 
+from typing import Optional
+
 from pd_runtime.api import InvalidRequestError
 from pd_runtime.chat_template import ChatTemplateError
 from router.schema import ChatCompletionRequest, ChatMessage, InvalidRequest
+from router.tools import template_messages
 
 # Names the renderer sets itself: a chat_template_kwargs entry may not replace them.
 _RESERVED = frozenset({"messages", "add_generation_prompt", "continue_final_message",
@@ -33,8 +36,9 @@ def _message_dict(message: ChatMessage, index: int) -> dict:
     return out
 
 
-def chat_text(body: ChatCompletionRequest, tokenizer) -> str:
-    """The rendered prompt; a 400 naming the field for anything the template or options refuse."""
+def chat_text(body: ChatCompletionRequest, tokenizer, tools: Optional[list] = None) -> str:
+    """The rendered prompt; a 400 naming the field for anything the template or options refuse.
+    `tools`: the request's tools, for the template (router/tools.py)."""
     if not body.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     variables = dict(body.chat_template_kwargs or {})
@@ -45,7 +49,10 @@ def chat_text(body: ChatCompletionRequest, tokenizer) -> str:
     if body.continue_final_message and body.add_generation_prompt:
         raise InvalidRequest("continue_final_message needs add_generation_prompt: false",
                              param="continue_final_message")
-    dicts = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+    dicts = template_messages([_message_dict(m, i) for i, m in enumerate(body.messages)],
+                              body.messages)
+    if tools is not None:
+        variables["tools"] = tools
     try:
         return tokenizer.apply_chat_template(
             dicts, add_generation_prompt=body.add_generation_prompt,

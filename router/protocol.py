@@ -20,6 +20,7 @@ from router.chat_prompt import chat_text
 from router.schema import (ChatCompletionRequest, ChoiceSpec, CompletionRequest, InvalidRequest,
                            PreparedRequest, Body, SamplingBody)
 from router.structured_fields import structured_spec
+from router.tools import prepare as prepare_tools
 from router.text_checks import lone_surrogate_field, min_tokens
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -110,8 +111,14 @@ def _int64(value: Optional[int], param: str) -> None:
         raise InvalidRequest(f"{param} must fit in a signed 64-bit integer", param=param)
 
 
-def _refuse_unimplemented(body: SamplingBody, data: dict) -> None:
+# What chat completions implement of _OFF_VALUES (router/tools.py); completions refuse them.
+_CHAT_ONLY = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+
+
+def _refuse_unimplemented(body: SamplingBody, data: dict, chat: bool = False) -> None:
     for name, off in _OFF_VALUES.items():
+        if chat and name in _CHAT_ONLY:
+            continue
         value = data.get(name)
         if not any(_same_json(value, o) for o in off):
             allowed = " or ".join(json.dumps(o) for o in off)
@@ -352,7 +359,9 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
     defaults = defaults or {}
     body: ChatCompletionRequest = _validate(ChatCompletionRequest, data)
     _check_model(body.model, model_name)
-    _refuse_unimplemented(body, data)
+    _refuse_unimplemented(body, data, chat=True)
+    tools, tool_spec, tool_plan = prepare_tools(body.model_extra or {},
+                                                getattr(tokenizer, "tool_call_format", None))
     if body.echo:
         raise InvalidRequest("echo is not supported on chat completions",
                              param="echo", code="unsupported_parameter")
@@ -360,7 +369,7 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
         else body.max_tokens
     truncation = _truncation(body, max_model_len, requested or 1)
     # As Tokenizer.encode_chat: the template already carries any BOS (vLLM's default too).
-    text = chat_text(body, tokenizer)
+    text = chat_text(body, tokenizer, tools)
     prompt = _encode(text, tokenizer, max_model_len, "messages", bool(body.add_special_tokens),
                      truncating=truncation is not None)
     prompt = _cut(prompt, text, tokenizer, truncation)
@@ -372,6 +381,15 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
     max_tokens = requested if requested is not None else \
         _default_max_tokens(max(1, max_model_len - len(prompt)), defaults)
     params = _sampling_fields(body, max_tokens, tokenizer.vocab_size, defaults)
+    if tool_spec is not None:
+        if "structured_outputs" in params:
+            raise InvalidRequest(f"{structured_spec(body.model_extra)[1]}: a request may ask "
+                                 f"for one structured output; tool_choice "
+                                 f"{json.dumps(body.model_extra.get('tool_choice'))} holds "
+                                 f"the output to the tools' calls", param="tool_choice")
+        params["structured_outputs"] = tool_spec
+    if tool_plan is not None and tool_plan.mode == "auto":
+        params["skip_special_tokens"] = False  # a format's markers may be special tokens
     logprobs = None
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -380,7 +398,8 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
     sampling = _check_sampling(params, {"max_tokens": param, "logprobs": "top_logprobs"})
     _check_length(prompt, max_tokens, max_model_len, "messages")
     return PreparedRequest("chat", model_name, [prompt], _choices([prompt], body.n, sampling),
-                           bool(body.stream), _include_usage(body), body.priority, logprobs)
+                           bool(body.stream), _include_usage(body), body.priority, logprobs,
+                           tools=tool_plan)
 
 
 def _include_usage(body: SamplingBody) -> bool:

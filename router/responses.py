@@ -13,6 +13,7 @@ from functools import lru_cache
 from typing import Any, Optional
 
 from router.protocol import PreparedRequest
+from router.tools import CallStream, new_call, read_calls
 
 
 @dataclass
@@ -26,6 +27,8 @@ class _Choice:
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[list] = None  # echo with logprobs: per prompt position
     started: bool = False  # a stream event went out for it (chat: the role; completions: echo)
+    calls: Optional[CallStream] = None  # chat with tools: what of the output is content
+    call_id: str = ""  # a named tool_choice's one call
 
 
 class ResponseBuilder:
@@ -34,6 +37,12 @@ class ResponseBuilder:
         self.id = response_id
         self.created = int(time.time())
         self.choices = [_Choice(c.index, c.prompt_index) for c in prepared.choices]
+        self.tools = prepared.tools
+        for choice in self.choices if self.tools is not None else ():
+            if self.tools.mode == "named":
+                choice.call_id = new_call(self.tools.name, "")["id"]
+            else:
+                choice.calls = CallStream(self.tools)
         self._token_text = _token_texts(tokenizer)
 
     # -- accumulation and streaming ----------------------------------------------------------
@@ -70,8 +79,12 @@ class ResponseBuilder:
                 if entries else None
         if self.prepared.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text or first:
+            if self.tools is not None:
+                self._tool_delta(choice, delta, text, first)
+            elif text or first:
                 delta["content"] = text
+            if not (delta or logprobs or choice.finish_reason):
+                return None  # all held back (a call's start)
             item = {"index": index, "delta": delta, "logprobs": logprobs,
                     "finish_reason": choice.finish_reason}
         else:
@@ -98,15 +111,54 @@ class ResponseBuilder:
             elif self.prepared.logprobs is not None:
                 logprobs = self._logprobs(choice.token_ids[:len(entries)], entries, start)
             if self.prepared.kind == "chat":
-                items.append({"index": choice.index, "logprobs": logprobs,
-                              "message": {"role": "assistant", "content": choice.text},
-                              "finish_reason": choice.finish_reason})
+                message, finish = self._message(choice)
+                items.append({"index": choice.index, "logprobs": logprobs, "message": message,
+                              "finish_reason": finish})
             else:
                 items.append({"index": choice.index, "text": choice.text, "logprobs": logprobs,
                               "finish_reason": choice.finish_reason})
         body = self._envelope(self._object, items, stream=False)
         body["usage"] = self.usage()
         return body
+
+    def _message(self, choice: _Choice) -> tuple[dict, Optional[str]]:
+        """A finished chat choice's message and finish reason, its calls read out when it
+        has tools: "tool_calls" when the model called under "auto" or "required"; a named
+        function's call ends with the output's own reason (as OpenAI's)."""
+        if self.tools is None:
+            return {"role": "assistant", "content": choice.text}, choice.finish_reason
+        if self.tools.mode == "named":
+            calls = [{"id": choice.call_id, "type": "function",
+                      "function": {"name": self.tools.name, "arguments": choice.text}}]
+            return {"role": "assistant", "content": None, "tool_calls": calls}, \
+                choice.finish_reason
+        content, calls = read_calls(self.tools, choice.text)
+        if not calls:
+            return {"role": "assistant", "content": choice.text}, choice.finish_reason
+        finish = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": calls}, finish
+
+    def _tool_delta(self, choice: _Choice, delta: dict, text: str, first: bool) -> None:
+        """A streamed chat delta with tools: a named call's arguments as they come; otherwise
+        the content that cannot be a call's start, and the calls whole at the end."""
+        if self.tools.mode == "named":
+            if first:
+                delta["tool_calls"] = [{"index": 0, "id": choice.call_id, "type": "function",
+                                        "function": {"name": self.tools.name,
+                                                     "arguments": text}}]
+            elif text:
+                delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
+            return
+        content = choice.calls.feed(choice.text)
+        if choice.finish_reason is not None:
+            rest, calls = choice.calls.finish(choice.text)
+            content += rest
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                if choice.finish_reason == "stop":
+                    choice.finish_reason = "tool_calls"
+        if content or first:
+            delta["content"] = content
 
     def usage(self) -> dict:
         prompt_tokens = sum(len(p) for p in self.prepared.prompts)

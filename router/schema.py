@@ -111,3 +111,4 @@ class PreparedRequest:
     priority: int
     logprobs: Optional[int]  # top-n asked for (0: only the sampled token), None: not asked
     echo_texts: Optional[list[str]] = None  # completions with echo: the text of each prompt
+    tools: Any = None  # chat with tool calls: router/tools.py's ToolPlan

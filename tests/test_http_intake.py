@@ -267,6 +267,7 @@ def test_lone_surrogates_are_400_and_pairs_are_text(url):
 UNIMPLEMENTED = [  # (field, a value that would need the feature, values that mean "off")
     ("best_of", 3, [None, 1]),
     ("suffix", "tail", [None, ""]),
+    # On chat completions these are tool calling (tests/test_http_tools.py).
     ("tools", [{"type": "function", "function": {"name": "f"}}], [None, []]),
     ("tool_choice", "auto", [None, "none"]),
     ("parallel_tool_calls", False, [None, True]),
@@ -285,6 +286,8 @@ def test_unimplemented_fields_are_refused_unless_off(url, field, on, offs):
     bodies = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
               "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
                                        "max_tokens": 2}}
+    if field in ("tools", "tool_choice", "parallel_tool_calls"):
+        del bodies["/v1/chat/completions"]
     with httpx.Client(base_url=url, timeout=60) as http:
         for path, body in bodies.items():
             error = assert_error_body(http.post(path, json={**body, field: on}), 400, field)

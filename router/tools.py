@@ -1,0 +1,291 @@
+"""Tool calling on chat completions, as OpenAI's API and vLLM's serve it: `tools` (functions
+with JSON-schema parameters) go to the chat template, earlier calls and their results go back
+to it in the messages, and the answer's calls come out as `message.tool_calls`.
+
+`tool_choice` says how the calls are made:
+  a named function   the output is held to that function's parameters (structured outputs):
+                     always one call, whatever the model; finish_reason "stop" (as OpenAI)
+  "required"         the output is held to a JSON array of {"name", "parameters"} calls of
+                     the given tools (at least one; one with parallel_tool_calls false)
+  "auto"             the model decides, in the format its chat template teaches it, read back
+                     by that format's parser (TOOL_FORMATS: the one the template shows, or
+                     router.tool_call_parser); finish_reason "tool_calls" when it called
+  "none"             plain text (the tools still go to the template, as vLLM passes them)
+The default is "auto" with tools, "none" without.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pd_runtime import structured
+from pd_runtime.api import InvalidRequestError
+from router.schema import InvalidRequest
+
+_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+MAX_TOOLS = 128
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What the response side needs: how to read the output into calls."""
+    mode: str                   # "named", "required" or "auto"
+    name: Optional[str] = None  # the named function
+    parser: Optional[str] = None  # auto: a TOOL_FORMATS key
+    parallel: bool = True
+
+
+def prepare(data: dict, tool_format: Optional[str]
+            ) -> tuple[Optional[list], Optional[dict], Optional[ToolPlan]]:
+    """(the tools for the template, the structured-outputs spec, the plan) of a chat body;
+    (None, None, None) without tools. `tool_format`: the model's tool-call format, a
+    TOOL_FORMATS key (Tokenizer.tool_call_format: its chat template's, or
+    router.tool_call_parser), or None."""
+    tools, choice = data.get("tools"), data.get("tool_choice")
+    parallel = data.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool) and parallel is not None:
+        raise InvalidRequest("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
+    if not tools:
+        if choice not in (None, "none"):
+            raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+        return None, None, None
+    functions = _functions(tools)
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return list(tools), None, None
+    if choice == "required":
+        calls = [{"type": "object", "additionalProperties": False,
+                  "required": ["name", "parameters"],
+                  "properties": {"name": {"type": "string", "enum": [name]},
+                                 "parameters": params}}
+                 for name, params in functions.items()]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if parallel is False:
+            schema["maxItems"] = 1
+        return list(tools), _checked({"json": schema}), \
+            ToolPlan("required", parallel=parallel is not False)
+    if choice == "auto":
+        parser = tool_format if tool_format in TOOL_FORMATS else None
+        if parser is None:
+            raise InvalidRequest("tool_choice auto needs the model's tool-call format, and its "
+                                 "chat template shows none (set router.tool_call_parser, or "
+                                 "send tool_choice required or a named function)",
+                                 param="tool_choice")
+        return list(tools), None, ToolPlan("auto", parser=parser,
+                                           parallel=parallel is not False)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
+        choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
+    if name is None:
+        raise InvalidRequest('tool_choice must be "none", "auto", "required" or {"type": '
+                             '"function", "function": {"name": ...}}', param="tool_choice")
+    if name not in functions:
+        raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools",
+                             param="tool_choice")
+    return list(tools), _checked({"json": functions[name]}), ToolPlan("named", name=name)
+
+
+def _checked(spec: dict) -> dict:
+    """A grammar from the tools' parameter schemas: one that cannot be enforced is a 400
+    naming `tools`, the field it came from."""
+    try:
+        structured.check(spec, "tools")
+    except InvalidRequestError as exc:
+        raise InvalidRequest(str(exc), param="tools") from None
+    return spec
+
+
+def _functions(tools: Any) -> dict[str, Any]:
+    """name -> parameters schema, checking the tools' shape."""
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"tools must be a list of at most {MAX_TOOLS} tools",
+                             param="tools")
+    out: dict[str, Any] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or \
+                not isinstance(fn, dict):
+            raise InvalidRequest(f'tools[{i}] must be {{"type": "function", "function": '
+                                 f'{{...}}}}', param="tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise InvalidRequest(f"tools[{i}].function.name must be 1-64 letters, digits, "
+                                 f"_ . : or -", param="tools")
+        if name in out:
+            raise InvalidRequest(f"tools: {name!r} is named twice", param="tools")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema "
+                                 f"object", param="tools")
+        out[name] = params
+    return out
+
+
+def template_messages(dicts: list[dict], messages: list) -> list[dict]:
+    """The messages' tool fields for the template: an assistant's `tool_calls` with their
+    arguments as objects (templates write them with tojson, as vLLM passes them) and a tool
+    result's `tool_call_id`."""
+    for i, (out, message) in enumerate(zip(dicts, messages)):
+        extra = message.model_extra or {}
+        if extra.get("tool_call_id") is not None:
+            out["tool_call_id"] = str(extra["tool_call_id"])
+        calls = extra.get("tool_calls")
+        if not calls:
+            continue
+        if not isinstance(calls, list):
+            raise InvalidRequest(f"messages[{i}].tool_calls must be a list", param="messages")
+        out["tool_calls"] = [_history_call(call, i) for call in calls]
+    return dicts
+
+
+def _history_call(call: Any, i: int) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidRequest(f"messages[{i}].tool_calls: each needs function.name",
+                             param="messages")
+    arguments = fn.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise InvalidRequest(f"messages[{i}].tool_calls: function.arguments is not JSON",
+                                 param="messages") from None
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": fn["name"], "arguments": arguments}}
+
+
+# -- reading calls back -------------------------------------------------------------------------
+def new_call(name: str, arguments: Any) -> dict:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": text}}
+
+
+def read_calls(plan: ToolPlan, text: str) -> tuple[Optional[str], list[dict]]:
+    """(content, calls) of a finished output; no calls (and the whole text as content) when it
+    holds none, or none that parse."""
+    if plan.mode == "named":
+        return None, [new_call(plan.name, text)]
+    if plan.mode == "required":
+        try:
+            calls = [new_call(c["name"], c["parameters"]) for c in json.loads(text)]
+        except (ValueError, TypeError, KeyError):
+            return text, []
+        return None, calls
+    content, calls = TOOL_FORMATS[plan.parser].parse(text)
+    if calls and not plan.parallel:
+        calls = calls[:1]
+    return content, calls
+
+
+class _Hermes:
+    """<tool_call>{"name": ..., "arguments": {...}}</tool_call>, repeated (Qwen2.5, Qwen3,
+    Hermes); text before the first one is content."""
+    marker = "<tool_call>"
+
+    def parse(self, text: str) -> tuple[Optional[str], list[dict]]:
+        at = text.find(self.marker)
+        if at < 0:
+            return text, []
+        calls = []
+        for body in re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text[at:], re.S):
+            try:
+                call = json.loads(body)
+                calls.append(new_call(call["name"], call.get("arguments", {})))
+            except (ValueError, TypeError, KeyError):
+                return text, []
+        return text[:at] or None, calls
+
+
+class _Mistral:
+    """[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]"""
+    marker = "[TOOL_CALLS]"
+
+    def parse(self, text: str) -> tuple[Optional[str], list[dict]]:
+        at = text.find(self.marker)
+        if at < 0:
+            return text, []
+        try:
+            found = json.loads(text[at + len(self.marker):].strip())
+            found = found if isinstance(found, list) else [found]
+            calls = [new_call(c["name"], c.get("arguments", {})) for c in found]
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return text, []
+        return text[:at] or None, calls
+
+
+class _Llama3Json:
+    """The whole output is {"name": ..., "parameters": {...}} (after an optional
+    <|python_tag|>), several joined by ';' (Llama 3.1-3.3 with JSON tool calling)."""
+    marker = None  # a call is the whole output, not something after content
+
+    def parse(self, text: str) -> tuple[Optional[str], list[dict]]:
+        body = text.strip()
+        if body.startswith("<|python_tag|>"):
+            body = body[len("<|python_tag|>"):].lstrip()
+        if not body.startswith("{"):
+            return text, []
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        try:
+            while at < len(body):
+                call, at = decoder.raw_decode(body, at)
+                args = call.get("parameters", call.get("arguments"))
+                calls.append(new_call(call["name"], {} if args is None else args))
+                while at < len(body) and body[at] in "; \n\t":
+                    at += 1
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return text, []
+        return None, calls
+
+
+TOOL_FORMATS = {"hermes": _Hermes(), "mistral": _Mistral(), "llama3_json": _Llama3Json()}
+
+
+
+class CallStream:
+    """A streamed choice under "auto" or "required": the content it may show now, holding back
+    what could be (the start of) a call, which goes out whole when the output is finished."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.shown = 0        # characters of the output sent as content
+        self.calling = plan.mode == "required"  # everything from `shown` on is held
+
+    def feed(self, text: str) -> str:
+        """The output so far -> the content to send now."""
+        if self.calling:
+            return ""
+        marker = TOOL_FORMATS[self.plan.parser].marker
+        if marker is None:  # a call is the whole output: hold while it may start one
+            body = text.lstrip()
+            if not body or body.startswith("{") or "<|python_tag|>".startswith(body[:14]) or \
+                    body.startswith("<|python_tag|>"):
+                self.calling = True
+                return ""
+            self.plan = ToolPlan("auto", parser="none")
+            return self._show(text, len(text))
+        at = text.find(marker, self.shown)
+        if at >= 0:
+            self.calling = True
+            return self._show(text, at)
+        keep = next((k for k in range(min(len(marker) - 1, len(text)), 0, -1)
+                     if marker.startswith(text[-k:])), 0)
+        return self._show(text, len(text) - keep)
+
+    def finish(self, text: str) -> tuple[str, list[dict]]:
+        """The finished output -> (the rest of the content to send, the calls)."""
+        if self.plan.parser == "none":
+            return text[self.shown:], []
+        content, calls = read_calls(self.plan, text)
+        if not calls:
+            return text[self.shown:], []
+        return (content or "")[self.shown:], calls
+
+    def _show(self, text: str, upto: int) -> str:
+        out = text[self.shown:upto] if upto > self.shown else ""
+        self.shown = max(self.shown, upto)
+        return out

@@ -1,0 +1,232 @@
+"""Tool calling over HTTP with the official `openai` client (router/tools.py), against the test
+model given a chat template in the Hermes tool format (tools in the system turn, calls as
+<tool_call> blocks): a named function, "required", "auto" read back by the template's format
+(the random model made to call through a regex), streamed or not; earlier calls and their
+results rendered into the prompt; bad tools and choices 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import openai
+import pytest
+
+from router.tools import CallStream, ToolPlan, read_calls
+from tests.router_support.serving import local
+
+TEMPLATE = """{%- if tools %}<|im_start|>system
+Functions you may call:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+To call one, answer <tool_call>{"name": <name>, "arguments": <object>}</tool_call>.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{{ message.content or "" }}
+{%- for call in message.tool_calls %}
+<tool_call>
+{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response id="{{ message.tool_call_id }}">
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"type": "string", "enum": ["paris", "oslo", "lima"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
+                                           "description": "The forecast"}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["zone"],
+             "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}}}}}]
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def served(llama_dir, tmp_path_factory):
+    model = tmp_path_factory.mktemp("hermes") / "model"
+    shutil.copytree(llama_dir, model)
+    (model / "chat_template.jinja").write_text(TEMPLATE)
+    with local(str(model)) as (backend, port):
+        yield backend, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                                     max_retries=0)
+
+
+def create(client, backend, **kw):
+    return client.chat.completions.create(model=backend.model_name, messages=kw.pop(
+        "messages", USER), tools=kw.pop("tools", TOOLS), max_tokens=kw.pop("max_tokens", 120),
+        temperature=0.7,
+        seed=kw.pop("seed", 1), **kw)
+
+
+def streamed(client, backend, **kw):
+    """(content, {index: call}, finish_reason) put together from the stream's deltas."""
+    content, calls, finish = "", {}, None
+    for event in create(client, backend, stream=True, **kw):
+        if not event.choices:
+            continue
+        delta = event.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or []:
+            call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = part.id or call["id"]
+            if part.function is not None:
+                call["name"] += part.function.name or ""
+                call["arguments"] += part.function.arguments or ""
+        finish = event.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+def test_a_named_function_is_always_called(served):
+    backend, client = served
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):
+        done = create(client, backend, tool_choice=choice, seed=seed)
+        message = done.choices[0].message
+        assert done.choices[0].finish_reason == "stop" and message.content is None
+        (call,) = message.tool_calls
+        assert call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+        content, calls, finish = streamed(client, backend, tool_choice=choice, seed=seed)
+        assert content == "" and finish == "stop" and len(calls) == 1
+        assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("chatcmpl-tool")
+        assert calls[0]["arguments"] == call.function.arguments  # the same tokens streamed
+
+
+def test_required_calls_one_or_more_of_the_tools(served):
+    backend, client = served
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for parallel in (True, False):
+        done = create(client, backend, tool_choice="required", parallel_tool_calls=parallel,
+                      max_tokens=200)
+        calls = done.choices[0].message.tool_calls
+        assert done.choices[0].finish_reason == "tool_calls" and calls
+        assert parallel or len(calls) == 1
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        content, streamed_calls, finish = streamed(client, backend, tool_choice="required",
+                                                   parallel_tool_calls=parallel, max_tokens=200)
+        assert finish == "tool_calls" and not content
+        assert [(c["name"], c["arguments"]) for c in streamed_calls.values()] == \
+            [(c.function.name, c.function.arguments) for c in calls]
+
+
+CALLING = (r'Let me check\. <tool_call>\n\{"name": "get_weather", "arguments": '
+           r'\{"city": "(paris|oslo)", "days": [1-7]\}\}\n</tool_call>')
+
+
+def test_auto_reads_the_templates_format(served):
+    """The random model is made to answer in the Hermes format by a regex; "auto" reads the
+    call out of it, and the content before it is content, streamed without the marker."""
+    backend, client = served
+    done = create(client, backend, extra_body={"guided_regex": CALLING})
+    message = done.choices[0].message
+    assert done.choices[0].finish_reason == "tool_calls"
+    assert message.content == "Let me check. "
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    content, calls, finish = streamed(client, backend, extra_body={"guided_regex": CALLING})
+    assert content == "Let me check. " and finish == "tool_calls"
+    assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments
+    plain = create(client, backend, extra_body={"guided_regex": "[a-z <]{5,20}"})
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "stop" and plain.choices[0].message.content
+    content, calls, finish = streamed(client, backend, extra_body={"guided_regex": "[a-z <]{5,20}"})
+    assert content == plain.choices[0].message.content and not calls and finish == "stop"
+
+
+def test_earlier_calls_and_results_reach_the_template(served):
+    backend, client = served
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "paris", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"}]
+    done = create(client, backend, messages=history, max_tokens=2, tool_choice="none")
+    text = backend.tokenizer.apply_chat_template(
+        [USER[0], {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "paris", "days": 2}}}]},
+         {"role": "tool", "content": "sunny, 21C", "tool_call_id": "call_1"}], tools=TOOLS)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}' \
+        in text and '<tool_response id="call_1">\nsunny, 21C' in text and '"get_time"' in text
+    want = len(backend.tokenizer.encode(text, add_special_tokens=False))
+    assert done.usage.prompt_tokens == want
+
+
+@pytest.mark.parametrize("kw, param, says", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tool_choice": "sometimes"}, "tool_choice", "must be"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "function"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "bogus"}}}], "tool_choice": "required"}, "tools", "bogus"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "one structured output"),
+    ({"tool_choice": "required", "extra_body": {"min_tokens": 3}}, "min_tokens", "structured"),
+    ({"tool_choice": "required", "parallel_tool_calls": "yes"}, "parallel_tool_calls",
+     "boolean"),
+])
+def test_bad_tools_are_400s(served, kw, param, says):
+    backend, client = served
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(client, backend, **kw)
+    assert caught.value.body["param"] == param and says in caught.value.body["message"]
+
+
+def test_auto_needs_a_format_the_template_shows(llama_dir):
+    """The test model's own template teaches no tool format: "auto" is refused, not guessed;
+    a named function still works (structured outputs need no format)."""
+    with local(llama_dir) as (backend, port):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0)
+        with pytest.raises(openai.BadRequestError) as caught:
+            create(client, backend)
+        assert caught.value.body["param"] == "tool_choice"
+        done = create(client, backend, tool_choice={"type": "function",
+                                                    "function": {"name": "get_time"}})
+        assert done.choices[0].message.tool_calls[0].function.name == "get_time"
+        with pytest.raises(openai.BadRequestError) as caught:  # completions have no tools
+            client.completions.create(model=backend.model_name, prompt="x", max_tokens=2,
+                                      extra_body={"tools": TOOLS})
+        assert caught.value.body["param"] == "tools"
+
+
+@pytest.mark.parametrize("parser, text, content, calls", [
+    ("hermes", 'ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+     '<tool_call>{"name": "g", "arguments": {}}</tool_call>', "ok ", [("f", {"a": 1}), ("g", {})]),
+    ("hermes", "<tool_call>{not json</tool_call>", "<tool_call>{not json</tool_call>", []),
+    ("hermes", "no call here", "no call here", []),
+    ("mistral", 'x[TOOL_CALLS] [{"name": "f", "arguments": {"b": "é"}}]', "x",
+     [("f", {"b": "é"})]),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"c": 2}}; '
+     '{"name": "g", "parameters": {}}', None, [("f", {"c": 2}), ("g", {})]),
+    ("llama3_json", "{plain text in braces", "{plain text in braces", []),
+])
+def test_formats_parse_what_their_models_write(parser, text, content, calls):
+    plan = ToolPlan("auto", parser=parser)
+    got_content, got = read_calls(plan, text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    stream, shown = CallStream(plan), ""
+    for end in range(1, len(text) + 1):  # a character at a time
+        shown += stream.feed(text[:end])
+        assert "<tool_call>" not in shown and "[TOOL_CALLS]" not in shown or not calls
+    rest, streamed_calls = stream.finish(text)
+    assert shown + rest == ((content or "") if calls else text)
+    assert [c["function"] for c in streamed_calls] == [c["function"] for c in got]
