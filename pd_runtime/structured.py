@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import threading
 from typing import Any
 
 from pd_runtime.api import InvalidRequestError
@@ -23,6 +24,9 @@ PARAM = "structured_outputs"
 # Bounds the work a request can ask of the router and of each engine step.
 MAX_SPEC_CHARS = 100_000
 MAX_CHOICES = 1024
+MAX_DEPTH = 256  # nesting of the spec's data
+BIG_STACK_BYTES = 256 << 20
+_STACK_LOCK = threading.Lock()  # threading.stack_size is process-wide
 # Whitespace between JSON tokens: a run of spaces or tabs, or one line break and its
 # indentation, at most 32 characters each. Whatever a formatter writes, but a model cannot
 # fill max_tokens with blank lines, as it can where any run is allowed (vLLM's default).
@@ -36,84 +40,149 @@ def check(spec: Any, param: str = PARAM) -> None:
     compile_grammar(spec, param)
 
 
+class _Refused(ValueError):
+    """A spec this module refuses; compile_grammar names the client's field."""
+
+
 def compile_grammar(spec: Any, param: str = PARAM) -> str:
     """The llguidance grammar of `spec` (what an LLMatcher is built from)."""
-    def _bad(message: str):
-        _refuse(message, param)
+    try:
+        return _grammar(spec)
+    except _Refused as exc:
+        raise InvalidRequestError(f"{param}: {exc}", param=param) from None
 
+
+def _grammar(spec: Any) -> str:
     if not isinstance(spec, dict):
-        _bad(f"must be an object with one of {', '.join(KINDS)}, got {type(spec).__name__}")
+        raise _Refused(f"must be an object with one of {', '.join(KINDS)}, got "
+                       f"{type(spec).__name__}")
     unknown = sorted(set(spec) - set(KINDS) - set(OPTIONS))
     if unknown:
-        _bad(f"has no field {unknown[0]!r} here (one of {', '.join(KINDS)}, and the options "
-             f"{', '.join(OPTIONS)})")
-    kinds = [k for k in KINDS if spec.get(k) is not None and spec.get(k) is not False]
+        raise _Refused(f"has no field {unknown[0]!r} here (one of {', '.join(KINDS)}, and the "
+                       f"options {', '.join(OPTIONS)})")
+    kinds = _kinds(spec)
     if len(kinds) != 1:
-        _bad(f"must give exactly one of {', '.join(KINDS)}, got "
-             f"{', '.join(kinds) if kinds else 'none'}")
+        raise _Refused(f"must give exactly one of {', '.join(KINDS)}, got "
+                       f"{', '.join(kinds) if kinds else 'none'}")
     for name in OPTIONS:
         if not isinstance(spec.get(name, False), bool):
-            _bad(f"{name} must be a boolean")
+            raise _Refused(f"{name} must be a boolean")
+    _check_depth(spec)
     try:
-        key = json.dumps(spec, sort_keys=True)
+        # Not sort_keys: a schema's property order is the order its output follows.
+        key = json.dumps(spec)
     except (TypeError, ValueError) as exc:
-        _bad(f"is not plain JSON data: {exc}")
+        raise _Refused(f"is not plain JSON data: {exc}") from None
     if len(key) > MAX_SPEC_CHARS:
-        _bad(f"is {len(key)} characters as JSON; at most {MAX_SPEC_CHARS}")
-    return _compiled(key, param)
+        raise _Refused(f"is {len(key)} characters as JSON; at most {MAX_SPEC_CHARS}")
+    return _compiled(key)
+
+
+def _kinds(spec: dict) -> list[str]:
+    return [k for k in KINDS if spec.get(k) is not None
+            and not (k == "json_object" and spec.get(k) is False)]
+
+
+def _check_depth(value: Any) -> None:
+    """Refuses data nested deeper than MAX_DEPTH, before anything recurses into it."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _Refused(f"is nested more than {MAX_DEPTH} levels deep")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+
+
+def on_big_stack(fn, *args):
+    """fn(*args) on a thread with a stack of BIG_STACK_BYTES (reserved, not committed): a
+    grammar's rules are parsed recursively, and a long chain of them (thousands, within
+    MAX_SPEC_CHARS) overflows a default stack, which kills the process."""
+    out: list = []
+
+    def run():
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as exc:  # handed to the caller
+            out.append((False, exc))
+
+    with _STACK_LOCK:
+        previous = threading.stack_size(BIG_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="grammar", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled(key: str, param: str) -> str:
+def _compiled(key: str) -> str:
     import llguidance
 
-    def _bad(message: str):
-        _refuse(message, param)
-
     spec = json.loads(key)
-    kind = next(k for k in KINDS if spec.get(k) is not None and spec.get(k) is not False)
+    kind = _kinds(spec)[0]
     value = spec[kind]
     matcher = llguidance.LLMatcher
     if kind in ("json", "json_object"):
         if kind == "json_object":
             if value is not True:
-                _bad("json_object must be true")
+                raise _Refused("json_object must be true")
             schema: Any = {"type": "object"}
         elif isinstance(value, str):
             try:
-                schema = json.loads(value)
-            except ValueError as exc:
-                _bad(f"json is a string that is not JSON: {exc}")
+                schema = json.loads(value, parse_constant=_no_constant)
+            except (ValueError, RecursionError) as exc:
+                raise _Refused(f"json is a string that is not a JSON schema: {exc}") from None
+            _check_depth(schema)
         else:
             schema = value
-        if not isinstance(schema, (dict, bool)):
-            _bad(f"json must be a JSON schema (an object), got {type(schema).__name__}")
+        if schema is True:  # JSON Schema's "anything"
+            schema = {}
+        if schema is False:
+            raise _Refused("json is the schema false, which nothing matches")
+        if not isinstance(schema, dict):
+            raise _Refused(f"json must be a JSON schema (an object), got "
+                           f"{type(schema).__name__}")
         if spec.get("disable_additional_properties"):
             schema = _closed(copy.deepcopy(schema))
         options = {"whitespace_flexible": False} if spec.get("disable_any_whitespace") \
             else {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
-        grammar = matcher.grammar_from_json_schema(schema, defaults=options)
+        try:
+            grammar = matcher.grammar_from_json_schema(schema, defaults=options)
+        except ValueError as exc:
+            raise _Refused(f"json cannot be enforced: {exc}") from None
     elif kind == "regex":
         if not isinstance(value, str):
-            _bad("regex must be a string")
+            raise _Refused("regex must be a string")
         grammar = matcher.grammar_from_regex(value)
     elif kind == "choice":
         if not (isinstance(value, list) and value and len(value) <= MAX_CHOICES
                 and all(isinstance(c, str) and c for c in value)):
-            _bad(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
+            raise _Refused(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
         grammar = matcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c) for c in value))
     else:
         if not isinstance(value, str) or not value.strip():
-            _bad("grammar must be a non-empty string (Lark or GBNF)")
+            raise _Refused("grammar must be a non-empty string (Lark or GBNF)")
         try:
             grammar = llguidance.grammar_from("grammar", value)
-        except ValueError as exc:
-            _bad(f"grammar: {exc}")
-    error = matcher.validate_grammar(grammar)
+        except (ValueError, RecursionError) as exc:
+            raise _Refused(f"grammar: {exc}") from None
+    error = on_big_stack(matcher.validate_grammar, grammar)
     if error:
-        _bad(f"{kind} cannot be enforced: {error.strip()}")
+        raise _Refused(f"{kind} cannot be enforced: {error.strip()}")
     return grammar
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _closed(schema: Any) -> Any:
@@ -138,7 +207,3 @@ def _closed(schema: Any) -> Any:
             "additionalProperties" not in schema:
         schema["additionalProperties"] = False
     return schema
-
-
-def _refuse(message: str, param: str):
-    raise InvalidRequestError(f"{param}: {message}", param=param)

@@ -40,7 +40,7 @@ class ResponseBuilder:
         self.tools = prepared.tools
         for choice in self.choices if self.tools is not None else ():
             if self.tools.mode == "named":
-                choice.call_id = new_call(self.tools.name, "")["id"]
+                choice.call_id = new_call(self.tools.name, "", self.tools.short_ids)["id"]
             else:
                 choice.calls = CallStream(self.tools)
         self._token_text = _token_texts(tokenizer)

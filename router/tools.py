@@ -37,6 +37,7 @@ class ToolPlan:
     name: Optional[str] = None  # the named function
     parser: Optional[str] = None  # auto: a TOOL_FORMATS key
     parallel: bool = True
+    short_ids: bool = False     # the model's format takes 9-character call ids (mistral)
 
 
 def prepare(data: dict, tool_format: Optional[str]
@@ -54,21 +55,25 @@ def prepare(data: dict, tool_format: Optional[str]
             raise InvalidRequest("tool_choice needs tools", param="tool_choice")
         return None, None, None
     functions = _functions(tools)
+    short = tool_format == "mistral"
     if choice is None:
         choice = "auto"
     if choice == "none":
         return list(tools), None, None
     if choice == "required":
+        defs: dict = {}
         calls = [{"type": "object", "additionalProperties": False,
                   "required": ["name", "parameters"],
                   "properties": {"name": {"type": "string", "enum": [name]},
-                                 "parameters": params}}
+                                 "parameters": _hoist_defs(params, defs, name)}}
                  for name, params in functions.items()]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if defs:
+            schema["$defs"] = defs
         if parallel is False:
             schema["maxItems"] = 1
         return list(tools), _checked({"json": schema}), \
-            ToolPlan("required", parallel=parallel is not False)
+            ToolPlan("required", parallel=parallel is not False, short_ids=short)
     if choice == "auto":
         parser = tool_format if tool_format in TOOL_FORMATS else None
         if parser is None:
@@ -77,16 +82,17 @@ def prepare(data: dict, tool_format: Optional[str]
                                  "send tool_choice required or a named function)",
                                  param="tool_choice")
         return list(tools), None, ToolPlan("auto", parser=parser,
-                                           parallel=parallel is not False)
+                                           parallel=parallel is not False, short_ids=short)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
         choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
-    if name is None:
+    if not isinstance(name, str):
         raise InvalidRequest('tool_choice must be "none", "auto", "required" or {"type": '
                              '"function", "function": {"name": ...}}', param="tool_choice")
     if name not in functions:
         raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools",
                              param="tool_choice")
-    return list(tools), _checked({"json": functions[name]}), ToolPlan("named", name=name)
+    return list(tools), _checked({"json": functions[name]}), \
+        ToolPlan("named", name=name, short_ids=short)
 
 
 def _checked(spec: dict) -> dict:
@@ -97,6 +103,26 @@ def _checked(spec: dict) -> dict:
     except InvalidRequestError as exc:
         raise InvalidRequest(str(exc), param="tools") from None
     return spec
+
+
+def _hoist_defs(params: dict, defs: dict, name: str) -> dict:
+    """A tool's parameters with its $defs (and definitions) moved to `defs`, the root of the
+    "required" schema, where its "#/$defs/..." references now resolve (they would point into
+    the array schema otherwise). Two tools that define one name differently are refused."""
+    params = dict(params)
+    for key in ("$defs", "definitions"):
+        found = params.pop(key, None)
+        if not isinstance(found, dict):
+            continue
+        for def_name, definition in found.items():
+            if def_name in defs and defs[def_name] != definition:
+                raise InvalidRequest(f"tools: {name!r} defines {def_name!r} differently from "
+                                     f"another tool (tool_choice required puts every tool's "
+                                     f"$defs in one schema)", param="tools")
+            defs[def_name] = definition
+        if key == "definitions":  # one place for both: "#/definitions/X" -> "#/$defs/X"
+            params = json.loads(json.dumps(params).replace('"#/definitions/', '"#/$defs/'))
+    return params
 
 
 def _functions(tools: Any) -> dict[str, Any]:
@@ -150,8 +176,8 @@ def _history_call(call: Any, i: int) -> dict:
     arguments = fn.get("arguments", "{}")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
+            arguments = _loads(arguments) if arguments.strip() else {}
+        except (ValueError, RecursionError):
             raise InvalidRequest(f"messages[{i}].tool_calls: function.arguments is not JSON",
                                  param="messages") from None
     return {"id": call.get("id"), "type": "function",
@@ -159,21 +185,35 @@ def _history_call(call: Any, i: int) -> dict:
 
 
 # -- reading calls back -------------------------------------------------------------------------
-def new_call(name: str, arguments: Any) -> dict:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": text}}
+def new_call(name: Any, arguments: Any, short_id: bool = False) -> dict:
+    """A call as OpenAI returns it. `short_id`: 9 letters and digits, the only ids Mistral's
+    templates take back (theirs raise on any other)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("a call's name must be a string")
+    text = arguments if isinstance(arguments, str) else \
+        json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    ident = uuid.uuid4().hex[:9] if short_id else f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
+    return {"id": ident, "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def _loads(text: str) -> Any:
+    """JSON as a strict parser reads it: NaN and Infinity are not JSON values."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def read_calls(plan: ToolPlan, text: str) -> tuple[Optional[str], list[dict]]:
     """(content, calls) of a finished output; no calls (and the whole text as content) when it
     holds none, or none that parse."""
     if plan.mode == "named":
-        return None, [new_call(plan.name, text)]
+        return None, [new_call(plan.name, text, plan.short_ids)]
     if plan.mode == "required":
         try:
-            calls = [new_call(c["name"], c["parameters"]) for c in json.loads(text)]
-        except (ValueError, TypeError, KeyError):
+            calls = [new_call(c["name"], c["parameters"], plan.short_ids) for c in _loads(text)]
+        except (ValueError, TypeError, KeyError, RecursionError):
             return text, []
         return None, calls
     content, calls = TOOL_FORMATS[plan.parser].parse(text)
@@ -194,9 +234,9 @@ class _Hermes:
         calls = []
         for body in re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text[at:], re.S):
             try:
-                call = json.loads(body)
+                call = _loads(body)
                 calls.append(new_call(call["name"], call.get("arguments", {})))
-            except (ValueError, TypeError, KeyError):
+            except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
                 return text, []
         return text[:at] or None, calls
 
@@ -210,10 +250,10 @@ class _Mistral:
         if at < 0:
             return text, []
         try:
-            found = json.loads(text[at + len(self.marker):].strip())
+            found = _loads(text[at + len(self.marker):].strip())
             found = found if isinstance(found, list) else [found]
-            calls = [new_call(c["name"], c.get("arguments", {})) for c in found]
-        except (ValueError, TypeError, KeyError, AttributeError):
+            calls = [new_call(c["name"], c.get("arguments", {}), short_id=True) for c in found]
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return text, []
         return text[:at] or None, calls
 
@@ -229,7 +269,7 @@ class _Llama3Json:
             body = body[len("<|python_tag|>"):].lstrip()
         if not body.startswith("{"):
             return text, []
-        decoder, calls, at = json.JSONDecoder(), [], 0
+        decoder, calls, at = json.JSONDecoder(parse_constant=_no_constant), [], 0
         try:
             while at < len(body):
                 call, at = decoder.raw_decode(body, at)
@@ -237,7 +277,7 @@ class _Llama3Json:
                 calls.append(new_call(call["name"], {} if args is None else args))
                 while at < len(body) and body[at] in "; \n\t":
                     at += 1
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return text, []
         return None, calls
 
@@ -254,19 +294,24 @@ class CallStream:
         self.plan = plan
         self.shown = 0        # characters of the output sent as content
         self.calling = plan.mode == "required"  # everything from `shown` on is held
+        self.plain = False    # the output cannot hold a call: all of it is content
 
     def feed(self, text: str) -> str:
         """The output so far -> the content to send now."""
+        if self.plain:
+            return self._show(text, len(text))
         if self.calling:
             return ""
         marker = TOOL_FORMATS[self.plan.parser].marker
         if marker is None:  # a call is the whole output: hold while it may start one
             body = text.lstrip()
-            if not body or body.startswith("{") or "<|python_tag|>".startswith(body[:14]) or \
-                    body.startswith("<|python_tag|>"):
+            tag = "<|python_tag|>"
+            if not body or (len(body) < len(tag) and tag.startswith(body)):
+                return ""  # undecided yet
+            if body.startswith("{") or body.startswith(tag):
                 self.calling = True
                 return ""
-            self.plan = ToolPlan("auto", parser="none")
+            self.plain = True
             return self._show(text, len(text))
         at = text.find(marker, self.shown)
         if at >= 0:
@@ -278,7 +323,7 @@ class CallStream:
 
     def finish(self, text: str) -> tuple[str, list[dict]]:
         """The finished output -> (the rest of the content to send, the calls)."""
-        if self.plan.parser == "none":
+        if self.plain:
             return text[self.shown:], []
         content, calls = read_calls(self.plan, text)
         if not calls:

@@ -172,6 +172,8 @@ def test_earlier_calls_and_results_reach_the_template(served):
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "not among the tools"),
     ({"tool_choice": "sometimes"}, "tool_choice", "must be"),
+    ({"tool_choice": {"type": "function", "function": {"name": ["get_time"]}}}, "tool_choice",
+     "must be"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "name"),
     ({"tools": [{"type": "retrieval"}]}, "tools", "function"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
@@ -217,6 +219,11 @@ def test_auto_needs_a_format_the_template_shows(llama_dir):
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"c": 2}}; '
      '{"name": "g", "parameters": {}}', None, [("f", {"c": 2}), ("g", {})]),
     ("llama3_json", "{plain text in braces", "{plain text in braces", []),
+    ("llama3_json", "  Plain text, no call at all.", "  Plain text, no call at all.", []),
+    ("llama3_json", '{"name": "f", "parameters": {"x": NaN}}',
+     '{"name": "f", "parameters": {"x": NaN}}', []),
+    ("hermes", '<tool_call>{"name": 7, "arguments": {}}</tool_call>',
+     '<tool_call>{"name": 7, "arguments": {}}</tool_call>', []),
 ])
 def test_formats_parse_what_their_models_write(parser, text, content, calls):
     plan = ToolPlan("auto", parser=parser)
@@ -227,6 +234,46 @@ def test_formats_parse_what_their_models_write(parser, text, content, calls):
     for end in range(1, len(text) + 1):  # a character at a time
         shown += stream.feed(text[:end])
         assert "<tool_call>" not in shown and "[TOOL_CALLS]" not in shown or not calls
+        if not calls and parser == "llama3_json" and not text.lstrip().startswith("{"):
+            assert shown == text[:end] or not text[:end].strip()  # plain text streams on
     rest, streamed_calls = stream.finish(text)
     assert shown + rest == ((content or "") if calls else text)
     assert [c["function"] for c in streamed_calls] == [c["function"] for c in got]
+
+
+def test_required_with_nested_models_and_mistral_ids(served):
+    """A tool whose parameters refer to their own $defs (every nested pydantic model, as the
+    client's pydantic_function_tool writes it) under "required", where all tools share one
+    schema; and Mistral's format, whose templates take back only 9-character ids."""
+    import pydantic
+
+    from router.tools import prepare
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(json_schema_extra={"enum": ["paris", "oslo"]})
+
+    class Trip(pydantic.BaseModel):
+        origin: City
+        stops: int = pydantic.Field(ge=0, le=3)
+
+    backend, client = served
+    tool = openai.pydantic_function_tool(Trip)
+    assert "$defs" in tool["function"]["parameters"]
+    done = create(client, backend, tools=[tool, TOOLS[1]], tool_choice="required",
+                  max_tokens=600, parallel_tool_calls=False)
+    assert done.choices[0].finish_reason == "tool_calls", done.choices[0].message.content
+    for call in done.choices[0].message.tool_calls:
+        if call.function.name == "Trip":
+            Trip.model_validate_json(call.function.arguments)
+    named = create(client, backend, tools=[tool], max_tokens=600,
+                   tool_choice={"type": "function", "function": {"name": "Trip"}})
+    Trip.model_validate_json(named.choices[0].message.tool_calls[0].function.arguments)
+    _, _, plan = prepare({"tools": TOOLS, "tool_choice": "required"}, "mistral")
+    _, calls = read_calls(plan, '[{"name": "get_time", "parameters": {"zone": "utc"}}]')
+    assert len(calls[0]["id"]) == 9 and calls[0]["id"].isalnum()
+    clash = dict(tool, function={**tool["function"], "name": "Other", "parameters": {
+        **tool["function"]["parameters"], "$defs": {"City": {"type": "integer"}}}})
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(client, backend, tools=[tool, clash], tool_choice="required")
+    assert caught.value.body["param"] == "tools" and "City" in caught.value.body["message"]
+

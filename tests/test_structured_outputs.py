@@ -138,7 +138,7 @@ def test_logprobs_of_ruled_out_tokens_stay_finite(llm):
 @pytest.mark.parametrize("spec, says", [
     ({"regex": "a(b"}, "unclosed group"),
     ({"json": {"type": "nonsense"}}, "nonsense"),
-    ({"json": "{not json"}, "not JSON"),
+    ({"json": "{not json"}, "not a JSON schema"),
     ({"grammar": "start: undefined_rule"}, "undefined_rule"),
     ({"choice": []}, "choice"),
     ({"regex": "a", "choice": ["a"]}, "exactly one"),
@@ -179,3 +179,37 @@ def test_disable_additional_properties_closes_every_object(llm):
                      "required": ["k"]},
             "disable_additional_properties": True, "disable_any_whitespace": True}))[0]
     assert out.finish_reason == "stop" and set(json.loads(out.text)) == {"k"}
+
+
+def test_json_keys_come_in_the_schemas_order(llm):
+    """As OpenAI documents and vLLM keeps: a schema's properties are generated in its order
+    (a "reasoning" before an "answer"), not sorted."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["zeta", "alpha"],
+              "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}}}
+    out = llm.generate(["x"], SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={
+        "json": schema, "disable_any_whitespace": True}))[0]
+    assert out.text.startswith('{"zeta":'), out.text
+
+
+def test_boolean_and_deep_schemas(llm):
+    out = llm.generate(["x"], SamplingParams(max_tokens=8, temperature=0.0,
+                                             structured_outputs={"json": True}))[0]
+    assert out.token_ids  # anything goes: JSON Schema's true
+    for spec, says in (({"json": False}, "nothing matches"),
+                       ({"json": "[" * 3000 + "]" * 3000}, "not a JSON schema"),
+                       ({"json": json.loads("[" * 300 + "]" * 300)}, "nested"),
+                       ({"json": "{\"type\": NaN}"}, "NaN")):
+        with pytest.raises(InvalidRequestError) as caught:
+            SamplingParams(structured_outputs=spec)
+        assert says in str(caught.value), spec
+
+
+def test_a_long_chain_of_grammar_rules_runs(llm):
+    """Thousands of chained rules (within the spec's size limit) are parsed recursively by
+    llguidance: on a default stack they overflowed it and killed the process (SIGSEGV)."""
+    rules = "\n".join(f'a{i}: "x" a{i + 1} | "y"' for i in range(2800))
+    spec = {"grammar": f'start: a0\n{rules}\na2800: "z"'}
+    out = llm.generate(["x"], SamplingParams(max_tokens=12, temperature=0.0,
+                                             structured_outputs=spec))[0]
+    assert set(out.text) <= set("xyz") and out.text
+

@@ -11,6 +11,7 @@ Speculative decoding proposes no drafts for such a request (engine.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -44,7 +45,8 @@ class GrammarMasks:
         import llguidance
 
         grammar = structured.compile_grammar(params.structured_outputs)
-        matcher = llguidance.LLMatcher(self._tokenizer_for_grammars(), grammar, log_level=0)
+        matcher = structured.on_big_stack(functools.partial(
+            llguidance.LLMatcher, self._tokenizer_for_grammars(), grammar, log_level=0))
         if matcher.is_error():
             raise InvalidRequestError(f"structured_outputs cannot be enforced with this model's "
                                       f"tokenizer: {matcher.get_error()}",
