@@ -44,6 +44,10 @@ _COST_FIELDS = ("step_costs", "max_num_seqs", "max_num_batched_tokens", "total_b
                 "num_threads", "cpu_s", "engine_thread_cpu_s")
 
 
+# How much later than the default tier a flex request is scheduled (engine priorities: lower
+# first, with aging, so flex work is delayed under load, never starved).
+FLEX_PRIORITY = 10
+
 class PoolBackend:
     """`client`: the pools' client (pd_runtime.workers.client.PoolClient, or anything with its
     interface). What the router knows of the model comes from the workers' model card, so it
@@ -179,7 +183,11 @@ class PoolBackend:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
                        priority: int = 0, tenant: Optional[TenantConfig] = None,
-                       deadline: Optional[float] = None) -> AsyncIterator[dict]:
+                       deadline: Optional[float] = None,
+                       flex: bool = False) -> AsyncIterator[dict]:
+        """`flex` (service_tier "flex"): not held to the latency targets. Routed by load as
+        `mode: auto` routes, never refused for a target, and scheduled after the default tier
+        (FLEX_PRIORITY later), so it waits rather than getting a 429."""
         arrival = time.monotonic()
         self.served["requests"] += 1
         tenant_id = tenant.tenant_id if tenant else "anonymous"
@@ -198,7 +206,9 @@ class PoolBackend:
         hits = {} if scored else {
             w.worker_id: self.index.expected_hit_tokens(w.worker_id, hashes, len(prompt_ids))
             for w in workers}
-        decision = await self._route(prompt_ids, params, hits, tenant_id, arrival)
+        if flex:
+            priority += FLEX_PRIORITY
+        decision = await self._route(prompt_ids, params, hits, tenant_id, arrival, flex)
         self.metrics.decisions.labels(decision.path, decision.reason).inc()
         if decision.predicted_ttft_s is not None:
             log.debug("route %s (%d tokens): %s %s decode=%s prefill=%s predicted ttft %.3fs "
@@ -278,12 +288,12 @@ class PoolBackend:
         return self.costs.costs(worker_id).prefill_s(uncached)
 
     def _decide(self, prompt_ids: list[int], params: SamplingParams, hits: dict[str, int],
-                tenant_id: str, waited_s: float = 0.0) -> Decision:
+                tenant_id: str, waited_s: float = 0.0, flex: bool = False) -> Decision:
         cfg = self.reloader.current
         decode, prefill = self._states(self.client.decode), self._states(self.client.prefill)
         if params.prompt_logprobs is not None:  # scored where the prompt is computed
             prefill = []
-        if cfg.mode != "slo":
+        if cfg.mode != "slo" or flex:
             return decide(len(prompt_ids), decode, prefill, hits, cfg, self._rng)
         target = slo_target(cfg, tenant_id, len(prompt_ids))
         return decide_slo(len(prompt_ids), params.max_tokens, decode, prefill,
@@ -291,16 +301,16 @@ class PoolBackend:
                           self._rng, waited_s)
 
     async def _route(self, prompt_ids: list[int], params: SamplingParams, hits: dict[str, int],
-                     tenant_id: str, arrival: float) -> Decision:
+                     tenant_id: str, arrival: float, flex: bool = False) -> Decision:
         """The policy's decision; with no decode worker up, waits a bounded time for one (one
         is restarting?); slo mode with `overload: queue`: holds the request until an option
         meets its targets, for up to max_queue_s."""
-        decision = self._decide(prompt_ids, params, hits, tenant_id)
+        decision = self._decide(prompt_ids, params, hits, tenant_id, flex=flex)
         if decision.decode_worker is None and decision.retry_after_s is None \
                 and self.client.decode:
             deadline = arrival + self.client.recovery_wait_s
             if await self.client.wait_for_decode(set(), deadline) is not None:
-                decision = self._decide(prompt_ids, params, hits, tenant_id)
+                decision = self._decide(prompt_ids, params, hits, tenant_id, flex=flex)
         while decision.retry_after_s is not None:
             cfg = self.reloader.current
             if cfg.overload != "queue" or time.monotonic() - arrival >= cfg.max_queue_s:

@@ -351,7 +351,7 @@ def prepare_completion(data: dict, tokenizer, model_name: str, max_model_len: in
             for p, t in zip(prompts, texts)] if body.echo else None
     return PreparedRequest("completion", model_name, prompts, _choices(prompts, body.n, sampling),
                            bool(body.stream), _include_usage(body), body.priority,
-                           body.logprobs, echo)
+                           body.logprobs, echo, service_tier=_service_tier(body))
 
 
 def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
@@ -399,7 +399,17 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
     _check_length(prompt, max_tokens, max_model_len, "messages")
     return PreparedRequest("chat", model_name, [prompt], _choices([prompt], body.n, sampling),
                            bool(body.stream), _include_usage(body), body.priority, logprobs,
-                           tools=tool_plan)
+                           tools=tool_plan, service_tier=_service_tier(body))
+
+
+def _service_tier(body: SamplingBody) -> Optional[str]:
+    """The tier a request named ("auto" is "default"), or None."""
+    tier = body.service_tier
+    if tier in ("priority", "scale"):
+        raise InvalidRequest(f"service_tier {tier!r} is not supported by this server (auto, "
+                             f"default or flex)", param="service_tier",
+                             code="unsupported_parameter")
+    return None if tier is None else "flex" if tier == "flex" else "default"
 
 
 def _include_usage(body: SamplingBody) -> bool:

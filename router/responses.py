@@ -182,6 +182,8 @@ class ResponseBuilder:
     def _envelope(self, obj: str, choices: list, stream: bool) -> dict:
         body = {"id": self.id, "object": obj, "created": self.created,
                 "model": self.prepared.model, "choices": choices}
+        if self.prepared.service_tier is not None:  # as OpenAI: the tier that served it
+            body["service_tier"] = self.prepared.service_tier
         if stream and self.prepared.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body

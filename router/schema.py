@@ -60,6 +60,9 @@ class SamplingBody(Body):
     logit_bias: Optional[dict[str, float]] = None
     best_of: Optional[int] = None  # only as many as n: every choice is returned
     user: Optional[str] = None  # an end-user id for the client's own bookkeeping; no effect
+    # OpenAI's: "flex" is not held to the latency targets (routed by load, scheduled after
+    # the default tier, queued rather than refused); "auto" and "default" are the default.
+    service_tier: Optional[Literal["auto", "default", "flex", "priority", "scale"]] = None
 
 
 class CompletionRequest(SamplingBody):
@@ -112,3 +115,4 @@ class PreparedRequest:
     logprobs: Optional[int]  # top-n asked for (0: only the sampled token), None: not asked
     echo_texts: Optional[list[str]] = None  # completions with echo: the text of each prompt
     tools: Any = None  # chat with tool calls: router/tools.py's ToolPlan
+    service_tier: Optional[str] = None  # "default" or "flex" when the request named one

@@ -90,6 +90,7 @@ FIELDS = {
     "ignore_eos": _field(True, False),
     "skip_special_tokens": _field(True, False),
     "user": _field("u1", ""),
+    "service_tier": _field(None, "auto", "default", "flex", "priority", "cheap"),
     "presence_penalty": _field(None, -2, -0.5, 0, 1.5, 2, 2.1, -3),
     "frequency_penalty": _field(None, -2, 0.5, 2, 2.5),
     "repetition_penalty": _field(None, 0, -1, 0.5, 1, 1.3, 3),

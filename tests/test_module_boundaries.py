@@ -16,7 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ROUTER_MAY_IMPORT = {"pd_runtime", "pd_runtime.api", "pd_runtime.tokenizer",
-                     "pd_runtime.chat_template", "pd_runtime.config",
+                     "pd_runtime.chat_template", "pd_runtime.config", "pd_runtime.structured",
                      "pd_runtime.config_loading", "pd_runtime.engine.block_hash"}
 FOREIGN = ("torch", "kv_transfer", "transformers", "ray", "triton")
 

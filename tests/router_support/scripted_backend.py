@@ -38,7 +38,8 @@ class ScriptedBackend:
         return None
 
     async def generate(self, request_id: str, prompt_ids: list[int], params, *,
-                       priority: int = 0, tenant=None, deadline=None) -> AsyncIterator[dict]:
+                       priority: int = 0, tenant=None, deadline=None,
+                       flex: bool = False) -> AsyncIterator[dict]:
         done = False
         try:
             for chunk in self.script:
