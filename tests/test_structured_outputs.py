@@ -213,3 +213,21 @@ def test_a_long_chain_of_grammar_rules_runs(llm):
                                              structured_outputs=spec))[0]
     assert set(out.text) <= set("xyz") and out.text
 
+
+def test_both_ways_of_unpacking_the_masks_agree():
+    """The host unpacking (CPU logits) and the device one (packed words copied, unpacked with
+    shifts) give the same tokens, including the sign bit of each int32 word."""
+    import numpy as np
+    import torch
+
+    from pd_runtime.engine.grammar import ruled_out_of
+
+    bits = np.random.default_rng(0).integers(-(1 << 31), 1 << 31, size=(5, 9), dtype=np.int64)
+    bits = bits.astype(np.int32)
+    bits[0, 0] = -1  # every token of the first word allowed
+    host = ruled_out_of(bits, torch.device("cpu"), on_host=True)
+    device = ruled_out_of(bits, torch.device("cpu"), on_host=False)
+    assert host.shape == (5, 9 * 32) and torch.equal(host, device)
+    assert not host[0, :32].any()
+    word, bit = 3, 31
+    assert bool(host[1, word * 32 + bit]) == (not (int(bits[1, word]) >> bit) & 1)

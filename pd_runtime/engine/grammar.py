@@ -97,14 +97,7 @@ class GrammarMasks:
                 self._executor = llguidance.LLExecutor()
             llnp.fill_next_token_bitmask_par(self._executor, matchers, bits)
         vocab = logits.shape[1]
-        if logits.device.type == "cpu":
-            ruled_out = torch.from_numpy(
-                np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little") == 0)
-        else:
-            packed = torch.from_numpy(bits).to(logits.device)
-            shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-            ruled_out = ((packed.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1) == 0
-        ruled_out = ruled_out[:, :vocab]
+        ruled_out = ruled_out_of(bits, logits.device, logits.device.type == "cpu")[:, :vocab]
         if ruled_out.shape[1] < vocab:  # logits wider than the tokenizer: those ids never fit
             ruled_out = torch.nn.functional.pad(ruled_out, (0, vocab - ruled_out.shape[1]),
                                                 value=True)
@@ -116,3 +109,16 @@ class GrammarMasks:
             ruled_out = full
         with torch.inference_mode():  # the runner's logits are inference tensors
             logits.masked_fill_(ruled_out, float("-inf"))
+
+
+def ruled_out_of(bits: np.ndarray, device: torch.device, on_host: bool) -> torch.Tensor:
+    """llguidance's packed masks (int32 words, bit i of word w for token 32w + i; set:
+    allowed) -> a bool tensor on `device`, true for the tokens ruled out. Unpacked on the host
+    (numpy) or, for a device, copied packed and unpacked there (1/32 of the bytes moved)."""
+    if on_host:
+        out = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little") == 0)
+        return out if torch.device(device).type == "cpu" else out.to(device)
+    packed = torch.from_numpy(bits).to(device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1) == 0
+
