@@ -93,6 +93,12 @@ def tool_call_format(template: Optional[str]) -> Optional[str]:
     return None
 
 
+def reasoning_format(template: Optional[str]) -> Optional[str]:
+    """"think" when a chat template knows <think>...</think> blocks (Qwen3, QwQ, DeepSeek-R1
+    and its distills): its model's thinking is split from its answer (router/reasoning.py)."""
+    return "think" if template and ("</think>" in template or "<think>" in template) else None
+
+
 def _tojson(value: Any, ensure_ascii: bool = False, indent=None, separators=None,
             sort_keys: bool = False) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,

@@ -158,6 +158,10 @@ class RouterConfig(_Strict):
     # hermes; [TOOL_CALLS]: mistral; <|python_tag|>: llama3_json), else none; "none": auto
     # tool choice refused.
     tool_call_parser: Literal["auto", "hermes", "mistral", "llama3_json", "none"] = "auto"
+    # A reasoning model's thinking on chat completions (router/reasoning.py): "auto", split
+    # into `reasoning` when its chat template knows <think> blocks; "think", always; "none",
+    # left in the content.
+    reasoning_parser: Literal["auto", "think", "none"] = "auto"
 
     @model_validator(mode="after")
     def _check(self):

@@ -16,7 +16,7 @@ from typing import Optional, Union
 from tokenizers import Tokenizer as HFTokenizer
 
 from pd_runtime.api import ModelLoadError
-from pd_runtime.chat_template import ChatTemplate, tool_call_format
+from pd_runtime.chat_template import ChatTemplate, reasoning_format, tool_call_format
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ class Tokenizer:
         self.chat_template: Optional[str] = files.get("chat_template")
         # How its model writes tool calls (router/tools.py; router.tool_call_parser overrides).
         self.tool_call_format = tool_call_format(self.chat_template)
+        # Whether its thinking is split out (router/reasoning.py; router.reasoning_parser).
+        self.reasoning_format = reasoning_format(self.chat_template)
         self.bos_token = files.get("bos_token")
         self.eos_token = files.get("eos_token")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)

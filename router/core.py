@@ -61,6 +61,9 @@ class PoolBackend:
         card = client.fetch_model_card()
         self.tokenizer = Tokenizer(card.tokenizer_files)
         self.max_model_len = card.max_model_len  # as the workers enforce it
+        if cfg.router.reasoning_parser != "auto":
+            self.tokenizer.reasoning_format = None if cfg.router.reasoning_parser == "none" \
+                else "think"
         if cfg.router.tool_call_parser != "auto":
             self.tokenizer.tool_call_format = None if cfg.router.tool_call_parser == "none" \
                 else cfg.router.tool_call_parser

@@ -19,6 +19,7 @@ from pd_runtime.api import InvalidRequestError, SamplingParams
 from router.chat_prompt import chat_text
 from router.schema import (ChatCompletionRequest, ChoiceSpec, CompletionRequest, InvalidRequest,
                            PreparedRequest, Body, SamplingBody)
+from router.reasoning import opens_in_prompt
 from router.structured_fields import structured_spec
 from router.tools import prepare as prepare_tools
 from router.text_checks import lone_surrogate_field, min_tokens
@@ -397,9 +398,13 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
         logprobs = params["logprobs"] = body.top_logprobs or 0
     sampling = _check_sampling(params, {"max_tokens": param, "logprobs": "top_logprobs"})
     _check_length(prompt, max_tokens, max_model_len, "messages")
+    # A grammar holds the whole output (a think block would break it): nothing to split.
+    thinking = opens_in_prompt(text) if getattr(tokenizer, "reasoning_format", None) and \
+        sampling.structured_outputs is None else None
     return PreparedRequest("chat", model_name, [prompt], _choices([prompt], body.n, sampling),
                            bool(body.stream), _include_usage(body), body.priority, logprobs,
-                           tools=tool_plan, service_tier=_service_tier(body))
+                           tools=tool_plan, service_tier=_service_tier(body),
+                           reasoning=thinking)
 
 
 def _service_tier(body: SamplingBody) -> Optional[str]:

@@ -13,6 +13,8 @@ from functools import lru_cache
 from typing import Any, Optional
 
 from router.protocol import PreparedRequest
+from router.reasoning import ThinkStream
+from router.reasoning import split as split_thinking
 from router.tools import CallStream, new_call, read_calls
 
 
@@ -29,6 +31,8 @@ class _Choice:
     started: bool = False  # a stream event went out for it (chat: the role; completions: echo)
     calls: Optional[CallStream] = None  # chat with tools: what of the output is content
     call_id: str = ""  # a named tool_choice's one call
+    think: Optional[ThinkStream] = None  # a reasoning model's: its thinking split out
+    content_sent: int = 0  # with `think`: characters of the content streamed
 
 
 class ResponseBuilder:
@@ -43,6 +47,8 @@ class ResponseBuilder:
                 choice.call_id = new_call(self.tools.name, "", self.tools.short_ids)["id"]
             else:
                 choice.calls = CallStream(self.tools)
+        for choice in self.choices if prepared.reasoning is not None else ():
+            choice.think = ThinkStream(prepared.reasoning)
         self._token_text = _token_texts(tokenizer)
 
     # -- accumulation and streaming ----------------------------------------------------------
@@ -79,10 +85,7 @@ class ResponseBuilder:
                 if entries else None
         if self.prepared.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if self.tools is not None:
-                self._tool_delta(choice, delta, text, first)
-            elif text or first:
-                delta["content"] = text
+            self._chat_delta(choice, delta, text, first)
             if not (delta or logprobs or choice.finish_reason):
                 return None  # all held back (a call's start)
             item = {"index": index, "delta": delta, "logprobs": logprobs,
@@ -122,25 +125,53 @@ class ResponseBuilder:
         return body
 
     def _message(self, choice: _Choice) -> tuple[dict, Optional[str]]:
-        """A finished chat choice's message and finish reason, its calls read out when it
-        has tools: "tool_calls" when the model called under "auto" or "required"; a named
+        """A finished chat choice's message and finish reason: its thinking split out as
+        `reasoning` (router/reasoning.py), its calls read out of the content when it has
+        tools: "tool_calls" when the model called under "auto" or "required"; a named
         function's call ends with the output's own reason (as OpenAI's)."""
+        text, reasoning = choice.text, None
+        if choice.think is not None:
+            reasoning, text = split_thinking(choice.text, choice.think.open_at_start)
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": None if reasoning is not None and not text
+                                   else text}
+        if reasoning is not None:
+            message["reasoning"] = reasoning
+        finish = choice.finish_reason
         if self.tools is None:
-            return {"role": "assistant", "content": choice.text}, choice.finish_reason
+            return message, finish
         if self.tools.mode == "named":
-            calls = [{"id": choice.call_id, "type": "function",
-                      "function": {"name": self.tools.name, "arguments": choice.text}}]
-            return {"role": "assistant", "content": None, "tool_calls": calls}, \
-                choice.finish_reason
-        content, calls = read_calls(self.tools, choice.text)
-        if not calls:
-            return {"role": "assistant", "content": choice.text}, choice.finish_reason
-        finish = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
-        return {"role": "assistant", "content": content, "tool_calls": calls}, finish
+            message["content"] = None
+            message["tool_calls"] = [{"id": choice.call_id, "type": "function", "function": {
+                "name": self.tools.name, "arguments": text}}]
+            return message, finish
+        content, calls = read_calls(self.tools, text)
+        if calls:
+            message["content"] = content
+            message["tool_calls"] = calls
+            finish = "tool_calls" if finish == "stop" else finish
+        return message, finish
 
-    def _tool_delta(self, choice: _Choice, delta: dict, text: str, first: bool) -> None:
-        """A streamed chat delta with tools: a named call's arguments as they come; otherwise
-        the content that cannot be a call's start, and the calls whole at the end."""
+    def _chat_delta(self, choice: _Choice, delta: dict, text: str, first: bool) -> None:
+        """A streamed chat delta: the thinking as `reasoning`, then the content (through
+        _tool_delta with tools)."""
+        content = choice.text
+        if choice.think is not None:
+            said, content = choice.think.feed(choice.text, choice.finish_reason is not None)
+            if said:
+                delta["reasoning"] = said
+            text = content[choice.content_sent:]
+            choice.content_sent = max(choice.content_sent, len(content))
+        if self.tools is not None:
+            self._tool_delta(choice, delta, content, text, first)
+        elif text or first:
+            delta["content"] = text
+
+    def _tool_delta(self, choice: _Choice, delta: dict, content: str, text: str,
+                    first: bool) -> None:
+        """With tools: a named call's arguments as they come; otherwise the content that
+        cannot be a call's start, and the calls whole at the end. `content`: all of it so far,
+        `text`: what this chunk adds."""
         if self.tools.mode == "named":
             if first:
                 delta["tool_calls"] = [{"index": 0, "id": choice.call_id, "type": "function",
@@ -149,16 +180,16 @@ class ResponseBuilder:
             elif text:
                 delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
             return
-        content = choice.calls.feed(choice.text)
+        shown = choice.calls.feed(content)
         if choice.finish_reason is not None:
-            rest, calls = choice.calls.finish(choice.text)
-            content += rest
+            rest, calls = choice.calls.finish(content)
+            shown += rest
             if calls:
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
                 if choice.finish_reason == "stop":
                     choice.finish_reason = "tool_calls"
-        if content or first:
-            delta["content"] = content
+        if shown or first:
+            delta["content"] = shown
 
     def usage(self) -> dict:
         prompt_tokens = sum(len(p) for p in self.prepared.prompts)

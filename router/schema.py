@@ -116,3 +116,6 @@ class PreparedRequest:
     echo_texts: Optional[list[str]] = None  # completions with echo: the text of each prompt
     tools: Any = None  # chat with tool calls: router/tools.py's ToolPlan
     service_tier: Optional[str] = None  # "default" or "flex" when the request named one
+    # A reasoning model's chat: whether the prompt left its think block open (None: no
+    # thinking is split out; router/reasoning.py)
+    reasoning: Optional[bool] = None

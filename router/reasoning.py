@@ -1,0 +1,63 @@
+"""A reasoning model's thinking, split from its answer on chat completions: the text of a
+<think>...</think> block goes to `message.reasoning` (`delta.reasoning` when streamed), the
+rest to `content`, as vLLM's reasoning parsers return them (Qwen3, QwQ, DeepSeek-R1 and its
+distills).
+
+The block may open in the output (Qwen3 writes "<think>" first) or in the prompt: a template
+whose generation prompt ends inside an open block (DeepSeek-R1's) leaves the output starting in
+the thinking. An output that ends before "</think>" is all reasoning; one that does not start
+with a block (Qwen3 with enable_thinking false: its template closes an empty block in the
+prompt) is all content. Tool calls are read from the content alone (router/tools.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def opens_in_prompt(prompt: str) -> bool:
+    """Whether the rendered prompt leaves a think block open for the output to go on in."""
+    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+
+
+def split(text: str, open_at_start: bool, final: bool = True
+          ) -> tuple[Optional[str], str]:
+    """(reasoning, content) of the output so far; reasoning None when it holds no thinking.
+    Not `final`: what could still be the start of a tag is held back from both."""
+    start = 0
+    if not open_at_start:
+        body = text.lstrip()
+        if not final and len(body) < len(OPEN) and OPEN.startswith(body):
+            return "", ""  # undecided yet
+        if not body.startswith(OPEN):
+            return None, text
+        start = len(text) - len(body) + len(OPEN)
+    end = text.find(CLOSE, start)
+    if end < 0:
+        reasoning = text[start:]
+        if not final:
+            keep = next((k for k in range(min(len(CLOSE) - 1, len(reasoning)), 0, -1)
+                         if CLOSE.startswith(reasoning[-k:])), 0)
+            reasoning = reasoning[:len(reasoning) - keep]
+        return reasoning, ""
+    return text[start:end], text[end + len(CLOSE):]
+
+
+class ThinkStream:
+    """One streamed choice: the reasoning and the content each delta adds."""
+
+    def __init__(self, open_at_start: bool):
+        self.open_at_start = open_at_start
+        self.reasoning_sent = 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, Optional[str]]:
+        """The output so far -> (the reasoning to send now, the content so far, or None while
+        the output is still thinking)."""
+        reasoning, content = split(text, self.open_at_start, final)
+        if reasoning is None:
+            return "", content
+        new = reasoning[self.reasoning_sent:]
+        self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
+        return new, content
