@@ -238,8 +238,9 @@ class PoolBackend:
         path = decision.path
         runner = decision.prefill_worker or decision.decode_worker  # who computes the prompt
         dispatched = time.monotonic()
-        self.ledgers[runner].add_prefill(request_id, decision.prefill_s or self._prefill_s(
-            runner, len(prompt_ids) - decision.expected_hit_tokens), dispatched)
+        if not flex:  # flex prefills wait behind the default tier's: not in its queue
+            self.ledgers[runner].add_prefill(request_id, decision.prefill_s or self._prefill_s(
+                runner, len(prompt_ids) - decision.expected_hit_tokens), dispatched)
         decode_ledger = self.ledgers[decision.decode_worker]
         decode_ledger.start(request_id, len(prompt_ids))
         first = last = None
@@ -320,7 +321,7 @@ class PoolBackend:
                 break
             await asyncio.sleep(0.02)
             decision = self._decide(prompt_ids, params, hits, tenant_id,
-                                    time.monotonic() - arrival)
+                                    time.monotonic() - arrival, flex)
         return decision
 
     def _observe_final(self, path: str, chunk: dict) -> None:

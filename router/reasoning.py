@@ -18,8 +18,10 @@ OPEN, CLOSE = "<think>", "</think>"
 
 
 def opens_in_prompt(prompt: str) -> bool:
-    """Whether the rendered prompt leaves a think block open for the output to go on in."""
-    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+    """Whether the generation prompt opens a think block for the output to go on in: the
+    prompt ends with the tag (a "<think>" left open earlier, say in a user's message that
+    asks for such tags, is text, not the template's doing)."""
+    return prompt.rstrip().endswith(OPEN)
 
 
 def split(text: str, open_at_start: bool, final: bool = True
@@ -27,10 +29,12 @@ def split(text: str, open_at_start: bool, final: bool = True
     """(reasoning, content) of the output so far; reasoning None when it holds no thinking.
     Not `final`: what could still be the start of a tag is held back from both."""
     start = 0
+    body = text.lstrip()
+    if not final and len(body) < len(OPEN) and OPEN.startswith(body):
+        return "", ""  # undecided yet: the tag may be coming
+    if open_at_start and body.startswith(OPEN):  # the model wrote the tag again
+        open_at_start = False
     if not open_at_start:
-        body = text.lstrip()
-        if not final and len(body) < len(OPEN) and OPEN.startswith(body):
-            return "", ""  # undecided yet
         if not body.startswith(OPEN):
             return None, text
         start = len(text) - len(body) + len(OPEN)

@@ -46,8 +46,15 @@ def test_flex_is_served_where_the_default_tier_is_refused(served):
         assert "".join(e.choices[0].delta.content or "" for e in events if e.choices)
     finally:
         ledger.prefill_done("ahead", time.monotonic(), ran=False)
+    # A flex prefill is not booked in the queue the default tier's admission predicts from
+    # (the engine runs it later): it neither delays their predictions nor teaches a slowdown.
+    booked = ledger.done_total
+    client.completions.create(model=backend.model_name, prompt="a flex prompt", max_tokens=2,
+                              extra_body={"service_tier": "flex"})
+    assert ledger.done_total == booked and not ledger.prefills
     plain = client.completions.create(model=backend.model_name, prompt="hello", max_tokens=2)
     assert "service_tier" not in plain.to_dict()  # not named: not reported
+    assert ledger.done_total > booked  # the default tier's prefill was booked and done
 
 
 def test_unsupported_tiers_are_refused_by_name(served):

@@ -27,6 +27,7 @@ from tests.router_support.serving import ENGINE, local
     ("<think>cut short", False, "cut short", ""),
     ("weigh it\n</think>\n\nThe answer.", True, "weigh it\n", "\n\nThe answer."),
     ("still thinking", True, "still thinking", ""),
+    ("<think>again</think>done", True, "again", "done"),  # the tag written once more
 ])
 def test_split(text, open_at_start, reasoning, content):
     assert split(text, open_at_start) == (reasoning, content)
@@ -36,6 +37,9 @@ def test_the_prompt_opens_a_block_only_at_its_end():
     assert opens_in_prompt("<|User|>hi<|Assistant|><think>\n")
     assert not opens_in_prompt("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not opens_in_prompt("no thinking here")
+    # A user's text that mentions the tag, left open, is no block of the template's.
+    assert not opens_in_prompt("<|im_start|>system\nReason inside <think> tags.<|im_end|>\n"
+                               "<|im_start|>assistant\n")
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +63,10 @@ def _built(tokenizer, text: str, open_at_start: bool, tools=None, pieces=3):
 
 
 @pytest.mark.parametrize("pieces", [1, 2, 5])
-def test_streamed_deltas_add_up_to_the_answer(tokenizer, pieces):
+@pytest.mark.parametrize("open_at_start", [False, True])
+def test_streamed_deltas_add_up_to_the_answer(tokenizer, pieces, open_at_start):
     text = "<think>\nfirst this, then that\n</think>\n\nThe answer is 4."
-    events, final = _built(tokenizer, text, False, pieces=pieces)
+    events, final = _built(tokenizer, text, open_at_start, pieces=pieces)
     assert final["message"] == {"role": "assistant", "reasoning": "\nfirst this, then that\n",
                                 "content": "\n\nThe answer is 4."}
     reasoning = "".join(e["delta"].get("reasoning", "") for e in events)
