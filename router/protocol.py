@@ -22,7 +22,7 @@ from router.schema import (ChatCompletionRequest, ChoiceSpec, CompletionRequest,
 from router.reasoning import opens_in_prompt
 from router.structured_fields import structured_spec
 from router.tools import prepare as prepare_tools
-from router.text_checks import lone_surrogate_field, min_tokens
+from router.text_checks import lone_surrogate_field, min_tokens, refuse_json_constant
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_N = 128  # choices per request: each is a whole engine request
@@ -65,15 +65,11 @@ _OFF_VALUES: dict[str, tuple] = {
 }
 
 
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a JSON value")
-
-
 def parse_json(raw: bytes) -> dict:
     """The body as a dict of JSON values: no NaN or Infinity (Python's json extension) and no
     lone UTF-16 surrogates (valid JSON escapes, but not text anything downstream can encode)."""
     try:
-        data = json.loads(raw, parse_constant=_refuse_constant)
+        data = json.loads(raw, parse_constant=refuse_json_constant)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from router.text_checks import partial_tag_len
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -42,9 +44,7 @@ def split(text: str, open_at_start: bool, final: bool = True
     if end < 0:
         reasoning = text[start:]
         if not final:
-            keep = next((k for k in range(min(len(CLOSE) - 1, len(reasoning)), 0, -1)
-                         if CLOSE.startswith(reasoning[-k:])), 0)
-            reasoning = reasoning[:len(reasoning) - keep]
+            reasoning = reasoning[:len(reasoning) - partial_tag_len(reasoning, CLOSE)]
         return reasoning, ""
     return text[start:end], text[end + len(CLOSE):]
 

@@ -142,8 +142,7 @@ class ResponseBuilder:
             return message, finish
         if self.tools.mode == "named":
             message["content"] = None
-            message["tool_calls"] = [{"id": choice.call_id, "type": "function", "function": {
-                "name": self.tools.name, "arguments": text}}]
+            message["tool_calls"] = [self._named_call(choice, text)]
             return message, finish
         content, calls = read_calls(self.tools, text)
         if calls:
@@ -167,6 +166,10 @@ class ResponseBuilder:
         elif text or first:
             delta["content"] = text
 
+    def _named_call(self, choice: _Choice, arguments: str) -> dict:
+        return {"id": choice.call_id, "type": "function",
+                "function": {"name": self.tools.name, "arguments": arguments}}
+
     def _tool_delta(self, choice: _Choice, delta: dict, content: str, text: str,
                     first: bool) -> None:
         """With tools: a named call's arguments as they come; otherwise the content that
@@ -174,9 +177,7 @@ class ResponseBuilder:
         `text`: what this chunk adds."""
         if self.tools.mode == "named":
             if first:
-                delta["tool_calls"] = [{"index": 0, "id": choice.call_id, "type": "function",
-                                        "function": {"name": self.tools.name,
-                                                     "arguments": text}}]
+                delta["tool_calls"] = [{"index": 0, **self._named_call(choice, text)}]
             elif text:
                 delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
             return

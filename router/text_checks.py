@@ -21,6 +21,18 @@ NORMALIZER_FOLD = 4
 _MAX_TOKEN_CHARS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def refuse_json_constant(name: str):
+    """json's parse_constant: NaN and Infinity are Python's extension, not JSON values."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def partial_tag_len(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could be the start of `tag`: what a stream
+    holds back until the next characters say whether the tag comes."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1)
+                 if tag.startswith(text[-k:])), 0)
+
+
 def lone_surrogate_field(raw: bytes, data: dict) -> Optional[str]:
     """The first top-level field of `data` (parsed from `raw`) holding a lone UTF-16 surrogate,
     or None. JSON's "\\ud800" escape yields one: no character, and nothing downstream (the

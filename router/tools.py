@@ -25,6 +25,7 @@ from typing import Any, Optional
 from pd_runtime import structured
 from pd_runtime.api import InvalidRequestError
 from router.schema import InvalidRequest
+from router.text_checks import partial_tag_len, refuse_json_constant
 
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 MAX_TOOLS = 128
@@ -198,11 +199,7 @@ def new_call(name: Any, arguments: Any, short_id: bool = False) -> dict:
 
 def _loads(text: str) -> Any:
     """JSON as a strict parser reads it: NaN and Infinity are not JSON values."""
-    return json.loads(text, parse_constant=_no_constant)
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON value")
+    return json.loads(text, parse_constant=refuse_json_constant)
 
 
 def read_calls(plan: ToolPlan, text: str) -> tuple[Optional[str], list[dict]]:
@@ -269,7 +266,7 @@ class _Llama3Json:
             body = body[len("<|python_tag|>"):].lstrip()
         if not body.startswith("{"):
             return text, []
-        decoder, calls, at = json.JSONDecoder(parse_constant=_no_constant), [], 0
+        decoder, calls, at = json.JSONDecoder(parse_constant=refuse_json_constant), [], 0
         try:
             while at < len(body):
                 call, at = decoder.raw_decode(body, at)
@@ -317,9 +314,7 @@ class CallStream:
         if at >= 0:
             self.calling = True
             return self._show(text, at)
-        keep = next((k for k in range(min(len(marker) - 1, len(text)), 0, -1)
-                     if marker.startswith(text[-k:])), 0)
-        return self._show(text, len(text) - keep)
+        return self._show(text, len(text) - partial_tag_len(text, marker))
 
     def finish(self, text: str) -> tuple[str, list[dict]]:
         """The finished output -> (the rest of the content to send, the calls)."""
