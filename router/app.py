@@ -91,6 +91,10 @@ def create_app(backend: Backend, router_config: RouterConfig,
     async def chat_completions(request: Request):
         return await generation(request, backend, intake, "chat", timeout_s, recorder)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await generation(request, backend, intake, "responses", timeout_s, recorder)
+
     @app.get("/v1/runs/{run_id}")
     async def run_record(request: Request, run_id: str):
         """The caller's own run: its state, routing, token counts, workers, error."""

@@ -20,7 +20,9 @@ from router.backend import Backend, BackendError
 from router.intake import INLINE_MAX_BYTES, Intake
 from router.protocol import InvalidRequest, parse_json
 from router.responses import ResponseBuilder
-from router.live_run import LiveRun, end_as_cut, parse_event_id
+from router.responses_api import chat_body, responses_param
+from router.responses_events import ResponsesBuilder
+from router.live_run import LiveRun, end_as_cut, parse_event_id, stream_closed
 from router.run_records import RunRecorder
 from router.streaming import (ClientDisconnected, SSEResponse, merge_streams, sse,
                               until_disconnect)
@@ -30,7 +32,7 @@ log = logging.getLogger("router.http")
 ANONYMOUS = "anonymous"  # the tenant of every request when no API keys are configured
 
 
-_ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
+_ID_PREFIX = {"completion": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}
 
 
 async def generation(request: Request, backend: Backend, intake: Intake, kind: str,
@@ -68,9 +70,9 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
     live.event_ids = recorder.always_event_ids or key is not None or \
         "text/event-stream" in accept
     try:
-        prepared = await intake.prepare(kind, raw)
+        builder = await _builder(intake, backend, kind, raw, response_id)
+        prepared = builder.prepared
         live.stream = prepared.stream
-        builder = ResponseBuilder(prepared, response_id, backend.tokenizer)
         merged = _backend_streams(backend, prepared, response_id, tenant, timeout_s)
     except BaseException as exc:
         live.error = exc if isinstance(exc, BackendError) else BackendError(500, "internal error")
@@ -94,7 +96,23 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
     outcome: dict = {}
     return SSEResponse(_sse_events(builder, first, merged, outcome, _emitter(recorder, live)),
                        deadline=deadline, on_end=lambda cut: _end_stream(
-                           recorder, live, builder, merged, outcome, cut))
+                           recorder, live, builder, merged, outcome, cut),
+                       cut_events=builder.failed)
+
+
+async def _builder(intake: Intake, backend: Backend, kind: str, raw, response_id: str):
+    """The request parsed and validated, and the builder of its response body or events."""
+    if kind != "responses":
+        return ResponseBuilder(await intake.prepare(kind, raw), response_id, backend.tokenizer)
+    body = parse_json(raw) if len(raw) <= INLINE_MAX_BYTES else \
+        await asyncio.to_thread(parse_json, raw)
+    chat, request = chat_body(body)
+    try:
+        prepared = await intake.prepare("chat", json.dumps(chat).encode())
+    except BackendError as exc:  # named as the client named it
+        exc.param = responses_param(exc.param)
+        raise
+    return ResponsesBuilder(prepared, response_id, backend.tokenizer, request)
 
 
 async def _recorded_body(request: Request, recorder: RunRecorder, live: LiveRun,
@@ -109,7 +127,7 @@ async def _recorded_body(request: Request, recorder: RunRecorder, live: LiveRun,
     except BaseException as exc:
         await merged.aclose()
         raise _end_cut(recorder, live, builder, exc) from None
-    _finish(recorder, live, "completed", None, body["usage"])  # before a cancel can cut in
+    _finish(recorder, live, "completed", None, builder.usage())  # before a cancel can cut in
     await merged.aclose()
     return Response(live.body, media_type="application/json")
 
@@ -158,8 +176,7 @@ async def _end_stream(recorder: RunRecorder, live: LiveRun, builder: ResponseBui
     ran out, else why it stopped. Recorded first (a cancel may cut the close short), with the
     events a replay needs to end as the cut stream did; then the backend streams are closed
     (they are already, unless the response never pulled an event)."""
-    events = live.events
-    whole = bool(events) and events[-1].endswith(b"data: [DONE]\n\n")
+    whole = stream_closed(live)
     if cut is None or (whole and not isinstance(cut, BackendError)):
         # Every event was produced (a client gone while the last ones were on their way still
         # got the run computed whole; a replay has all of it).
@@ -218,8 +235,8 @@ async def _unrecorded(request: Request, backend: Backend, intake: Intake, kind: 
                       response_id: str, tenant, timeout_s: float, deadline: float) -> Response:
     """With run records off: the response drives the backend streams itself (the client
     leaving cancels the request at once)."""
-    prepared = await intake.prepare(kind, raw)
-    builder = ResponseBuilder(prepared, response_id, backend.tokenizer)
+    builder = await _builder(intake, backend, kind, raw, response_id)
+    prepared = builder.prepared
     merged = _backend_streams(backend, prepared, response_id, tenant, timeout_s)
     try:
         if not prepared.stream:
@@ -233,7 +250,8 @@ async def _unrecorded(request: Request, backend: Backend, intake: Intake, kind: 
         await merged.aclose()
         raise
     return SSEResponse(_sse_events(builder, first, merged, {}), deadline=deadline,
-                       on_end=lambda _: merged.aclose())  # also when no event was pulled
+                       on_end=lambda _: merged.aclose(),  # also when no event was pulled
+                       cut_events=builder.failed)
 
 
 async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder, merged,
@@ -346,30 +364,27 @@ async def _sse_events(builder: ResponseBuilder, first: list, merged, outcome: di
     `outcome["error"]`."""
     try:
         for index, chunk in first:
-            payload = builder.add(index, chunk)
-            if payload is not None:
+            for payload in builder.events(index, chunk):
                 yield event(payload)
         try:
             async for index, chunk in merged:
                 _raise_for_error(chunk)
-                payload = builder.add(index, chunk)
-                if payload is not None:
+                for payload in builder.events(index, chunk):
                     yield event(payload)
         except BackendError as exc:  # after the first token the status is already 200
             log.warning("%s: error mid-stream: %s", builder.id, exc.message)
             outcome["error"] = exc.message
-            yield event(exc.body())
-            yield event("[DONE]")
+            for payload in builder.failed(exc):
+                yield event(payload)
             return
         except Exception:
             log.exception("%s: backend failed mid-stream", builder.id)
             outcome["error"] = "internal error while streaming"
-            yield event(BackendError(500, outcome["error"]).body())
-            yield event("[DONE]")
+            for payload in builder.failed(BackendError(500, outcome["error"])):
+                yield event(payload)
             return
-        if builder.prepared.include_usage:
-            yield event(builder.usage_event())
-        yield event("[DONE]")
+        for payload in builder.closing():
+            yield event(payload)
     finally:
         await merged.aclose()
 
@@ -383,9 +398,9 @@ def _raise_for_error(chunk: dict) -> None:
 
 # ---------------------------------------------------------------------------------- plumbing
 def _name_request(request: Request, prefix: str) -> str:
-    """The response id ("cmpl-<hex>"); it replaces the generic id in X-Request-Id and logs."""
+    """The response id ("cmpl-<hex>", "resp_<hex>"); it replaces the generic id in X-Request-Id and logs."""
     state = request.scope.setdefault("state", {})
-    state["request_id"] = f"{prefix}-{state.get('request_hex') or uuid.uuid4().hex}"
+    state["request_id"] = f"{prefix}{state.get('request_hex') or uuid.uuid4().hex}"
     return state["request_id"]
 
 

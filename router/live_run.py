@@ -6,6 +6,7 @@ response follows them with.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
@@ -66,9 +67,45 @@ class LiveRun:
 def end_as_cut(live: LiveRun, reason: BackendError, emit: Callable[[object], object]) -> None:
     """A stream cut short ends as a finished one does, saying why: what a retry, a resume or
     a follower on another replica replays. `emit` keeps a payload as the run's next event."""
-    if live.events and not live.events[-1].endswith(b"data: [DONE]\n\n"):
+    if not live.events or stream_closed(live):
+        return
+    if not _typed(live):
         emit(reason.body())
         emit("[DONE]")
+        return
+    from router.responses_events import failed_events  # the Responses API's stream
+
+    created = _event_data(live.events[0])
+    response = created.get("response") if isinstance(created, dict) else None
+    for payload in failed_events(len(live.events), response or {"id": live.id}, reason):
+        emit(payload)
+
+
+def stream_closed(live: LiveRun) -> bool:
+    """Whether the run's stream has its last event: [DONE], or a Responses stream's
+    response.completed, .incomplete or .failed."""
+    if not live.events:
+        return False
+    if not _typed(live):
+        return live.events[-1].endswith(b"data: [DONE]\n\n")
+    last = _event_data(live.events[-1])
+    return isinstance(last, dict) and last.get("type") in (
+        "response.completed", "response.incomplete", "response.failed")
+
+
+def _typed(live: LiveRun) -> bool:
+    """A Responses API run (its events are typed, with no [DONE])."""
+    return live.id.startswith("resp_")
+
+
+def _event_data(event: bytes):
+    for line in event.split(b"\n"):
+        if line.startswith(b"data: "):
+            try:
+                return json.loads(line[6:])
+            except ValueError:
+                return None
+    return None
 
 
 def parse_event_id(value: Optional[str]) -> Optional[tuple[str, int]]:

@@ -95,6 +95,20 @@ class ResponseBuilder:
                     "finish_reason": choice.finish_reason}
         return self._envelope(self._chunk_object, [item], stream=True)
 
+    def events(self, index: int, chunk: dict) -> list:
+        """The stream events a worker chunk makes (router/generation.py's stream loop)."""
+        payload = self.add(index, chunk)
+        return [] if payload is None else [payload]
+
+    def closing(self) -> list:
+        """A stream's last events: the usage when asked for, then [DONE]."""
+        return ([self.usage_event()] if self.prepared.include_usage else []) + ["[DONE]"]
+
+    @staticmethod
+    def failed(error) -> list:
+        """A stream that fails after its first event ends with the error, then [DONE]."""
+        return [error.body(), "[DONE]"]
+
     def usage_event(self) -> dict:
         """The last stream event when include_usage: no choices, the request's usage."""
         body = self._envelope(self._chunk_object, [], stream=True)

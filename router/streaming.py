@@ -83,13 +83,14 @@ async def until_disconnect(receive: Receive, work: Awaitable, deadline: Optional
 
 
 def sse(data: Any, event_id: Optional[str] = None) -> bytes:
+    """One SSE event; a typed payload (the Responses API's) names its type in an `event:`
+    line too, as OpenAI sends them."""
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    if event_id is not None:
-        return f"id: {event_id}\ndata: {text}\n\n".encode()
-    return f"data: {text}\n\n".encode()
-
-
-SSE_DONE = sse("[DONE]")
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    kind = data.get("type") if isinstance(data, dict) else None
+    if isinstance(kind, str):
+        head += f"event: {kind}\n"
+    return f"{head}data: {text}\n\n".encode()
 
 
 class SSEResponse(Response):
@@ -103,8 +104,10 @@ class SSEResponse(Response):
 
     def __init__(self, events: AsyncIterator[bytes], headers: Optional[dict] = None,
                  deadline: Optional[float] = None,
-                 on_end: Optional[Callable[[Optional[BaseException]], Awaitable]] = None):
+                 on_end: Optional[Callable[[Optional[BaseException]], Awaitable]] = None,
+                 cut_events: Optional[Callable[[BackendError], list]] = None):
         self.events = events
+        self.cut_events = cut_events or (lambda exc: [exc.body(), "[DONE]"])
         self.deadline = deadline
         self.on_end = on_end
         self.status_code = 200
@@ -130,8 +133,8 @@ class SSEResponse(Response):
             cut = exc
             log.warning("stream cut at request_timeout_s")
             try:
-                await send({"type": "http.response.body", "body": sse(exc.body()) + SSE_DONE,
-                            "more_body": False})
+                await send({"type": "http.response.body", "more_body": False,
+                            "body": b"".join(map(sse, self.cut_events(exc)))})
             except OSError:
                 pass
         except OSError as exc:  # the socket broke while sending: the client is gone too

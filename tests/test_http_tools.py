@@ -277,3 +277,40 @@ def test_required_with_nested_models_and_mistral_ids(served):
         create(client, backend, tools=[tool, clash], tool_choice="required")
     assert caught.value.body["param"] == "tools" and "City" in caught.value.body["message"]
 
+
+
+# -- the Responses API: flat function tools, calls and their outputs as items -------------------
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def test_responses_calls_as_items_and_takes_their_outputs(served):
+    backend, client = served
+    schemas = {t["name"]: t["parameters"] for t in FLAT_TOOLS}
+    kw = {"model": backend.model_name, "input": "Weather in Paris?", "tools": FLAT_TOOLS,
+          "max_output_tokens": 200, "temperature": 0.7, "extra_body": {"seed": 1}}
+    for choice, chat_choice in (({"type": "function", "name": "get_weather"},
+                                 {"type": "function", "function": {"name": "get_weather"}}),
+                                ("required", "required")):
+        done = client.responses.create(tool_choice=choice, **kw)
+        calls = [item for item in done.output if item.type == "function_call"]
+        assert done.status == "completed" and calls
+        chat = create(client, backend, tool_choice=chat_choice, max_tokens=200)
+        assert [(c.name, c.arguments) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in chat.choices[0].message.tool_calls]
+        for call in calls:
+            assert call.id.startswith("fc_") and call.call_id
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        with client.responses.stream(tool_choice=choice, **kw) as stream:
+            events = list(stream)
+        streamed_calls = [e.item for e in events if e.type == "response.output_item.done"
+                          and e.item.type == "function_call"]
+        assert [(c.name, c.arguments) for c in streamed_calls] == \
+            [(c.name, c.arguments) for c in calls]  # the same tokens streamed
+        # The next turn carries the calls and their outputs back.
+        follow = client.responses.create(**{**kw, "max_output_tokens": 8, "input": [
+            {"role": "user", "content": "Weather in Paris?"},
+            *[{"type": "function_call", "call_id": c.call_id, "name": c.name,
+               "arguments": c.arguments} for c in calls],
+            *[{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"}
+              for c in calls]]})
+        assert follow.output and follow.usage.input_tokens > done.usage.input_tokens + 10

@@ -1,0 +1,296 @@
+"""OpenAI's Responses API (`POST /v1/responses`) as a chat request: its input items, instructions,
+function tools, text format and sampling fields become a chat completions body, which the chat
+path validates, renders and runs; router/responses_events.py turns the chat output back into a
+response object and its stream events.
+
+A field this server cannot honour is refused naming it (hosted tools, images and files,
+background mode, reasoning effort), as on the chat path; unknown fields are ignored. A chat
+error's `param` is given back under the Responses name (`max_tokens` -> `max_output_tokens`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from router.schema import InvalidRequest
+
+# Responses fields copied to the chat body as they are (OpenAI's, then vLLM's extensions that
+# its Responses endpoint takes too).
+_SAME_FIELDS = ("model", "temperature", "top_p", "top_logprobs", "parallel_tool_calls", "user",
+                "service_tier", "stream", "seed", "top_k", "min_p", "repetition_penalty",
+                "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos",
+                "min_tokens", "priority", "logit_bias", "skip_special_tokens",
+                "chat_template_kwargs")
+# Fields whose only accepted values are these (anything else would be ignored if taken).
+_OFF_VALUES: dict[str, tuple] = {
+    "background": (None, False),
+    "conversation": (None,),
+    "prompt": (None,),
+    "truncation": (None, "disabled"),
+    "max_tool_calls": (None,),
+    "context_management": (None,),
+}
+_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+MAX_METADATA_KEYS = 16  # OpenAI's limits
+_INCLUDE_LOGPROBS = "message.output_text.logprobs"
+# A chat error's param -> the Responses field it came from.
+_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input",
+           "response_format": "text.format", "logprobs": "include"}
+
+
+@dataclass
+class ResponsesRequest:
+    """What the response echoes back and how it is built: the request's own fields, as OpenAI's
+    response object repeats them."""
+
+    echo: dict = field(default_factory=dict)
+    logprobs: bool = False
+    store: bool = True
+    previous_response_id: Optional[str] = None
+
+
+def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, ResponsesRequest]:
+    """The chat completions body for Responses request `data` (a dict of JSON values), and what
+    its response echoes. `history`: the chat messages of `previous_response_id`'s conversation
+    (its input and output), put before this input."""
+    for name, allowed in _OFF_VALUES.items():
+        if data.get(name) not in allowed:
+            raise InvalidRequest(f"{name} {json.dumps(data[name])} is not supported by this "
+                                 f"server", param=name, code="unsupported_parameter")
+    chat: dict[str, Any] = {k: data[k] for k in _SAME_FIELDS if data.get(k) is not None}
+    messages: list[dict] = []
+    instructions = data.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise InvalidRequest("instructions must be a string", param="instructions")
+        messages.append({"role": "system", "content": instructions})
+    messages += history or []
+    messages += _input_messages(data.get("input"))
+    chat["messages"] = messages
+    if data.get("max_output_tokens") is not None:
+        chat["max_tokens"] = data["max_output_tokens"]
+    tools = _tools(data.get("tools"))
+    if tools:
+        chat["tools"] = tools
+    tool_choice = _tool_choice(data.get("tool_choice"))
+    if tool_choice is not None and (tools or tool_choice != "none"):
+        chat["tool_choice"] = tool_choice
+    response_format, text = _text_format(data.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
+    logprobs = _include(data.get("include"))
+    if logprobs:
+        chat["logprobs"] = True
+    elif data.get("top_logprobs"):
+        raise InvalidRequest(f"top_logprobs needs include: [\"{_INCLUDE_LOGPROBS}\"]",
+                             param="top_logprobs")
+    _reasoning(data.get("reasoning"))
+    store = data.get("store", True)
+    if not isinstance(store, bool) and store is not None:
+        raise InvalidRequest("store must be a boolean", param="store")
+    stream_options = data.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise InvalidRequest("stream_options must be an object", param="stream_options")
+    echo = {"instructions": instructions,
+            "max_output_tokens": data.get("max_output_tokens"),
+            "metadata": _metadata(data.get("metadata")),
+            "parallel_tool_calls": data.get("parallel_tool_calls", True),
+            "previous_response_id": data.get("previous_response_id"),
+            "reasoning": {"effort": None, "summary": None},
+            "store": store is not False,
+            "text": text,
+            "tool_choice": data.get("tool_choice") or ("auto" if tools else "none"),
+            "tools": data.get("tools") or [],
+            "top_logprobs": data.get("top_logprobs") or 0,
+            "truncation": "disabled",
+            "user": data.get("user"),
+            "background": False}
+    return chat, ResponsesRequest(echo, logprobs, store is not False,
+                                  data.get("previous_response_id"))
+
+
+def responses_param(param: Optional[str]) -> Optional[str]:
+    """A chat error's param under the Responses field it came from."""
+    if param is None:
+        return None
+    return _PARAMS.get(re.split(r"[.\[]", param, maxsplit=1)[0], param)
+
+
+# -- input items -------------------------------------------------------------------------------
+def _input_messages(items: Any) -> list[dict]:
+    """`input` (a string, or a list of message, function_call and function_call_output items)
+    as chat messages; a model's calls join the assistant message before them."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise InvalidRequest("input must be a string or a non-empty list of items",
+                             param="input")
+    messages: list[dict] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"input[{i}] must be an object", param=f"input[{i}]")
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, i))
+        elif kind == "function_call":
+            call = _history_call(item, i)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
+                             "content": _output_text(item.get("output"), i)})
+        elif kind == "reasoning":
+            continue  # earlier thinking: templates drop it from past turns (documented)
+        else:
+            raise InvalidRequest(f"input[{i}]: items of type {kind!r} are not supported by "
+                                 f"this server (message, function_call, function_call_output, "
+                                 f"reasoning)", param=f"input[{i}].type",
+                                 code="unsupported_parameter")
+    return messages
+
+
+def _message(item: dict, i: int) -> dict:
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise InvalidRequest(f"input[{i}].role must be user, system, developer or assistant",
+                             param=f"input[{i}].role")
+    content = item.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"input[{i}].content[{j}]: only text parts are supported "
+                                     f"(input_text, output_text; got {kind!r})",
+                                     param=f"input[{i}].content[{j}].type",
+                                     code="unsupported_parameter")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif not isinstance(content, str):
+        raise InvalidRequest(f"input[{i}].content must be a string or a list of parts",
+                             param=f"input[{i}].content")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _history_call(item: dict, i: int) -> dict:
+    arguments = item.get("arguments", "")
+    if not isinstance(arguments, str):
+        raise InvalidRequest(f"input[{i}].arguments must be a string (JSON)",
+                             param=f"input[{i}].arguments")
+    return {"id": _string(item, "call_id", i), "type": "function",
+            "function": {"name": _string(item, "name", i), "arguments": arguments}}
+
+
+def _output_text(output: Any, i: int) -> str:
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list):
+        return _message({"role": "user", "content": output}, i)["content"]
+    raise InvalidRequest(f"input[{i}].output must be a string or a list of text parts",
+                         param=f"input[{i}].output")
+
+
+def _string(item: dict, key: str, i: int) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"input[{i}].{key} must be a non-empty string",
+                             param=f"input[{i}].{key}")
+    return value
+
+
+# -- tools, text format, reasoning, include, metadata ------------------------------------------
+def _tools(tools: Any) -> list[dict]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools must be a list", param="tools")
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise InvalidRequest(f"tools[{i}]: only function tools are supported by this "
+                                 f"server (got type {kind!r})", param=f"tools[{i}].type",
+                                 code="unsupported_parameter")
+        # In the client's order: a template may write the tool as it stands.
+        fn = {k: v for k, v in tool.items() if k in _FUNCTION_KEYS and v is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        if not isinstance(choice.get("name"), str):
+            raise InvalidRequest("tool_choice.name must be a string", param="tool_choice.name")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidRequest(f"tool_choice {json.dumps(choice)} is not supported by this server "
+                         f"(auto, none, required or a function)", param="tool_choice",
+                         code="unsupported_parameter")
+
+
+def _text_format(text: Any) -> tuple[Optional[dict], dict]:
+    """`text` -> (the chat response_format, the `text` the response echoes)."""
+    if text is None:
+        return None, {"format": {"type": "text"}}
+    if not isinstance(text, dict):
+        raise InvalidRequest("text must be an object", param="text")
+    if text.get("verbosity") not in (None, "medium"):
+        raise InvalidRequest(f"text.verbosity {json.dumps(text['verbosity'])} is not "
+                             f"supported by this server", param="text.verbosity",
+                             code="unsupported_parameter")
+    fmt = text.get("format") or {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None, {"format": fmt}
+    if kind == "json_object":
+        return {"type": "json_object"}, {"format": fmt}
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}, {"format": fmt}
+    raise InvalidRequest(f"text.format.type must be text, json_object or json_schema (got "
+                         f"{kind!r})", param="text.format.type")
+
+
+def _reasoning(reasoning: Any) -> None:
+    if reasoning is None:
+        return
+    if not isinstance(reasoning, dict):
+        raise InvalidRequest("reasoning must be an object", param="reasoning")
+    for key in ("effort", "summary", "generate_summary"):
+        if reasoning.get(key) is not None:
+            raise InvalidRequest(f"reasoning.{key} is not supported by this server (a "
+                                 f"reasoning model's thinking comes back as a reasoning item)",
+                                 param=f"reasoning.{key}", code="unsupported_parameter")
+
+
+def _include(include: Any) -> bool:
+    if include is None:
+        return False
+    if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
+        raise InvalidRequest("include must be a list of strings", param="include")
+    for value in include:
+        if value != _INCLUDE_LOGPROBS:
+            raise InvalidRequest(f"include {value!r} is not supported by this server (only "
+                                 f"{_INCLUDE_LOGPROBS!r})", param="include",
+                                 code="unsupported_parameter")
+    return bool(include)
+
+
+def _metadata(metadata: Any) -> dict:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+            for k, v in metadata.items()):
+        raise InvalidRequest(f"metadata must be an object of at most {MAX_METADATA_KEYS} "
+                             f"string values (keys up to 64 characters, values up to 512)",
+                             param="metadata")
+    return metadata

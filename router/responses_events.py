@@ -1,0 +1,262 @@
+"""A Responses API response from the chat output (router/responses_api.py made the chat request):
+the response object with its output items (reasoning, message, function_call) and, streamed,
+the typed events OpenAI's clients accumulate: response.created, output items added and done,
+text, reasoning and call-argument deltas, and response.completed (or .incomplete at
+max_output_tokens).
+
+The chat ResponseBuilder does the accumulating (detokenized text, the thinking split, tool
+calls read back); this class only re-shapes what it gives. A stream's last event carries the
+response whole, with the items as they were streamed.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any, Optional
+
+from router.backend import BackendError
+from router.protocol import PreparedRequest
+from router.reasoning import CLOSE
+from router.reasoning import split as split_thinking
+from router.responses import ResponseBuilder
+from router.responses_api import ResponsesRequest
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+class ResponsesBuilder:
+    """One Responses request's output (n is always 1): `events` per worker chunk, `closing`
+    at the end of a stream, `final_body` for a JSON response."""
+
+    def __init__(self, prepared: PreparedRequest, response_id: str, tokenizer,
+                 request: ResponsesRequest):
+        self.chat = ResponseBuilder(prepared, response_id, tokenizer)
+        self.prepared = prepared
+        self.id = response_id
+        self.request = request
+        self.tokenizer = tokenizer
+        self.seq = 0
+        self.items: list[dict] = []  # streamed output items, in order
+        self.open: Optional[dict] = None  # the one being streamed
+        self.calls: dict[int, dict] = {}  # a streamed tool call's index -> its item
+        self.held_logprobs: list = []  # of tokens whose text was not output text
+
+    # -- streaming ---------------------------------------------------------------------------
+    def add(self, index: int, chunk: dict) -> None:
+        """A chunk of a JSON response (final_body reads them all)."""
+        self.chat.add(index, chunk)
+
+    def events(self, index: int, chunk: dict) -> list[dict]:
+        out: list[dict] = []
+        if self.seq == 0:
+            out += [self._event("response.created", response=self.snapshot("in_progress")),
+                    self._event("response.in_progress", response=self.snapshot("in_progress"))]
+        payload = self.chat.add(index, chunk)
+        if payload is None:
+            return out
+        choice = payload["choices"][0]
+        delta = choice["delta"]
+        if choice.get("logprobs"):
+            self.held_logprobs += choice["logprobs"]["content"]
+        if delta.get("reasoning"):
+            out += self._open("reasoning")
+            self.open["content"][0]["text"] += delta["reasoning"]
+            out.append(self._event("response.reasoning_text.delta", **self._at(),
+                                   content_index=0, delta=delta["reasoning"]))
+        if delta.get("content"):
+            out += self._open("message")
+            part = self.open["content"][0]
+            part["text"] += delta["content"]
+            logprobs, self.held_logprobs = self._logprobs(self.held_logprobs), []
+            part["logprobs"] += logprobs
+            out.append(self._event("response.output_text.delta", **self._at(),
+                                   content_index=0, delta=delta["content"], logprobs=logprobs))
+        for call in delta.get("tool_calls") or ():
+            out += self._call_delta(call)
+        if choice.get("finish_reason") is not None:
+            out += self._close()
+            if not self.items:  # nothing said: an empty message, as the JSON body has
+                out += self._open("message") + self._close()
+        return out
+
+    def closing(self) -> list[dict]:
+        """The stream's last event: the response whole."""
+        status = self._status()
+        return [self._event(f"response.{status}", response=self.snapshot(status, self.items))]
+
+    def failed(self, error: BackendError) -> list[dict]:
+        """A stream that fails after its first event ends saying so: an error event, then
+        response.failed."""
+        return failed_events(self.seq, self.snapshot("failed"), error)
+
+    def _call_delta(self, call: dict) -> list[dict]:
+        out: list[dict] = []
+        fn = call.get("function") or {}
+        item = self.calls.get(call["index"])
+        if item is None:
+            out += self._close()
+            item = self.calls[call["index"]] = {
+                "type": "function_call", "id": _item_id("fc"), "call_id": call["id"],
+                "name": fn.get("name"), "arguments": "", "status": "in_progress"}
+            self.open = item
+            self.items.append(item)
+            out.append(self._event("response.output_item.added", output_index=len(self.items)
+                                   - 1, item=dict(item)))
+        if fn.get("arguments"):
+            item["arguments"] += fn["arguments"]
+            out.append(self._event("response.function_call_arguments.delta", **self._at(),
+                                   delta=fn["arguments"]))
+        return out
+
+    def _open(self, kind: str) -> list[dict]:
+        """Make an item of `kind` the open one (closing the one before): its added events."""
+        if self.open is not None and self.open["type"] == kind:
+            return []
+        out = self._close()
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": _item_id("rs"), "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+        else:
+            item = _message_item(_item_id("msg"), "", [], "in_progress")
+        self.open = item
+        self.items.append(item)
+        added = dict(item, content=[])
+        out.append(self._event("response.output_item.added", output_index=len(self.items) - 1,
+                               item=added))
+        if kind == "message":
+            out.append(self._event("response.content_part.added", **self._at(), content_index=0,
+                                   part=_text_part("", [])))
+        return out
+
+    def _close(self) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        out: list[dict] = []
+        at = {"item_id": item["id"], "output_index": self.items.index(item)}
+        item["status"] = "completed"
+        if item["type"] == "message":
+            part = item["content"][0]
+            part["logprobs"] += self._logprobs(self.held_logprobs)
+            self.held_logprobs = []
+            out += [self._event("response.output_text.done", **at, content_index=0,
+                                text=part["text"], logprobs=part["logprobs"]),
+                    self._event("response.content_part.done", **at, content_index=0,
+                                part=dict(part))]
+        elif item["type"] == "reasoning":
+            out.append(self._event("response.reasoning_text.done", **at, content_index=0,
+                                   text=item["content"][0]["text"]))
+        else:
+            out.append(self._event("response.function_call_arguments.done", **at,
+                                   name=item["name"], arguments=item["arguments"]))
+        out.append(self._event("response.output_item.done", output_index=at["output_index"],
+                               item=dict(item)))
+        return out
+
+    def _at(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
+
+    def _event(self, kind: str, **fields: Any) -> dict:
+        event = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return event
+
+    # -- whole responses ---------------------------------------------------------------------
+    def final_body(self) -> dict:
+        body = self.chat.final_body()
+        choice = body["choices"][0]
+        message = choice["message"]
+        items: list[dict] = []
+        if message.get("reasoning") is not None:
+            items.append({"type": "reasoning", "id": _item_id("rs"), "summary": [],
+                          "content": [{"type": "reasoning_text", "text": message["reasoning"]}],
+                          "status": "completed"})
+        logprobs = self._logprobs(choice["logprobs"]["content"]) if choice.get("logprobs") \
+            else []
+        if message.get("content") or not message.get("tool_calls") and not items:
+            items.append(_message_item(_item_id("msg"), message.get("content") or "", logprobs,
+                                       "completed"))
+        for call in message.get("tool_calls") or ():
+            items.append({"type": "function_call", "id": _item_id("fc"), "call_id": call["id"],
+                          "name": call["function"]["name"],
+                          "arguments": call["function"]["arguments"], "status": "completed"})
+        return self.snapshot(self._status(), items)
+
+    def snapshot(self, status: str, items: Optional[list] = None) -> dict:
+        """The response object in `status`, with these output items."""
+        sampling = self.prepared.choices[0].params
+        body = {"id": self.id, "object": "response", "created_at": self.chat.created,
+                "status": status, "error": None, "incomplete_details": None,
+                "model": self.prepared.model, "output": list(items or []),
+                "temperature": sampling.temperature, "top_p": sampling.top_p,
+                **self.request.echo}
+        if status in ("completed", "incomplete"):
+            body["completed_at"] = int(time.time())
+            body["usage"] = self.usage_body()
+        else:
+            body["usage"] = None
+        if status == "incomplete":
+            body["incomplete_details"] = {"reason": "max_output_tokens"}
+        if self.prepared.service_tier is not None:
+            body["service_tier"] = self.prepared.service_tier
+        return body
+
+    def usage(self) -> dict:
+        """In the chat form (what run records count)."""
+        return self.chat.usage()
+
+    def usage_body(self) -> dict:
+        usage = self.chat.usage()
+        return {"input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": usage["prompt_tokens_details"],
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens()},
+                "total_tokens": usage["total_tokens"]}
+
+    def _status(self) -> str:
+        return "incomplete" if self.chat.choices[0].finish_reason == "length" else "completed"
+
+    def _reasoning_tokens(self) -> int:
+        """The output tokens through the end of the thinking (all of them while it had not
+        ended); 0 without thinking."""
+        choice = self.chat.choices[0]
+        if choice.think is None or split_thinking(choice.text, choice.think.open_at_start)[0] \
+                is None:
+            return 0
+        ids = choice.token_ids
+        if CLOSE not in choice.text:
+            return len(ids)
+        low, high = 1, len(ids)  # the shortest prefix whose text holds the end tag
+        while low < high:
+            mid = (low + high) // 2
+            if CLOSE in self.tokenizer.decode(ids[:mid], skip_special_tokens=False):
+                high = mid
+            else:
+                low = mid + 1
+        return high
+
+    def _logprobs(self, entries: list) -> list[dict]:
+        """Chat logprob entries in the Responses form."""
+        return [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
+                 "top_logprobs": e["top_logprobs"]} for e in entries] \
+            if self.request.logprobs else []
+
+
+def failed_events(seq: int, response: dict, error: BackendError) -> list[dict]:
+    """An error event, then response.failed (`response` as it stood), numbered from `seq`."""
+    code = error.code or error.type
+    response = dict(response, status="failed", error={"code": code, "message": error.message})
+    return [{"type": "error", "sequence_number": seq, "code": code, "message": error.message,
+             "param": error.param},
+            {"type": "response.failed", "sequence_number": seq + 1, "response": response}]
+
+
+def _message_item(item_id: str, text: str, logprobs: list, status: str) -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [_text_part(text, logprobs)]}
+
+
+def _text_part(text: str, logprobs: list) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
