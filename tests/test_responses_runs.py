@@ -1,0 +1,99 @@
+"""Responses API runs under run records (router/generation.py, router/live_run.py): a retried
+POST with its Idempotency-Key and a Last-Event-ID resume replay the typed events; a stream
+that fails or passes its deadline after its first event ends with an error event and
+response.failed (never [DONE]), in the client's response and in what a replay gives."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+from pd_runtime.config import RouterConfig
+from pd_runtime.tokenizer import Tokenizer
+from tests.router_support.scripted_backend import ScriptedBackend, error, token_chunk
+from tests.router_support.serving import APPS, serving
+
+SCRIPT = [token_chunk(" a", 1), token_chunk(" b", 2), token_chunk(" c", 3, finished=True)]
+STREAM = {"Accept": "text/event-stream"}
+
+
+def _config(tmp_path, **router) -> RouterConfig:
+    return RouterConfig(routing={"mode": "always_colocated"},
+                        runs={"store": str(tmp_path / "runs.sqlite3")}, **router)
+
+
+def _events(text: str) -> list[dict]:
+    out = []
+    for block in filter(None, text.split("\n\n")):
+        fields = dict(line.split(": ", 1) for line in block.split("\n"))
+        data = json.loads(fields["data"])
+        assert fields["event"] == data["type"]
+        out.append(data)
+    return out
+
+
+def _settled(recorder, timeout_s: float = 5.0) -> list:
+    end = time.monotonic() + timeout_s
+    while not all(live.done for live in recorder.live.values()) and time.monotonic() < end:
+        time.sleep(0.02)
+    return list(recorder.live.values())
+
+
+def test_a_keyed_retry_and_a_resume_replay_the_same_events(llama_dir, tmp_path):
+    backend = ScriptedBackend(Tokenizer(llama_dir), SCRIPT)
+    with serving(backend, _config(tmp_path)) as (_, port):
+        url = f"http://127.0.0.1:{port}/v1/responses"
+        body = {"input": "x", "stream": True}
+        key = {**STREAM, "Idempotency-Key": "k-1"}
+        first = httpx.post(url, headers=key, json=body)
+        again = httpx.post(url, headers=key, json=body)
+        assert first.status_code == again.status_code == 200
+        assert first.text == again.text  # the same run, not a second computation
+        events = _events(first.text)
+        assert events[-1]["type"] == "response.incomplete"  # the script ends at "length"
+        assert events[-1]["response"]["output"][0]["content"][0]["text"] == " a b c"
+        run_id = events[0]["response"]["id"]
+        ids = [line[4:] for line in first.text.split("\n") if line.startswith("id: ")]
+        resumed = httpx.post(url, headers={**STREAM, "Last-Event-ID": ids[3]}, json=body)
+        assert _events(resumed.text) == events[4:]
+        record = httpx.get(f"http://127.0.0.1:{port}/v1/runs/{run_id}").json()
+        assert record["state"] == "completed" and record["output_tokens"] == 3
+        plain = httpx.post(url, headers={"Idempotency-Key": "k-2"}, json={"input": "x"})
+        assert plain.json()["output"][0]["content"][0]["text"] == " a b c"
+        assert httpx.post(url, headers={"Idempotency-Key": "k-2"},
+                          json={"input": "x"}).content == plain.content
+
+
+def test_a_failure_mid_stream_ends_with_response_failed(llama_dir, tmp_path):
+    script = [token_chunk(" a", 1), error(503, "the worker went away")]
+    backend = ScriptedBackend(Tokenizer(llama_dir), script)
+    with serving(backend, _config(tmp_path)) as (_, port):
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/responses", headers=STREAM,
+                              json={"input": "x", "stream": True})
+        events = _events(response.text)
+        assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+        assert events[-2]["message"] == "the worker went away"
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and failed["error"]["message"] == \
+            "the worker went away"
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        (run,) = _settled(APPS[port].state.recorder)
+        assert run.state == "failed"
+        replay = httpx.get(f"http://127.0.0.1:{port}/v1/runs/{run.id}/events")
+        assert _events(replay.text) == events
+
+
+def test_a_deadline_mid_stream_ends_with_response_failed(llama_dir, tmp_path):
+    backend = ScriptedBackend(Tokenizer(llama_dir), SCRIPT * 4, step_s=0.3)
+    with serving(backend, _config(tmp_path, request_timeout_s=1.0)) as (_, port):
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/responses", headers=STREAM,
+                              json={"input": "x", "stream": True})
+        events = _events(response.text)
+        assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+        assert events[-2]["code"] == "request_timeout"
+        (run,) = _settled(APPS[port].state.recorder)
+        assert run.state == "failed"
+        replay = _events(httpx.get(f"http://127.0.0.1:{port}/v1/runs/{run.id}/events").text)
+        assert [e["type"] for e in replay[-2:]] == ["error", "response.failed"]
