@@ -117,4 +117,9 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
                data BLOB NOT NULL,
                PRIMARY KEY (run_id, seq))""",
     ]),
+    (9, "a stored response's conversation, for the next request's previous_response_id", [
+        # The chat messages a Responses API run was given and answered (JSON), written with
+        # its output and deleted with it.
+        "ALTER TABLE run_outputs ADD COLUMN conversation BLOB",
+    ]),
 ]

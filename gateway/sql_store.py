@@ -215,11 +215,11 @@ class SqlRunStore:
         published = [(item["run_id"],) for item in items if item.get("drop_events")]
         if published:  # the run's end: its output holds them now
             cursor.executemany(self._sql("DELETE FROM run_events WHERE run_id = ?"), published)
-        outputs = [(item["run_id"], *item["output"], item["created_at"]) for item in items
-                   if item["output"] is not None]
+        outputs = [(item["run_id"], *item["output"], item.get("conversation"),
+                    item["created_at"]) for item in items if item["output"] is not None]
         if outputs:
             cursor.executemany(self._sql("INSERT INTO run_outputs (run_id, kind, body, "
-                                         "created_at) VALUES (?, ?, ?, ?) "
+                                         "conversation, created_at) VALUES (?, ?, ?, ?, ?) "
                                          "ON CONFLICT (run_id) DO NOTHING"), outputs)
 
     def transitions(self, run_id: str) -> list[tuple[str, float]]:
@@ -278,6 +278,12 @@ class SqlRunStore:
             return None
         kind, body = _values(row)
         return kind, bytes(body)
+
+    def get_conversation(self, run_id: str) -> Optional[bytes]:
+        row = self._exec(self._db(), "SELECT conversation FROM run_outputs WHERE run_id = ?",
+                         (run_id,)).fetchone()
+        value = _first(row) if row is not None else None
+        return bytes(value) if value is not None else None
 
     def take(self, bucket: str, capacity: float, per_s: float, amount: float,
              now: float) -> float:

@@ -76,6 +76,9 @@ class RunStore(Protocol):
 
     def get_output(self, run_id: str) -> Optional[tuple[str, bytes]]: ...
 
+    def get_conversation(self, run_id: str) -> Optional[bytes]:
+        """A stored response's conversation (saved with its output), or None."""
+
     def mark_followed(self, run_id: str, at: float) -> None:
         """A client of another process waits for this run (its producer keeps it going)."""
 

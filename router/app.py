@@ -34,6 +34,7 @@ from router.generation import bearer_key, generation, no_run, respond, tenant_na
 from router.intake import Intake
 from router.metrics import RunRecordMetrics
 from router.protocol import InvalidRequest
+from router.responses_events import stored_body
 from router.live_run import parse_event_id
 from router.run_records import RunRecorder, owner_name
 from router.streaming import ClientDisconnected
@@ -94,6 +95,21 @@ def create_app(backend: Backend, router_config: RouterConfig,
     @app.post("/v1/responses")
     async def responses(request: Request):
         return await generation(request, backend, intake, "responses", timeout_s, recorder)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(request: Request, response_id: str):
+        """A stored response (sent with store: true, the default) once it has ended."""
+        tenant = tenant_name(backend.authenticate(bearer_key(request)))
+        records = _records(recorder)
+        output = await records.output(response_id, tenant) \
+            if await records.conversation(response_id, tenant) is not None else None
+        body = stored_body(output) if output is not None else None
+        if body is None:
+            raise BackendError(404, f"no stored response {response_id!r} of yours (sent with "
+                               "store: false, not ended yet, or past router.runs."
+                               "keep_outputs_s)", param="response_id",
+                               code="response_not_found")
+        return body
 
     @app.get("/v1/runs/{run_id}")
     async def run_record(request: Request, run_id: str):

@@ -70,7 +70,7 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
     live.event_ids = recorder.always_event_ids or key is not None or \
         "text/event-stream" in accept
     try:
-        builder = await _builder(intake, backend, kind, raw, response_id)
+        builder = await _builder(intake, backend, kind, raw, response_id, recorder, tenant_id)
         prepared = builder.prepared
         live.stream = prepared.stream
         merged = _backend_streams(backend, prepared, response_id, tenant, timeout_s)
@@ -100,19 +100,43 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
                        cut_events=builder.failed)
 
 
-async def _builder(intake: Intake, backend: Backend, kind: str, raw, response_id: str):
+async def _builder(intake: Intake, backend: Backend, kind: str, raw, response_id: str,
+                   recorder: Optional[RunRecorder], tenant_id: str):
     """The request parsed and validated, and the builder of its response body or events."""
     if kind != "responses":
         return ResponseBuilder(await intake.prepare(kind, raw), response_id, backend.tokenizer)
     body = parse_json(raw) if len(raw) <= INLINE_MAX_BYTES else \
         await asyncio.to_thread(parse_json, raw)
-    chat, request = chat_body(body)
+    history = await _history(body.get("previous_response_id"), recorder, tenant_id)
+    chat, request = chat_body(body, history)
+    request.store = request.store and recorder is not None
     try:
         prepared = await intake.prepare("chat", json.dumps(chat).encode())
     except BackendError as exc:  # named as the client named it
         exc.param = responses_param(exc.param)
         raise
     return ResponsesBuilder(prepared, response_id, backend.tokenizer, request)
+
+
+async def _history(previous: Optional[str], recorder: Optional[RunRecorder],
+                   tenant_id: str) -> Optional[list]:
+    """The conversation of stored response `previous` (its input and output messages)."""
+    if previous is None:
+        return None
+    if not isinstance(previous, str):
+        raise InvalidRequest("previous_response_id must be a string",
+                             param="previous_response_id")
+    if recorder is None:
+        raise InvalidRequest("previous_response_id needs stored responses, which need run "
+                             "records (router.runs.enabled: false here)",
+                             param="previous_response_id", code="unsupported_parameter")
+    stored = await recorder.conversation(previous, tenant_id)
+    if stored is None:
+        raise BackendError(404, f"no stored response {previous!r} of yours (it was sent with "
+                           f"store: false, has not finished, or is past router.runs."
+                           f"keep_outputs_s)", param="previous_response_id",
+                           code="previous_response_not_found")
+    return json.loads(stored)
 
 
 async def _recorded_body(request: Request, recorder: RunRecorder, live: LiveRun,
@@ -127,7 +151,7 @@ async def _recorded_body(request: Request, recorder: RunRecorder, live: LiveRun,
     except BaseException as exc:
         await merged.aclose()
         raise _end_cut(recorder, live, builder, exc) from None
-    _finish(recorder, live, "completed", None, builder.usage())  # before a cancel can cut in
+    _finish(recorder, live, "completed", None, builder)  # before a cancel can cut in
     await merged.aclose()
     return Response(live.body, media_type="application/json")
 
@@ -159,13 +183,13 @@ def _end_cut(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder,
     `cut`, or for a defect the 500 its client gets."""
     if isinstance(cut, BackendError):
         live.error = cut
-        _finish(recorder, live, "failed", cut.message, builder.usage())
+        _finish(recorder, live, "failed", cut.message, builder)
     elif isinstance(cut, ClientDisconnected) or not isinstance(cut, Exception):
-        _finish(recorder, live, "cancelled", None, builder.usage())
+        _finish(recorder, live, "cancelled", None, builder)
     else:
         log.error("%s: backend failed", live.id, exc_info=cut)
         live.error = BackendError(500, "internal error")
-        _finish(recorder, live, "failed", live.error.message, builder.usage())
+        _finish(recorder, live, "failed", live.error.message, builder)
         return live.error
     return cut
 
@@ -181,7 +205,7 @@ async def _end_stream(recorder: RunRecorder, live: LiveRun, builder: ResponseBui
         # Every event was produced (a client gone while the last ones were on their way still
         # got the run computed whole; a replay has all of it).
         error = outcome.get("error")
-        _finish(recorder, live, "failed" if error else "completed", error, builder.usage())
+        _finish(recorder, live, "failed" if error else "completed", error, builder)
     else:
         if isinstance(cut, BackendError):  # the deadline: the client was told so
             state, reason = "failed", cut
@@ -192,12 +216,16 @@ async def _end_stream(recorder: RunRecorder, live: LiveRun, builder: ResponseBui
             state, reason = "failed", BackendError(500, "internal error while streaming")
         end_as_cut(live, reason, _emitter(recorder, live))
         _finish(recorder, live, state, reason.message if state == "failed" else None,
-                builder.usage())
+                builder)
     await merged.aclose()
 
 
 def _finish(recorder: RunRecorder, live: LiveRun, state: str, error: Optional[str],
-            usage: dict) -> None:
+            builder) -> None:
+    """The run's end recorded, with a stored response's conversation."""
+    usage = builder.usage()
+    if state == "completed" and getattr(builder, "stores", False):
+        live.conversation = json.dumps(builder.conversation()).encode()
     recorder.finish(live, state, error=error, prompt_tokens=usage["prompt_tokens"],
                     cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
                     output_tokens=usage["completion_tokens"])
@@ -235,7 +263,7 @@ async def _unrecorded(request: Request, backend: Backend, intake: Intake, kind: 
                       response_id: str, tenant, timeout_s: float, deadline: float) -> Response:
     """With run records off: the response drives the backend streams itself (the client
     leaving cancels the request at once)."""
-    builder = await _builder(intake, backend, kind, raw, response_id)
+    builder = await _builder(intake, backend, kind, raw, response_id, None, tenant_name(tenant))
     prepared = builder.prepared
     merged = _backend_streams(backend, prepared, response_id, tenant, timeout_s)
     try:
@@ -299,7 +327,7 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
         outcome["error"] = live.error.message
     finally:
         await merged.aclose()
-        _finish(recorder, live, state, outcome.get("error"), builder.usage())
+        _finish(recorder, live, state, outcome.get("error"), builder)
 
 
 def _timeout_error() -> BackendError:

@@ -185,7 +185,7 @@ class RunWriter:
                 break
             if item["output"]:
                 size -= len(item["output"][1])
-                item["output"] = None
+                item["output"] = item["conversation"] = None
                 self.outputs_dropped += 1
 
     def _items(self, begun: list["LiveRun"], ended: list["LiveRun"]
@@ -240,8 +240,10 @@ class RunWriter:
             row.update(id=live.id, tenant=live.tenant, created_at=live.created_at,
                        owner=self.owner)
         live.stored = state
-        return record_item(live.id, live.tenant, live.created_at, row, insert, IN_FLIGHT,
+        item = record_item(live.id, live.tenant, live.created_at, row, insert, IN_FLIGHT,
                            output)
+        item["conversation"] = live.conversation if output is not None else None
+        return item
 
     # -- the writer process --------------------------------------------------------------------
     def _start_process(self) -> None:

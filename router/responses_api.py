@@ -49,8 +49,8 @@ class ResponsesRequest:
 
     echo: dict = field(default_factory=dict)
     logprobs: bool = False
-    store: bool = True
-    previous_response_id: Optional[str] = None
+    store: bool = True  # kept for GET /v1/responses/{id} and a later previous_response_id
+    messages: list = field(default_factory=list)  # the conversation so far, without instructions
 
 
 def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, ResponsesRequest]:
@@ -68,9 +68,8 @@ def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, Respons
         if not isinstance(instructions, str):
             raise InvalidRequest("instructions must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
-    messages += history or []
-    messages += _input_messages(data.get("input"))
-    chat["messages"] = messages
+    conversation = (history or []) + _input_messages(data.get("input"))
+    chat["messages"] = messages + conversation
     if data.get("max_output_tokens") is not None:
         chat["max_tokens"] = data["max_output_tokens"]
     tools = _tools(data.get("tools"))
@@ -101,7 +100,6 @@ def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, Respons
             "parallel_tool_calls": data.get("parallel_tool_calls", True),
             "previous_response_id": data.get("previous_response_id"),
             "reasoning": {"effort": None, "summary": None},
-            "store": store is not False,
             "text": text,
             "tool_choice": data.get("tool_choice") or ("auto" if tools else "none"),
             "tools": data.get("tools") or [],
@@ -109,8 +107,7 @@ def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, Respons
             "truncation": "disabled",
             "user": data.get("user"),
             "background": False}
-    return chat, ResponsesRequest(echo, logprobs, store is not False,
-                                  data.get("previous_response_id"))
+    return chat, ResponsesRequest(echo, logprobs, store is not False, conversation)
 
 
 def responses_param(param: Optional[str]) -> Optional[str]:

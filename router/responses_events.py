@@ -11,11 +11,13 @@ response whole, with the items as they were streamed.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from typing import Any, Optional
 
 from router.backend import BackendError
+from router.live_run import split_events
 from router.protocol import PreparedRequest
 from router.reasoning import CLOSE
 from router.reasoning import split as split_thinking
@@ -38,7 +40,7 @@ class ResponsesBuilder:
         self.request = request
         self.tokenizer = tokenizer
         self.seq = 0
-        self.items: list[dict] = []  # streamed output items, in order
+        self.items: list[dict] = []  # output items, in order (streamed, or the JSON body's)
         self.open: Optional[dict] = None  # the one being streamed
         self.calls: dict[int, dict] = {}  # a streamed tool call's index -> its item
         self.held_logprobs: list = []  # of tokens whose text was not output text
@@ -182,6 +184,7 @@ class ResponsesBuilder:
             items.append({"type": "function_call", "id": _item_id("fc"), "call_id": call["id"],
                           "name": call["function"]["name"],
                           "arguments": call["function"]["arguments"], "status": "completed"})
+        self.items = items  # what conversation() gives back
         return self.snapshot(self._status(), items)
 
     def snapshot(self, status: str, items: Optional[list] = None) -> dict:
@@ -191,7 +194,7 @@ class ResponsesBuilder:
                 "status": status, "error": None, "incomplete_details": None,
                 "model": self.prepared.model, "output": list(items or []),
                 "temperature": sampling.temperature, "top_p": sampling.top_p,
-                **self.request.echo}
+                "store": self.request.store, **self.request.echo}
         if status in ("completed", "incomplete"):
             body["completed_at"] = int(time.time())
             body["usage"] = self.usage_body()
@@ -202,6 +205,23 @@ class ResponsesBuilder:
         if self.prepared.service_tier is not None:
             body["service_tier"] = self.prepared.service_tier
         return body
+
+    @property
+    def stores(self) -> bool:
+        return self.request.store
+
+    def conversation(self) -> list[dict]:
+        """The chat messages a later request's previous_response_id continues: this one's
+        (earlier ones' included, instructions not), then its answer (thinking left out)."""
+        answer: dict = {"role": "assistant", "content": None}
+        for item in self.items:  # as the client got them: its call ids
+            if item["type"] == "message":
+                answer["content"] = item["content"][0]["text"]
+            elif item["type"] == "function_call":
+                answer.setdefault("tool_calls", []).append({
+                    "id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}})
+        return self.request.messages + [answer]
 
     def usage(self) -> dict:
         """In the chat form (what run records count)."""
@@ -242,6 +262,19 @@ class ResponsesBuilder:
         return [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
                  "top_logprobs": e["top_logprobs"]} for e in entries] \
             if self.request.logprobs else []
+
+
+def stored_body(output: tuple[str, bytes]) -> Optional[dict]:
+    """A finished Responses run's response object from its kept output: the JSON body, or a
+    stream's last event that carries the response."""
+    kind, data = output
+    if kind == "json":
+        return json.loads(data)
+    for event in reversed(split_events(data)):
+        payload = json.loads(event.split(b"data: ", 1)[1])
+        if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
+            return payload["response"]
+    return None
 
 
 def failed_events(seq: int, response: dict, error: BackendError) -> list[dict]:

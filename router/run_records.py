@@ -175,7 +175,8 @@ class RunRecorder:
 
     def finish(self, live: LiveRun, state: str, **fields) -> None:
         """The run is over: its final row goes to the writer, with its output when a client
-        can come back for it (it has an Idempotency-Key, or its stream has event ids; written
+        can come back for it (it has an Idempotency-Key, its stream has event ids, or it is a
+        stored response with its conversation; written
         in the same transaction as the final state, so such a run found finished has its
         output) and its usage when completed. Other runs' output stays in memory only, while
         the run is among the kept finished ones: most of the bytes a record would write."""
@@ -191,7 +192,8 @@ class RunRecorder:
                 live.info["idempotency_key"] = None
                 if self._by_key.get((live.tenant, live.key)) == live.id:
                     del self._by_key[(live.tenant, live.key)]
-        if output is not None and (live.key is not None or (live.stream and live.event_ids)):
+        if output is not None and (live.key is not None or live.conversation is not None or
+                                   (live.stream and live.event_ids)):
             live.kept_output = ("sse" if live.stream else "json", output)
         self.advance(live, state, **fields)
         live.done = True
@@ -354,6 +356,30 @@ class RunRecorder:
         if record is None:
             return None
         return _stub(record, tenant)
+
+    async def conversation(self, run_id: str, tenant: str) -> Optional[bytes]:
+        """A stored response's conversation (the Responses API's previous_response_id): from
+        memory while its run is kept there, else from the store; None when the caller has no
+        such run, or it was not stored or has not ended."""
+        live = self.live.get(run_id)
+        if live is not None:
+            return live.conversation if live.tenant == tenant and live.done else None
+        if await asyncio.to_thread(self.runs.get, run_id, tenant) is None:
+            return None
+        return await asyncio.to_thread(self.store.get_conversation, run_id)
+
+    async def output(self, run_id: str, tenant: str) -> Optional[tuple[str, bytes]]:
+        """A finished run's output ("sse" events or a "json" body) where it was kept."""
+        live = self.live.get(run_id)
+        if live is not None:
+            if live.tenant != tenant or not live.done:
+                return None
+            if live.stream:
+                return ("sse", b"".join(live.events)) if live.events else None
+            return ("json", live.body) if live.body is not None else None
+        if await asyncio.to_thread(self.runs.get, run_id, tenant) is None:
+            return None
+        return await asyncio.to_thread(self.store.get_output, run_id)
 
     async def record(self, run_id: str, tenant: str) -> Optional[dict]:
         """GET /v1/runs/{id}: the stored record, with this process's newer view of a live run."""

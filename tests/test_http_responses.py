@@ -152,3 +152,41 @@ def test_what_it_cannot_do_is_a_400_naming_the_field(client, kw, param):  # noqa
     with pytest.raises(openai.BadRequestError) as raised:
         client.responses.create(model=model, **kw)
     assert raised.value.body["param"] == param
+
+
+def test_previous_response_id_continues_the_conversation(client):  # noqa: F811
+    """A stored response (store defaults to true) is fetched whole by its id, and a request
+    naming it as previous_response_id is the chat endpoint's request for the whole
+    conversation: the same tokens."""
+    model = client.models.list().data[0].id
+    first = client.responses.create(model=model, input="My name is Ada.", max_output_tokens=6,
+                                    instructions="Answer briefly.", **SAMPLING)
+    assert first.store is True
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = client.responses.create(model=model, input="What is my name?",
+                                     previous_response_id=first.id, max_output_tokens=6,
+                                     **SAMPLING)
+    assert second.previous_response_id == first.id
+    # Instructions are not carried over (as OpenAI's): the second request named none.
+    assert second.output_text == chat_text(client, [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"}], max_tokens=6, **SAMPLING)
+    with client.responses.stream(model=model, input="And again?", max_output_tokens=4,
+                                 previous_response_id=second.id, **SAMPLING) as stream:
+        third = list(stream)[-1].response
+    assert client.responses.retrieve(third.id).output_text == third.output_text
+    assert third.usage.input_tokens > second.usage.input_tokens
+
+
+def test_a_response_not_stored_cannot_be_continued(client):  # noqa: F811
+    model = client.models.list().data[0].id
+    loose = client.responses.create(model=model, input="hi", max_output_tokens=2, store=False)
+    assert loose.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(loose.id)
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.responses.create(model=model, input="hi", previous_response_id=loose.id)
+    assert raised.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_nothing")

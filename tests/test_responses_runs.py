@@ -10,8 +10,9 @@ import time
 
 import httpx
 
-from pd_runtime.config import RouterConfig
+from pd_runtime.config import RouterConfig, TenantConfig
 from pd_runtime.tokenizer import Tokenizer
+from router.tenants import Tenants
 from tests.router_support.scripted_backend import ScriptedBackend, error, token_chunk
 from tests.router_support.serving import APPS, serving
 
@@ -97,3 +98,55 @@ def test_a_deadline_mid_stream_ends_with_response_failed(llama_dir, tmp_path):
         assert run.state == "failed"
         replay = _events(httpx.get(f"http://127.0.0.1:{port}/v1/runs/{run.id}/events").text)
         assert [e["type"] for e in replay[-2:]] == ["error", "response.failed"]
+
+
+class _Tenants(ScriptedBackend):
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, SCRIPT)
+        self.tenants = Tenants(TENANTS)
+        self.prompts: list[list[int]] = []
+
+    def authenticate(self, api_key):
+        return self.tenants.authenticate(api_key)
+
+    async def generate(self, request_id, prompt_ids, *args, **kwargs):
+        self.prompts.append(list(prompt_ids))
+        async for chunk in super().generate(request_id, prompt_ids, *args, **kwargs):
+            yield chunk
+
+
+TENANTS = [TenantConfig(tenant_id="acme", api_key="sk-acme"),
+           TenantConfig(tenant_id="other", api_key="sk-other")]
+ACME, OTHER = {"Authorization": "Bearer sk-acme"}, {"Authorization": "Bearer sk-other"}
+
+
+def test_stored_responses_are_the_tenants_own_and_outlive_the_router(llama_dir, tmp_path):
+    """Stored in the run store with their conversation: a restarted router (the same store)
+    still gives them back and continues them; another tenant gets 404s."""
+    config = RouterConfig(tenants=TENANTS, routing={"mode": "always_colocated"},
+                          runs={"store": str(tmp_path / "runs.sqlite3")})
+    tokenizer = Tokenizer(llama_dir)
+    with serving(_Tenants(tokenizer), config) as (_, port):
+        url = f"http://127.0.0.1:{port}/v1/responses"
+        first = httpx.post(url, headers=ACME, json={"input": "remember this"}).json()
+        streamed = _events(httpx.post(url, headers={**ACME, **STREAM}, json={
+            "input": "and this", "stream": True, "previous_response_id": first["id"]}).text)
+        second = streamed[-1]["response"]
+        assert httpx.get(f"{url}/{first['id']}", headers=OTHER).status_code == 404
+        refused = httpx.post(url, headers=OTHER, json={"input": "x",
+                                                       "previous_response_id": first["id"]})
+        assert refused.status_code == 404
+        assert refused.json()["error"]["code"] == "previous_response_not_found"
+    backend = _Tenants(tokenizer)
+    with serving(backend, config) as (_, port):  # a new router over the same store
+        url = f"http://127.0.0.1:{port}/v1/responses"
+        assert httpx.get(f"{url}/{first['id']}", headers=ACME).json() == first
+        assert httpx.get(f"{url}/{second['id']}", headers=ACME).json() == second
+        third = httpx.post(url, headers=ACME, json={"input": "go on",
+                                                    "previous_response_id": second["id"]})
+        assert third.status_code == 200
+        # The whole conversation reached the model: both inputs and both answers.
+        prompt = tokenizer.decode(backend.prompts[-1])
+        for text in ("remember this", "and this", "go on"):
+            assert text in prompt
+        assert prompt.count(" a b c") == 2
