@@ -252,3 +252,99 @@ def test_fuzzed_requests_never_get_a_5xx(fuzz_server):
     # The fuzzer reaches both sides: valid requests served, invalid ones refused.
     assert outcomes[200] >= total * 0.15 and outcomes[400] >= total * 0.3, outcomes
     assert in_child >= 20
+
+
+# -- the Responses API ----------------------------------------------------------------------------
+_INPUTS = _TEXTS + [
+    [], [{"role": "user", "content": "hi"}], [{"type": "message", "role": "developer",
+                                              "content": [{"type": "input_text", "text": "a"}]}],
+    [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+    [{"role": "user", "content": [{"type": "input_text"}]}], [{"role": "bogus", "content": "x"}],
+    [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+     {"type": "function_call_output", "call_id": "c", "output": "ok"}],
+    [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{bad"}],
+    [{"type": "function_call", "name": "f"}], [{"type": "function_call_output", "output": 3}],
+    [{"type": "function_call_output", "call_id": "c",
+      "output": [{"type": "input_text", "text": "x"}]}],
+    [{"type": "reasoning", "summary": []}, {"role": "user", "content": "x"}],
+    [{"type": "item_reference", "id": "x"}], [None], ["x"], [{"role": "user", "content": None}],
+    [{"role": "user", "content": "\ud800"}], [{"role": "user", "content": "word " * 400}]]
+RESPONSES_FIELDS = {
+    "model": FIELDS["model"],
+    "instructions": _field(None, "be brief", "", "\ud800", "word " * 400),
+    "max_output_tokens": _field(None, -1, 0, 1, 2, 3),
+    "temperature": FIELDS["temperature"], "top_p": FIELDS["top_p"],
+    "stream": FIELDS["stream"], "user": FIELDS["user"], "service_tier": FIELDS["service_tier"],
+    "seed": FIELDS["seed"], "stop": FIELDS["stop"],
+    "text": _field(None, {}, {"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                   {"format": {"type": "json_schema", "name": "a", "schema": {
+                       "type": "object", "properties": {"a": {"type": "integer"}}}}},
+                   {"format": {"type": "json_schema", "schema": "x"}}, {"format": "x"},
+                   {"verbosity": "low"}, {"format": {"type": "other"}}),
+    "tools": _field(None, [], [{"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}],
+        [{"type": "function"}], [{"type": "web_search"}], [{"type": "function", "name": 3}],
+        [{"type": "function", "name": "f", "parameters": {"type": "bogus"}}]),
+    "tool_choice": _field(None, "none", "auto", "required", {"type": "function", "name": "f"},
+                          {"type": "function", "name": "g"}, {"type": "function"},
+                          {"type": "web_search"}),
+    "parallel_tool_calls": FIELDS["parallel_tool_calls"],
+    "include": _field(None, [], ["message.output_text.logprobs"], ["x"], "x", [1]),
+    "top_logprobs": _field(None, 0, 2, 20, 21, -1),
+    "reasoning": _field(None, {}, {"effort": None}, {"effort": "low"}, {"summary": "auto"}),
+    "store": _field(None, True, False),
+    "previous_response_id": _field(None, "resp_none", ""),
+    "metadata": _field(None, {}, {"k": "v"}, {"k": 1}, {str(i): "v" for i in range(17)}),
+    "background": _field(None, False, True),
+    "truncation": _field(None, "disabled", "auto"),
+    "stream_options": _field(None, {}, {"include_obfuscation": False}),
+}
+_RESPONSES_NAMES = st.lists(st.sampled_from(sorted(RESPONSES_FIELDS)), max_size=4, unique=True)
+
+
+@st.composite
+def responses_requests(draw):
+    body = {"input": "hi", "max_output_tokens": 2}
+    roll = draw(st.integers(0, 19))
+    if roll == 0:
+        del body["input"]
+    elif roll < 8:
+        body["input"] = draw(_field(*_INPUTS))
+    for name in draw(_RESPONSES_NAMES):
+        body[name] = draw(RESPONSES_FIELDS[name])
+    return body, draw(_SPOILERS), draw(_CONTENT_TYPES)
+
+
+def test_fuzzed_responses_requests_never_get_a_5xx(fuzz_server):
+    backend, port, http = fuzz_server
+    outcomes: collections.Counter = collections.Counter()
+
+    @settings(max_examples=60, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(responses_requests(), min_size=BATCH, max_size=BATCH))
+    def send(batch):
+        for body, spoiler, content_type in batch:
+            raw = json.dumps(body).replace(f'"{SERVED}"', json.dumps(backend.model_name))
+            headers = {"content-type": content_type} if content_type else {}
+            response = http.post("/v1/responses", content=_spoil(raw, spoiler), headers=headers)
+            assert response.status_code < 500, (body, response.status_code, response.text[:500])
+            outcomes[response.status_code] += 1
+            if response.status_code >= 400:
+                assert_error_body(response, response.status_code)
+                continue
+            assert response.status_code == 200 and not _broken(spoiler), (body, response.text)
+            if body.get("stream") is True:
+                events = [json.loads(line[len("data: "):]) for line in
+                          response.text.splitlines() if line.startswith("data: ")]
+                assert events[0]["type"] == "response.created", events[:1]
+                assert events[-1]["type"] in ("response.completed", "response.incomplete"), \
+                    events[-1]
+            else:
+                answer = response.json()
+                assert answer["object"] == "response" and answer["output"], answer
+
+    send()
+    total = sum(outcomes.values())
+    print(f"responses fuzz: {total} requests, statuses {dict(sorted(outcomes.items()))}")
+    assert total == 600
+    assert outcomes[200] >= total * 0.15 and outcomes[400] >= total * 0.3, outcomes
