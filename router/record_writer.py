@@ -179,12 +179,12 @@ class RunWriter:
             log.error("run records: the store has not been written for a while; %d more runs "
                       "let go unrecorded (%d in all, their usage lost); %d wait", extra,
                       self.runs_dropped, len(self._waiting))
-        size = sum(len(item["output"][1]) for item in self._waiting if item["output"])
+        size = sum(map(_output_bytes, self._waiting))
         for item in self._waiting:
             if size <= WAITING_OUTPUT_BYTES:
                 break
             if item["output"]:
-                size -= len(item["output"][1])
+                size -= _output_bytes(item)
                 item["output"] = item["conversation"] = None
                 self.outputs_dropped += 1
 
@@ -310,3 +310,10 @@ class RunWriter:
         self._wake.set()
         self._thread.join(timeout_s)
         self._stop_process(timeout_s)
+
+
+def _output_bytes(item: dict) -> int:
+    """The bytes a waiting row's output holds (a stored response's conversation included)."""
+    if not item["output"]:
+        return 0
+    return len(item["output"][1]) + len(item.get("conversation") or b"")

@@ -199,7 +199,7 @@ class RunRecorder:
         live.done = True
         self.writer.ended(live)
         live.notify()
-        size = len(output) if output is not None else 0
+        size = (len(output) if output is not None else 0) + len(live.conversation or b"")
         self._finished.append((live.id, size))
         self._kept_bytes += size
         while self._finished and (len(self._finished) > self.keep_finished
