@@ -49,6 +49,21 @@ def split(text: str, open_at_start: bool, final: bool = True
     return text[start:end], text[end + len(CLOSE):]
 
 
+def content_start(text: str, open_at_start: bool) -> Optional[int]:
+    """Where the answer begins in the output so far (0 when it opens no block), or None while
+    it is still thinking: the place `split` cuts its content from."""
+    body = text.lstrip()
+    start = 0
+    if open_at_start and body.startswith(OPEN):
+        open_at_start = False
+    if not open_at_start:
+        if not body.startswith(OPEN):
+            return 0
+        start = len(text) - len(body) + len(OPEN)
+    end = text.find(CLOSE, start)
+    return None if end < 0 else end + len(CLOSE)
+
+
 class ThinkStream:
     """One streamed choice: the reasoning and the content each delta adds."""
 

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from router.backend import BackendError
 from router.live_run import split_events
 from router.protocol import PreparedRequest
-from router.reasoning import CLOSE
+from router.reasoning import CLOSE, content_start
 from router.reasoning import split as split_thinking
 from router.responses import ResponseBuilder
 from router.responses_api import ResponsesRequest
@@ -29,8 +29,9 @@ def _item_id(prefix: str) -> str:
 
 
 class ResponsesBuilder:
-    """One Responses request's output (n is always 1): `events` per worker chunk, `closing`
-    at the end of a stream, `final_body` for a JSON response."""
+    """One Responses request's output (n is always 1), built the same way streamed or not:
+    `events` per worker chunk (`add` for a JSON response, which keeps none of them),
+    `closing` at the end, `final_body` the response it ended with."""
 
     def __init__(self, prepared: PreparedRequest, response_id: str, tokenizer,
                  request: ResponsesRequest):
@@ -40,28 +41,29 @@ class ResponsesBuilder:
         self.request = request
         self.tokenizer = tokenizer
         self.seq = 0
-        self.items: list[dict] = []  # output items, in order (streamed, or the JSON body's)
+        self.items: list[dict] = []  # output items, in order
         self.open: Optional[dict] = None  # the one being streamed
         self.calls: dict[int, dict] = {}  # a streamed tool call's index -> its item
-        self.held_logprobs: list = []  # of tokens whose text was not output text
+        # Logprobs by the output characters their chunk added: (start, end, entries).
+        self.spans: list[tuple[int, int, list]] = []
+        self.next_span = 0  # the first span not yet given to the text (or passed over)
+        self.final: Optional[dict] = None  # the response the output ended with
 
-    # -- streaming ---------------------------------------------------------------------------
+    # -- the events --------------------------------------------------------------------------
     def add(self, index: int, chunk: dict) -> None:
-        """A chunk of a JSON response (final_body reads them all)."""
-        self.chat.add(index, chunk)
+        self.events(index, chunk)
 
     def events(self, index: int, chunk: dict) -> list[dict]:
-        out: list[dict] = []
-        if self.seq == 0:
-            out += [self._event("response.created", response=self.snapshot("in_progress")),
-                    self._event("response.in_progress", response=self.snapshot("in_progress"))]
+        out = self._start()
+        before = len(self.chat.choices[index].text)
         payload = self.chat.add(index, chunk)
         if payload is None:
             return out
         choice = payload["choices"][0]
         delta = choice["delta"]
-        if choice.get("logprobs"):
-            self.held_logprobs += choice["logprobs"]["content"]
+        if choice.get("logprobs") and self.request.logprobs:
+            self.spans.append((before, len(self.chat.choices[index].text),
+                               choice["logprobs"]["content"]))
         if delta.get("reasoning"):
             out += self._open("reasoning")
             self.open["content"][0]["text"] += delta["reasoning"]
@@ -71,7 +73,7 @@ class ResponsesBuilder:
             out += self._open("message")
             part = self.open["content"][0]
             part["text"] += delta["content"]
-            logprobs, self.held_logprobs = self._logprobs(self.held_logprobs), []
+            logprobs = self._text_logprobs(part["text"])
             part["logprobs"] += logprobs
             out.append(self._event("response.output_text.delta", **self._at(),
                                    content_index=0, delta=delta["content"], logprobs=logprobs))
@@ -79,19 +81,33 @@ class ResponsesBuilder:
             out += self._call_delta(call)
         if choice.get("finish_reason") is not None:
             out += self._close()
-            if not self.items:  # nothing said: an empty message, as the JSON body has
+            if not self.items:  # nothing said: an empty message
                 out += self._open("message") + self._close()
         return out
 
     def closing(self) -> list[dict]:
-        """The stream's last event: the response whole."""
+        """The last event: the response whole (response.completed, or .incomplete at
+        max_output_tokens)."""
+        out = self._start()
         status = self._status()
-        return [self._event(f"response.{status}", response=self.snapshot(status, self.items))]
+        self.final = self.snapshot(status, self.items)
+        return out + [self._event(f"response.{status}", response=self.final)]
 
     def failed(self, error: BackendError) -> list[dict]:
         """A stream that fails after its first event ends saying so: an error event, then
-        response.failed."""
-        return failed_events(self.seq, self.snapshot("failed"), error)
+        response.failed with the items so far."""
+        out = self._start()
+        return out + failed_events(self.seq, self.snapshot("in_progress", self.items), error)
+
+    def final_body(self) -> dict:
+        """A JSON response: the one its output ended with."""
+        return self.final or self.closing()[-1]["response"]
+
+    def _start(self) -> list[dict]:
+        if self.seq:
+            return []
+        return [self._event("response.created", response=self.snapshot("in_progress")),
+                self._event("response.in_progress", response=self.snapshot("in_progress"))]
 
     def _call_delta(self, call: dict) -> list[dict]:
         out: list[dict] = []
@@ -104,8 +120,8 @@ class ResponsesBuilder:
                 "name": fn.get("name"), "arguments": "", "status": "in_progress"}
             self.open = item
             self.items.append(item)
-            out.append(self._event("response.output_item.added", output_index=len(self.items)
-                                   - 1, item=dict(item)))
+            out.append(self._event("response.output_item.added",
+                                   output_index=len(self.items) - 1, item=dict(item)))
         if fn.get("arguments"):
             item["arguments"] += fn["arguments"]
             out.append(self._event("response.function_call_arguments.delta", **self._at(),
@@ -119,17 +135,16 @@ class ResponsesBuilder:
         out = self._close()
         if kind == "reasoning":
             item = {"type": "reasoning", "id": _item_id("rs"), "summary": [],
-                    "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+                    "content": [_part("reasoning_text", "")], "status": "in_progress"}
         else:
-            item = _message_item(_item_id("msg"), "", [], "in_progress")
+            item = {"type": "message", "id": _item_id("msg"), "status": "in_progress",
+                    "role": "assistant", "content": [_part("output_text", "")]}
         self.open = item
         self.items.append(item)
-        added = dict(item, content=[])
-        out.append(self._event("response.output_item.added", output_index=len(self.items) - 1,
-                               item=added))
-        if kind == "message":
-            out.append(self._event("response.content_part.added", **self._at(), content_index=0,
-                                   part=_text_part("", [])))
+        out += [self._event("response.output_item.added", output_index=len(self.items) - 1,
+                            item=dict(item, content=[])),
+                self._event("response.content_part.added", **self._at(), content_index=0,
+                            part=dict(item["content"][0]))]
         return out
 
     def _close(self) -> list[dict]:
@@ -139,22 +154,44 @@ class ResponsesBuilder:
         out: list[dict] = []
         at = {"item_id": item["id"], "output_index": self.items.index(item)}
         item["status"] = "completed"
-        if item["type"] == "message":
-            part = item["content"][0]
-            part["logprobs"] += self._logprobs(self.held_logprobs)
-            self.held_logprobs = []
-            out += [self._event("response.output_text.done", **at, content_index=0,
-                                text=part["text"], logprobs=part["logprobs"]),
-                    self._event("response.content_part.done", **at, content_index=0,
-                                part=dict(part))]
-        elif item["type"] == "reasoning":
-            out.append(self._event("response.reasoning_text.done", **at, content_index=0,
-                                   text=item["content"][0]["text"]))
-        else:
+        if item["type"] == "function_call":
             out.append(self._event("response.function_call_arguments.done", **at,
                                    name=item["name"], arguments=item["arguments"]))
+        else:
+            part = item["content"][0]
+            if item["type"] == "message":
+                part["logprobs"] += self._text_logprobs(part["text"], final=True)
+                out.append(self._event("response.output_text.done", **at, content_index=0,
+                                       text=part["text"], logprobs=part["logprobs"]))
+            else:
+                out.append(self._event("response.reasoning_text.done", **at, content_index=0,
+                                       text=part["text"]))
+            out.append(self._event("response.content_part.done", **at, content_index=0,
+                                   part=dict(part)))
         out.append(self._event("response.output_item.done", output_index=at["output_index"],
                                item=dict(item)))
+        return out
+
+    def _text_logprobs(self, shown: str, final: bool = False) -> list[dict]:
+        """The logprobs of the chunks whose characters are in the output text shown so far
+        (`shown`): a chunk that added only thinking, its end tag or a call's text gives none
+        (by where its characters fall in the output: the answer starts after the thinking;
+        `final`: what the text never showed is passed over)."""
+        choice = self.chat.choices[0]
+        begin = content_start(choice.text, choice.think.open_at_start) \
+            if choice.think is not None else 0
+        if begin is None:
+            return []
+        end = begin + len(shown)
+        out = []
+        while self.next_span < len(self.spans):
+            start, stop, entries = self.spans[self.next_span]
+            if start >= end and not (final and start == stop == end):
+                break
+            self.next_span += 1
+            if stop > begin or start == stop == begin:
+                out += [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
+                         "top_logprobs": e["top_logprobs"]} for e in entries]
         return out
 
     def _at(self) -> dict:
@@ -165,28 +202,7 @@ class ResponsesBuilder:
         self.seq += 1
         return event
 
-    # -- whole responses ---------------------------------------------------------------------
-    def final_body(self) -> dict:
-        body = self.chat.final_body()
-        choice = body["choices"][0]
-        message = choice["message"]
-        items: list[dict] = []
-        if message.get("reasoning") is not None:
-            items.append({"type": "reasoning", "id": _item_id("rs"), "summary": [],
-                          "content": [{"type": "reasoning_text", "text": message["reasoning"]}],
-                          "status": "completed"})
-        logprobs = self._logprobs(choice["logprobs"]["content"]) if choice.get("logprobs") \
-            else []
-        if message.get("content") or not message.get("tool_calls") and not items:
-            items.append(_message_item(_item_id("msg"), message.get("content") or "", logprobs,
-                                       "completed"))
-        for call in message.get("tool_calls") or ():
-            items.append({"type": "function_call", "id": _item_id("fc"), "call_id": call["id"],
-                          "name": call["function"]["name"],
-                          "arguments": call["function"]["arguments"], "status": "completed"})
-        self.items = items  # what conversation() gives back
-        return self.snapshot(self._status(), items)
-
+    # -- the response object -----------------------------------------------------------------
     def snapshot(self, status: str, items: Optional[list] = None) -> dict:
         """The response object in `status`, with these output items."""
         sampling = self.prepared.choices[0].params
@@ -257,12 +273,6 @@ class ResponsesBuilder:
                 low = mid + 1
         return high
 
-    def _logprobs(self, entries: list) -> list[dict]:
-        """Chat logprob entries in the Responses form."""
-        return [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
-                 "top_logprobs": e["top_logprobs"]} for e in entries] \
-            if self.request.logprobs else []
-
 
 def stored_body(output: tuple[str, bytes]) -> Optional[dict]:
     """A finished Responses run's response object from its kept output: the JSON body, or a
@@ -279,17 +289,15 @@ def stored_body(output: tuple[str, bytes]) -> Optional[dict]:
 
 def failed_events(seq: int, response: dict, error: BackendError) -> list[dict]:
     """An error event, then response.failed (`response` as it stood), numbered from `seq`."""
-    code = error.code or error.type
+    # The response's error code is one of OpenAI's (the event's says which error it was).
+    code = "rate_limit_exceeded" if error.status == 429 else "server_error"
     response = dict(response, status="failed", error={"code": code, "message": error.message})
-    return [{"type": "error", "sequence_number": seq, "code": code, "message": error.message,
-             "param": error.param},
+    return [{"type": "error", "sequence_number": seq, "code": error.code or error.type,
+             "message": error.message, "param": error.param},
             {"type": "response.failed", "sequence_number": seq + 1, "response": response}]
 
 
-def _message_item(item_id: str, text: str, logprobs: list, status: str) -> dict:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [_text_part(text, logprobs)]}
-
-
-def _text_part(text: str, logprobs: list) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+def _part(kind: str, text: str) -> dict:
+    if kind == "output_text":
+        return {"type": kind, "text": text, "annotations": [], "logprobs": []}
+    return {"type": kind, "text": text}

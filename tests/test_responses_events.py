@@ -117,3 +117,64 @@ def test_an_empty_output_is_an_empty_message(tokenizer):
     assert [item["type"] for item in body["output"]] == ["message"]
     assert _shape(events[-1]["response"]["output"]) == _shape(body["output"])
     assert _accumulated(events)._completed_response.output_text == ""
+
+
+def _logprob_run(tokenizer, pieces: list[str], stream: bool):
+    """(events, body) of an output arriving one piece per chunk, piece i's token scored -i-1,
+    with logprobs included."""
+    prepared = PreparedRequest("chat", "m", [[1]], [ChoiceSpec(0, 0, SamplingParams())], stream,
+                               False, 0, 0, reasoning=False)
+    request = chat_body({"input": "hi", "include": ["message.output_text.logprobs"]})[1]
+    builder = ResponsesBuilder(prepared, "resp_x", tokenizer, request)
+    events = []
+    for i, piece in enumerate(pieces):
+        events += builder.events(0, {"text": piece, "token_ids": [10 + i],
+                                     "logprobs": [(-(i + 1.0), {})],
+                                     "finished": i == len(pieces) - 1, "finish_reason": "stop"})
+    events += builder.closing()
+    return events, builder.final_body()
+
+
+@pytest.mark.parametrize("pieces, scored", [
+    (["<think>", "abc", "</think>", "Ans", "wer"], [-4.0, -5.0]),
+    (["<think>", "abc", "</think>An", "swer"], [-3.0, -4.0]),  # a chunk across the tag
+    (["plain ", "answer"], [-1.0, -2.0]),
+])
+def test_logprobs_are_the_output_texts_tokens(tokenizer, pieces, scored):
+    """The thinking's tokens (and its end tag's alone) are not the text's: left out, streamed
+    or not, and the deltas' logprobs add up to the text's."""
+    events, body = _logprob_run(tokenizer, pieces, True)
+    message = [item for item in body["output"] if item["type"] == "message"][0]
+    assert [e["logprob"] for e in message["content"][0]["logprobs"]] == scored
+    streamed = [e["logprob"] for ev in events if ev["type"] == "response.output_text.delta"
+                for e in ev["logprobs"]]
+    assert streamed == scored
+    _, whole = _logprob_run(tokenizer, pieces, False)
+    assert _shape(whole["output"]) == _shape(body["output"])
+
+
+def test_reasoning_has_its_content_part_events(tokenizer):
+    events, body = _run(tokenizer, "<think>hm</think>ok", 2, reasoning=False)
+    kinds = [e["type"] for e in events]
+    first = kinds.index("response.reasoning_text.delta")
+    assert kinds[first - 2:first] == ["response.output_item.added",
+                                      "response.content_part.added"]
+    assert events[first - 1]["part"] == {"type": "reasoning_text", "text": ""}
+    done = kinds.index("response.reasoning_text.done")
+    assert kinds[done:done + 3] == ["response.reasoning_text.done",
+                                    "response.content_part.done", "response.output_item.done"]
+
+
+def test_a_stream_with_no_chunk_still_opens_and_a_failure_keeps_the_items(tokenizer):
+    builder = _builder(tokenizer)
+    assert [e["type"] for e in builder.closing()] == [
+        "response.created", "response.in_progress", "response.completed"]
+    builder = _builder(tokenizer)
+    events = builder.events(0, {"text": "so far", "token_ids": [7], "finished": False})
+    from router.backend import BackendError
+    failed = builder.failed(BackendError(503, "gone"))
+    assert [e["type"] for e in failed] == ["error", "response.failed"]
+    assert [e["sequence_number"] for e in events + failed] == list(range(len(events) + 2))
+    output = failed[-1]["response"]["output"]
+    assert failed[-1]["response"]["status"] == "failed"
+    assert output[0]["content"][0]["text"] == "so far"
