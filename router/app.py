@@ -100,10 +100,13 @@ def create_app(backend: Backend, router_config: RouterConfig,
     async def stored_response(request: Request, response_id: str):
         """A stored response (sent with store: true, the default) once it has ended."""
         tenant = tenant_name(backend.authenticate(bearer_key(request)))
-        records = _records(recorder)
-        output = await records.output(response_id, tenant) \
-            if await records.conversation(response_id, tenant) is not None else None
-        body = stored_body(output) if output is not None else None
+        for name in ("stream", "starting_after"):
+            if name in request.query_params:
+                raise InvalidRequest(f"{name} is not supported here: a stored response is "
+                                     "given whole (a stream's events: GET /v1/runs/{id}/events)",
+                                     param=name, code="unsupported_parameter")
+        stored = await _records(recorder).stored(response_id, tenant, with_output=True)
+        body = stored_body(stored[1]) if stored is not None and stored[1] else None
         if body is None:
             raise BackendError(404, f"no stored response {response_id!r} of yours (sent with "
                                "store: false, not ended yet, or past router.runs."

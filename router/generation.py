@@ -20,7 +20,7 @@ from router.backend import Backend, BackendError
 from router.intake import INLINE_MAX_BYTES, Intake
 from router.protocol import InvalidRequest, parse_json
 from router.responses import ResponseBuilder
-from router.responses_api import chat_body, responses_param
+from router.responses_api import NeedsHistory
 from router.responses_events import ResponsesBuilder
 from router.live_run import LiveRun, end_as_cut, parse_event_id, stream_closed
 from router.run_records import RunRecorder
@@ -105,38 +105,29 @@ async def _builder(intake: Intake, backend: Backend, kind: str, raw, response_id
     """The request parsed and validated, and the builder of its response body or events."""
     if kind != "responses":
         return ResponseBuilder(await intake.prepare(kind, raw), response_id, backend.tokenizer)
-    body = parse_json(raw) if len(raw) <= INLINE_MAX_BYTES else \
-        await asyncio.to_thread(parse_json, raw)
-    history = await _history(body.get("previous_response_id"), recorder, tenant_id)
-    chat, request = chat_body(body, history)
-    request.store = request.store and recorder is not None
     try:
-        prepared = await intake.prepare("chat", json.dumps(chat).encode())
-    except BackendError as exc:  # named as the client named it
-        exc.param = responses_param(exc.param)
-        raise
+        prepared = await intake.prepare(kind, raw)
+    except NeedsHistory as need:  # it continues a stored response: with its conversation
+        history = await _history(need.response_id, recorder, tenant_id)
+        prepared = await intake.prepare(kind, raw, history)
+    request = prepared.responses
+    request.store = request.store and recorder is not None
     return ResponsesBuilder(prepared, response_id, backend.tokenizer, request)
 
 
-async def _history(previous: Optional[str], recorder: Optional[RunRecorder],
-                   tenant_id: str) -> Optional[list]:
-    """The conversation of stored response `previous` (its input and output messages)."""
-    if previous is None:
-        return None
-    if not isinstance(previous, str):
-        raise InvalidRequest("previous_response_id must be a string",
-                             param="previous_response_id")
+async def _history(previous: str, recorder: Optional[RunRecorder], tenant_id: str) -> bytes:
+    """The conversation of stored response `previous` (its input and output messages, JSON)."""
     if recorder is None:
         raise InvalidRequest("previous_response_id needs stored responses, which need run "
                              "records (router.runs.enabled: false here)",
                              param="previous_response_id", code="unsupported_parameter")
-    stored = await recorder.conversation(previous, tenant_id)
+    stored = await recorder.stored(previous, tenant_id)
     if stored is None:
         raise BackendError(404, f"no stored response {previous!r} of yours (it was sent with "
                            f"store: false, has not finished, or is past router.runs."
                            f"keep_outputs_s)", param="previous_response_id",
                            code="previous_response_not_found")
-    return json.loads(stored)
+    return stored[0]
 
 
 async def _recorded_body(request: Request, recorder: RunRecorder, live: LiveRun,
@@ -226,6 +217,8 @@ def _finish(recorder: RunRecorder, live: LiveRun, state: str, error: Optional[st
     usage = builder.usage()
     if state == "completed" and getattr(builder, "stores", False):
         live.conversation = json.dumps(builder.conversation()).encode()
+        if live.stream:
+            live.final_response = json.dumps(builder.final_body()).encode()
     recorder.finish(live, state, error=error, prompt_tokens=usage["prompt_tokens"],
                     cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
                     output_tokens=usage["completion_tokens"])

@@ -30,6 +30,7 @@ from router import parser_process
 from router.backend import Backend, BackendError
 from router.protocol import (PreparedRequest, is_token_ids, parse_json, prepare_chat,
                              prepare_completion)
+from router.responses_api import NeedsHistory, prepare_responses
 from router.streaming import ClientDisconnected
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ INLINE_TOKEN_IDS_MAX_BYTES = 256 * 1024
 _UNPACK_PROMPTS_PER_SLICE = 64
 
 PREPARE: dict[str, Callable[..., PreparedRequest]] = {"completion": prepare_completion,
-                                                      "chat": prepare_chat}
+                                                      "chat": prepare_chat,
+                                                      "responses": prepare_responses}
 
 
 class Intake:
@@ -77,11 +79,14 @@ class Intake:
             raise ClientDisconnected() from None
         return body
 
-    async def prepare(self, kind: str, raw: bytearray) -> PreparedRequest:
+    async def prepare(self, kind: str, raw: bytearray,
+                      history: Optional[bytes] = None) -> PreparedRequest:
+        """`history`: a Responses request's stored conversation (NeedsHistory asks for it)."""
         backend = self.backend
+        extra = {"history": history} if kind == "responses" else {}
         if len(raw) <= INLINE_MAX_BYTES or self._tokenizer_state is None:
             return PREPARE[kind](parse_json(raw), backend.tokenizer, backend.model_name,
-                                 backend.max_model_len, backend.sampling_defaults)
+                                 backend.max_model_len, backend.sampling_defaults, **extra)
         if kind == "completion" and len(raw) <= INLINE_TOKEN_IDS_MAX_BYTES:
             body = parse_json(raw)
             if _token_id_prompts(body.get("prompt")):
@@ -97,7 +102,7 @@ class Intake:
             # large tokenizer to a child still starting up would block the loop.
             future = await loop.run_in_executor(None, functools.partial(
                 pool.submit, parser_process.prepare, kind, path, backend.model_name,
-                backend.max_model_len, backend.sampling_defaults))
+                backend.max_model_len, backend.sampling_defaults, history))
             outcome = await asyncio.wrap_future(future)
         except BrokenProcessPool:  # the child died (killed, out of memory): a new one next time
             self._discard(pool)
@@ -105,6 +110,8 @@ class Intake:
                                code="parser_unavailable", retry_after_s=1.0) from None
         finally:
             os.unlink(path)
+        if isinstance(outcome, tuple) and outcome[0] == "history":
+            raise NeedsHistory(outcome[1])
         if isinstance(outcome, tuple):
             status, message, kind_, param, code = outcome
             raise BackendError(status, message, type=kind_, param=param, code=code)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 from array import array
+from typing import Optional
 
 _tokenizer = None
 
@@ -24,18 +25,27 @@ def init(tokenizer_state: bytes) -> None:
     _tokenizer = pickle.loads(tokenizer_state)
 
 
-def prepare(kind: str, body_path: str, model_name: str, max_model_len: int, defaults: dict):
+def prepare(kind: str, body_path: str, model_name: str, max_model_len: int, defaults: dict,
+            history: Optional[bytes] = None):
     """A PreparedRequest with array-packed prompts (unpickled without a per-int cost), or the
     fields of the error to answer with (an exception that needs keyword arguments does not
-    survive pickling)."""
+    survive pickling), or ("history", response id) when a Responses request continues a
+    stored response whose conversation was not given."""
     from router.backend import BackendError
     from router.protocol import parse_json, prepare_chat, prepare_completion
+    from router.responses_api import NeedsHistory, prepare_responses
 
     with open(body_path, "rb") as file:
         raw = file.read()
-    build = prepare_chat if kind == "chat" else prepare_completion
     try:
-        prepared = build(parse_json(raw), _tokenizer, model_name, max_model_len, defaults)
+        if kind == "responses":
+            prepared = prepare_responses(parse_json(raw), _tokenizer, model_name,
+                                         max_model_len, defaults, history)
+        else:
+            build = prepare_chat if kind == "chat" else prepare_completion
+            prepared = build(parse_json(raw), _tokenizer, model_name, max_model_len, defaults)
+    except NeedsHistory as need:
+        return "history", need.response_id
     except BackendError as exc:
         return exc.status, exc.message, exc.type, exc.param, exc.code
     prepared.prompts = [array("q", prompt) for prompt in prepared.prompts]

@@ -15,7 +15,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from router.schema import InvalidRequest
+from router.backend import BackendError
+from router.protocol import prepare_chat
+from router.schema import InvalidRequest, PreparedRequest
 
 # Responses fields copied to the chat body as they are (OpenAI's, then vLLM's extensions that
 # its Responses endpoint takes too).
@@ -37,6 +39,9 @@ _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_METADATA_KEYS = 16  # OpenAI's limits
 _INCLUDE_LOGPROBS = "message.output_text.logprobs"
+# A chat error's words for the Responses ones.
+_RENAMES = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"),
+            ("messages", "input"))
 # A chat error's param -> the Responses field it came from.
 _PARAMS = {"max_tokens": "max_output_tokens", "messages": "input",
            "response_format": "text.format", "logprobs": "include"}
@@ -51,6 +56,41 @@ class ResponsesRequest:
     logprobs: bool = False
     store: bool = True  # kept for GET /v1/responses/{id} and a later previous_response_id
     messages: list = field(default_factory=list)  # the conversation so far, without instructions
+
+
+class NeedsHistory(Exception):
+    """The request continues a stored response (previous_response_id): its conversation is
+    wanted first (router/generation.py reads it from the run store and prepares again)."""
+
+    def __init__(self, response_id: str):
+        super().__init__(response_id)
+        self.response_id = response_id
+
+
+def prepare_responses(data: dict, tokenizer, model_name: str, max_model_len: int,
+                      defaults: Optional[dict] = None,
+                      history: Optional[bytes] = None) -> PreparedRequest:
+    """Responses request `data` as the chat request it runs as, with what its response needs
+    (`prepared.responses`). `history`: the JSON of `previous_response_id`'s conversation;
+    NeedsHistory when the request names one and it is not given."""
+    previous = data.get("previous_response_id")
+    if previous is not None:
+        if not isinstance(previous, str) or not previous:
+            raise InvalidRequest("previous_response_id must be a response's id",
+                                 param="previous_response_id")
+        if history is None:
+            raise NeedsHistory(previous)
+    chat, request = chat_body(data, json.loads(history) if previous is not None else None)
+    try:
+        prepared = prepare_chat(chat, tokenizer, model_name, max_model_len, defaults)
+    except BackendError as exc:  # named as the client named it
+        exc.param = responses_param(exc.param)
+        exc.message = re.sub(r"tools\[(\d+)\]\.function\.", r"tools[\1].", exc.message)
+        for old, new in _RENAMES:
+            exc.message = exc.message.replace(old, new)
+        raise
+    prepared.responses = request
+    return prepared
 
 
 def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, ResponsesRequest]:
@@ -76,17 +116,22 @@ def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, Respons
     if tools:
         chat["tools"] = tools
     tool_choice = _tool_choice(data.get("tool_choice"))
-    if tool_choice is not None and (tools or tool_choice != "none"):
+    if tools and tool_choice is not None:
         chat["tool_choice"] = tool_choice
+    elif tool_choice not in (None, "auto", "none"):
+        raise InvalidRequest("tool_choice names a tool, or requires one, but tools is empty",
+                             param="tool_choice")
     response_format, text = _text_format(data.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
     logprobs = _include(data.get("include"))
     if logprobs:
         chat["logprobs"] = True
-    elif data.get("top_logprobs"):
-        raise InvalidRequest(f"top_logprobs needs include: [\"{_INCLUDE_LOGPROBS}\"]",
-                             param="top_logprobs")
+    else:
+        chat.pop("top_logprobs", None)
+        if data.get("top_logprobs"):
+            raise InvalidRequest(f"top_logprobs needs include: [\"{_INCLUDE_LOGPROBS}\"]",
+                                 param="top_logprobs")
     _reasoning(data.get("reasoning"))
     store = data.get("store", True)
     if not isinstance(store, bool) and store is not None:
@@ -97,7 +142,7 @@ def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, Respons
     echo = {"instructions": instructions,
             "max_output_tokens": data.get("max_output_tokens"),
             "metadata": _metadata(data.get("metadata")),
-            "parallel_tool_calls": data.get("parallel_tool_calls", True),
+            "parallel_tool_calls": data.get("parallel_tool_calls") is not False,
             "previous_response_id": data.get("previous_response_id"),
             "reasoning": {"effort": None, "summary": None},
             "text": text,
@@ -142,7 +187,7 @@ def _input_messages(items: Any) -> list[dict]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
-                             "content": _output_text(item.get("output"), i)})
+                             "content": _text(item.get("output"), f"input[{i}].output")})
         elif kind == "reasoning":
             continue  # earlier thinking: templates drop it from past turns (documented)
         else:
@@ -158,22 +203,25 @@ def _message(item: dict, i: int) -> dict:
     if role not in ("user", "system", "developer", "assistant"):
         raise InvalidRequest(f"input[{i}].role must be user, system, developer or assistant",
                              param=f"input[{i}].role")
-    content = item.get("content")
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"input[{i}].content[{j}]: only text parts are supported "
-                                     f"(input_text, output_text; got {kind!r})",
-                                     param=f"input[{i}].content[{j}].type",
-                                     code="unsupported_parameter")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    elif not isinstance(content, str):
-        raise InvalidRequest(f"input[{i}].content must be a string or a list of parts",
-                             param=f"input[{i}].content")
-    return {"role": "system" if role == "developer" else role, "content": content}
+    return {"role": "system" if role == "developer" else role,
+            "content": _text(item.get("content"), f"input[{i}].content")}
+
+
+def _text(content: Any, where: str) -> str:
+    """A string, or a list of text parts joined with newlines (as chat joins them)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where} must be a string or a list of text parts", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{where}[{j}]: only text parts are supported (input_text, "
+                                 f"output_text; got {kind!r})", param=f"{where}[{j}].type",
+                                 code="unsupported_parameter")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _history_call(item: dict, i: int) -> dict:
@@ -183,15 +231,6 @@ def _history_call(item: dict, i: int) -> dict:
                              param=f"input[{i}].arguments")
     return {"id": _string(item, "call_id", i), "type": "function",
             "function": {"name": _string(item, "name", i), "arguments": arguments}}
-
-
-def _output_text(output: Any, i: int) -> str:
-    if isinstance(output, str):
-        return output
-    if isinstance(output, list):
-        return _message({"role": "user", "content": output}, i)["content"]
-    raise InvalidRequest(f"input[{i}].output must be a string or a list of text parts",
-                         param=f"input[{i}].output")
 
 
 def _string(item: dict, key: str, i: int) -> str:

@@ -24,7 +24,7 @@ from typing import AsyncIterator, Callable, Optional
 from gateway.runs import IdempotencyConflict, Runs, TRANSITIONS
 from gateway.store import STATE_TIME, RunStore
 from router.backend import BackendError
-from router.live_run import Following, LiveRun, end_as_cut, split_events
+from router.live_run import Following, LiveRun, end_as_cut, split_events, stream_closed
 from router.record_writer import RunWriter
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 # How often a run another process owns is looked up while a client waits for it to finish,
 # and how often that wait is written down (the owner does not cancel a run followed lately).
 POLL_S = 0.05
+# How long a stored response is waited for when its run has sent everything but its end is
+# not recorded yet (here, or by another replica's writer, whose rounds are 50 ms apart).
+STORED_WAIT_S = 2.0
 FOLLOW_MARK_S = 1.0
 # Finished runs kept in memory hold at most this much output (older ones: from the store).
 KEEP_FINISHED_BYTES = 64 << 20
@@ -192,9 +195,11 @@ class RunRecorder:
                 live.info["idempotency_key"] = None
                 if self._by_key.get((live.tenant, live.key)) == live.id:
                     del self._by_key[(live.tenant, live.key)]
-        if output is not None and (live.key is not None or live.conversation is not None or
-                                   (live.stream and live.event_ids)):
+        if output is not None and (live.key is not None or (live.stream and live.event_ids)):
             live.kept_output = ("sse" if live.stream else "json", output)
+        elif output is not None and live.conversation is not None:
+            # A stored response that no one can replay: its response object is what is read.
+            live.kept_output = ("json", live.final_response or output)
         self.advance(live, state, **fields)
         live.done = True
         self.writer.ended(live)
@@ -357,29 +362,41 @@ class RunRecorder:
             return None
         return _stub(record, tenant)
 
-    async def conversation(self, run_id: str, tenant: str) -> Optional[bytes]:
-        """A stored response's conversation (the Responses API's previous_response_id): from
-        memory while its run is kept there, else from the store; None when the caller has no
-        such run, or it was not stored or has not ended."""
-        live = self.live.get(run_id)
-        if live is not None:
-            return live.conversation if live.tenant == tenant and live.done else None
-        if await asyncio.to_thread(self.runs.get, run_id, tenant) is None:
-            return None
-        return await asyncio.to_thread(self.store.get_conversation, run_id)
-
-    async def output(self, run_id: str, tenant: str) -> Optional[tuple[str, bytes]]:
-        """A finished run's output ("sse" events or a "json" body) where it was kept."""
-        live = self.live.get(run_id)
-        if live is not None:
-            if live.tenant != tenant or not live.done:
+    async def stored(self, run_id: str, tenant: str, with_output: bool = False,
+                     wait_s: float = STORED_WAIT_S
+                     ) -> Optional[tuple[bytes, Optional[tuple[str, bytes]]]]:
+        """A stored response's conversation, and its kept output when asked (the Responses
+        API's previous_response_id and GET): from memory while its run is kept there, else from
+        the store. A run that sent its last event but is not yet marked ended, and one whose
+        end another replica has not yet written (its rows go in rounds), are waited for up to
+        `wait_s`. None when the caller has no such run, it was not stored, or it still runs."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            live = self.live.get(run_id)
+            if live is not None and not live.remote:
+                if live.tenant != tenant:
+                    return None
+                if live.done:
+                    if live.conversation is None:
+                        return None
+                    return live.conversation, _output_of(live) if with_output else None
+                if not (stream_closed(live) or live.body is not None):
+                    return None  # it is still producing its output
+                try:  # its end is being recorded
+                    await asyncio.wait_for(live.changed(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    return None
+                continue
+            record = await asyncio.to_thread(self.runs.get, run_id, tenant)
+            if record is not None and not TRANSITIONS.get(record["state"]):
+                conversation = await asyncio.to_thread(self.store.get_conversation, run_id)
+                if conversation is None or not with_output:
+                    return None if conversation is None else (conversation, None)
+                return conversation, await asyncio.to_thread(self.store.get_output, run_id)
+            if loop.time() >= deadline:
                 return None
-            if live.stream:
-                return ("sse", b"".join(live.events)) if live.events else None
-            return ("json", live.body) if live.body is not None else None
-        if await asyncio.to_thread(self.runs.get, run_id, tenant) is None:
-            return None
-        return await asyncio.to_thread(self.store.get_output, run_id)
+            await asyncio.sleep(POLL_S)
 
     async def record(self, run_id: str, tenant: str) -> Optional[dict]:
         """GET /v1/runs/{id}: the stored record, with this process's newer view of a live run."""
@@ -396,6 +413,15 @@ class RunRecorder:
         if isinstance(record.get("workers"), str):
             record["workers"] = json.loads(record["workers"])
         return record
+
+
+def _output_of(live: LiveRun) -> Optional[tuple[str, bytes]]:
+    """A finished run's output as its record keeps it (or would)."""
+    if live.kept_output is not None:
+        return live.kept_output
+    if live.stream:
+        return ("sse", b"".join(live.events)) if live.events else None
+    return ("json", live.body) if live.body is not None else None
 
 
 def _stub(record: dict, tenant: str) -> LiveRun:

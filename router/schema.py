@@ -119,3 +119,4 @@ class PreparedRequest:
     # A reasoning model's chat: whether the prompt left its think block open (None: no
     # thinking is split out; router/reasoning.py)
     reasoning: Optional[bool] = None
+    responses: Any = None  # a Responses API request's: router/responses_api.ResponsesRequest

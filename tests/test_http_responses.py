@@ -190,3 +190,39 @@ def test_a_response_not_stored_cannot_be_continued(client):  # noqa: F811
     assert raised.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_nothing")
+
+
+def test_a_large_body_is_prepared_by_the_parser_process_with_its_history(server, client):  # noqa: F811,E501
+    """Past the inline limit the parser process prepares the body; a previous_response_id
+    found there comes back for its conversation, and the answer is the small body's."""
+    from router.intake import INLINE_MAX_BYTES
+    from tests.router_support.serving import APPS
+
+    _, port = server
+    intake = APPS[port].state.intake
+    model = client.models.list().data[0].id
+    first = client.responses.create(model=model, input="Remember 7.", max_output_tokens=4,
+                                    **SAMPLING)
+    kw = {"model": model, "input": "What number?", "previous_response_id": first.id,
+          "max_output_tokens": 5, "temperature": 0.0}
+    small = client.responses.create(**kw, extra_body={"ignore_eos": True})
+    before = intake.prepared_in_child
+    large = client.responses.create(**kw, extra_body={"ignore_eos": True,
+                                                      "padding": "p" * INLINE_MAX_BYTES})
+    assert intake.prepared_in_child == before + 2  # once to find it continues, once with it
+    assert large.output_text == small.output_text and large.usage.input_tokens == \
+        small.usage.input_tokens
+
+
+def test_chat_errors_are_named_as_the_responses_fields(client):  # noqa: F811
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(model=model, input="hi", max_output_tokens=0)
+    assert raised.value.body["param"] == "max_output_tokens"
+    assert "max_tokens" not in raised.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(model=model, input="hi", tool_choice="required")
+    assert raised.value.body["param"] == "tool_choice"
+    # "auto" is the default: fine without tools; so is top_logprobs 0 without include.
+    assert client.responses.create(model=model, input="hi", max_output_tokens=1,
+                                   tool_choice="auto", top_logprobs=0).output

@@ -10,6 +10,7 @@ import time
 
 import httpx
 
+from gateway.open import open_store
 from pd_runtime.config import RouterConfig, TenantConfig
 from pd_runtime.tokenizer import Tokenizer
 from router.tenants import Tenants
@@ -129,7 +130,7 @@ def test_stored_responses_are_the_tenants_own_and_outlive_the_router(llama_dir, 
     with serving(_Tenants(tokenizer), config) as (_, port):
         url = f"http://127.0.0.1:{port}/v1/responses"
         first = httpx.post(url, headers=ACME, json={"input": "remember this"}).json()
-        streamed = _events(httpx.post(url, headers={**ACME, **STREAM}, json={
+        streamed = _events(httpx.post(url, headers=ACME, json={
             "input": "and this", "stream": True, "previous_response_id": first["id"]}).text)
         second = streamed[-1]["response"]
         assert httpx.get(f"{url}/{first['id']}", headers=OTHER).status_code == 404
@@ -142,6 +143,11 @@ def test_stored_responses_are_the_tenants_own_and_outlive_the_router(llama_dir, 
         url = f"http://127.0.0.1:{port}/v1/responses"
         assert httpx.get(f"{url}/{first['id']}", headers=ACME).json() == first
         assert httpx.get(f"{url}/{second['id']}", headers=ACME).json() == second
+        # A stream no one can replay (no key, no event ids) keeps its response, not its events.
+        store = open_store(str(tmp_path / "runs.sqlite3"))
+        kind, body = store.get_output(second["id"])
+        store.close()
+        assert kind == "json" and json.loads(body) == second
         third = httpx.post(url, headers=ACME, json={"input": "go on",
                                                     "previous_response_id": second["id"]})
         assert third.status_code == 200
@@ -150,3 +156,22 @@ def test_stored_responses_are_the_tenants_own_and_outlive_the_router(llama_dir, 
         for text in ("remember this", "and this", "go on"):
             assert text in prompt
         assert prompt.count(" a b c") == 2
+
+
+def test_another_replica_continues_a_response_at_once(llama_dir, tmp_path):
+    """Two routers over one store: a response made on one is continued and read on the
+    other as soon as its client has it (the other waits out the writer's round), streamed
+    or not."""
+    tokenizer = Tokenizer(llama_dir)
+    config = _config(tmp_path)
+    with serving(ScriptedBackend(tokenizer, SCRIPT), config) as (_, a), \
+            serving(ScriptedBackend(tokenizer, SCRIPT), config) as (_, b):
+        one, other = (f"http://127.0.0.1:{port}/v1/responses" for port in (a, b))
+        for i in range(6):
+            stream = i % 2 == 1
+            made = httpx.post(one, json={"input": "q", "stream": stream})
+            response = _events(made.text)[-1]["response"] if stream else made.json()
+            more = httpx.post(other, json={"input": "more",
+                                           "previous_response_id": response["id"]})
+            assert more.status_code == 200, more.text
+            assert httpx.get(f"{other}/{response['id']}").json() == response
