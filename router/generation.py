@@ -97,7 +97,7 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
     return SSEResponse(_sse_events(builder, first, merged, outcome, _emitter(recorder, live)),
                        deadline=deadline, on_end=lambda cut: _end_stream(
                            recorder, live, builder, merged, outcome, cut),
-                       cut_events=builder.failed)
+                       cut_events=lambda exc: builder.failed(exc, len(live.events)))
 
 
 async def _builder(intake: Intake, backend: Backend, kind: str, raw, response_id: str,
@@ -205,7 +205,7 @@ async def _end_stream(recorder: RunRecorder, live: LiveRun, builder: ResponseBui
         else:
             log.error("%s: failed mid-stream", live.id, exc_info=cut)
             state, reason = "failed", BackendError(500, "internal error while streaming")
-        end_as_cut(live, reason, _emitter(recorder, live))
+        end_as_cut(live, reason, _emitter(recorder, live), builder.failed)
         _finish(recorder, live, state, reason.message if state == "failed" else None,
                 builder)
     await merged.aclose()
@@ -270,9 +270,10 @@ async def _unrecorded(request: Request, backend: Backend, intake: Intake, kind: 
     except BaseException:
         await merged.aclose()
         raise
-    return SSEResponse(_sse_events(builder, first, merged, {}), deadline=deadline,
+    outcome: dict = {"sent": 0}
+    return SSEResponse(_sse_events(builder, first, merged, outcome), deadline=deadline,
                        on_end=lambda _: merged.aclose(),  # also when no event was pulled
-                       cut_events=builder.failed)
+                       cut_events=lambda exc: builder.failed(exc, outcome["sent"]))
 
 
 async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder, merged,
@@ -302,7 +303,7 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
         exc = _timeout_error()
         outcome["error"] = exc.message
         if live.events:  # the stream is under way: say so in it, then end it
-            end_as_cut(live, exc, emit)
+            end_as_cut(live, exc, emit, builder.failed)
         else:
             live.error = exc
     except asyncio.CancelledError:  # its last follower left it (after the grace), or shutdown
@@ -312,7 +313,7 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
             outcome["error"] = cut.message
         else:
             state = "cancelled"
-        end_as_cut(live, cut, emit)
+        end_as_cut(live, cut, emit, builder.failed)
         raise
     except Exception:
         log.exception("%s: backend failed", live.id)
@@ -382,7 +383,13 @@ async def _sse_events(builder: ResponseBuilder, first: list, merged, outcome: di
                       event=sse):
     """The SSE events of a stream, each encoded by `event(payload)` (a run's emitter keeps
     them); a failure after the first event is said in the stream and noted in
-    `outcome["error"]`."""
+    `outcome["error"]`; `outcome["sent"]` counts the events given out."""
+    given = event
+
+    def event(payload) -> bytes:
+        outcome["sent"] = outcome.get("sent", 0) + 1
+        return given(payload)
+
     try:
         for index, chunk in first:
             for payload in builder.events(index, chunk):

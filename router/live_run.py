@@ -66,10 +66,16 @@ class LiveRun:
         return sse(payload, self.event_id(len(self.events)) if self.event_ids else None)
 
 
-def end_as_cut(live: LiveRun, reason: BackendError, emit: Callable[[object], object]) -> None:
+def end_as_cut(live: LiveRun, reason: BackendError, emit: Callable[[object], object],
+               cut: Optional[Callable[[BackendError, int], list]] = None) -> None:
     """A stream cut short ends as a finished one does, saying why: what a retry, a resume or
-    a follower on another replica replays. `emit` keeps a payload as the run's next event."""
+    a follower on another replica replays. `emit` keeps a payload as the run's next event;
+    `cut(reason, its number)`: the producer's closing events (its builder's `failed`)."""
     if not live.events or stream_closed(live):
+        return
+    if cut is not None:
+        for payload in cut(reason, len(live.events)):
+            emit(payload)
         return
     if not _typed(live):
         emit(reason.body())

@@ -105,7 +105,7 @@ class ResponseBuilder:
         return ([self.usage_event()] if self.prepared.include_usage else []) + ["[DONE]"]
 
     @staticmethod
-    def failed(error) -> list:
+    def failed(error, seq: Optional[int] = None) -> list:
         """A stream that fails after its first event ends with the error, then [DONE]."""
         return [error.body(), "[DONE]"]
 

@@ -93,11 +93,13 @@ class ResponsesBuilder:
         self.final = self.snapshot(status, self.items)
         return out + [self._event(f"response.{status}", response=self.final)]
 
-    def failed(self, error: BackendError) -> list[dict]:
+    def failed(self, error: BackendError, seq: Optional[int] = None) -> list[dict]:
         """A stream that fails after its first event ends saying so: an error event, then
-        response.failed with the items so far."""
+        response.failed with the items so far; numbered from `seq` (default: after every event
+        built; a stream cut while it sent them gives what it sent)."""
         out = self._start()
-        return out + failed_events(self.seq, self.snapshot("in_progress", self.items), error)
+        return out + failed_events(self.seq if seq is None else seq,
+                                   self.snapshot("in_progress", self.items), error)
 
     def final_body(self) -> dict:
         """A JSON response: the one its output ended with."""
