@@ -270,10 +270,10 @@ async def _unrecorded(request: Request, backend: Backend, intake: Intake, kind: 
     except BaseException:
         await merged.aclose()
         raise
-    outcome: dict = {"sent": 0}
+    outcome: dict = {}
     return SSEResponse(_sse_events(builder, first, merged, outcome), deadline=deadline,
                        on_end=lambda _: merged.aclose(),  # also when no event was pulled
-                       cut_events=lambda exc: builder.failed(exc, outcome["sent"]))
+                       cut_events=lambda exc: builder.failed(exc, outcome.get("sent")))
 
 
 async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilder, merged,
@@ -384,20 +384,17 @@ async def _sse_events(builder: ResponseBuilder, first: list, merged, outcome: di
     """The SSE events of a stream, each encoded by `event(payload)` (a run's emitter keeps
     them); a failure after the first event is said in the stream and noted in
     `outcome["error"]`; `outcome["sent"]` counts the events given out."""
-    given = event
-
-    def event(payload) -> bytes:
-        outcome["sent"] = outcome.get("sent", 0) + 1
-        return given(payload)
-
+    outcome["sent"] = 0
     try:
         for index, chunk in first:
             for payload in builder.events(index, chunk):
+                outcome["sent"] += 1
                 yield event(payload)
         try:
             async for index, chunk in merged:
                 _raise_for_error(chunk)
                 for payload in builder.events(index, chunk):
+                    outcome["sent"] += 1
                     yield event(payload)
         except BackendError as exc:  # after the first token the status is already 200
             log.warning("%s: error mid-stream: %s", builder.id, exc.message)

@@ -95,10 +95,10 @@ class ResponseBuilder:
                     "finish_reason": choice.finish_reason}
         return self._envelope(self._chunk_object, [item], stream=True)
 
-    def events(self, index: int, chunk: dict) -> list:
+    def events(self, index: int, chunk: dict) -> tuple:
         """The stream events a worker chunk makes (router/generation.py's stream loop)."""
         payload = self.add(index, chunk)
-        return [] if payload is None else [payload]
+        return () if payload is None else (payload,)
 
     def closing(self) -> list:
         """A stream's last events: the usage when asked for, then [DONE]."""

@@ -86,8 +86,10 @@ def sse(data: Any, event_id: Optional[str] = None) -> bytes:
     """One SSE event; a typed payload (the Responses API's) names its type in an `event:`
     line too, as OpenAI sends them."""
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    kind = data.get("type") if type(data) is dict else None
+    if event_id is None and kind is None:
+        return f"data: {text}\n\n".encode()
     head = f"id: {event_id}\n" if event_id is not None else ""
-    kind = data.get("type") if isinstance(data, dict) else None
     if isinstance(kind, str):
         head += f"event: {kind}\n"
     return f"{head}data: {text}\n\n".encode()
