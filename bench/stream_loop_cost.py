@@ -1,0 +1,57 @@
+"""The router's chat stream loop per token (router/generation.py `_sse_events`: the chat builder
+and SSE encoding over one-token chunks of the bench model's tokenizer), for the source tree
+given: run it on two trees (a `git worktree` of the commit before a change, and this one),
+alternately, to see what the change costs the streaming path.
+
+    .venv/bin/python bench/stream_loop_cost.py [--tree DIR] [--tokens 4000] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent))
+    ap.add_argument("--tokens", type=int, default=4000)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    sys.path.insert(0, args.tree)
+    from bench.common import bench_model
+    from pd_runtime.tokenizer import Tokenizer
+    from router import generation
+    from router.protocol import prepare_chat
+    from router.responses import ResponseBuilder
+
+    tokenizer = Tokenizer(bench_model(None))
+    rng = random.Random(0)
+    ids = [rng.randrange(3, tokenizer.vocab_size) for _ in range(args.tokens)]
+    chunks = [{"text": tokenizer.decode([t]), "token_ids": [t], "finished": i == len(ids) - 1,
+               "finish_reason": "length" if i == len(ids) - 1 else None}
+              for i, t in enumerate(ids)]
+    prepared = prepare_chat({"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                             "stream_options": {"include_usage": True}}, tokenizer, "m", 1 << 20)
+
+    async def rest():
+        for chunk in chunks[1:]:
+            yield 0, chunk
+
+    async def one_pass() -> float:
+        builder = ResponseBuilder(prepared, "chatcmpl-x", tokenizer)
+        start = time.perf_counter()
+        async for _ in generation._sse_events(builder, [(0, chunks[0])], rest(), {}):
+            pass
+        return time.perf_counter() - start
+
+    best = min(asyncio.run(one_pass()) for _ in range(args.repeats))
+    print(f"{args.tree}: {best / len(chunks) * 1e6:.2f} us/token")
+
+
+if __name__ == "__main__":
+    main()
