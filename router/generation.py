@@ -217,8 +217,6 @@ def _finish(recorder: RunRecorder, live: LiveRun, state: str, error: Optional[st
     usage = builder.usage()
     if state == "completed" and getattr(builder, "stores", False):
         live.conversation = json.dumps(builder.conversation()).encode()
-        if live.stream:
-            live.final_response = json.dumps(builder.final_body()).encode()
     recorder.finish(live, state, error=error, prompt_tokens=usage["prompt_tokens"],
                     cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
                     output_tokens=usage["completion_tokens"])

@@ -84,7 +84,7 @@ class Intake:
         """`history`: a Responses request's stored conversation (NeedsHistory asks for it)."""
         backend = self.backend
         extra = {"history": history} if kind == "responses" else {}
-        if len(raw) <= INLINE_MAX_BYTES or self._tokenizer_state is None:
+        if len(raw) + len(history or b"") <= INLINE_MAX_BYTES or self._tokenizer_state is None:
             return PREPARE[kind](parse_json(raw), backend.tokenizer, backend.model_name,
                                  backend.max_model_len, backend.sampling_defaults, **extra)
         if kind == "completion" and len(raw) <= INLINE_TOKEN_IDS_MAX_BYTES:

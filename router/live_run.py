@@ -45,7 +45,6 @@ class LiveRun:
     stored: Optional[str] = None  # the state its store row has (None: no row yet)
     kept_output: Optional[tuple[str, bytes]] = None  # written with its end: a client may ask
     conversation: Optional[bytes] = None  # a stored response's messages (JSON), kept with it
-    final_response: Optional[bytes] = None  # a stored response's object (JSON), when streamed
     _changed: Optional[asyncio.Event] = None  # made when someone first waits
 
     def notify(self) -> None:
@@ -103,7 +102,11 @@ def stream_closed(live: LiveRun) -> bool:
 
 def _typed(live: LiveRun) -> bool:
     """A Responses API run (its events are typed, with no [DONE])."""
-    return live.id.startswith("resp_")
+    return is_response_id(live.id)
+
+
+def is_response_id(run_id: str) -> bool:
+    return run_id.startswith("resp_")
 
 
 def _event_data(event: bytes):

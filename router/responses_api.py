@@ -79,6 +79,7 @@ def prepare_responses(data: dict, tokenizer, model_name: str, max_model_len: int
             raise InvalidRequest("previous_response_id must be a response's id",
                                  param="previous_response_id")
         if history is None:
+            chat_body(data)  # the request's own fields judged first: a bad one is its 400
             raise NeedsHistory(previous)
     chat, request = chat_body(data, json.loads(history) if previous is not None else None)
     try:
@@ -87,7 +88,7 @@ def prepare_responses(data: dict, tokenizer, model_name: str, max_model_len: int
         exc.param = responses_param(exc.param)
         exc.message = re.sub(r"tools\[(\d+)\]\.function\.", r"tools[\1].", exc.message)
         for old, new in _RENAMES:
-            exc.message = exc.message.replace(old, new)
+            exc.message = re.sub(rf"\b{old}\b", new, exc.message)
         raise
     prepared.responses = request
     return prepared

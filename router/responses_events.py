@@ -47,6 +47,7 @@ class ResponsesBuilder:
         # Logprobs by the output characters their chunk added: (start, end, entries).
         self.spans: list[tuple[int, int, list]] = []
         self.next_span = 0  # the first span not yet given to the text (or passed over)
+        self.answer_start: Optional[int] = None  # where the answer starts in the output
         self.final: Optional[dict] = None  # the response the output ended with
 
     # -- the events --------------------------------------------------------------------------
@@ -98,7 +99,7 @@ class ResponsesBuilder:
         response.failed with the items so far; numbered from `seq` (default: after every event
         built; a stream cut while it sent them gives what it sent)."""
         out = self._start()
-        return out + failed_events(self.seq if seq is None else seq,
+        return out + failed_events(self.seq if seq is None else seq + len(out),
                                    self.snapshot("in_progress", self.items), error)
 
     def final_body(self) -> dict:
@@ -179,11 +180,15 @@ class ResponsesBuilder:
         (`shown`): a chunk that added only thinking, its end tag or a call's text gives none
         (by where its characters fall in the output: the answer starts after the thinking;
         `final`: what the text never showed is passed over)."""
-        choice = self.chat.choices[0]
-        begin = content_start(choice.text, choice.think.open_at_start) \
-            if choice.think is not None else 0
-        if begin is None:
+        if self.next_span >= len(self.spans):
             return []
+        begin = self.answer_start
+        if begin is None:
+            choice = self.chat.choices[0]
+            begin = self.answer_start = content_start(choice.text, choice.think.open_at_start) \
+                if choice.think is not None else 0
+            if begin is None:  # still thinking
+                return []
         end = begin + len(shown)
         out = []
         while self.next_span < len(self.spans):

@@ -24,7 +24,8 @@ from typing import AsyncIterator, Callable, Optional
 from gateway.runs import IdempotencyConflict, Runs, TRANSITIONS
 from gateway.store import STATE_TIME, RunStore
 from router.backend import BackendError
-from router.live_run import Following, LiveRun, end_as_cut, split_events, stream_closed
+from router.live_run import (Following, LiveRun, end_as_cut, is_response_id, split_events,
+                             stream_closed)
 from router.record_writer import RunWriter
 
 log = logging.getLogger(__name__)
@@ -195,11 +196,9 @@ class RunRecorder:
                 live.info["idempotency_key"] = None
                 if self._by_key.get((live.tenant, live.key)) == live.id:
                     del self._by_key[(live.tenant, live.key)]
-        if output is not None and (live.key is not None or (live.stream and live.event_ids)):
+        if output is not None and (live.key is not None or live.conversation is not None or
+                                   (live.stream and live.event_ids)):
             live.kept_output = ("sse" if live.stream else "json", output)
-        elif output is not None and live.conversation is not None:
-            # A stored response that no one can replay: its response object is what is read.
-            live.kept_output = ("json", live.final_response or output)
         self.advance(live, state, **fields)
         live.done = True
         self.writer.ended(live)
@@ -369,9 +368,11 @@ class RunRecorder:
         API's previous_response_id and GET): from memory while its run is kept there, else from
         the store. A run that sent its last event but is not yet marked ended, and one whose
         end another replica has not yet written (its rows go in rounds), are waited for up to
-        `wait_s`. None when the caller has no such run, it was not stored, or it still runs."""
+        `wait_s`, the store read less and less often. None when the caller has no such run, it
+        was not stored, or it still runs."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
+        deadline = loop.time() + (wait_s if is_response_id(run_id) else 0.0)
+        pause = POLL_S
         while True:
             live = self.live.get(run_id)
             if live is not None and not live.remote:
@@ -396,7 +397,8 @@ class RunRecorder:
                 return conversation, await asyncio.to_thread(self.store.get_output, run_id)
             if loop.time() >= deadline:
                 return None
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(min(pause, deadline - loop.time()))
+            pause *= 2
 
     async def record(self, run_id: str, tenant: str) -> Optional[dict]:
         """GET /v1/runs/{id}: the stored record, with this process's newer view of a live run."""

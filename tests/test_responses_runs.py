@@ -143,11 +143,21 @@ def test_stored_responses_are_the_tenants_own_and_outlive_the_router(llama_dir, 
         url = f"http://127.0.0.1:{port}/v1/responses"
         assert httpx.get(f"{url}/{first['id']}", headers=ACME).json() == first
         assert httpx.get(f"{url}/{second['id']}", headers=ACME).json() == second
-        # A stream no one can replay (no key, no event ids) keeps its response, not its events.
+        # A stored stream keeps its events (a follower on another replica reads them) and
+        # its conversation.
         store = open_store(str(tmp_path / "runs.sqlite3"))
-        kind, body = store.get_output(second["id"])
+        kind, events = store.get_output(second["id"])
+        conversation = json.loads(store.get_conversation(second["id"]))
         store.close()
-        assert kind == "json" and json.loads(body) == second
+        assert kind == "sse" and _events(events.decode())[-1]["response"] == second
+        assert [m["role"] for m in conversation] == ["user", "assistant", "user", "assistant"]
+        # An unknown id or a bad body is answered at once, not after the wait for a run
+        # another replica has not recorded yet.
+        start = time.monotonic()
+        assert httpx.post(url, headers=ACME, json={"input": 5, "previous_response_id":
+                                                   "resp_unknown"}).status_code == 400
+        assert httpx.get(f"{url}/chatcmpl-unknown", headers=ACME).status_code == 404
+        assert time.monotonic() - start < 1.5
         third = httpx.post(url, headers=ACME, json={"input": "go on",
                                                     "previous_response_id": second["id"]})
         assert third.status_code == 200
@@ -175,3 +185,35 @@ def test_another_replica_continues_a_response_at_once(llama_dir, tmp_path):
                                            "previous_response_id": response["id"]})
             assert more.status_code == 200, more.text
             assert httpx.get(f"{other}/{response['id']}").json() == response
+
+
+def test_a_follower_on_another_replica_gets_the_whole_stream(llama_dir, tmp_path):
+    """A stored keyless stream (the openai client's default: no key, no event ids) followed
+    from another replica while it runs: every event, ending with its last, as its client got
+    them; read again after its end, the same."""
+    import threading
+
+    tokenizer = Tokenizer(llama_dir)
+    script = [token_chunk(f" t{i}", 1 + i % 20) for i in range(30)] + \
+        [token_chunk(" end", 3, finished=True)]
+    config = _config(tmp_path)
+    with serving(ScriptedBackend(tokenizer, script, step_s=0.05), config) as (_, a), \
+            serving(ScriptedBackend(tokenizer, script), config) as (_, b):
+        got = {}
+        producer = threading.Thread(target=lambda: got.setdefault("a", httpx.post(
+            f"http://127.0.0.1:{a}/v1/responses", json={"input": "x", "stream": True},
+            timeout=60).text))
+        producer.start()
+        deadline = time.monotonic() + 10
+        while not APPS[a].state.recorder.live and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (run_id,) = list(APPS[a].state.recorder.live)
+        while httpx.get(f"http://127.0.0.1:{b}/v1/runs/{run_id}").status_code != 200 and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        followed = httpx.get(f"http://127.0.0.1:{b}/v1/runs/{run_id}/events", timeout=60).text
+        producer.join()
+        assert _events(followed) == _events(got["a"])
+        assert _events(followed)[-1]["type"] == "response.incomplete"
+        again = httpx.get(f"http://127.0.0.1:{b}/v1/runs/{run_id}/events", timeout=60).text
+        assert _events(again) == _events(got["a"])
