@@ -39,6 +39,10 @@ _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_METADATA_KEYS = 16  # OpenAI's limits
 _INCLUDE_LOGPROBS = "message.output_text.logprobs"
+# Asked by clients that keep no state on the server (store false) so they can send a reasoning
+# item back: here a reasoning item carries its text in the clear (`content`), and templates
+# drop past thinking, so there is nothing to encrypt; accepted, with no effect.
+_INCLUDE_REASONING = "reasoning.encrypted_content"
 # A chat error's words for the Responses ones.
 _RENAMES = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"),
             ("messages", "input"))
@@ -314,11 +318,11 @@ def _include(include: Any) -> bool:
     if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
         raise InvalidRequest("include must be a list of strings", param="include")
     for value in include:
-        if value != _INCLUDE_LOGPROBS:
+        if value not in (_INCLUDE_LOGPROBS, _INCLUDE_REASONING):
             raise InvalidRequest(f"include {value!r} is not supported by this server (only "
-                                 f"{_INCLUDE_LOGPROBS!r})", param="include",
-                                 code="unsupported_parameter")
-    return bool(include)
+                                 f"{_INCLUDE_LOGPROBS!r} and {_INCLUDE_REASONING!r})",
+                                 param="include", code="unsupported_parameter")
+    return _INCLUDE_LOGPROBS in include
 
 
 def _metadata(metadata: Any) -> dict:

@@ -142,7 +142,7 @@ def test_logprobs_when_included(client):  # noqa: F811
     ({"background": True}, "background"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"max_output_tokens": -1}, "max_output_tokens"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["file_search_call.results"]}, "include"),
     ({"input": []}, "input"),
     ({"top_logprobs": 3}, "top_logprobs"),
 ])
@@ -223,6 +223,8 @@ def test_chat_errors_are_named_as_the_responses_fields(client):  # noqa: F811
     with pytest.raises(openai.BadRequestError) as raised:
         client.responses.create(model=model, input="hi", tool_choice="required")
     assert raised.value.body["param"] == "tool_choice"
-    # "auto" is the default: fine without tools; so is top_logprobs 0 without include.
+    # "auto" is the default: fine without tools; so is top_logprobs 0 without include; a
+    # stateless client's ask for encrypted reasoning has nothing to encrypt (its text is there).
     assert client.responses.create(model=model, input="hi", max_output_tokens=1,
-                                   tool_choice="auto", top_logprobs=0).output
+                                   tool_choice="auto", top_logprobs=0, store=False,
+                                   include=["reasoning.encrypted_content"]).output
