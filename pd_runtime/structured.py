@@ -20,14 +20,6 @@ from pd_runtime.api import InvalidRequestError
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # disable_fallback names a choice between backends; there is one here, so it changes nothing.
 OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
-# Set by the router for a reasoning model (not a client's field): the grammar holds the answer
-# after the model's think block, which it may open ("optional": the output may start with
-# <think>) or is already in ("open": the prompt opened it), as vLLM starts a grammar after the
-# reasoning. The thinking is free text up to "</think>".
-THINK = "think"
-_THINK_RULES = {"optional": 'start: think? @answer\nthink: "<think>" thought WS?\n',
-                "open": "start: thought WS? @answer\n"}
-_THOUGHT = 'thought[stop="</think>"]: /(?s:.*)/\nWS: /[ \\t\\r\\n]{1,32}/\n'
 PARAM = "structured_outputs"
 # Bounds the work a request can ask of the router and of each engine step.
 MAX_SPEC_CHARS = 100_000
@@ -64,7 +56,7 @@ def _grammar(spec: Any) -> str:
     if not isinstance(spec, dict):
         raise _Refused(f"must be an object with one of {', '.join(KINDS)}, got "
                        f"{type(spec).__name__}")
-    unknown = sorted(set(spec) - set(KINDS) - set(OPTIONS) - {THINK})
+    unknown = sorted(set(spec) - set(KINDS) - set(OPTIONS))
     if unknown:
         raise _Refused(f"has no field {unknown[0]!r} here (one of {', '.join(KINDS)}, and the "
                        f"options {', '.join(OPTIONS)})")
@@ -75,8 +67,6 @@ def _grammar(spec: Any) -> str:
     for name in OPTIONS:
         if not isinstance(spec.get(name, False), bool):
             raise _Refused(f"{name} must be a boolean")
-    if spec.get(THINK) not in (None, *_THINK_RULES):
-        raise _Refused(f"{THINK} must be one of {', '.join(_THINK_RULES)}")
     _check_depth(spec)
     try:
         # Not sort_keys: a schema's property order is the order its output follows.
@@ -185,27 +175,10 @@ def _compiled(key: str) -> str:
             grammar = llguidance.grammar_from("grammar", value)
         except (ValueError, RecursionError) as exc:
             raise _Refused(f"grammar: {exc}") from None
-    if spec.get(THINK):
-        grammar = _after_thinking(grammar, spec[THINK])
     error = on_big_stack(matcher.validate_grammar, grammar)
     if error:
         raise _Refused(f"{kind} cannot be enforced: {error.strip()}")
     return grammar
-
-
-def _after_thinking(grammar: str, mode: str) -> str:
-    """`grammar` (llguidance's JSON form, or Lark text) as the answer after a think block: a
-    Lark grammar first that takes the thinking, then refers to it by name."""
-    try:
-        top = json.loads(grammar)
-    except ValueError:
-        top = None
-    if not isinstance(top, dict) or not isinstance(top.get("grammars"), list):
-        top = {"grammars": [{"lark_grammar": grammar}]}
-    top["grammars"][0]["name"] = "answer"
-    top["grammars"].insert(0, {"name": "thinking",
-                               "lark_grammar": _THINK_RULES[mode] + _THOUGHT})
-    return json.dumps(top)
 
 
 def _no_constant(name: str):

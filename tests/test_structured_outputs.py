@@ -231,36 +231,3 @@ def test_both_ways_of_unpacking_the_masks_agree():
     assert not host[0, :32].any()
     word, bit = 3, 31
     assert bool(host[1, word * 32 + bit]) == (not (int(bits[1, word]) >> bit) & 1)
-
-
-@pytest.mark.parametrize("mode, text", [("open", "hm, two</think>\nyes"),
-                                        ("optional", "<think>hm</think>no"),
-                                        ("optional", "yes")])
-def test_a_grammar_after_the_thinking_holds_only_the_answer(llm, mode, text):
-    """A reasoning model's grammar (`think`, set by the router) lets the thinking run free up
-    to "</think>" and holds what follows: each token of such an output is allowed when its
-    turn comes (the engine's own masks), then only EOS."""
-    import torch
-    from types import SimpleNamespace
-
-    from pd_runtime.engine.grammar import GrammarMasks
-
-    tokenizer = llm.engine.tokenizer
-    width = tokenizer.vocab_size
-    masks = GrammarMasks(tokenizer, width)
-    spec = {"choice": ["yes", "no"], "think": mode}
-    request = SimpleNamespace(grammar=masks.start(SamplingParams(structured_outputs=spec)),
-                              output_token_ids=[], request_id="r")
-
-    def allowed() -> set[int]:
-        logits = torch.zeros(1, width)
-        masks.mask(logits, [(0, request)])
-        return set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist())
-
-    first = allowed()
-    if mode == "optional":  # the answer at once, or a think block
-        assert tokenizer.encode("h", add_special_tokens=False)[0] not in first
-    for token in tokenizer.encode(text, add_special_tokens=False):
-        assert token in allowed(), (text, tokenizer.decode(request.output_token_ids))
-        request.output_token_ids.append(token)
-    assert allowed() == set(tokenizer.eos_token_ids)
