@@ -79,9 +79,6 @@ class RunStore(Protocol):
     def get_conversation(self, run_id: str) -> Optional[bytes]:
         """A stored response's conversation (saved with its output), or None."""
 
-    def delete_output(self, run_id: str) -> bool:
-        """Deletes a run's kept output (and conversation); whether there was one."""
-
     def mark_followed(self, run_id: str, at: float) -> None:
         """A client of another process waits for this run (its producer keeps it going)."""
 

@@ -114,14 +114,6 @@ def create_app(backend: Backend, router_config: RouterConfig,
                                code="response_not_found")
         return body
 
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(request: Request, response_id: str):
-        tenant = tenant_name(backend.authenticate(bearer_key(request)))
-        if not await _records(recorder).forget_stored(response_id, tenant):
-            raise BackendError(404, f"no stored response {response_id!r} of yours",
-                               param="response_id", code="response_not_found")
-        return {"id": response_id, "object": "response", "deleted": True}
-
     @app.get("/v1/runs/{run_id}")
     async def run_record(request: Request, run_id: str):
         """The caller's own run: its state, routing, token counts, workers, error."""

@@ -400,22 +400,6 @@ class RunRecorder:
             await asyncio.sleep(min(pause, deadline - loop.time()))
             pause *= 2
 
-    async def forget_stored(self, run_id: str, tenant: str) -> bool:
-        """Deletes a stored response (DELETE /v1/responses/{id}): its output and conversation,
-        in memory and in the store (its final row written first, so it cannot come after);
-        the run's record stays. False when the caller has no such stored response."""
-        if await self.stored(run_id, tenant) is None:
-            return False
-        live = self.live.get(run_id)
-        if live is not None:  # a replay of it says so from now on
-            live.conversation = live.kept_output = live.body = None
-            live.events = []
-            live.error = BackendError(404, f"run {run_id}'s output was deleted",
-                                      code="output_deleted")
-        await asyncio.to_thread(self.writer.flush, 2.0)
-        await asyncio.to_thread(self.store.delete_output, run_id)
-        return True
-
     async def record(self, run_id: str, tenant: str) -> Optional[dict]:
         """GET /v1/runs/{id}: the stored record, with this process's newer view of a live run."""
         record = await asyncio.to_thread(self.runs.get, run_id, tenant)

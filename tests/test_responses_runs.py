@@ -217,31 +217,3 @@ def test_a_follower_on_another_replica_gets_the_whole_stream(llama_dir, tmp_path
         assert _events(followed)[-1]["type"] == "response.incomplete"
         again = httpx.get(f"http://127.0.0.1:{b}/v1/runs/{run_id}/events", timeout=60).text
         assert _events(again) == _events(got["a"])
-
-
-def test_a_deleted_response_is_gone_for_good(llama_dir, tmp_path):
-    """DELETE /v1/responses/{id}: its output and conversation go from memory and the store
-    (the tenant's own only); GET, a continuation and a replay of its run find nothing."""
-    config = RouterConfig(tenants=TENANTS, routing={"mode": "always_colocated"},
-                          runs={"store": str(tmp_path / "runs.sqlite3")})
-    tokenizer = Tokenizer(llama_dir)
-    with serving(_Tenants(tokenizer), config) as (_, port):
-        url = f"http://127.0.0.1:{port}/v1/responses"
-        made = httpx.post(url, headers=ACME, json={"input": "secret", "stream": True}).text
-        response = _events(made)[-1]["response"]
-        assert httpx.delete(f"{url}/{response['id']}", headers=OTHER).status_code == 404
-        gone = httpx.delete(f"{url}/{response['id']}", headers=ACME)
-        assert gone.status_code == 200 and gone.json()["deleted"] is True
-        assert httpx.get(f"{url}/{response['id']}", headers=ACME).status_code == 404
-        assert httpx.post(url, headers=ACME, json={
-            "input": "x", "previous_response_id": response["id"]}).status_code == 404
-        replay = httpx.get(f"http://127.0.0.1:{port}/v1/runs/{response['id']}/events",
-                           headers=ACME)
-        assert replay.status_code == 404 and "secret" not in replay.text
-        assert httpx.delete(f"{url}/{response['id']}", headers=ACME).status_code == 404
-    store = open_store(str(tmp_path / "runs.sqlite3"))
-    try:
-        assert store.get_output(response["id"]) is None
-        assert store.get_run(response["id"])["state"] == "completed"  # its record stays
-    finally:
-        store.close()
