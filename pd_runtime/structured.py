@@ -20,6 +20,13 @@ from pd_runtime.api import InvalidRequestError
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # disable_fallback names a choice between backends; there is one here, so it changes nothing.
 OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
+# Set by the router for a reasoning model (not a client's field): the grammar holds only the
+# answer after the model's think block, which the prompt opened ("open") or the output may open
+# ("optional"), as vLLM starts a grammar after the reasoning (engine/grammar.py: the tags are
+# found by their token ids, never put in the grammar: tokenizers make them added tokens).
+THINK = "think"
+THINK_MODES = ("open", "optional")
+THINK_START, THINK_END = "<think>", "</think>"
 PARAM = "structured_outputs"
 # Bounds the work a request can ask of the router and of each engine step.
 MAX_SPEC_CHARS = 100_000
@@ -56,7 +63,7 @@ def _grammar(spec: Any) -> str:
     if not isinstance(spec, dict):
         raise _Refused(f"must be an object with one of {', '.join(KINDS)}, got "
                        f"{type(spec).__name__}")
-    unknown = sorted(set(spec) - set(KINDS) - set(OPTIONS))
+    unknown = sorted(set(spec) - set(KINDS) - set(OPTIONS) - {THINK})
     if unknown:
         raise _Refused(f"has no field {unknown[0]!r} here (one of {', '.join(KINDS)}, and the "
                        f"options {', '.join(OPTIONS)})")
@@ -67,6 +74,9 @@ def _grammar(spec: Any) -> str:
     for name in OPTIONS:
         if not isinstance(spec.get(name, False), bool):
             raise _Refused(f"{name} must be a boolean")
+    if spec.get(THINK) not in (None, *THINK_MODES):
+        raise _Refused(f"{THINK} must be one of {', '.join(THINK_MODES)}")
+    spec = {k: v for k, v in spec.items() if k != THINK}  # the grammar is the answer's
     _check_depth(spec)
     try:
         # Not sort_keys: a schema's property order is the order its output follows.

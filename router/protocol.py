@@ -15,10 +15,12 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
+from pd_runtime import structured
 from pd_runtime.api import InvalidRequestError, SamplingParams
 from router.chat_prompt import chat_text
 from router.schema import (ChatCompletionRequest, ChoiceSpec, CompletionRequest, InvalidRequest,
                            PreparedRequest, Body, SamplingBody)
+from router.reasoning import CLOSE as THINK_CLOSE
 from router.reasoning import opens_in_prompt
 from router.structured_fields import structured_spec
 from router.tools import prepare as prepare_tools
@@ -392,11 +394,16 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     if body.logprobs:
         logprobs = params["logprobs"] = body.top_logprobs or 0
+    thinking = None
+    if getattr(tokenizer, "reasoning_format", None):  # its thinking is split from its answer
+        thinking = opens_in_prompt(text)
+        if "structured_outputs" in params and not text.rstrip().endswith(THINK_CLOSE):
+            # A grammar holds the answer after the thinking (from the first token where the
+            # prompt closed an empty block: Qwen3 with enable_thinking false answers at once).
+            params["structured_outputs"] = {**params["structured_outputs"],
+                                            structured.THINK: "open" if thinking else "optional"}
     sampling = _check_sampling(params, {"max_tokens": param, "logprobs": "top_logprobs"})
     _check_length(prompt, max_tokens, max_model_len, "messages")
-    # A grammar holds the whole output (a think block would break it): nothing to split.
-    thinking = opens_in_prompt(text) if getattr(tokenizer, "reasoning_format", None) and \
-        sampling.structured_outputs is None else None
     return PreparedRequest("chat", model_name, [prompt], _choices([prompt], body.n, sampling),
                            bool(body.stream), _include_usage(body), body.priority, logprobs,
                            tools=tool_plan, service_tier=_service_tier(body),

@@ -15,8 +15,8 @@ from router.schema import InvalidRequest
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
-# vLLM's structured_outputs fields with no counterpart here.
-_UNSUPPORTED = ("whitespace_pattern", "structural_tag")
+# vLLM's structured_outputs fields with no counterpart here, and the router's own.
+_UNSUPPORTED = ("whitespace_pattern", "structural_tag", structured.THINK)
 
 
 def structured_spec(data: dict) -> tuple[Optional[dict], Optional[str]]:

@@ -15,7 +15,7 @@ from pd_runtime import LLM, SamplingParams
 from pd_runtime.tokenizer import Tokenizer
 from router.reasoning import opens_in_prompt, split
 from router.responses import ResponseBuilder
-from router.schema import ChoiceSpec, PreparedRequest
+from router.schema import ChoiceSpec, InvalidRequest, PreparedRequest
 from router.tools import ToolPlan
 from tests.router_support.serving import ENGINE, local
 
@@ -126,3 +126,31 @@ def test_over_http(llama_dir, tmp_path, template, in_prompt):
         deltas = [e.choices[0].delta.to_dict() for e in stream if e.choices]
         key = "reasoning" if in_prompt else "content"
         assert "".join(d.get(key) or "" for d in deltas) == want
+
+
+@pytest.mark.parametrize("template, kwargs, think", [
+    (R1_TEMPLATE, {}, "open"),  # the prompt opened the block
+    (QWEN3_TEMPLATE, {}, "optional"),  # the model may open one
+    (QWEN3_TEMPLATE, {"enable_thinking": False}, None),  # the prompt closed an empty one
+])
+def test_a_structured_output_holds_the_answer_after_the_thinking(llama_dir, tmp_path, template,
+                                                                 kwargs, think):
+    """With a reasoning model the grammar starts after the think block (as vLLM starts it),
+    and the thinking is split out as without one."""
+    from router.protocol import prepare_chat
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    (model / "chat_template.jinja").write_text(template)
+    tokenizer = Tokenizer(str(model))
+    body = {"messages": [{"role": "user", "content": "2 + 2?"}], "guided_choice": ["4", "5"],
+            "chat_template_kwargs": kwargs}
+    prepared = prepare_chat(body, tokenizer, "m", 512)
+    spec = prepared.choices[0].params.structured_outputs
+    assert spec.get("think") == think and spec["choice"] == ["4", "5"]
+    assert prepared.reasoning == (think == "open")
+    body["structured_outputs"] = {"choice": ["4"], "think": "open"}
+    del body["guided_choice"]
+    with pytest.raises(InvalidRequest) as refused:  # the router's own field
+        prepare_chat(body, tokenizer, "m", 512)
+    assert refused.value.param == "structured_outputs"

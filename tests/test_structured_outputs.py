@@ -4,6 +4,7 @@ disaggregated, resumed after a lost worker, with speculation on or off."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -231,3 +232,99 @@ def test_both_ways_of_unpacking_the_masks_agree():
     assert not host[0, :32].any()
     word, bit = 3, 31
     assert bool(host[1, word * 32 + bit]) == (not (int(bits[1, word]) >> bit) & 1)
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer(llama_dir, tmp_path_factory):
+    """The test tokenizer with <think> and </think> as added tokens that are not special, as
+    Qwen3's and DeepSeek-R1's are (llguidance takes such `<...>` tokens for special ones, so a
+    grammar could never spell them: the engine finds them by id)."""
+    import shutil
+
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from pd_runtime.tokenizer import Tokenizer
+
+    model = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(llama_dir, model)
+    hf = HFTokenizer.from_file(str(model / "tokenizer.json"))
+    hf.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t in ("<think>", "</think>")])
+    hf.save(str(model / "tokenizer.json"))
+    return Tokenizer(str(model))
+
+
+@pytest.mark.parametrize("mode, text", [("open", "hm, two</think>yes"),
+                                        ("optional", "<think>hm\n</think>no"),
+                                        ("optional", "yes")])
+def test_a_grammar_holds_only_the_answer_after_the_thinking(thinking_tokenizer, mode, text):
+    """A reasoning model's grammar (`think`, set by the router): every token is free until the
+    think block's end tag (its own token), then the grammar holds the answer, then only EOS.
+    Under "optional" the first token is the answer's or the block's start."""
+    import torch
+    from types import SimpleNamespace
+
+    from pd_runtime.engine.grammar import GrammarMasks
+
+    tokenizer = thinking_tokenizer
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    (start,), (end,) = encode("<think>"), encode("</think>")
+    width = max(tokenizer.vocab_size, start + 1, end + 1)
+    masks = GrammarMasks(tokenizer, width)
+    spec = {"choice": ["yes", "no"], "think": mode}
+    request = SimpleNamespace(grammar=masks.start(SamplingParams(structured_outputs=spec)),
+                              output_token_ids=[], request_id="r")
+
+    def allowed() -> set[int]:
+        logits = torch.zeros(1, width)
+        masks.mask(logits, [(0, request)])
+        return set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist())
+
+    newline = encode("\n")[0]
+    if mode == "optional":
+        first = allowed()
+        assert start in first and encode("y")[0] in first and encode("h")[0] not in first
+    thinking = mode == "open" or text.startswith("<think>")
+    for token in encode(text):
+        now = allowed()
+        assert token in now, (text, tokenizer.decode(request.output_token_ids))
+        if thinking and (mode == "open" or request.output_token_ids):  # free, to its end tag
+            assert now == set(range(width))
+        request.output_token_ids.append(token)
+        if token == end:
+            thinking = False
+            assert newline not in allowed()  # the answer starts at once
+    assert allowed() == set(tokenizer.eos_token_ids)
+
+
+def test_a_reasoning_model_answers_under_the_grammar_after_its_end_tag(llama_dir,
+                                                                        tmp_path_factory):
+    """The engine end to end with a model whose vocabulary holds the tags: pushed to end its
+    thinking at once (logit_bias on the end tag), it then answers under the grammar, alone
+    and batched with an unconstrained request, and stops."""
+    import shutil
+
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from pd_runtime.model.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path_factory.mktemp("reasoner") / "model", preset="test",
+                            vocab_size=640)
+    hf = HFTokenizer.from_file(str(model / "tokenizer.json"))
+    hf.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t in ("<think>", "</think>")])
+    hf.save(str(model / "tokenizer.json"))
+    llm = LLM(str(model), num_kv_blocks=128)
+    (end,) = llm.engine.tokenizer.encode("</think>", add_special_tokens=False)
+    spec = {"choice": ["yes", "no"], "think": "open"}
+    params = SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=spec,
+                            logit_bias={end: 100.0}, skip_special_tokens=False)
+    free = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(["Is it?"], params)[0]
+    batched = llm.generate(["Is it?", "Other"], [params, free])[0]
+    assert alone.token_ids[0] == end and alone.finish_reason == "stop"
+    assert alone.text.split("</think>", 1)[1] in ("yes", "no")
+    assert batched.token_ids == alone.token_ids
+    shutil.rmtree(model)

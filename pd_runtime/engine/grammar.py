@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 class GrammarState:
     matcher: Any       # llguidance.LLMatcher
     consumed: int = 0  # output tokens the matcher has seen
+    # A reasoning model's (the spec's `think`): the row is left free until the output holds the
+    # think block's end tag (these token ids), and the matcher takes what follows it.
+    end_ids: tuple = ()
+    open_id: Optional[int] = None  # "optional": the first token may open the block instead
+    searched: int = 0  # output tokens looked through for the end tag
 
 
 class GrammarMasks:
@@ -44,14 +49,21 @@ class GrammarMasks:
             return None
         import llguidance
 
-        grammar = structured.compile_grammar(params.structured_outputs)
+        spec = params.structured_outputs
+        grammar = structured.compile_grammar(spec)
         matcher = structured.on_big_stack(functools.partial(
             llguidance.LLMatcher, self._tokenizer_for_grammars(), grammar, log_level=0))
         if matcher.is_error():
             raise InvalidRequestError(f"structured_outputs cannot be enforced with this model's "
                                       f"tokenizer: {matcher.get_error()}",
                                       param="structured_outputs")
-        return GrammarState(matcher)
+        think = spec.get(structured.THINK)
+        if think is None:
+            return GrammarState(matcher)
+        encode = functools.partial(self._tokenizer.encode, add_special_tokens=False)
+        return GrammarState(matcher, end_ids=tuple(encode(structured.THINK_END)),
+                            open_id=encode(structured.THINK_START)[0]
+                            if think == "optional" else None)
 
     def _tokenizer_for_grammars(self):
         if self._ll_tokenizer is None:
@@ -78,6 +90,10 @@ class GrammarMasks:
         import llguidance
         import llguidance.numpy as llnp
 
+        opening: set[int] = set()  # requests (ids) whose first token may open a think block
+        rows = [(row, req) for row, req in rows if not _thinking(req, opening)]
+        if not rows:
+            return
         width = self._tokenizer_for_grammars().vocab_size
         bits = llnp.allocate_token_bitmask(len(rows), width)
         matchers = []
@@ -96,6 +112,11 @@ class GrammarMasks:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             llnp.fill_next_token_bitmask_par(self._executor, matchers, bits)
+        words = bits.view(np.uint32)
+        for j, (_, req) in enumerate(rows):
+            if id(req) in opening:
+                token = req.grammar.open_id
+                words[j, token // 32] |= np.uint32(1 << (token % 32))
         vocab = logits.shape[1]
         ruled_out = ruled_out_of(bits, logits.device, logits.device.type == "cpu")[:, :vocab]
         if ruled_out.shape[1] < vocab:  # logits wider than the tokenizer: those ids never fit
@@ -109,6 +130,33 @@ class GrammarMasks:
             ruled_out = full
         with torch.inference_mode():  # the runner's logits are inference tensors
             logits.masked_fill_(ruled_out, float("-inf"))
+
+
+def _thinking(req, opening: set) -> bool:
+    """Whether request `req`'s row is left free this step: a reasoning model still in its
+    think block. Decided from its output tokens alone (any worker decides the same): the
+    block ends with its end tag's ids, and the matcher takes the tokens after it; under
+    "optional", a first token other than the block's start is the answer's (and the first
+    token's mask is the grammar's plus that start, noted in `opening`)."""
+    state: GrammarState = req.grammar
+    if not state.end_ids:
+        return False
+    out = req.output_token_ids
+    if state.open_id is not None:  # the block is optional: is there one?
+        if not out:
+            opening.add(id(req))
+            return False
+        if out[0] != state.open_id:  # the answer started at once
+            state.end_ids = ()
+            return False
+    n = len(state.end_ids)
+    for at in range(max(0, state.searched - n + 1), len(out) - n + 1):
+        if tuple(out[at:at + n]) == state.end_ids:
+            state.end_ids = ()
+            state.consumed = state.searched = at + n
+            return False
+    state.searched = len(out)
+    return True
 
 
 def ruled_out_of(bits: np.ndarray, device: torch.device, on_host: bool) -> torch.Tensor:
