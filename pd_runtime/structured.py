@@ -27,6 +27,13 @@ OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_f
 THINK = "think"
 THINK_MODES = ("open", "optional")
 THINK_START, THINK_END = "<think>", "</think>"
+
+
+def think_tag_ids(tokenizer) -> "tuple[int, int] | None":
+    """(<think>, </think>) as the tokenizer's own tokens, or None where either is spelled in
+    several (then the tags cannot be told from text the answer may hold: no `think`)."""
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (THINK_START, THINK_END)]
+    return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
 PARAM = "structured_outputs"
 # Bounds the work a request can ask of the router and of each engine step.
 MAX_SPEC_CHARS = 100_000

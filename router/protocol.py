@@ -398,10 +398,14 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
     if getattr(tokenizer, "reasoning_format", None):  # its thinking is split from its answer
         thinking = opens_in_prompt(text)
         if "structured_outputs" in params and not text.rstrip().endswith(THINK_CLOSE):
-            # A grammar holds the answer after the thinking (from the first token where the
-            # prompt closed an empty block: Qwen3 with enable_thinking false answers at once).
-            params["structured_outputs"] = {**params["structured_outputs"],
-                                            structured.THINK: "open" if thinking else "optional"}
+            if structured.think_tag_ids(tokenizer) is not None:
+                # A grammar holds the answer after the thinking (from the first token where
+                # the prompt closed an empty block: Qwen3 without thinking answers at once).
+                params["structured_outputs"] = {
+                    **params["structured_outputs"],
+                    structured.THINK: "open" if thinking else "optional"}
+            else:  # tags spelled in several tokens: the grammar holds all of it, unsplit
+                thinking = None
     sampling = _check_sampling(params, {"max_tokens": param, "logprobs": "top_logprobs"})
     _check_length(prompt, max_tokens, max_model_len, "messages")
     return PreparedRequest("chat", model_name, [prompt], _choices([prompt], body.n, sampling),

@@ -31,6 +31,7 @@ class _Choice:
     started: bool = False  # a stream event went out for it (chat: the role; completions: echo)
     calls: Optional[CallStream] = None  # chat with tools: what of the output is content
     call_id: str = ""  # a named tool_choice's one call
+    call_sent: bool = False  # its first delta (id and name) went out
     think: Optional[ThinkStream] = None  # a reasoning model's: its thinking split out
     content_sent: int = 0  # with `think`: characters of the content streamed
 
@@ -190,8 +191,11 @@ class ResponseBuilder:
         cannot be a call's start, and the calls whole at the end. `content`: all of it so far,
         `text`: what this chunk adds."""
         if self.tools.mode == "named":
-            if first:
-                delta["tool_calls"] = [{"index": 0, **self._named_call(choice, text)}]
+            if not choice.call_sent:
+                # At once, or for a reasoning model once its answer (the arguments) begins.
+                if choice.think is None or text or choice.finish_reason is not None:
+                    delta["tool_calls"] = [{"index": 0, **self._named_call(choice, text)}]
+                    choice.call_sent = True
             elif text:
                 delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
             return

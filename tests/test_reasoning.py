@@ -128,27 +128,36 @@ def test_over_http(llama_dir, tmp_path, template, in_prompt):
         assert "".join(d.get(key) or "" for d in deltas) == want
 
 
-@pytest.mark.parametrize("template, kwargs, think", [
-    (R1_TEMPLATE, {}, "open"),  # the prompt opened the block
-    (QWEN3_TEMPLATE, {}, "optional"),  # the model may open one
-    (QWEN3_TEMPLATE, {"enable_thinking": False}, None),  # the prompt closed an empty one
+@pytest.mark.parametrize("template, kwargs, think, tags", [
+    (R1_TEMPLATE, {}, "open", True),  # the prompt opened the block
+    (QWEN3_TEMPLATE, {}, "optional", True),  # the model may open one
+    (QWEN3_TEMPLATE, {"enable_thinking": False}, None, True),  # the prompt closed an empty one
+    (R1_TEMPLATE, {}, None, False),  # tags spelled in several tokens: the grammar holds all
 ])
 def test_a_structured_output_holds_the_answer_after_the_thinking(llama_dir, tmp_path, template,
-                                                                 kwargs, think):
+                                                                 kwargs, think, tags):
     """With a reasoning model the grammar starts after the think block (as vLLM starts it),
-    and the thinking is split out as without one."""
+    and the thinking is split out as without one, where the tags are tokens of their own."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
     from router.protocol import prepare_chat
 
     model = tmp_path / "model"
     shutil.copytree(llama_dir, model)
     (model / "chat_template.jinja").write_text(template)
+    if tags:  # as Qwen3's and DeepSeek-R1's tokenizers have them
+        hf = HFTokenizer.from_file(str(model / "tokenizer.json"))
+        hf.add_tokens([AddedToken(t, special=False, normalized=False)
+                       for t in ("<think>", "</think>")])
+        hf.save(str(model / "tokenizer.json"))
     tokenizer = Tokenizer(str(model))
     body = {"messages": [{"role": "user", "content": "2 + 2?"}], "guided_choice": ["4", "5"],
             "chat_template_kwargs": kwargs}
     prepared = prepare_chat(body, tokenizer, "m", 512)
     spec = prepared.choices[0].params.structured_outputs
     assert spec.get("think") == think and spec["choice"] == ["4", "5"]
-    assert prepared.reasoning == (think == "open")
+    assert prepared.reasoning == ((think == "open") if tags else None)
     body["structured_outputs"] = {"choice": ["4"], "think": "open"}
     del body["guided_choice"]
     with pytest.raises(InvalidRequest) as refused:  # the router's own field

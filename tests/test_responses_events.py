@@ -178,3 +178,18 @@ def test_a_stream_with_no_chunk_still_opens_and_a_failure_keeps_the_items(tokeni
     output = failed[-1]["response"]["output"]
     assert failed[-1]["response"]["status"] == "failed"
     assert output[0]["content"][0]["text"] == "so far"
+
+
+@pytest.mark.parametrize("pieces", [1, 4])
+def test_a_named_call_after_the_thinking(tokenizer, pieces):
+    """A reasoning model under a named tool choice: its call starts when its answer does (not
+    in the first chunk, while it thinks), so the reasoning item comes first and the call's
+    arguments are the answer."""
+    args = '{"tz": "UTC"}'
+    events, body = _run(tokenizer, "<think>hm, let me see</think>" + args, pieces,
+                        tools=ToolPlan("named", name="get_time"), reasoning=False)
+    final = _accumulated(events)._completed_response
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
+    assert final.output[1].arguments == args and final.output[0].content[0].text == \
+        "hm, let me see"
+    assert _shape(final.output) == _shape(body["output"])

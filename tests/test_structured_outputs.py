@@ -327,4 +327,10 @@ def test_a_reasoning_model_answers_under_the_grammar_after_its_end_tag(llama_dir
     assert alone.token_ids[0] == end and alone.finish_reason == "stop"
     assert alone.text.split("</think>", 1)[1] in ("yes", "no")
     assert batched.token_ids == alone.token_ids
+    # EOS while thinking does not end a request under ignore_eos (only a complete grammar's).
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    ignored = llm.generate(["Is it?"], SamplingParams(
+        max_tokens=6, temperature=0.0, structured_outputs=spec, ignore_eos=True,
+        logit_bias={eos: 100.0}))[0]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 6
     shutil.rmtree(model)

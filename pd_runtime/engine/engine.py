@@ -352,8 +352,9 @@ class LLMEngine:
         params = req.params
         reason = None
         # Under a grammar, EOS is only ever allowed where the grammar is complete: it ends the
-        # request even under ignore_eos.
-        if token in req.eos_token_ids and (not params.ignore_eos or req.grammar is not None):
+        # request even under ignore_eos (not while a reasoning model's thinking is left free).
+        if token in req.eos_token_ids and (not params.ignore_eos or (
+                req.grammar is not None and not req.grammar.end_ids)):
             reason = FinishReason.STOP
         elif token in params.stop_token_ids:
             reason = FinishReason.STOP

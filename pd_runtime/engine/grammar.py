@@ -5,7 +5,9 @@ A matcher's state is a function of the request's output tokens alone: it consume
 tokens the request has that it has not seen yet, just before the next mask is computed (a
 prefill worker's first token, a lost worker's resumed tokens and this engine's own samples
 alike), so every path computes the same masks and so samples the same tokens. Once the grammar
-is complete only EOS is allowed, and that EOS ends the request (under ignore_eos too).
+is complete only EOS is allowed, and that EOS ends the request (under ignore_eos too). A
+reasoning model's row (the spec's `think`) is left free until its think block's end tag, found
+by token id in its output; the matcher takes what follows.
 Speculative decoding proposes no drafts for such a request (engine.py).
 """
 
@@ -60,10 +62,12 @@ class GrammarMasks:
         think = spec.get(structured.THINK)
         if think is None:
             return GrammarState(matcher)
-        encode = functools.partial(self._tokenizer.encode, add_special_tokens=False)
-        return GrammarState(matcher, end_ids=tuple(encode(structured.THINK_END)),
-                            open_id=encode(structured.THINK_START)[0]
-                            if think == "optional" else None)
+        tags = structured.think_tag_ids(self._tokenizer)
+        if tags is None:
+            raise InvalidRequestError("structured_outputs.think needs <think> and </think> to "
+                                      "be tokens of this model's own", param="structured_outputs")
+        return GrammarState(matcher, end_ids=(tags[1],),
+                            open_id=tags[0] if think == "optional" else None)
 
     def _tokenizer_for_grammars(self):
         if self._ll_tokenizer is None:
