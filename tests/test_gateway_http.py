@@ -88,7 +88,9 @@ def test_streamed_retries_follow_the_one_run_with_the_openai_client(server):
         return await asyncio.gather(*(asyncio.to_thread(stream) for _ in range(8)))
 
     streams = asyncio.run(together())
-    assert all(s == streams[0] for s in streams) and len(streams[0]) >= 4
+    # Tokens a slow reader has not taken yet share an event (a loaded box sent 16 tokens in 3):
+    # the same events for every retry, with the run's text in them.
+    assert all(s == streams[0] for s in streams) and "".join(t for _, t in streams[0])
     assert backend.served["requests"] - served_before == 1
 
 
