@@ -215,7 +215,7 @@ def _finish(recorder: RunRecorder, live: LiveRun, state: str, error: Optional[st
             builder) -> None:
     """The run's end recorded, with a stored response's conversation."""
     usage = builder.usage()
-    if state == "completed" and getattr(builder, "stores", False):
+    if state == "completed" and builder.stores:
         live.conversation = json.dumps(builder.conversation()).encode()
     recorder.finish(live, state, error=error, prompt_tokens=usage["prompt_tokens"],
                     cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
@@ -421,7 +421,8 @@ def _raise_for_error(chunk: dict) -> None:
 
 # ---------------------------------------------------------------------------------- plumbing
 def _name_request(request: Request, prefix: str) -> str:
-    """The response id ("cmpl-<hex>", "resp_<hex>"); it replaces the generic id in X-Request-Id and logs."""
+    """The response id ("cmpl-<hex>", "resp_<hex>"); it replaces the generic id in X-Request-Id
+    and logs."""
     state = request.scope.setdefault("state", {})
     state["request_id"] = f"{prefix}{state.get('request_hex') or uuid.uuid4().hex}"
     return state["request_id"]

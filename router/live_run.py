@@ -82,7 +82,7 @@ def end_as_cut(live: LiveRun, reason: BackendError, emit: Callable[[object], obj
         return
     from router.responses_events import failed_events  # the Responses API's stream
 
-    created = _event_data(live.events[0])
+    created = event_data(live.events[0])
     response = created.get("response") if isinstance(created, dict) else None
     for payload in failed_events(len(live.events), response or {"id": live.id}, reason):
         emit(payload)
@@ -95,7 +95,7 @@ def stream_closed(live: LiveRun) -> bool:
         return False
     if not _typed(live):
         return live.events[-1].endswith(b"data: [DONE]\n\n")
-    last = _event_data(live.events[-1])
+    last = event_data(live.events[-1])
     return isinstance(last, dict) and last.get("type") in (
         "response.completed", "response.incomplete", "response.failed")
 
@@ -109,7 +109,8 @@ def is_response_id(run_id: str) -> bool:
     return run_id.startswith("resp_")
 
 
-def _event_data(event: bytes):
+def event_data(event: bytes):
+    """An SSE event's data, as JSON (None for [DONE] or anything else)."""
     for line in event.split(b"\n"):
         if line.startswith(b"data: "):
             try:

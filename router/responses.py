@@ -37,6 +37,8 @@ class _Choice:
 
 
 class ResponseBuilder:
+    stores = False  # a chat or completion run keeps no conversation (a Responses one may)
+
     def __init__(self, prepared: PreparedRequest, response_id: str, tokenizer):
         self.prepared = prepared
         self.id = response_id

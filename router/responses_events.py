@@ -17,7 +17,7 @@ import time
 from typing import Any, Optional
 
 from router.backend import BackendError
-from router.live_run import split_events
+from router.live_run import event_data, split_events
 from router.protocol import PreparedRequest
 from router.reasoning import CLOSE, content_start
 from router.reasoning import split as split_thinking
@@ -288,7 +288,7 @@ def stored_body(output: tuple[str, bytes]) -> Optional[dict]:
     if kind == "json":
         return json.loads(data)
     for event in reversed(split_events(data)):
-        payload = json.loads(event.split(b"data: ", 1)[1])
+        payload = event_data(event)
         if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
             return payload["response"]
     return None

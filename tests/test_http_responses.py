@@ -192,7 +192,8 @@ def test_a_response_not_stored_cannot_be_continued(client):  # noqa: F811
         client.responses.retrieve("resp_nothing")
 
 
-def test_a_large_body_is_prepared_by_the_parser_process_with_its_history(server, client):  # noqa: F811,E501
+def test_a_large_body_is_prepared_by_the_parser_process_with_its_history(  # noqa: F811
+        server, client):  # noqa: F811
     """Past the inline limit the parser process prepares the body; a previous_response_id
     found there comes back for its conversation, and the answer is the small body's."""
     from router.intake import INLINE_MAX_BYTES
