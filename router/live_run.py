@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from router.backend import BackendError
 from router.streaming import sse
@@ -52,10 +52,13 @@ class LiveRun:
             self._changed.set()
             self._changed = None
 
-    async def changed(self) -> None:
+    def changed(self) -> Awaitable[bool]:
+        """What to await for the run's next change. The event is made here, when called, not
+        when the awaitable first runs: asyncio.wait_for runs it as a task a loop turn later,
+        and a notify() in between would find nothing to set (and the waiter wait in vain)."""
         if self._changed is None:
             self._changed = asyncio.Event()
-        await self._changed.wait()
+        return self._changed.wait()
 
     def event_id(self, seq: int) -> str:
         return f"{self.id}:{seq}"

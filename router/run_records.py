@@ -387,7 +387,8 @@ class RunRecorder:
                 try:  # its end is being recorded
                     await asyncio.wait_for(live.changed(), max(0.0, deadline - loop.time()))
                 except TimeoutError:
-                    return None
+                    if not live.done:
+                        return None
                 continue
             record = await asyncio.to_thread(self.runs.get, run_id, tenant)
             if record is not None and not TRANSITIONS.get(record["state"]):

@@ -217,3 +217,23 @@ def test_a_follower_on_another_replica_gets_the_whole_stream(llama_dir, tmp_path
         assert _events(followed)[-1]["type"] == "response.incomplete"
         again = httpx.get(f"http://127.0.0.1:{b}/v1/runs/{run_id}/events", timeout=60).text
         assert _events(again) == _events(got["a"])
+
+
+def test_a_run_ending_before_its_waiter_starts_still_wakes_it():
+    """GET /v1/responses/{id} right after a stream's last event waits for the run's end with
+    asyncio.wait_for, which starts the wait a loop turn later (Python 3.11): an end notified
+    in between must still wake it (it was lost: a 404 after 2 s, 1 in 60 in CI)."""
+    import asyncio
+
+    from router.live_run import LiveRun
+
+    async def main() -> float:
+        live = LiveRun("resp_x", "t", True)
+        start = asyncio.get_running_loop().time()
+        waiting = asyncio.ensure_future(asyncio.wait_for(live.changed(), 5.0))
+        live.done = True
+        live.notify()  # before the waiter's task has run at all
+        await asyncio.wait_for(waiting, 2.0)
+        return asyncio.get_running_loop().time() - start
+
+    assert asyncio.run(main()) < 1.0
