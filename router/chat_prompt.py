@@ -1,7 +1,8 @@
 """A chat request's messages into the prompt text, through the model's chat template, with the
 options vLLM's chat API takes: `add_generation_prompt` (default true), `continue_final_message`
 (the prompt ends inside the last message, for the model to go on with it) and
-`chat_template_kwargs` (the template's own variables, such as Qwen3's `enable_thinking`).
+`chat_template_kwargs` (the template's own variables, such as Qwen3's `enable_thinking`), and
+OpenAI's `reasoning_effort` on a reasoning model.
 
 A message's text parts are joined with newlines, as vLLM joins them for text-only templates.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pd_runtime.api import InvalidRequestError
-from pd_runtime.chat_template import ChatTemplateError
+from pd_runtime.chat_template import ChatTemplateError, reasoning_format
 from router.schema import ChatCompletionRequest, ChatMessage, InvalidRequest
 from router.tools import template_messages
 
@@ -49,6 +50,7 @@ def chat_text(body: ChatCompletionRequest, tokenizer, tools: Optional[list] = No
     if body.continue_final_message and body.add_generation_prompt:
         raise InvalidRequest("continue_final_message needs add_generation_prompt: false",
                              param="continue_final_message")
+    _effort_variables(body.reasoning_effort, variables, tokenizer.chat_template or "")
     dicts = template_messages([_message_dict(m, i) for i, m in enumerate(body.messages)],
                               body.messages)
     if tools is not None:
@@ -62,3 +64,39 @@ def chat_text(body: ChatCompletionRequest, tokenizer, tools: Optional[list] = No
     except Exception as exc:  # the template is user-influenced code: any failure is a bad request
         raise InvalidRequest(f"the chat template failed on these messages: {exc}",
                              param="messages") from None
+
+
+# OpenAI's reasoning efforts, least first.
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _effort_variables(effort, variables: dict, template: str) -> None:
+    """`reasoning_effort` as the template's variables: given to it under that name (a template
+    that reads it acts on it), and "none" as `enable_thinking: false` where the template has
+    that switch (Qwen3); elsewhere a level changes nothing (the model thinks as it does), as
+    under vLLM. A model whose template neither thinks nor reads an effort refuses it (as
+    OpenAI's non-reasoning models do), and so does one that cannot stop thinking for "none"."""
+    if effort is None:
+        return
+    if effort not in EFFORTS:
+        raise InvalidRequest(f"reasoning_effort must be one of {', '.join(EFFORTS)} (got "
+                             f"{effort!r})", param="reasoning_effort")
+    reads_effort = "reasoning_effort" in template
+    if not reads_effort and reasoning_format(template) is None:
+        raise InvalidRequest("reasoning_effort is not supported with this model (its chat "
+                             "template has no thinking)", param="reasoning_effort",
+                             code="unsupported_parameter")
+    if variables.setdefault("reasoning_effort", effort) != effort:
+        raise InvalidRequest(f"reasoning_effort {effort!r} and chat_template_kwargs."
+                             f"reasoning_effort {variables['reasoning_effort']!r} differ",
+                             param="reasoning_effort")
+    if effort != "none" or reads_effort:
+        return
+    if "enable_thinking" not in template:
+        raise InvalidRequest("reasoning_effort 'none' is not supported with this model (its "
+                             "chat template has no switch to turn its thinking off)",
+                             param="reasoning_effort", code="unsupported_parameter")
+    if variables.setdefault("enable_thinking", False) is not False:
+        raise InvalidRequest("reasoning_effort 'none' and chat_template_kwargs."
+                             "enable_thinking true contradict each other",
+                             param="reasoning_effort")

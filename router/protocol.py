@@ -110,8 +110,9 @@ def _int64(value: Optional[int], param: str) -> None:
         raise InvalidRequest(f"{param} must fit in a signed 64-bit integer", param=param)
 
 
-# What chat completions implement of _OFF_VALUES (router/tools.py); completions refuse them.
-_CHAT_ONLY = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+# What chat completions implement of _OFF_VALUES (router/tools.py, router/chat_prompt.py);
+# completions refuse them.
+_CHAT_ONLY = frozenset({"tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"})
 
 
 def _refuse_unimplemented(body: SamplingBody, data: dict, chat: bool = False) -> None:

@@ -4,7 +4,7 @@ path validates, renders and runs; router/responses_events.py turns the chat outp
 response object and its stream events.
 
 A field this server cannot honour is refused naming it (hosted tools, images and files,
-background mode, reasoning effort), as on the chat path; unknown fields are ignored. A chat
+background mode), as on the chat path; unknown fields are ignored. A chat
 error's `param` is given back under the Responses name (`max_tokens` -> `max_output_tokens`).
 """
 
@@ -45,10 +45,12 @@ _INCLUDE_LOGPROBS = "message.output_text.logprobs"
 _INCLUDE_REASONING = "reasoning.encrypted_content"
 # A chat error's words for the Responses ones.
 _RENAMES = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"),
-            ("messages", "input"))
+            ("messages", "input"), ("reasoning_effort", "reasoning.effort"))
 # A chat error's param -> the Responses field it came from.
 _PARAMS = {"max_tokens": "max_output_tokens", "messages": "input",
-           "response_format": "text.format", "logprobs": "include"}
+           "response_format": "text.format", "logprobs": "include",
+           "reasoning_effort": "reasoning.effort"}
+_SUMMARIES = ("auto", "concise", "detailed")
 
 
 @dataclass
@@ -92,7 +94,7 @@ def prepare_responses(data: dict, tokenizer, model_name: str, max_model_len: int
         exc.param = responses_param(exc.param)
         exc.message = re.sub(r"tools\[(\d+)\]\.function\.", r"tools[\1].", exc.message)
         for old, new in _RENAMES:
-            exc.message = re.sub(rf"\b{old}\b", new, exc.message)
+            exc.message = re.sub(rf"(?<![.\w]){old}\b", new, exc.message)
         raise
     prepared.responses = request
     return prepared
@@ -137,7 +139,9 @@ def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, Respons
         if data.get("top_logprobs"):
             raise InvalidRequest(f"top_logprobs needs include: [\"{_INCLUDE_LOGPROBS}\"]",
                                  param="top_logprobs")
-    _reasoning(data.get("reasoning"))
+    reasoning = _reasoning(data.get("reasoning"))
+    if reasoning["effort"] is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
     store = data.get("store", True)
     if not isinstance(store, bool) and store is not None:
         raise InvalidRequest("store must be a boolean", param="store")
@@ -149,7 +153,7 @@ def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, Respons
             "metadata": _metadata(data.get("metadata")),
             "parallel_tool_calls": data.get("parallel_tool_calls") is not False,
             "previous_response_id": data.get("previous_response_id"),
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": reasoning,
             "text": text,
             "tool_choice": data.get("tool_choice") or ("auto" if tools else "none"),
             "tools": data.get("tools") or [],
@@ -300,16 +304,21 @@ def _text_format(text: Any) -> tuple[Optional[dict], dict]:
                          f"{kind!r})", param="text.format.type")
 
 
-def _reasoning(reasoning: Any) -> None:
+def _reasoning(reasoning: Any) -> dict:
+    """`reasoning` as the response echoes it. Its effort is the chat path's reasoning_effort
+    (router/chat_prompt.py); a summary is accepted and none is made: the reasoning item
+    carries the whole thinking as its content, with an empty summary."""
     if reasoning is None:
-        return
+        return {"effort": None, "summary": None}
     if not isinstance(reasoning, dict):
         raise InvalidRequest("reasoning must be an object", param="reasoning")
-    for key in ("effort", "summary", "generate_summary"):
-        if reasoning.get(key) is not None:
-            raise InvalidRequest(f"reasoning.{key} is not supported by this server (a "
-                                 f"reasoning model's thinking comes back as a reasoning item)",
-                                 param=f"reasoning.{key}", code="unsupported_parameter")
+    summary = reasoning.get("summary")
+    for key in ("summary", "generate_summary"):  # the second: its former name
+        if reasoning.get(key) not in (None,) + _SUMMARIES:
+            raise InvalidRequest(f"reasoning.{key} must be one of {', '.join(_SUMMARIES)}",
+                                 param=f"reasoning.{key}")
+        summary = summary or reasoning.get(key)
+    return {"effort": reasoning.get("effort"), "summary": summary}
 
 
 def _include(include: Any) -> bool:

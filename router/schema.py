@@ -92,6 +92,7 @@ class ChatCompletionRequest(SamplingBody):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     echo: Optional[bool] = None  # vLLM's chat echo: refused when true
+    reasoning_effort: Optional[Any] = None  # a reasoning model's: router/chat_prompt.py
 
 
 @dataclass

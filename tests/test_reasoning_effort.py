@@ -1,0 +1,121 @@
+"""OpenAI's `reasoning_effort` (chat) and `reasoning.effort` / `.summary` (Responses) on open
+models (router/chat_prompt.py): the template's `reasoning_effort` variable, "none" as Qwen3's
+`enable_thinking: false`, and a 400 naming the field where the model cannot honour it (no
+thinking at all, or no switch to turn it off)."""
+
+from __future__ import annotations
+
+import shutil
+
+import openai
+import pytest
+
+from pd_runtime.tokenizer import Tokenizer
+from router.protocol import prepare_chat, prepare_completion
+from router.schema import InvalidRequest
+from tests.router_support.serving import local
+from tests.test_reasoning import QWEN3_TEMPLATE, R1_TEMPLATE
+
+EFFORT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+                   "{% if add_generation_prompt %}<|assistant|>Reasoning: "
+                   "{{ reasoning_effort | default('medium') }}\n{% endif %}")
+MESSAGES = [{"role": "user", "content": "2 + 2?"}]
+
+
+def _tokenizer(llama_dir, tmp_path, template=None) -> Tokenizer:
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    if template is not None:
+        (model / "chat_template.jinja").write_text(template)
+    return Tokenizer(str(model))
+
+
+def _prompt(tokenizer, **fields) -> list[int]:
+    return prepare_chat({"messages": MESSAGES, **fields}, tokenizer, "m", 512).prompts[0]
+
+
+def _refused(tokenizer, **fields) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as refused:
+        _prompt(tokenizer, **fields)
+    return refused.value
+
+
+def test_none_turns_qwen3_thinking_off_and_a_level_changes_nothing(llama_dir, tmp_path):
+    tokenizer = _tokenizer(llama_dir, tmp_path, QWEN3_TEMPLATE)
+    off = _prompt(tokenizer, chat_template_kwargs={"enable_thinking": False})
+    assert _prompt(tokenizer, reasoning_effort="none") == off
+    prepared = prepare_chat({"messages": MESSAGES, "reasoning_effort": "none"}, tokenizer, "m",
+                            512)
+    assert prepared.reasoning is False  # the prompt closed an empty block: all answer
+    for effort in ("minimal", "low", "medium", "high", "xhigh"):
+        assert _prompt(tokenizer, reasoning_effort=effort) == _prompt(tokenizer)
+    clash = _refused(tokenizer, reasoning_effort="none",
+                     chat_template_kwargs={"enable_thinking": True})
+    assert clash.param == "reasoning_effort"
+    assert _refused(tokenizer, reasoning_effort="max").param == "reasoning_effort"
+
+
+def test_a_template_that_reads_the_effort_gets_it(llama_dir, tmp_path):
+    tokenizer = _tokenizer(llama_dir, tmp_path, EFFORT_TEMPLATE)
+    for effort in ("low", "high", "none"):
+        text = tokenizer.decode(_prompt(tokenizer, reasoning_effort=effort))
+        assert text.endswith(f"Reasoning: {effort}\n")
+    clash = _refused(tokenizer, reasoning_effort="low",
+                     chat_template_kwargs={"reasoning_effort": "high"})
+    assert clash.param == "reasoning_effort"
+
+
+def test_a_model_that_cannot_honour_it_refuses_it(llama_dir, tmp_path):
+    plain = Tokenizer(llama_dir)  # the test model's template has no thinking
+    refused = _refused(plain, reasoning_effort="low")
+    assert refused.param == "reasoning_effort" and refused.code == "unsupported_parameter"
+    always = _tokenizer(llama_dir, tmp_path, R1_TEMPLATE)  # thinks, with no switch
+    assert _prompt(always, reasoning_effort="high") == _prompt(always)
+    refused = _refused(always, reasoning_effort="none")
+    assert refused.param == "reasoning_effort" and "turn its thinking off" in refused.message
+    with pytest.raises(InvalidRequest) as completion:  # a chat field only
+        prepare_completion({"prompt": "hi", "reasoning_effort": "low"}, plain, "m", 512)
+    assert completion.value.param == "reasoning_effort"
+
+
+def test_the_official_client_sends_it_on_both_endpoints(llama_dir, tmp_path):
+    """Chat's reasoning_effort and Responses' reasoning (with a summary asked for, which is
+    echoed, none being made) over HTTP: "none" answers as enable_thinking false does."""
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    (model / "chat_template.jinja").write_text(QWEN3_TEMPLATE)
+    sampling = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    with local(str(model)) as (backend, port):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0)
+        name = backend.model_name
+        off = client.chat.completions.create(
+            model=name, messages=MESSAGES, max_tokens=8, temperature=0.0,
+            extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
+        chat = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=8,
+                                              reasoning_effort="none", **sampling)
+        assert chat.choices[0].message.content == off.choices[0].message.content
+        response = client.responses.create(model=name, input=MESSAGES[0]["content"],
+                                           max_output_tokens=8,
+                                           reasoning={"effort": "none", "summary": "auto"},
+                                           **sampling)
+        assert response.output_text == off.choices[0].message.content
+        assert response.reasoning.effort == "none" and response.reasoning.summary == "auto"
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=name, input="hi", reasoning={"effort": "max"})
+        assert refused.value.body["param"] == "reasoning.effort"
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=name, input="hi", reasoning={"summary": "long"})
+        assert refused.value.body["param"] == "reasoning.summary"
+
+
+def test_a_model_without_thinking_refuses_it_by_the_responses_name(llama_dir):
+    with local(llama_dir) as (backend, port):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=backend.model_name, input="hi",
+                                    reasoning={"effort": "low"})
+        assert refused.value.body["param"] == "reasoning.effort"
+        assert "reasoning.effort is not supported with this model" in \
+            refused.value.body["message"]
