@@ -4,7 +4,8 @@ options vLLM's chat API takes: `add_generation_prompt` (default true), `continue
 `chat_template_kwargs` (the template's own variables, such as Qwen3's `enable_thinking`), and
 OpenAI's `reasoning_effort` on a reasoning model.
 
-A message's text parts are joined with newlines, as vLLM joins them for text-only templates.
+A message's text parts are joined with newlines, as vLLM joins them for text-only templates; an
+assistant message's earlier thinking goes to the template too.
 """
 
 from __future__ import annotations
@@ -34,7 +35,26 @@ def _message_dict(message: ChatMessage, index: int) -> dict:
     out = {"role": message.role, "content": content or ""}
     if message.name is not None:
         out["name"] = message.name
+    if message.role == "assistant" and message.model_extra:
+        thinking = _thinking(message.model_extra, index)
+        if thinking is not None:  # under both names: templates read one or the other
+            out["reasoning_content"] = out["reasoning"] = thinking
     return out
+
+
+def _thinking(extra: dict, index: int) -> Optional[str]:
+    """An assistant message's earlier thinking, as a client sends it back: `reasoning` (what
+    this server returns) or `reasoning_content` (DeepSeek's name). Qwen3's template writes it
+    back into the turns after the last user message (a tool loop), as the model wrote them."""
+    given = {k: extra[k] for k in ("reasoning", "reasoning_content") if extra.get(k) is not None}
+    for name, value in given.items():
+        if not isinstance(value, str):
+            raise InvalidRequest(f"messages[{index}].{name} must be a string",
+                                 param=f"messages[{index}].{name}")
+    if len(set(given.values())) > 1:
+        raise InvalidRequest(f"messages[{index}]: reasoning and reasoning_content differ",
+                             param=f"messages[{index}].reasoning")
+    return next(iter(given.values()), None)
 
 
 def chat_text(body: ChatCompletionRequest, tokenizer, tools: Optional[list] = None) -> str:

@@ -181,30 +181,52 @@ def _input_messages(items: Any) -> list[dict]:
         raise InvalidRequest("input must be a string or a non-empty list of items",
                              param="input")
     messages: list[dict] = []
+    thinking = None  # a reasoning item's text, for the assistant turn it comes before
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise InvalidRequest(f"input[{i}] must be an object", param=f"input[{i}]")
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(_message(item, i))
+            if messages[-1]["role"] == "assistant" and thinking is not None:
+                messages[-1]["reasoning"] = thinking
+            thinking = None
         elif kind == "function_call":
             call = _history_call(item, i)
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and thinking is None:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if thinking is not None:
+                    messages[-1]["reasoning"] = thinking
+            thinking = None
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
                              "content": _text(item.get("output"), f"input[{i}].output")})
+            thinking = None
         elif kind == "reasoning":
-            continue  # earlier thinking: templates drop it from past turns (documented)
+            thinking = _reasoning_text(item, i)
         else:
             raise InvalidRequest(f"input[{i}]: items of type {kind!r} are not supported by "
                                  f"this server (message, function_call, function_call_output, "
                                  f"reasoning)", param=f"input[{i}].type",
                                  code="unsupported_parameter")
     return messages
+
+
+def _reasoning_text(item: dict, i: int) -> Optional[str]:
+    """A reasoning item's thinking (its `reasoning_text` parts; a summary is not the thinking),
+    which the next assistant turn carries to the template as chat's `reasoning` does."""
+    parts = item.get("content")
+    if parts is None:
+        return None
+    if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and p.get("type") == "reasoning_text"
+            and isinstance(p.get("text"), str) for p in parts):
+        raise InvalidRequest(f"input[{i}].content must be a list of reasoning_text parts",
+                             param=f"input[{i}].content")
+    return "\n".join(p["text"] for p in parts) if parts else None
 
 
 def _message(item: dict, i: int) -> dict:

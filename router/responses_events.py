@@ -235,11 +235,14 @@ class ResponsesBuilder:
 
     def conversation(self) -> list[dict]:
         """The chat messages a later request's previous_response_id continues: this one's
-        (earlier ones' included, instructions not), then its answer (thinking left out)."""
+        (earlier ones' included, instructions not), then its answer with its thinking (which
+        the template writes back, or not, as for chat's `reasoning`)."""
         answer: dict = {"role": "assistant", "content": None}
         for item in self.items:  # as the client got them: its call ids
             if item["type"] == "message":
                 answer["content"] = item["content"][0]["text"]
+            elif item["type"] == "reasoning":
+                answer["reasoning"] = item["content"][0]["text"]
             elif item["type"] == "function_call":
                 answer.setdefault("tool_calls", []).append({
                     "id": item["call_id"], "type": "function",
