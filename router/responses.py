@@ -15,7 +15,7 @@ from typing import Any, Optional
 from router.protocol import PreparedRequest
 from router.reasoning import ThinkStream
 from router.reasoning import split as split_thinking
-from router.tools import CallStream, new_call, read_calls
+from router.tool_calls import CallReader, call_id, read_calls
 
 
 @dataclass
@@ -29,7 +29,7 @@ class _Choice:
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[list] = None  # echo with logprobs: per prompt position
     started: bool = False  # a stream event went out for it (chat: the role; completions: echo)
-    calls: Optional[CallStream] = None  # chat with tools: what of the output is content
+    calls: Optional[CallReader] = None  # chat with tools: its content and calls, read
     call_id: str = ""  # a named tool_choice's one call
     call_sent: bool = False  # its first delta (id and name) went out
     think: Optional[ThinkStream] = None  # a reasoning model's: its thinking split out
@@ -47,9 +47,9 @@ class ResponseBuilder:
         self.tools = prepared.tools
         for choice in self.choices if self.tools is not None else ():
             if self.tools.mode == "named":
-                choice.call_id = new_call(self.tools.name, "", self.tools.short_ids)["id"]
+                choice.call_id = call_id(self.tools.short_ids)
             else:
-                choice.calls = CallStream(self.tools)
+                choice.calls = CallReader(self.tools)
         for choice in self.choices if prepared.reasoning is not None else ():
             choice.think = ThinkStream(prepared.reasoning)
         self._token_text = _token_texts(tokenizer)
@@ -190,8 +190,8 @@ class ResponseBuilder:
     def _tool_delta(self, choice: _Choice, delta: dict, content: str, text: str,
                     first: bool) -> None:
         """With tools: a named call's arguments as they come; otherwise the content that
-        cannot be a call's start, and the calls whole at the end. `content`: all of it so far,
-        `text`: what this chunk adds."""
+        cannot be a call's start, and each call as it is written (router/tool_calls.py).
+        `content`: all of it so far, `text`: what this chunk adds."""
         if self.tools.mode == "named":
             if not choice.call_sent:
                 # At once, or for a reasoning model once its answer (the arguments) begins.
@@ -201,14 +201,11 @@ class ResponseBuilder:
             elif text:
                 delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
             return
-        shown = choice.calls.feed(content)
-        if choice.finish_reason is not None:
-            rest, calls = choice.calls.finish(content)
-            shown += rest
-            if calls:
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-                if choice.finish_reason == "stop":
-                    choice.finish_reason = "tool_calls"
+        shown, calls = choice.calls.feed(content, choice.finish_reason is not None)
+        if calls:
+            delta["tool_calls"] = calls
+        if choice.finish_reason == "stop" and choice.calls.calls:
+            choice.finish_reason = "tool_calls"
         if shown or first:
             delta["content"] = shown
 

@@ -8,8 +8,9 @@ to it in the messages, and the answer's calls come out as `message.tool_calls`.
   "required"         the output is held to a JSON array of {"name", "parameters"} calls of
                      the given tools (at least one; one with parallel_tool_calls false)
   "auto"             the model decides, in the format its chat template teaches it, read back
-                     by that format's parser (TOOL_FORMATS: the one the template shows, or
-                     router.tool_call_parser); finish_reason "tool_calls" when it called
+                     by that format's reader (router/tool_calls.py: the one the template
+                     shows, or router.tool_call_parser); finish_reason "tool_calls" when it
+                     called
   "none"             plain text (the tools still go to the template, as vLLM passes them)
 The default is "auto" with tools, "none" without.
 """
@@ -18,14 +19,14 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from pd_runtime import structured
 from pd_runtime.api import InvalidRequestError
 from router.schema import InvalidRequest
-from router.text_checks import partial_tag_len, refuse_json_constant
+from router.text_checks import refuse_json_constant
+from router.tool_calls import FORMATS
 
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 MAX_TOOLS = 128
@@ -36,7 +37,7 @@ class ToolPlan:
     """What the response side needs: how to read the output into calls."""
     mode: str                   # "named", "required" or "auto"
     name: Optional[str] = None  # the named function
-    parser: Optional[str] = None  # auto: a TOOL_FORMATS key
+    parser: Optional[str] = None  # auto: a FORMATS key
     parallel: bool = True
     short_ids: bool = False     # the model's format takes 9-character call ids (mistral)
 
@@ -45,7 +46,7 @@ def prepare(data: dict, tool_format: Optional[str]
             ) -> tuple[Optional[list], Optional[dict], Optional[ToolPlan]]:
     """(the tools for the template, the structured-outputs spec, the plan) of a chat body;
     (None, None, None) without tools. `tool_format`: the model's tool-call format, a
-    TOOL_FORMATS key (Tokenizer.tool_call_format: its chat template's, or
+    FORMATS key (Tokenizer.tool_call_format: its chat template's, or
     router.tool_call_parser), or None."""
     tools, choice = data.get("tools"), data.get("tool_choice")
     parallel = data.get("parallel_tool_calls", True)
@@ -76,7 +77,7 @@ def prepare(data: dict, tool_format: Optional[str]
         return list(tools), _checked({"json": schema}), \
             ToolPlan("required", parallel=parallel is not False, short_ids=short)
     if choice == "auto":
-        parser = tool_format if tool_format in TOOL_FORMATS else None
+        parser = tool_format if tool_format in FORMATS else None
         if parser is None:
             raise InvalidRequest("tool_choice auto needs the model's tool-call format, and its "
                                  "chat template shows none (set router.tool_call_parser, or "
@@ -185,147 +186,6 @@ def _history_call(call: Any, i: int) -> dict:
             "function": {"name": fn["name"], "arguments": arguments}}
 
 
-# -- reading calls back -------------------------------------------------------------------------
-def new_call(name: Any, arguments: Any, short_id: bool = False) -> dict:
-    """A call as OpenAI returns it. `short_id`: 9 letters and digits, the only ids Mistral's
-    templates take back (theirs raise on any other)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError("a call's name must be a string")
-    text = arguments if isinstance(arguments, str) else \
-        json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-    ident = uuid.uuid4().hex[:9] if short_id else f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
-    return {"id": ident, "type": "function", "function": {"name": name, "arguments": text}}
-
-
 def _loads(text: str) -> Any:
     """JSON as a strict parser reads it: NaN and Infinity are not JSON values."""
     return json.loads(text, parse_constant=refuse_json_constant)
-
-
-def read_calls(plan: ToolPlan, text: str) -> tuple[Optional[str], list[dict]]:
-    """(content, calls) of a finished output; no calls (and the whole text as content) when it
-    holds none, or none that parse."""
-    if plan.mode == "named":
-        return None, [new_call(plan.name, text, plan.short_ids)]
-    if plan.mode == "required":
-        try:
-            calls = [new_call(c["name"], c["parameters"], plan.short_ids) for c in _loads(text)]
-        except (ValueError, TypeError, KeyError, RecursionError):
-            return text, []
-        return None, calls
-    content, calls = TOOL_FORMATS[plan.parser].parse(text)
-    if calls and not plan.parallel:
-        calls = calls[:1]
-    return content, calls
-
-
-class _Hermes:
-    """<tool_call>{"name": ..., "arguments": {...}}</tool_call>, repeated (Qwen2.5, Qwen3,
-    Hermes); text before the first one is content."""
-    marker = "<tool_call>"
-
-    def parse(self, text: str) -> tuple[Optional[str], list[dict]]:
-        at = text.find(self.marker)
-        if at < 0:
-            return text, []
-        calls = []
-        for body in re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text[at:], re.S):
-            try:
-                call = _loads(body)
-                calls.append(new_call(call["name"], call.get("arguments", {})))
-            except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-                return text, []
-        return text[:at] or None, calls
-
-
-class _Mistral:
-    """[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]"""
-    marker = "[TOOL_CALLS]"
-
-    def parse(self, text: str) -> tuple[Optional[str], list[dict]]:
-        at = text.find(self.marker)
-        if at < 0:
-            return text, []
-        try:
-            found = _loads(text[at + len(self.marker):].strip())
-            found = found if isinstance(found, list) else [found]
-            calls = [new_call(c["name"], c.get("arguments", {}), short_id=True) for c in found]
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-            return text, []
-        return text[:at] or None, calls
-
-
-class _Llama3Json:
-    """The whole output is {"name": ..., "parameters": {...}} (after an optional
-    <|python_tag|>), several joined by ';' (Llama 3.1-3.3 with JSON tool calling)."""
-    marker = None  # a call is the whole output, not something after content
-
-    def parse(self, text: str) -> tuple[Optional[str], list[dict]]:
-        body = text.strip()
-        if body.startswith("<|python_tag|>"):
-            body = body[len("<|python_tag|>"):].lstrip()
-        if not body.startswith("{"):
-            return text, []
-        decoder, calls, at = json.JSONDecoder(parse_constant=refuse_json_constant), [], 0
-        try:
-            while at < len(body):
-                call, at = decoder.raw_decode(body, at)
-                args = call.get("parameters", call.get("arguments"))
-                calls.append(new_call(call["name"], {} if args is None else args))
-                while at < len(body) and body[at] in "; \n\t":
-                    at += 1
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-            return text, []
-        return None, calls
-
-
-TOOL_FORMATS = {"hermes": _Hermes(), "mistral": _Mistral(), "llama3_json": _Llama3Json()}
-
-
-
-class CallStream:
-    """A streamed choice under "auto" or "required": the content it may show now, holding back
-    what could be (the start of) a call, which goes out whole when the output is finished."""
-
-    def __init__(self, plan: ToolPlan):
-        self.plan = plan
-        self.shown = 0        # characters of the output sent as content
-        self.calling = plan.mode == "required"  # everything from `shown` on is held
-        self.plain = False    # the output cannot hold a call: all of it is content
-
-    def feed(self, text: str) -> str:
-        """The output so far -> the content to send now."""
-        if self.plain:
-            return self._show(text, len(text))
-        if self.calling:
-            return ""
-        marker = TOOL_FORMATS[self.plan.parser].marker
-        if marker is None:  # a call is the whole output: hold while it may start one
-            body = text.lstrip()
-            tag = "<|python_tag|>"
-            if not body or (len(body) < len(tag) and tag.startswith(body)):
-                return ""  # undecided yet
-            if body.startswith("{") or body.startswith(tag):
-                self.calling = True
-                return ""
-            self.plain = True
-            return self._show(text, len(text))
-        at = text.find(marker, self.shown)
-        if at >= 0:
-            self.calling = True
-            return self._show(text, at)
-        return self._show(text, len(text) - partial_tag_len(text, marker))
-
-    def finish(self, text: str) -> tuple[str, list[dict]]:
-        """The finished output -> (the rest of the content to send, the calls)."""
-        if self.plain:
-            return text[self.shown:], []
-        content, calls = read_calls(self.plan, text)
-        if not calls:
-            return text[self.shown:], []
-        return (content or "")[self.shown:], calls
-
-    def _show(self, text: str, upto: int) -> str:
-        out = text[self.shown:upto] if upto > self.shown else ""
-        self.shown = max(self.shown, upto)
-        return out

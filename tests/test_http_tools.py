@@ -1,7 +1,8 @@
 """Tool calling over HTTP with the official `openai` client (router/tools.py), against the test
 model given a chat template in the Hermes tool format (tools in the system turn, calls as
 <tool_call> blocks): a named function, "required", "auto" read back by the template's format
-(the random model made to call through a regex), streamed or not; earlier calls and their
+(the random model made to call through a regex), streamed (each call's arguments as they are
+written: router/tool_calls.py) or not; earlier calls and their
 results rendered into the prompt; bad tools and choices 400s naming the field."""
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import jsonschema
 import openai
 import pytest
 
-from router.tools import CallStream, ToolPlan, read_calls
+from router.text_checks import refuse_json_constant
+from router.tool_calls import CallReader, read_calls
+from router.tools import ToolPlan
 from tests.router_support.serving import local
 
 TEMPLATE = """{%- if tools %}<|im_start|>system
@@ -81,11 +84,13 @@ def streamed(client, backend, **kw):
         delta = event.choices[0].delta
         content += delta.content or ""
         for part in delta.tool_calls or []:
-            call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+            call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": "",
+                                                 "pieces": 0})
             call["id"] = part.id or call["id"]
             if part.function is not None:
                 call["name"] += part.function.name or ""
                 call["arguments"] += part.function.arguments or ""
+                call["pieces"] += bool(part.function.arguments)
         finish = event.choices[0].finish_reason or finish
     return content, calls, finish
 
@@ -142,6 +147,7 @@ def test_auto_reads_the_templates_format(served):
     content, calls, finish = streamed(client, backend, extra_body={"guided_regex": CALLING})
     assert content == "Let me check. " and finish == "tool_calls"
     assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments
+    assert calls[0]["pieces"] > 3  # the arguments streamed as they were written
     plain = create(client, backend, extra_body={"guided_regex": "[a-z <]{5,20}"})
     assert plain.choices[0].message.tool_calls is None
     assert plain.choices[0].finish_reason == "stop" and plain.choices[0].message.content
@@ -220,8 +226,17 @@ def test_auto_needs_a_format_the_template_shows(llama_dir):
      '{"name": "g", "parameters": {}}', None, [("f", {"c": 2}), ("g", {})]),
     ("llama3_json", "{plain text in braces", "{plain text in braces", []),
     ("llama3_json", "  Plain text, no call at all.", "  Plain text, no call at all.", []),
-    ("llama3_json", '{"name": "f", "parameters": {"x": NaN}}',
-     '{"name": "f", "parameters": {"x": NaN}}', []),
+    # Arguments as written, once a call has begun (streamed before they are whole).
+    ("llama3_json", '{"name": "f", "parameters": {"x": NaN}}', None, [("f", '{"x": NaN}')]),
+    ("hermes", '<tool_call>{"arguments": {"z": "}"}, "name": "h"}</tool_call>', None,
+     [("h", {"z": "}"})]),
+    ("hermes", '<tool_call>{"name": "s", "arguments": "{\\"q\\": 1}"}</tool_call>', None,
+     [("s", {"q": 1})]),  # a JSON string: decoded
+    ("hermes", 'a <tool_call>{"name": "cut", "arguments": {"q": "ab', "a ",
+     [("cut", '{"q": "ab')]),  # cut short by max_tokens
+    ("hermes", '<tool_call>{"name": "n"}</tool_call>', None, [("n", {})]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call> then <tool_call>{bad',
+     None, [("f", {})]),  # after a call, a broken one is dropped
     ("hermes", '<tool_call>{"name": 7, "arguments": {}}</tool_call>',
      '<tool_call>{"name": 7, "arguments": {}}</tool_call>', []),
 ])
@@ -229,16 +244,43 @@ def test_formats_parse_what_their_models_write(parser, text, content, calls):
     plan = ToolPlan("auto", parser=parser)
     got_content, got = read_calls(plan, text)
     assert got_content == content
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
-    stream, shown = CallStream(plan), ""
+    assert [(c["function"]["name"], _arguments(c)) for c in got] == calls
+    reader, shown, streamed = CallReader(plan), "", {}
     for end in range(1, len(text) + 1):  # a character at a time
-        shown += stream.feed(text[:end])
+        more, deltas = reader.feed(text[:end], end == len(text))
+        shown += more
         assert "<tool_call>" not in shown and "[TOOL_CALLS]" not in shown or not calls
         if not calls and parser == "llama3_json" and not text.lstrip().startswith("{"):
             assert shown == text[:end] or not text[:end].strip()  # plain text streams on
-    rest, streamed_calls = stream.finish(text)
-    assert shown + rest == ((content or "") if calls else text)
-    assert [c["function"] for c in streamed_calls] == [c["function"] for c in got]
+        for delta in deltas:
+            if "id" in delta:  # a call's first delta: its id, type and name
+                assert delta["index"] == len(streamed) and delta["type"] == "function"
+                streamed[delta["index"]] = dict(delta["function"])
+            else:
+                streamed[delta["index"]]["arguments"] += delta["function"]["arguments"]
+    assert shown == ((content or "") if calls else text)
+    assert list(streamed.values()) == [c["function"] for c in got]
+
+
+def _arguments(call: dict):
+    """A call's arguments as JSON (strictly: no NaN), else as written."""
+    text = call["function"]["arguments"]
+    try:
+        return json.loads(text, parse_constant=refuse_json_constant)
+    except ValueError:
+        return text
+
+
+def test_arguments_stream_as_they_are_written():
+    """A long call's arguments go out in pieces as the output grows, not whole at its end."""
+    text = ('<tool_call>\n{"name": "write", "arguments": {"body": "' + "x" * 400 + '"}}\n'
+            '</tool_call>')
+    reader, pieces = CallReader(ToolPlan("auto", parser="hermes")), []
+    for end in range(8, len(text) + 8, 8):
+        for delta in reader.feed(text[:end], end >= len(text))[1]:
+            pieces.append(delta["function"]["arguments"])
+    assert len(pieces) > 40 and all(len(p) <= 8 for p in pieces[1:])
+    assert json.loads("".join(pieces)) == {"body": "x" * 400}
 
 
 def test_required_with_nested_models_and_mistral_ids(served):

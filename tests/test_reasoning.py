@@ -89,7 +89,9 @@ def test_tool_calls_are_read_from_the_answer_not_the_thinking(tokenizer):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
             for c in message["tool_calls"]] == [("g", {"x": 1})]
     streamed = [c for e in events for c in e["delta"].get("tool_calls") or []]
-    assert [c["function"]["name"] for c in streamed] == ["g"]
+    assert [c["function"].get("name") for c in streamed if "id" in c] == ["g"]
+    assert "".join(c["function"]["arguments"] for c in streamed) == \
+        message["tool_calls"][0]["function"]["arguments"]
     assert "".join(e["delta"].get("content") or "" for e in events) == "\nCalling. "
 
 

@@ -1,0 +1,331 @@
+"""A model's tool calls read out of its output as it is written (tool_choice "auto" and
+"required"; a named function's output is its arguments: router/responses.py). The content before
+the first call streams as it comes, a call goes out once its name is read and its arguments
+have begun, and its arguments as the model writes them. A finished output is read the same way
+(`read_calls`), so a streamed choice and a whole one have the same content and the same calls.
+
+The formats (FORMATS; the one a chat template teaches, or router.tool_call_parser):
+  hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call>, repeated (Qwen2.5,
+               Qwen3, Hermes); text before the first is content, text between them is dropped
+  mistral      [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
+  llama3_json  the whole output: {"name": ..., "parameters": {...}}, several joined by ';'
+               (after an optional <|python_tag|>; Llama 3.1-3.3)
+  required     the JSON array tool_choice "required" holds the output to
+Output that breaks its format before a call has begun is content after all (all of it, as
+written); after one has, what follows the last whole call is dropped. Arguments are given as
+the model wrote them: a call cut short (max_tokens) has them cut short too; a JSON string is
+given decoded (some models write the arguments as one), once whole.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+from router.text_checks import partial_tag_len
+
+_SPACE = " \t\r\n"
+_ARGUMENTS = ("arguments", "parameters")
+
+
+@dataclass(frozen=True)
+class _Format:
+    marker: Optional[str]  # what the calls begin with (None: they begin the output)
+    opener: Optional[str] = None  # what each call begins with (hermes)
+    between: str = _SPACE  # what may come between two calls (list and ';' forms)
+    prefix: Optional[str] = None  # what may come first (llama3_json)
+
+
+FORMATS = {"hermes": _Format("<tool_call>", opener="<tool_call>"),
+           "mistral": _Format("[TOOL_CALLS]", between=_SPACE + "[,"),
+           "llama3_json": _Format(None, between=_SPACE + ";", prefix="<|python_tag|>"),
+           "required": _Format(None, between=_SPACE + "[,")}
+
+
+def call_id(short: bool = False) -> str:
+    """A new call's id. `short`: 9 letters and digits, the only ids Mistral's templates take
+    back (theirs raise on any other)."""
+    return uuid.uuid4().hex[:9] if short else f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
+
+
+class _Object:
+    """One call's JSON object, read a character at a time: its name once read, and where its
+    arguments lie (`args`: their first index; `args_end` once whole)."""
+
+    def __init__(self):
+        self.state = "key"
+        self.key: Optional[str] = None
+        self.start = 0  # the current key's or value's first index
+        self.kind = ""  # the value being read: "{", "[", '"' or a primitive's first character
+        self.depth = 0
+        self.in_string = self.escape = False
+        self.name: Optional[str] = None
+        self.args: Optional[int] = None
+        self.args_end: Optional[int] = None
+        self.args_kind = ""
+        self.done = self.broken = False
+
+    def push(self, text: str, i: int) -> bool:
+        """Read text[i]; False when it is not the value's (a primitive ended before it)."""
+        ch, state = text[i], self.state
+        if state == "key":
+            if ch == '"':
+                self.state, self.start, self.in_string = "key_string", i, True
+            elif ch == "}":
+                self.done = True
+            elif ch not in _SPACE:
+                self.broken = True
+        elif state == "key_string":
+            if self._string_ends(ch):
+                try:
+                    self.key = json.loads(text[self.start:i + 1])
+                except ValueError:  # a bad escape
+                    self.broken = True
+                self.state = "colon"
+        elif state == "colon":
+            if ch == ":":
+                self.state = "value"
+            elif ch not in _SPACE:
+                self.broken = True
+        elif state == "value":
+            if ch not in _SPACE:
+                self.state, self.start, self.kind = "in_value", i, ch
+                self.depth = 1 if ch in "{[" else 0
+                self.in_string = ch == '"'
+                if self.key in _ARGUMENTS and self.args is None:
+                    self.args, self.args_kind = i, ch
+        elif state == "in_value":
+            return self._in_value(text, i)
+        elif ch == ",":  # "after": a value was read
+            self.state = "key"
+        elif ch == "}":
+            self.done = True
+        elif ch not in _SPACE:
+            self.broken = True
+        return True
+
+    def _string_ends(self, ch: str) -> bool:
+        if self.escape:
+            self.escape = False
+        elif ch == "\\":
+            self.escape = True
+        elif ch == '"':
+            self.in_string = False
+            return True
+        return False
+
+    def _in_value(self, text: str, i: int) -> bool:
+        ch = text[i]
+        if self.in_string:
+            if not self._string_ends(ch) or self.kind != '"':
+                return True
+        elif self.kind in "{[":
+            if ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+            if self.depth:
+                return True
+        elif ch not in _SPACE + ",}]":  # a primitive goes on
+            return True
+        else:  # the primitive ended before this character
+            self._value_read(text, i)
+            return False
+        self._value_read(text, i + 1)
+        return True
+
+    def _value_read(self, text: str, end: int) -> None:
+        self.state = "after"
+        if self.key == "name" and self.name is None:
+            try:
+                name = json.loads(text[self.start:end])
+            except ValueError:
+                name = None
+            if not isinstance(name, str) or not name:
+                self.broken = True
+                return
+            self.name = name
+        elif self.args == self.start:
+            self.args_end = end
+
+
+@dataclass
+class _Call:
+    id: str
+    name: str
+    obj: _Object
+    sent: int = 0  # characters of its arguments given out
+    header_sent: bool = False
+
+
+class CallReader:
+    """A choice's calls under "auto" or "required", fed its output as it grows: the content to
+    send now and the calls' deltas (OpenAI's streamed tool_calls: a call's id and name first,
+    then its arguments in pieces)."""
+
+    def __init__(self, plan):
+        self.fmt = FORMATS["required" if plan.mode == "required" else plan.parser]
+        self.short_ids = plan.short_ids
+        self.parallel = plan.parallel
+        self.shown = 0  # characters of the output sent as content
+        self.visible = 0  # content may be sent up to here (unless it turns out plain)
+        self.plain = False  # it holds no call: all of it is content
+        self.pos: Optional[int] = None  # how far the calls are read (None: not begun)
+        self.state = "gap"  # "gap" (before a call), "open" (after hermes' opener), "object"
+        self.obj: Optional[_Object] = None
+        self.calls: list[_Call] = []
+        self.over = False  # no more calls are read
+
+    def feed(self, text: str, finished: bool = False) -> tuple[str, list[dict]]:
+        """The output so far -> (content to send now, tool_calls deltas to send now)."""
+        if not self.plain and self.pos is None:
+            self._begin(text)
+        if not self.plain and self.pos is not None and not self.over:
+            self._read(text)
+        if finished and not self.calls:
+            self.plain = True  # no call began: it was content after all
+        if self.plain:
+            return self._show(text, len(text)), []
+        return self._show(text, self.visible), self._deltas(text, finished)
+
+    def whole(self, text: str) -> tuple[Optional[str], list[dict]]:
+        """A finished output read at once: (content, calls), as a whole response gives them;
+        the whole text as content when it holds no call."""
+        content, deltas = self.feed(text, True)
+        if not self.calls:
+            return text, []
+        calls = {}
+        for delta in deltas:
+            if "id" in delta:
+                calls[delta["index"]] = {k: delta[k] for k in ("id", "type", "function")}
+        return content or None, [calls[i] for i in range(len(calls))]
+
+    # -- where the calls begin -----------------------------------------------------------------
+    def _begin(self, text: str) -> None:
+        fmt = self.fmt
+        if fmt.marker is not None:
+            at = text.find(fmt.marker, self.shown)
+            if at < 0:  # content: all but what could be the marker's start
+                self.visible = len(text) - partial_tag_len(text, fmt.marker)
+                return
+            self.visible = at
+            self.pos = at if fmt.opener else at + len(fmt.marker)
+            return
+        body = text.lstrip()
+        if fmt.prefix is not None:  # a call is the whole output: does it begin with one?
+            if not body or (len(body) < len(fmt.prefix) and fmt.prefix.startswith(body)):
+                return  # undecided yet
+            if not (body.startswith("{") or body.startswith(fmt.prefix)):
+                self.plain = True
+                return
+            self.pos = len(text) - len(body)
+            if body.startswith(fmt.prefix):
+                self.pos += len(fmt.prefix)
+            return
+        self.pos = 0
+
+    # -- reading calls -------------------------------------------------------------------------
+    def _read(self, text: str) -> None:
+        fmt, i = self.fmt, self.pos
+        while i < len(text) and not (self.over or self.plain):
+            if self.state == "object":
+                if self.obj.push(text, i):
+                    i += 1
+                self._pushed()
+                continue
+            if self.state == "gap" and fmt.opener is not None:
+                at = text.find(fmt.opener, i)
+                if at < 0:  # what is between calls is dropped
+                    i = max(i, len(text) - partial_tag_len(text, fmt.opener))
+                    break
+                i, self.state = at + len(fmt.opener), "open"
+                continue
+            ch = text[i]
+            if ch == "{":
+                self.obj, self.state = _Object(), "object"
+            elif ch == "]" and self.state == "gap" and "[" in fmt.between:
+                self.over = True
+            elif ch not in (_SPACE if self.state == "open" else fmt.between):
+                self._broken()
+            i += 1
+        self.pos = i
+
+    def _pushed(self) -> None:
+        obj = self.obj
+        if obj.broken:
+            self._broken()
+            return
+        begun = self.calls and self.calls[-1].obj is obj
+        if not begun and obj.name is not None and (obj.args is not None or obj.done):
+            self.calls.append(_Call(call_id(self.short_ids), obj.name, obj))
+        if obj.done:
+            self.obj, self.state = None, "gap"
+            if self.calls and not self.parallel:
+                self.over = True
+
+    def _broken(self) -> None:
+        if self.calls:
+            self.over = True  # what follows the last whole call is dropped
+        else:
+            self.plain = True
+
+    # -- what goes out -------------------------------------------------------------------------
+    def _deltas(self, text: str, finished: bool) -> list[dict]:
+        out = []
+        for index, call in enumerate(self.calls):
+            if call.header_sent and call.obj.args_end is not None and \
+                    call.sent >= call.obj.args_end - call.obj.args:
+                continue  # nothing more of this one (a decoded string may be shorter: below)
+            piece = self._arguments(call, text, finished)
+            if call.header_sent:
+                if piece:
+                    out.append({"index": index, "function": {"arguments": piece}})
+                continue
+            call.header_sent = True
+            out.append({"index": index, "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": piece}})
+        return out
+
+    def _arguments(self, call: _Call, text: str, finished: bool) -> str:
+        """What of its arguments is new: written so far (an object or array), or once whole
+        (a string, decoded; a bare value); "{}" for none; as written when cut short."""
+        obj = call.obj
+        if obj.args is None:
+            if obj.done or finished:
+                return "" if call.sent else _sent(call, "{}")
+            return ""
+        end = obj.args_end if obj.args_end is not None else self.pos
+        if obj.args_kind in "{[":
+            piece = text[obj.args + call.sent:end]
+            call.sent += len(piece)
+            return piece
+        if obj.args_end is None and not finished or call.sent:
+            return ""
+        raw = text[obj.args:end]
+        if obj.args_kind == '"' and obj.args_end is not None:
+            try:
+                raw = json.loads(raw)
+            except ValueError:
+                pass
+        call.sent = obj.args_end - obj.args if obj.args_end is not None else len(raw)
+        return raw
+
+    def _show(self, text: str, upto: int) -> str:
+        out = text[self.shown:upto] if upto > self.shown else ""
+        self.shown = max(self.shown, upto)
+        return out
+
+
+def _sent(call: _Call, text: str) -> str:
+    call.sent = len(text)
+    return text
+
+
+def read_calls(plan, text: str) -> tuple[Optional[str], list[dict]]:
+    """(content, calls) of a finished output; no calls (and the whole text as content) when it
+    holds none."""
+    return CallReader(plan).whole(text)
