@@ -86,8 +86,9 @@ def wait_free(client, expected, timeout_s=20.0):
         if free_blocks(client) == expected and not records(client):
             return
         time.sleep(0.2)
-    assert free_blocks(client) == expected
-    assert records(client) == {}
+    blocks, left = free_blocks(client), records(client)
+    assert blocks == expected, blocks
+    assert left == {}, left
 
 
 def wait_alive(client, timeout_s=60.0):
