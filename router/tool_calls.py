@@ -20,6 +20,7 @@ given decoded (some models write the arguments as one), once whole.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Optional
@@ -27,6 +28,7 @@ from typing import Optional
 from router.text_checks import partial_tag_len
 
 _SPACE = " \t\r\n"
+_STRING_STOP = re.compile(r'["\\]')  # what inside a JSON string changes how it is read
 _ARGUMENTS = ("arguments", "parameters")
 
 
@@ -233,6 +235,12 @@ class CallReader:
         fmt, i = self.fmt, self.pos
         while i < len(text) and not (self.over or self.plain):
             if self.state == "object":
+                if self.obj.in_string and not self.obj.escape:  # to the string's next quote
+                    stop = _STRING_STOP.search(text, i)
+                    if stop is None:
+                        i = len(text)
+                        break
+                    i = stop.start()
                 if self.obj.push(text, i):
                     i += 1
                 self._pushed()
