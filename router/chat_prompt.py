@@ -70,7 +70,9 @@ def chat_text(body: ChatCompletionRequest, tokenizer, tools: Optional[list] = No
     if body.continue_final_message and body.add_generation_prompt:
         raise InvalidRequest("continue_final_message needs add_generation_prompt: false",
                              param="continue_final_message")
-    _effort_variables(body.reasoning_effort, variables, tokenizer.chat_template or "")
+    _effort_variables(body.reasoning_effort, variables, tokenizer.chat_template or "",
+                      thinks=bool(getattr(tokenizer, "reasoning_format", None)
+                                  or reasoning_format(tokenizer.chat_template)))
     dicts = template_messages([_message_dict(m, i) for i, m in enumerate(body.messages)],
                               body.messages)
     if tools is not None:
@@ -86,23 +88,25 @@ def chat_text(body: ChatCompletionRequest, tokenizer, tools: Optional[list] = No
                              param="messages") from None
 
 
-# OpenAI's reasoning efforts, least first.
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# The reasoning efforts the OpenAI API takes, least first.
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
-def _effort_variables(effort, variables: dict, template: str) -> None:
+def _effort_variables(effort, variables: dict, template: str, thinks: bool) -> None:
     """`reasoning_effort` as the template's variables: given to it under that name (a template
-    that reads it acts on it), and "none" as `enable_thinking: false` where the template has
-    that switch (Qwen3); elsewhere a level changes nothing (the model thinks as it does), as
-    under vLLM. A model whose template neither thinks nor reads an effort refuses it (as
-    OpenAI's non-reasoning models do), and so does one that cannot stop thinking for "none"."""
+    that reads it acts on it), and as `enable_thinking` (off for "none", on for a level) where
+    the template has that switch (Qwen3, and templates whose thinking is opt-in); elsewhere a
+    level changes nothing (the model thinks as it does), as under vLLM. A model that neither
+    thinks (`thinks`: its output is split into thinking and answer) nor reads an effort
+    refuses it (as OpenAI's non-reasoning models do), and so does one that cannot stop
+    thinking for "none"."""
     if effort is None:
         return
     if effort not in EFFORTS:
         raise InvalidRequest(f"reasoning_effort must be one of {', '.join(EFFORTS)} (got "
                              f"{effort!r})", param="reasoning_effort")
     reads_effort = "reasoning_effort" in template
-    if not reads_effort and reasoning_format(template) is None:
+    if not reads_effort and not thinks:
         raise InvalidRequest("reasoning_effort is not supported with this model (its chat "
                              "template has no thinking)", param="reasoning_effort",
                              code="unsupported_parameter")
@@ -110,13 +114,14 @@ def _effort_variables(effort, variables: dict, template: str) -> None:
         raise InvalidRequest(f"reasoning_effort {effort!r} and chat_template_kwargs."
                              f"reasoning_effort {variables['reasoning_effort']!r} differ",
                              param="reasoning_effort")
-    if effort != "none" or reads_effort:
-        return
-    if "enable_thinking" not in template:
+    if "enable_thinking" in template:
+        wanted = effort != "none"
+        given = variables.setdefault("enable_thinking", wanted)
+        if bool(given) != wanted:  # as the template reads it
+            raise InvalidRequest(f"reasoning_effort {effort!r} and chat_template_kwargs."
+                                 f"enable_thinking {given!r} contradict each other (it "
+                                 f"would be {str(wanted).lower()})", param="reasoning_effort")
+    elif effort == "none" and not reads_effort:
         raise InvalidRequest("reasoning_effort 'none' is not supported with this model (its "
                              "chat template has no switch to turn its thinking off)",
                              param="reasoning_effort", code="unsupported_parameter")
-    if variables.setdefault("enable_thinking", False) is not False:
-        raise InvalidRequest("reasoning_effort 'none' and chat_template_kwargs."
-                             "enable_thinking true contradict each other",
-                             param="reasoning_effort")

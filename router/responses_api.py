@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from router.backend import BackendError
+from router.chat_prompt import EFFORTS
 from router.protocol import prepare_chat
 from router.schema import InvalidRequest, PreparedRequest
 
@@ -328,19 +329,33 @@ def _text_format(text: Any) -> tuple[Optional[dict], dict]:
 
 def _reasoning(reasoning: Any) -> dict:
     """`reasoning` as the response echoes it. Its effort is the chat path's reasoning_effort
-    (router/chat_prompt.py); a summary is accepted and none is made: the reasoning item
-    carries the whole thinking as its content, with an empty summary."""
+    (router/chat_prompt.py; its value judged here, before a stored conversation is read); a
+    summary is accepted and none is made: the reasoning item carries the whole thinking as its
+    content, with an empty summary. Which past thinking the model sees back is its chat
+    template's choice, so `context` is "auto" only, and `mode` "standard" only."""
     if reasoning is None:
         return {"effort": None, "summary": None}
     if not isinstance(reasoning, dict):
         raise InvalidRequest("reasoning must be an object", param="reasoning")
+    effort = reasoning.get("effort")
+    if effort not in (None,) + EFFORTS:
+        raise InvalidRequest(f"reasoning.effort must be one of {', '.join(EFFORTS)} (got "
+                             f"{effort!r})", param="reasoning.effort")
     summary = reasoning.get("summary")
     for key in ("summary", "generate_summary"):  # the second: its former name
         if reasoning.get(key) not in (None,) + _SUMMARIES:
             raise InvalidRequest(f"reasoning.{key} must be one of {', '.join(_SUMMARIES)}",
                                  param=f"reasoning.{key}")
         summary = summary or reasoning.get(key)
-    return {"effort": reasoning.get("effort"), "summary": summary}
+    echoed = {"effort": effort, "summary": summary}
+    for key, allowed in (("context", "auto"), ("mode", "standard")):
+        if reasoning.get(key) not in (None, allowed):
+            raise InvalidRequest(f"reasoning.{key} {json.dumps(reasoning[key])} is not "
+                                 f"supported by this server (only {allowed!r})",
+                                 param=f"reasoning.{key}", code="unsupported_parameter")
+        if reasoning.get(key) is not None:
+            echoed[key] = allowed
+    return echoed
 
 
 def _include(include: Any) -> bool:

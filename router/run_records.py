@@ -227,6 +227,7 @@ class RunRecorder:
         live.followers -= 1
         if live.followers == 0 and live.settling is not None and not live.done:
             live.settling.cancel()  # a stub nobody reads any more: stop polling the store
+            live.settling = None  # a follower who joins later has it followed again
         if live.followers > 0 or live.done or live.task is None:
             return
         grace = self.detach_grace_s if live.key is not None else 0.0

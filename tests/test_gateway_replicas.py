@@ -132,3 +132,43 @@ def test_a_followed_stream_whose_producer_stops_ends_saying_so(tmp_path):
         a.store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_stub_left_by_its_only_follower_is_followed_again_by_the_next(tmp_path):
+    """Two requests of replica B with one key share the stub of A's run (the one claim's
+    outcome). The first follower leaving before the second joins stops B's polling of the
+    store; the second has it followed again and gets the run's end, not a wait that never
+    ends."""
+    from gateway.sqlite import SqliteRunStore
+    from router.run_records import RunRecorder
+    from router.streaming import sse
+
+    path = tmp_path / "runs.sqlite3"
+
+    def recorder(owner):
+        return RunRecorder(SqliteRunStore(path), f"sqlite://{path}", owner)
+
+    async def scenario():
+        a, b = recorder("a:1/0"), recorder("b:1/0")
+        body = {"prompt": "x", "stream": True}
+        live, _ = await a.open("run-x", "acme", True, "k", body)
+        a.advance(live, "prefilling")
+        a.advance(live, "streaming")
+        (stub, created), (again, again_created) = await asyncio.gather(
+            b.open("run-y", "acme", True, "k", body), b.open("run-z", "acme", True, "k", body))
+        assert not created and not again_created and stub.remote and again is stub
+        b.join(stub)
+        first = asyncio.ensure_future(b.wait_ready(stub))
+        await asyncio.sleep(0.3)  # B polls the store for it
+        first.cancel()
+        b.leave(stub)  # its client is gone
+        b.join(again)
+        a.append(live, sse({"i": 0}, live.event_id(0)))
+        a.finish(live, "completed")
+        await asyncio.wait_for(b.wait_ready(again), 10)
+        assert again.done and again.state == "completed"
+        b.leave(again)
+        await asyncio.to_thread(b.close)
+        await asyncio.to_thread(a.close)
+
+    asyncio.run(scenario())

@@ -1,7 +1,7 @@
 """OpenAI's `reasoning_effort` (chat) and `reasoning.effort` / `.summary` (Responses) on open
-models (router/chat_prompt.py): the template's `reasoning_effort` variable, "none" as Qwen3's
-`enable_thinking: false`, and a 400 naming the field where the model cannot honour it (no
-thinking at all, or no switch to turn it off)."""
+models (router/chat_prompt.py): the template's `reasoning_effort` variable, its
+`enable_thinking` switch (off for "none", on for a level), and a 400 naming the field where the
+model cannot honour it (no thinking at all, or no switch to turn it off)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ from tests.test_reasoning import QWEN3_TEMPLATE, R1_TEMPLATE
 EFFORT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
                    "{% if add_generation_prompt %}<|assistant|>Reasoning: "
                    "{{ reasoning_effort | default('medium') }}\n{% endif %}")
+# Thinking is opt-in (off unless asked), and the prompt opens the block when it is on.
+OPT_IN_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+                   "{% if add_generation_prompt %}<|assistant|>"
+                   "{% if enable_thinking | default(false) %}<think>\n{% endif %}{% endif %}")
 MESSAGES = [{"role": "user", "content": "2 + 2?"}]
 
 
@@ -43,16 +47,33 @@ def _refused(tokenizer, **fields) -> InvalidRequest:
 def test_none_turns_qwen3_thinking_off_and_a_level_changes_nothing(llama_dir, tmp_path):
     tokenizer = _tokenizer(llama_dir, tmp_path, QWEN3_TEMPLATE)
     off = _prompt(tokenizer, chat_template_kwargs={"enable_thinking": False})
-    assert _prompt(tokenizer, reasoning_effort="none") == off
-    prepared = prepare_chat({"messages": MESSAGES, "reasoning_effort": "none"}, tokenizer, "m",
-                            512)
-    assert prepared.reasoning is False  # the prompt closed an empty block: all answer
-    for effort in ("minimal", "low", "medium", "high", "xhigh"):
+    assert _prompt(tokenizer, reasoning_effort="none") == off != _prompt(tokenizer)
+    for effort in ("minimal", "low", "medium", "high", "xhigh", "max"):
         assert _prompt(tokenizer, reasoning_effort=effort) == _prompt(tokenizer)
     clash = _refused(tokenizer, reasoning_effort="none",
                      chat_template_kwargs={"enable_thinking": True})
-    assert clash.param == "reasoning_effort"
-    assert _refused(tokenizer, reasoning_effort="max").param == "reasoning_effort"
+    assert clash.param == "reasoning_effort" and "enable_thinking True" in clash.message
+    assert _refused(tokenizer, reasoning_effort="extreme").param == "reasoning_effort"
+
+
+def test_a_level_turns_opt_in_thinking_on(llama_dir, tmp_path):
+    """A template whose thinking is off unless asked: a level asks (the prompt opens the
+    block, so the output is read as thinking first), "none" leaves it off."""
+    tokenizer = _tokenizer(llama_dir, tmp_path, OPT_IN_TEMPLATE)
+
+    def prepared(**fields):
+        return prepare_chat({"messages": MESSAGES, **fields}, tokenizer, "m", 512)
+
+    on = _prompt(tokenizer, chat_template_kwargs={"enable_thinking": True})
+    assert tokenizer.decode(on).endswith("<think>\n") and on != _prompt(tokenizer)
+    for effort in ("low", "max"):
+        assert prepared(reasoning_effort=effort).prompts[0] == on
+        assert prepared(reasoning_effort=effort).reasoning is True
+    assert prepared(reasoning_effort="none").prompts[0] == _prompt(tokenizer)
+    assert prepared(reasoning_effort="none").reasoning is False
+    clash = _refused(tokenizer, reasoning_effort="high",
+                     chat_template_kwargs={"enable_thinking": False})
+    assert clash.param == "reasoning_effort" and "enable_thinking False" in clash.message
 
 
 def test_a_template_that_reads_the_effort_gets_it(llama_dir, tmp_path):
@@ -69,6 +90,9 @@ def test_a_model_that_cannot_honour_it_refuses_it(llama_dir, tmp_path):
     plain = Tokenizer(llama_dir)  # the test model's template has no thinking
     refused = _refused(plain, reasoning_effort="low")
     assert refused.param == "reasoning_effort" and refused.code == "unsupported_parameter"
+    plain.reasoning_format = "think"  # the operator says it thinks (router.reasoning_parser)
+    assert _prompt(plain, reasoning_effort="low") == _prompt(plain)
+    plain.reasoning_format = None
     always = _tokenizer(llama_dir, tmp_path, R1_TEMPLATE)  # thinks, with no switch
     assert _prompt(always, reasoning_effort="high") == _prompt(always)
     refused = _refused(always, reasoning_effort="none")
@@ -101,9 +125,17 @@ def test_the_official_client_sends_it_on_both_endpoints(llama_dir, tmp_path):
                                            **sampling)
         assert response.output_text == off.choices[0].message.content
         assert response.reasoning.effort == "none" and response.reasoning.summary == "auto"
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.responses.create(model=name, input="hi", reasoning={"effort": "max"})
-        assert refused.value.body["param"] == "reasoning.effort"
+        for bad in ({"effort": "extreme"}, {"effort": "extreme", "previous": "resp_unknown"},
+                    {"context": "all_turns"}, {"mode": "pro"}):
+            # judged before any stored conversation is looked for
+            previous = bad.pop("previous", None)
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.responses.create(model=name, input="hi", reasoning=bad,
+                                        previous_response_id=previous)
+            assert refused.value.body["param"] == f"reasoning.{next(iter(bad))}"
+        echoed = client.responses.create(model=name, input="hi", max_output_tokens=2,
+                                         reasoning={"effort": "max", "context": "auto"})
+        assert echoed.reasoning.effort == "max" and echoed.reasoning.context == "auto"
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model=name, input="hi", reasoning={"summary": "long"})
         assert refused.value.body["param"] == "reasoning.summary"
