@@ -197,7 +197,7 @@ def test_stopped_prefill_worker_is_hedged_on_the_decode_worker(cluster, referenc
     assert tokens_of(chunks) == ref[True][2]
     assert text_of(chunks) == ref["text"][True][2]
     assert ray.get(d1.load.remote())["hedged_prefills"] == hedged + 1
-    assert waited < 4.0  # its liveness check hedges it; the ceiling is 10 s (remote_prefill_timeout_s)
+    assert waited < 8.0  # hedged on its liveness check, not at the 10 s remote_prefill_timeout_s
     time.sleep(1.0)  # the stopped worker wakes up to the abort
     assert ray.get(p0.load.remote())["num_steps"] == steps, "the aborted prefill ran anyway"
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
