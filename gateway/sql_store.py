@@ -285,6 +285,12 @@ class SqlRunStore:
         value = _first(row) if row is not None else None
         return bytes(value) if value is not None else None
 
+    def delete_output(self, run_id: str) -> bool:
+        with self._tx() as db:
+            self._exec(db, "DELETE FROM run_events WHERE run_id = ?", (run_id,))
+            return self._exec(db, "DELETE FROM run_outputs WHERE run_id = ? AND conversation "
+                              "IS NOT NULL", (run_id,)).rowcount > 0
+
     def take(self, bucket: str, capacity: float, per_s: float, amount: float,
              now: float) -> float:
         with self._tx() as db:

@@ -28,13 +28,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.store import StoreUnavailable
 from pd_runtime.config import RouterConfig
-from router import tokenize_api
+from router import responses_stored, tokenize_api
 from router.backend import Backend, BackendError
 from router.generation import bearer_key, generation, no_run, respond, tenant_name
 from router.intake import Intake
 from router.metrics import RunRecordMetrics
 from router.protocol import InvalidRequest
-from router.responses_events import stored_body
 from router.live_run import parse_event_id
 from router.run_records import RunRecorder, owner_name
 from router.streaming import ClientDisconnected
@@ -98,21 +97,23 @@ def create_app(backend: Backend, router_config: RouterConfig,
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(request: Request, response_id: str):
-        """A stored response (sent with store: true, the default) once it has ended."""
+        """A stored response (sent with store: true, the default) once it has ended, or its
+        events again (stream=true, after starting_after)."""
         tenant = tenant_name(backend.authenticate(bearer_key(request)))
-        for name in ("stream", "starting_after"):
-            if name in request.query_params:
-                raise InvalidRequest(f"{name} is not supported here: a stored response is "
-                                     "given whole (a stream's events: GET /v1/runs/{id}/events)",
-                                     param=name, code="unsupported_parameter")
-        stored = await _records(recorder).stored(response_id, tenant, with_output=True)
-        body = stored_body(stored[1]) if stored is not None and stored[1] else None
-        if body is None:
-            raise BackendError(404, f"no stored response {response_id!r} of yours (sent with "
-                               "store: false, not ended yet, or past router.runs."
-                               "keep_outputs_s)", param="response_id",
-                               code="response_not_found")
-        return body
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        return await responses_stored.retrieve(request, _records(recorder), tenant,
+                                               response_id, deadline)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(request: Request, response_id: str):
+        tenant = tenant_name(backend.authenticate(bearer_key(request)))
+        return await responses_stored.input_items(request, _records(recorder), tenant,
+                                                  response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str):
+        tenant = tenant_name(backend.authenticate(bearer_key(request)))
+        return await responses_stored.delete(_records(recorder), tenant, response_id)
 
     @app.get("/v1/runs/{run_id}")
     async def run_record(request: Request, run_id: str):

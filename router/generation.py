@@ -73,6 +73,7 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
         builder = await _builder(intake, backend, kind, raw, response_id, recorder, tenant_id)
         prepared = builder.prepared
         live.stream = prepared.stream
+        live.unstored = kind == "responses" and not builder.stores
         merged = _backend_streams(backend, prepared, response_id, tenant, timeout_s)
     except BaseException as exc:
         live.error = exc if isinstance(exc, BackendError) else BackendError(500, "internal error")

@@ -45,6 +45,7 @@ class LiveRun:
     stored: Optional[str] = None  # the state its store row has (None: no row yet)
     kept_output: Optional[tuple[str, bytes]] = None  # written with its end: a client may ask
     conversation: Optional[bytes] = None  # a stored response's messages (JSON), kept with it
+    unstored: bool = False  # a response sent with store: false: not read back by its id
     _changed: Optional[asyncio.Event] = None  # made when someone first waits
 
     def notify(self) -> None:

@@ -154,7 +154,8 @@ class RunRecorder:
             self._by_key[(live.tenant, live.key)] = live.id
         return live
 
-    def _forget(self, live: LiveRun) -> None:
+    def forget(self, live: LiveRun) -> None:
+        """The run gone from memory (its record, if any, is what is read of it from now on)."""
         self.live.pop(live.id, None)
         if live.key is not None and self._by_key.get((live.tenant, live.key)) == live.id:
             del self._by_key[(live.tenant, live.key)]
@@ -212,7 +213,7 @@ class RunRecorder:
             self._kept_bytes -= old_size
             old = self.live.get(old_id)
             if old is not None:
-                self._forget(old)
+                self.forget(old)
 
     # -- following a run -----------------------------------------------------------------------
     def join(self, live: LiveRun) -> None:

@@ -119,7 +119,7 @@ def test_a_stream_cut_after_k_events_resumes_byte_identical_after_it_ends(server
         assert via_get == b"".join(events[k:])
     # From the store alone (this process's buffer dropped), the same bytes.
     recorder = _recorder(port)
-    recorder._forget(recorder.live[run_id])
+    recorder.forget(recorder.live[run_id])
     assert httpx.get(f"{base}/v1/runs/{run_id}/events?after=0",
                      headers=ACME).content == b"".join(events[1:])
     # Another tenant's run id is not there.

@@ -1,0 +1,177 @@
+"""A stored response after its request (router/app.py's /v1/responses/{id} routes): retrieve it
+whole or stream its events again (`stream=true&starting_after=N`), list the input items it was
+made from, delete it. A response is stored when sent with `store: true` (the default); its
+output and conversation live in its run's record (router/run_records.py) for
+router.runs.keep_outputs_s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from starlette.requests import Request
+
+from gateway.runs import TRANSITIONS
+from router.backend import BackendError
+from router.responses_events import stored_body
+from router.run_records import RunRecorder
+from router.schema import InvalidRequest
+from router.streaming import SSEResponse, until_disconnect
+
+MAX_ITEMS_PAGE = 100  # OpenAI's limit on one page of input items
+_ITEM_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")  # no effect
+
+
+def not_found(response_id: str) -> BackendError:
+    return BackendError(404, f"no stored response {response_id!r} of yours (sent with store: "
+                        "false, deleted, not ended yet, or past router.runs.keep_outputs_s)",
+                        param="response_id", code="response_not_found")
+
+
+async def retrieve(request: Request, recorder: RunRecorder, tenant: str, response_id: str,
+                   deadline: float):
+    """The response object once it has ended; with `stream=true`, its events after
+    `starting_after` (a sequence number), from memory or its record once over, as they come
+    while it runs."""
+    stream = request.query_params.get("stream", "false").lower()
+    if stream not in ("true", "false"):
+        raise InvalidRequest("stream must be true or false", param="stream")
+    if stream == "false":
+        if "starting_after" in request.query_params:
+            raise InvalidRequest("starting_after needs stream=true", param="starting_after")
+        stored = await recorder.stored(response_id, tenant, with_output=True)
+        body = stored_body(stored[1]) if stored is not None and stored[1] else None
+        if body is None:
+            raise not_found(response_id)
+        return body
+    after = _int(request, "starting_after", -1)
+    if after < -1:
+        raise InvalidRequest("starting_after must be a sequence number (0 or more)",
+                             param="starting_after")
+    live = await recorder.find(response_id, tenant)
+    if live is None or live.unstored or not response_id.startswith("resp_"):
+        raise not_found(response_id)
+    recorder.join(live)
+    try:
+        await until_disconnect(request.receive, recorder.wait_ready(live), deadline)
+        if live.error is not None and not live.events:
+            raise live.error
+        if not live.stream:
+            raise InvalidRequest(f"response {response_id!r} was made without stream: true; "
+                                 "it has no events (GET it without stream)", param="stream")
+    except BaseException:
+        recorder.leave(live)
+        raise
+    return SSEResponse(recorder.follow(live, after))
+
+
+async def input_items(request: Request, recorder: RunRecorder, tenant: str,
+                      response_id: str) -> dict:
+    """The items the response was made from (earlier turns of a previous_response_id chain
+    included, instructions not), newest first unless `order=asc`, a page of `limit` (1 to 100,
+    default 20) after the item `after`."""
+    order = request.query_params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be asc or desc", param="order")
+    limit = _int(request, "limit", 20)
+    if not 1 <= limit <= MAX_ITEMS_PAGE:
+        raise InvalidRequest(f"limit must be between 1 and {MAX_ITEMS_PAGE}", param="limit")
+    for name in ("include", "include[]"):
+        for value in request.query_params.getlist(name):
+            if value not in _ITEM_INCLUDES:
+                raise InvalidRequest(f"include: {value!r} is not supported by this server "
+                                     f"({', '.join(_ITEM_INCLUDES)})", param="include",
+                                     code="unsupported_parameter")
+    stored = await recorder.stored(response_id, tenant)
+    if stored is None:
+        raise not_found(response_id)
+    items = conversation_items(json.loads(stored[0])[:-1], response_id)  # less its answer
+    if order == "desc":
+        items.reverse()
+    after = request.query_params.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise InvalidRequest(f"after: no item {after!r} in response {response_id!r}",
+                                 param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+async def delete(recorder: RunRecorder, tenant: str, response_id: str) -> dict:
+    """The response's output and conversation deleted (its run's record, which its usage is
+    billed from, stays); 409 while it runs."""
+    live = recorder.live.get(response_id)
+    if live is not None and not live.remote:
+        if live.tenant != tenant:
+            raise not_found(response_id)
+        if not live.done:
+            raise _running(response_id)
+        if live.conversation is None:
+            raise not_found(response_id)
+    else:
+        record = await asyncio.to_thread(recorder.runs.get, response_id, tenant)
+        if record is None or not response_id.startswith("resp_"):
+            raise not_found(response_id)
+        if TRANSITIONS.get(record["state"]):
+            raise _running(response_id)
+        live = None
+    # This process's rows for it written first (its writer goes in rounds), then gone.
+    await asyncio.to_thread(recorder.writer.flush, 2.0)
+    deleted = await asyncio.to_thread(recorder.store.delete_output, response_id)
+    if live is not None:
+        recorder.forget(live)
+    elif not deleted:
+        raise not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def conversation_items(messages: list[dict], response_id: str) -> list[dict]:
+    """Chat messages (a stored conversation) as Responses items, each with an id that stays the
+    same on every read (the response's, and its place)."""
+    base = response_id.removeprefix("resp_")
+    items: list[dict] = []
+
+    def add(prefix: str, item: dict) -> None:
+        items.append({"id": f"{prefix}_{base}_{len(items)}", **item})
+
+    for message in messages:
+        role = message.get("role")
+        if role == "tool":
+            add("fco", {"type": "function_call_output", "call_id": message.get("tool_call_id"),
+                        "output": message.get("content"), "status": "completed"})
+            continue
+        if role != "assistant":
+            add("msg", {"type": "message", "role": role, "status": "completed",
+                        "content": [{"type": "input_text", "text": message.get("content")}]})
+            continue
+        if message.get("reasoning") is not None:
+            add("rs", {"type": "reasoning", "summary": [],
+                       "content": [{"type": "reasoning_text", "text": message["reasoning"]}]})
+        if message.get("content") is not None:
+            add("msg", {"type": "message", "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": message["content"],
+                                     "annotations": []}]})
+        for call in message.get("tool_calls") or ():
+            add("fc", {"type": "function_call", "call_id": call["id"],
+                       "name": call["function"]["name"],
+                       "arguments": call["function"]["arguments"], "status": "completed"})
+    return items
+
+
+def _running(response_id: str) -> BackendError:
+    return BackendError(409, f"response {response_id!r} is still running",
+                        param="response_id", code="response_in_progress")
+
+
+def _int(request: Request, name: str, default: int) -> int:
+    value = request.query_params.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer", param=name) from None

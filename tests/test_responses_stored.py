@@ -1,0 +1,132 @@
+"""A stored response after its request, with the official `openai` client
+(router/responses_stored.py): its events streamed again from a sequence number, the input
+items it was made from (a previous_response_id chain's included) in pages, and deleting it."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.router_support.served_model import client, server  # noqa: F401 (fixtures)
+
+SAMPLING = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+def test_a_streamed_response_streams_again_from_a_sequence_number(client):  # noqa: F811
+    model = client.models.list().data[0].id
+    events = list(client.responses.create(model=model, input="Count.", max_output_tokens=6,
+                                          stream=True, **SAMPLING))
+    response = events[-1].response
+    again = list(client.responses.retrieve(response.id, stream=True))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events]
+    later = list(client.responses.retrieve(response.id, stream=True, starting_after=3))
+    assert [e.sequence_number for e in later] == list(range(4, len(events)))
+    assert later[-1].response.model_dump() == response.model_dump()
+    with pytest.raises(openai.BadRequestError) as raised:  # one made without stream: no events
+        plain = client.responses.create(model=model, input="hi", max_output_tokens=2)
+        list(client.responses.retrieve(plain.id, stream=True))
+    assert raised.value.body["param"] == "stream"
+    loose = client.responses.create(model=model, input="hi", max_output_tokens=2, stream=True,
+                                    store=False)
+    loose_id = list(loose)[-1].response.id
+    with pytest.raises(openai.NotFoundError):  # not stored: not read back
+        list(client.responses.retrieve(loose_id, stream=True))
+
+
+def test_input_items_are_the_conversation_it_was_made_from(client):  # noqa: F811
+    """Newest first by default; a chain's earlier turns (their answers as output messages and
+    calls) come before this request's input; pages follow `after`; ids stay the same."""
+    model = client.models.list().data[0].id
+    first = client.responses.create(
+        model=model, instructions="Be brief.", max_output_tokens=4, **SAMPLING,
+        input=[{"role": "user", "content": "Weather?"},
+               {"type": "function_call", "call_id": "call_1", "name": "weather",
+                "arguments": "{\"city\": \"Oslo\"}"},
+               {"type": "function_call_output", "call_id": "call_1", "output": "rain"}])
+    second = client.responses.create(model=model, input="And tomorrow?", max_output_tokens=4,
+                                     previous_response_id=first.id, **SAMPLING)
+    items = list(client.responses.input_items.list(second.id, order="asc"))
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output",
+                                       "message", "message"]
+    assert [getattr(i, "role", None) for i in items] == ["user", None, None, "assistant",
+                                                         "user"]
+    assert items[0].content[0].text == "Weather?" and items[-1].content[0].text == "And tomorrow?"
+    assert items[1].call_id == "call_1" and items[1].arguments == "{\"city\": \"Oslo\"}"
+    assert items[2].output == "rain"
+    assert items[3].content[0].text == first.output_text  # the first answer
+    assert len({i.id for i in items}) == len(items)
+    newest_first = list(client.responses.input_items.list(second.id))
+    assert [i.id for i in newest_first] == [i.id for i in reversed(items)]
+    page = client.responses.input_items.list(second.id, limit=2, order="asc")
+    assert [i.id for i in page.data] == [i.id for i in items[:2]] and page.has_more
+    paged = [i.id for i in page]  # the client's auto-pagination follows `after`
+    assert paged == [i.id for i in items]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.input_items.list(second.id, limit=101)
+    assert raised.value.body["param"] == "limit"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nothing")
+
+
+def test_a_deleted_response_is_gone(client):  # noqa: F811
+    model = client.models.list().data[0].id
+    kept = client.responses.create(model=model, input="Remember 7.", max_output_tokens=3)
+    base = str(client.base_url).rstrip("/")
+    deleted = httpx.delete(f"{base}/responses/{kept.id}")
+    assert deleted.status_code == 200
+    assert deleted.json() == {"id": kept.id, "object": "response", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(kept.id)
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.responses.create(model=model, input="Which?", previous_response_id=kept.id)
+    assert raised.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):  # the official client's call, a second time
+        client.responses.delete(kept.id)
+    other = client.responses.create(model=model, input="hi", max_output_tokens=2)
+    assert client.responses.delete(other.id) is None  # the client returns nothing on success
+    run = httpx.get(f"{base}/runs/{kept.id}").json()  # its record (what it is billed by) stays
+    assert run["state"] == "completed" and run["output_tokens"] == 3
+
+
+def test_another_replica_deletes_it_through_the_store(store_url):
+    """Replica B deletes a response replica A made (B reads it from the shared store only,
+    SQLite or PostgreSQL); a run still going is a 409, another tenant's a 404."""
+    import asyncio
+
+    from gateway.open import open_store
+    from router import responses_stored
+    from router.backend import BackendError
+    from router.run_records import RunRecorder
+
+    def recorder(owner):
+        return RunRecorder(open_store(store_url), store_url, owner)
+
+    async def scenario():
+        a, b = recorder("a:1/0"), recorder("b:1/0")
+        done, _ = await a.open("resp_done", "acme", False, None, None)
+        for state in ("prefilling", "streaming"):
+            a.advance(done, state)
+        done.body, done.conversation = b'{"id": "resp_done"}', b'[{"role": "user"}]'
+        a.finish(done, "completed")
+        going, _ = await a.open("resp_going", "acme", False, None, None)
+        a.advance(going, "prefilling")
+        await asyncio.to_thread(a.writer.flush, 5.0)
+        for run_id, tenant, status in (("resp_going", "acme", 409), ("resp_done", "other", 404)):
+            with pytest.raises(BackendError) as refused:
+                await responses_stored.delete(b, tenant, run_id)
+            assert refused.value.status == status
+        assert await b.stored("resp_done", "acme") is not None
+        assert await responses_stored.delete(b, "acme", "resp_done") == {
+            "id": "resp_done", "object": "response", "deleted": True}
+        assert await b.stored("resp_done", "acme") is None
+        with pytest.raises(BackendError) as again:
+            await responses_stored.delete(b, "acme", "resp_done")
+        assert again.value.status == 404
+        a.finish(going, "cancelled")
+        await asyncio.to_thread(b.close)
+        await asyncio.to_thread(a.close)
+
+    asyncio.run(scenario())
