@@ -1,4 +1,4 @@
-"""The router's chat stream loop per token (router/generation.py `_sse_events`: the chat builder
+"""The router's chat stream loop per token (router/chunk_events.py `sse_events`: the chat builder
 and SSE encoding over one-token chunks of the bench model's tokenizer), for the source tree
 given: run it on two trees (a `git worktree` of the commit before a change, and this one),
 alternately, to see what the change costs the streaming path.
@@ -25,7 +25,10 @@ def main() -> None:
     sys.path.insert(0, args.tree)
     from bench.common import bench_model
     from pd_runtime.tokenizer import Tokenizer
-    from router import generation
+    try:
+        from router.chunk_events import sse_events
+    except ImportError:  # a tree from before router/chunk_events.py
+        from router.generation import _sse_events as sse_events
     from router.protocol import prepare_chat
     from router.responses import ResponseBuilder
 
@@ -45,7 +48,7 @@ def main() -> None:
     async def one_pass() -> float:
         builder = ResponseBuilder(prepared, "chatcmpl-x", tokenizer)
         start = time.perf_counter()
-        async for _ in generation._sse_events(builder, [(0, chunks[0])], rest(), {}):
+        async for _ in sse_events(builder, [(0, chunks[0])], rest(), {}):
             pass
         return time.perf_counter() - start
 

@@ -110,6 +110,11 @@ def create_app(backend: Backend, router_config: RouterConfig,
         return await responses_stored.input_items(request, _records(recorder), tenant,
                                                   response_id)
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str):
+        tenant = tenant_name(backend.authenticate(bearer_key(request)))
+        return await responses_stored.cancel(_records(recorder), tenant, response_id)
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str):
         tenant = tenant_name(backend.authenticate(bearer_key(request)))

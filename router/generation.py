@@ -22,10 +22,11 @@ from router.protocol import InvalidRequest, parse_json
 from router.responses import ResponseBuilder
 from router.responses_api import NeedsHistory
 from router.responses_events import ResponsesBuilder
+from router.responses_stored import as_it_stands
 from router.live_run import LiveRun, end_as_cut, parse_event_id, stream_closed
 from router.run_records import RunRecorder
-from router.streaming import (ClientDisconnected, SSEResponse, merge_streams, sse,
-                              until_disconnect)
+from router.chunk_events import collect, first_chunks, sse_events
+from router.streaming import ClientDisconnected, SSEResponse, merge_streams, until_disconnect
 
 log = logging.getLogger("router.http")
 
@@ -66,6 +67,8 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
         raise BackendError(422, str(exc), type="invalid_request_error",
                            code="idempotency_key_reused") from None
     if not created:  # a retry: the run that has the key, not a second computation
+        if live.background and not body.get("stream"):  # the response as it stands
+            return JSONResponse(await as_it_stands(recorder, tenant_id, live.id))
         return await respond(recorder, live, request, -1, deadline)
     live.event_ids = recorder.always_event_ids or key is not None or \
         "text/event-stream" in accept
@@ -79,6 +82,8 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
         live.error = exc if isinstance(exc, BackendError) else BackendError(500, "internal error")
         recorder.finish(live, "failed", error=live.error.message)
         raise
+    if kind == "responses" and builder.request.background:
+        return await _background(request, recorder, live, builder, merged, deadline)
     if key is not None:  # the run outlives its client for a while: a task of its own
         live.task = asyncio.create_task(_produce(recorder, live, builder, merged, deadline))
         return await respond(recorder, live, request, -1, deadline)
@@ -88,17 +93,35 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
         return await _recorded_body(request, recorder, live, builder, merged, deadline)
     try:
         recorder.advance(live, "prefilling")
-        first = await until_disconnect(request.receive, _first_chunks(
+        first = await until_disconnect(request.receive, first_chunks(
             merged, len(prepared.choices), _on_first_chunk(recorder, live)), deadline)
     except BaseException as exc:
         await merged.aclose()
         raise _end_cut(recorder, live, builder, exc) from None
     live.started = True
     outcome: dict = {}
-    return SSEResponse(_sse_events(builder, first, merged, outcome, _emitter(recorder, live)),
+    return SSEResponse(sse_events(builder, first, merged, outcome, _emitter(recorder, live)),
                        deadline=deadline, on_end=lambda cut: _end_stream(
                            recorder, live, builder, merged, outcome, cut),
                        cut_events=lambda exc: builder.failed(exc, len(live.events)))
+
+
+async def _background(request: Request, recorder: RunRecorder, live: LiveRun,
+                      builder: ResponsesBuilder, merged, deadline: float) -> Response:
+    """A background response: produced by a task of its own that no client's leaving stops,
+    its events kept as a stream's (what GET, a stream again and the record read). The request
+    gets the queued response at once, or the stream when it asked for one."""
+    asked_stream = builder.prepared.stream
+    builder.prepared.stream = live.stream = live.event_ids = live.background = True
+    emit = _emitter(recorder, live)
+    opening = builder.opening()  # before the model's first token: polled, it is queued
+    for payload in opening:
+        emit(payload)
+    live.started = True
+    live.task = asyncio.create_task(_produce(recorder, live, builder, merged, deadline))
+    if asked_stream:
+        return await respond(recorder, live, request, -1, deadline)
+    return JSONResponse(opening[0]["response"])
 
 
 async def _builder(intake: Intake, backend: Backend, kind: str, raw, response_id: str,
@@ -112,6 +135,9 @@ async def _builder(intake: Intake, backend: Backend, kind: str, raw, response_id
         history = await _history(need.response_id, recorder, tenant_id)
         prepared = await intake.prepare(kind, raw, history)
     request = prepared.responses
+    if request.background and recorder is None:
+        raise InvalidRequest("background needs run records (router.runs.enabled: false here)",
+                             param="background", code="unsupported_parameter")
     request.store = request.store and recorder is not None
     return ResponsesBuilder(prepared, response_id, backend.tokenizer, request)
 
@@ -137,7 +163,7 @@ async def _recorded_body(request: Request, recorder: RunRecorder, live: LiveRun,
     try:
         recorder.advance(live, "prefilling")
         await until_disconnect(request.receive,
-                               _collect(builder, merged, _on_first_chunk(recorder, live)), deadline)
+                               collect(builder, merged, _on_first_chunk(recorder, live)), deadline)
         body = builder.final_body()
         live.body = json.dumps(body).encode()
     except BaseException as exc:
@@ -260,17 +286,17 @@ async def _unrecorded(request: Request, backend: Backend, intake: Intake, kind: 
     merged = _backend_streams(backend, prepared, response_id, tenant, timeout_s)
     try:
         if not prepared.stream:
-            await until_disconnect(request.receive, _collect(builder, merged), deadline)
+            await until_disconnect(request.receive, collect(builder, merged), deadline)
             return JSONResponse(builder.final_body())
         # Hold the headers until every choice has its first chunk: an error before any token
         # gets its own HTTP status (429, 503, ...) rather than a 200 stream with an error in it.
         first = await until_disconnect(request.receive,
-                                       _first_chunks(merged, len(prepared.choices)), deadline)
+                                       first_chunks(merged, len(prepared.choices)), deadline)
     except BaseException:
         await merged.aclose()
         raise
     outcome: dict = {}
-    return SSEResponse(_sse_events(builder, first, merged, outcome), deadline=deadline,
+    return SSEResponse(sse_events(builder, first, merged, outcome), deadline=deadline,
                        on_end=lambda _: merged.aclose(),  # also when no event was pulled
                        cut_events=lambda exc: builder.failed(exc, outcome.get("sent")))
 
@@ -287,17 +313,18 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
         recorder.advance(live, "prefilling")
         async with asyncio.timeout_at(deadline):
             if builder.prepared.stream:
-                first = await _first_chunks(merged, len(builder.prepared.choices),
+                first = await first_chunks(merged, len(builder.prepared.choices),
                                             _on_first_chunk(recorder, live))
                 live.started = True
-                async for _ in _sse_events(builder, first, merged, outcome, emit):
+                async for _ in sse_events(builder, first, merged, outcome, emit):
                     pass
             else:
-                await _collect(builder, merged, _on_first_chunk(recorder, live))
+                await collect(builder, merged, _on_first_chunk(recorder, live))
                 live.body = json.dumps(builder.final_body()).encode()
         state = "failed" if outcome.get("error") else "completed"
     except BackendError as exc:
         live.error, outcome["error"] = exc, exc.message
+        end_as_cut(live, exc, emit, builder.failed)  # a background response's stream is begun
     except TimeoutError:
         exc = _timeout_error()
         outcome["error"] = exc.message
@@ -312,7 +339,8 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
             outcome["error"] = cut.message
         else:
             state = "cancelled"
-        end_as_cut(live, cut, emit, builder.failed)
+        if not live.cancelled:  # one its client cancelled stops where it was (GET: cancelled)
+            end_as_cut(live, cut, emit, builder.failed)
         raise
     except Exception:
         log.exception("%s: backend failed", live.id)
@@ -352,75 +380,6 @@ async def respond(recorder: RunRecorder, live: LiveRun, request: Request, after:
     return SSEResponse(recorder.follow(live, after))
 
 
-async def _collect(builder: ResponseBuilder, merged, on_first=None) -> None:
-    async for index, chunk in merged:
-        _raise_for_error(chunk)
-        if on_first is not None:
-            on_first(chunk)
-            on_first = None
-        builder.add(index, chunk)
-
-
-async def _first_chunks(merged, num_choices: int, on_first=None) -> list[tuple[int, dict]]:
-    seen: set[int] = set()
-    first: list[tuple[int, dict]] = []
-    while len(seen) < num_choices:
-        try:
-            index, chunk = await merged.__anext__()
-        except StopAsyncIteration:
-            break
-        _raise_for_error(chunk)
-        if on_first is not None:
-            on_first(chunk)
-            on_first = None
-        first.append((index, chunk))
-        seen.add(index)
-    return first
-
-
-async def _sse_events(builder: ResponseBuilder, first: list, merged, outcome: dict,
-                      event=sse):
-    """The SSE events of a stream, each encoded by `event(payload)` (a run's emitter keeps
-    them); a failure after the first event is said in the stream and noted in
-    `outcome["error"]`; `outcome["sent"]` counts the events given out."""
-    outcome["sent"] = 0
-    try:
-        for index, chunk in first:
-            for payload in builder.events(index, chunk):
-                outcome["sent"] += 1
-                yield event(payload)
-        try:
-            async for index, chunk in merged:
-                _raise_for_error(chunk)
-                for payload in builder.events(index, chunk):
-                    outcome["sent"] += 1
-                    yield event(payload)
-        except BackendError as exc:  # after the first token the status is already 200
-            log.warning("%s: error mid-stream: %s", builder.id, exc.message)
-            outcome["error"] = exc.message
-            for payload in builder.failed(exc):
-                yield event(payload)
-            return
-        except Exception:
-            log.exception("%s: backend failed mid-stream", builder.id)
-            outcome["error"] = "internal error while streaming"
-            for payload in builder.failed(BackendError(500, outcome["error"])):
-                yield event(payload)
-            return
-        for payload in builder.closing():
-            yield event(payload)
-    finally:
-        await merged.aclose()
-
-
-def _raise_for_error(chunk: dict) -> None:
-    error = chunk.get("error")
-    if error is not None:
-        raise BackendError.from_chunk_error(error if isinstance(error, dict) else
-                                            {"message": str(error)})
-
-
-# ---------------------------------------------------------------------------------- plumbing
 def _name_request(request: Request, prefix: str) -> str:
     """The response id ("cmpl-<hex>", "resp_<hex>"); it replaces the generic id in X-Request-Id
     and logs."""

@@ -46,6 +46,8 @@ class LiveRun:
     kept_output: Optional[tuple[str, bytes]] = None  # written with its end: a client may ask
     conversation: Optional[bytes] = None  # a stored response's messages (JSON), kept with it
     unstored: bool = False  # a response sent with store: false: not read back by its id
+    background: bool = False  # a background response's: no follower leaving cancels it
+    cancelled: bool = False  # a background response cancelled by its client's request
     _changed: Optional[asyncio.Event] = None  # made when someone first waits
 
     def notify(self) -> None:

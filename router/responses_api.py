@@ -3,8 +3,8 @@ function tools, text format and sampling fields become a chat completions body, 
 path validates, renders and runs; router/responses_events.py turns the chat output back into a
 response object and its stream events.
 
-A field this server cannot honour is refused naming it (hosted tools, images and files,
-background mode), as on the chat path; unknown fields are ignored. A chat
+A field this server cannot honour is refused naming it (hosted tools, images and files), as
+on the chat path; unknown fields are ignored. A chat
 error's `param` is given back under the Responses name (`max_tokens` -> `max_output_tokens`).
 """
 
@@ -29,7 +29,6 @@ _SAME_FIELDS = ("model", "temperature", "top_p", "top_logprobs", "parallel_tool_
                 "chat_template_kwargs")
 # Fields whose only accepted values are these (anything else would be ignored if taken).
 _OFF_VALUES: dict[str, tuple] = {
-    "background": (None, False),
     "conversation": (None,),
     "prompt": (None,),
     "truncation": (None, "disabled"),
@@ -63,6 +62,7 @@ class ResponsesRequest:
     logprobs: bool = False
     store: bool = True  # kept for GET /v1/responses/{id} and a later previous_response_id
     messages: list = field(default_factory=list)  # the conversation so far, without instructions
+    background: bool = False  # run apart from its request: polled, streamed again, cancelled
 
 
 class NeedsHistory(Exception):
@@ -146,6 +146,12 @@ def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, Respons
     store = data.get("store", True)
     if not isinstance(store, bool) and store is not None:
         raise InvalidRequest("store must be a boolean", param="store")
+    background = data.get("background")
+    if not isinstance(background, bool) and background is not None:
+        raise InvalidRequest("background must be a boolean", param="background")
+    if background and store is False:
+        raise InvalidRequest("background needs store: true (its response is read back by its "
+                             "id)", param="background")
     stream_options = data.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise InvalidRequest("stream_options must be an object", param="stream_options")
@@ -161,8 +167,9 @@ def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, Respons
             "top_logprobs": data.get("top_logprobs") or 0,
             "truncation": "disabled",
             "user": data.get("user"),
-            "background": False}
-    return chat, ResponsesRequest(echo, logprobs, store is not False, conversation)
+            "background": bool(background)}
+    return chat, ResponsesRequest(echo, logprobs, store is not False, conversation,
+                                  bool(background))
 
 
 def responses_param(param: Optional[str]) -> Optional[str]:

@@ -55,7 +55,7 @@ class ResponsesBuilder:
         self.events(index, chunk)
 
     def events(self, index: int, chunk: dict) -> list[dict]:
-        out = self._start()
+        out = self.opening()
         before = len(self.chat.choices[index].text)
         payload = self.chat.add(index, chunk)
         if payload is None:
@@ -89,7 +89,7 @@ class ResponsesBuilder:
     def closing(self) -> list[dict]:
         """The last event: the response whole (response.completed, or .incomplete at
         max_output_tokens)."""
-        out = self._start()
+        out = self.opening()
         status = self._status()
         self.final = self.snapshot(status, self.items)
         return out + [self._event(f"response.{status}", response=self.final)]
@@ -98,7 +98,7 @@ class ResponsesBuilder:
         """A stream that fails after its first event ends saying so: an error event, then
         response.failed with the items so far; numbered from `seq` (default: after every event
         built; a stream cut while it sent them gives what it sent)."""
-        out = self._start()
+        out = self.opening()
         return out + failed_events(self.seq if seq is None else seq + len(out),
                                    self.snapshot("in_progress", self.items), error)
 
@@ -106,10 +106,13 @@ class ResponsesBuilder:
         """A JSON response: the one its output ended with."""
         return self.final or self.closing()[-1]["response"]
 
-    def _start(self) -> list[dict]:
+    def opening(self) -> list[dict]:
+        """The first events (none once they are made): response.created (`queued` for a
+        background response, made before the model's first token) and .in_progress."""
         if self.seq:
             return []
-        return [self._event("response.created", response=self.snapshot("in_progress")),
+        created = "queued" if self.request.background else "in_progress"
+        return [self._event("response.created", response=self.snapshot(created)),
                 self._event("response.in_progress", response=self.snapshot("in_progress"))]
 
     def _call_delta(self, call: dict) -> list[dict]:

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Optional
 
 from starlette.requests import Request
 
 from gateway.runs import TRANSITIONS
 from router.backend import BackendError
 from router.responses_events import stored_body
-from router.run_records import RunRecorder
+from router.run_records import RunRecorder, output_of
 from router.schema import InvalidRequest
 from router.streaming import SSEResponse, until_disconnect
 
+FOLLOW_WAIT_S = 2.0  # for another replica's running response to publish its events
 MAX_ITEMS_PAGE = 100  # OpenAI's limit on one page of input items
 _ITEM_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")  # no effect
 
@@ -42,6 +44,8 @@ async def retrieve(request: Request, recorder: RunRecorder, tenant: str, respons
             raise InvalidRequest("starting_after needs stream=true", param="starting_after")
         stored = await recorder.stored(response_id, tenant, with_output=True)
         body = stored_body(stored[1]) if stored is not None and stored[1] else None
+        if body is None:  # running (queued or in progress), or ended without a conversation
+            body = await as_it_stands(recorder, tenant, response_id)
         if body is None:
             raise not_found(response_id)
         return body
@@ -127,6 +131,62 @@ async def delete(recorder: RunRecorder, tenant: str, response_id: str) -> dict:
     elif not deleted:
         raise not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def cancel(recorder: RunRecorder, tenant: str, response_id: str) -> dict:
+    """A background response stopped where it is (its stream ends there; GET says
+    `cancelled`). Cancelling a cancelled one gives it again; an ended one is a 409, as is one
+    running on another replica (its task is there)."""
+    live = await recorder.find(response_id, tenant)
+    if live is None or live.unstored or not response_id.startswith("resp_"):
+        raise not_found(response_id)
+    if live.remote and TRANSITIONS.get(live.state):
+        raise BackendError(409, f"response {response_id!r} runs on another router replica; "
+                           "cancel it there", param="response_id", code="response_elsewhere")
+    if not live.remote and not live.background:
+        raise InvalidRequest("only a background response can be cancelled (a streamed one "
+                             "stops when its client closes the stream)", param="response_id")
+    if not live.done:
+        live.cancelled = True
+        live.task.cancel()
+        while not live.done:
+            await live.changed()
+    body = await as_it_stands(recorder, tenant, response_id)
+    if body is None:
+        raise not_found(response_id)
+    if body["status"] != "cancelled":
+        raise BackendError(409, f"response {response_id!r} has already ended (status "
+                           f"{body['status']})", param="response_id",
+                           code="response_already_ended")
+    return body
+
+
+async def as_it_stands(recorder: RunRecorder, tenant: str, response_id: str
+                        ) -> Optional[dict]:
+    """The response object from its run's events (a running one's latest snapshot: queued or
+    in progress) or kept output (one that ended without a conversation to store: failed,
+    cancelled), with the status its run ended in; None when there is none."""
+    live = await recorder.find(response_id, tenant)
+    if live is None or live.unstored or not response_id.startswith("resp_"):
+        return None
+    if live.remote and not TRANSITIONS.get(live.state):  # ended: its record has the output
+        output = await asyncio.to_thread(recorder.store.get_output, live.id)
+    elif live.remote:  # running on another replica: its events, published while followed
+        recorder.join(live)
+        try:
+            await asyncio.wait_for(recorder.wait_ready(live), FOLLOW_WAIT_S)
+        except TimeoutError:
+            pass
+        finally:
+            recorder.leave(live)
+        output = output_of(live)
+    else:
+        output = output_of(live)
+    body = stored_body(output) if output is not None else None
+    if body is not None and live.state == "cancelled" and body["status"] in ("queued",
+                                                                             "in_progress"):
+        body = dict(body, status="cancelled")
+    return body
 
 
 def conversation_items(messages: list[dict], response_id: str) -> list[dict]:

@@ -229,7 +229,7 @@ class RunRecorder:
         if live.followers == 0 and live.settling is not None and not live.done:
             live.settling.cancel()  # a stub nobody reads any more: stop polling the store
             live.settling = None  # a follower who joins later has it followed again
-        if live.followers > 0 or live.done or live.task is None:
+        if live.followers > 0 or live.done or live.task is None or live.background:
             return
         grace = self.detach_grace_s if live.key is not None else 0.0
 
@@ -383,7 +383,7 @@ class RunRecorder:
                 if live.done:
                     if live.conversation is None:
                         return None
-                    return live.conversation, _output_of(live) if with_output else None
+                    return live.conversation, output_of(live) if with_output else None
                 if not (stream_closed(live) or live.body is not None):
                     return None  # it is still producing its output
                 try:  # its end is being recorded
@@ -420,7 +420,7 @@ class RunRecorder:
         return record
 
 
-def _output_of(live: LiveRun) -> Optional[tuple[str, bytes]]:
+def output_of(live: LiveRun) -> Optional[tuple[str, bytes]]:
     """A finished run's output as its record keeps it (or would)."""
     if live.kept_output is not None:
         return live.kept_output

@@ -139,7 +139,7 @@ def test_logprobs_when_included(client):  # noqa: F811
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type"),
-    ({"background": True}, "background"),
+    ({"background": "yes"}, "background"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"max_output_tokens": -1}, "max_output_tokens"),
     ({"include": ["file_search_call.results"]}, "include"),
