@@ -334,7 +334,7 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
             live.error = exc
     except asyncio.CancelledError:  # its last follower left it (after the grace), or shutdown
         late = asyncio.get_running_loop().time() >= deadline  # its timeout was due anyway
-        cut = _timeout_error() if late else _client_left()
+        cut = _timeout_error() if late else _stopped() if live.background else _client_left()
         if late:
             outcome["error"] = cut.message
         else:
@@ -354,6 +354,11 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
 def _timeout_error() -> BackendError:
     return BackendError(504, "the request did not finish within request_timeout_s",
                         type="timeout_error", code="request_timeout")
+
+
+def _stopped() -> BackendError:  # a background response cut short, not by a cancel: shutdown
+    return BackendError(503, "the router stopped while the response ran; send it again",
+                        code="server_stopping")
 
 
 def _client_left() -> BackendError:
