@@ -31,7 +31,7 @@ _SAME_FIELDS = ("model", "temperature", "top_p", "top_logprobs", "parallel_tool_
 _OFF_VALUES: dict[str, tuple] = {
     "conversation": (None,),
     "prompt": (None,),
-    "truncation": (None, "disabled"),
+    "truncation": (None, "disabled", "auto"),
     "max_tool_calls": (None,),
     "context_management": (None,),
 }
@@ -90,7 +90,12 @@ def prepare_responses(data: dict, tokenizer, model_name: str, max_model_len: int
             raise NeedsHistory(previous)
     chat, request = chat_body(data, json.loads(history) if previous is not None else None)
     try:
-        prepared = prepare_chat(chat, tokenizer, model_name, max_model_len, defaults)
+        try:
+            prepared = prepare_chat(chat, tokenizer, model_name, max_model_len, defaults)
+        except InvalidRequest as exc:
+            if data.get("truncation") != "auto" or exc.code != "context_length_exceeded":
+                raise
+            prepared = _truncated(chat, exc, tokenizer, model_name, max_model_len, defaults)
     except BackendError as exc:  # named as the client named it
         exc.param = responses_param(exc.param)
         exc.message = re.sub(r"tools\[(\d+)\]\.function\.", r"tools[\1].", exc.message)
@@ -99,6 +104,33 @@ def prepare_responses(data: dict, tokenizer, model_name: str, max_model_len: int
         raise
     prepared.responses = request
     return prepared
+
+
+def _truncated(chat: dict, too_long: InvalidRequest, tokenizer, model_name: str,
+               max_model_len: int, defaults: Optional[dict]) -> PreparedRequest:
+    """`truncation: "auto"`: the conversation without its oldest turns, as few dropped as make
+    it fit (a turn begins at a user message, so a call and its output go together; the
+    instructions stay); `too_long` when even its last turn does not fit."""
+    messages = chat["messages"]
+    system = 0
+    while system < len(messages) and messages[system]["role"] == "system":
+        system += 1
+    users = [i for i in range(system, len(messages)) if messages[i]["role"] == "user"]
+    starts = users[1:] if users and users[0] == system else users
+    fitting, lo, hi = None, 0, len(starts) - 1  # the first start that fits (fewer dropped)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        kept = {**chat, "messages": messages[:system] + messages[starts[mid]:]}
+        try:
+            fitting = prepare_chat(kept, tokenizer, model_name, max_model_len, defaults)
+            hi = mid - 1
+        except InvalidRequest as exc:
+            if exc.code != "context_length_exceeded":
+                raise
+            lo = mid + 1
+    if fitting is None:
+        raise too_long
+    return fitting
 
 
 def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, ResponsesRequest]:
@@ -165,7 +197,7 @@ def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, Respons
             "tool_choice": data.get("tool_choice") or ("auto" if tools else "none"),
             "tools": data.get("tools") or [],
             "top_logprobs": data.get("top_logprobs") or 0,
-            "truncation": "disabled",
+            "truncation": data.get("truncation") or "disabled",
             "user": data.get("user"),
             "background": bool(background)}
     return chat, ResponsesRequest(echo, logprobs, store is not False, conversation,

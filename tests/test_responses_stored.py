@@ -130,3 +130,41 @@ def test_another_replica_deletes_it_through_the_store(store_url):
         await asyncio.to_thread(a.close)
 
     asyncio.run(scenario())
+
+
+def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(client):  # noqa: F811
+    """A conversation past the context: a 400 as it is, and with truncation "auto" the answer
+    the chat endpoint gives to the instructions and the latest turns that fit (a call and its
+    output dropped together)."""
+    model = client.models.list().data[0].id
+    turns = []
+    for i in range(12):
+        turns += [{"role": "user", "content": f"Turn {i}: " + "tell me more " * 40},
+                  {"role": "assistant", "content": "more words " * 30}]
+    turns[3:3] = [{"type": "function_call", "call_id": "call_9", "name": "f",
+                   "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": "call_9", "output": "ok"}]
+    turns.append({"role": "user", "content": "And now?"})
+    ask = dict(model=model, instructions="Be brief.", input=turns, max_output_tokens=8,
+               **SAMPLING)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(**ask)
+    assert raised.value.body["code"] == "context_length_exceeded"
+    assert raised.value.body["param"] == "input"
+    fitted = client.responses.create(**ask, truncation="auto")
+    assert fitted.truncation == "auto" and fitted.usage.input_tokens + 8 <= 2048
+    chat_turns = [{"role": m["role"], "content": m["content"]} for m in turns
+                  if "role" in m]  # the call and its output are in the first turns, dropped
+    starts = [i for i, m in enumerate(chat_turns) if m["role"] == "user"]
+    for start in starts:  # the fewest turns dropped that fit, found by the chat endpoint
+        try:
+            chat = client.chat.completions.create(
+                model=model, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True},
+                messages=[{"role": "system", "content": "Be brief."}] + chat_turns[start:])
+            break
+        except openai.BadRequestError:
+            continue
+    assert start > 0 and fitted.output_text == chat.choices[0].message.content
+    assert fitted.usage.input_tokens == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError):  # even its last turn alone is too long
+        client.responses.create(model=model, input="word " * 3000, truncation="auto")
