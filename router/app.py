@@ -31,7 +31,7 @@ from pd_runtime.config import RouterConfig
 from router import responses_stored, tokenize_api
 from router.backend import Backend, BackendError
 from router.generation import bearer_key, generation, no_run, respond, tenant_name
-from router.intake import Intake
+from router.intake import Intake, int_param
 from router.metrics import RunRecordMetrics
 from router.protocol import InvalidRequest
 from router.live_run import parse_event_id
@@ -138,7 +138,7 @@ def create_app(backend: Backend, router_config: RouterConfig,
         if live is None:
             raise no_run(run_id)
         after = parse_event_id(request.headers.get("last-event-id"))
-        seq = after[1] if after and after[0] == run_id else _int_param(request, "after", -1)
+        seq = after[1] if after and after[0] == run_id else int_param(request, "after", -1)
         if seq < -1:
             raise InvalidRequest("after must be -1 (the whole stream) or an event's number",
                                  param="after")
@@ -232,16 +232,6 @@ def _records(recorder: Optional[RunRecorder]) -> RunRecorder:
         raise BackendError(404, "run records are off (router.runs.enabled: false)",
                            code="runs_disabled")
     return recorder
-
-
-def _int_param(request: Request, name: str, default: int) -> int:
-    value = request.query_params.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise InvalidRequest(f"{name} must be an integer", param=name) from None
 
 
 def _float_param(request: Request, name: str, default: float) -> float:

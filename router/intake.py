@@ -31,6 +31,7 @@ from router.backend import Backend, BackendError
 from router.protocol import (PreparedRequest, is_token_ids, parse_json, prepare_chat,
                              prepare_completion)
 from router.responses_api import NeedsHistory, prepare_responses
+from router.schema import InvalidRequest
 from router.streaming import ClientDisconnected
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,17 @@ class Intake:
             if self._pool is broken:  # not a newer one another request has started since
                 self._pool = None
         broken.shutdown(wait=False, cancel_futures=True)
+
+
+def int_param(request: Request, name: str, default: int) -> int:
+    """Query parameter `name` as an integer (`default` when absent); a 400 naming it."""
+    value = request.query_params.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer", param=name) from None
 
 
 def _write_temporary(data: bytearray) -> str:

@@ -15,6 +15,7 @@ from starlette.requests import Request
 
 from gateway.runs import TRANSITIONS
 from router.backend import BackendError
+from router.intake import int_param
 from router.responses_events import stored_body
 from router.run_records import RunRecorder, output_of
 from router.schema import InvalidRequest
@@ -49,7 +50,7 @@ async def retrieve(request: Request, recorder: RunRecorder, tenant: str, respons
         if body is None:
             raise not_found(response_id)
         return body
-    after = _int(request, "starting_after", -1)
+    after = int_param(request, "starting_after", -1)
     if after < -1:
         raise InvalidRequest("starting_after must be a sequence number (0 or more)",
                              param="starting_after")
@@ -78,7 +79,7 @@ async def input_items(request: Request, recorder: RunRecorder, tenant: str,
     order = request.query_params.get("order", "desc")
     if order not in ("asc", "desc"):
         raise InvalidRequest("order must be asc or desc", param="order")
-    limit = _int(request, "limit", 20)
+    limit = int_param(request, "limit", 20)
     if not 1 <= limit <= MAX_ITEMS_PAGE:
         raise InvalidRequest(f"limit must be between 1 and {MAX_ITEMS_PAGE}", param="limit")
     for name in ("include", "include[]"):
@@ -225,13 +226,3 @@ def conversation_items(messages: list[dict], response_id: str) -> list[dict]:
 def _running(response_id: str) -> BackendError:
     return BackendError(409, f"response {response_id!r} is still running",
                         param="response_id", code="response_in_progress")
-
-
-def _int(request: Request, name: str, default: int) -> int:
-    value = request.query_params.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise InvalidRequest(f"{name} must be an integer", param=name) from None

@@ -82,25 +82,35 @@ def test_a_stream_resumed_on_another_replica_flows_while_the_run_goes_on(llama_d
         assert store.events_after(run_id, -1) == [], "published events go with the run's end"
 
 
+def _recorders(tmp_path):
+    """owner -> a run recorder of that replica, all on one SQLite store."""
+    from gateway.sqlite import SqliteRunStore
+    from router.run_records import RunRecorder
+
+    path = tmp_path / "runs.sqlite3"
+    return lambda owner: RunRecorder(SqliteRunStore(path), f"sqlite://{path}", owner)
+
+
+async def _streaming(recorder, run_id: str, body: dict):
+    """A keyed run of `recorder`'s replica, streaming."""
+    live, _ = await recorder.open(run_id, "acme", True, "k", body)
+    recorder.advance(live, "prefilling")
+    recorder.advance(live, "streaming")
+    return live
+
+
 def test_a_followed_stream_whose_producer_stops_ends_saying_so(tmp_path):
     """Replica B passes on the events replica A published; A stops mid-run (its restart fails
     the run). B's client gets the error and [DONE] after the events it had, not a stream
     that ends as if whole; the published events are gone with the run's end."""
-    from gateway.sqlite import SqliteRunStore
-    from router.run_records import RunRecorder
     from router.streaming import sse
 
-    path = tmp_path / "runs.sqlite3"
-
-    def recorder(owner):
-        return RunRecorder(SqliteRunStore(path), f"sqlite://{path}", owner)
+    recorder = _recorders(tmp_path)
 
     async def scenario():
         a, b = recorder("a:1/0"), recorder("b:1/0")
         body = {"prompt": "x", "stream": True}
-        live, _ = await a.open("run-x", "acme", True, "k", body)
-        a.advance(live, "prefilling")
-        a.advance(live, "streaming")
+        live = await _streaming(a, "run-x", body)
         stub, created = await b.open("run-y", "acme", True, "k", body)
         assert not created and stub.remote
         b.join(stub)
@@ -139,21 +149,14 @@ def test_a_stub_left_by_its_only_follower_is_followed_again_by_the_next(tmp_path
     outcome). The first follower leaving before the second joins stops B's polling of the
     store; the second has it followed again and gets the run's end, not a wait that never
     ends."""
-    from gateway.sqlite import SqliteRunStore
-    from router.run_records import RunRecorder
     from router.streaming import sse
 
-    path = tmp_path / "runs.sqlite3"
-
-    def recorder(owner):
-        return RunRecorder(SqliteRunStore(path), f"sqlite://{path}", owner)
+    recorder = _recorders(tmp_path)
 
     async def scenario():
         a, b = recorder("a:1/0"), recorder("b:1/0")
         body = {"prompt": "x", "stream": True}
-        live, _ = await a.open("run-x", "acme", True, "k", body)
-        a.advance(live, "prefilling")
-        a.advance(live, "streaming")
+        live = await _streaming(a, "run-x", body)
         (stub, created), (again, again_created) = await asyncio.gather(
             b.open("run-y", "acme", True, "k", body), b.open("run-z", "acme", True, "k", body))
         assert not created and not again_created and stub.remote and again is stub
