@@ -95,7 +95,10 @@ def prepare_responses(data: dict, tokenizer, model_name: str, max_model_len: int
         except InvalidRequest as exc:
             if data.get("truncation") != "auto" or exc.code != "context_length_exceeded":
                 raise
-            prepared = _truncated(chat, exc, tokenizer, model_name, max_model_len, defaults)
+            instructions = len(chat["messages"]) - len(request.messages)
+            prepared, kept = _truncated(chat, exc, tokenizer, model_name, max_model_len,
+                                        defaults)
+            request.messages = kept[instructions:]  # what is stored: the turns it was given
     except BackendError as exc:  # named as the client named it
         exc.param = responses_param(exc.param)
         exc.message = re.sub(r"tools\[(\d+)\]\.function\.", r"tools[\1].", exc.message)
@@ -107,10 +110,11 @@ def prepare_responses(data: dict, tokenizer, model_name: str, max_model_len: int
 
 
 def _truncated(chat: dict, too_long: InvalidRequest, tokenizer, model_name: str,
-               max_model_len: int, defaults: Optional[dict]) -> PreparedRequest:
+               max_model_len: int, defaults: Optional[dict]) -> tuple[PreparedRequest, list]:
     """`truncation: "auto"`: the conversation without its oldest turns, as few dropped as make
     it fit (a turn begins at a user message, so a call and its output go together; the
-    instructions stay); `too_long` when even its last turn does not fit."""
+    instructions stay), and the messages kept; `too_long` when even its last turn does not
+    fit."""
     messages = chat["messages"]
     system = 0
     while system < len(messages) and messages[system]["role"] == "system":
@@ -120,9 +124,10 @@ def _truncated(chat: dict, too_long: InvalidRequest, tokenizer, model_name: str,
     fitting, lo, hi = None, 0, len(starts) - 1  # the first start that fits (fewer dropped)
     while lo <= hi:
         mid = (lo + hi) // 2
-        kept = {**chat, "messages": messages[:system] + messages[starts[mid]:]}
+        kept = messages[:system] + messages[starts[mid]:]
         try:
-            fitting = prepare_chat(kept, tokenizer, model_name, max_model_len, defaults)
+            fitting = prepare_chat({**chat, "messages": kept}, tokenizer, model_name,
+                                   max_model_len, defaults), kept
             hi = mid - 1
         except InvalidRequest as exc:
             if exc.code != "context_length_exceeded":

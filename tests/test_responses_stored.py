@@ -135,7 +135,7 @@ def test_another_replica_deletes_it_through_the_store(store_url):
 def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(client):  # noqa: F811
     """A conversation past the context: a 400 as it is, and with truncation "auto" the answer
     the chat endpoint gives to the instructions and the latest turns that fit (a call and its
-    output dropped together)."""
+    output dropped together), which are what it stores."""
     model = client.models.list().data[0].id
     turns = []
     for i in range(12):
@@ -166,5 +166,8 @@ def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(client):  # noqa
             continue
     assert start > 0 and fitted.output_text == chat.choices[0].message.content
     assert fitted.usage.input_tokens == chat.usage.prompt_tokens
+    # What is stored is what it was given: a chain's conversation stays within the context.
+    items = list(client.responses.input_items.list(fitted.id, order="asc", limit=100))
+    assert [i.content[0].text for i in items] == [m["content"] for m in chat_turns[start:]]
     with pytest.raises(openai.BadRequestError):  # even its last turn alone is too long
         client.responses.create(model=model, input="word " * 3000, truncation="auto")
