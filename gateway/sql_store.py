@@ -17,6 +17,8 @@ from gateway.store import (DAY_S, ENDED, IN_FLIGHT, RUN_FIELDS, STATE_TIME, UPDA
 
 log = logging.getLogger(__name__)
 
+DELETED = "deleted"  # run_outputs.kind of an output deleted by its client
+
 
 class SqlRunStore:
     """The RunStore operations in SQL, written once for every database: a subclass supplies a
@@ -277,7 +279,7 @@ class SqlRunStore:
         if row is None:
             return None
         kind, body = _values(row)
-        return kind, bytes(body)
+        return (kind, bytes(body)) if kind != DELETED else None
 
     def get_conversation(self, run_id: str) -> Optional[bytes]:
         row = self._exec(self._db(), "SELECT conversation FROM run_outputs WHERE run_id = ?",
@@ -285,11 +287,21 @@ class SqlRunStore:
         value = _first(row) if row is not None else None
         return bytes(value) if value is not None else None
 
-    def delete_output(self, run_id: str) -> bool:
+    def delete_output(self, run_id: str, at: float) -> None:
         with self._tx() as db:
             self._exec(db, "DELETE FROM run_events WHERE run_id = ?", (run_id,))
-            return self._exec(db, "DELETE FROM run_outputs WHERE run_id = ? AND conversation "
-                              "IS NOT NULL", (run_id,)).rowcount > 0
+            # A tombstone, not no row: a replica holding the output in memory asks for it
+            # (output_deleted), and the owner's write of a final row that was still on its way
+            # (ON CONFLICT DO NOTHING) cannot bring the output back.
+            self._exec(db, "INSERT INTO run_outputs (run_id, kind, body, conversation, "
+                       "created_at) VALUES (?, ?, ?, NULL, ?) ON CONFLICT (run_id) DO UPDATE "
+                       "SET kind = excluded.kind, body = excluded.body, conversation = NULL",
+                       (run_id, DELETED, b"", at))
+
+    def output_deleted(self, run_id: str) -> bool:
+        row = self._exec(self._db(), "SELECT kind FROM run_outputs WHERE run_id = ?",
+                         (run_id,)).fetchone()
+        return row is not None and _first(row) == DELETED
 
     def take(self, bucket: str, capacity: float, per_s: float, amount: float,
              now: float) -> float:

@@ -79,9 +79,12 @@ class RunStore(Protocol):
     def get_conversation(self, run_id: str) -> Optional[bytes]:
         """A stored response's conversation (saved with its output), or None."""
 
-    def delete_output(self, run_id: str) -> bool:
-        """A stored response's output and conversation deleted (DELETE /v1/responses/{id});
-        False when it had none."""
+    def delete_output(self, run_id: str, at: float) -> None:
+        """A stored response's output and conversation deleted (DELETE /v1/responses/{id}):
+        a tombstone from then on (get_output and get_conversation give None)."""
+
+    def output_deleted(self, run_id: str) -> bool:
+        """Whether the run's output was deleted (a replica holding it in memory asks)."""
 
     def mark_followed(self, run_id: str, at: float) -> None:
         """A client of another process waits for this run (its producer keeps it going)."""

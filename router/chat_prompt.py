@@ -117,7 +117,10 @@ def _effort_variables(effort, variables: dict, template: str, thinks: bool) -> N
     if "enable_thinking" in template:
         wanted = effort != "none"
         given = variables.setdefault("enable_thinking", wanted)
-        if bool(given) != wanted:  # as the template reads it
+        if not isinstance(given, bool):  # templates test it `is false`: 0 would think
+            raise InvalidRequest("chat_template_kwargs.enable_thinking must be true or false",
+                                 param="chat_template_kwargs")
+        if given is not wanted:
             raise InvalidRequest(f"reasoning_effort {effort!r} and chat_template_kwargs."
                                  f"enable_thinking {given!r} contradict each other (it "
                                  f"would be {str(wanted).lower()})", param="reasoning_effort")

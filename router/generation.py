@@ -67,8 +67,10 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
         raise BackendError(422, str(exc), type="invalid_request_error",
                            code="idempotency_key_reused") from None
     if not created:  # a retry: the run that has the key, not a second computation
-        if live.background and not body.get("stream"):  # the response as it stands
-            return JSONResponse(await as_it_stands(recorder, tenant_id, live.id))
+        if kind == "responses" and body.get("background") is True and not body.get("stream"):
+            now = await as_it_stands(recorder, tenant_id, live.id)
+            if now is not None:  # a background request's answer: the response as it stands
+                return JSONResponse(now)
         return await respond(recorder, live, request, -1, deadline)
     live.event_ids = recorder.always_event_ids or key is not None or \
         "text/event-stream" in accept
@@ -335,7 +337,7 @@ async def _produce(recorder: RunRecorder, live: LiveRun, builder: ResponseBuilde
     except asyncio.CancelledError:  # its last follower left it (after the grace), or shutdown
         late = asyncio.get_running_loop().time() >= deadline  # its timeout was due anyway
         cut = _timeout_error() if late else _stopped() if live.background else _client_left()
-        if late:
+        if late or (live.background and not live.cancelled):  # it failed: its record says so
             outcome["error"] = cut.message
         else:
             state = "cancelled"

@@ -95,10 +95,11 @@ def prepare_responses(data: dict, tokenizer, model_name: str, max_model_len: int
         except InvalidRequest as exc:
             if data.get("truncation") != "auto" or exc.code != "context_length_exceeded":
                 raise
-            instructions = len(chat["messages"]) - len(request.messages)
-            prepared, kept = _truncated(chat, exc, tokenizer, model_name, max_model_len,
-                                        defaults)
-            request.messages = kept[instructions:]  # what is stored: the turns it was given
+            prepared, head, start = _truncated(chat, exc, tokenizer, model_name,
+                                               max_model_len, defaults)
+            skip = len(chat["messages"]) - len(request.messages)  # the instructions
+            # What is stored: the turns it was given.
+            request.messages = request.messages[:head - skip] + request.messages[start - skip:]
     except BackendError as exc:  # named as the client named it
         exc.param = responses_param(exc.param)
         exc.message = re.sub(r"tools\[(\d+)\]\.function\.", r"tools[\1].", exc.message)
@@ -110,11 +111,12 @@ def prepare_responses(data: dict, tokenizer, model_name: str, max_model_len: int
 
 
 def _truncated(chat: dict, too_long: InvalidRequest, tokenizer, model_name: str,
-               max_model_len: int, defaults: Optional[dict]) -> tuple[PreparedRequest, list]:
+               max_model_len: int, defaults: Optional[dict]
+               ) -> tuple[PreparedRequest, int, int]:
     """`truncation: "auto"`: the conversation without its oldest turns, as few dropped as make
     it fit (a turn begins at a user message, so a call and its output go together; the
-    instructions stay), and the messages kept; `too_long` when even its last turn does not
-    fit."""
+    instructions and system messages before the first turn stay): (prepared, h, s), the
+    messages kept being [:h] and [s:]; `too_long` when even its last turn does not fit."""
     messages = chat["messages"]
     system = 0
     while system < len(messages) and messages[system]["role"] == "system":
@@ -127,7 +129,7 @@ def _truncated(chat: dict, too_long: InvalidRequest, tokenizer, model_name: str,
         kept = messages[:system] + messages[starts[mid]:]
         try:
             fitting = prepare_chat({**chat, "messages": kept}, tokenizer, model_name,
-                                   max_model_len, defaults), kept
+                                   max_model_len, defaults), system, starts[mid]
             hi = mid - 1
         except InvalidRequest as exc:
             if exc.code != "context_length_exceeded":
@@ -154,7 +156,9 @@ def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, Respons
             raise InvalidRequest("instructions must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
     conversation = (history or []) + _input_messages(data.get("input"))
-    chat["messages"] = messages + conversation
+    # A developer message is the template's system message (the conversation keeps its role).
+    chat["messages"] = messages + [dict(m, role="system") if m["role"] == "developer" else m
+                                   for m in conversation]
     if data.get("max_output_tokens") is not None:
         chat["max_tokens"] = data["max_output_tokens"]
     tools = _tools(data.get("tools"))
@@ -279,8 +283,7 @@ def _message(item: dict, i: int) -> dict:
     if role not in ("user", "system", "developer", "assistant"):
         raise InvalidRequest(f"input[{i}].role must be user, system, developer or assistant",
                              param=f"input[{i}].role")
-    return {"role": "system" if role == "developer" else role,
-            "content": _text(item.get("content"), f"input[{i}].content")}
+    return {"role": role, "content": _text(item.get("content"), f"input[{i}].content")}
 
 
 def _text(content: Any, where: str) -> str:

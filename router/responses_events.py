@@ -49,6 +49,7 @@ class ResponsesBuilder:
         self.next_span = 0  # the first span not yet given to the text (or passed over)
         self.answer_start: Optional[int] = None  # where the answer starts in the output
         self.final: Optional[dict] = None  # the response the output ended with
+        self.progressed = False  # response.in_progress is sent
 
     # -- the events --------------------------------------------------------------------------
     def add(self, index: int, chunk: dict) -> None:
@@ -107,13 +108,20 @@ class ResponsesBuilder:
         return self.final or self.closing()[-1]["response"]
 
     def opening(self) -> list[dict]:
-        """The first events (none once they are made): response.created (`queued` for a
-        background response, made before the model's first token) and .in_progress."""
-        if self.seq:
-            return []
-        created = "queued" if self.request.background else "in_progress"
-        return [self._event("response.created", response=self.snapshot(created)),
-                self._event("response.in_progress", response=self.snapshot("in_progress"))]
+        """The first events, each once: response.created and .in_progress. A background
+        response is created `queued`, before the model's first token, which brings
+        .in_progress (a poll in between reads `queued`)."""
+        out = []
+        if self.seq == 0:
+            queued = self.request.background
+            out.append(self._event("response.created",
+                                   response=self.snapshot("queued" if queued else "in_progress")))
+            if queued:
+                return out  # .in_progress with the first token: this is called again then
+        if not self.progressed:
+            self.progressed = True
+            out.append(self._event("response.in_progress", response=self.snapshot("in_progress")))
+        return out
 
     def _call_delta(self, call: dict) -> list[dict]:
         out: list[dict] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Optional
 
 from starlette.requests import Request
@@ -16,11 +17,13 @@ from starlette.requests import Request
 from gateway.runs import TRANSITIONS
 from router.backend import BackendError
 from router.intake import int_param
+from router.live_run import event_data
 from router.responses_events import stored_body
 from router.run_records import RunRecorder, output_of
 from router.schema import InvalidRequest
 from router.streaming import SSEResponse, until_disconnect
 
+_LIFECYCLE = (b"created", b"queued", b"in_progress", b"completed", b"incomplete", b"failed")
 FOLLOW_WAIT_S = 2.0  # for another replica's running response to publish its events
 MAX_ITEMS_PAGE = 100  # OpenAI's limit on one page of input items
 _ITEM_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")  # no effect
@@ -43,10 +46,7 @@ async def retrieve(request: Request, recorder: RunRecorder, tenant: str, respons
     if stream == "false":
         if "starting_after" in request.query_params:
             raise InvalidRequest("starting_after needs stream=true", param="starting_after")
-        stored = await recorder.stored(response_id, tenant, with_output=True)
-        body = stored_body(stored[1]) if stored is not None and stored[1] else None
-        if body is None:  # running (queued or in progress), or ended without a conversation
-            body = await as_it_stands(recorder, tenant, response_id)
+        body = await _current(recorder, tenant, response_id)
         if body is None:
             raise not_found(response_id)
         return body
@@ -54,14 +54,18 @@ async def retrieve(request: Request, recorder: RunRecorder, tenant: str, respons
     if after < -1:
         raise InvalidRequest("starting_after must be a sequence number (0 or more)",
                              param="starting_after")
-    live = await recorder.find(response_id, tenant)
-    if live is None or live.unstored or not response_id.startswith("resp_"):
+    live = await _find(recorder, tenant, response_id)
+    if live is None:
         raise not_found(response_id)
     recorder.join(live)
     try:
         await until_disconnect(request.receive, recorder.wait_ready(live), deadline)
         if live.error is not None and not live.events:
             raise live.error
+        made = _latest_response(live.events[:1]) if live.stream else \
+            stored_body(("json", live.body)) if live.body is not None else None
+        if made is None or made.get("store") is False:  # sent with store: false
+            raise not_found(response_id)
         if not live.stream:
             raise InvalidRequest(f"response {response_id!r} was made without stream: true; "
                                  "it has no events (GET it without stream)", param="stream")
@@ -107,54 +111,49 @@ async def input_items(request: Request, recorder: RunRecorder, tenant: str,
 
 
 async def delete(recorder: RunRecorder, tenant: str, response_id: str) -> dict:
-    """The response's output and conversation deleted (its run's record, which its usage is
-    billed from, stays); 409 while it runs."""
-    live = recorder.live.get(response_id)
-    if live is not None and not live.remote:
-        if live.tenant != tenant:
-            raise not_found(response_id)
-        if not live.done:
-            raise _running(response_id)
-        if live.conversation is None:
-            raise not_found(response_id)
-    else:
-        record = await asyncio.to_thread(recorder.runs.get, response_id, tenant)
-        if record is None or not response_id.startswith("resp_"):
-            raise not_found(response_id)
-        if TRANSITIONS.get(record["state"]):
-            raise _running(response_id)
-        live = None
+    """The response's output and conversation deleted, on every replica (a tombstone in the
+    store: one that keeps it in memory looks there before serving it); its run's record, which
+    its usage is billed from, stays. 409 while it runs."""
+    await recorder.stored(response_id, tenant)  # a run whose end is being recorded: its end
+    live = await _find(recorder, tenant, response_id)
+    if live is None:
+        raise not_found(response_id)
+    if not _ended(live):
+        raise _running(response_id)
+    body = await _ended_body(recorder, live)
+    if body is None or body.get("store") is False:
+        raise not_found(response_id)
     # This process's rows for it written first (its writer goes in rounds), then gone.
     await asyncio.to_thread(recorder.writer.flush, 2.0)
-    deleted = await asyncio.to_thread(recorder.store.delete_output, response_id)
-    if live is not None:
+    await asyncio.to_thread(recorder.store.delete_output, response_id, time.time())
+    if not live.remote:
         recorder.forget(live)
-    elif not deleted:
-        raise not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
 async def cancel(recorder: RunRecorder, tenant: str, response_id: str) -> dict:
     """A background response stopped where it is (its stream ends there; GET says
-    `cancelled`). Cancelling a cancelled one gives it again; an ended one is a 409, as is one
-    running on another replica (its task is there)."""
-    live = await recorder.find(response_id, tenant)
-    if live is None or live.unstored or not response_id.startswith("resp_"):
+    `cancelled`). Cancelling a cancelled one gives it again; an ended one is a 409 (a
+    foreground one a 400), as is one running on another replica (its task is there)."""
+    live = await _find(recorder, tenant, response_id)
+    if live is None:
         raise not_found(response_id)
-    if live.remote and TRANSITIONS.get(live.state):
-        raise BackendError(409, f"response {response_id!r} runs on another router replica; "
-                           "cancel it there", param="response_id", code="response_elsewhere")
-    if not live.remote and not live.background:
-        raise InvalidRequest("only a background response can be cancelled (a streamed one "
-                             "stops when its client closes the stream)", param="response_id")
-    if not live.done:
+    if not _ended(live):
+        if live.remote:
+            raise BackendError(409, f"response {response_id!r} runs on another router "
+                               "replica; cancel it there", param="response_id",
+                               code="response_elsewhere")
+        if not live.background:
+            raise _foreground()
         live.cancelled = True
         live.task.cancel()
         while not live.done:
             await live.changed()
-    body = await as_it_stands(recorder, tenant, response_id)
-    if body is None:
+    body = await _ended_body(recorder, live)
+    if body is None or body.get("store") is False:
         raise not_found(response_id)
+    if not body.get("background"):
+        raise _foreground()
     if body["status"] != "cancelled":
         raise BackendError(409, f"response {response_id!r} has already ended (status "
                            f"{body['status']})", param="response_id",
@@ -163,16 +162,68 @@ async def cancel(recorder: RunRecorder, tenant: str, response_id: str) -> dict:
 
 
 async def as_it_stands(recorder: RunRecorder, tenant: str, response_id: str
-                        ) -> Optional[dict]:
-    """The response object from its run's events (a running one's latest snapshot: queued or
-    in progress) or kept output (one that ended without a conversation to store: failed,
-    cancelled), with the status its run ended in; None when there is none."""
-    live = await recorder.find(response_id, tenant)
-    if live is None or live.unstored or not response_id.startswith("resp_"):
+                       ) -> Optional[dict]:
+    """The response object: a running one's latest snapshot (queued or in progress; one
+    running on another replica followed up to FOLLOW_WAIT_S for its events), or as it ended
+    (failed and cancelled ones too, which store no conversation); None when there is none or
+    it was sent with store: false."""
+    live = await _find(recorder, tenant, response_id)
+    if live is None:
         return None
-    if live.remote and not TRANSITIONS.get(live.state):  # ended: its record has the output
-        output = await asyncio.to_thread(recorder.store.get_output, live.id)
-    elif live.remote:  # running on another replica: its events, published while followed
+    if _ended(live):
+        body = await _ended_body(recorder, live)
+    else:
+        body = await _running_body(recorder, live)
+    return body if body is not None and body.get("store") is not False else None
+
+
+async def _current(recorder: RunRecorder, tenant: str, response_id: str) -> Optional[dict]:
+    """GET's response object. A background response running on another replica is its
+    snapshot at once (a poll), not after the wait for a foreground one's end to be written."""
+    live = await _find(recorder, tenant, response_id)
+    if live is not None and live.remote and not _ended(live):
+        now = await _running_body(recorder, live)
+        if now is not None and now.get("background") and now.get("store") is not False and \
+                now["status"] in ("queued", "in_progress"):
+            return now
+    stored = await recorder.stored(response_id, tenant, with_output=True)
+    body = stored_body(stored[1]) if stored is not None and stored[1] else None
+    return body if body is not None else await as_it_stands(recorder, tenant, response_id)
+
+
+async def _find(recorder: RunRecorder, tenant: str, response_id: str):
+    """The caller's Responses run (this process's, or a stub read from the store); None for
+    another tenant's, a store: false one known here, and one deleted."""
+    if not response_id.startswith("resp_"):
+        return None
+    live = await recorder.find(response_id, tenant)
+    if live is None or live.unstored:
+        return None
+    if not live.remote and live.done and await recorder.deleted(live):
+        return None
+    return live
+
+
+def _ended(live) -> bool:
+    return live.done if not live.remote else not TRANSITIONS.get(live.state)
+
+
+async def _ended_body(recorder: RunRecorder, live) -> Optional[dict]:
+    """An ended response as its output holds it, with the status its run ended in (a
+    cancelled one's events stop where it was)."""
+    output = output_of(live) if not live.remote else \
+        await asyncio.to_thread(recorder.store.get_output, live.id)
+    body = stored_body(output) if output is not None else None
+    if body is not None and live.state == "cancelled" and \
+            body["status"] in ("queued", "in_progress"):
+        body = dict(body, status="cancelled")
+    return body
+
+
+async def _running_body(recorder: RunRecorder, live) -> Optional[dict]:
+    """A running response's latest snapshot from its events (another replica's: those it
+    publishes once followed, waited for up to FOLLOW_WAIT_S)."""
+    if live.remote:
         recorder.join(live)
         try:
             await asyncio.wait_for(recorder.wait_ready(live), FOLLOW_WAIT_S)
@@ -180,14 +231,29 @@ async def as_it_stands(recorder: RunRecorder, tenant: str, response_id: str
             pass
         finally:
             recorder.leave(live)
-        output = output_of(live)
-    else:
-        output = output_of(live)
-    body = stored_body(output) if output is not None else None
-    if body is not None and live.state == "cancelled" and body["status"] in ("queued",
-                                                                             "in_progress"):
-        body = dict(body, status="cancelled")
-    return body
+        if live.done:  # it ended meanwhile
+            return await _ended_body(recorder, live)
+    return _latest_response(live.events)
+
+
+def _latest_response(events: list[bytes]) -> Optional[dict]:
+    """The response object of the last lifecycle event (created, queued, in_progress, ...)
+    among `events`, found by their `event:` lines (a long output's deltas are not parsed)."""
+    for event in reversed(events):
+        at = event.find(b"event: response.")
+        if at < 0:
+            continue
+        kind = event[at + len(b"event: response."):event.find(b"\n", at)]
+        if kind in _LIFECYCLE:
+            payload = event_data(event)
+            if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
+                return payload["response"]
+    return None
+
+
+def _foreground() -> InvalidRequest:
+    return InvalidRequest("only a background response can be cancelled (a streamed one stops "
+                          "when its client closes the stream)", param="response_id")
 
 
 def conversation_items(messages: list[dict], response_id: str) -> list[dict]:

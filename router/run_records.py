@@ -381,7 +381,7 @@ class RunRecorder:
                 if live.tenant != tenant:
                     return None
                 if live.done:
-                    if live.conversation is None:
+                    if live.conversation is None or await self.deleted(live):
                         return None
                     return live.conversation, output_of(live) if with_output else None
                 if not (stream_closed(live) or live.body is not None):
@@ -402,6 +402,14 @@ class RunRecorder:
                 return None
             await asyncio.sleep(min(pause, deadline - loop.time()))
             pause *= 2
+
+    async def deleted(self, live: LiveRun) -> bool:
+        """Whether a run this process keeps had its output deleted (by a client of any
+        replica): then it is forgotten here too."""
+        if not await asyncio.to_thread(self.store.output_deleted, live.id):
+            return False
+        self.forget(live)
+        return True
 
     async def record(self, run_id: str, tenant: str) -> Optional[dict]:
         """GET /v1/runs/{id}: the stored record, with this process's newer view of a live run."""

@@ -151,3 +151,13 @@ def test_a_model_without_thinking_refuses_it_by_the_responses_name(llama_dir):
         assert refused.value.body["param"] == "reasoning.effort"
         assert "reasoning.effort is not supported with this model" in \
             refused.value.body["message"]
+
+
+def test_enable_thinking_beside_an_effort_must_be_a_boolean(llama_dir, tmp_path):
+    """Qwen3's template tests `enable_thinking is false`: a 0 would leave it thinking under
+    "none", a "false" string too; with an effort either is refused, naming the field."""
+    tokenizer = _tokenizer(llama_dir, tmp_path, QWEN3_TEMPLATE)
+    for value in (0, "false", None):
+        refused = _refused(tokenizer, reasoning_effort="none",
+                           chat_template_kwargs={"enable_thinking": value})
+        assert refused.param == "chat_template_kwargs" and "true or false" in refused.message

@@ -40,21 +40,22 @@ def test_input_items_are_the_conversation_it_was_made_from(client):  # noqa: F81
     model = client.models.list().data[0].id
     first = client.responses.create(
         model=model, instructions="Be brief.", max_output_tokens=4, **SAMPLING,
-        input=[{"role": "user", "content": "Weather?"},
+        input=[{"role": "developer", "content": "Use tools."},
+               {"role": "user", "content": "Weather?"},
                {"type": "function_call", "call_id": "call_1", "name": "weather",
                 "arguments": "{\"city\": \"Oslo\"}"},
                {"type": "function_call_output", "call_id": "call_1", "output": "rain"}])
     second = client.responses.create(model=model, input="And tomorrow?", max_output_tokens=4,
                                      previous_response_id=first.id, **SAMPLING)
     items = list(client.responses.input_items.list(second.id, order="asc"))
-    assert [i.type for i in items] == ["message", "function_call", "function_call_output",
-                                       "message", "message"]
-    assert [getattr(i, "role", None) for i in items] == ["user", None, None, "assistant",
-                                                         "user"]
-    assert items[0].content[0].text == "Weather?" and items[-1].content[0].text == "And tomorrow?"
-    assert items[1].call_id == "call_1" and items[1].arguments == "{\"city\": \"Oslo\"}"
-    assert items[2].output == "rain"
-    assert items[3].content[0].text == first.output_text  # the first answer
+    assert [i.type for i in items] == ["message", "message", "function_call",
+                                       "function_call_output", "message", "message"]
+    assert [getattr(i, "role", None) for i in items] == ["developer", "user", None, None,
+                                                         "assistant", "user"]
+    assert items[1].content[0].text == "Weather?" and items[-1].content[0].text == "And tomorrow?"
+    assert items[2].call_id == "call_1" and items[2].arguments == "{\"city\": \"Oslo\"}"
+    assert items[3].output == "rain"
+    assert items[4].content[0].text == first.output_text  # the first answer
     assert len({i.id for i in items}) == len(items)
     newest_first = list(client.responses.input_items.list(second.id))
     assert [i.id for i in newest_first] == [i.id for i in reversed(items)]
