@@ -13,7 +13,7 @@ import uuid
 from typing import Optional
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from gateway.runs import IdempotencyConflict, body_hash
 from router.backend import Backend, BackendError
@@ -26,7 +26,8 @@ from router.responses_stored import as_it_stands
 from router.live_run import LiveRun, end_as_cut, parse_event_id, stream_closed
 from router.run_records import RunRecorder
 from router.chunk_events import collect, first_chunks, sse_events
-from router.streaming import ClientDisconnected, SSEResponse, merge_streams, until_disconnect
+from router.streaming import (ClientDisconnected, SSEResponse, json_body, merge_streams,
+                              until_disconnect)
 
 log = logging.getLogger("router.http")
 
@@ -70,7 +71,7 @@ async def generation(request: Request, backend: Backend, intake: Intake, kind: s
         if kind == "responses" and body.get("background") is True and not body.get("stream"):
             now = await as_it_stands(recorder, tenant_id, live.id)
             if now is not None:  # a background request's answer: the response as it stands
-                return JSONResponse(now)
+                return json_body(now)
         return await respond(recorder, live, request, -1, deadline)
     live.event_ids = recorder.always_event_ids or key is not None or \
         "text/event-stream" in accept
@@ -123,7 +124,7 @@ async def _background(request: Request, recorder: RunRecorder, live: LiveRun,
     live.task = asyncio.create_task(_produce(recorder, live, builder, merged, deadline))
     if asked_stream:
         return await respond(recorder, live, request, -1, deadline)
-    return JSONResponse(opening[0]["response"])
+    return json_body(opening[0]["response"])
 
 
 async def _builder(intake: Intake, backend: Backend, kind: str, raw, response_id: str,
@@ -289,7 +290,7 @@ async def _unrecorded(request: Request, backend: Backend, intake: Intake, kind: 
     try:
         if not prepared.stream:
             await until_disconnect(request.receive, collect(builder, merged), deadline)
-            return JSONResponse(builder.final_body())
+            return json_body(builder.final_body())
         # Hold the headers until every choice has its first chunk: an error before any token
         # gets its own HTTP status (429, 503, ...) rather than a 200 stream with an error in it.
         first = await until_disconnect(request.receive,

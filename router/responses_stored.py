@@ -13,6 +13,7 @@ import time
 from typing import Optional
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from gateway.runs import TRANSITIONS
 from router.backend import BackendError
@@ -21,7 +22,7 @@ from router.live_run import event_data
 from router.responses_events import stored_body
 from router.run_records import RunRecorder, output_of
 from router.schema import InvalidRequest
-from router.streaming import SSEResponse, until_disconnect
+from router.streaming import SSEResponse, json_body, until_disconnect
 
 _LIFECYCLE = (b"created", b"queued", b"in_progress", b"completed", b"incomplete", b"failed")
 FOLLOW_WAIT_S = 2.0  # for another replica's running response to publish its events
@@ -49,7 +50,7 @@ async def retrieve(request: Request, recorder: RunRecorder, tenant: str, respons
         body = await _current(recorder, tenant, response_id)
         if body is None:
             raise not_found(response_id)
-        return body
+        return json_body(body)
     after = int_param(request, "starting_after", -1)
     if after < -1:
         raise InvalidRequest("starting_after must be a sequence number (0 or more)",
@@ -76,7 +77,7 @@ async def retrieve(request: Request, recorder: RunRecorder, tenant: str, respons
 
 
 async def input_items(request: Request, recorder: RunRecorder, tenant: str,
-                      response_id: str) -> dict:
+                      response_id: str) -> Response:
     """The items the response was made from (earlier turns of a previous_response_id chain
     included, instructions not), newest first unless `order=asc`, a page of `limit` (1 to 100,
     default 20) after the item `after`."""
@@ -106,8 +107,10 @@ async def input_items(request: Request, recorder: RunRecorder, tenant: str,
                                  param="after")
         items = items[ids.index(after) + 1:]
     page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+    return json_body({"object": "list", "data": page,
+                      "first_id": page[0]["id"] if page else None,
+                      "last_id": page[-1]["id"] if page else None,
+                      "has_more": len(items) > limit})
 
 
 async def delete(recorder: RunRecorder, tenant: str, response_id: str) -> dict:
@@ -131,7 +134,7 @@ async def delete(recorder: RunRecorder, tenant: str, response_id: str) -> dict:
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-async def cancel(recorder: RunRecorder, tenant: str, response_id: str) -> dict:
+async def cancel(recorder: RunRecorder, tenant: str, response_id: str) -> Response:
     """A background response stopped where it is (its stream ends there; GET says
     `cancelled`). Cancelling a cancelled one gives it again; an ended one is a 409 (a
     foreground one a 400), as is one running on another replica (its task is there)."""
@@ -158,7 +161,7 @@ async def cancel(recorder: RunRecorder, tenant: str, response_id: str) -> dict:
         raise BackendError(409, f"response {response_id!r} has already ended (status "
                            f"{body['status']})", param="response_id",
                            code="response_already_ended")
-    return body
+    return json_body(body)
 
 
 async def as_it_stands(recorder: RunRecorder, tenant: str, response_id: str

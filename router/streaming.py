@@ -82,6 +82,12 @@ async def until_disconnect(receive: Receive, work: Awaitable, deadline: Optional
     raise ClientDisconnected()
 
 
+def json_body(data: Any) -> Response:
+    """A JSON response in ASCII-escaped JSON: model text may hold a lone surrogate (an escape
+    it wrote, decoded), which UTF-8 cannot encode (a plain JSONResponse failed with a 500)."""
+    return Response(json.dumps(data), media_type="application/json")
+
+
 def sse(data: Any, event_id: Optional[str] = None) -> bytes:
     """One SSE event; a typed payload (the Responses API's) names its type in an `event:`
     line too, as OpenAI sends them."""

@@ -171,6 +171,9 @@ class CallReader:
 
     def __init__(self, plan):
         self.fmt = FORMATS["required" if plan.mode == "required" else plan.parser]
+        # A bare JSON object (llama3_json) is a call when it names a tool, not any answer in
+        # JSON that has a "name" key.
+        self.names = plan.names if self.fmt.marker is None and plan.mode == "auto" else ()
         self.short_ids = plan.short_ids
         self.parallel = plan.parallel
         self.shown = 0  # characters of the output sent as content
@@ -180,6 +183,7 @@ class CallReader:
         self.state = "gap"  # "gap" (before a call), "open" (after hermes' opener), "object"
         self.obj: Optional[_Object] = None
         self.calls: list[_Call] = []
+        self.settled = 0  # the calls before this one are sent whole
         self.over = False  # no more calls are read
 
     def feed(self, text: str, finished: bool = False) -> tuple[str, list[dict]]:
@@ -269,6 +273,9 @@ class CallReader:
             return
         begun = self.calls and self.calls[-1].obj is obj
         if not begun and obj.name is not None and (obj.args is not None or obj.done):
+            if self.names and obj.name not in self.names:
+                self._broken()
+                return
             self.calls.append(_Call(call_id(self.short_ids), obj.name, obj))
         if obj.done:
             self.obj, self.state = None, "gap"
@@ -284,9 +291,12 @@ class CallReader:
     # -- what goes out -------------------------------------------------------------------------
     def _deltas(self, text: str, finished: bool) -> list[dict]:
         out = []
-        for index, call in enumerate(self.calls):
+        for index in range(self.settled, len(self.calls)):
+            call = self.calls[index]
             if call.header_sent and call.obj.args_end is not None and \
                     call.sent >= call.obj.args_end - call.obj.args:
+                if index == self.settled:  # all of it out: not looked at again
+                    self.settled += 1
                 continue  # nothing more of this one (a decoded string may be shorter: below)
             piece = self._arguments(call, text, finished)
             if call.header_sent:
@@ -314,7 +324,9 @@ class CallReader:
         if obj.args_end is None and not finished or call.sent:
             return ""
         raw = text[obj.args:end]
-        if obj.args_kind == '"' and obj.args_end is not None:
+        if raw == "null" and obj.args_end is not None:
+            raw = "{}"  # none, as the model said
+        elif obj.args_kind == '"' and obj.args_end is not None:
             try:
                 raw = json.loads(raw)
             except ValueError:

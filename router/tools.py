@@ -40,6 +40,7 @@ class ToolPlan:
     parser: Optional[str] = None  # auto: a FORMATS key
     parallel: bool = True
     short_ids: bool = False     # the model's format takes 9-character call ids (mistral)
+    names: tuple = ()           # auto: the tools' names (a bare JSON object calls one of them)
 
 
 def prepare(data: dict, tool_format: Optional[str]
@@ -84,7 +85,8 @@ def prepare(data: dict, tool_format: Optional[str]
                                  "send tool_choice required or a named function)",
                                  param="tool_choice")
         return list(tools), None, ToolPlan("auto", parser=parser,
-                                           parallel=parallel is not False, short_ids=short)
+                                           parallel=parallel is not False, short_ids=short,
+                                           names=tuple(functions))
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
         choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
     if not isinstance(name, str):

@@ -226,6 +226,9 @@ def test_auto_needs_a_format_the_template_shows(llama_dir):
      '{"name": "g", "parameters": {}}', None, [("f", {"c": 2}), ("g", {})]),
     ("llama3_json", "{plain text in braces", "{plain text in braces", []),
     ("llama3_json", "  Plain text, no call at all.", "  Plain text, no call at all.", []),
+    # An answer in JSON with a "name" that is no tool's: content, not a call.
+    ("llama3_json", '{"name": "Alice", "age": 30}', '{"name": "Alice", "age": 30}', []),
+    ("llama3_json", '{"name": "f", "parameters": null}', None, [("f", {})]),  # none: {}
     # Arguments as written, once a call has begun (streamed before they are whole).
     ("llama3_json", '{"name": "f", "parameters": {"x": NaN}}', None, [("f", '{"x": NaN}')]),
     ("hermes", '<tool_call>{"arguments": {"z": "}"}, "name": "h"}</tool_call>', None,
@@ -241,7 +244,7 @@ def test_auto_needs_a_format_the_template_shows(llama_dir):
      '<tool_call>{"name": 7, "arguments": {}}</tool_call>', []),
 ])
 def test_formats_parse_what_their_models_write(parser, text, content, calls):
-    plan = ToolPlan("auto", parser=parser)
+    plan = ToolPlan("auto", parser=parser, names=("f", "g", "h", "s", "n", "cut"))
     got_content, got = read_calls(plan, text)
     assert got_content == content
     assert [(c["function"]["name"], _arguments(c)) for c in got] == calls
@@ -356,3 +359,32 @@ def test_responses_calls_as_items_and_takes_their_outputs(served):
             *[{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"}
               for c in calls]]})
         assert follow.output and follow.usage.input_tokens > done.usage.input_tokens + 10
+
+
+def test_formats_no_reader_knows_are_not_guessed():
+    """Qwen3-Coder's XML calls inside <tool_call> and newer Mistral models' name[ARGS]{...}
+    look like hermes and mistral; read as those they came back as text: no format, so "auto"
+    is a clear 400 (tool_choice), as for a template with none."""
+    from pd_runtime.chat_template import tool_call_format
+
+    qwen3_coder = ("{% for m in messages %}{{ m.content }}{% endfor %}<tool_call>\n"
+                   "<function={{ name }}>\n<parameter=x>\n</parameter>\n</function>\n</tool_call>")
+    mistral_v11 = "[TOOL_CALLS]{{ call.name }}[ARGS]{{ call.arguments | tojson }}"
+    assert tool_call_format(qwen3_coder) is None and tool_call_format(mistral_v11) is None
+    assert tool_call_format("<tool_call>{{ x | tojson }}</tool_call>") == "hermes"
+    assert tool_call_format("[TOOL_CALLS][{{ calls | tojson }}]") == "mistral"
+
+
+def test_a_lone_surrogate_in_a_call_is_escaped_not_a_500():
+    """A JSON-string argument decoded with a lone \\ud83d escape in it: the body is ASCII JSON
+    (UTF-8 cannot encode the character), the client reads the escape back."""
+    from router.streaming import json_body
+
+    content, calls = read_calls(ToolPlan("auto", parser="hermes"),
+                                '<tool_call>{"name": "f", "arguments": "{\\"q\\": \\"\\ud83d\\"}"}'
+                                '</tool_call>')
+    arguments = calls[0]["function"]["arguments"]
+    assert "\ud83d" in arguments  # the character itself
+    body = json_body({"calls": calls}).body
+    assert b"\\ud83d" in body and json.loads(body)["calls"][0]["function"]["arguments"] == \
+        arguments
