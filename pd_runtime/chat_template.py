@@ -80,12 +80,11 @@ class ChatTemplate:
 
 def tool_call_format(template: Optional[str]) -> Optional[str]:
     """The tool-call format a chat template teaches its model (router/tools.py reads calls in
-    it): "hermes" (<tool_call> blocks: Qwen2.5, Qwen3, Hermes), "mistral" ([TOOL_CALLS]),
-    "llama3_json" (Llama 3.1-3.3's JSON calls), or None: also for the formats no reader here
-    knows, which look like these (Qwen3-Coder's XML <function=...> calls in <tool_call>
-    blocks; newer Mistral models' [TOOL_CALLS]name[ARGS]{...}), so that tool_choice auto is
-    a clear 400 rather than calls returned as text."""
-    if not template or "<function=" in template or "[ARGS]" in template:
+    it): "hermes" (<tool_call> blocks: Qwen2.5, Qwen3, Hermes), "mistral" ([TOOL_CALLS], in
+    either form), "llama3_json" (Llama 3.1-3.3's JSON calls), or None: also for a format no reader here
+    knows that looks like one of these (Qwen3-Coder's XML <function=...> calls in <tool_call>
+    blocks), so that tool_choice auto is a clear 400 rather than calls returned as text."""
+    if not template or "<function=" in template:
         return None
     if "<tool_call>" in template:
         return "hermes"

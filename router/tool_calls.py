@@ -30,6 +30,10 @@ from router.text_checks import partial_tag_len
 _SPACE = " \t\r\n"
 _STRING_STOP = re.compile(r'["\\]')  # what inside a JSON string changes how it is read
 _ARGUMENTS = ("arguments", "parameters")
+_ARGS_TAG = "[ARGS]"  # Mistral's newer form: [TOOL_CALLS]name[ARGS]{...}
+_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_NAME_START = re.compile(r"[A-Za-z0-9_]")
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_.:-]*")
 
 
 @dataclass(frozen=True)
@@ -56,14 +60,17 @@ class _Object:
     """One call's JSON object, read a character at a time: its name once read, and where its
     arguments lie (`args`: their first index; `args_end` once whole)."""
 
-    def __init__(self):
-        self.state = "key"
-        self.key: Optional[str] = None
+    def __init__(self, name: Optional[str] = None):
+        """`name`: a call written as name[ARGS]{...} (Mistral's newer form): its arguments
+        value alone is read, and the call is whole once it is."""
+        self.bare = name is not None
+        self.state = "value" if self.bare else "key"
+        self.key: Optional[str] = "arguments" if self.bare else None
         self.start = 0  # the current key's or value's first index
         self.kind = ""  # the value being read: "{", "[", '"' or a primitive's first character
         self.depth = 0
         self.in_string = self.escape = False
-        self.name: Optional[str] = None
+        self.name: Optional[str] = name
         self.args: Optional[int] = None
         self.args_end: Optional[int] = None
         self.args_kind = ""
@@ -153,6 +160,7 @@ class _Object:
             self.name = name
         elif self.args == self.start:
             self.args_end = end
+            self.done = self.bare
 
 
 @dataclass
@@ -249,6 +257,13 @@ class CallReader:
                     i += 1
                 self._pushed()
                 continue
+            if self.state == "gap" and fmt is FORMATS["mistral"]:
+                step = self._mistral_gap(text, i)
+                if step is None:  # undecided until more is written
+                    break
+                if step:
+                    i += step
+                    continue
             if self.state == "gap" and fmt.opener is not None:
                 at = text.find(fmt.opener, i)
                 if at < 0:  # what is between calls is dropped
@@ -265,6 +280,28 @@ class CallReader:
                 self._broken()
             i += 1
         self.pos = i
+
+    def _mistral_gap(self, text: str, i: int) -> Optional[int]:
+        """Mistral's newer form between or before calls: `[TOOL_CALLS]` again (its length), or
+        a call `name[ARGS]` (up to its arguments, whose object is begun); 0 for neither, None
+        while what is written could still be either."""
+        marker = self.fmt.marker
+        if text.startswith(marker, i):
+            return len(marker)
+        rest = text[i:i + len(marker)]
+        if marker.startswith(rest) and rest.startswith("["):
+            return None
+        if not _NAME_START.match(text, i):
+            return 0
+        at = text.find(_ARGS_TAG, i)
+        if at < 0:  # the name so far, and maybe the tag's start
+            name = _NAME_CHARS.match(text, i).end()
+            tail = text[name:]
+            return None if not tail or _ARGS_TAG.startswith(tail) else 0
+        if not _NAME.fullmatch(text, i, at):
+            return 0
+        self.obj, self.state = _Object(text[i:at]), "object"
+        return at + len(_ARGS_TAG) - i
 
     def _pushed(self) -> None:
         obj = self.obj

@@ -222,6 +222,11 @@ def test_auto_needs_a_format_the_template_shows(llama_dir):
     ("hermes", "no call here", "no call here", []),
     ("mistral", 'x[TOOL_CALLS] [{"name": "f", "arguments": {"b": "é"}}]', "x",
      [("f", {"b": "é"})]),
+    # Mistral's newer form (Mistral Small 3.2, Magistral, Devstral): name[ARGS]{...}, repeated.
+    ("mistral", 'x[TOOL_CALLS]f[ARGS]{"b": "[ARGS]"}[TOOL_CALLS]g[ARGS]{}', "x",
+     [("f", {"b": "[ARGS]"}), ("g", {})]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"b": [1, 2', None, [("f", '{"b": [1, 2')]),  # cut short
+    ("mistral", "[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"c": 2}}; '
      '{"name": "g", "parameters": {}}', None, [("f", {"c": 2}), ("g", {})]),
     ("llama3_json", "{plain text in braces", "{plain text in braces", []),
@@ -361,16 +366,17 @@ def test_responses_calls_as_items_and_takes_their_outputs(served):
         assert follow.output and follow.usage.input_tokens > done.usage.input_tokens + 10
 
 
-def test_formats_no_reader_knows_are_not_guessed():
-    """Qwen3-Coder's XML calls inside <tool_call> and newer Mistral models' name[ARGS]{...}
-    look like hermes and mistral; read as those they came back as text: no format, so "auto"
-    is a clear 400 (tool_choice), as for a template with none."""
+def test_a_format_no_reader_knows_is_not_guessed():
+    """Qwen3-Coder's XML calls inside <tool_call> look like hermes; read as hermes they came
+    back as text: no format, so "auto" is a clear 400 (tool_choice), as for a template with
+    none. Mistral's newer name[ARGS] form is read as mistral."""
     from pd_runtime.chat_template import tool_call_format
 
     qwen3_coder = ("{% for m in messages %}{{ m.content }}{% endfor %}<tool_call>\n"
                    "<function={{ name }}>\n<parameter=x>\n</parameter>\n</function>\n</tool_call>")
     mistral_v11 = "[TOOL_CALLS]{{ call.name }}[ARGS]{{ call.arguments | tojson }}"
-    assert tool_call_format(qwen3_coder) is None and tool_call_format(mistral_v11) is None
+    assert tool_call_format(qwen3_coder) is None
+    assert tool_call_format(mistral_v11) == "mistral"
     assert tool_call_format("<tool_call>{{ x | tojson }}</tool_call>") == "hermes"
     assert tool_call_format("[TOOL_CALLS][{{ calls | tojson }}]") == "mistral"
 
