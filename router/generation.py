@@ -22,7 +22,7 @@ from router.protocol import InvalidRequest, parse_json
 from router.responses import ResponseBuilder
 from router.responses_api import NeedsHistory
 from router.responses_events import ResponsesBuilder
-from router.responses_stored import as_it_stands
+from router.responses_stored import as_it_stands, stored as stored_response
 from router.live_run import LiveRun, end_as_cut, parse_event_id, stream_closed
 from router.run_records import RunRecorder
 from router.chunk_events import collect, first_chunks, sse_events
@@ -151,7 +151,7 @@ async def _history(previous: str, recorder: Optional[RunRecorder], tenant_id: st
         raise InvalidRequest("previous_response_id needs stored responses, which need run "
                              "records (router.runs.enabled: false here)",
                              param="previous_response_id", code="unsupported_parameter")
-    stored = await recorder.stored(previous, tenant_id)
+    stored = await stored_response(recorder, previous, tenant_id)
     if stored is None:
         raise BackendError(404, f"no stored response {previous!r} of yours (it was sent with "
                            f"store: false, has not finished, or is past router.runs."

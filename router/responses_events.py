@@ -24,6 +24,9 @@ from router.reasoning import split as split_thinking
 from router.responses import ResponseBuilder
 from router.responses_api import ResponsesRequest
 
+_LIFECYCLE = (b"created", b"queued", b"in_progress", b"completed", b"incomplete", b"failed")
+
+
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
@@ -299,12 +302,18 @@ def stored_body(output: tuple[str, bytes]) -> Optional[dict]:
     """A finished Responses run's response object from its kept output: the JSON body, or a
     stream's last event that carries the response."""
     kind, data = output
-    if kind == "json":
-        return json.loads(data)
-    for event in reversed(split_events(data)):
-        payload = event_data(event)
-        if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
-            return payload["response"]
+    return json.loads(data) if kind == "json" else latest_response(split_events(data))
+
+
+def latest_response(events: list[bytes]) -> Optional[dict]:
+    """The response object of the last lifecycle event (created, queued, in_progress, ...)
+    among SSE `events`, found by their `event:` lines (a long output's deltas not parsed)."""
+    for event in reversed(events):
+        at = event.find(b"event: response.")
+        if at >= 0 and event[at + 16:event.find(b"\n", at)] in _LIFECYCLE:
+            payload = event_data(event)
+            if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
+                return payload["response"]
     return None
 
 

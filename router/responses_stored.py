@@ -18,13 +18,15 @@ from starlette.responses import Response
 from gateway.runs import TRANSITIONS
 from router.backend import BackendError
 from router.intake import int_param
-from router.live_run import event_data
-from router.responses_events import stored_body
-from router.run_records import RunRecorder, output_of
+from router.live_run import is_response_id, stream_closed
+from router.responses_events import latest_response, stored_body
+from router.run_records import POLL_S, RunRecorder, output_of
 from router.schema import InvalidRequest
 from router.streaming import SSEResponse, json_body, until_disconnect
 
-_LIFECYCLE = (b"created", b"queued", b"in_progress", b"completed", b"incomplete", b"failed")
+# How long a stored response is waited for when its run has sent everything but its end is
+# not recorded yet (here, or by another replica's writer, whose rounds are 50 ms apart).
+STORED_WAIT_S = 2.0
 FOLLOW_WAIT_S = 2.0  # for another replica's running response to publish its events
 MAX_ITEMS_PAGE = 100  # OpenAI's limit on one page of input items
 _ITEM_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")  # no effect
@@ -63,7 +65,7 @@ async def retrieve(request: Request, recorder: RunRecorder, tenant: str, respons
         await until_disconnect(request.receive, recorder.wait_ready(live), deadline)
         if live.error is not None and not live.events:
             raise live.error
-        made = _latest_response(live.events[:1]) if live.stream else \
+        made = latest_response(live.events[:1]) if live.stream else \
             stored_body(("json", live.body)) if live.body is not None else None
         if made is None or made.get("store") is False:  # sent with store: false
             raise not_found(response_id)
@@ -93,10 +95,10 @@ async def input_items(request: Request, recorder: RunRecorder, tenant: str,
                 raise InvalidRequest(f"include: {value!r} is not supported by this server "
                                      f"({', '.join(_ITEM_INCLUDES)})", param="include",
                                      code="unsupported_parameter")
-    stored = await recorder.stored(response_id, tenant)
-    if stored is None:
+    kept = await stored(recorder, response_id, tenant)
+    if kept is None:
         raise not_found(response_id)
-    items = conversation_items(json.loads(stored[0])[:-1], response_id)  # less its answer
+    items = conversation_items(json.loads(kept[0])[:-1], response_id)  # less its answer
     if order == "desc":
         items.reverse()
     after = request.query_params.get("after")
@@ -117,7 +119,7 @@ async def delete(recorder: RunRecorder, tenant: str, response_id: str) -> dict:
     """The response's output and conversation deleted, on every replica (a tombstone in the
     store: one that keeps it in memory looks there before serving it); its run's record, which
     its usage is billed from, stays. 409 while it runs."""
-    await recorder.stored(response_id, tenant)  # a run whose end is being recorded: its end
+    await stored(recorder, response_id, tenant)  # a run whose end is being recorded: its end
     live = await _find(recorder, tenant, response_id)
     if live is None:
         raise not_found(response_id)
@@ -171,27 +173,31 @@ async def as_it_stands(recorder: RunRecorder, tenant: str, response_id: str
     (failed and cancelled ones too, which store no conversation); None when there is none or
     it was sent with store: false."""
     live = await _find(recorder, tenant, response_id)
-    if live is None:
-        return None
-    if _ended(live):
-        body = await _ended_body(recorder, live)
-    else:
-        body = await _running_body(recorder, live)
+    return await _as_it_stands(recorder, live) if live is not None else None
+
+
+async def _as_it_stands(recorder: RunRecorder, live) -> Optional[dict]:
+    body = await (_ended_body if _ended(live) else _running_body)(recorder, live)
     return body if body is not None and body.get("store") is not False else None
 
 
 async def _current(recorder: RunRecorder, tenant: str, response_id: str) -> Optional[dict]:
-    """GET's response object. A background response running on another replica is its
-    snapshot at once (a poll), not after the wait for a foreground one's end to be written."""
+    """GET's response object: a stored one whole (an end being recorded is waited for), else
+    as it stands. A background response running on another replica is its snapshot at once
+    (a poll), not after the wait for a foreground one's end to be written."""
     live = await _find(recorder, tenant, response_id)
     if live is not None and live.remote and not _ended(live):
-        now = await _running_body(recorder, live)
-        if now is not None and now.get("background") and now.get("store") is not False and \
+        now = await _as_it_stands(recorder, live)
+        if now is not None and now.get("background") and \
                 now["status"] in ("queued", "in_progress"):
             return now
-    stored = await recorder.stored(response_id, tenant, with_output=True)
-    body = stored_body(stored[1]) if stored is not None and stored[1] else None
-    return body if body is not None else await as_it_stands(recorder, tenant, response_id)
+    kept = await stored(recorder, response_id, tenant, with_output=True)
+    body = stored_body(kept[1]) if kept is not None and kept[1] else None
+    if body is not None:
+        return body
+    if live is not None and not live.remote:  # this process's: as it is now
+        return await _as_it_stands(recorder, live)
+    return await as_it_stands(recorder, tenant, response_id)  # read again: it may have ended
 
 
 async def _find(recorder: RunRecorder, tenant: str, response_id: str):
@@ -202,7 +208,7 @@ async def _find(recorder: RunRecorder, tenant: str, response_id: str):
     live = await recorder.find(response_id, tenant)
     if live is None or live.unstored:
         return None
-    if not live.remote and live.done and await recorder.deleted(live):
+    if not live.remote and live.done and await deleted(recorder, live):
         return None
     return live
 
@@ -214,9 +220,12 @@ def _ended(live) -> bool:
 async def _ended_body(recorder: RunRecorder, live) -> Optional[dict]:
     """An ended response as its output holds it, with the status its run ended in (a
     cancelled one's events stop where it was)."""
-    output = output_of(live) if not live.remote else \
-        await asyncio.to_thread(recorder.store.get_output, live.id)
-    body = stored_body(output) if output is not None else None
+    if live.remote:
+        output = await asyncio.to_thread(recorder.store.get_output, live.id)
+        body = stored_body(output) if output is not None else None
+    else:  # its events as they are (not joined to be split again)
+        body = latest_response(live.events) if live.stream else \
+            stored_body(("json", live.body)) if live.body is not None else None
     if body is not None and live.state == "cancelled" and \
             body["status"] in ("queued", "in_progress"):
         body = dict(body, status="cancelled")
@@ -236,27 +245,62 @@ async def _running_body(recorder: RunRecorder, live) -> Optional[dict]:
             recorder.leave(live)
         if live.done:  # it ended meanwhile
             return await _ended_body(recorder, live)
-    return _latest_response(live.events)
-
-
-def _latest_response(events: list[bytes]) -> Optional[dict]:
-    """The response object of the last lifecycle event (created, queued, in_progress, ...)
-    among `events`, found by their `event:` lines (a long output's deltas are not parsed)."""
-    for event in reversed(events):
-        at = event.find(b"event: response.")
-        if at < 0:
-            continue
-        kind = event[at + len(b"event: response."):event.find(b"\n", at)]
-        if kind in _LIFECYCLE:
-            payload = event_data(event)
-            if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
-                return payload["response"]
-    return None
+    return latest_response(live.events)
 
 
 def _foreground() -> InvalidRequest:
     return InvalidRequest("only a background response can be cancelled (a streamed one stops "
                           "when its client closes the stream)", param="response_id")
+
+
+async def stored(recorder: RunRecorder, run_id: str, tenant: str, with_output: bool = False,
+                 wait_s: float = STORED_WAIT_S
+                 ) -> Optional[tuple[bytes, Optional[tuple[str, bytes]]]]:
+    """A stored response's conversation, and its kept output when asked (previous_response_id,
+    GET, input_items): from memory while its run is kept there, else from the store. A run
+    that sent its last event but is not yet marked ended, and one whose end another replica
+    has not yet written (its rows go in rounds), are waited for up to `wait_s`, the store read
+    less and less often. None when the caller has no such run, it was not stored (or was
+    deleted), or it still runs."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (wait_s if is_response_id(run_id) else 0.0)
+    pause = POLL_S
+    while True:
+        live = recorder.live.get(run_id)
+        if live is not None and not live.remote:
+            if live.tenant != tenant:
+                return None
+            if live.done:
+                if live.conversation is None or await deleted(recorder, live):
+                    return None
+                return live.conversation, output_of(live) if with_output else None
+            if not (stream_closed(live) or live.body is not None):
+                return None  # it is still producing its output
+            try:  # its end is being recorded
+                await asyncio.wait_for(live.changed(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                if not live.done:
+                    return None
+            continue
+        record = await asyncio.to_thread(recorder.runs.get, run_id, tenant)
+        if record is not None and not TRANSITIONS.get(record["state"]):
+            conversation = await asyncio.to_thread(recorder.store.get_conversation, run_id)
+            if conversation is None or not with_output:
+                return None if conversation is None else (conversation, None)
+            return conversation, await asyncio.to_thread(recorder.store.get_output, run_id)
+        if loop.time() >= deadline:
+            return None
+        await asyncio.sleep(min(pause, deadline - loop.time()))
+        pause *= 2
+
+
+async def deleted(recorder: RunRecorder, live) -> bool:
+    """Whether a run this process keeps had its output deleted (by a client of any replica):
+    then it is forgotten here too."""
+    if not await asyncio.to_thread(recorder.store.output_deleted, live.id):
+        return False
+    recorder.forget(live)
+    return True
 
 
 def conversation_items(messages: list[dict], response_id: str) -> list[dict]:

@@ -24,8 +24,7 @@ from typing import AsyncIterator, Callable, Optional
 from gateway.runs import IdempotencyConflict, Runs, TRANSITIONS
 from gateway.store import STATE_TIME, RunStore
 from router.backend import BackendError
-from router.live_run import (Following, LiveRun, end_as_cut, is_response_id, split_events,
-                             stream_closed)
+from router.live_run import Following, LiveRun, end_as_cut, split_events
 from router.record_writer import RunWriter
 
 log = logging.getLogger(__name__)
@@ -33,9 +32,6 @@ log = logging.getLogger(__name__)
 # How often a run another process owns is looked up while a client waits for it to finish,
 # and how often that wait is written down (the owner does not cancel a run followed lately).
 POLL_S = 0.05
-# How long a stored response is waited for when its run has sent everything but its end is
-# not recorded yet (here, or by another replica's writer, whose rounds are 50 ms apart).
-STORED_WAIT_S = 2.0
 FOLLOW_MARK_S = 1.0
 # Finished runs kept in memory hold at most this much output (older ones: from the store).
 KEEP_FINISHED_BYTES = 64 << 20
@@ -362,54 +358,6 @@ class RunRecorder:
         if record is None:
             return None
         return _stub(record, tenant)
-
-    async def stored(self, run_id: str, tenant: str, with_output: bool = False,
-                     wait_s: float = STORED_WAIT_S
-                     ) -> Optional[tuple[bytes, Optional[tuple[str, bytes]]]]:
-        """A stored response's conversation, and its kept output when asked (the Responses
-        API's previous_response_id and GET): from memory while its run is kept there, else from
-        the store. A run that sent its last event but is not yet marked ended, and one whose
-        end another replica has not yet written (its rows go in rounds), are waited for up to
-        `wait_s`, the store read less and less often. None when the caller has no such run, it
-        was not stored, or it still runs."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (wait_s if is_response_id(run_id) else 0.0)
-        pause = POLL_S
-        while True:
-            live = self.live.get(run_id)
-            if live is not None and not live.remote:
-                if live.tenant != tenant:
-                    return None
-                if live.done:
-                    if live.conversation is None or await self.deleted(live):
-                        return None
-                    return live.conversation, output_of(live) if with_output else None
-                if not (stream_closed(live) or live.body is not None):
-                    return None  # it is still producing its output
-                try:  # its end is being recorded
-                    await asyncio.wait_for(live.changed(), max(0.0, deadline - loop.time()))
-                except TimeoutError:
-                    if not live.done:
-                        return None
-                continue
-            record = await asyncio.to_thread(self.runs.get, run_id, tenant)
-            if record is not None and not TRANSITIONS.get(record["state"]):
-                conversation = await asyncio.to_thread(self.store.get_conversation, run_id)
-                if conversation is None or not with_output:
-                    return None if conversation is None else (conversation, None)
-                return conversation, await asyncio.to_thread(self.store.get_output, run_id)
-            if loop.time() >= deadline:
-                return None
-            await asyncio.sleep(min(pause, deadline - loop.time()))
-            pause *= 2
-
-    async def deleted(self, live: LiveRun) -> bool:
-        """Whether a run this process keeps had its output deleted (by a client of any
-        replica): then it is forgotten here too."""
-        if not await asyncio.to_thread(self.store.output_deleted, live.id):
-            return False
-        self.forget(live)
-        return True
 
     async def record(self, run_id: str, tenant: str) -> Optional[dict]:
         """GET /v1/runs/{id}: the stored record, with this process's newer view of a live run."""

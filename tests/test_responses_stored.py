@@ -119,10 +119,10 @@ def test_another_replica_deletes_it_through_the_store(store_url):
             with pytest.raises(BackendError) as refused:
                 await responses_stored.delete(b, tenant, run_id)
             assert refused.value.status == status
-        assert await b.stored("resp_done", "acme") is not None
+        assert await responses_stored.stored(b, "resp_done", "acme") is not None
         assert await responses_stored.delete(b, "acme", "resp_done") == {
             "id": "resp_done", "object": "response", "deleted": True}
-        assert await b.stored("resp_done", "acme") is None
+        assert await responses_stored.stored(b, "resp_done", "acme") is None
         with pytest.raises(BackendError) as again:
             await responses_stored.delete(b, "acme", "resp_done")
         assert again.value.status == 404
