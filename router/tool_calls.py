@@ -31,7 +31,7 @@ _SPACE = " \t\r\n"
 _STRING_STOP = re.compile(r'["\\]')  # what inside a JSON string changes how it is read
 _ARGUMENTS = ("arguments", "parameters")
 _ARGS_TAG = "[ARGS]"  # Mistral's newer form: [TOOL_CALLS]name[ARGS]{...}
-_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # what a tool may be called
 _NAME_START = re.compile(r"[A-Za-z0-9_]")
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_.:-]*")
 
@@ -298,7 +298,7 @@ class CallReader:
             name = _NAME_CHARS.match(text, i).end()
             tail = text[name:]
             return None if not tail or _ARGS_TAG.startswith(tail) else 0
-        if not _NAME.fullmatch(text, i, at):
+        if not FUNCTION_NAME.fullmatch(text, i, at):
             return 0
         self.obj, self.state = _Object(text[i:at]), "object"
         return at + len(_ARGS_TAG) - i

@@ -18,7 +18,6 @@ The default is "auto" with tools, "none" without.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -26,9 +25,8 @@ from pd_runtime import structured
 from pd_runtime.api import InvalidRequestError
 from router.schema import InvalidRequest
 from router.text_checks import refuse_json_constant
-from router.tool_calls import FORMATS
+from router.tool_calls import FORMATS, FUNCTION_NAME
 
-_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 MAX_TOOLS = 128
 
 
@@ -142,7 +140,7 @@ def _functions(tools: Any) -> dict[str, Any]:
             raise InvalidRequest(f'tools[{i}] must be {{"type": "function", "function": '
                                  f'{{...}}}}', param="tools")
         name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
             raise InvalidRequest(f"tools[{i}].function.name must be 1-64 letters, digits, "
                                  f"_ . : or -", param="tools")
         if name in out:
