@@ -80,12 +80,17 @@ class ChatTemplate:
 
 def tool_call_format(template: Optional[str]) -> Optional[str]:
     """The tool-call format a chat template teaches its model (router/tools.py reads calls in
-    it): "hermes" (<tool_call> blocks: Qwen2.5, Qwen3, Hermes), "mistral" ([TOOL_CALLS], in
-    either form), "llama3_json" (Llama 3.1-3.3's JSON calls), or None: also for a format no reader here
-    knows that looks like one of these (Qwen3-Coder's XML <function=...> calls in <tool_call>
-    blocks), so that tool_choice auto is a clear 400 rather than calls returned as text."""
-    if not template or "<function=" in template:
+    it): "qwen3_coder" (<function=NAME><parameter=KEY> calls in <tool_call> blocks:
+    Qwen3-Coder and the later Qwen models), "hermes" (JSON in <tool_call> blocks: Qwen2.5,
+    Qwen3, Hermes), "mistral" ([TOOL_CALLS], in either form), "llama3_json" (Llama 3.1-3.3's
+    JSON calls), or None: also for another format that looks like one of these (a <function=
+    call without <parameter= tags), so that tool_choice auto is a clear 400 rather than calls
+    returned as text."""
+    if not template:
         return None
+    if "<function=" in template:
+        return "qwen3_coder" if "<parameter=" in template and "<tool_call>" in template \
+            else None
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:

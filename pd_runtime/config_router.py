@@ -154,10 +154,11 @@ class RouterConfig(_Strict):
     # model's generation_config.json (as vLLM does), else OpenAI's; "openai", always OpenAI's.
     sampling_defaults: Literal["model", "openai"] = "model"
     # How the model writes tool calls, for chat requests with tool_choice "auto"
-    # (router/tools.py): "auto", the format its chat template shows (<tool_call> blocks:
-    # hermes; [TOOL_CALLS]: mistral; <|python_tag|>: llama3_json), else none; "none": auto
-    # tool choice refused.
-    tool_call_parser: Literal["auto", "hermes", "mistral", "llama3_json", "none"] = "auto"
+    # (router/tools.py): "auto", the format its chat template shows (<function=...> calls in
+    # <tool_call> blocks: qwen3_coder; JSON in them: hermes; [TOOL_CALLS]: mistral;
+    # <|python_tag|>: llama3_json), else none; "none": auto tool choice refused.
+    tool_call_parser: Literal["auto", "hermes", "mistral", "llama3_json", "qwen3_coder",
+                              "none"] = "auto"
     # A reasoning model's thinking on chat completions (router/reasoning.py): "auto", split
     # into `reasoning` when its chat template knows <think> blocks; "think", always; "none",
     # left in the content.

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from router.protocol import PreparedRequest
 from router.reasoning import ThinkStream
 from router.reasoning import split as split_thinking
-from router.tool_calls import CallReader, call_id, read_calls
+from router.tool_calls import CallReader, call_id, read_calls, reader
 
 
 @dataclass
@@ -49,7 +49,7 @@ class ResponseBuilder:
             if self.tools.mode == "named":
                 choice.call_id = call_id(self.tools.short_ids)
             else:
-                choice.calls = CallReader(self.tools)
+                choice.calls = reader(self.tools)
         for choice in self.choices if prepared.reasoning is not None else ():
             choice.think = ThinkStream(prepared.reasoning)
         self._token_text = _token_texts(tokenizer)

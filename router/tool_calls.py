@@ -11,6 +11,8 @@ The formats (FORMATS; the one a chat template teaches, or router.tool_call_parse
   llama3_json  the whole output: {"name": ..., "parameters": {...}}, several joined by ';'
                (after an optional <|python_tag|>; Llama 3.1-3.3)
   required     the JSON array tool_choice "required" holds the output to
+  qwen3_coder  <tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>
+               (Qwen3-Coder and the later Qwen models: router/tool_calls_xml.py)
 Output that breaks its format before a call has begun is content after all (all of it, as
 written); after one has, what follows the last whole call is dropped. Arguments are given as
 the model wrote them: a call cut short (max_tokens) has them cut short too; a JSON string is
@@ -48,6 +50,8 @@ FORMATS = {"hermes": _Format("<tool_call>", opener="<tool_call>"),
            "mistral": _Format("[TOOL_CALLS]", between=_SPACE + "[,"),
            "llama3_json": _Format(None, between=_SPACE + ";", prefix="<|python_tag|>"),
            "required": _Format(None, between=_SPACE + "[,")}
+XML_FORMAT = "qwen3_coder"
+PARSERS = ("hermes", "mistral", "llama3_json", XML_FORMAT)  # router.tool_call_parser's
 
 
 def call_id(short: bool = False) -> str:
@@ -382,7 +386,16 @@ def _sent(call: _Call, text: str) -> str:
     return text
 
 
+def reader(plan):
+    """A reader for a plan's calls: CallReader, or for Qwen3-Coder's XML form
+    router/tool_calls_xml.py's (which builds on this module)."""
+    if plan.mode == "auto" and plan.parser == XML_FORMAT:
+        from router.tool_calls_xml import XmlCallReader
+        return XmlCallReader(plan)
+    return CallReader(plan)
+
+
 def read_calls(plan, text: str) -> tuple[Optional[str], list[dict]]:
     """(content, calls) of a finished output; no calls (and the whole text as content) when it
     holds none."""
-    return CallReader(plan).whole(text)
+    return reader(plan).whole(text)

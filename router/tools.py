@@ -18,14 +18,14 @@ The default is "auto" with tools, "none" without.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pd_runtime import structured
 from pd_runtime.api import InvalidRequestError
 from router.schema import InvalidRequest
 from router.text_checks import refuse_json_constant
-from router.tool_calls import FORMATS, FUNCTION_NAME
+from router.tool_calls import FUNCTION_NAME, PARSERS
 
 MAX_TOOLS = 128
 
@@ -35,17 +35,18 @@ class ToolPlan:
     """What the response side needs: how to read the output into calls."""
     mode: str                   # "named", "required" or "auto"
     name: Optional[str] = None  # the named function
-    parser: Optional[str] = None  # auto: a FORMATS key
+    parser: Optional[str] = None  # auto: a PARSERS name
     parallel: bool = True
     short_ids: bool = False     # the model's format takes 9-character call ids (mistral)
     names: tuple = ()           # auto: the tools' names (a bare JSON object calls one of them)
+    params: Optional[dict] = field(default=None, compare=False)  # auto: name -> parameters
 
 
 def prepare(data: dict, tool_format: Optional[str]
             ) -> tuple[Optional[list], Optional[dict], Optional[ToolPlan]]:
     """(the tools for the template, the structured-outputs spec, the plan) of a chat body;
     (None, None, None) without tools. `tool_format`: the model's tool-call format, a
-    FORMATS key (Tokenizer.tool_call_format: its chat template's, or
+    PARSERS name (Tokenizer.tool_call_format: its chat template's, or
     router.tool_call_parser), or None."""
     tools, choice = data.get("tools"), data.get("tool_choice")
     parallel = data.get("parallel_tool_calls", True)
@@ -76,7 +77,7 @@ def prepare(data: dict, tool_format: Optional[str]
         return list(tools), _checked({"json": schema}), \
             ToolPlan("required", parallel=parallel is not False, short_ids=short)
     if choice == "auto":
-        parser = tool_format if tool_format in FORMATS else None
+        parser = tool_format if tool_format in PARSERS else None
         if parser is None:
             raise InvalidRequest("tool_choice auto needs the model's tool-call format, and its "
                                  "chat template shows none (set router.tool_call_parser, or "
@@ -84,7 +85,7 @@ def prepare(data: dict, tool_format: Optional[str]
                                  param="tool_choice")
         return list(tools), None, ToolPlan("auto", parser=parser,
                                            parallel=parallel is not False, short_ids=short,
-                                           names=tuple(functions))
+                                           names=tuple(functions), params=functions)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
         choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
     if not isinstance(name, str):

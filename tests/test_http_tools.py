@@ -366,16 +366,16 @@ def test_responses_calls_as_items_and_takes_their_outputs(served):
         assert follow.output and follow.usage.input_tokens > done.usage.input_tokens + 10
 
 
-def test_a_format_no_reader_knows_is_not_guessed():
-    """Qwen3-Coder's XML calls inside <tool_call> look like hermes; read as hermes they came
-    back as text: no format, so "auto" is a clear 400 (tool_choice), as for a template with
-    none. Mistral's newer name[ARGS] form is read as mistral."""
+def test_each_format_is_known_from_its_template():
+    """Qwen3-Coder's XML calls inside <tool_call> are not hermes (read as hermes they came back
+    as text): tests/test_tool_calls_xml.py reads them. Mistral's newer name[ARGS] form is read
+    as mistral."""
     from pd_runtime.chat_template import tool_call_format
 
     qwen3_coder = ("{% for m in messages %}{{ m.content }}{% endfor %}<tool_call>\n"
                    "<function={{ name }}>\n<parameter=x>\n</parameter>\n</function>\n</tool_call>")
     mistral_v11 = "[TOOL_CALLS]{{ call.name }}[ARGS]{{ call.arguments | tojson }}"
-    assert tool_call_format(qwen3_coder) is None
+    assert tool_call_format(qwen3_coder) == "qwen3_coder"
     assert tool_call_format(mistral_v11) == "mistral"
     assert tool_call_format("<tool_call>{{ x | tojson }}</tool_call>") == "hermes"
     assert tool_call_format("[TOOL_CALLS][{{ calls | tojson }}]") == "mistral"

@@ -1,0 +1,300 @@
+"""Tool calls in Qwen3-Coder's XML form (router.tool_call_parser "qwen3_coder"; the later Qwen
+models whose templates write calls the same way), read as they are written:
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    <parameter=days>
+    3
+    </parameter>
+    </function>
+    </tool_call>
+
+A parameter's value is text (the template writes a string as it is, an object or array as
+JSON, anything else through Jinja's `string`: True, None), so its JSON type comes from the
+tool's schema. A "string" parameter becomes a JSON string and streams as it is written; any
+other is read once whole: JSON where it parses and fits the schema's types (True/False for a
+boolean, None for null too), else the text as a string. The newline after the opening tag and
+the one before the closing tag are the format's, not the value's. A value ends at
+</parameter>, or where a model leaves that out, at the next <parameter= or </function>.
+
+The rest is as router/tool_calls.py reads its formats: content before the first call streams,
+a call goes out once its name is read and its arguments as they are built, what lies between
+calls is dropped, output that breaks the format before a call has begun is content after all,
+and a call cut short (max_tokens) is given as far as it was written. The <tool_call> around a
+call may be left out, as these models sometimes do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from router.text_checks import partial_tag_len, refuse_json_constant
+from router.tool_calls import FUNCTION_NAME, CallReader, call_id
+
+_SPACE = " \t\r\n"
+_OPENERS = ("<tool_call>", "<function=")
+_FUNCTION = "<function="
+_PARAM, _PARAM_END, _FUNCTION_END = "<parameter=", "</parameter>", "</function>"
+_VALUE_ENDS = (_PARAM_END, _PARAM, _FUNCTION_END)
+_LONGEST_END = max(map(len, _VALUE_ENDS))
+_NAME_SO_FAR = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
+_PARAM_NAME = re.compile(r"[^<>\n]{1,128}")
+_PARAM_SO_FAR = re.compile(r"[^<>\n]{0,128}")
+_PY_TYPES = {"object": dict, "array": list, "string": str, "null": type(None)}
+
+
+@dataclass
+class _Call:
+    id: str
+    name: str
+    properties: dict  # its parameters' schemas, by name
+    args: str = ""  # its arguments as JSON, as far as they are read
+    params: int = 0  # parameters read
+    sent: int = 0  # characters of `args` given out
+    header_sent: bool = False
+    done: bool = False
+
+
+class XmlCallReader:
+    """A choice's calls under "auto", fed its output as it grows (CallReader's interface)."""
+
+    whole = CallReader.whole
+    _show = CallReader._show
+
+    def __init__(self, plan):
+        self.tools = plan.params or {}
+        self.short_ids = plan.short_ids
+        self.parallel = plan.parallel
+        self.shown = 0  # characters of the output sent as content
+        self.visible = 0  # content may be sent up to here (unless it turns out plain)
+        self.plain = False  # it holds no call: all of it is content
+        self.opened = False  # a call's opener was seen (content ends there)
+        self.pos = 0  # how far the output is read
+        self.state = "gap"  # gap, open, name, params, param_name, value_start, value
+        self.calls: list[_Call] = []
+        self.settled = 0  # the calls before this one are sent whole
+        self.over = False  # no more calls are read
+        self.value_start = self.value_sent = self.scan = 0  # the value being read
+        self.schema: Any = None  # its parameter's schema
+        self.streams = False  # it is a string, streamed as written
+
+    def feed(self, text: str, finished: bool = False) -> tuple[str, list[dict]]:
+        """The output so far -> (content to send now, tool_calls deltas to send now)."""
+        if not (self.plain or self.over):
+            self._read(text)
+            if finished and self.calls and not self.over:
+                self._cut(text)
+        if finished and not self.calls:
+            self.plain = True  # no call began: it was content after all
+        if self.plain:
+            return self._show(text, len(text)), []
+        return self._show(text, self.visible), self._deltas()
+
+    # -- reading -------------------------------------------------------------------------------
+    def _read(self, text: str) -> None:
+        i = self.pos
+        while i < len(text) and not (self.over or self.plain):
+            step = getattr(self, "_" + self.state)(text, i)
+            if step is None:  # undecided until more is written
+                break
+            i = step
+        self.pos = max(i, self.pos)
+
+    def _gap(self, text: str, i: int) -> Optional[int]:
+        found = [(at, opener) for opener in _OPENERS if (at := text.find(opener, i)) >= 0]
+        if not found:
+            hold = max(partial_tag_len(text, opener) for opener in _OPENERS)
+            if not self.opened:
+                self.visible = max(self.visible, len(text) - hold)
+            self.pos = max(i, len(text) - hold)  # what is between calls is dropped
+            return None
+        at, opener = min(found)
+        if not self.opened:
+            self.opened, self.visible = True, at
+        self.state = "open" if opener == "<tool_call>" else "name"
+        return at + len(opener)
+
+    def _open(self, text: str, i: int) -> Optional[int]:
+        """After <tool_call>: space, then <function=."""
+        while i < len(text) and text[i] in _SPACE:
+            i += 1
+        if text.startswith(_FUNCTION, i):
+            self.state = "name"
+            return i + len(_FUNCTION)
+        if _FUNCTION.startswith(text[i:]):
+            self.pos = i
+            return None
+        return self._broken()
+
+    def _name(self, text: str, i: int) -> Optional[int]:
+        at = text.find(">", i)
+        if at < 0:
+            self.pos = i
+            return None if _NAME_SO_FAR.fullmatch(text, i) else self._broken()
+        if not FUNCTION_NAME.fullmatch(text, i, at):
+            return self._broken()
+        name = text[i:at]
+        properties = (self.tools.get(name) or {}).get("properties")
+        self.calls.append(_Call(call_id(self.short_ids), name,
+                                properties if isinstance(properties, dict) else {}))
+        self.state = "params"
+        return at + 1
+
+    def _params(self, text: str, i: int) -> Optional[int]:
+        """Within a function: space, then a parameter or its end."""
+        while i < len(text) and text[i] in _SPACE:
+            i += 1
+        call = self.calls[-1]
+        if text.startswith(_PARAM, i):
+            self.state = "param_name"
+            return i + len(_PARAM)
+        if text.startswith(_FUNCTION_END, i):
+            call.args += "}" if call.params else "{}"
+            call.done, self.state = True, "gap"
+            self.over = not self.parallel
+            return i + len(_FUNCTION_END)
+        rest = text[i:]
+        if _PARAM.startswith(rest) or _FUNCTION_END.startswith(rest):
+            self.pos = i
+            return None
+        return self._broken()
+
+    def _param_name(self, text: str, i: int) -> Optional[int]:
+        at = text.find(">", i)
+        if at < 0:
+            self.pos = i
+            return None if _PARAM_SO_FAR.fullmatch(text, i) else self._broken()
+        if not _PARAM_NAME.fullmatch(text, i, at):
+            return self._broken()
+        call, name = self.calls[-1], text[i:at]
+        self.schema = call.properties.get(name)
+        self.streams = _types(self.schema) == {"string"}
+        call.args += ("{" if not call.params else ", ") + _json(name) + ": " + \
+            ('"' if self.streams else "")
+        self.state = "value_start"
+        return at + 1
+
+    def _value_start(self, text: str, i: int) -> int:
+        if text[i] == "\n":  # the format's, not the value's
+            i += 1
+        self.value_start = self.value_sent = self.scan = i
+        self.state = "value"
+        return i
+
+    def _value(self, text: str, i: int) -> Optional[int]:
+        found = [(at, end) for end in _VALUE_ENDS if (at := text.find(end, self.scan)) >= 0]
+        if not found:
+            if self.streams:
+                hold = max(max(partial_tag_len(text, "\n" + end), partial_tag_len(text, end))
+                           for end in _VALUE_ENDS)
+                self._stream(text, len(text) - hold)
+            self.scan = max(self.value_start, len(text) - _LONGEST_END + 1)
+            self.pos = len(text)
+            return None
+        at, end = min(found)
+        stop = at - 1 if at > self.value_start and text[at - 1] == "\n" else at
+        self._end_value(text, stop)
+        self.state = "params"
+        return at + len(end) if end == _PARAM_END else at
+
+    def _stream(self, text: str, upto: int) -> None:
+        if upto > self.value_sent:
+            self.calls[-1].args += _json(text[self.value_sent:upto])[1:-1]
+            self.value_sent = upto
+
+    def _end_value(self, text: str, stop: int, closed: bool = True) -> None:
+        call = self.calls[-1]
+        if self.streams:
+            self._stream(text, stop)
+            call.args += '"' if closed else ""
+        else:
+            call.args += _typed(text[self.value_start:stop], self.schema)
+        call.params += 1
+
+    def _cut(self, text: str) -> None:
+        """The output ended inside a call: it is given as far as it was written."""
+        call = self.calls[-1]
+        if not call.done:
+            if self.state == "value":
+                self._end_value(text, len(text), closed=False)
+            call.args = call.args or "{}"
+        self.over = True
+
+    def _broken(self) -> None:
+        if self.calls:
+            self.over = True  # what follows the last whole call is dropped
+        else:
+            self.plain = True
+
+    # -- what goes out -------------------------------------------------------------------------
+    def _deltas(self) -> list[dict]:
+        out = []
+        for index in range(self.settled, len(self.calls)):
+            call = self.calls[index]
+            piece = call.args[call.sent:]
+            call.sent = len(call.args)
+            if not call.header_sent:
+                call.header_sent = True
+                out.append({"index": index, "id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": piece}})
+            elif piece:
+                out.append({"index": index, "function": {"arguments": piece}})
+            if call.done and index == self.settled:
+                self.settled += 1
+        return out
+
+
+def _types(schema: Any) -> set:
+    """The JSON types a parameter's schema allows (empty: not said)."""
+    if not isinstance(schema, dict):
+        return set()
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return {kind}
+    if isinstance(kind, list):
+        return {k for k in kind if isinstance(k, str)}
+    out: set = set()
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key) or ():
+            out |= _types(option)
+    if not out and isinstance(schema.get("enum"), list) and schema["enum"] and \
+            all(isinstance(v, str) for v in schema["enum"]):
+        out = {"string"}
+    return out
+
+
+def _typed(raw: str, schema: Any) -> str:
+    """A value read whole, as the JSON its schema's types say it is."""
+    types, text = _types(schema), raw.strip()
+    if text in ("null", "None") and (not types or "null" in types):
+        return "null"
+    if "boolean" in types and text in ("true", "false", "True", "False"):
+        return "true" if text.lower() == "true" else "false"
+    try:
+        value = json.loads(text, parse_constant=refuse_json_constant)
+    except (ValueError, RecursionError):
+        return _json(raw)
+    if types and not any(_fits(value, kind) for kind in types):
+        if "integer" in types and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        elif "string" in types:
+            return _json(raw)
+    return _json(value)
+
+
+def _fits(value: Any, kind: str) -> bool:
+    if kind in ("integer", "number", "boolean"):
+        if isinstance(value, bool):
+            return kind == "boolean"
+        return isinstance(value, int) or (kind == "number" and isinstance(value, float))
+    return isinstance(value, _PY_TYPES.get(kind, ()))
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
