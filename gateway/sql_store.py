@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from typing import Optional
 
 from gateway.migrations import MIGRATIONS
-from gateway.store import (DAY_S, ENDED, IN_FLIGHT, RUN_FIELDS, STATE_TIME, UPDATABLE,
-                           StoreUnavailable)
+from gateway.store import (DAY_S, ENDED, IN_FLIGHT, OPENING, RUN_FIELDS, STATE_TIME,
+                           UPDATABLE, StoreUnavailable)
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +220,11 @@ class SqlRunStore:
         outputs = [(item["run_id"], *item["output"], item.get("conversation"),
                     item["created_at"]) for item in items if item["output"] is not None]
         if outputs:
-            cursor.executemany(self._sql("INSERT INTO run_outputs (run_id, kind, body, "
-                                         "conversation, created_at) VALUES (?, ?, ?, ?, ?) "
-                                         "ON CONFLICT (run_id) DO NOTHING"), outputs)
+            cursor.executemany(self._sql(
+                "INSERT INTO run_outputs (run_id, kind, body, conversation, created_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET kind = excluded.kind, "
+                "body = excluded.body, conversation = excluded.conversation "
+                f"WHERE run_outputs.kind = '{OPENING}'"), outputs)
 
     def transitions(self, run_id: str) -> list[tuple[str, float]]:
         row = self._exec(self._db(), "SELECT state, created_at, prefilling_at, streaming_at, "
@@ -273,13 +275,14 @@ class SqlRunStore:
         with self._tx() as db:
             self._exec(db, "UPDATE runs SET followed_at = ? WHERE id = ?", (at, run_id))
 
-    def get_output(self, run_id: str) -> Optional[tuple[str, bytes]]:
+    def get_output(self, run_id: str, opening: bool = False) -> Optional[tuple[str, bytes]]:
         row = self._exec(self._db(), "SELECT kind, body FROM run_outputs WHERE run_id = ?",
                          (run_id,)).fetchone()
         if row is None:
             return None
         kind, body = _values(row)
-        return (kind, bytes(body)) if kind != DELETED else None
+        return (kind, bytes(body)) if kind != DELETED and (kind != OPENING or opening) \
+            else None
 
     def get_conversation(self, run_id: str) -> Optional[bytes]:
         row = self._exec(self._db(), "SELECT conversation FROM run_outputs WHERE run_id = ?",

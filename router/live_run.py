@@ -48,6 +48,7 @@ class LiveRun:
     unstored: bool = False  # a response sent with store: false: not read back by its id
     background: bool = False  # a background response's: no follower leaving cancels it
     cancelled: bool = False  # a background response cancelled by its client's request
+    opening_kept: bool = False  # a background response's: its created event went to the store
     _changed: Optional[asyncio.Event] = None  # made when someone first waits
 
     def notify(self) -> None:

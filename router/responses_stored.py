@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.runs import TRANSITIONS
+from gateway.store import OPENING
 from router.backend import BackendError
 from router.intake import int_param
 from router.live_run import is_response_id, stream_closed
@@ -27,6 +28,9 @@ from router.streaming import SSEResponse, json_body, until_disconnect
 # How long a stored response is waited for when its run has sent everything but its end is
 # not recorded yet (here, or by another replica's writer, whose rounds are 50 ms apart).
 STORED_WAIT_S = 2.0
+# How long one with no record at all is waited for (another replica writes a new run's row in
+# its next round, 50 ms apart): an unknown id is a 404 after this, not after STORED_WAIT_S.
+UNKNOWN_WAIT_S = 0.5
 FOLLOW_WAIT_S = 2.0  # for another replica's running response to publish its events
 MAX_ITEMS_PAGE = 100  # OpenAI's limit on one page of input items
 _ITEM_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")  # no effect
@@ -221,7 +225,9 @@ async def _ended_body(recorder: RunRecorder, live) -> Optional[dict]:
     """An ended response as its output holds it, with the status its run ended in (a
     cancelled one's events stop where it was)."""
     if live.remote:
-        output = await asyncio.to_thread(recorder.store.get_output, live.id)
+        output = await asyncio.to_thread(recorder.store.get_output, live.id, True)
+        if output is not None and output[0] == OPENING:  # its router stopped before the end
+            return await _cut_short(recorder, live, output[1])
         body = stored_body(output) if output is not None else None
     else:  # its events as they are (not joined to be split again)
         body = latest_response(live.events) if live.stream else \
@@ -230,6 +236,21 @@ async def _ended_body(recorder: RunRecorder, live) -> Optional[dict]:
             body["status"] in ("queued", "in_progress"):
         body = dict(body, status="cancelled")
     return body
+
+
+async def _cut_short(recorder: RunRecorder, live, opening: bytes) -> Optional[dict]:
+    """A background response whose router stopped before its end (its run was marked failed
+    at the next start, or when its replica was not seen): the response it opened with, failed
+    with the reason its record gives."""
+    record = await asyncio.to_thread(recorder.runs.get, live.id, live.tenant)
+    body = stored_body(("sse", opening))
+    if body is None or record is None:
+        return None
+    if record["state"] != "failed":  # cancelled before its first token
+        return dict(body, status=record["state"])
+    return dict(body, status="failed", error={
+        "code": "server_error", "message": "the response did not finish: " +
+        (record.get("error") or "its run failed")})
 
 
 async def _running_body(recorder: RunRecorder, live) -> Optional[dict]:
@@ -259,11 +280,12 @@ async def stored(recorder: RunRecorder, run_id: str, tenant: str, with_output: b
     """A stored response's conversation, and its kept output when asked (previous_response_id,
     GET, input_items): from memory while its run is kept there, else from the store. A run
     that sent its last event but is not yet marked ended, and one whose end another replica
-    has not yet written (its rows go in rounds), are waited for up to `wait_s`, the store read
-    less and less often. None when the caller has no such run, it was not stored (or was
-    deleted), or it still runs."""
+    has not yet written (its rows go in rounds), are waited for up to `wait_s` (one with no
+    row yet up to UNKNOWN_WAIT_S), the store read less and less often. None when the caller
+    has no such run, it was not stored (or was deleted), or it still runs."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (wait_s if is_response_id(run_id) else 0.0)
+    unknown_deadline = loop.time() + min(wait_s, UNKNOWN_WAIT_S)
     pause = POLL_S
     while True:
         live = recorder.live.get(run_id)
@@ -288,9 +310,10 @@ async def stored(recorder: RunRecorder, run_id: str, tenant: str, with_output: b
             if conversation is None or not with_output:
                 return None if conversation is None else (conversation, None)
             return conversation, await asyncio.to_thread(recorder.store.get_output, run_id)
-        if loop.time() >= deadline:
+        until = deadline if record is not None else min(deadline, unknown_deadline)
+        if loop.time() >= until:
             return None
-        await asyncio.sleep(min(pause, deadline - loop.time()))
+        await asyncio.sleep(min(pause, until - loop.time()))
         pause *= 2
 
 

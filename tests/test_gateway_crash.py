@@ -1,7 +1,8 @@
 """A router killed mid-run (SIGKILL to `pd-runtime serve` and its process group) and started
 again on the same port: the run it left streaming is marked failed at start-up, with no
-ledger row, while a run it finished before the crash stays billed once; on the SQLite store
-and on a real PostgreSQL server.
+ledger row, while a run it finished before the crash stays billed once; a background response
+it was producing reads failed when polled; on the SQLite store and on a real PostgreSQL
+server.
 """
 
 from __future__ import annotations
@@ -58,12 +59,21 @@ def test_a_router_killed_mid_run_marks_the_run_failed_at_its_next_start(llama_di
                               json={"prompt": "cut by the crash", "max_tokens": 1500,
                                     "ignore_eos": True, "stream": True})
         response = stream.__enter__()
+        # And a background response, polled while it runs.
+        background = httpx.post(base + "/v1/responses", headers=auth, timeout=60, json={
+            "input": "cut by the crash too", "max_output_tokens": 1500, "ignore_eos": True,
+            "background": True}).json()
+        assert background["status"] == "queued", background
         lines = response.iter_lines()
         event_id = next(line for line in lines if line.startswith("id: "))
         run_id = event_id[len("id: "):].rsplit(":", 1)[0]
         deadline = time.monotonic() + 10
         while httpx.get(f"{base}/v1/runs/{run_id}", headers=auth).json()["state"] != \
                 "streaming":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        while httpx.get(f"{base}/v1/responses/{background['id']}", headers=auth
+                        ).json()["status"] != "in_progress":
             assert time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(0.5)  # the record writer's round (50 ms) has written the run as streaming
@@ -85,6 +95,13 @@ def test_a_router_killed_mid_run_marks_the_run_failed_at_its_next_start(llama_di
         usage = httpx.get(base + "/v1/usage", headers=auth).json()
         assert usage["runs"] == 1 and usage["output_tokens"] == 4, usage  # no row for the cut run
         assert "marked failed" in log_path.read_text()
+        # The background response reads failed, saying why, not as unknown.
+        polled = httpx.get(f"{base}/v1/responses/{background['id']}", headers=auth).json()
+        assert polled["status"] == "failed" and "stopped" in polled["error"]["message"], polled
+        assert polled["id"] == background["id"] and polled["model"] == background["model"]
+        assert polled["background"] is True and polled["output"] == []
+        cancel = httpx.post(f"{base}/v1/responses/{background['id']}/cancel", headers=auth)
+        assert cancel.status_code == 409, cancel.text  # it has ended
     finally:
         code = stop_serve(second)
     assert code == 0, log_path.read_text()[-3000:]

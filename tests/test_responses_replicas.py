@@ -94,6 +94,9 @@ def test_cancel_and_retry_on_the_other_replica(llama_dir, tmp_path):
         ended = httpx.post(f"{b}/responses/{running['id']}/cancel")
         assert _error(ended) == (409, "response_already_ended")
         foreground = httpx.post(f"{a}/responses", json={"input": "x"}).json()["id"]
+        # Once B reads it ended (A writes its end in its next round: until then, B sees it
+        # running there, and a cancel is response_elsewhere), a cancel is a 400.
+        assert httpx.get(f"{b}/responses/{foreground}").json()["status"] == "incomplete"
         assert httpx.post(f"{b}/responses/{foreground}/cancel").status_code == 400
 
 

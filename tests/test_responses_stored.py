@@ -172,3 +172,22 @@ def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(client):  # noqa
     assert [i.content[0].text for i in items] == [m["content"] for m in chat_turns[start:]]
     with pytest.raises(openai.BadRequestError):  # even its last turn alone is too long
         client.responses.create(model=model, input="word " * 3000, truncation="auto")
+
+
+def test_an_unknown_response_is_a_404_without_the_wait_for_an_end(client):  # noqa: F811
+    """A response id no run has: 404 after UNKNOWN_WAIT_S (the rounds in which another
+    replica writes a new run's row), not after STORED_WAIT_S (kept for an end being written);
+    as a previous_response_id too."""
+    import time
+
+    from router.responses_stored import STORED_WAIT_S, UNKNOWN_WAIT_S
+
+    assert UNKNOWN_WAIT_S < STORED_WAIT_S
+    model = client.models.list().data[0].id
+    for ask in (lambda: client.responses.retrieve("resp_nosuchresponse"),
+                lambda: client.responses.create(model=model, input="hi", max_output_tokens=2,
+                                                previous_response_id="resp_nosuchresponse")):
+        began = time.monotonic()
+        with pytest.raises(openai.NotFoundError):
+            ask()
+        assert time.monotonic() - began < STORED_WAIT_S
