@@ -95,11 +95,11 @@ def prepare_responses(data: dict, tokenizer, model_name: str, max_model_len: int
         except InvalidRequest as exc:
             if data.get("truncation") != "auto" or exc.code != "context_length_exceeded":
                 raise
-            prepared, head, start = _truncated(chat, exc, tokenizer, model_name,
-                                               max_model_len, defaults)
+            prepared, kept = _truncated(chat, exc, tokenizer, model_name, max_model_len,
+                                        defaults)
             skip = len(chat["messages"]) - len(request.messages)  # the instructions
-            # What is stored: the turns it was given.
-            request.messages = request.messages[:head - skip] + request.messages[start - skip:]
+            # What is stored: the messages it was given.
+            request.messages = [request.messages[i - skip] for i in kept if i >= skip]
     except BackendError as exc:  # named as the client named it
         exc.param = responses_param(exc.param)
         exc.message = re.sub(r"tools\[(\d+)\]\.function\.", r"tools[\1].", exc.message)
@@ -112,24 +112,33 @@ def prepare_responses(data: dict, tokenizer, model_name: str, max_model_len: int
 
 def _truncated(chat: dict, too_long: InvalidRequest, tokenizer, model_name: str,
                max_model_len: int, defaults: Optional[dict]
-               ) -> tuple[PreparedRequest, int, int]:
-    """`truncation: "auto"`: the conversation without its oldest turns, as few dropped as make
-    it fit (a turn begins at a user message, so a call and its output go together; the
-    instructions and system messages before the first turn stay): (prepared, h, s), the
-    messages kept being [:h] and [s:]; `too_long` when even its last turn does not fit."""
+               ) -> tuple[PreparedRequest, list[int]]:
+    """`truncation: "auto"`: the conversation without its oldest messages, as few dropped as
+    make it fit: whole turns first (a turn begins at a user message, so a call and its output
+    go together; the instructions and system messages before the first turn stay), then,
+    when its last turn alone is too long (an agent's one request and its many calls), that
+    turn's oldest steps (an assistant message and the tool outputs after it), its user message
+    kept. (prepared, the indices of the messages kept); `too_long` when nothing fits."""
     messages = chat["messages"]
+    n = len(messages)
     system = 0
-    while system < len(messages) and messages[system]["role"] == "system":
+    while system < n and messages[system]["role"] == "system":
         system += 1
-    users = [i for i in range(system, len(messages)) if messages[i]["role"] == "user"]
-    starts = users[1:] if users and users[0] == system else users
-    fitting, lo, hi = None, 0, len(starts) - 1  # the first start that fits (fewer dropped)
+    users = [i for i in range(system, n) if messages[i]["role"] == "user"]
+    head = list(range(system))
+    # Each candidate drops more than the one before it.
+    candidates = [head + list(range(start, n)) for start in users if start > system]
+    if users:
+        last = users[-1]
+        candidates += [head + [last] + list(range(step, n)) for step in range(last + 2, n)
+                       if messages[step]["role"] == "assistant"]
+    fitting, lo, hi = None, 0, len(candidates) - 1  # the first that fits (fewest dropped)
     while lo <= hi:
         mid = (lo + hi) // 2
-        kept = messages[:system] + messages[starts[mid]:]
+        kept = [messages[i] for i in candidates[mid]]
         try:
             fitting = prepare_chat({**chat, "messages": kept}, tokenizer, model_name,
-                                   max_model_len, defaults), system, starts[mid]
+                                   max_model_len, defaults), candidates[mid]
             hi = mid - 1
         except InvalidRequest as exc:
             if exc.code != "context_length_exceeded":

@@ -4,6 +4,8 @@ items it was made from (a previous_response_id chain's included) in pages, and d
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -172,6 +174,53 @@ def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(client):  # noqa
     assert [i.content[0].text for i in items] == [m["content"] for m in chat_turns[start:]]
     with pytest.raises(openai.BadRequestError):  # even its last turn alone is too long
         client.responses.create(model=model, input="word " * 3000, truncation="auto")
+
+
+def test_truncation_auto_drops_an_agent_loops_oldest_steps(client):  # noqa: F811
+    """One request followed by more calls and outputs than fit (an agent's loop): its oldest
+    steps go (a call with its output), the request itself stays; the answer is the chat
+    endpoint's to the same messages, and they are what is stored."""
+    model = client.models.list().data[0].id
+    task = {"role": "user", "content": "Fix the build."}
+    steps = []
+    for i in range(30):
+        steps += [{"type": "function_call", "call_id": f"call_{i}", "name": "shell",
+                   "arguments": json.dumps({"cmd": f"make step{i}"})},
+                  {"type": "function_call_output", "call_id": f"call_{i}",
+                   "output": f"step {i}: " + "compiler output line " * 25}]
+    ask = dict(model=model, instructions="Be brief.", input=[task, *steps],
+               max_output_tokens=8, **SAMPLING)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(**ask)
+    assert raised.value.body["code"] == "context_length_exceeded"
+    fitted = client.responses.create(**ask, truncation="auto")
+    items = list(client.responses.input_items.list(fitted.id, order="asc", limit=100))
+    assert items[0].content[0].text == "Fix the build."
+    kept = [i.call_id for i in items[1:]]
+    first = int(kept[0].removeprefix("call_"))
+    assert 0 < first < 29 and kept == [f"call_{i}" for i in range(first, 30) for _ in "ab"]
+    assert [i.type for i in items[1:3]] == ["function_call", "function_call_output"]
+
+    def chat_messages(start: int) -> list[dict]:
+        out = [{"role": "system", "content": "Be brief."}, task]
+        for step in steps[2 * start:]:
+            if step["type"] == "function_call":
+                out.append({"role": "assistant", "content": None, "tool_calls": [
+                    {"id": step["call_id"], "type": "function", "function": {
+                        "name": step["name"], "arguments": step["arguments"]}}]})
+            else:
+                out.append({"role": "tool", "tool_call_id": step["call_id"],
+                            "content": step["output"]})
+        return out
+
+    chat = client.chat.completions.create(model=model, max_tokens=8, temperature=0.0,
+                                          messages=chat_messages(first),
+                                          extra_body={"ignore_eos": True})
+    assert fitted.output_text == chat.choices[0].message.content
+    assert fitted.usage.input_tokens == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError):  # one step more would have fit: not dropped
+        client.chat.completions.create(model=model, max_tokens=8, messages=chat_messages(
+            first - 1), extra_body={"ignore_eos": True})
 
 
 def test_an_unknown_response_is_a_404_without_the_wait_for_an_end(client):  # noqa: F811
