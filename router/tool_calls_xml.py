@@ -18,20 +18,22 @@ tool's schema. A "string" parameter becomes a JSON string and streams as it is w
 other is read once whole: JSON where it parses and fits the schema's types (True/False for a
 boolean, None for null too), else the text as a string. The newline after the opening tag and
 the one before the closing tag are the format's, not the value's. A value ends at
-</parameter>, or where a model leaves that out, at the next <parameter= or </function>.
+</parameter>, or where a model leaves that out, at the next <parameter=, </function> or
+</tool_call> (which also ends a call whose </function> is left out).
 
 The rest is as router/tool_calls.py reads its formats: content before the first call streams,
-a call goes out once its name is read and its arguments as they are built, what lies between
-calls is dropped, output that breaks the format before a call has begun is content after all,
-and a call cut short (max_tokens) is given as far as it was written. The <tool_call> around a
-call may be left out, as these models sometimes do.
+a call goes out once its name is read and its first parameter (or its end) begins, what lies
+between calls is dropped, output that breaks the format before a call has begun is content
+after all. The arguments are always a JSON object: a call broken off, or cut short
+(max_tokens), has the parameters read so far, its last value as far as it was written. The
+<tool_call> around a call may be left out, as these models sometimes do.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from router.text_checks import partial_tag_len, refuse_json_constant
@@ -40,23 +42,26 @@ from router.tool_calls import FUNCTION_NAME, CallReader, call_id
 _SPACE = " \t\r\n"
 _OPENERS = ("<tool_call>", "<function=")
 _FUNCTION = "<function="
-_PARAM, _PARAM_END, _FUNCTION_END = "<parameter=", "</parameter>", "</function>"
-_VALUE_ENDS = (_PARAM_END, _PARAM, _FUNCTION_END)
+_PARAM, _PARAM_END, _FUNCTION_END, _CALL_END = \
+    "<parameter=", "</parameter>", "</function>", "</tool_call>"
+_VALUE_ENDS = (_PARAM_END, _PARAM, _FUNCTION_END, _CALL_END)
+_PARAMS_NEXT = (_PARAM, _FUNCTION_END, _CALL_END)
 _LONGEST_END = max(map(len, _VALUE_ENDS))
 _NAME_SO_FAR = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
 _PARAM_NAME = re.compile(r"[^<>\n]{1,128}")
 _PARAM_SO_FAR = re.compile(r"[^<>\n]{0,128}")
 _PY_TYPES = {"object": dict, "array": list, "string": str, "null": type(None)}
+_MAX_SCHEMA_DEPTH = 8
 
 
 @dataclass
 class _Call:
     id: str
     name: str
-    properties: dict  # its parameters' schemas, by name
-    args: str = ""  # its arguments as JSON, as far as they are read
-    params: int = 0  # parameters read
-    sent: int = 0  # characters of `args` given out
+    schema: dict  # its tool's parameters schema (for their types, and $refs into it)
+    parts: list[str] = field(default_factory=list)  # its arguments as JSON, as built
+    given: int = 0  # parts given out
+    params: int = 0  # parameters begun
     header_sent: bool = False
     done: bool = False
 
@@ -77,18 +82,19 @@ class XmlCallReader:
         self.opened = False  # a call's opener was seen (content ends there)
         self.pos = 0  # how far the output is read
         self.state = "gap"  # gap, open, name, params, param_name, value_start, value
+        self.pending: Optional[_Call] = None  # its name read, not yet begun
         self.calls: list[_Call] = []
         self.settled = 0  # the calls before this one are sent whole
         self.over = False  # no more calls are read
         self.value_start = self.value_sent = self.scan = 0  # the value being read
-        self.schema: Any = None  # its parameter's schema
+        self.value_schema: Any = None
         self.streams = False  # it is a string, streamed as written
 
     def feed(self, text: str, finished: bool = False) -> tuple[str, list[dict]]:
         """The output so far -> (content to send now, tool_calls deltas to send now)."""
         if not (self.plain or self.over):
             self._read(text)
-            if finished and self.calls and not self.over:
+            if finished and not (self.plain or self.over):
                 self._cut(text)
         if finished and not self.calls:
             self.plain = True  # no call began: it was content after all
@@ -140,30 +146,39 @@ class XmlCallReader:
         if not FUNCTION_NAME.fullmatch(text, i, at):
             return self._broken()
         name = text[i:at]
-        properties = (self.tools.get(name) or {}).get("properties")
-        self.calls.append(_Call(call_id(self.short_ids), name,
-                                properties if isinstance(properties, dict) else {}))
+        schema = self.tools.get(name)
+        self.pending = _Call(call_id(self.short_ids), name,
+                             schema if isinstance(schema, dict) else {})
         self.state = "params"
         return at + 1
 
     def _params(self, text: str, i: int) -> Optional[int]:
-        """Within a function: space, then a parameter or its end."""
+        """Within a function: space, then a parameter, or its end (</function>, or
+        </tool_call> where that is left out); other text between parameters is dropped."""
         while i < len(text) and text[i] in _SPACE:
             i += 1
-        call = self.calls[-1]
         if text.startswith(_PARAM, i):
+            self._begin_call()
             self.state = "param_name"
             return i + len(_PARAM)
-        if text.startswith(_FUNCTION_END, i):
-            call.args += "}" if call.params else "{}"
-            call.done, self.state = True, "gap"
-            self.over = not self.parallel
-            return i + len(_FUNCTION_END)
+        for end in (_FUNCTION_END, _CALL_END):
+            if text.startswith(end, i):
+                self._begin_call()
+                self._close()
+                self.state = "gap"
+                self.over = not self.parallel
+                return i + len(end)
         rest = text[i:]
-        if _PARAM.startswith(rest) or _FUNCTION_END.startswith(rest):
+        if any(tag.startswith(rest) for tag in _PARAMS_NEXT):
             self.pos = i
             return None
-        return self._broken()
+        if self.pending is not None:  # nothing of it yet: not a call after all
+            return self._broken()
+        at = text.find("<", i + 1)
+        if at < 0:
+            self.pos = len(text)
+            return None
+        return at
 
     def _param_name(self, text: str, i: int) -> Optional[int]:
         at = text.find(">", i)
@@ -173,10 +188,12 @@ class XmlCallReader:
         if not _PARAM_NAME.fullmatch(text, i, at):
             return self._broken()
         call, name = self.calls[-1], text[i:at]
-        self.schema = call.properties.get(name)
-        self.streams = _types(self.schema) == {"string"}
-        call.args += ("{" if not call.params else ", ") + _json(name) + ": " + \
-            ('"' if self.streams else "")
+        properties = call.schema.get("properties")
+        self.value_schema = properties.get(name) if isinstance(properties, dict) else None
+        self.streams = _types(self.value_schema, call.schema) == {"string"}
+        call.parts.append(("{" if not call.params else ", ") + _json(name) + ": " +
+                          ('"' if self.streams else ""))
+        call.params += 1
         self.state = "value_start"
         return at + 1
 
@@ -191,43 +208,59 @@ class XmlCallReader:
         found = [(at, end) for end in _VALUE_ENDS if (at := text.find(end, self.scan)) >= 0]
         if not found:
             if self.streams:
-                hold = max(max(partial_tag_len(text, "\n" + end), partial_tag_len(text, end))
-                           for end in _VALUE_ENDS)
-                self._stream(text, len(text) - hold)
+                self._stream(text, _held(text, self.value_sent))
             self.scan = max(self.value_start, len(text) - _LONGEST_END + 1)
             self.pos = len(text)
             return None
         at, end = min(found)
-        stop = at - 1 if at > self.value_start and text[at - 1] == "\n" else at
-        self._end_value(text, stop)
+        self._end_value(text, at - 1 if at > self.value_start and text[at - 1] == "\n" else at)
         self.state = "params"
         return at + len(end) if end == _PARAM_END else at
 
     def _stream(self, text: str, upto: int) -> None:
         if upto > self.value_sent:
-            self.calls[-1].args += _json(text[self.value_sent:upto])[1:-1]
+            self.calls[-1].parts.append(_json(text[self.value_sent:upto])[1:-1])
             self.value_sent = upto
 
-    def _end_value(self, text: str, stop: int, closed: bool = True) -> None:
-        call = self.calls[-1]
+    def _end_value(self, text: str, stop: int) -> None:
         if self.streams:
             self._stream(text, stop)
-            call.args += '"' if closed else ""
+            self.calls[-1].parts.append('"')
         else:
-            call.args += _typed(text[self.value_start:stop], self.schema)
-        call.params += 1
+            self.calls[-1].parts.append(_typed(text[self.value_start:stop], self.value_schema,
+                                               self.calls[-1].schema))
+
+    def _begin_call(self) -> None:
+        if self.pending is not None:
+            self.calls.append(self.pending)
+            self.pending = None
+
+    def _close(self) -> None:
+        """The call being read ends here: its arguments made a whole object."""
+        call = self.calls[-1] if self.calls else None
+        if call is None or call.done:
+            return
+        call.parts.append("}" if call.params else "{}")
+        call.done = True
 
     def _cut(self, text: str) -> None:
-        """The output ended inside a call: it is given as far as it was written."""
-        call = self.calls[-1]
-        if not call.done:
-            if self.state == "value":
-                self._end_value(text, len(text), closed=False)
-            call.args = call.args or "{}"
+        """The output ended inside a call: it has what was read, its last value as far as it
+        was written."""
+        self.pending = None
+        if not self.calls or self.calls[-1].done:
+            return
+        if self.state == "value_start":  # its key is out, its value not begun
+            self.value_start = self.value_sent = len(text)
+            self.state = "value"
+        if self.state == "value":
+            self._end_value(text, len(text))
+        self._close()
         self.over = True
 
     def _broken(self) -> None:
+        self.pending = None
         if self.calls:
+            self._close()  # (broken only between parameters: its last one is whole)
             self.over = True  # what follows the last whole call is dropped
         else:
             self.plain = True
@@ -237,8 +270,8 @@ class XmlCallReader:
         out = []
         for index in range(self.settled, len(self.calls)):
             call = self.calls[index]
-            piece = call.args[call.sent:]
-            call.sent = len(call.args)
+            piece = "".join(call.parts[call.given:])
+            call.given = len(call.parts)
             if not call.header_sent:
                 call.header_sent = True
                 out.append({"index": index, "id": call.id, "type": "function",
@@ -250,42 +283,72 @@ class XmlCallReader:
         return out
 
 
-def _types(schema: Any) -> set:
-    """The JSON types a parameter's schema allows (empty: not said)."""
-    if not isinstance(schema, dict):
+def _held(text: str, start: int) -> int:
+    """Where the end of `text` that could begin a value's end ("\n</parameter>", ...) starts:
+    a streamed value is given up to there (len(text): none of it could)."""
+    k = max(start, len(text) - _LONGEST_END)
+    while True:
+        found = [at for at in (text.find("\n", k), text.find("<", k)) if at >= 0]
+        if not found:
+            return len(text)
+        k = min(found)
+        rest = text[k:]
+        if any(end.startswith(rest) or ("\n" + end).startswith(rest) for end in _VALUE_ENDS):
+            return k
+        k += 1
+
+
+def _types(schema: Any, root: dict, depth: int = 0) -> set:
+    """The JSON types a parameter's schema allows (empty: not said), through its anyOf /
+    oneOf / allOf and $refs into its tool's $defs."""
+    if not isinstance(schema, dict) or depth > _MAX_SCHEMA_DEPTH:
         return set()
     kind = schema.get("type")
     if isinstance(kind, str):
         return {kind}
     if isinstance(kind, list):
         return {k for k in kind if isinstance(k, str)}
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        for prefix in ("#/$defs/", "#/definitions/"):
+            defs = root.get(prefix[2:-1])
+            if ref.startswith(prefix) and isinstance(defs, dict):
+                return _types(defs.get(ref[len(prefix):]), root, depth + 1)
     out: set = set()
-    for key in ("anyOf", "oneOf"):
-        for option in schema.get(key) or ():
-            out |= _types(option)
-    if not out and isinstance(schema.get("enum"), list) and schema["enum"] and \
-            all(isinstance(v, str) for v in schema["enum"]):
+    for key in ("anyOf", "oneOf", "allOf"):
+        options = schema.get(key)
+        for option in options if isinstance(options, list) else ():
+            out |= _types(option, root, depth + 1)
+    enum = schema.get("enum")
+    if not out and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
         out = {"string"}
     return out
 
 
-def _typed(raw: str, schema: Any) -> str:
-    """A value read whole, as the JSON its schema's types say it is."""
-    types, text = _types(schema), raw.strip()
+def _typed(raw: str, schema: Any, root: dict) -> str:
+    """A value read whole, as the JSON its schema's types say it is: the text as a string
+    where it is no JSON of those types (the template writes a string as it is, so text in
+    quotes is a string holding them)."""
+    types, text = _types(schema, root), raw.strip()
     if text in ("null", "None") and (not types or "null" in types):
         return "null"
-    if "boolean" in types and text in ("true", "false", "True", "False"):
+    if text in ("true", "false", "True", "False") and (not types or "boolean" in types):
         return "true" if text.lower() == "true" else "false"
     try:
         value = json.loads(text, parse_constant=refuse_json_constant)
     except (ValueError, RecursionError):
+        return _json(raw)
+    if isinstance(value, str):
         return _json(raw)
     if types and not any(_fits(value, kind) for kind in types):
         if "integer" in types and isinstance(value, float) and value.is_integer():
             value = int(value)
         elif "string" in types:
             return _json(raw)
-    return _json(value)
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a number past a float's range (1e400): no JSON number
+        return _json(raw)
 
 
 def _fits(value: Any, kind: str) -> bool:

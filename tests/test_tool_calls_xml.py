@@ -84,14 +84,36 @@ def parsed(arguments: str):
     ("<tool_call>\nnot a function</tool_call>", "<tool_call>\nnot a function</tool_call>", []),
     ("<tool_call>\n<function=bad name!>\n</function>", "<tool_call>\n<function=bad name!>\n"
      "</function>", []),
-    # Cut short (max_tokens): as far as it was written.
+    # Cut short (max_tokens): the parameters read, the last as far as it was written.
     ("ok <tool_call>\n<function=get_weather>\n<parameter=city>\nPar", "ok ",
-     [("get_weather", '{"city": "Par')]),
+     [("get_weather", {"city": "Par"})]),
     ("<tool_call>\n<function=get_weather>\n<parameter=days>\n3", None,
-     [("get_weather", '{"days": 3')]),
-    ("<tool_call>\n<function=noop>", None, [("noop", {})]),
+     [("get_weather", {"days": 3})]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=opts>\n{\"a\": [1", None,
+     [("get_weather", {"opts": '{"a": [1'})]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>", None,
+     [("get_weather", {"city": ""})]),
+    # A name alone is no call yet: cut there, or followed by prose, it is content.
+    ("<tool_call>\n<function=noop>", "<tool_call>\n<function=noop>", []),
+    ("Call it as <function=noop>, like this.", "Call it as <function=noop>, like this.", []),
     # After a whole call, a broken one is dropped.
     (call("noop") + "\n<tool_call>\n<junk>", None, [("noop", {})]),
+    # </function> left out: </tool_call> ends the call, and the next one is read.
+    ("<tool_call>\n<function=get_weather>\n<parameter=days>\n1\n</parameter>\n</tool_call>"
+     "\n" + call("get_weather", days=2), None,
+     [("get_weather", {"days": 1}), ("get_weather", {"days": 2})]),
+    # </parameter> and </function> left out: </tool_call> ends the value too.
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</tool_call>\n" +
+     call("get_weather", city="Rome"), None,
+     [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})]),
+    # Stray text between parameters is dropped; a broken parameter ends the call whole.
+    ("<function=get_weather>\n<parameter=days>\n1\n</parameter>\nhmm\n<parameter=hot>\n"
+     "false\n</parameter>\n<parameter=>\n", None,
+     [("get_weather", {"days": 1, "hot": False})]),
+    # Past a float's range: no JSON number, the text; quoted text under string-or-null: a
+    # string holding the quotes (the template writes strings as they are).
+    (call("get_weather", ratio="1e400", any="-1e999", note='"hi"'), None,
+     [("get_weather", {"ratio": "1e400", "any": "-1e999", "note": '"hi"'})]),
 ])
 def test_calls_are_read_whole_and_streamed_alike(text, content, calls):
     got_content, got = read_calls(plan(), text)
@@ -101,6 +123,20 @@ def test_calls_are_read_whole_and_streamed_alike(text, content, calls):
     shown, by_char = streamed(text, range(1, len(text)), plan())
     assert by_char == whole
     assert shown == ((content or "") if calls else text)
+
+
+def test_types_come_through_refs_and_odd_schemas_do_not_break_the_reader():
+    params = {"f": {"type": "object", "$defs": {"Code": {"type": "string"}}, "properties": {
+        "zip": {"$ref": "#/$defs/Code"}, "opt": {"anyOf": [{"type": "string"},
+                                                            {"type": "null"}]},
+        "odd": {"anyOf": 5}, "deep": {"allOf": [{"allOf": [{"type": "integer"}]}]},
+        "free": {}}}}
+    p = ToolPlan("auto", parser="qwen3_coder", names=("f",), params=params)
+    text = call("f", zip="01234", opt="None", odd="7", deep="8", free="True")
+    _, got = read_calls(p, text)
+    assert json.loads(got[0]["function"]["arguments"]) == {
+        "zip": "01234", "opt": None, "odd": 7, "deep": 8, "free": True}
+    assert streamed(text, range(1, len(text)), p)[1] == [("f", got[0]["function"]["arguments"])]
 
 
 def test_one_call_without_parallel_calls():
