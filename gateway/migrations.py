@@ -122,4 +122,9 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         # its output and deleted with it.
         "ALTER TABLE run_outputs ADD COLUMN conversation BLOB",
     ]),
+    (10, "a cancel asked of a run's owner by another replica", [
+        # Set by the replica a client asked to cancel a background response another replica
+        # runs; the owner reads it with the runs followed from elsewhere, and cancels it.
+        "ALTER TABLE runs ADD COLUMN cancel_asked_at REAL",
+    ]),
 ]

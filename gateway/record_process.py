@@ -32,7 +32,8 @@ def serve(conn, store_url: Optional[str], owner: Optional[str] = None,
     """Until the pipe closes or an empty message comes: a round in, pickled (its runs' rows as
     gateway/runs.py `record_item` makes them, the new events of runs followed from other
     replicas, whether to say which runs are followed), and pickled out (the problems, one line
-    each; this owner's runs in flight followed from elsewhere), or one string when nothing of
+    each; this owner's runs in flight followed from elsewhere, and those whose cancel another
+    replica asked for), or one string when nothing of
     the round could be written. With an
     `owner`, every lease_s / 3 between rounds: the owner is alive, and runs of replicas not
     seen for `lease_s` are failed (a replica that stopped for good leaves none in flight).
@@ -105,13 +106,15 @@ def serve(conn, store_url: Optional[str], owner: Optional[str] = None,
                 # the router sends it again with the next one; keep serving
                 answer = f"the round of records failed: {type(exc).__name__}: {exc}"
             else:
-                followed = None  # None: not asked, or the look-up failed (the round stands)
+                # None: not asked, or the look-up failed (the round stands)
+                followed = cancels = None
                 if ask_followed and owner is not None:
                     try:
                         followed = store.followed(owner, time.time() - FOLLOWED_S)
+                        cancels = store.cancels_asked(owner)
                     except Exception as exc:
                         log.warning("run records: which runs are followed: %s", exc)
-                answer = (problems, followed)
+                answer = (problems, followed, cancels)
             conn.send_bytes(pickle.dumps(answer))
     finally:
         store.close()

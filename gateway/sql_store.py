@@ -371,6 +371,16 @@ class SqlRunStore:
                           "owner = ? AND followed_at >= ?", (owner, since)).fetchall()
         return [_first(row) for row in rows]
 
+    def ask_cancel(self, run_id: str, at: float) -> bool:
+        with self._tx() as db:
+            return self._exec(db, f"UPDATE runs SET cancel_asked_at = ? WHERE id = ? AND "
+                              f"{_in_states(IN_FLIGHT)}", (at, run_id)).rowcount > 0
+
+    def cancels_asked(self, owner: str) -> list[str]:
+        rows = self._exec(self._db(), f"SELECT id FROM runs WHERE {_in_states(IN_FLIGHT)} AND "
+                          "owner = ? AND cancel_asked_at IS NOT NULL", (owner,)).fetchall()
+        return [_first(row) for row in rows]
+
     def delete_outputs(self, before: float, limit: int) -> int:
         with self._tx() as db:
             # Events published for a follower and left by a final row that was refused (few:

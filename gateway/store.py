@@ -116,6 +116,13 @@ class RunStore(Protocol):
         """The runs of `owner` in flight that a client of another replica has waited for
         since `since` (runs.followed_at)."""
 
+    def ask_cancel(self, run_id: str, at: float) -> bool:
+        """Ask the run's owner to cancel it (runs.cancel_asked_at); False when it is not in
+        flight."""
+
+    def cancels_asked(self, owner: str) -> list[str]:
+        """The runs of `owner` in flight whose cancel another replica asked for."""
+
     def delete_outputs(self, before: float, limit: int) -> int:
         """The kept outputs of up to `limit` runs created before `before`, oldest first; how
         many."""

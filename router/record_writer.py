@@ -14,7 +14,7 @@ import multiprocessing
 import pickle
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from gateway import record_process
 from gateway.runs import IN_FLIGHT, record_item
@@ -68,6 +68,9 @@ class RunWriter:
         self._followed: set[str] = set()
         self._published: dict[str, int] = {}
         self._next_ask = 0.0
+        # Called (on the writer thread) with an open run whose cancel another replica asked
+        # for, every ASK_FOLLOWED_S until it ends.
+        self.on_cancel_asked: Optional[Callable[["LiveRun"], None]] = None
         # Filled by the serving loop (an append is atomic), swapped out by the writer thread.
         self._begun: list["LiveRun"] = []
         self._ended: list["LiveRun"] = []
@@ -125,13 +128,16 @@ class RunWriter:
                 if rows or events or ask:
                     if ask:
                         self._next_ask = time.monotonic() + ASK_FOLLOWED_S
-                    problems, followed = self._record(rows, events, ask)
+                    problems, followed, cancels = self._record(rows, events, ask)
                     for problem in problems:
                         self.failures += 1
                         log.warning("run record: %s", problem)
                     self._published.update(published)
                     if followed is not None:  # followed once: published until its end
                         self._followed.update(r for r in followed if r in self._open)
+                    for run_id in cancels or ():
+                        if run_id in self._open and self.on_cancel_asked is not None:
+                            self.on_cancel_asked(self._open[run_id])
                 del self._waiting[:len(waiting)]
                 if self._waiting:
                     self._wake.set()  # the rest of a backlog: the next round
@@ -275,8 +281,9 @@ class RunWriter:
                 process.join()
 
     def _record(self, items: list[dict], events: list = (), ask_followed: bool = False
-                ) -> tuple[list[str], list[str]]:
-        """(problems, runs followed from other replicas) of a round written by the process."""
+                ) -> tuple[list[str], Optional[list[str]], Optional[list[str]]]:
+        """(problems, runs followed from other replicas, runs whose cancel another replica
+        asked for) of a round written by the process."""
         if self._conn is None:
             self._start_process()
         try:

@@ -31,6 +31,9 @@ STORED_WAIT_S = 2.0
 # How long one with no record at all is waited for (another replica writes a new run's row in
 # its next round, 50 ms apart): an unknown id is a 404 after this, not after STORED_WAIT_S.
 UNKNOWN_WAIT_S = 0.5
+# How long a cancel waits for the replica running the response to end it (it reads asks every
+# ASK_FOLLOWED_S, then writes the end in its next round).
+CANCEL_WAIT_S = 5.0
 FOLLOW_WAIT_S = 2.0  # for another replica's running response to publish its events
 MAX_ITEMS_PAGE = 100  # OpenAI's limit on one page of input items
 _ITEM_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")  # no effect
@@ -142,22 +145,20 @@ async def delete(recorder: RunRecorder, tenant: str, response_id: str) -> dict:
 
 async def cancel(recorder: RunRecorder, tenant: str, response_id: str) -> Response:
     """A background response stopped where it is (its stream ends there; GET says
-    `cancelled`). Cancelling a cancelled one gives it again; an ended one is a 409 (a
-    foreground one a 400), as is one running on another replica (its task is there)."""
+    `cancelled`), here or, asked through the store, by the replica running it. Cancelling a
+    cancelled one gives it again; an ended one is a 409 (a foreground one a 400)."""
     live = await _find(recorder, tenant, response_id)
     if live is None:
         raise not_found(response_id)
     if not _ended(live):
         if live.remote:
-            raise BackendError(409, f"response {response_id!r} runs on another router "
-                               "replica; cancel it there", param="response_id",
-                               code="response_elsewhere")
-        if not live.background:
-            raise _foreground()
-        live.cancelled = True
-        live.task.cancel()
-        while not live.done:
-            await live.changed()
+            live = await _cancel_elsewhere(recorder, tenant, live)
+        else:
+            if not live.background:
+                raise _foreground()
+            recorder.cancel(live)
+            while not live.done:
+                await live.changed()
     body = await _ended_body(recorder, live)
     if body is None or body.get("store") is False:
         raise not_found(response_id)
@@ -168,6 +169,34 @@ async def cancel(recorder: RunRecorder, tenant: str, response_id: str) -> Respon
                            f"{body['status']})", param="response_id",
                            code="response_already_ended")
     return json_body(body)
+
+
+async def _cancel_elsewhere(recorder: RunRecorder, tenant: str, live):
+    """Ask the replica running a background response to cancel it (it reads the store's ask
+    every quarter second), and wait for its end to be written: the run as it ended. A run
+    with no opening event in the store is a foreground one (a background one's is written in
+    its first rounds, waited for up to UNKNOWN_WAIT_S)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + UNKNOWN_WAIT_S
+    while True:
+        opening = await asyncio.to_thread(recorder.store.get_output, live.id, True)
+        if opening is not None:
+            break
+        if loop.time() >= deadline:
+            raise _foreground()
+        await asyncio.sleep(POLL_S)
+    if opening[0] == OPENING:
+        await asyncio.to_thread(recorder.store.ask_cancel, live.id, time.time())
+    deadline = loop.time() + CANCEL_WAIT_S
+    while True:
+        now = await recorder.find(live.id, tenant)
+        if now is None or _ended(now):
+            return now or live
+        if loop.time() >= deadline:
+            raise BackendError(409, f"response {live.id!r} runs on another router replica, "
+                               f"asked to cancel it; it has not ended yet (GET it to see)",
+                               param="response_id", code="response_elsewhere")
+        await asyncio.sleep(POLL_S * 2)
 
 
 async def as_it_stands(recorder: RunRecorder, tenant: str, response_id: str

@@ -61,6 +61,8 @@ class RunRecorder:
         self.always_event_ids = event_ids == "always"
         self.writer = RunWriter(store_url, owner, owner_lease_s=owner_lease_s,
                                 keep_outputs_s=keep_outputs_s, keep_runs_s=keep_runs_s)
+        self.writer.on_cancel_asked = self._cancel_asked
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # the serving loop, once known
         self.live: dict[str, LiveRun] = {}
         self._by_key: dict[tuple[str, str], str] = {}
         self._claims: dict[tuple[str, str], asyncio.Future] = {}
@@ -84,6 +86,7 @@ class RunRecorder:
         """(run, created). With an Idempotency-Key the tenant already used: the run that holds
         it (this process's, or a stub for another's: `task` None, not done), created False;
         IdempotencyConflict (422) when the body differs."""
+        self._loop = self._loop or asyncio.get_running_loop()
         if key is None:
             live = self._add(LiveRun(run_id, tenant, stream))
             self.writer.begun(live)
@@ -134,6 +137,22 @@ class RunRecorder:
         finally:
             del self._claims[(tenant, key)]
         return live, created
+
+    @staticmethod
+    def cancel(live: LiveRun) -> None:
+        """Stop a background response of this process where it is (its client's cancel, here
+        or asked through the store by another replica's)."""
+        if live.background and not live.done and live.task is not None and not live.cancelled:
+            live.cancelled = True
+            live.task.cancel()
+
+    def _cancel_asked(self, live: LiveRun) -> None:
+        """The writer thread read that another replica asked to cancel `live`."""
+        try:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self.cancel, live)
+        except RuntimeError:  # the loop has closed: nothing runs any more
+            pass
 
     def _abandon(self, write: asyncio.Future, live: LiveRun) -> None:
         if write.cancelled() or write.exception() is not None or not write.result()[1]:

@@ -409,6 +409,18 @@ def test_a_background_responses_opening_is_kept_until_its_output_replaces_it(run
     assert runs.store.get_output("resp_c", opening=True) == opening
 
 
+def test_a_cancel_asked_of_another_replica_is_read_by_its_owner_only(runs):
+    for run_id, owner in [("resp_1", "a:8000/0"), ("resp_2", "a:8000/0"), ("resp_3", "b:8000/0")]:
+        runs.create("acme", run_id=run_id, owner=owner)
+    assert runs.store.cancels_asked("a:8000/0") == []
+    assert runs.store.ask_cancel("resp_2", 100.0) and runs.store.ask_cancel("resp_3", 100.0)
+    assert runs.store.cancels_asked("a:8000/0") == ["resp_2"]
+    assert runs.get("resp_2")["cancel_asked_at"] == 100.0
+    runs.advance("resp_2", "cancelled")
+    assert runs.store.cancels_asked("a:8000/0") == []  # ended: asked no more
+    assert not runs.store.ask_cancel("resp_2", 101.0)  # nor can it be
+
+
 def test_runs_of_a_replica_not_seen_for_its_lease_are_failed(runs):
     """A replica that stopped for good (not restarted on its port, so no start-up recovery)
     leaves runs in flight; another replica's keep-alive fails them once the lapsed one has not

@@ -1,7 +1,7 @@
 """Stored and background responses across router replicas on one run store (two routers, each
 over a scripted backend, sharing a SQLite file): a delete on one reaches what the other keeps
-in memory, store: false stays unreadable everywhere, a cancel or a retry on the other replica
-answers as on the owner, and a background poll there reads the response as it runs."""
+in memory, store: false stays unreadable everywhere, a cancel (asked of the owner through the
+store) or a retry on the other replica answers as on the owner, and a background poll there reads the response as it runs."""
 
 from __future__ import annotations
 
@@ -85,13 +85,24 @@ def test_cancel_and_retry_on_the_other_replica(llama_dir, tmp_path):
         # Polled on B while it runs on A: its snapshot.
         polled = httpx.get(f"{b}/responses/{running['id']}").json()
         assert polled["status"] in ("queued", "in_progress") and polled["background"] is True
-        assert _error(httpx.post(f"{b}/responses/{running['id']}/cancel")) == \
-            (409, "response_elsewhere")
+        # Cancelled on B: asked of A through the store; A stops it, B answers once it ended.
+        cancelled = httpx.post(f"{b}/responses/{running['id']}/cancel", timeout=30)
+        assert cancelled.status_code == 200, cancelled.text
+        assert cancelled.json()["status"] == "cancelled" and cancelled.json()["background"]
+        record = httpx.get(f"{a}/runs/{running['id']}").json()
+        assert record["state"] == "cancelled" and record["cancel_asked_at"] is not None
+        assert record["output_tokens"] < 40  # stopped before its last word
+        on_a = httpx.get(f"{a}/responses/{running['id']}").json()
+        assert on_a["status"] == "cancelled" and on_a["output"] == cancelled.json()["output"]
+        again = httpx.post(f"{b}/responses/{running['id']}/cancel")
+        assert again.status_code == 200 and again.json()["status"] == "cancelled"
+        finished = httpx.post(f"{a}/responses", json={"input": "y", "background": True}).json()
         deadline = time.monotonic() + 30
-        while httpx.get(f"{a}/responses/{running['id']}").json()["status"] == "in_progress":
+        while httpx.get(f"{a}/responses/{finished['id']}").json()["status"] in (
+                "queued", "in_progress"):
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        ended = httpx.post(f"{b}/responses/{running['id']}/cancel")
+        ended = httpx.post(f"{b}/responses/{finished['id']}/cancel")
         assert _error(ended) == (409, "response_already_ended")
         foreground = httpx.post(f"{a}/responses", json={"input": "x"}).json()["id"]
         # Once B reads it ended (A writes its end in its next round: until then, B sees it
