@@ -5,10 +5,12 @@ plain chat content in the same run. Run it on two trees (a `git worktree` of the
 a change, and this one) to compare.
 
     .venv/bin/python bench/tool_call_stream.py [--tree DIR] [--chars 8000] [--repeats 7]
+                                               [--format hermes|qwen3_coder]
 
-The output: a short preamble, then one call in the Hermes format (Qwen2.5/Qwen3) whose
-arguments carry a file's text of --chars characters (an agent writing a file), tokenized by the
-bench model's tokenizer, one token per chunk; the request prepared by the router's own code as
+The output: a short preamble, then one call in the Hermes format (Qwen2.5/Qwen3), or with
+--format qwen3_coder in Qwen3-Coder's XML form, whose arguments carry a file's text of --chars
+characters (an agent writing a file), tokenized by the bench model's tokenizer, one token per
+chunk; the request prepared by the router's own code as
 the official client sends it (`stream: true`, tools, tool_choice auto), against a chat template
 that shows that format.
 """
@@ -34,6 +36,7 @@ def main() -> None:
     ap.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent))
     ap.add_argument("--chars", type=int, default=8000)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--format", choices=("hermes", "qwen3_coder"), default="hermes")
     args = ap.parse_args()
     sys.path.insert(0, args.tree)
     from bench.common import bench_model, machine_line
@@ -43,10 +46,15 @@ def main() -> None:
 
     tokenizer = Tokenizer(bench_model(None))
     tokenizer.chat_template, tokenizer._template = TEMPLATE, None
-    tokenizer.tool_call_format = "hermes"
+    tokenizer.tool_call_format = args.format
     body = "".join(f"line {i}: x = {i}\n" for i in range(args.chars // 12))[:args.chars]
-    text = ('I will write it. <tool_call>\n{"name": "write_file", "arguments": '
-            + json.dumps({"path": "notes.txt", "content": body}) + "}\n</tool_call>")
+    if args.format == "hermes":
+        text = ('I will write it. <tool_call>\n{"name": "write_file", "arguments": '
+                + json.dumps({"path": "notes.txt", "content": body}) + "}\n</tool_call>")
+    else:
+        text = ("I will write it.\n\n<tool_call>\n<function=write_file>\n<parameter=path>\n"
+                f"notes.txt\n</parameter>\n<parameter=content>\n{body}\n</parameter>\n"
+                "</function>\n</tool_call>")
     ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = [tokenizer.decode(ids[:i + 1]) for i in range(len(ids))]
     chunks = [{"text": b[len(a):], "token_ids": [t], "finished": i == len(ids) - 1,
@@ -82,7 +90,8 @@ def main() -> None:
                 first_at = first
     per = {k: v / len(chunks) * 1e6 for k, v in best.items()}
     print(machine_line())
-    print(f"{args.tree}: {len(chunks)} tokens ({len(text)} characters), best of {args.repeats}")
+    print(f"{args.tree}: {args.format}, {len(chunks)} tokens ({len(text)} characters), best of "
+          f"{args.repeats}")
     print(f"first arguments delta at token {first_at} of {len(chunks)}")
     print(f"us/token: with tools {per['tools']:.2f}, plain content {per['plain']:.2f}, "
           f"ratio {per['tools'] / per['plain']:.2f}")

@@ -47,6 +47,8 @@ _PARAM, _PARAM_END, _FUNCTION_END, _CALL_END = \
 _VALUE_ENDS = (_PARAM_END, _PARAM, _FUNCTION_END, _CALL_END)
 _PARAMS_NEXT = (_PARAM, _FUNCTION_END, _CALL_END)
 _LONGEST_END = max(map(len, _VALUE_ENDS))
+_VALUE_END = re.compile("|".join(map(re.escape, _VALUE_ENDS)))
+_ESCAPED = re.compile(r'["\\\x00-\x1f]')  # what JSON escapes in a string (non-ASCII kept)
 _NAME_SO_FAR = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
 _PARAM_NAME = re.compile(r"[^<>\n]{1,128}")
 _PARAM_SO_FAR = re.compile(r"[^<>\n]{0,128}")
@@ -205,21 +207,22 @@ class XmlCallReader:
         return i
 
     def _value(self, text: str, i: int) -> Optional[int]:
-        found = [(at, end) for end in _VALUE_ENDS if (at := text.find(end, self.scan)) >= 0]
-        if not found:
+        found = _VALUE_END.search(text, self.scan) if "<" in text[self.scan:] else None
+        if found is None:
             if self.streams:
                 self._stream(text, _held(text, self.value_sent))
             self.scan = max(self.value_start, len(text) - _LONGEST_END + 1)
             self.pos = len(text)
             return None
-        at, end = min(found)
+        at, end = found.start(), found.group()
         self._end_value(text, at - 1 if at > self.value_start and text[at - 1] == "\n" else at)
         self.state = "params"
         return at + len(end) if end == _PARAM_END else at
 
     def _stream(self, text: str, upto: int) -> None:
         if upto > self.value_sent:
-            self.calls[-1].parts.append(_json(text[self.value_sent:upto])[1:-1])
+            piece = text[self.value_sent:upto]
+            self.calls[-1].parts.append(_json(piece)[1:-1] if _ESCAPED.search(piece) else piece)
             self.value_sent = upto
 
     def _end_value(self, text: str, stop: int) -> None:
@@ -287,6 +290,8 @@ def _held(text: str, start: int) -> int:
     """Where the end of `text` that could begin a value's end ("\n</parameter>", ...) starts:
     a streamed value is given up to there (len(text): none of it could)."""
     k = max(start, len(text) - _LONGEST_END)
+    if "<" not in text[k:] and "\n" not in text[k:]:
+        return len(text)
     while True:
         found = [at for at in (text.find("\n", k), text.find("<", k)) if at >= 0]
         if not found:
