@@ -122,9 +122,16 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
         # its output and deleted with it.
         "ALTER TABLE run_outputs ADD COLUMN conversation BLOB",
     ]),
-    (10, "a cancel asked of a run's owner by another replica", [
+    (10, "background responses: their first event, and a cancel asked of their owner", [
         # Set by the replica a client asked to cancel a background response another replica
         # runs; the owner reads it with the runs followed from elsewhere, and cancels it.
         "ALTER TABLE runs ADD COLUMN cancel_asked_at REAL",
+        # A background response's created event, written while it runs: what a poll reads
+        # should its router stop before the end, and how another replica knows it is one. A
+        # table of its own (no foreign key): routers of an older version sharing the store
+        # never read it, and delete their runs without it.
+        """CREATE TABLE run_openings (
+               run_id TEXT PRIMARY KEY,
+               body BLOB NOT NULL)""",
     ]),
 ]

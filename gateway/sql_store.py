@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from typing import Optional
 
 from gateway.migrations import MIGRATIONS
-from gateway.store import (DAY_S, ENDED, IN_FLIGHT, OPENING, RUN_FIELDS, STATE_TIME,
-                           UPDATABLE, StoreUnavailable)
+from gateway.store import (DAY_S, ENDED, IN_FLIGHT, RUN_FIELDS, STATE_TIME, UPDATABLE,
+                           StoreUnavailable)
 
 log = logging.getLogger(__name__)
 
@@ -220,11 +220,14 @@ class SqlRunStore:
         outputs = [(item["run_id"], *item["output"], item.get("conversation"),
                     item["created_at"]) for item in items if item["output"] is not None]
         if outputs:
-            cursor.executemany(self._sql(
-                "INSERT INTO run_outputs (run_id, kind, body, conversation, created_at) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET kind = excluded.kind, "
-                "body = excluded.body, conversation = excluded.conversation "
-                f"WHERE run_outputs.kind = '{OPENING}'"), outputs)
+            cursor.executemany(self._sql("INSERT INTO run_outputs (run_id, kind, body, "
+                                         "conversation, created_at) VALUES (?, ?, ?, ?, ?) "
+                                         "ON CONFLICT (run_id) DO NOTHING"), outputs)
+        openings = [(item["run_id"], item["opening"]) for item in items
+                    if item.get("opening") is not None]
+        if openings:
+            cursor.executemany(self._sql("INSERT INTO run_openings (run_id, body) VALUES (?, ?) "
+                                         "ON CONFLICT (run_id) DO NOTHING"), openings)
 
     def transitions(self, run_id: str) -> list[tuple[str, float]]:
         row = self._exec(self._db(), "SELECT state, created_at, prefilling_at, streaming_at, "
@@ -275,14 +278,18 @@ class SqlRunStore:
         with self._tx() as db:
             self._exec(db, "UPDATE runs SET followed_at = ? WHERE id = ?", (at, run_id))
 
-    def get_output(self, run_id: str, opening: bool = False) -> Optional[tuple[str, bytes]]:
+    def get_output(self, run_id: str) -> Optional[tuple[str, bytes]]:
         row = self._exec(self._db(), "SELECT kind, body FROM run_outputs WHERE run_id = ?",
                          (run_id,)).fetchone()
         if row is None:
             return None
         kind, body = _values(row)
-        return (kind, bytes(body)) if kind != DELETED and (kind != OPENING or opening) \
-            else None
+        return (kind, bytes(body)) if kind != DELETED else None
+
+    def get_opening(self, run_id: str) -> Optional[bytes]:
+        row = self._exec(self._db(), "SELECT body FROM run_openings WHERE run_id = ?",
+                         (run_id,)).fetchone()
+        return bytes(_first(row)) if row is not None else None
 
     def get_conversation(self, run_id: str) -> Optional[bytes]:
         row = self._exec(self._db(), "SELECT conversation FROM run_outputs WHERE run_id = ?",
@@ -293,6 +300,7 @@ class SqlRunStore:
     def delete_output(self, run_id: str, at: float) -> None:
         with self._tx() as db:
             self._exec(db, "DELETE FROM run_events WHERE run_id = ?", (run_id,))
+            self._exec(db, "DELETE FROM run_openings WHERE run_id = ?", (run_id,))
             # A tombstone, not no row: a replica holding the output in memory asks for it
             # (output_deleted), and the owner's write of a final row that was still on its way
             # (ON CONFLICT DO NOTHING) cannot bring the output back.
@@ -422,6 +430,7 @@ class SqlRunStore:
                     [(*key, *totals) for key, totals in days.items()])
             self._exec(db, f"DELETE FROM run_outputs WHERE run_id IN ({marks})", ids)
             self._exec(db, f"DELETE FROM run_events WHERE run_id IN ({marks})", ids)
+            self._exec(db, f"DELETE FROM run_openings WHERE run_id IN ({marks})", ids)
             return self._exec(db, f"DELETE FROM runs WHERE id IN ({marks})", ids).rowcount
 
 

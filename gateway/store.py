@@ -24,9 +24,6 @@ DAY_S = 86400.0  # the usage of deleted runs is kept per tenant and UTC day
 # A run's idempotency key may only be cleared: a run refused before it served anything frees
 # its key for a retry to run anew.
 UPDATABLE = set(RUN_FIELDS) - {"id", "tenant", "created_at", "body_hash", "owner"}
-# run_outputs.kind of a background response's first event, written while it runs: what a
-# client polling it reads should its router stop before the end (its output replaces it).
-OPENING = "opening"
 
 
 class StoreUnavailable(RuntimeError):
@@ -77,9 +74,11 @@ class RunStore(Protocol):
     def save_output(self, run_id: str, kind: str, body: bytes) -> None:
         """The finished run's output as the client got it ("sse" events or a "json" body)."""
 
-    def get_output(self, run_id: str, opening: bool = False) -> Optional[tuple[str, bytes]]:
-        """The run's output; with `opening`, a background response's first event too ("opening",
-        the SSE bytes of its created event) while no output has replaced it."""
+    def get_output(self, run_id: str) -> Optional[tuple[str, bytes]]: ...
+
+    def get_opening(self, run_id: str) -> Optional[bytes]:
+        """A background response's first event (the SSE bytes of its created event), written
+        with its first rows (record_item's "opening"); None for any other run."""
 
     def get_conversation(self, run_id: str) -> Optional[bytes]:
         """A stored response's conversation (saved with its output), or None."""

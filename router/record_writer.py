@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from gateway import record_process
 from gateway.runs import IN_FLIGHT, record_item
-from gateway.store import ENDED, OPENING, RUN_FIELDS
+from gateway.store import ENDED, RUN_FIELDS
 from router.cpu_time import cpu_s, read_stat
 
 if TYPE_CHECKING:
@@ -156,6 +156,8 @@ class RunWriter:
                 if items is None:  # it failed before its rows were made: make them again
                     self._ended[:0] = ended
                 for live, before, item in items or ():
+                    if item.get("opening") is not None and item["row"]["state"] not in ENDED:
+                        live.opening_kept = False
                     if item["row"]["state"] in ENDED:
                         self._waiting.append(item)
                     else:
@@ -246,13 +248,13 @@ class RunWriter:
             row.update(id=live.id, tenant=live.tenant, created_at=live.created_at,
                        owner=self.owner)
         live.stored = state
-        conversation = live.conversation if output is not None else None
-        if output is None and live.background and not live.opening_kept and live.events:
-            # Its created event, read back should this process stop before the end.
-            output, live.opening_kept = (OPENING, live.events[0]), True
         item = record_item(live.id, live.tenant, live.created_at, row, insert, IN_FLIGHT,
                            output)
-        item["conversation"] = conversation
+        item["conversation"] = live.conversation if output is not None else None
+        if live.background and not live.opening_kept and live.events:
+            # Its created event, read back should this process stop before the end (a round
+            # that fails sets opening_kept back: the next one carries it).
+            item["opening"], live.opening_kept = live.events[0], True
         return item
 
     # -- the writer process --------------------------------------------------------------------

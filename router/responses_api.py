@@ -131,7 +131,8 @@ def _truncated(chat: dict, too_long: InvalidRequest, tokenizer, model_name: str,
     if users:
         last = users[-1]
         candidates += [head + [last] + list(range(step, n)) for step in range(last + 2, n)
-                       if messages[step]["role"] == "assistant"]
+                       if messages[step]["role"] == "assistant" and
+                       _answered_within(messages[step:])]
     fitting, lo, hi = None, 0, len(candidates) - 1  # the first that fits (fewest dropped)
     while lo <= hi:
         mid = (lo + hi) // 2
@@ -147,6 +148,19 @@ def _truncated(chat: dict, too_long: InvalidRequest, tokenizer, model_name: str,
     if fitting is None:
         raise too_long
     return fitting
+
+
+def _answered_within(messages: list[dict]) -> bool:
+    """Whether every tool output in `messages` answers a call made in them (a cut between a
+    call and its output would leave the output alone: parallel calls, each with its own
+    reasoning, come as several assistant messages before their outputs)."""
+    calls: set = set()
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            calls.add(call.get("id"))
+        if message["role"] == "tool" and message.get("tool_call_id") not in calls:
+            return False
+    return True
 
 
 def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, ResponsesRequest]:

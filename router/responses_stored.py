@@ -16,7 +16,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.runs import TRANSITIONS
-from gateway.store import OPENING
 from router.backend import BackendError
 from router.intake import int_param
 from router.live_run import is_response_id, stream_closed
@@ -64,7 +63,7 @@ async def retrieve(request: Request, recorder: RunRecorder, tenant: str, respons
     if after < -1:
         raise InvalidRequest("starting_after must be a sequence number (0 or more)",
                              param="starting_after")
-    live = await _find(recorder, tenant, response_id)
+    live = await _find(recorder, tenant, response_id, UNKNOWN_WAIT_S)
     if live is None:
         raise not_found(response_id)
     recorder.join(live)
@@ -147,7 +146,7 @@ async def cancel(recorder: RunRecorder, tenant: str, response_id: str) -> Respon
     """A background response stopped where it is (its stream ends there; GET says
     `cancelled`), here or, asked through the store, by the replica running it. Cancelling a
     cancelled one gives it again; an ended one is a 409 (a foreground one a 400)."""
-    live = await _find(recorder, tenant, response_id)
+    live = await _find(recorder, tenant, response_id, UNKNOWN_WAIT_S)
     if live is None:
         raise not_found(response_id)
     if not _ended(live):
@@ -172,21 +171,21 @@ async def cancel(recorder: RunRecorder, tenant: str, response_id: str) -> Respon
 
 
 async def _cancel_elsewhere(recorder: RunRecorder, tenant: str, live):
-    """Ask the replica running a background response to cancel it (it reads the store's ask
-    every quarter second), and wait for its end to be written: the run as it ended. A run
-    with no opening event in the store is a foreground one (a background one's is written in
-    its first rounds, waited for up to UNKNOWN_WAIT_S)."""
+    """Ask the replica running a background response to cancel it (it reads the store's asks
+    every quarter second), and wait for its end to be written: the run as it ended. Which
+    runs are background ones the store says (their opening event, written with their first
+    rows: waited for up to UNKNOWN_WAIT_S); for another run, 409 response_elsewhere as before
+    (a foreground response, or one of a replica too old to be asked)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + UNKNOWN_WAIT_S
-    while True:
-        opening = await asyncio.to_thread(recorder.store.get_output, live.id, True)
-        if opening is not None:
-            break
+    while await asyncio.to_thread(recorder.store.get_opening, live.id) is None:
         if loop.time() >= deadline:
-            raise _foreground()
+            raise BackendError(409, f"response {live.id!r} runs on another router replica, "
+                               "which cannot be asked to cancel it (a foreground response, "
+                               "or a replica of an older version)", param="response_id",
+                               code="response_elsewhere")
         await asyncio.sleep(POLL_S)
-    if opening[0] == OPENING:
-        await asyncio.to_thread(recorder.store.ask_cancel, live.id, time.time())
+    await asyncio.to_thread(recorder.store.ask_cancel, live.id, time.time())
     deadline = loop.time() + CANCEL_WAIT_S
     while True:
         now = await recorder.find(live.id, tenant)
@@ -194,7 +193,7 @@ async def _cancel_elsewhere(recorder: RunRecorder, tenant: str, live):
             return now or live
         if loop.time() >= deadline:
             raise BackendError(409, f"response {live.id!r} runs on another router replica, "
-                               f"asked to cancel it; it has not ended yet (GET it to see)",
+                               "asked to cancel it; it has not ended yet (GET it to see)",
                                param="response_id", code="response_elsewhere")
         await asyncio.sleep(POLL_S * 2)
 
@@ -233,12 +232,18 @@ async def _current(recorder: RunRecorder, tenant: str, response_id: str) -> Opti
     return await as_it_stands(recorder, tenant, response_id)  # read again: it may have ended
 
 
-async def _find(recorder: RunRecorder, tenant: str, response_id: str):
+async def _find(recorder: RunRecorder, tenant: str, response_id: str, wait_s: float = 0.0):
     """The caller's Responses run (this process's, or a stub read from the store); None for
-    another tenant's, a store: false one known here, and one deleted."""
+    another tenant's, a store: false one known here, and one deleted. One not found is looked
+    for again up to `wait_s` (another replica writes a new run's row in its next round)."""
     if not response_id.startswith("resp_"):
         return None
     live = await recorder.find(response_id, tenant)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while live is None and loop.time() < deadline:
+        await asyncio.sleep(POLL_S)
+        live = await recorder.find(response_id, tenant)
     if live is None or live.unstored:
         return None
     if not live.remote and live.done and await deleted(recorder, live):
@@ -254,9 +259,9 @@ async def _ended_body(recorder: RunRecorder, live) -> Optional[dict]:
     """An ended response as its output holds it, with the status its run ended in (a
     cancelled one's events stop where it was)."""
     if live.remote:
-        output = await asyncio.to_thread(recorder.store.get_output, live.id, True)
-        if output is not None and output[0] == OPENING:  # its router stopped before the end
-            return await _cut_short(recorder, live, output[1])
+        output = await asyncio.to_thread(recorder.store.get_output, live.id)
+        if output is None and live.state in ("failed", "cancelled"):
+            return await _cut_short(recorder, live)  # its router stopped before the end?
         body = stored_body(output) if output is not None else None
     else:  # its events as they are (not joined to be split again)
         body = latest_response(live.events) if live.stream else \
@@ -267,13 +272,17 @@ async def _ended_body(recorder: RunRecorder, live) -> Optional[dict]:
     return body
 
 
-async def _cut_short(recorder: RunRecorder, live, opening: bytes) -> Optional[dict]:
-    """A background response whose router stopped before its end (its run was marked failed
-    at the next start, or when its replica was not seen): the response it opened with, failed
-    with the reason its record gives."""
+async def _cut_short(recorder: RunRecorder, live) -> Optional[dict]:
+    """A background response that ended failed or cancelled with no output kept (its router
+    stopped before the end: its run was marked failed at the next start, or when its replica
+    was not seen): the response it opened with, failed with the reason its record gives.
+    None for any other run."""
+    opening = await asyncio.to_thread(recorder.store.get_opening, live.id)
+    if opening is None or await asyncio.to_thread(recorder.store.output_deleted, live.id):
+        return None  # (deleted by a replica of an older version, which left its opening)
     record = await asyncio.to_thread(recorder.runs.get, live.id, live.tenant)
-    body = stored_body(("sse", opening))
-    if body is None or record is None:
+    body = stored_body(("sse", opening)) if record is not None else None
+    if body is None:
         return None
     if record["state"] != "failed":  # cancelled before its first token
         return dict(body, status=record["state"])

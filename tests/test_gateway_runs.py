@@ -380,33 +380,35 @@ def test_a_round_records_every_run_it_can_and_names_the_others(runs):
     assert runs.usage("acme")["runs"] == 1
 
 
-def test_a_background_responses_opening_is_kept_until_its_output_replaces_it(runs):
-    """A background response's created event goes to the store while it runs (what a poll
-    reads should its router stop): read only when asked for, replaced by the final output, and
-    never over a final output or a deletion's tombstone."""
+def test_a_background_responses_opening_is_kept_apart_from_its_output(runs):
+    """A background response's created event goes to the store with its first rows (what a
+    poll reads should its router stop): once, apart from its output (which routers of an older
+    version read), kept past its output's retention, deleted with its run."""
     from gateway.runs import IN_FLIGHT, record_item
-    from gateway.store import OPENING
 
-    def write(run_id: str, state: str, output, insert: bool = False) -> None:
+    def write(run_id: str, state: str, output=None, opening=None, insert=False) -> None:
         row = {**Runs.new_run("acme", run_id, "router-0", now=100.0), "state": state,
                "updated_at": 101.0} if insert else {"state": state, "updated_at": 101.0}
-        assert runs.record_items([record_item(run_id, "acme", 100.0, row, insert, IN_FLIGHT,
-                                              output)]) == []
+        item = record_item(run_id, "acme", 100.0, row, insert, IN_FLIGHT, output)
+        item["opening"] = opening
+        assert runs.record_items([item]) == []
 
-    opening = (OPENING, b'event: response.created\ndata: {"status": "queued"}\n\n')
-    for run_id in ("resp_a", "resp_b", "resp_c"):
-        write(run_id, "queued", opening, insert=True)
-        assert runs.store.get_output(run_id) is None  # no output yet
-        assert runs.store.get_output(run_id, opening=True) == opening
-    write("resp_a", "completed", ("sse", b"the whole stream"))
-    assert runs.store.get_output("resp_a", opening=True) == ("sse", b"the whole stream")
-    write("resp_a", "completed", opening)  # (a late opening: never over the output)
-    assert runs.store.get_output("resp_a", opening=True) == ("sse", b"the whole stream")
-    runs.store.delete_output("resp_b", 102.0)
-    write("resp_b", "completed", ("sse", b"after the delete"))
-    assert runs.store.get_output("resp_b", opening=True) is None
-    assert runs.recover() == 1  # resp_c: its opening stays, its run failed
-    assert runs.store.get_output("resp_c", opening=True) == opening
+    opening = b'event: response.created\ndata: {"status": "queued"}\n\n'
+    write("resp_a", "queued", opening=opening, insert=True)
+    write("resp_b", "queued", insert=True)
+    assert runs.store.get_opening("resp_a") == opening and runs.store.get_output("resp_a") is None
+    assert runs.store.get_opening("resp_b") is None
+    write("resp_a", "prefilling", opening=b"a second write is ignored")
+    write("resp_a", "completed", output=("sse", b"the whole stream"))
+    assert runs.store.get_output("resp_a") == ("sse", b"the whole stream")
+    assert runs.store.get_opening("resp_a") == opening
+    assert runs.store.delete_outputs(200.0, 10) == 1  # its output's retention: not the opening
+    assert runs.store.get_opening("resp_a") == opening
+    assert runs.store.delete_runs(200.0, 10) == 1
+    assert runs.store.get_opening("resp_a") is None
+    write("resp_c", "queued", opening=opening, insert=True)
+    runs.store.delete_output("resp_c", 102.0)  # deleted by its client: the opening too
+    assert runs.store.get_opening("resp_c") is None
 
 
 def test_a_cancel_asked_of_another_replica_is_read_by_its_owner_only(runs):

@@ -347,3 +347,32 @@ def test_the_last_round_goes_through_after_a_signal_to_the_process_group(
     finally:
         writer.close()
         store.close()
+
+def test_a_background_runs_opening_is_written_by_the_round_after_a_failed_one(tmp_path):
+    """The opening event rides on a run's first rows; a round that could not be written
+    carries it again in the next (it was marked written when the round was made)."""
+    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
+    writer = RunWriter(url, "here:8000/0", linger_s=0.01)
+    real, rounds = writer._record, []
+
+    def failing_once(items, *rest):
+        rounds.append(len(items))
+        if len(rounds) == 1:
+            raise OSError("the writer process is gone")
+        return real(items, *rest)
+
+    writer._record = failing_once
+    store = open_store(url)
+    try:
+        live = LiveRun("resp_bg", "acme", True)
+        live.background = True
+        live.events.append(b'event: response.created\ndata: {"response": {}}\n\n')
+        writer.begun(live)
+        writer.flush()
+        writer.flush()
+        assert rounds[0] == 1 and writer.failures == 1
+        assert store.get_run("resp_bg")["state"] == "queued"
+        assert store.get_opening("resp_bg") == live.events[0]
+    finally:
+        writer.close()
+        store.close()

@@ -111,6 +111,18 @@ def test_cancel_and_retry_on_the_other_replica(llama_dir, tmp_path):
         assert httpx.post(f"{b}/responses/{foreground}/cancel").status_code == 400
 
 
+def test_a_cancel_on_the_other_replica_right_after_the_create(llama_dir, tmp_path):
+    """Before the owner's first round has written the run (clients behind one port land on
+    either replica): its row and opening are waited for, and it is cancelled."""
+    with _two(llama_dir, tmp_path, words=200, step_s=0.1) as (a, b, _):
+        for _ in range(3):
+            made = httpx.post(f"{a}/responses", json={"input": "x", "background": True}).json()
+            cancelled = httpx.post(f"{b}/responses/{made['id']}/cancel", timeout=30)
+            assert cancelled.status_code == 200, cancelled.text
+            assert cancelled.json()["status"] == "cancelled"
+            assert httpx.get(f"{a}/responses/{made['id']}").json()["status"] == "cancelled"
+
+
 def test_a_background_response_reads_queued_then_cancelled_and_deletes(llama_dir, tmp_path):
     """Before its first token it reads `queued`; cancelled, it reads `cancelled` on both
     replicas and can be deleted (it stores no conversation)."""

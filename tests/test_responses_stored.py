@@ -223,6 +223,36 @@ def test_truncation_auto_drops_an_agent_loops_oldest_steps(client):  # noqa: F81
             first - 1), extra_body={"ignore_eos": True})
 
 
+def test_truncation_never_keeps_an_output_whose_call_it_dropped(llama_dir):
+    """Parallel calls each after its own reasoning come as several assistant messages before
+    their outputs: no cut falls between a call and its output, at any context length."""
+    from pd_runtime.tokenizer import Tokenizer
+    from router.responses_api import prepare_responses
+
+    tokenizer = Tokenizer(llama_dir)
+    thought = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hmm"}]}
+    items = [{"role": "user", "content": "Fix the build."}]
+    for s in range(0, 12, 2):
+        for i in (s, s + 1):
+            items += [thought, {"type": "function_call", "call_id": f"call_{i}", "name": "sh",
+                                "arguments": json.dumps({"cmd": f"make {i} " + "x " * 60})}]
+        items += [{"type": "function_call_output", "call_id": f"call_{i}", "output": "ok " * 5}
+                  for i in (s, s + 1)]
+    cut = 0
+    for max_len in range(200, 1200, 20):
+        try:
+            kept = prepare_responses({"model": "m", "input": items, "truncation": "auto",
+                                      "max_output_tokens": 4}, tokenizer, "m",
+                                     max_len).responses.messages
+        except Exception:
+            continue
+        called = {c["id"] for m in kept for c in m.get("tool_calls") or ()}
+        assert all(m["tool_call_id"] in called for m in kept if m["role"] == "tool"), max_len
+        assert kept[0]["content"] == "Fix the build."
+        cut += len(kept) < 1 + 6 * 6
+    assert cut > 3  # it did cut, at several lengths
+
+
 def test_an_unknown_response_is_a_404_without_the_wait_for_an_end(client):  # noqa: F811
     """A response id no run has: 404 after UNKNOWN_WAIT_S (the rounds in which another
     replica writes a new run's row), not after STORED_WAIT_S (kept for an end being written);
