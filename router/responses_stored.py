@@ -216,9 +216,12 @@ async def _as_it_stands(recorder: RunRecorder, live) -> Optional[dict]:
 async def _current(recorder: RunRecorder, tenant: str, response_id: str) -> Optional[dict]:
     """GET's response object: a stored one whole (an end being recorded is waited for), else
     as it stands. A background response running on another replica is its snapshot at once
-    (a poll), not after the wait for a foreground one's end to be written."""
-    live = await _find(recorder, tenant, response_id)
-    if live is not None and live.remote and not _ended(live):
+    (a poll), not after the wait for a foreground one's end to be written. One not found
+    (after the rounds in which another replica writes a new run's row) is none."""
+    live = await _find(recorder, tenant, response_id, UNKNOWN_WAIT_S)
+    if live is None:
+        return None
+    if live.remote and not _ended(live):
         now = await _as_it_stands(recorder, live)
         if now is not None and now.get("background") and \
                 now["status"] in ("queued", "in_progress"):
@@ -227,7 +230,7 @@ async def _current(recorder: RunRecorder, tenant: str, response_id: str) -> Opti
     body = stored_body(kept[1]) if kept is not None and kept[1] else None
     if body is not None:
         return body
-    if live is not None and not live.remote:  # this process's: as it is now
+    if not live.remote:  # this process's: as it is now
         return await _as_it_stands(recorder, live)
     return await as_it_stands(recorder, tenant, response_id)  # read again: it may have ended
 
