@@ -90,18 +90,24 @@ def test_a_run_caught_between_its_final_state_and_its_hand_over_is_written_by_it
         writer.close()
 
 
-def test_a_round_that_could_not_be_written_goes_again_with_the_next(tmp_path):
-    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
-    writer = RunWriter(url, "here:8000/0")
-    real, calls = writer._record, []
+def _fail_first_round(writer: RunWriter) -> list[int]:
+    """The writer's first round fails as if its process died; the rows each round held."""
+    real, rounds = writer._record, []
 
     def failing_once(items, *rest):
-        calls.append(len(items))
-        if len(calls) == 1:
+        rounds.append(len(items))
+        if len(rounds) == 1:
             raise OSError("the writer process is gone")
         return real(items, *rest)
 
     writer._record = failing_once
+    return rounds
+
+
+def test_a_round_that_could_not_be_written_goes_again_with_the_next(tmp_path):
+    url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
+    writer = RunWriter(url, "here:8000/0")
+    calls = _fail_first_round(writer)
     store = open_store(url)
     try:
         live = _live_run("run-retried", "completed", True)
@@ -353,15 +359,7 @@ def test_a_background_runs_opening_is_written_by_the_round_after_a_failed_one(tm
     carries it again in the next (it was marked written when the round was made)."""
     url = f"sqlite://{tmp_path / 'runs.sqlite3'}"
     writer = RunWriter(url, "here:8000/0", linger_s=0.01)
-    real, rounds = writer._record, []
-
-    def failing_once(items, *rest):
-        rounds.append(len(items))
-        if len(rounds) == 1:
-            raise OSError("the writer process is gone")
-        return real(items, *rest)
-
-    writer._record = failing_once
+    rounds = _fail_first_round(writer)
     store = open_store(url)
     try:
         live = LiveRun("resp_bg", "acme", True)
