@@ -310,6 +310,18 @@ def test_auto_reads_xml_calls_over_http(served):
     assert content == "Checking.\n\n" and finish == "tool_calls"
     assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == tc.function.arguments
     assert calls[0]["pieces"] >= 3  # the city streamed as written, then the days
+    # The Responses API reads the same call as an item (vLLM's guided_regex taken there too).
+    response = client.responses.create(
+        model=backend.model_name, input="Weather in Paris?", max_output_tokens=120,
+        temperature=0.7, tools=[{"type": "function", **TOOLS[0]["function"]}],
+        extra_body={"seed": 3, "guided_regex": CALLING})
+    (item,) = [o for o in response.output if o.type == "function_call"]
+    assert item.name == "get_weather" and json.loads(item.arguments) == args
+    with pytest.raises(openai.BadRequestError) as raised:  # one structured output at a time
+        client.responses.create(model=backend.model_name, input="x", max_output_tokens=4,
+                                text={"format": {"type": "json_object"}},
+                                extra_body={"guided_regex": "a+"})
+    assert raised.value.body["param"] == "guided_regex"
 
 
 def test_earlier_xml_calls_reach_the_template(served):
