@@ -177,14 +177,39 @@ def _history_call(call: Any, i: int) -> dict:
         raise InvalidRequest(f"messages[{i}].tool_calls: each needs function.name",
                              param="messages")
     arguments = fn.get("arguments", "{}")
-    if isinstance(arguments, str):
+    text = arguments if isinstance(arguments, str) else None
+    if text is not None:
         try:
-            arguments = _loads(arguments) if arguments.strip() else {}
+            arguments = _loads(text) if text.strip() else {}
         except (ValueError, RecursionError):
             raise InvalidRequest(f"messages[{i}].tool_calls: function.arguments is not JSON",
                                  param="messages") from None
+    if isinstance(arguments, dict):
+        arguments = Arguments(arguments, text)
     return {"id": call.get("id"), "type": "function",
             "function": {"name": fn["name"], "arguments": arguments}}
+
+
+class Arguments(dict):
+    """A call's arguments as templates take them: an object (`tojson`, `|items`, as vLLM passes
+    them), which is also its JSON text where a template joins it to a string (DeepSeek-R1's
+    and its distills' templates write `'...' + tool['function']['arguments']`)."""
+
+    def __init__(self, value: dict, text: Optional[str] = None):
+        super().__init__(value)
+        self.text = text if text is not None else json.dumps(value, ensure_ascii=False)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __add__(self, other):
+        return self.text + other if isinstance(other, str) else NotImplemented
+
+    def __radd__(self, other):
+        return other + self.text if isinstance(other, str) else NotImplemented
+
+    def __reduce__(self):  # pickled as what it is (to the tokenizer's process)
+        return Arguments, (dict(self), self.text)
 
 
 def _loads(text: str) -> Any:

@@ -394,3 +394,30 @@ def test_a_lone_surrogate_in_a_call_is_escaped_not_a_500():
     body = json_body({"calls": calls}).body
     assert b"\\ud83d" in body and json.loads(body)["calls"][0]["function"]["arguments"] == \
         arguments
+
+
+def test_earlier_calls_reach_a_template_that_joins_their_arguments_as_text(llama_dir):
+    """DeepSeek-R1's templates (and its distills') write an earlier call's arguments with
+    `'...' + tool['function']['arguments']`: the JSON text the client sent, while a template
+    that writes them with tojson or walks them with |items gets the object."""
+    from pd_runtime.tokenizer import Tokenizer
+    from router.protocol import prepare_chat
+
+    tokenizer = Tokenizer(llama_dir)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.tool_calls %}{% for tool in m.tool_calls %}"
+        "{{ '<call>' + tool['type'] + ':' + tool['function']['name'] + '\\n' + "
+        "tool['function']['arguments'] + '</call>' }}"
+        "{{ tool.function.arguments | tojson }}"
+        "{% for k, v in tool.function.arguments | items %}[{{ k }}={{ v }}]{% endfor %}"
+        "{% endfor %}{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}")
+    tokenizer._template = None
+    sent = '{"city":  "paris", "days": 2}'
+    prepared = prepare_chat({"messages": USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": sent}}]},
+        {"role": "user", "content": "And?"}], "max_tokens": 2}, tokenizer, "m", 4096)
+    text = tokenizer.decode(prepared.prompts[0])
+    assert f"<call>function:get_weather\n{sent}</call>" in text
+    assert '{"city": "paris", "days": 2}[city=paris][days=2]' in text
