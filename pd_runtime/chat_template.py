@@ -83,14 +83,17 @@ def tool_call_format(template: Optional[str]) -> Optional[str]:
     it): "qwen3_coder" (<function=NAME><parameter=KEY> calls in <tool_call> blocks:
     Qwen3-Coder and the later Qwen models), "hermes" (JSON in <tool_call> blocks: Qwen2.5,
     Qwen3, Hermes), "mistral" ([TOOL_CALLS], in either form), "llama3_json" (Llama 3.1-3.3's
-    JSON calls), or None: also for another format that looks like one of these (a <function=
-    call without <parameter= tags), so that tool_choice auto is a clear 400 rather than calls
-    returned as text."""
+    JSON calls), "deepseek_v3" (<｜tool▁calls▁begin｜>: DeepSeek-V3, R1 and its distills), or
+    None: also for another format that looks like one of these (a <function= call without
+    <parameter= tags), so that tool_choice auto is a clear 400 rather than calls returned as
+    text."""
     if not template:
         return None
     if "<function=" in template:
         return "qwen3_coder" if "<parameter=" in template and "<tool_call>" in template \
             else None
+    if "<｜tool▁calls▁begin｜>" in template:
+        return "deepseek_v3"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:

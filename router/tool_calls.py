@@ -11,6 +11,9 @@ The formats (FORMATS; the one a chat template teaches, or router.tool_call_parse
   llama3_json  the whole output: {"name": ..., "parameters": {...}}, several joined by ';'
                (after an optional <|python_tag|>; Llama 3.1-3.3)
   required     the JSON array tool_choice "required" holds the output to
+  deepseek_v3  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}
+               \n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜> (DeepSeek-V3, R1 and its distills; V3.1
+               writes NAME<｜tool▁sep｜>{...} in each call)
   qwen3_coder  <tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>
                (Qwen3-Coder and the later Qwen models: router/tool_calls_xml.py)
 Output that breaks its format before a call has begun is content after all (all of it, as
@@ -49,9 +52,13 @@ class _Format:
 FORMATS = {"hermes": _Format("<tool_call>", opener="<tool_call>"),
            "mistral": _Format("[TOOL_CALLS]", between=_SPACE + "[,"),
            "llama3_json": _Format(None, between=_SPACE + ";", prefix="<|python_tag|>"),
-           "required": _Format(None, between=_SPACE + "[,")}
+           "required": _Format(None, between=_SPACE + "[,"),
+           "deepseek_v3": _Format("<｜tool▁calls▁begin｜>")}
 XML_FORMAT = "qwen3_coder"
-PARSERS = ("hermes", "mistral", "llama3_json", XML_FORMAT)  # router.tool_call_parser's
+PARSERS = ("hermes", "mistral", "llama3_json", "deepseek_v3", XML_FORMAT)  # tool_call_parser's
+_DS_CALL, _DS_SEP, _DS_END, _DS_CALLS_END = \
+    "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
+_DS_FENCE = "```json"
 
 
 def call_id(short: bool = False) -> str:
@@ -261,6 +268,12 @@ class CallReader:
                     i += 1
                 self._pushed()
                 continue
+            if self.state == "gap" and fmt is FORMATS["deepseek_v3"]:
+                step = self._deepseek_gap(text, i)
+                if step is None:
+                    break
+                i += step
+                continue
             if self.state == "gap" and fmt is FORMATS["mistral"]:
                 step = self._mistral_gap(text, i)
                 if step is None:  # undecided until more is written
@@ -284,6 +297,52 @@ class CallReader:
                 self._broken()
             i += 1
         self.pos = i
+
+    def _deepseek_gap(self, text: str, i: int) -> Optional[int]:
+        """DeepSeek's form before or between calls: how far to go (a call's head, up to its
+        arguments, whose object is begun; what ends the call before; the end of all calls),
+        None while undecided. Anything else breaks the format."""
+        at = i
+        while at < len(text) and text[at] in _SPACE + "`":  # the fence closing the last call
+            at += 1
+        rest = text[at:]
+        if rest.startswith(_DS_END):
+            return at + len(_DS_END) - i
+        if rest.startswith(_DS_CALLS_END):
+            self.over = True
+            return at + len(_DS_CALLS_END) - i
+        if rest.startswith(_DS_CALL):
+            head = at + len(_DS_CALL)
+            sep = text.find(_DS_SEP, head, head + 80)
+            if sep < 0:
+                return None if len(text) - head < 80 else self._broken_step()
+            start = sep + len(_DS_SEP)
+            if text[head:sep] == "function":  # V3 and R1: the name, then the fenced object
+                line = text.find("\n", start, start + 80)
+                if line < 0:
+                    return None if len(text) - start < 80 else self._broken_step()
+                name, start = text[start:line], line + 1
+                while start < len(text) and text[start] in _SPACE:
+                    start += 1
+                if len(text) - start < len(_DS_FENCE) + 1:
+                    return None
+                if text.startswith(_DS_FENCE, start):
+                    start += len(_DS_FENCE)
+            else:  # V3.1: the name, then the object
+                name = text[head:sep]
+            if not FUNCTION_NAME.fullmatch(name):
+                return self._broken_step()
+            self.obj, self.state = _Object(name), "object"
+            while start < len(text) and text[start] in _SPACE:
+                start += 1
+            return start - i
+        if not rest or any(tag.startswith(rest) for tag in (_DS_END, _DS_CALLS_END, _DS_CALL)):
+            return None
+        return self._broken_step()
+
+    def _broken_step(self) -> None:
+        self._broken()
+        return None
 
     def _mistral_gap(self, text: str, i: int) -> Optional[int]:
         """Mistral's newer form between or before calls: `[TOOL_CALLS]` again (its length), or

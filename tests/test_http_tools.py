@@ -247,6 +247,16 @@ def test_auto_needs_a_format_the_template_shows(llama_dir):
      None, [("f", {})]),  # after a call, a broken one is dropped
     ("hermes", '<tool_call>{"name": 7, "arguments": {}}</tool_call>',
      '<tool_call>{"name": 7, "arguments": {}}</tool_call>', []),
+    # DeepSeek-V3 / R1 (a fenced object after the name), and V3.1 (the object after the sep).
+    ("deepseek_v3", "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n"
+     '```json\n{"a": "`}"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n'
+     "```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "Checking.",
+     [("f", {"a": "`}"}), ("g", {})]),
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>h<｜tool▁sep｜>{"x": [1]}'
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", None, [("h", {"x": [1]})]),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜>nonsense", "<｜tool▁calls▁begin｜>nonsense", []),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>cut\n```json"
+     '\n{"q": "ab', None, [("cut", '{"q": "ab')]),
 ])
 def test_formats_parse_what_their_models_write(parser, text, content, calls):
     plan = ToolPlan("auto", parser=parser, names=("f", "g", "h", "s", "n", "cut"))
@@ -257,7 +267,8 @@ def test_formats_parse_what_their_models_write(parser, text, content, calls):
     for end in range(1, len(text) + 1):  # a character at a time
         more, deltas = reader.feed(text[:end], end == len(text))
         shown += more
-        assert "<tool_call>" not in shown and "[TOOL_CALLS]" not in shown or not calls
+        assert not calls or all(tag not in shown for tag in (
+            "<tool_call>", "[TOOL_CALLS]", "<｜tool▁calls▁begin｜>"))
         if not calls and parser == "llama3_json" and not text.lstrip().startswith("{"):
             assert shown == text[:end] or not text[:end].strip()  # plain text streams on
         for delta in deltas:
@@ -379,6 +390,8 @@ def test_each_format_is_known_from_its_template():
     assert tool_call_format(mistral_v11) == "mistral"
     assert tool_call_format("<tool_call>{{ x | tojson }}</tool_call>") == "hermes"
     assert tool_call_format("[TOOL_CALLS][{{ calls | tojson }}]") == "mistral"
+    assert tool_call_format("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + t['type']}}") == \
+        "deepseek_v3"
 
 
 def test_a_lone_surrogate_in_a_call_is_escaped_not_a_500():
