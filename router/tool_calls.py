@@ -30,11 +30,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
+from router.call_object import SPACE as _SPACE
+from router.call_object import CallObject
 from router.text_checks import partial_tag_len
 
-_SPACE = " \t\r\n"
 _STRING_STOP = re.compile(r'["\\]')  # what inside a JSON string changes how it is read
-_ARGUMENTS = ("arguments", "parameters")
 _ARGS_TAG = "[ARGS]"  # Mistral's newer form: [TOOL_CALLS]name[ARGS]{...}
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # what a tool may be called
 _NAME_START = re.compile(r"[A-Za-z0-9_]")
@@ -67,118 +67,11 @@ def call_id(short: bool = False) -> str:
     return uuid.uuid4().hex[:9] if short else f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
 
 
-class _Object:
-    """One call's JSON object, read a character at a time: its name once read, and where its
-    arguments lie (`args`: their first index; `args_end` once whole)."""
-
-    def __init__(self, name: Optional[str] = None):
-        """`name`: a call written as name[ARGS]{...} (Mistral's newer form): its arguments
-        value alone is read, and the call is whole once it is."""
-        self.bare = name is not None
-        self.state = "value" if self.bare else "key"
-        self.key: Optional[str] = "arguments" if self.bare else None
-        self.start = 0  # the current key's or value's first index
-        self.kind = ""  # the value being read: "{", "[", '"' or a primitive's first character
-        self.depth = 0
-        self.in_string = self.escape = False
-        self.name: Optional[str] = name
-        self.args: Optional[int] = None
-        self.args_end: Optional[int] = None
-        self.args_kind = ""
-        self.done = self.broken = False
-
-    def push(self, text: str, i: int) -> bool:
-        """Read text[i]; False when it is not the value's (a primitive ended before it)."""
-        ch, state = text[i], self.state
-        if state == "key":
-            if ch == '"':
-                self.state, self.start, self.in_string = "key_string", i, True
-            elif ch == "}":
-                self.done = True
-            elif ch not in _SPACE:
-                self.broken = True
-        elif state == "key_string":
-            if self._string_ends(ch):
-                try:
-                    self.key = json.loads(text[self.start:i + 1])
-                except ValueError:  # a bad escape
-                    self.broken = True
-                self.state = "colon"
-        elif state == "colon":
-            if ch == ":":
-                self.state = "value"
-            elif ch not in _SPACE:
-                self.broken = True
-        elif state == "value":
-            if ch not in _SPACE:
-                self.state, self.start, self.kind = "in_value", i, ch
-                self.depth = 1 if ch in "{[" else 0
-                self.in_string = ch == '"'
-                if self.key in _ARGUMENTS and self.args is None:
-                    self.args, self.args_kind = i, ch
-        elif state == "in_value":
-            return self._in_value(text, i)
-        elif ch == ",":  # "after": a value was read
-            self.state = "key"
-        elif ch == "}":
-            self.done = True
-        elif ch not in _SPACE:
-            self.broken = True
-        return True
-
-    def _string_ends(self, ch: str) -> bool:
-        if self.escape:
-            self.escape = False
-        elif ch == "\\":
-            self.escape = True
-        elif ch == '"':
-            self.in_string = False
-            return True
-        return False
-
-    def _in_value(self, text: str, i: int) -> bool:
-        ch = text[i]
-        if self.in_string:
-            if not self._string_ends(ch) or self.kind != '"':
-                return True
-        elif self.kind in "{[":
-            if ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-            if self.depth:
-                return True
-        elif ch not in _SPACE + ",}]":  # a primitive goes on
-            return True
-        else:  # the primitive ended before this character
-            self._value_read(text, i)
-            return False
-        self._value_read(text, i + 1)
-        return True
-
-    def _value_read(self, text: str, end: int) -> None:
-        self.state = "after"
-        if self.key == "name" and self.name is None:
-            try:
-                name = json.loads(text[self.start:end])
-            except ValueError:
-                name = None
-            if not isinstance(name, str) or not name:
-                self.broken = True
-                return
-            self.name = name
-        elif self.args == self.start:
-            self.args_end = end
-            self.done = self.bare
-
-
 @dataclass
 class _Call:
     id: str
     name: str
-    obj: _Object
+    obj: CallObject
     sent: int = 0  # characters of its arguments given out
     header_sent: bool = False
 
@@ -200,7 +93,7 @@ class CallReader:
         self.plain = False  # it holds no call: all of it is content
         self.pos: Optional[int] = None  # how far the calls are read (None: not begun)
         self.state = "gap"  # "gap" (before a call), "open" (after hermes' opener), "object"
-        self.obj: Optional[_Object] = None
+        self.obj: Optional[CallObject] = None
         self.calls: list[_Call] = []
         self.settled = 0  # the calls before this one are sent whole
         self.over = False  # no more calls are read
@@ -290,7 +183,7 @@ class CallReader:
                 continue
             ch = text[i]
             if ch == "{":
-                self.obj, self.state = _Object(), "object"
+                self.obj, self.state = CallObject(), "object"
             elif ch == "]" and self.state == "gap" and "[" in fmt.between:
                 self.over = True
             elif ch not in (_SPACE if self.state == "open" else fmt.between):
@@ -332,7 +225,7 @@ class CallReader:
                 name = text[head:sep]
             if not FUNCTION_NAME.fullmatch(name):
                 return self._broken_step()
-            self.obj, self.state = _Object(name), "object"
+            self.obj, self.state = CallObject(name), "object"
             while start < len(text) and text[start] in _SPACE:
                 start += 1
             return start - i
@@ -363,7 +256,7 @@ class CallReader:
             return None if not tail or _ARGS_TAG.startswith(tail) else 0
         if not FUNCTION_NAME.fullmatch(text, i, at):
             return 0
-        self.obj, self.state = _Object(text[i:at]), "object"
+        self.obj, self.state = CallObject(text[i:at]), "object"
         return at + len(_ARGS_TAG) - i
 
     def _pushed(self) -> None:
