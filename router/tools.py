@@ -195,21 +195,26 @@ class Arguments(dict):
     them), which is also its JSON text where a template joins it to a string (DeepSeek-R1's
     and its distills' templates write `'...' + tool['function']['arguments']`)."""
 
+    # An underscore name: a template's `arguments.text` is the "text" argument, and the
+    # sandbox keeps templates off it.
+    __slots__ = ("_json_text",)
+
     def __init__(self, value: dict, text: Optional[str] = None):
         super().__init__(value)
-        self.text = text if text is not None else json.dumps(value, ensure_ascii=False)
+        self._json_text = text if text and text.strip() else \
+            json.dumps(value, ensure_ascii=False)
 
     def __str__(self) -> str:
-        return self.text
+        return self._json_text
 
     def __add__(self, other):
-        return self.text + other if isinstance(other, str) else NotImplemented
+        return self._json_text + other if isinstance(other, str) else NotImplemented
 
     def __radd__(self, other):
-        return other + self.text if isinstance(other, str) else NotImplemented
+        return other + self._json_text if isinstance(other, str) else NotImplemented
 
     def __reduce__(self):  # pickled as what it is (to the tokenizer's process)
-        return Arguments, (dict(self), self.text)
+        return Arguments, (dict(self), self._json_text)
 
 
 def _loads(text: str) -> Any:

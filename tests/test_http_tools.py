@@ -423,9 +423,9 @@ def test_earlier_calls_reach_a_template_that_joins_their_arguments_as_text(llama
         "tool['function']['arguments'] + '</call>' }}"
         "{{ tool.function.arguments | tojson }}"
         "{% for k, v in tool.function.arguments | items %}[{{ k }}={{ v }}]{% endfor %}"
-        "{% endfor %}{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}")
+        "<{{ tool.function.arguments.text }}>{% endfor %}{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}")
     tokenizer._template = None
-    sent = '{"city":  "paris", "days": 2}'
+    sent = '{"city":  "paris", "text": "hi"}'
     prepared = prepare_chat({"messages": USER + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function",
@@ -433,4 +433,5 @@ def test_earlier_calls_reach_a_template_that_joins_their_arguments_as_text(llama
         {"role": "user", "content": "And?"}], "max_tokens": 2}, tokenizer, "m", 4096)
     text = tokenizer.decode(prepared.prompts[0])
     assert f"<call>function:get_weather\n{sent}</call>" in text
-    assert '{"city": "paris", "days": 2}[city=paris][days=2]' in text
+    # (an argument named "text" is that argument, not the JSON text)
+    assert '{"city": "paris", "text": "hi"}[city=paris][text=hi]<hi>' in text
