@@ -29,7 +29,7 @@ def body_env(args) -> dict:
         out["gpu_memory_gib"] = {"free": free / 2**30, "total": total / 2**30}
     imports = {}
     for name in ("pydantic", "xxhash", "msgpack", "safetensors", "tokenizers", "yaml",
-                 "ucxx", "kernels.triton_paged", "pd_runtime.engine.llm"):
+                 "ucxx", "pd_runtime.kernels.triton_paged", "pd_runtime.engine.llm"):
         try:
             importlib.import_module(name)
             imports[name] = True

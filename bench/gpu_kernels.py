@@ -1,7 +1,7 @@
-"""Benchmark of the Triton paged-attention kernels (kernels/triton_paged.py) on one device:
+"""Benchmark of the Triton paged-attention kernels (pd_runtime/kernels/triton_paged.py) on one device:
 decode GB/s against the device's copy bandwidth and prefill TFLOP/s against its bf16 matmul
 rate, both ceilings measured in the same run, after every kernel is checked against the torch
-reference (kernels/attention.py) on the device.
+reference (pd_runtime/kernels/attention.py) on the device.
 
     python bench/gpu_kernels.py [--device cuda|cpu] [--memory-budget-gib 24] [--dtype bfloat16]
         [--heads 32 --kv-heads 8 --head-dim 128 --block-size 16] [--no-check]
@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": "--device cuda, but torch sees no CUDA device"}))
         return 2
     try:
-        from kernels import triton_paged as tp
+        from pd_runtime.kernels import triton_paged as tp
     except ImportError as exc:
-        print(json.dumps({"missing": f"kernels.triton_paged: {exc}"}))
+        print(json.dumps({"missing": f"pd_runtime.kernels.triton_paged: {exc}"}))
         return MISSING_EXIT
     device = torch.device(args.device)
     shape = Shape(args.heads, args.kv_heads, args.head_dim, args.block_size, DTYPES[args.dtype])

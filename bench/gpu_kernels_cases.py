@@ -1,5 +1,5 @@
 """The paged-attention kernels' test cases and their checks against the torch reference
-(kernels/attention.py): inputs with NaN past every context, the reference, the comparison."""
+(pd_runtime/kernels/attention.py): inputs with NaN past every context, the reference, the comparison."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def prefill_case(shape: Shape, segments: list[tuple[int, int]], device,
                  seed: int = 0) -> PagedCase:
     """`segments`: (query tokens, cached tokens before them) each; the queries' own K/V are
     written into the cache by the torch reference's write_kv."""
-    from kernels import attention as ref
+    from pd_runtime.kernels import attention as ref
 
     gen = torch.Generator().manual_seed(seed)
     lens = [n + cached for n, cached in segments]
@@ -123,7 +123,7 @@ def prefill_case(shape: Shape, segments: list[tuple[int, int]], device,
 
 def reference_decode(case: PagedCase) -> torch.Tensor:
     """The torch reference in float32 (NaN tails zeroed: it reads whole blocks, then masks)."""
-    from kernels import attention as ref
+    from pd_runtime.kernels import attention as ref
 
     kv = torch.nan_to_num(case.kv.float(), nan=0.0)
     return ref.decode_attention(case.q.float(), kv, case.block_tables.long(),
@@ -131,7 +131,7 @@ def reference_decode(case: PagedCase) -> torch.Tensor:
 
 
 def reference_prefill(case: PagedCase) -> torch.Tensor:
-    from kernels import attention as ref
+    from pd_runtime.kernels import attention as ref
 
     kv = torch.nan_to_num(case.kv.float(), nan=0.0)
     out = torch.empty(case.q.shape, dtype=torch.float32, device=case.q.device)
@@ -173,7 +173,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> dict:
 def check_write_kv(tp, shape: Shape, device, tokens: int = 37, seed: int = 0) -> dict:
     """Triton write_kv against the reference's on distinct random slots, some of them -1
     (padding rows: nothing written). Exact equality, the whole cache compared."""
-    from kernels import attention as ref
+    from pd_runtime.kernels import attention as ref
 
     gen = torch.Generator().manual_seed(seed)
     num_blocks = -(-tokens // shape.block_size) + 4

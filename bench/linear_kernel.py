@@ -1,4 +1,4 @@
-"""The float32 linear layers: the native kernel (kernels/cpu_linear.c) against torch's GEMM
+"""The float32 linear layers: the native kernel (pd_runtime/kernels/cpu_linear.c) against torch's GEMM
 (`F.linear`, its peer) on the bench model's weight shapes, and a whole decode step's linears
 against the bound the box's read bandwidth sets.
 
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128, 2048])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from kernels import native
+    from pd_runtime.kernels import native
     from pd_runtime.model.llama import linear
     from pd_runtime.model.loader import load_model
 

@@ -65,7 +65,7 @@ class EnginePoolSettings(_Strict):
     # and verifies them in one forward; outputs follow the model exactly (greedy: the same
     # tokens). None: off. (pd_runtime/engine/speculative.py)
     # The KV cache's storage: "auto" the model's dtype; "int8": 8 bits per value with a float32
-    # scale per token and KV head (kernels/kv_quant.py), about half the bytes per token held
+    # scale per token and KV head (pd_runtime/kernels/kv_quant.py), about half the bytes per token held
     # and shipped; attention dequantizes inside the kernel. CPU, batch_invariant only for now;
     # the prefill and decode pools must agree.
     kv_cache_dtype: Literal["auto", "int8"] = "auto"

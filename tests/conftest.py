@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 
-# The Triton kernels (kernels/triton_paged.py) run on CPU tensors only when this is set before
+# The Triton kernels (pd_runtime/kernels/triton_paged.py) run on CPU tensors only when this is set before
 # triton is first imported; nothing on the CPU path uses triton otherwise.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import (AttentionMetadata, PrefillSegment, decode_attention,
+from pd_runtime.kernels.attention import (AttentionMetadata, PrefillSegment, decode_attention,
                                paged_attention, prefill_attention, write_kv)
 
 
@@ -74,7 +74,7 @@ def test_prefill_chunk_with_cached_prefix_matches_dense():
 
 
 def test_decode_buffer_keeps_rows_and_matches_the_gather_path():
-    from kernels.attention import DecodeKVBuffer
+    from pd_runtime.kernels.attention import DecodeKVBuffer
 
     torch.manual_seed(2)
     cache = make_cache(num_blocks=64)
@@ -113,7 +113,7 @@ def test_decode_buffer_keeps_rows_and_matches_the_gather_path():
 def test_mixed_step_with_batched_fresh_prompts_matches_dense():
     """Decodes, three fresh prompts of one length (one batched causal call), a fresh prompt of
     another length and a chunk with cached KV, all in one flat batch, as the runner builds it."""
-    from kernels.attention import prefill_runs
+    from pd_runtime.kernels.attention import prefill_runs
 
     torch.manual_seed(3)
     cache = make_cache(num_blocks=80)
@@ -174,8 +174,8 @@ def test_prepacked_linear_is_bitwise_f_linear_or_absent():
 def test_row_stable_linear_rows_do_not_depend_on_the_row_count(dtype):
     """The batch-invariant mode's matmuls: padded to the probed row count, a row's bits are the
     same in a call of any size, at any place (float32 `F.linear` alone is not, see
-    kernels/row_stable.py)."""
-    from kernels import row_stable
+    pd_runtime/kernels/row_stable.py)."""
+    from pd_runtime.kernels import row_stable
     from pd_runtime.model.llama import linear, prepack_weight
 
     gen = torch.Generator().manual_seed(6)
@@ -197,7 +197,7 @@ def test_row_stability_probe_finds_a_rare_single_row_difference():
     """A matmul path that rounds one element differently, for one row, only when called with
     a single row (what bf16 GEMV against GEMM does on AVX2, about one element in 8000): the
     probe must see it wherever the row sits, and pad single-row calls."""
-    from kernels import row_stable
+    from pd_runtime.kernels import row_stable
 
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(64, 32, generator=gen)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import triton_paged
+from pd_runtime.kernels import triton_paged
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.cuda_graphs import DecodeGraphs
 from pd_runtime.engine.model_runner import ModelRunner

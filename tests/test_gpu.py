@@ -137,7 +137,7 @@ SHAPE_IDS = [f"d{s.head_dim}-{str(s.dtype)[6:]}-gqa{s.heads // s.kv_heads}-bs{s.
 
 @pytest.fixture(scope="module")
 def tp():
-    from kernels import triton_paged
+    from pd_runtime.kernels import triton_paged
 
     try:
         from triton.runtime.interpreter import InterpretedFunction

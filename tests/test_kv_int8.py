@@ -1,4 +1,4 @@
-"""The 8-bit KV cache (`kv_cache_dtype: int8`, kernels/kv_quant.py): logits close to the 16-bit
+"""The 8-bit KV cache (`kv_cache_dtype: int8`, pd_runtime/kernels/kv_quant.py): logits close to the 16-bit
 cache's on the four architectures, the same tokens disaggregated as colocated, fewer bytes
 shipped per request in the ratio the row layout says, and the pools made to agree."""
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kernels.attention import AttentionMetadata, PrefillSegment
+from pd_runtime.kernels.attention import AttentionMetadata, PrefillSegment
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.model.loader import load_model
 from pd_runtime.tokenizer import Tokenizer

@@ -1,4 +1,4 @@
-"""The native CPU decode attention (kernels/native.py, built here with the machine's compiler):
+"""The native CPU decode attention (pd_runtime/kernels/native.py, built here with the machine's compiler):
 against float32 attention computed by torch, on the fast paths (group 1/2/4/8, head_dim 64/128)
 and the portable one; the torch path when the kernel is off; and inside the engine, a
 request's bf16 tokens do not depend on its company."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import attention, native
+from pd_runtime.kernels import attention, native
 from pd_runtime import LLM, SamplingParams
 from tests.test_engine_invariance import mixed_prompts
 
@@ -174,7 +174,7 @@ def _dense_keys(cache, table, length):
                                                            (8, 8, 128, 16), (6, 2, 24, 8)])
 def test_fixed_order_attention_rows_do_not_depend_on_their_company(dtype, heads, kv_heads, dim,
                                                                     block_size):
-    from kernels.fixed_order import FixedOrderRows
+    from pd_runtime.kernels.fixed_order import FixedOrderRows
 
     gen = torch.Generator().manual_seed(heads * 100 + dim + block_size)
     cache = _paged(96, kv_heads, block_size, dim, dtype, gen)
@@ -211,7 +211,7 @@ def test_fixed_order_attention_rows_do_not_depend_on_their_company(dtype, heads,
 
 
 def test_fixed_order_attention_reads_only_its_own_keys():
-    from kernels.fixed_order import FixedOrderRows
+    from pd_runtime.kernels.fixed_order import FixedOrderRows
 
     gen = torch.Generator().manual_seed(11)
     cache = _paged(8, 2, 16, 64, torch.bfloat16, gen)
@@ -304,12 +304,12 @@ def test_native_linear_declines_what_it_cannot_take():
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(4, 4, 64, 16), (8, 2, 64, 32),
                                                            (8, 1, 128, 16), (6, 2, 24, 8)])
 def test_fixed_order_attention_over_an_int8_cache(dtype, heads, kv_heads, dim, block_size):
-    """The 8-bit cache (kernels/kv_quant.py): each row widened as value x its scale inside the
+    """The 8-bit cache (pd_runtime/kernels/kv_quant.py): each row widened as value x its scale inside the
     kernel. Against the float32 cache holding exactly those values: bit for bit (float32
     queries) or within bf16 rounding; against float64 attention over them; rows still do not
     depend on their company; untouched rows poisoned to show nothing else is read."""
-    from kernels import kv_quant
-    from kernels.fixed_order import FixedOrderRows
+    from pd_runtime.kernels import kv_quant
+    from pd_runtime.kernels.fixed_order import FixedOrderRows
 
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads + dim)
     cache8 = kv_quant.quantize(_paged(64, kv_heads, block_size, dim, torch.float32, gen) * 3)
@@ -344,7 +344,7 @@ def test_fixed_order_attention_over_an_int8_cache(dtype, heads, kv_heads, dim, b
 
 
 def test_int8_rows_round_trip_within_half_a_step():
-    from kernels import kv_quant
+    from pd_runtime.kernels import kv_quant
 
     x = torch.randn(50, 4, 64, generator=torch.Generator().manual_seed(3)) * 5
     x[3, 1] = 0.0  # a row of zeros: scale 1, values 0

@@ -1,5 +1,5 @@
-"""The Triton paged-attention kernels (kernels/triton_paged.py) against the torch reference
-(kernels/attention.py), run on CPU tensors under the Triton interpreter.
+"""The Triton paged-attention kernels (pd_runtime/kernels/triton_paged.py) against the torch reference
+(pd_runtime/kernels/attention.py), run on CPU tensors under the Triton interpreter.
 
 The reference runs in float32 on the same bf16/fp16 values. Tolerances: bf16 atol = rtol =
 1e-2, fp16 atol = rtol = 1e-3 (the kernels round the output, and the probabilities before the
@@ -18,8 +18,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import triton
 
-from kernels import attention as reference
-from kernels import triton_paged
+from pd_runtime.kernels import attention as reference
+from pd_runtime.kernels import triton_paged
 
 # triton.jit reads the variable when it decorates, triton.language's own helpers (tl.max,
 # tl.sum) included: had anything imported triton before this module, the kernels could not run.

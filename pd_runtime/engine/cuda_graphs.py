@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kernels.attention import AttentionMetadata, DeviceAttention
+from pd_runtime.kernels.attention import AttentionMetadata, DeviceAttention
 
 log = logging.getLogger(__name__)
 

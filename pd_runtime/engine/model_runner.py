@@ -2,7 +2,7 @@
 model over the paged KV cache, and returns logits for the requests due a sample.
 
 With `batch_invariant` (EngineConfig), every token's attention goes through the fixed-order
-kernel (kernels/fixed_order.py) and the model's matmuls are row-stable, so a request's logits
+kernel (pd_runtime/kernels/fixed_order.py) and the model's matmuls are row-stable, so a request's logits
 do not depend on its company, its chunking or its prefix-cache hits.
 """
 
@@ -12,8 +12,8 @@ import logging
 
 import torch
 
-from kernels import fixed_order, kv_quant, native
-from kernels.attention import AttentionMetadata, DecodeKVBuffer, DeviceAttention, PrefillSegment
+from pd_runtime.kernels import fixed_order, kv_quant, native
+from pd_runtime.kernels.attention import AttentionMetadata, DecodeKVBuffer, DeviceAttention, PrefillSegment
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.host_memory import host_zeros
 from pd_runtime.engine.memory_plan import check_fits, decode_buffer_fraction, plan_memory
@@ -28,7 +28,7 @@ class ModelRunner:
         self.config = config
         self.block_size = config.block_size
         # Every tensor a step reads is on this device: built on the host and copied once
-        # (`_put`), or built there. On CUDA, attention is the Triton kernels (kernels/
+        # (`_put`), or built there. On CUDA, attention is the Triton kernels (pd_runtime/kernels/
         # triton_paged.py) over device-side block tables; on the host, the native/torch paths.
         self.device = torch.device(config.device)
         self.on_host = self.device.type == "cpu"
@@ -44,7 +44,7 @@ class ModelRunner:
             native.available()  # build (or find) the native kernels now, not at the first step
         self.triton = None
         if self.device.type == "cuda":
-            from kernels import triton_paged
+            from pd_runtime.kernels import triton_paged
 
             reason = triton_paged.unsupported_reason(self.dtype, cfg.head_dim, self.block_size,
                                                      cfg.num_heads, cfg.num_kv_heads)
@@ -61,7 +61,7 @@ class ModelRunner:
                 self.fixed_order = False
         elem = torch.tensor([], dtype=self.dtype).element_size()
         # The cache's element type and row width: the model's dtype, or int8 rows of head_dim
-        # values and a float32 scale (kernels/kv_quant.py).
+        # values and a float32 scale (pd_runtime/kernels/kv_quant.py).
         self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         row = kv_quant.row_width(cfg.head_dim) if self.kv_dtype == torch.int8 \
             else cfg.head_dim * elem
@@ -73,7 +73,7 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes
                                                       // block_bytes)
         # One allocation for all layers; per-layer views are what attention and transfers use.
-        # Layout [layers, 2 (K, V), blocks, kv_heads, block_size, head_dim]: see kernels/attention.
+        # Layout [layers, 2 (K, V), blocks, kv_heads, block_size, head_dim]: see pd_runtime/kernels/attention.
         # On the host it lives in huge pages (host_memory: transfers pull from it 2x faster).
         if self.device.type == "cuda":  # fail here, naming the settings, not at a long prompt
             plan = plan_memory(config, cfg, max_model_len)
@@ -88,7 +88,7 @@ class ModelRunner:
             self.kv_cache = torch.zeros(kv_shape, dtype=self.kv_dtype, device=config.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         # The decode side buffer is a host-path device: off the host, the paged kernels read
-        # the blocks in place and it would only take memory (kernels/attention.py).
+        # the blocks in place and it would only take memory (pd_runtime/kernels/attention.py).
         self.decode_buffer = DecodeKVBuffer(int(self.kv_cache.numel()
                                                 * self.kv_cache.element_size()
                                                 * decode_buffer_fraction(config)))

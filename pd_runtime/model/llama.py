@@ -2,9 +2,9 @@
 
 Runs a flat batch of tokens from many sequences against the paged KV cache; weights are fused
 (qkv, gate_up) at load time so every layer is four matmuls over prepacked weights (float32:
-the native kernel, kernels/cpu_linear.c; bf16: oneDNN's layout).
+the native kernel, pd_runtime/kernels/cpu_linear.c; bf16: oneDNN's layout).
 With `batch_invariant`, every row's result is independent of the rows batched with it: matmuls
-padded to a row count the library is stable from (kernels/row_stable.py), the MLP activation
+padded to a row count the library is stable from (pd_runtime/kernels/row_stable.py), the MLP activation
 and attention by fixed-order native kernels (the runner passes their metadata).
 """
 
@@ -15,15 +15,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import native, row_stable
-from kernels.attention import AttentionMetadata, paged_attention
+from pd_runtime.kernels import native, row_stable
+from pd_runtime.kernels.attention import AttentionMetadata, paged_attention
 from pd_runtime.model.model_config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same op order as the reference implementation: normalise in fp32, cast, then scale; the
     # in-place steps only reuse temporaries (`normed` is never `x`, even for fp32 input).
-    # bf16 on the CPU: the same steps fused in one native pass (kernels/native.py) when built.
+    # bf16 on the CPU: the same steps fused in one native pass (pd_runtime/kernels/native.py) when built.
     fused = native.rms_norm_bf16(x, weight, eps) if x.dtype == torch.bfloat16 else None
     if fused is not None:
         return fused
@@ -111,7 +111,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def prepack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """A CPU weight in the layout its fastest matmul reads, or None to keep plain `F.linear`.
 
-    float32: the native kernel's panels (kernels/cpu_linear.c), in bf16 when the values are
+    float32: the native kernel's panels (pd_runtime/kernels/cpu_linear.c), in bf16 when the values are
     bf16: measured 1.5-3x torch's GEMM at decode-sized calls, equal at prefill-sized ones,
     and every row by one fixed order, so the batch-invariant mode needs no padding. bfloat16:
     oneDNN's blocked layout, spared a per-call weight reorder (0-5% on prefill-sized matmuls,
@@ -147,7 +147,7 @@ def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None):
 def linear(x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None = None,
            min_rows: int = 1) -> torch.Tensor:
     """`x @ weight.T + bias`, computed in a call of at least `min_rows` rows (zero rows padded
-    on: the batch-invariant mode's row-stable count, kernels/row_stable.py)."""
+    on: the batch-invariant mode's row-stable count, pd_runtime/kernels/row_stable.py)."""
     rows = x.shape[0]
     if rows < min_rows:
         x = row_stable.pad_rows(x, min_rows)

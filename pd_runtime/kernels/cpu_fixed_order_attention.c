@@ -1,5 +1,5 @@
 /* Attention with a fixed reduction order per query row, over the paged KV cache, for the CPU
- * (see kernels/native.py and kernels/fixed_order.py): the batch-invariant mode's only path.
+ * (see pd_runtime/kernels/native.py and pd_runtime/kernels/fixed_order.py): the batch-invariant mode's only path.
  *
  *   q     [tokens, heads, dim]: each token's heads contiguous, tokens q_stride elements apart
  *   cache [2, blocks, kv_heads, block_size, dim] contiguous (one layer's K then V); with kv_int8

@@ -1,5 +1,5 @@
-/* silu(gate) * up of the MLP, for the CPU in bf16 or float32 (see kernels/native.py): every
- * element through the same 8-lane code (kernels/cpu_vf8.h), wherever it sits in the batch.
+/* silu(gate) * up of the MLP, for the CPU in bf16 or float32 (see pd_runtime/kernels/native.py): every
+ * element through the same 8-lane code (pd_runtime/kernels/cpu_vf8.h), wherever it sits in the batch.
  *
  * torch's own silu rounds differently in its vector loop and in its scalar remainder (measured:
  * float32 rows of 100 elements changed with the row count), so in the batch-invariant mode the

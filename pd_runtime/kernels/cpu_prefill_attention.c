@@ -1,4 +1,4 @@
-/* Causal attention for fresh prompts on the CPU, bf16 (see kernels/native.py).
+/* Causal attention for fresh prompts on the CPU, bf16 (see pd_runtime/kernels/native.py).
  *
  * `num_seqs` prompts of n tokens each, back to back in the flat batch:
  *   q [num_seqs * n, heads, dim], k and v [num_seqs * n, kv_heads, dim]   bf16, each token's

@@ -8,7 +8,7 @@ prompts (cpu_prefill_attention.c) and the decoder layer's fused RMSNorm and resi
 attention over the paged cache (cpu_fixed_order_attention.c) and MLP activation
 (cpu_silu_mul.c). For CPU float32, the linear layers over prepacked weights (cpu_linear.c).
 Where no compiler is found or the build fails, every function here returns
-None and callers keep their torch path (kernels/attention.py, pd_runtime/model/llama.py);
+None and callers keep their torch path (pd_runtime/kernels/attention.py, pd_runtime/model/llama.py);
 PD_RUNTIME_NATIVE_KERNELS=0 forces that path.
 """
 
@@ -232,7 +232,7 @@ def fixed_order_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables:
     """Attention of every query token over its own sequence's paged K/V, one fixed reduction
     order per row (cpu_fixed_order_attention.c): q `[T, heads, d]` (each token's heads
     contiguous), kv_layer `[2, blocks, kv_heads, block_size, d]` of q's dtype, or int8 `[...,
-    d + 4]` (kernels/kv_quant.py: d values and a float32 scale per row), block_tables `[S, W]`,
+    d + 4]` (pd_runtime/kernels/kv_quant.py: d values and a float32 scale per row), block_tables `[S, W]`,
     token t of sequence seq[t] sees keys 0..lens[t]-1 -> `[T, heads, d]`; bf16 or float32 on the
     CPU. None when the kernel cannot take these inputs."""
     library = _load()

@@ -1,4 +1,4 @@
-/* Decode attention over a contiguous bf16 K/V batch, for the CPU (see kernels/native.py).
+/* Decode attention over a contiguous bf16 K/V batch, for the CPU (see pd_runtime/kernels/native.py).
  *
  * One query token per sequence; the query heads of a KV group share that group's K/V.
  *   q   [batch, kv_heads, group, dim]       bf16

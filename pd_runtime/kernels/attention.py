@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import fixed_order, kv_quant, native
+from pd_runtime.kernels import fixed_order, kv_quant, native
 
 
 @dataclass
@@ -90,7 +90,7 @@ class DecodeKVBuffer:
 
 @dataclass
 class DeviceAttention:
-    """Metadata of the GPU kernels (kernels/triton_paged.py), all int32 on the device: the
+    """Metadata of the GPU kernels (pd_runtime/kernels/triton_paged.py), all int32 on the device: the
     decodes' block tables and lengths, and the prefill segments as one varlen batch (query
     offsets relative to the first prefill token, context lengths, block tables)."""
 
@@ -117,7 +117,7 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None = None     # decode key mask, built by the first layer
     prefill_runs: list | None = None            # prefill_runs(prefills), built by the first layer
     layer: int = 0  # set by the model before each layer's attention
-    # Batch-invariant mode: every token through the fixed-order kernel (kernels/fixed_order.py).
+    # Batch-invariant mode: every token through the fixed-order kernel (pd_runtime/kernels/fixed_order.py).
     fixed_order: fixed_order.FixedOrderRows | None = None
     # On CUDA: the Triton kernels module and their metadata (the paths above are not used).
     device_attention: DeviceAttention | None = None
@@ -130,7 +130,7 @@ class AttentionMetadata:
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter new K/V rows (`[num_tokens, kv_heads, head_dim]`) into their cache slots (an
-    int8 cache takes them quantized, kernels/kv_quant.py)."""
+    int8 cache takes them quantized, pd_runtime/kernels/kv_quant.py)."""
     if kv_layer.dtype == torch.int8:
         k, v = kv_quant.quantize(k), kv_quant.quantize(v)
     block_size = kv_layer.shape[3]
@@ -229,7 +229,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
 
 
 def uses_native_decode(q: torch.Tensor) -> bool:
-    """bf16 decode on the CPU runs the native kernel (kernels/native.py) when it built: it reads
+    """bf16 decode on the CPU runs the native kernel (pd_runtime/kernels/native.py) when it built: it reads
     K and V once, where batched matmuls over 2-row queries pay per-matrix overhead (measured
     ~0.5 ms less per layer at batch 64, ~300 keys). Otherwise the torch path below."""
     return q.dtype == torch.bfloat16 and q.device.type == "cpu" and native.available()

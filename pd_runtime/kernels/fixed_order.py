@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from kernels import native
+from pd_runtime.kernels import native
 
 
 @dataclass

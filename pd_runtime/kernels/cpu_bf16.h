@@ -1,4 +1,4 @@
-/* bf16 helpers shared by the native CPU kernels (see kernels/native.py). */
+/* bf16 helpers shared by the native CPU kernels (see pd_runtime/kernels/native.py). */
 #ifndef PD_RUNTIME_CPU_BF16_H
 #define PD_RUNTIME_CPU_BF16_H
 

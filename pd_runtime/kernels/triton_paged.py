@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache in Triton: the GPU path of kernels/attention.py.
+"""Attention over the paged KV cache in Triton: the GPU path of pd_runtime/kernels/attention.py.
 
 Same cache layout and semantics as the torch reference there (`write_kv`, `decode_attention`,
 `prefill_attention`); on CPU the tests run these kernels under `TRITON_INTERPRET=1`.

@@ -1,4 +1,4 @@
-/* y = x @ W^T (+ bias) in float32 for the CPU, with W prepacked (kernels/native.py
+/* y = x @ W^T (+ bias) in float32 for the CPU, with W prepacked (pd_runtime/kernels/native.py
  * pack_linear): one fixed summation order per output element, whatever the row count, the
  * row's place in the call or the thread count, so the batch-invariant mode needs no padding.
  *

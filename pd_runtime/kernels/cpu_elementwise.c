@@ -1,4 +1,4 @@
-/* Fused bf16 row ops for the CPU decoder layer (see kernels/native.py): RMSNorm and the residual
+/* Fused bf16 row ops for the CPU decoder layer (see pd_runtime/kernels/native.py): RMSNorm and the residual
  * add in front of it. Each reproduces the rounding steps of the torch
  * expressions it replaces in pd_runtime/model/llama.py (float32 math, bf16 results where torch
  * rounds), in one pass over a row instead of one pass per op; the float32 sum of squares adds
