@@ -43,6 +43,9 @@ class DeadlineExceededError(RuntimeError):
 # ---------------------------------------------------------------------------------- sampling
 # A bias names a handful of tokens, not a vocabulary; this bounds the sampler's work per step.
 MAX_LOGIT_BIAS_ENTRIES = 300
+# Bad words: each is matched against the output's end every step, so their count is bounded.
+MAX_BAD_WORDS = 100
+MAX_BAD_WORD_CHARS = 200
 
 
 @dataclass
@@ -76,6 +79,13 @@ class SamplingParams:
     # The output held to a JSON schema, regex, choice list or grammar (structured.py): a dict
     # with one of json, regex, choice, grammar, json_object, as vLLM's structured_outputs.
     structured_outputs: Optional[dict] = None
+    # vLLM's: only these token ids may be chosen.
+    allowed_token_ids: Optional[list[int]] = None
+    # vLLM's: words never written. A word's last token is ruled out wherever the output so far
+    # ends with the rest of its tokens; `bad_words_token_ids` holds those spellings (each word
+    # alone and after a space, `bad_word_spellings`), filled in by whoever has the tokenizer.
+    bad_words: Optional[list[str]] = None
+    bad_words_token_ids: Optional[list[list[int]]] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -85,6 +95,11 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _token_keys(self.logit_bias) or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words) if self.bad_words else None
         self.validate()
 
     @classmethod
@@ -107,7 +122,8 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the sampler must change this row's logits before choosing (penalties, bias)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.min_tokens)
+                    or self.repetition_penalty != 1.0 or self.min_tokens
+                    or self.allowed_token_ids is not None or self.bad_words_token_ids)
 
     def validate(self) -> None:
         def bad(param: str, msg: str):
@@ -159,6 +175,25 @@ class SamplingParams:
                 # leave no token to choose once the grammar is complete.
                 bad("min_tokens", "cannot be combined with structured outputs (the grammar "
                     "decides where the output ends)")
+            if self.allowed_token_ids is not None:
+                bad("allowed_token_ids", "cannot be combined with structured outputs or a "
+                    "required tool call (the grammar decides which tokens may follow)")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids or any(
+                    not isinstance(t, int) or isinstance(t, bool) or t < 0
+                    for t in self.allowed_token_ids):
+                bad("allowed_token_ids", "must be a non-empty list of token ids (non-negative "
+                    "integers)")
+        if self.bad_words is not None:
+            if len(self.bad_words) > MAX_BAD_WORDS or any(
+                    not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS
+                    for w in self.bad_words):
+                bad("bad_words", f"must be at most {MAX_BAD_WORDS} non-blank strings of at "
+                    f"most {MAX_BAD_WORD_CHARS} characters")
+        if self.bad_words_token_ids is not None and any(
+                not w or any(not isinstance(t, int) or t < 0 for t in w)
+                for w in self.bad_words_token_ids):
+            bad("bad_words", "token spellings must be non-empty lists of token ids")
         if self.logit_bias is not None:
             if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
                 bad("logit_bias", f"may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got "
@@ -307,3 +342,22 @@ class ModelCard:
             if getattr(self, name) != getattr(other, name):
                 return f"{name}: {getattr(self, name)!r} vs {getattr(other, name)!r}"
         return None
+
+
+def bad_word_spellings(words: list[str], encode) -> list[list[int]]:
+    """The token spellings of `words` that sampling rules out (`encode`: text -> token ids,
+    without special tokens): each word as written at the start of a text, and after a space
+    where that is a spelling of its own (a byte-level BPE's " word" begins with a different
+    token, as long), which is how a word usually comes in the middle of a text. A tokenizer
+    that marks word starts itself (SentencePiece's "▁") already gives that spelling alone."""
+    out: list[list[int]] = []
+    for word in words:
+        alone = encode(word.lstrip())
+        spaced = encode(" " + word.lstrip())
+        for ids in (alone, spaced):
+            if ids is spaced and (not alone or len(spaced) != len(alone)
+                                  or spaced[0] == alone[0]):
+                continue
+            if ids and ids not in out:
+                out.append(ids)
+    return out

@@ -4,7 +4,8 @@ One implementation: router/core.py (`PoolBackend`), over the Ray pools or over t
 in this process (pd_runtime/workers/local_pool.py, for tests and single-process runs).
 
 The contract, written once here:
-- `generate(request_id, prompt_ids, params, priority=, tenant=)` is an async generator of worker
+- `generate(request_id, prompt_ids, params, priority=, tenant=, cache_salt=)` (the request's
+  prefix-cache salt, beside its tenant's) is an async generator of worker
   chunk dicts (pd_runtime/api.py): `token_ids`, `text`, `finished`, `finish_reason`,
   `logprobs` (per new token `(logprob, {token_id: logprob})`, or None), `num_prompt_tokens`,
   `num_cached_tokens`, `path`. The last chunk has `finished: True`. A failure is one chunk with
@@ -92,7 +93,8 @@ class Backend(Protocol):
 
     def generate(self, request_id: str, prompt_ids: list[int], params: dict, *, priority: int,
                  tenant: Optional[TenantConfig], deadline: Optional[float] = None,
-                 flex: bool = False) -> AsyncIterator[dict]: ...
+                 flex: bool = False, cache_salt: Optional[str] = None
+                 ) -> AsyncIterator[dict]: ...
 
     def health(self) -> dict: ...
 

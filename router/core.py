@@ -186,11 +186,12 @@ class PoolBackend:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
                        priority: int = 0, tenant: Optional[TenantConfig] = None,
-                       deadline: Optional[float] = None,
-                       flex: bool = False) -> AsyncIterator[dict]:
+                       deadline: Optional[float] = None, flex: bool = False,
+                       cache_salt: Optional[str] = None) -> AsyncIterator[dict]:
         """`flex` (service_tier "flex"): not held to the latency targets. Routed by load as
         `mode: auto` routes, never refused for a target, and scheduled after the default tier
-        (FLEX_PRIORITY later), so it waits rather than getting a 429."""
+        (FLEX_PRIORITY later), so it waits rather than getting a 429. `cache_salt`: the
+        request's own (vLLM's field), kept apart from every tenant's."""
         arrival = time.monotonic()
         self.served["requests"] += 1
         tenant_id = tenant.tenant_id if tenant else "anonymous"
@@ -201,6 +202,8 @@ class PoolBackend:
                            f"{limit} limit", retry_after_s=wait if math.isfinite(wait) else 60)
             return
         salt = self.tenants.cache_salt(tenant)
+        if cache_salt is not None:  # no request's salt can be a tenant's
+            salt = f"{salt or ''}\x00request\x00{cache_salt}"
         hashes = self.index.hashes(prompt_ids, salt)
         workers = self.client.prefill + self.client.decode
         # A scored prompt (prompt logprobs) is computed whole, under a salt of its own: it

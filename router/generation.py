@@ -275,7 +275,7 @@ def _backend_streams(backend: Backend, prepared, response_id: str, tenant, timeo
     return merge_streams([
         backend.generate(f"{response_id}-{choice.index}", prepared.prompts[choice.prompt_index],
                          choice.params, priority=prepared.priority, tenant=tenant,
-                         deadline=time.time() + timeout_s,
+                         deadline=time.time() + timeout_s, cache_salt=prepared.cache_salt,
                          flex=prepared.service_tier == "flex")
         for choice in prepared.choices])
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from pd_runtime import structured
-from pd_runtime.api import InvalidRequestError, SamplingParams
+from pd_runtime.api import InvalidRequestError, SamplingParams, bad_word_spellings
 from router.chat_prompt import chat_text
 from router.schema import (ChatCompletionRequest, ChoiceSpec, CompletionRequest, InvalidRequest,
                            PreparedRequest, Body, SamplingBody)
@@ -48,19 +48,14 @@ _OFF_VALUES: dict[str, tuple] = {
     "reasoning_effort": (None,),
     "web_search_options": (None,),
     # vLLM's extensions that would change the output: its per-request template (this server
-    # renders the model's own), token restrictions, beam search. (Structured outputs:
+    # renders the model's own), beam search. (Structured outputs:
     # router/structured_fields.py.)
     "chat_template": (None,),
     "documents": (None, []),
     "guided_whitespace_pattern": (None,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
-    "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
     "logits_processors": (None,),
-    "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True),
-    "cache_salt": (None,),
     "logprob_token_ids": (None,),
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),
@@ -144,9 +139,10 @@ def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[str, float]:
     return dict(bias)
 
 
-def _sampling_fields(body: SamplingBody, max_tokens: Optional[int], vocab_size: int,
+def _sampling_fields(body: SamplingBody, max_tokens: Optional[int], tokenizer,
                      defaults: dict) -> dict:
     """SamplingParams fields: the body's, else the model's `defaults` (sampling_defaults.py)."""
+    vocab_size = tokenizer.vocab_size
     params: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
@@ -172,6 +168,21 @@ def _sampling_fields(body: SamplingBody, max_tokens: Optional[int], vocab_size: 
             raise InvalidRequest(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids",
                                  param="stop_token_ids")
         params["stop_token_ids"] = list(body.stop_token_ids)
+    if body.allowed_token_ids is not None:
+        if any(not 0 <= t < vocab_size for t in body.allowed_token_ids):
+            raise InvalidRequest(f"allowed_token_ids must be token ids in [0, {vocab_size})",
+                                 param="allowed_token_ids")
+        params["allowed_token_ids"] = list(body.allowed_token_ids)
+    if body.bad_words:
+        params["bad_words"] = list(body.bad_words)
+        if all(isinstance(w, str) and w.strip() for w in body.bad_words):  # else judged below
+            params["bad_words_token_ids"] = bad_word_spellings(
+                body.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False))
+    if body.prompt_logprobs is not None:
+        if body.stream:
+            raise InvalidRequest("prompt_logprobs are not available with stream: true",
+                                 param="prompt_logprobs")
+        params["prompt_logprobs"] = body.prompt_logprobs
     params["ignore_eos"] = body.ignore_eos
     params["min_tokens"] = body.min_tokens
     params["include_stop_str_in_output"] = body.include_stop_str_in_output
@@ -339,11 +350,11 @@ def prepare_completion(data: dict, tokenizer, model_name: str, max_model_len: in
     prompts, texts = _completion_prompts(body.prompt, tokenizer, max_model_len, truncation,
                                          body.add_special_tokens is not False)
     _check_n(body, len(prompts))
-    params = _sampling_fields(body, max_tokens, tokenizer.vocab_size, defaults)
+    params = _sampling_fields(body, max_tokens, tokenizer, defaults)
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
         if body.echo:  # the prompt's tokens are scored too (how evaluation harnesses score)
-            params["prompt_logprobs"] = body.logprobs
+            params["prompt_logprobs"] = max(body.logprobs, params.get("prompt_logprobs", 0))
     sampling = _check_sampling(params)
     for prompt in prompts:
         _check_length(prompt, max_tokens, max_model_len, "prompt")
@@ -351,7 +362,8 @@ def prepare_completion(data: dict, tokenizer, model_name: str, max_model_len: in
             for p, t in zip(prompts, texts)] if body.echo else None
     return PreparedRequest("completion", model_name, prompts, _choices(prompts, body.n, sampling),
                            bool(body.stream), _include_usage(body), body.priority,
-                           body.logprobs, echo, service_tier=_service_tier(body))
+                           body.logprobs, echo, service_tier=_service_tier(body),
+                           **_token_fields(body))
 
 
 def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
@@ -380,7 +392,7 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
     # OpenAI's default for chat: as much as the context leaves.
     max_tokens = requested if requested is not None else \
         _default_max_tokens(max(1, max_model_len - len(prompt)), defaults)
-    params = _sampling_fields(body, max_tokens, tokenizer.vocab_size, defaults)
+    params = _sampling_fields(body, max_tokens, tokenizer, defaults)
     if tool_spec is not None:
         if "structured_outputs" in params:
             raise InvalidRequest(f"{structured_spec(body.model_extra)[1]}: a request may ask "
@@ -412,7 +424,16 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
     return PreparedRequest("chat", model_name, [prompt], _choices([prompt], body.n, sampling),
                            bool(body.stream), _include_usage(body), body.priority, logprobs,
                            tools=tool_plan, service_tier=_service_tier(body),
-                           reasoning=thinking)
+                           reasoning=thinking, **_token_fields(body))
+
+
+def _token_fields(body: SamplingBody) -> dict:
+    """PreparedRequest's fields for vLLM's token-level extensions."""
+    if body.cache_salt is not None and not body.cache_salt:
+        raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
+    return {"token_ids": bool(body.return_token_ids),
+            "tokens_as_ids": bool(body.return_tokens_as_token_ids),
+            "prompt_logprobs": body.prompt_logprobs, "cache_salt": body.cache_salt}
 
 
 def _service_tier(body: SamplingBody) -> Optional[str]:

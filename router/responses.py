@@ -34,6 +34,7 @@ class _Choice:
     call_sent: bool = False  # its first delta (id and name) went out
     think: Optional[ThinkStream] = None  # a reasoning model's: its thinking split out
     content_sent: int = 0  # with `think`: characters of the content streamed
+    ids_sent: int = 0  # return_token_ids: how many of token_ids the stream has carried
 
 
 class ResponseBuilder:
@@ -53,6 +54,8 @@ class ResponseBuilder:
         for choice in self.choices if prepared.reasoning is not None else ():
             choice.think = ThinkStream(prepared.reasoning)
         self._token_text = _token_texts(tokenizer)
+        # A logprob's token as shown: its text, or "token_id:N" (return_tokens_as_token_ids).
+        self._shown = _as_token_id if prepared.tokens_as_ids else self._token_text
 
     # -- accumulation and streaming ----------------------------------------------------------
     def add(self, index: int, chunk: dict) -> Optional[dict]:
@@ -96,7 +99,14 @@ class ResponseBuilder:
         else:
             item = {"index": index, "text": prefix + text, "logprobs": logprobs,
                     "finish_reason": choice.finish_reason}
-        return self._envelope(self._chunk_object, [item], stream=True)
+        body = self._envelope(self._chunk_object, [item], stream=True)
+        if self.prepared.token_ids:  # the ids the events so far left out (held back text's too)
+            if first:
+                where = body if self.prepared.kind == "chat" else item
+                where["prompt_token_ids"] = self.prepared.prompts[choice.prompt_index]
+            item["token_ids"] = choice.token_ids[choice.ids_sent:]
+            choice.ids_sent = len(choice.token_ids)
+        return body
 
     def events(self, index: int, chunk: dict) -> tuple:
         """The stream events a worker chunk makes (router/generation.py's stream loop)."""
@@ -137,9 +147,22 @@ class ResponseBuilder:
             else:
                 items.append({"index": choice.index, "text": choice.text, "logprobs": logprobs,
                               "finish_reason": choice.finish_reason})
+                self._token_fields(choice, items[-1])
+            if self.prepared.token_ids:
+                items[-1]["token_ids"] = choice.token_ids
         body = self._envelope(self._object, items, stream=False)
+        if self.prepared.kind == "chat" and self.choices:  # one prompt: the response's
+            self._token_fields(self.choices[0], body)
         body["usage"] = self.usage()
         return body
+
+    def _token_fields(self, choice: _Choice, into: dict) -> None:
+        """vLLM's prompt_token_ids and prompt_logprobs, when asked: on each completion choice
+        (a prompt of its own), at the top of a chat response."""
+        if self.prepared.token_ids:
+            into["prompt_token_ids"] = self.prepared.prompts[choice.prompt_index]
+        if self.prepared.prompt_logprobs is not None:
+            into["prompt_logprobs"] = self._prompt_logprobs(choice)
 
     def _message(self, choice: _Choice) -> tuple[dict, Optional[str]]:
         """A finished chat choice's message and finish reason: its thinking split out as
@@ -241,33 +264,62 @@ class ResponseBuilder:
         if self.prepared.kind == "chat":
             return {"content": [self._chat_entry(t, e) for t, e in zip(token_ids, entries)],
                     "refusal": None}
-        text = self._token_text
+        text, shown = self._token_text, self._shown
         tokens, offsets = [], []
         for token in token_ids:
-            tokens.append(text(token))
+            tokens.append(shown(token))
             offsets.append(offset)
-            offset += len(tokens[-1])
+            offset += len(text(token))
         # None: a prompt's first token (echo), which nothing precedes to score it.
         return {"tokens": tokens,
                 "token_logprobs": [None if e is None else float(e[0]) for e in entries],
                 "top_logprobs": [None if e is None else
-                                 {text(int(k)): float(v) for k, v in e[1].items()}
+                                 {shown(int(k)): float(v) for k, v in e[1].items()}
                                  for e in entries],
                 "text_offset": offsets}
+
+    def _prompt_logprobs(self, choice: _Choice) -> Optional[list]:
+        """vLLM's prompt_logprobs: per prompt position (None for the first, which nothing
+        precedes) the prompt token's {logprob, rank, decoded_token}, then the top-n's, keyed
+        by token id."""
+        if choice.prompt_logprobs is None:
+            return None
+        prompt = self.prepared.prompts[choice.prompt_index]
+        n, shown = self.prepared.prompt_logprobs, self._shown
+        out: list = []
+        for token, entry in zip(prompt, choice.prompt_logprobs):
+            if entry is None:
+                out.append(None)
+                continue
+            logprob, top, rank = entry
+            ranked = {str(token): {"logprob": float(logprob), "rank": int(rank),
+                                   "decoded_token": shown(token)}}
+            for place, (other, value) in enumerate(list(top.items())[:n], start=1):
+                ranked.setdefault(str(other), {"logprob": float(value), "rank": place,
+                                               "decoded_token": shown(int(other))})
+            out.append(ranked)
+        return out
 
     def _with_prompt(self, choice: _Choice, token_ids: list[int], entries: list) -> dict:
         """Completions with echo and logprobs: the prompt's tokens first (the first one has no
         logprob: nothing precedes it), then the generated ones; offsets from the token strings
         (a BOS has a string of its own there, not in the echoed text), as vLLM counts them."""
         prompt = self.prepared.prompts[choice.prompt_index]
-        return self._logprobs(prompt + token_ids, choice.prompt_logprobs + entries, 0)
+        n = self.prepared.logprobs  # prompt_logprobs may have asked the engine for more
+        scored = [e if e is None else (e[0], dict(list(e[1].items())[:n]))
+                  for e in choice.prompt_logprobs]
+        return self._logprobs(prompt + token_ids, scored + entries, 0)
 
     def _chat_entry(self, token: int, entry) -> dict:
-        text = self._token_text(token)
+        text = self._shown(token)
         return {"token": text, "logprob": float(entry[0]), "bytes": list(text.encode()),
-                "top_logprobs": [{"token": self._token_text(int(k)), "logprob": float(v),
-                                  "bytes": list(self._token_text(int(k)).encode())}
+                "top_logprobs": [{"token": self._shown(int(k)), "logprob": float(v),
+                                  "bytes": list(self._shown(int(k)).encode())}
                                  for k, v in entry[1].items()]}
+
+
+def _as_token_id(token: int) -> str:
+    return f"token_id:{token}"
 
 
 _TOKEN_TEXTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

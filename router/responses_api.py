@@ -27,7 +27,8 @@ _SAME_FIELDS = ("model", "temperature", "top_p", "top_logprobs", "parallel_tool_
                 "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos",
                 "min_tokens", "priority", "logit_bias", "skip_special_tokens",
                 "chat_template_kwargs", "structured_outputs", "guided_json", "guided_regex",
-                "guided_choice", "guided_grammar", "guided_whitespace_pattern")
+                "guided_choice", "guided_grammar", "guided_whitespace_pattern",
+                "allowed_token_ids", "bad_words", "cache_salt")
 # Fields whose only accepted values are these (anything else would be ignored if taken).
 _OFF_VALUES: dict[str, tuple] = {
     "conversation": (None,),

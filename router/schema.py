@@ -63,6 +63,15 @@ class SamplingBody(Body):
     # OpenAI's: "flex" is not held to the latency targets (routed by load, scheduled after
     # the default tier, queued rather than refused); "auto" and "default" are the default.
     service_tier: Optional[Literal["auto", "default", "flex", "priority", "scale"]] = None
+    # vLLM's, as RL and evaluation tools send them: the tokens that may be chosen, words never
+    # written, the prompt's own logprobs, the token ids in the response and as logprob tokens,
+    # and a prefix-cache salt (requests share cached blocks only under the same salt).
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    prompt_logprobs: Optional[int] = None
+    return_token_ids: Optional[bool] = None
+    return_tokens_as_token_ids: Optional[bool] = None
+    cache_salt: Optional[str] = None
 
 
 class CompletionRequest(SamplingBody):
@@ -121,3 +130,7 @@ class PreparedRequest:
     # thinking is split out; router/reasoning.py)
     reasoning: Optional[bool] = None
     responses: Any = None  # a Responses API request's: router/responses_api.ResponsesRequest
+    token_ids: bool = False  # return_token_ids: prompt_token_ids and each choice's token_ids
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:N"
+    prompt_logprobs: Optional[int] = None  # top-n of each prompt token, asked for as such
+    cache_salt: Optional[str] = None  # the request's own, beside its tenant's

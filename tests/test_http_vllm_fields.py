@@ -63,7 +63,7 @@ def test_truncate_prompt_tokens_keeps_the_end(server, client, offline, llama_dir
                          ({"truncate_prompt_tokens": limit - 1}, "prompt"),
                          ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
                          ({"use_beam_search": True}, "use_beam_search"),
-                         ({"cache_salt": "mine"}, "cache_salt")):
+                         ({"logits_processors": ["my.Processor"]}, "logits_processors")):
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model=name, prompt=ids, max_tokens=2, extra_body=extra)
         assert caught.value.body["param"] == param, extra

@@ -30,8 +30,11 @@ def test_prompt_logprobs_are_transformers(llama_dir, reference, chunk, slice_row
     entries = out.prompt_logprobs
     assert len(entries) == len(PROMPT) and entries[0] is None
     for p in range(1, len(PROMPT)):
-        logprob, top = entries[p]
+        logprob, top, rank = entries[p]
         assert abs(logprob - reference[p - 1, PROMPT[p]].item()) < 1e-4
+        row, mine = reference[p - 1], reference[p - 1, PROMPT[p]]  # ties within rounding
+        assert 1 + int((row > mine + 1e-4).sum()) <= rank <= 1 + int((row > mine - 1e-4).sum())
+        assert rank > 1 or PROMPT[p] == next(iter(top))
         values, ids = reference[p - 1].topk(2)
         assert list(top) == ids.tolist()
         assert max(abs(a - b) for a, b in zip(top.values(), values.tolist())) < 1e-4

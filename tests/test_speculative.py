@@ -148,6 +148,31 @@ def test_seeded_sampling_with_speculation_equals_plain(speculating, sampling):
     assert spec.engine.speculator.stats.drafted > before
 
 
+def test_banned_and_allowed_tokens_with_speculation_equal_plain(speculating):
+    """vLLM's bad_words and allowed_token_ids under speculation: each draft row is judged on
+    the output up to its own position, so the tokens equal plain decoding alone (greedy and
+    seeded), no banned spelling appears and every token is an allowed one."""
+    plain, spec = speculating
+    loop = looping_prompt(plain)
+    prompts = repetitive_prompts(4, seed=3) + [loop]
+    cycle = loop[-8:]
+    bad = [[cycle[0], cycle[1]], [cycle[3]]]
+    allowed = sorted(set(loop) | set(range(5, 40)))
+    params = [SamplingParams(max_tokens=32, seed=100 + i, temperature=float(i % 2),
+                             ignore_eos=True, bad_words_token_ids=bad,
+                             allowed_token_ids=allowed if i != 4 else None)
+              for i in range(len(prompts))]
+    before = spec.engine.speculator.stats.drafted
+    expected = [run(plain, [p], q)[0] for p, q in zip(prompts, params)]
+    got = run(spec, prompts, params)
+    assert got == expected
+    assert spec.engine.speculator.stats.drafted > before
+    for i, tokens in enumerate(got):
+        assert cycle[3] not in tokens
+        assert all(tokens[j:j + 2] != bad[0] for j in range(len(tokens)))
+        assert i == 4 or set(tokens) <= set(allowed)
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "draft-small"])
 def test_speculation_on_the_decode_side_of_a_disaggregated_request(llama_dir, engines,
                                                                    model_factory, drafter):

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Optional, Union
 
 import torch
 
 from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, RequestTooLargeError,
-                            SamplingParams)
+                            SamplingParams, bad_word_spellings)
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine import prompt_logprobs
 from pd_runtime.engine.block_manager import BlockManager
@@ -146,6 +147,12 @@ class LLMEngine:
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})",
                                       param="logit_bias")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            raise InvalidRequestError(f"allowed_token_ids must be in [0, {vocab})",
+                                      param="allowed_token_ids")
+        if params.bad_words and params.bad_words_token_ids is None:  # an offline caller's
+            params = replace(params, bad_words_token_ids=bad_word_spellings(
+                params.bad_words, lambda text: self.tokenizer.encode(text, False)))
         ids = self.tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise RequestTooLargeError(

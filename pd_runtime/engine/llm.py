@@ -25,7 +25,8 @@ class CompletionOutput:
     # (logprob of the token, {token_id: logprob} of the top-n).
     logprobs: Optional[list[tuple[float, dict[int, float]]]] = None
     num_cached_tokens: int = 0
-    # With prompt_logprobs: per prompt position (None for the first), as the top-n logprobs.
+    # With prompt_logprobs: per prompt position (None for the first), (logprob of the prompt
+    # token, {token_id: logprob} of the top-n, the prompt token's rank).
     prompt_logprobs: Optional[list] = None
 
 

@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-# Per prompt position: (logprob of the token there, {token id: logprob} of the top-n), or None.
+# Per prompt position: (logprob of the token there, {token id: logprob} of the top-n, the
+# token's rank: 1 + how many were likelier), or None.
 PromptLogprobs = list[Optional[tuple[float, dict[int, float]]]]
 
 
@@ -55,11 +56,14 @@ def _score(req, start: int, logits: torch.Tensor) -> None:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     n = len(logits)
     targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + n], device=logprobs.device)
-    chosen = logprobs.gather(1, targets[:, None]).view(-1).tolist()
+    picked = logprobs.gather(1, targets[:, None])
+    chosen = picked.view(-1).tolist()
+    # 1 + how many tokens the model found likelier (vLLM's rank of a prompt token).
+    ranks = ((logprobs > picked).sum(dim=-1) + 1).tolist()
     top_n = req.params.prompt_logprobs
     tops: list[dict[int, float]] = [{} for _ in range(n)]
     if top_n:
         values, ids = logprobs.topk(top_n, dim=-1)
         tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     for j in range(n):
-        req.prompt_logprobs[start + 1 + j] = (chosen[j], tops[j])
+        req.prompt_logprobs[start + 1 + j] = (chosen[j], tops[j], ranks[j])

@@ -1,5 +1,5 @@
-"""Turns logits into next tokens: logit bias and repetition penalties, then greedy, temperature,
-top-k, top-p, min-p, seeds, logprobs.
+"""Turns logits into next tokens: logit bias, allowed and banned tokens and repetition penalties,
+then greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 A seeded request draws its noise from its own generator, one draw per sampled token, and every
 adjustment is computed row by row, so its tokens do not depend on what else shares the batch
@@ -137,8 +137,9 @@ class Sampler:
     def adjust_logits(self, logits: torch.Tensor, params: list[SamplingParams],
                       histories: Optional[list[History]]) -> torch.Tensor:
         """The logits to choose from: each row with its logit bias, its EOS and stop token ids
-        ruled out while it has fewer than min_tokens, then its repetition, frequency and
-        presence penalties (vLLM's order). `logits` itself is left unchanged; with nothing to
+        ruled out while it has fewer than min_tokens, a bad word's last token wherever the
+        output ends with the rest of it, every token but its allowed_token_ids, then its
+        repetition, frequency and presence penalties (vLLM's order). `logits` itself is left unchanged; with nothing to
         adjust it is returned as it is, at no cost.
 
         Every operation is elementwise on gathered entries and scattered back to them, so an
@@ -148,7 +149,8 @@ class Sampler:
             return logits
         chosen = [params[i] for i in rows]
         if histories is None and any(p.presence_penalty or p.frequency_penalty or p.min_tokens
-                                     or p.repetition_penalty != 1.0 for p in chosen):
+                                     or p.repetition_penalty != 1.0 or p.bad_words_token_ids
+                                     for p in chosen):
             raise ValueError("repetition penalties and min_tokens need the token histories")
         out = logits.clone()
         index = _long(rows, out.device)
@@ -168,12 +170,23 @@ class Sampler:
             sub[where] += torch.tensor(bias_values, dtype=sub.dtype, device=sub.device)
         banned_rows, banned_ids = [], []
         for j, p in enumerate(chosen):
+            ids = set()
             if p.min_tokens and len(histories[rows[j]][1]) < p.min_tokens:
                 # EOS even under ignore_eos, as vLLM holds it back (its all_stop_token_ids).
                 ids = set(p.stop_token_ids) | self.eos_token_ids
-                ids = [t for t in ids if t < vocab]
-                banned_rows += [j] * len(ids)
-                banned_ids += ids
+            if p.bad_words_token_ids:
+                ids |= _bad_word_ends(p.bad_words_token_ids, histories[rows[j]][1])
+            ids = [t for t in ids if t < vocab]
+            banned_rows += [j] * len(ids)
+            banned_ids += ids
+        allowed = [(j, p.allowed_token_ids) for j, p in enumerate(chosen)
+                   if p.allowed_token_ids is not None]
+        if allowed:  # everything else ruled out
+            keep = torch.zeros(len(allowed), vocab, dtype=torch.bool)
+            for k, (_, ids) in enumerate(allowed):
+                keep[k, _long([t for t in ids if t < vocab])] = True
+            where = _long([j for j, _ in allowed], sub.device)
+            sub[where] = sub[where].masked_fill(~keep.to(sub.device), -math.inf)
         if banned_rows:
             sub[_long(banned_rows, sub.device), _long(banned_ids, sub.device)] = -math.inf
         if histories is not None:
@@ -255,6 +268,17 @@ class Sampler:
                 * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs
+
+
+def _bad_word_ends(spellings: list[list[int]], output_ids: list[int]) -> set[int]:
+    """The last token of each bad word's spelling whose other tokens end the output so far
+    (a one-token word: always)."""
+    ends = set()
+    for ids in spellings:
+        before = len(ids) - 1
+        if before == 0 or (len(output_ids) >= before and output_ids[-before:] == ids[:-1]):
+            ends.add(ids[-1])
+    return ends
 
 
 def _long(values: list[int], device: torch.device | None = None) -> torch.Tensor:

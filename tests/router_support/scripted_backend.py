@@ -39,7 +39,7 @@ class ScriptedBackend:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params, *,
                        priority: int = 0, tenant=None, deadline=None,
-                       flex: bool = False) -> AsyncIterator[dict]:
+                       flex: bool = False, cache_salt=None) -> AsyncIterator[dict]:
         done = False
         try:
             for chunk in self.script:
