@@ -101,6 +101,8 @@ class SamplingParams:
             self.bad_words = [self.bad_words]
         self.bad_words = list(self.bad_words) if self.bad_words else None
         self.validate()
+        if self.allowed_token_ids is not None:  # each once, in order (valid ints by now)
+            self.allowed_token_ids = sorted(set(self.allowed_token_ids))
 
     @classmethod
     def of(cls, value: "SamplingParams | dict") -> "SamplingParams":
@@ -185,15 +187,13 @@ class SamplingParams:
                 bad("allowed_token_ids", "must be a non-empty list of token ids (non-negative "
                     "integers)")
         if self.bad_words is not None:
-            if len(self.bad_words) > MAX_BAD_WORDS or any(
-                    not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS
-                    for w in self.bad_words):
-                bad("bad_words", f"must be at most {MAX_BAD_WORDS} non-blank strings of at "
-                    f"most {MAX_BAD_WORD_CHARS} characters")
+            check_bad_words(self.bad_words)
         if self.bad_words_token_ids is not None and any(
-                not w or any(not isinstance(t, int) or t < 0 for t in w)
+                not isinstance(w, (list, tuple)) or not w
+                or any(not isinstance(t, int) or t < 0 for t in w)
                 for w in self.bad_words_token_ids):
-            bad("bad_words", "token spellings must be non-empty lists of token ids")
+            bad("bad_words_token_ids", "must be non-empty lists of token ids (one per "
+                "spelling of a bad word)")
         if self.logit_bias is not None:
             if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
                 bad("logit_bias", f"may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got "
@@ -350,14 +350,25 @@ def bad_word_spellings(words: list[str], encode) -> list[list[int]]:
     where that is a spelling of its own (a byte-level BPE's " word" begins with a different
     token, as long), which is how a word usually comes in the middle of a text. A tokenizer
     that marks word starts itself (SentencePiece's "▁") already gives that spelling alone."""
-    out: list[list[int]] = []
+    out: dict[tuple, list[int]] = {}  # in order, each once
     for word in words:
-        alone = encode(word.lstrip())
-        spaced = encode(" " + word.lstrip())
+        alone = list(encode(word.lstrip()))
+        spaced = list(encode(" " + word.lstrip()))
         for ids in (alone, spaced):
             if ids is spaced and (not alone or len(spaced) != len(alone)
                                   or spaced[0] == alone[0]):
                 continue
-            if ids and ids not in out:
-                out.append(ids)
-    return out
+            if ids:
+                out.setdefault(tuple(ids), ids)
+    return list(out.values())
+
+
+def check_bad_words(words) -> None:
+    """bad_words as SamplingParams takes them: judged before anything tokenizes them (a
+    request's count and lengths bound the tokenizer's work as well as the sampler's)."""
+    if not isinstance(words, (list, tuple)) or len(words) > MAX_BAD_WORDS or any(
+            not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS
+            for w in words):
+        raise InvalidRequestError(f"bad_words must be at most {MAX_BAD_WORDS} non-blank "
+                                  f"strings of at most {MAX_BAD_WORD_CHARS} characters",
+                                  param="bad_words")

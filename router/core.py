@@ -201,9 +201,7 @@ class PoolBackend:
             yield _refusal(429, "rate_limit_exceeded", f"tenant {tenant_id} is over its "
                            f"{limit} limit", retry_after_s=wait if math.isfinite(wait) else 60)
             return
-        salt = self.tenants.cache_salt(tenant)
-        if cache_salt is not None:  # no request's salt can be a tenant's
-            salt = f"{salt or ''}\x00request\x00{cache_salt}"
+        salt = self.tenants.cache_salt(tenant, cache_salt)
         hashes = self.index.hashes(prompt_ids, salt)
         workers = self.client.prefill + self.client.decode
         # A scored prompt (prompt logprobs) is computed whole, under a salt of its own: it

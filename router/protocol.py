@@ -16,7 +16,8 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from pd_runtime import structured
-from pd_runtime.api import InvalidRequestError, SamplingParams, bad_word_spellings
+from pd_runtime.api import (InvalidRequestError, SamplingParams, bad_word_spellings,
+                            check_bad_words)
 from router.chat_prompt import chat_text
 from router.schema import (ChatCompletionRequest, ChoiceSpec, CompletionRequest, InvalidRequest,
                            PreparedRequest, Body, SamplingBody)
@@ -174,15 +175,18 @@ def _sampling_fields(body: SamplingBody, max_tokens: Optional[int], tokenizer,
                                  param="allowed_token_ids")
         params["allowed_token_ids"] = list(body.allowed_token_ids)
     if body.bad_words:
+        try:  # before the tokenizer sees them
+            check_bad_words(body.bad_words)
+        except InvalidRequestError as exc:
+            raise InvalidRequest(str(exc), param="bad_words") from None
         params["bad_words"] = list(body.bad_words)
-        if all(isinstance(w, str) and w.strip() for w in body.bad_words):  # else judged below
-            params["bad_words_token_ids"] = bad_word_spellings(
+        params["bad_words_token_ids"] = bad_word_spellings(
                 body.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False))
-    if body.prompt_logprobs is not None:
-        if body.stream:
-            raise InvalidRequest("prompt_logprobs are not available with stream: true",
-                                 param="prompt_logprobs")
+    if body.prompt_logprobs is not None and not body.stream:
         params["prompt_logprobs"] = body.prompt_logprobs
+    elif body.prompt_logprobs:  # a stream never shows them; 0 asks for nothing (as vLLM)
+        raise InvalidRequest("prompt_logprobs are not available with stream: true",
+                             param="prompt_logprobs")
     params["ignore_eos"] = body.ignore_eos
     params["min_tokens"] = body.min_tokens
     params["include_stop_str_in_output"] = body.include_stop_str_in_output
@@ -433,7 +437,8 @@ def _token_fields(body: SamplingBody) -> dict:
         raise InvalidRequest("cache_salt must be a non-empty string", param="cache_salt")
     return {"token_ids": bool(body.return_token_ids),
             "tokens_as_ids": bool(body.return_tokens_as_token_ids),
-            "prompt_logprobs": body.prompt_logprobs, "cache_salt": body.cache_salt}
+            "prompt_logprobs": None if body.stream else body.prompt_logprobs,
+            "cache_salt": body.cache_salt}
 
 
 def _service_tier(body: SamplingBody) -> Optional[str]:

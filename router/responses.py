@@ -136,7 +136,8 @@ class ResponseBuilder:
             start = len(self.prepared.echo_texts[choice.prompt_index]) \
                 if self.prepared.echo_texts is not None else 0
             logprobs = None
-            if self.prepared.logprobs is not None and choice.prompt_logprobs is not None:
+            if self.prepared.logprobs is not None and self.prepared.echo_texts is not None \
+                    and choice.prompt_logprobs is not None:  # echo: the prompt's, then these
                 logprobs = self._with_prompt(choice, choice.token_ids[:len(entries)], entries)
             elif self.prepared.logprobs is not None:
                 logprobs = self._logprobs(choice.token_ids[:len(entries)], entries, start)
@@ -285,7 +286,7 @@ class ResponseBuilder:
         if choice.prompt_logprobs is None:
             return None
         prompt = self.prepared.prompts[choice.prompt_index]
-        n, shown = self.prepared.prompt_logprobs, self._shown
+        n, text = self.prepared.prompt_logprobs, self._token_text  # real text, as vLLM's
         out: list = []
         for token, entry in zip(prompt, choice.prompt_logprobs):
             if entry is None:
@@ -293,10 +294,10 @@ class ResponseBuilder:
                 continue
             logprob, top, rank = entry
             ranked = {str(token): {"logprob": float(logprob), "rank": int(rank),
-                                   "decoded_token": shown(token)}}
+                                   "decoded_token": text(token)}}
             for place, (other, value) in enumerate(list(top.items())[:n], start=1):
                 ranked.setdefault(str(other), {"logprob": float(value), "rank": place,
-                                               "decoded_token": shown(int(other))})
+                                               "decoded_token": text(int(other))})
             out.append(ranked)
         return out
 
@@ -311,8 +312,10 @@ class ResponseBuilder:
         return self._logprobs(prompt + token_ids, scored + entries, 0)
 
     def _chat_entry(self, token: int, entry) -> dict:
-        text = self._shown(token)
-        return {"token": text, "logprob": float(entry[0]), "bytes": list(text.encode()),
+        # bytes are the token's own text even where it is shown as "token_id:N" (as vLLM's);
+        # the top_logprobs' are the shown strings' (as vLLM's, too)
+        return {"token": self._shown(token), "logprob": float(entry[0]),
+                "bytes": list(self._token_text(token).encode("utf-8", errors="replace")),
                 "top_logprobs": [{"token": self._shown(int(k)), "logprob": float(v),
                                   "bytes": list(self._shown(int(k)).encode())}
                                  for k, v in entry[1].items()]}

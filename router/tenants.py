@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import time
 from typing import Optional
 
@@ -70,11 +71,15 @@ class Tenants:
         raise AuthError("invalid API key")
 
     @staticmethod
-    def cache_salt(tenant: Optional[TenantConfig]) -> Optional[str]:
-        """Each tenant's prefix cache is its own unless it is configured to share."""
-        if tenant is None or tenant.share_prefix_cache:
-            return None
-        return tenant.tenant_id
+    def cache_salt(tenant: Optional[TenantConfig],
+                   request_salt: Optional[str] = None) -> Optional[str]:
+        """Each tenant's prefix cache is its own unless it is configured to share; a request's
+        own salt (vLLM's cache_salt) divides it further: within its tenant, never across. JSON
+        keeps the parts apart, and no tenant id (no "[" in one) spells a salted request's."""
+        salt = None if tenant is None or tenant.share_prefix_cache else tenant.tenant_id
+        if request_salt is not None:
+            salt = json.dumps(["request", salt, request_salt])
+        return salt
 
     def admit(self, tenant: Optional[TenantConfig], tokens: int) -> tuple[Optional[str], float]:
         """(None, 0) if admitted; else (which limit, seconds to wait)."""

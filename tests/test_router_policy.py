@@ -97,6 +97,13 @@ def test_tenants_keys_salts_and_rate_limits():
         tenants.authenticate("nope")
     a, b = tenants.authenticate("ka"), tenants.authenticate("kb")
     assert Tenants.cache_salt(a) == "a" and Tenants.cache_salt(b) is None
+    # A request's cache_salt divides a tenant's cache, never joins two: every pair differs,
+    # and no tenant id spells a salted request's (tenant "s" beside request salts "s").
+    c = TenantConfig(tenant_id="s", api_key="kc")
+    salts = [Tenants.cache_salt(t, s) for t in (a, b, c) for s in (None, "s", "a")]
+    salts = [s for s in salts if s is not None]
+    assert len(salts) == len(set(salts)) == 8
+    assert Tenants.cache_salt(b, "s") == Tenants.cache_salt(None, "s")  # b shares its cache
     assert tenants.admit(a, 10) == (None, 0.0)
     assert tenants.admit(a, 10) == (None, 0.0)
     limit, wait = tenants.admit(a, 10)

@@ -228,3 +228,45 @@ def test_engine_refuses_logit_bias_beyond_the_vocabulary(llama_dir):
         llm.engine.add_request("lb", [5, 6, 7], SamplingParams(logit_bias={vocab: 1.0}))
     assert err.value.param == "logit_bias"
     assert llm.engine.block_manager.num_free_blocks == 16 and not llm.engine.requests
+
+
+def test_allowed_tokens_outlast_bans_that_would_leave_nothing():
+    """allowed_token_ids with a bad word spelt only with allowed tokens: where the bans would
+    rule out every allowed token, they give way (an allowed token is chosen, never a token
+    outside the list, as argmax over all -inf would give); elsewhere they hold. The mask is
+    made once per request, not every step."""
+    sampler = Sampler()
+    logits = torch.randn(2, 50)
+    logits[:, 0] = 10.0  # the likeliest token is one neither row allows
+    only_nine = SamplingParams(temperature=0, allowed_token_ids=[9, 9],
+                               bad_words_token_ids=[[9, 9]])
+    two = SamplingParams(temperature=0, allowed_token_ids=[9, 12],
+                         bad_words_token_ids=[[9, 9]])
+    assert only_nine.allowed_token_ids == [9]  # each once
+    logits[1, 9], logits[1, 12] = 5.0, 4.0
+    got = sampler(logits, [only_nine, two], [None, None], [([1], [9]), ([1], [9])])
+    assert got.token_ids == [9, 12]  # row 0: the ban gave way; row 1: it held
+    got = sampler(logits, [only_nine, two], [None, None], [([1], []), ([1], [])])
+    assert got.token_ids == [9, 9]
+    mask = sampler._allowed[id(two)][2]
+    sampler(logits, [two], [None], [([1], [])])
+    assert sampler._allowed[id(two)][2] is mask and id(only_nine) not in sampler._allowed
+
+
+def test_engine_refuses_allowed_tokens_that_are_all_ruled_out(llama_dir):
+    """Every allowed token a one-token bad word, or EOS while min_tokens holds it back: no
+    first token can be chosen, so the request is a 400 naming allowed_token_ids."""
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=16)
+    eos = min(llm.engine.eos_token_ids)
+    for params in (SamplingParams(allowed_token_ids=[9], bad_words_token_ids=[[9], [3, 4]]),
+                   SamplingParams(allowed_token_ids=[eos], min_tokens=2, max_tokens=4),
+                   SamplingParams(allowed_token_ids=[eos, 9], bad_words_token_ids=[[9]],
+                                  min_tokens=1)):
+        with pytest.raises(InvalidRequestError) as err:
+            llm.engine.add_request("all-out", [5, 6, 7], params)
+        assert err.value.param == "allowed_token_ids"
+    assert not llm.engine.requests
+    # One allowed token left: accepted.
+    llm.engine.add_request("one-left", [5, 6, 7], SamplingParams(
+        allowed_token_ids=[9, 10], bad_words_token_ids=[[9]], max_tokens=2))
+    assert "one-left" in llm.engine.requests

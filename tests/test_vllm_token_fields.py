@@ -70,6 +70,16 @@ def test_return_tokens_as_token_ids(server, client):
     assert [e.token for e in chat.logprobs.content] == [f"token_id:{t}" for t in chat.token_ids]
     assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].token.startswith("token_id:")
                for e in chat.logprobs.content)
+    # bytes are the token's own text (as vLLM's), the top entries' their shown strings
+    for entry, token in zip(chat.logprobs.content, chat.token_ids):
+        assert entry.bytes == list(backend.tokenizer.decode(
+            [token], skip_special_tokens=False).encode("utf-8", errors="replace"))
+        assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs)
+    scored = client.completions.create(model=name, prompt=[5, 17, 29], max_tokens=1,
+                                       extra_body={"prompt_logprobs": 1, **extra})
+    for token, entry in zip([17, 29], scored.choices[0].prompt_logprobs[1:]):
+        assert entry[str(token)]["decoded_token"] == backend.tokenizer.decode(
+            [token], skip_special_tokens=False)
 
 
 def test_prompt_logprobs(server, client, llama_dir):
@@ -112,10 +122,27 @@ def test_prompt_logprobs(server, client, llama_dir):
     prompt = backend.tokenizer.encode_chat(MESSAGES)
     assert len(chat.prompt_logprobs) == len(prompt) and chat.prompt_logprobs[0] is None
     assert [list(e) for e in chat.prompt_logprobs[1:]] == [[str(t)] for t in prompt[1:]]
+    # Logprobs of the output beside prompt_logprobs, without echo: the output's alone (the
+    # prompt's are in prompt_logprobs), on completions and on chat.
+    plain = client.completions.create(model=name, prompt=ids, max_tokens=3, temperature=0,
+                                      logprobs=2, extra_body={"prompt_logprobs": 2,
+                                                              "ignore_eos": True}).choices[0]
+    assert len(plain.logprobs.tokens) == 3 and plain.logprobs.text_offset[0] == 0
+    assert len(plain.prompt_logprobs) == len(ids)
+    chat = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"prompt_logprobs": 1,
+                                                      "ignore_eos": True})
+    assert len(chat.choices[0].logprobs.content) == 3 and chat.prompt_logprobs[0] is None
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=name, prompt="x", max_tokens=1, stream=True,
                                   extra_body={"prompt_logprobs": 1})
     assert err.value.body["param"] == "prompt_logprobs"
+    # 0 asks for nothing, which a stream can carry (as vLLM)
+    events = list(client.completions.create(model=name, prompt="x", max_tokens=2, stream=True,
+                                            extra_body={"prompt_logprobs": 0}))
+    assert events and all(getattr(e.choices[0], "prompt_logprobs", None) is None
+                          for e in events if e.choices)
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=name, prompt="x", max_tokens=1,
                                   extra_body={"prompt_logprobs": 21})
@@ -140,6 +167,28 @@ def test_allowed_token_ids(server, client):
                                           extra_body={"allowed_token_ids": [11],
                                                       "return_token_ids": True})
     assert chat.choices[0].token_ids == [11] * 4
+    # The logprob of a token chosen under allowed_token_ids is the model's own, as the
+    # unrestricted request reports it for the same token.
+    free = client.completions.create(model=name, prompt="pick one", max_tokens=1,
+                                     temperature=0, logprobs=5,
+                                     extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    second, value = sorted(free.logprobs.top_logprobs[0].items(), key=lambda kv: -kv[1])[1]
+    token = [int(second.removeprefix("token_id:"))]
+    forced = client.completions.create(
+        model=name, prompt="pick one", max_tokens=1, temperature=0, logprobs=0,
+        extra_body={"allowed_token_ids": token * 3, "return_token_ids": True}).choices[0]
+    assert forced.token_ids == token
+    assert abs(forced.logprobs.token_logprobs[0] - value) < 1e-5
+    # Every allowed token ruled out from the start (a one-token bad word, EOS under
+    # min_tokens): a 400, not a token from outside the list.
+    one = next(t for t in range(300, 400) if _round_trips(backend.tokenizer, [t]))
+    eos = min(backend.tokenizer.eos_token_ids)
+    for extra in ({"allowed_token_ids": [one],
+                   "bad_words": [backend.tokenizer.decode([one])]},
+                  {"allowed_token_ids": [eos], "min_tokens": 2}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=name, prompt="x", max_tokens=4, extra_body=extra)
+        assert err.value.body["param"] == "allowed_token_ids", extra
     for bad in ([vocab], [], [-1]):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=name, prompt="x", max_tokens=1,
@@ -184,7 +233,7 @@ def test_bad_words(server, client, offline):
             model=name, prompt=prompt, max_tokens=3, temperature=0,
             extra_body={"bad_words": [tok.decode([first])], "return_token_ids": True})
         assert first not in one.choices[0].token_ids
-    for bad in ([" "], ["x" * 201]):
+    for bad in ([" "], ["x" * 201], ["word"] * 101):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=name, prompt="x", max_tokens=1,
                                       extra_body={"bad_words": bad})

@@ -153,6 +153,18 @@ class LLMEngine:
         if params.bad_words and params.bad_words_token_ids is None:  # an offline caller's
             params = replace(params, bad_words_token_ids=bad_word_spellings(
                 params.bad_words, lambda text: self.tokenizer.encode(text, False)))
+        if params.allowed_token_ids is not None:
+            # What rules a token out from the first step on: a one-token bad word, and EOS
+            # and the stop ids while min_tokens holds them back. Nothing left is a request
+            # that cannot choose its first token.
+            out = {ids[0] for ids in params.bad_words_token_ids or () if len(ids) == 1}
+            if params.min_tokens:
+                out |= set(params.stop_token_ids) | self.eos_token_ids
+            if out.issuperset(params.allowed_token_ids):
+                raise InvalidRequestError(
+                    "allowed_token_ids: every one is ruled out by bad_words" + (
+                        " or, until min_tokens, as EOS or a stop token" if params.min_tokens
+                        else ""), param="allowed_token_ids")
         ids = self.tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise RequestTooLargeError(

@@ -46,6 +46,8 @@ class Sampler:
         # The distinct ids of each prompt under a repetition penalty, kept while its request
         # keeps being sampled: converting a long prompt every step costs milliseconds.
         self._prompt_ids: dict[int, tuple[list[int], torch.Tensor]] = {}
+        # Likewise each allowed_token_ids' set and vocabulary mask: (params, set, mask).
+        self._allowed: dict[int, tuple] = {}
 
     @staticmethod
     def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
@@ -169,6 +171,8 @@ class Sampler:
             where = (_long(bias_rows, sub.device), _long(bias_ids, sub.device))
             sub[where] += torch.tensor(bias_values, dtype=sub.dtype, device=sub.device)
         banned_rows, banned_ids = [], []
+        masks: dict[int, tuple] = {}
+        allowed_rows, keep = [], []
         for j, p in enumerate(chosen):
             ids = set()
             if p.min_tokens and len(histories[rows[j]][1]) < p.min_tokens:
@@ -176,17 +180,22 @@ class Sampler:
                 ids = set(p.stop_token_ids) | self.eos_token_ids
             if p.bad_words_token_ids:
                 ids |= _bad_word_ends(p.bad_words_token_ids, histories[rows[j]][1])
+            if p.allowed_token_ids is not None:  # everything else ruled out
+                allowed, mask = self._allowed_mask(p, vocab, sub.device, masks)
+                allowed_rows.append(j)
+                keep.append(mask)
+                if ids and allowed <= ids:
+                    # The bans would leave no token at all (a bad word's end the only allowed
+                    # one left); they give way this step rather than sampling from nothing.
+                    # The engine refuses a request where that holds from the first step.
+                    ids = set()
             ids = [t for t in ids if t < vocab]
             banned_rows += [j] * len(ids)
             banned_ids += ids
-        allowed = [(j, p.allowed_token_ids) for j, p in enumerate(chosen)
-                   if p.allowed_token_ids is not None]
-        if allowed:  # everything else ruled out
-            keep = torch.zeros(len(allowed), vocab, dtype=torch.bool)
-            for k, (_, ids) in enumerate(allowed):
-                keep[k, _long([t for t in ids if t < vocab])] = True
-            where = _long([j for j, _ in allowed], sub.device)
-            sub[where] = sub[where].masked_fill(~keep.to(sub.device), -math.inf)
+        self._allowed = masks  # only the requests still being sampled stay
+        if allowed_rows:
+            where = _long(allowed_rows, sub.device)
+            sub[where] = sub[where].masked_fill(~torch.stack(keep), -math.inf)
         if banned_rows:
             sub[_long(banned_rows, sub.device), _long(banned_ids, sub.device)] = -math.inf
         if histories is not None:
@@ -231,6 +240,19 @@ class Sampler:
                                     device=device)
             where = (rows, places % vocab)
             sub[where] -= counts.to(sub.dtype) * frequency[rows] + presence[rows]
+
+    def _allowed_mask(self, p: SamplingParams, vocab: int, device: torch.device,
+                      into: dict) -> tuple[frozenset, torch.Tensor]:
+        """A request's allowed_token_ids as a set and a vocabulary mask on the device, made
+        once while it keeps being sampled (not every step)."""
+        known = self._allowed.get(id(p))
+        if known is None or known[0] is not p or known[2].shape[0] != vocab:
+            ids = [t for t in p.allowed_token_ids if t < vocab]
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[_long(ids)] = True
+            known = (p, frozenset(ids), mask.to(device))
+        into[id(p)] = known
+        return known[1], known[2]
 
     def _distinct_prompt_ids(self, prompt_ids: list[int], into: dict) -> torch.Tensor:
         key = id(prompt_ids)
