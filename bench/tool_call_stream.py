@@ -5,10 +5,11 @@ plain chat content in the same run. Run it on two trees (a `git worktree` of the
 a change, and this one) to compare.
 
     .venv/bin/python bench/tool_call_stream.py [--tree DIR] [--chars 8000] [--repeats 7]
-                                               [--format hermes|qwen3_coder]
+                                               [--format hermes|qwen3_coder|pythonic]
 
 The output: a short preamble, then one call in the Hermes format (Qwen2.5/Qwen3), or with
---format qwen3_coder in Qwen3-Coder's XML form, whose arguments carry a file's text of --chars
+--format qwen3_coder in Qwen3-Coder's XML form, or with --format pythonic as a Python call (no
+preamble: the call is the whole output there), whose arguments carry a file's text of --chars
 characters (an agent writing a file), tokenized by the bench model's tokenizer, one token per
 chunk; the request prepared by the router's own code as
 the official client sends it (`stream: true`, tools, tool_choice auto), against a chat template
@@ -36,7 +37,7 @@ def main() -> None:
     ap.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent))
     ap.add_argument("--chars", type=int, default=8000)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--format", choices=("hermes", "qwen3_coder"), default="hermes")
+    ap.add_argument("--format", choices=("hermes", "qwen3_coder", "pythonic"), default="hermes")
     args = ap.parse_args()
     sys.path.insert(0, args.tree)
     from bench.common import bench_model, machine_line
@@ -51,6 +52,8 @@ def main() -> None:
     if args.format == "hermes":
         text = ('I will write it. <tool_call>\n{"name": "write_file", "arguments": '
                 + json.dumps({"path": "notes.txt", "content": body}) + "}\n</tool_call>")
+    elif args.format == "pythonic":
+        text = f"[write_file(path='notes.txt', content={body!r})]"
     else:
         text = ("I will write it.\n\n<tool_call>\n<function=write_file>\n<parameter=path>\n"
                 f"notes.txt\n</parameter>\n<parameter=content>\n{body}\n</parameter>\n"

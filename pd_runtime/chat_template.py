@@ -11,6 +11,7 @@ indent/separators/sort_keys, `raise_exception(message)`, `strftime_now(format)`,
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Any, Optional
 
@@ -78,13 +79,18 @@ class ChatTemplate:
         return text[:at].rstrip()  # the template trimmed the content: so is its end here
 
 
+# The instruction pythonic templates give their model (in their own words around it).
+_PYTHONIC_PROMPT = re.compile(r"\[func_name1\(params?_name1=params?_value1")
+
+
 def tool_call_format(template: Optional[str]) -> Optional[str]:
     """The tool-call format a chat template teaches its model (router/tools.py reads calls in
     it): "qwen3_coder" (<function=NAME><parameter=KEY> calls in <tool_call> blocks:
     Qwen3-Coder and the later Qwen models), "hermes" (JSON in <tool_call> blocks: Qwen2.5,
     Qwen3, Hermes), "mistral" ([TOOL_CALLS], in either form), "llama3_json" (Llama 3.1-3.3's
-    JSON calls), "deepseek_v3" (<｜tool▁calls▁begin｜>: DeepSeek-V3, R1 and its distills), or
-    None: also for another format that looks like one of these (a <function= call without
+    JSON calls, and Llama 4's), "deepseek_v3" (<｜tool▁calls▁begin｜>: DeepSeek-V3, R1 and its
+    distills), "pythonic" (the [func_name1(params_name1=params_value1, ...)] prompt: Llama 3.2
+    and Llama 4's pythonic templates, ToolACE), or None: also for another format that looks like one of these (a <function= call without
     <parameter= tags), so that tool_choice auto is a clear 400 rather than calls returned as
     text."""
     if not template:
@@ -94,6 +100,8 @@ def tool_call_format(template: Optional[str]) -> Optional[str]:
             else None
     if "<｜tool▁calls▁begin｜>" in template:
         return "deepseek_v3"
+    if _PYTHONIC_PROMPT.search(template):
+        return "pythonic"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:

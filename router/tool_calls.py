@@ -9,13 +9,16 @@ The formats (FORMATS; the one a chat template teaches, or router.tool_call_parse
                Qwen3, Hermes); text before the first is content, text between them is dropped
   mistral      [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
   llama3_json  the whole output: {"name": ..., "parameters": {...}}, several joined by ';'
-               (after an optional <|python_tag|>; Llama 3.1-3.3)
+               (after an optional <|python_tag|>, Llama 3.1-3.3's, or <|python_start|>, with
+               the <|python_end|> Llama 4's template writes after it)
   required     the JSON array tool_choice "required" holds the output to
   deepseek_v3  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}
                \n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜> (DeepSeek-V3, R1 and its distills; V3.1
                writes NAME<｜tool▁sep｜>{...} in each call)
   qwen3_coder  <tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>
                (Qwen3-Coder and the later Qwen models: router/tool_calls_xml.py)
+  pythonic     the whole output: [get_weather(city="Paris"), ...], Python literals for values
+               (Llama 3.2 and 4 prompted for it, ToolACE: router/tool_calls_pythonic.py)
 Output that breaks its format before a call has begun is content after all (all of it, as
 written); after one has, what follows the last whole call is dropped. Arguments are given as
 the model wrote them: a call cut short (max_tokens) has them cut short too; a JSON string is
@@ -46,16 +49,18 @@ class _Format:
     marker: Optional[str]  # what the calls begin with (None: they begin the output)
     opener: Optional[str] = None  # what each call begins with (hermes)
     between: str = _SPACE  # what may come between two calls (list and ';' forms)
-    prefix: Optional[str] = None  # what may come first (llama3_json)
+    prefixes: tuple = ()  # what may come first (llama3_json), longest first
 
 
 FORMATS = {"hermes": _Format("<tool_call>", opener="<tool_call>"),
            "mistral": _Format("[TOOL_CALLS]", between=_SPACE + "[,"),
-           "llama3_json": _Format(None, between=_SPACE + ";", prefix="<|python_tag|>"),
+           "llama3_json": _Format(None, between=_SPACE + ";", prefixes=(
+               "<|python_start|><|python_end|>", "<|python_start|>", "<|python_tag|>")),
            "required": _Format(None, between=_SPACE + "[,"),
            "deepseek_v3": _Format("<｜tool▁calls▁begin｜>")}
-XML_FORMAT = "qwen3_coder"
-PARSERS = ("hermes", "mistral", "llama3_json", "deepseek_v3", XML_FORMAT)  # tool_call_parser's
+XML_FORMAT, PYTHONIC_FORMAT = "qwen3_coder", "pythonic"
+PARSERS = ("hermes", "mistral", "llama3_json", "deepseek_v3", XML_FORMAT,  # tool_call_parser's
+           PYTHONIC_FORMAT)
 _DS_CALL, _DS_SEP, _DS_END, _DS_CALLS_END = \
     "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
 _DS_FENCE = "```json"
@@ -134,15 +139,14 @@ class CallReader:
             self.pos = at if fmt.opener else at + len(fmt.marker)
             return
         body = text.lstrip()
-        if fmt.prefix is not None:  # a call is the whole output: does it begin with one?
-            if not body or (len(body) < len(fmt.prefix) and fmt.prefix.startswith(body)):
+        if fmt.prefixes:  # a call is the whole output: does it begin with one?
+            if not body or any(len(body) < len(p) and p.startswith(body) for p in fmt.prefixes):
                 return  # undecided yet
-            if not (body.startswith("{") or body.startswith(fmt.prefix)):
+            prefix = next((p for p in fmt.prefixes if body.startswith(p)), "")
+            if not (prefix or body.startswith("{")):
                 self.plain = True
                 return
-            self.pos = len(text) - len(body)
-            if body.startswith(fmt.prefix):
-                self.pos += len(fmt.prefix)
+            self.pos = len(text) - len(body) + len(prefix)
             return
         self.pos = 0
 
@@ -340,10 +344,14 @@ def _sent(call: _Call, text: str) -> str:
 
 def reader(plan):
     """A reader for a plan's calls: CallReader, or for Qwen3-Coder's XML form
-    router/tool_calls_xml.py's (which builds on this module)."""
+    router/tool_calls_xml.py's, for the pythonic one router/tool_calls_pythonic.py's (which
+    build on this module)."""
     if plan.mode == "auto" and plan.parser == XML_FORMAT:
         from router.tool_calls_xml import XmlCallReader
         return XmlCallReader(plan)
+    if plan.mode == "auto" and plan.parser == PYTHONIC_FORMAT:
+        from router.tool_calls_pythonic import PythonicCallReader
+        return PythonicCallReader(plan)
     return CallReader(plan)
 
 

@@ -229,6 +229,11 @@ def test_auto_needs_a_format_the_template_shows(llama_dir):
     ("mistral", "[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"c": 2}}; '
      '{"name": "g", "parameters": {}}', None, [("f", {"c": 2}), ("g", {})]),
+    # Llama 4's template: the calls after <|python_start|> (and an empty <|python_end|>).
+    ("llama3_json", '<|python_start|><|python_end|>{"name": "f", "parameters": {"c": 2}}', None,
+     [("f", {"c": 2})]),
+    ("llama3_json", '<|python_start|>{"name": "g", "parameters": {}}<|python_end|>', None,
+     [("g", {})]),
     ("llama3_json", "{plain text in braces", "{plain text in braces", []),
     ("llama3_json", "  Plain text, no call at all.", "  Plain text, no call at all.", []),
     # An answer in JSON with a "name" that is no tool's: content, not a call.
