@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from pd_runtime import serve_flags
+
 DEFAULT_MODEL_NAME = "tiny-bench"
 
 
@@ -52,7 +54,7 @@ def _cmd_make_tiny_model(args) -> int:
 def _cmd_generate(args) -> int:
     from pd_runtime import LLM, SamplingParams
 
-    model = args.model or str(ensure_default_model())
+    model = serve_flags.model_dir(args) or str(ensure_default_model())
     llm = LLM(model, max_model_len=args.max_model_len)
     prompts = args.prompt or ["The prefill worker", "A decode worker streams tokens",
                               "Hello, my name is"]
@@ -74,8 +76,9 @@ def _cmd_serve(args) -> int:
     from pd_runtime.config_loading import load_cluster_config
     from pd_runtime.workers.launch import launch, run_demo
 
-    cfg = load_cluster_config(args.config) if args.config else ClusterConfig()
-    model = args.model or cfg.model or str(ensure_default_model())
+    cfg = serve_flags.apply(load_cluster_config(args.config) if args.config
+                            else ClusterConfig(), args)
+    model = serve_flags.model_dir(args) or cfg.model or str(ensure_default_model())
     if args.in_process and cfg.router.replicas > 1:
         raise SystemExit("pd-runtime: router.replicas > 1 needs the Ray pools (the replicas "
                          "are Ray actors over them); drop --in-process or set router.replicas: 1")
@@ -139,15 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (("generate", _cmd_generate, "offline generation"),
                              ("serve", _cmd_serve, "the Ray pools behind the OpenAI HTTP router")):
         p = sub.add_parser(name, help=text)
+        p.add_argument("model_path", nargs="?", metavar="MODEL",
+                       help="HF model directory, as `vllm serve MODEL` takes it (or --model)")
         p.add_argument("--model", help="HF model directory (default: the embedded tiny model)")
         p.add_argument("--config", help="cluster YAML (serve); default: cluster_configs/local.yaml "
                                         "as built in")
-        p.add_argument("--prompt", action="append")
-        p.add_argument("--max-tokens", type=int, default=32)
-        p.add_argument("--max-model-len", type=int, default=None)
-        p.add_argument("--temperature", type=float, default=0.0)
-        p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--prompt", action="append", help="(serve: with --demo)")
+        p.add_argument("--max-tokens", type=int, default=32, help="(serve: with --demo)")
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="(serve: engine.max_model_len, every pool)")
+        p.add_argument("--seed", type=int, default=None,
+                       help="(serve: engine.seed, every pool)")
+        if name == "generate":
+            p.add_argument("--temperature", type=float, default=0.0)
         if name == "serve":
+            serve_flags.add_arguments(p)
             p.add_argument("--host", default=None, help="default: router.host from the config")
             p.add_argument("--port", type=int, default=None,
                            help="default: router.port from the config")

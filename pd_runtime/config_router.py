@@ -165,6 +165,30 @@ class RouterConfig(_Strict):
     # into `reasoning` when its chat template knows <think> blocks; "think", always; "none",
     # left in the content.
     reasoning_parser: Literal["auto", "think", "none"] = "auto"
+    # The chat template chat requests are rendered with instead of the model's own (vLLM's
+    # --chat-template): a Jinja file's path (relative: to the working directory), or the
+    # template itself; None: the model's. The tool-call and reasoning formats "auto" finds
+    # are then this template's.
+    chat_template: Optional[str] = Field(None, min_length=1)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_exists(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not _is_template(value) and \
+                not Path(value).expanduser().is_file():
+            raise ValueError(f"{value!r} is neither a file nor a Jinja template")
+        return value
+
+    def chat_template_path(self) -> Optional[Path]:
+        """The file chat_template names, or None (none set, or the template itself)."""
+        if self.chat_template is None or _is_template(self.chat_template):
+            return None
+        return Path(self.chat_template).expanduser()
+
+    def chat_template_text(self) -> Optional[str]:
+        """The template chat_template names (its file read now), or None."""
+        path = self.chat_template_path()
+        return self.chat_template if path is None else path.read_text()
 
     @model_validator(mode="after")
     def _check(self):
@@ -179,3 +203,8 @@ class RouterConfig(_Strict):
 
     def model_name(self, model_dir: str) -> str:
         return self.served_model_name or Path(model_dir).name
+
+
+def _is_template(value: str) -> bool:
+    """Jinja text rather than a path: it holds a tag or an expression."""
+    return "{{" in value or "{%" in value

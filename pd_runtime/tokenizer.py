@@ -142,6 +142,19 @@ class Tokenizer:
         known = [t for t in token_ids if 0 <= t < self.vocab_size]
         return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
 
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with `source` instead of the model's template (router.chat_template),
+        compiled now so a broken one fails at start, not on the first request; the tool-call
+        and reasoning formats become the ones it shows."""
+        try:
+            compiled = ChatTemplate(source)
+        except Exception as exc:  # jinja2's TemplateSyntaxError and kin
+            raise ValueError(f"router.chat_template: the template does not compile: "
+                             f"{exc}") from None
+        self.chat_template, self._template = source, compiled
+        self.tool_call_format = tool_call_format(source)
+        self.reasoning_format = reasoning_format(source)
+
     def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
                             **kwargs) -> str:
         """The prompt text (pd_runtime.chat_template: as transformers renders it, with the

@@ -61,6 +61,8 @@ class PoolBackend:
         card = client.fetch_model_card()
         self.tokenizer = Tokenizer(card.tokenizer_files)
         self.max_model_len = card.max_model_len  # as the workers enforce it
+        if cfg.router.chat_template is not None:
+            self.tokenizer.use_chat_template(cfg.router.chat_template_text())
         if cfg.router.reasoning_parser != "auto":
             self.tokenizer.reasoning_format = None if cfg.router.reasoning_parser == "none" \
                 else "think"

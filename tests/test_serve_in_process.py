@@ -6,6 +6,7 @@ no process is left behind."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -79,3 +80,55 @@ def test_serve_in_process_both_paths_match_offline(llama_dir, tmp_path):
 def _decisions(metrics: str, path: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith(f'pd_routing_decisions_total{{path="{path}"'))
+
+
+PYTHONIC = ("{%- if tools %}<|im_start|>system\nCall functions as [func_name1(params_name1="
+            "params_value1, params_name2=params_value2...), func_name2(params)]\n"
+            "{{ tools | tojson }}<|im_end|>\n{% endif %}{%- for m in messages %}<|im_start|>"
+            "{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+def test_serve_takes_vllm_flags(llama_dir, tmp_path):
+    """`pd-runtime serve MODEL` with vLLM's flags over a YAML: the model named first, its
+    served name, one API key, a chat template from a file (whose tool-call format, pythonic,
+    is then read), and max_model_len (a flag that did nothing before) enforced."""
+    port = free_port()
+    engine = {"dtype": "float32", "num_kv_blocks": 256, "num_threads": 1, "warmup_tokens": 0}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({"prefill": {"num_workers": 1, "engine": engine},
+                                    "decode": {"num_workers": 1, "engine": engine},
+                                    "router": {"port": port}}))
+    template = tmp_path / "pythonic.jinja"
+    template.write_text(PYTHONIC)
+    exe = Path(sys.executable).with_name("pd-runtime")
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen(
+        [str(exe), "serve", llama_dir, "--in-process", "--config", str(path),
+         "--served-model-name", "tiny-llama", "--api-key", "sk-test", "--max-model-len", "400",
+         "--chat-template", str(template), "--enable-auto-tool-choice"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, base, tmp_path / "serve.log")
+        client = openai.OpenAI(base_url=base + "/v1", api_key="sk-test", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0
+                          ).models.list()
+        with pytest.raises(openai.BadRequestError) as raised:  # 395 + 10 > 400
+            client.completions.create(model="tiny-llama", prompt=[5] * 395, max_tokens=10)
+        assert "400" in raised.value.body["message"]
+        tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+            "type": "object", "properties": {"zone": {"type": "string"}}}}}]
+        done = client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "Time?"}], tools=tools,
+            max_tokens=40, temperature=0,
+            extra_body={"guided_regex": r"\[get_time\(zone='(utc|cet)'\)\]"})
+        (call,) = done.choices[0].message.tool_calls
+        assert call.function.name == "get_time" and \
+            json.loads(call.function.arguments)["zone"] in ("utc", "cet")
+        assert done.choices[0].finish_reason == "tool_calls"
+    finally:
+        code = stop_serve(proc, timeout_s=30)
+        log.close()
+    assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]

@@ -57,6 +57,10 @@ def start_replicas(client, cfg: ClusterConfig, model_dir: str, config_path: Opti
     count = cfg.router.replicas
     if count == 1:
         return []
+    template = cfg.router.chat_template_path()
+    if template is not None:
+        cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={
+            "chat_template": str(template.resolve())})})
     workers = [(w.worker_id, w.role, w.handle) for w in client.prefill + client.decode]
     card = client.fetch_model_card().to_dict()
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

@@ -1,0 +1,116 @@
+"""`pd-runtime serve`'s flags that say what `vllm serve`'s say (a model as the first argument,
+--served-model-name, --api-key, --chat-template, --tool-call-parser, --max-model-len, ...),
+applied to the cluster config over what its YAML holds, and validated with it.
+
+The engine flags set every pool's engine (prefill, decode, colocated); a flag's value wins over
+the file's. Names vLLM gives its tool-call and reasoning parsers are taken for ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from pydantic import ValidationError
+
+# vLLM's parser names -> ours (router.tool_call_parser, router.reasoning_parser).
+TOOL_CALL_PARSERS = {"auto": "auto", "none": "none", "hermes": "hermes", "mistral": "mistral",
+                     "llama3_json": "llama3_json", "llama4_json": "llama3_json",
+                     "pythonic": "pythonic", "llama4_pythonic": "pythonic",
+                     "deepseek_v3": "deepseek_v3", "deepseek_v31": "deepseek_v3",
+                     "qwen3_coder": "qwen3_coder", "qwen3_xml": "qwen3_coder"}
+REASONING_PARSERS = {"auto": "auto", "none": "none", "think": "think",
+                     "deepseek_r1": "think", "qwen3": "think"}
+_DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+           "float16": "float16", "half": "float16"}
+# flag (argparse dest) -> the engine field it sets in every pool
+_ENGINE = {"max_model_len": "max_model_len", "dtype": "dtype", "seed": "seed",
+           "enable_prefix_caching": "enable_prefix_caching", "max_num_seqs": "max_num_seqs",
+           "max_num_batched_tokens": "max_num_batched_tokens", "block_size": "block_size",
+           "kv_cache_dtype": "kv_cache_dtype"}
+_ROUTER = {"served_model_name": "served_model_name", "chat_template": "chat_template",
+           "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser",
+           "generation_config": "sampling_defaults"}
+_NAMES = {"tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
+          "generation_config": {"auto": "model", "vllm": "openai"}}
+_POOLS = ("prefill", "decode", "colocated")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags, on `serve`'s parser (the model, --max-model-len and --seed are added by the
+    caller: `generate` takes them too)."""
+    parser.add_argument("--served-model-name", help="router.served_model_name")
+    parser.add_argument("--api-key", help="one API key every request must send (router.tenants "
+                                          "with one tenant, `default`)")
+    parser.add_argument("--chat-template", help="router.chat_template: a Jinja file, or the "
+                                                "template itself")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS),
+                        help="router.tool_call_parser (vLLM's names are taken too)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command lines: tool_choice auto is on "
+                             "whenever the tool-call format is known")
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                        help="router.reasoning_parser (vLLM's deepseek_r1 and qwen3: think)")
+    parser.add_argument("--generation-config", choices=("auto", "vllm"),
+                        help="auto: the model's generation_config.json sampling defaults "
+                             "(router.sampling_defaults: model); vllm: OpenAI's (openai)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="engine.dtype, every pool")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=None, help="engine.enable_prefix_caching, every pool")
+    parser.add_argument("--max-num-seqs", type=int, help="engine.max_num_seqs, every pool")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="engine.max_num_batched_tokens, every pool")
+    parser.add_argument("--block-size", type=int, help="engine.block_size, every pool")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"),
+                        help="engine.kv_cache_dtype, every pool")
+
+
+def model_dir(args: argparse.Namespace) -> Optional[str]:
+    """The model named on the command line (first argument or --model), or None."""
+    positional = getattr(args, "model_path", None)
+    if positional and args.model and positional != args.model:
+        raise ValueError(f"the model is given twice: {positional!r} and --model {args.model!r}")
+    return positional or args.model
+
+
+def apply(cfg, args: argparse.Namespace):
+    """`cfg` (a ClusterConfig) with the flags given applied, validated anew; an invalid value
+    is a ValueError naming its flag."""
+    data = cfg.model_dump()
+    set_fields: dict[str, str] = {}  # field -> the flag that set it
+    for dest, field in _ENGINE.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        value = _DTYPES[value] if dest == "dtype" else value
+        for pool in _POOLS:
+            data[pool]["engine"][field] = value
+        set_fields[field] = _flag(dest)
+    for dest, field in _ROUTER.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        value = _NAMES[dest][value] if dest in _NAMES else value
+        data["router"][field] = value
+        set_fields[field] = _flag(dest)
+    if getattr(args, "api_key", None) is not None:
+        if data["router"]["tenants"]:
+            raise ValueError("--api-key: the config already names its tenants (router.tenants); "
+                             "give the keys there")
+        data["router"]["tenants"] = [{"tenant_id": "default", "api_key": args.api_key}]
+        set_fields["api_key"] = "--api-key"
+    if not set_fields:
+        return cfg
+    try:
+        return type(cfg).model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = next((str(part) for part in reversed(error["loc"]) if str(part) in set_fields),
+                     None)
+        where = set_fields[field] if field else ".".join(map(str, error["loc"]))
+        raise ValueError(f"{where}: {error['msg']}") from None
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+

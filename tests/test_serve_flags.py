@@ -1,0 +1,89 @@
+"""`pd-runtime serve` with vLLM's flags (pd_runtime/serve_flags.py): each sets the config field
+it names, over the YAML's, in every pool; vLLM's parser names map to ours; a bad value is an
+error naming its flag. (Served end to end: tests/test_serve_in_process.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_runtime import serve_flags
+from pd_runtime.cli import build_parser
+from pd_runtime.config import ClusterConfig
+
+
+def applied(*argv: str, cfg: ClusterConfig | None = None) -> ClusterConfig:
+    args = build_parser().parse_args(["serve", *argv])
+    return serve_flags.apply(cfg or ClusterConfig(), args)
+
+
+def test_each_flag_sets_its_field_in_every_pool(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    cfg = applied("/models/llama", "--max-model-len", "4096", "--dtype", "half", "--seed", "7",
+                  "--no-enable-prefix-caching", "--max-num-seqs", "32",
+                  "--max-num-batched-tokens", "1024", "--block-size", "32",
+                  "--kv-cache-dtype", "int8", "--served-model-name", "llama",
+                  "--api-key", "sk-1", "--chat-template", str(template),
+                  "--tool-call-parser", "llama4_pythonic", "--enable-auto-tool-choice",
+                  "--reasoning-parser", "deepseek_r1", "--generation-config", "vllm")
+    for pool in (cfg.prefill, cfg.decode, cfg.colocated):
+        e = pool.engine
+        assert (e.max_model_len, e.dtype, e.seed, e.enable_prefix_caching, e.max_num_seqs,
+                e.max_num_batched_tokens, e.block_size, e.kv_cache_dtype) == \
+            (4096, "float16", 7, False, 32, 1024, 32, "int8")
+    r = cfg.router
+    assert (r.served_model_name, r.tool_call_parser, r.reasoning_parser, r.sampling_defaults) \
+        == ("llama", "pythonic", "think", "openai")
+    assert [(t.tenant_id, t.api_key) for t in r.tenants] == [("default", "sk-1")]
+    assert r.chat_template_text() == template.read_text()
+    assert applied("--chat-template", "{{ messages }}").router.chat_template_text() == \
+        "{{ messages }}"
+
+
+def test_no_flags_keep_the_config_and_flags_win_over_it():
+    base = ClusterConfig.model_validate({"decode": {"engine": {"max_model_len": 512}},
+                                         "router": {"served_model_name": "file"}})
+    assert applied(cfg=base) is base
+    cfg = applied("--max-model-len", "256", cfg=base)
+    assert cfg.decode.engine.max_model_len == 256 and cfg.router.served_model_name == "file"
+    for parser in serve_flags.TOOL_CALL_PARSERS:
+        assert applied("--tool-call-parser", parser).router.tool_call_parser == \
+            serve_flags.TOOL_CALL_PARSERS[parser]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--max-model-len", "0"], "--max-model-len: "),
+    (["--block-size", "0"], "--block-size: "),
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template: "),
+    (["--served-model-name", ""], "--served-model-name: "),
+    (["--api-key", ""], "--api-key: "),
+])
+def test_a_bad_value_names_its_flag(argv, says):
+    with pytest.raises(ValueError) as raised:
+        applied(*argv)
+    assert str(raised.value).startswith(says), raised.value
+
+
+def test_conflicts_are_errors():
+    args = build_parser().parse_args(["serve", "/a", "--model", "/b"])
+    with pytest.raises(ValueError, match="given twice"):
+        serve_flags.model_dir(args)
+    assert serve_flags.model_dir(build_parser().parse_args(["serve", "/a"])) == "/a"
+    assert serve_flags.model_dir(build_parser().parse_args(["serve", "--model", "/b"])) == "/b"
+    keyed = ClusterConfig.model_validate({"router": {"tenants": [
+        {"tenant_id": "t", "api_key": "k"}]}})
+    with pytest.raises(ValueError, match="--api-key: the config already names its tenants"):
+        applied("--api-key", "x", cfg=keyed)
+    with pytest.raises(SystemExit):  # argparse: a parser vLLM has and we do not read
+        build_parser().parse_args(["serve", "--tool-call-parser", "granite"])
+
+
+def test_a_broken_template_fails_at_start(llama_dir):
+    from pd_runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(llama_dir)
+    with pytest.raises(ValueError, match="router.chat_template: the template does not compile"):
+        tokenizer.use_chat_template("{% for m in messages %}{{ m.content }}")
+    tokenizer.use_chat_template("[func_name1(params_name1=params_value1)] {{ messages[0].content }}")
+    assert tokenizer.tool_call_format == "pythonic"
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).endswith(" hi")
