@@ -63,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, help="engine.block_size, every pool")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"),
                         help="engine.kv_cache_dtype, every pool")
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="engine.cuda_graphs: false, every pool")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                        help="only 1: a worker runs on one device (scale out with workers)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM's command lines: no model code is ever run "
+                             "from the model directory here")
 
 
 def model_dir(args: argparse.Namespace) -> Optional[str]:
@@ -76,8 +83,15 @@ def model_dir(args: argparse.Namespace) -> Optional[str]:
 def apply(cfg, args: argparse.Namespace):
     """`cfg` (a ClusterConfig) with the flags given applied, validated anew; an invalid value
     is a ValueError naming its flag."""
+    if getattr(args, "tensor_parallel_size", None) not in (None, 1):
+        raise ValueError(f"--tensor-parallel-size: {args.tensor_parallel_size} is not supported; "
+                         "each worker runs on one device (add workers to the pools instead)")
     data = cfg.model_dump()
     set_fields: dict[str, str] = {}  # field -> the flag that set it
+    if getattr(args, "enforce_eager", None):
+        for pool in _POOLS:
+            data[pool]["engine"]["cuda_graphs"] = False
+        set_fields["cuda_graphs"] = "--enforce-eager"
     for dest, field in _ENGINE.items():
         value = getattr(args, dest, None)
         if value is None:

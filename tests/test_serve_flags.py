@@ -25,12 +25,13 @@ def test_each_flag_sets_its_field_in_every_pool(tmp_path):
                   "--kv-cache-dtype", "int8", "--served-model-name", "llama",
                   "--api-key", "sk-1", "--chat-template", str(template),
                   "--tool-call-parser", "llama4_pythonic", "--enable-auto-tool-choice",
-                  "--reasoning-parser", "deepseek_r1", "--generation-config", "vllm")
+                  "--reasoning-parser", "deepseek_r1", "--generation-config", "vllm",
+                  "--enforce-eager", "-tp", "1", "--trust-remote-code")
     for pool in (cfg.prefill, cfg.decode, cfg.colocated):
         e = pool.engine
         assert (e.max_model_len, e.dtype, e.seed, e.enable_prefix_caching, e.max_num_seqs,
-                e.max_num_batched_tokens, e.block_size, e.kv_cache_dtype) == \
-            (4096, "float16", 7, False, 32, 1024, 32, "int8")
+                e.max_num_batched_tokens, e.block_size, e.kv_cache_dtype, e.cuda_graphs) == \
+            (4096, "float16", 7, False, 32, 1024, 32, "int8", False)
     r = cfg.router
     assert (r.served_model_name, r.tool_call_parser, r.reasoning_parser, r.sampling_defaults) \
         == ("llama", "pythonic", "think", "openai")
@@ -74,6 +75,8 @@ def test_conflicts_are_errors():
         {"tenant_id": "t", "api_key": "k"}]}})
     with pytest.raises(ValueError, match="--api-key: the config already names its tenants"):
         applied("--api-key", "x", cfg=keyed)
+    with pytest.raises(ValueError, match="--tensor-parallel-size: 2 is not supported"):
+        applied("--tensor-parallel-size", "2")
     with pytest.raises(SystemExit):  # argparse: a parser vLLM has and we do not read
         build_parser().parse_args(["serve", "--tool-call-parser", "granite"])
 
