@@ -26,6 +26,17 @@ VARIANTS = {
     "qwen3": ("qwen3", {}),
     "mistral": ("mistral", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    # Biases where transformers builds them: attention_bias puts them on q/k/v and o (Llama,
+    # Qwen3, Granite), mlp_bias on gate/up/down (Llama, Granite).
+    "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "qwen3-bias": ("qwen3", {"attention_bias": True}),
+    # Granite: Llama with an embedding, residual, attention and logits scaling of its own.
+    "granite": ("granite", {"embedding_multiplier": 6.0, "residual_multiplier": 0.3,
+                            "attention_multiplier": 0.1, "logits_scaling": 2.0,
+                            "tie_word_embeddings": True}),
+    "granite-biases": ("granite", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                                   "attention_multiplier": 0.25, "logits_scaling": 1.5,
+                                   "attention_bias": True, "mlp_bias": True}),
     "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 64}}),
@@ -82,7 +93,8 @@ def variant(request, model_factory):
 
 
 # Greedy runs cover each family once plus llama3 and YaRN rope scaling; logits pin every variant.
-@pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope"])
+@pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope", "granite",
+                        "llama-biases"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

@@ -164,7 +164,8 @@ class LlamaModel:
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None \
+            else cfg.head_dim ** -0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         w = weights
@@ -229,15 +230,17 @@ class LlamaModel:
         out = paged_attention(q, k, v.contiguous(), kv_layer, meta, self.scale)
         out = out.reshape(-1, self.q_size)
         return linear(out if rows is None else out[rows], layer["o"], packed["o"],
-                      min_rows=self.min_rows["o"])
+                      layer.get("o_bias"), self.min_rows["o"])
 
     def _mlp(self, layer: dict, packed: dict, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, layer["gate_up"], packed["gate_up"], min_rows=self.min_rows["gate_up"])
+        gate_up = linear(x, layer["gate_up"], packed["gate_up"], layer.get("gate_up_bias"),
+                         self.min_rows["gate_up"])
         act = native.silu_mul(gate_up) if self.native_silu else None
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate).mul_(up)
-        return linear(act, layer["down"], packed["down"], min_rows=self.min_rows["down"])
+        return linear(act, layer["down"], packed["down"], layer.get("down_bias"),
+                      self.min_rows["down"])
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -251,6 +254,9 @@ class LlamaModel:
         row-wise)."""
         eps = self.cfg.rms_norm_eps
         h = F.embedding(input_ids, self.embed)
+        residual = self.cfg.residual_multiplier  # Granite's scalings (1.0 elsewhere)
+        if self.cfg.embedding_multiplier != 1.0:
+            h = h * self.cfg.embedding_multiplier
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         # The residual stream h is this forward's own tensor (the embedding output), never an
@@ -269,10 +275,17 @@ class LlamaModel:
                 meta.on_layer(index)
             if rows is not None:
                 h = h[rows]  # a new tensor: the residual stream of the output rows only
+            if residual != 1.0:
+                attn_out.mul_(residual)
             mlp_out = self._mlp(layer, packed, add_rms_norm(h, attn_out, layer["post_norm"], eps))
+            if residual != 1.0:
+                mlp_out.mul_(residual)
         return add_rms_norm(h, mlp_out, self.final_norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head, self.lm_head_packed,
-                      min_rows=self.min_rows["lm_head"]).float()
+        logits = linear(hidden, self.lm_head, self.lm_head_packed,
+                        min_rows=self.min_rows["lm_head"])
+        if self.cfg.logits_scaling != 1.0:  # Granite's, in the model's dtype as it divides
+            logits = logits / self.cfg.logits_scaling
+        return logits.float()

@@ -143,6 +143,12 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
             layer["qkv_bias"] = torch.cat(
                 [reader.get(p + f"self_attn.{n}_proj.bias", (o,))
                  for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))], 0)
+        if cfg.o_bias:
+            layer["o_bias"] = reader.get(p + "self_attn.o_proj.bias", (h,))
+        if cfg.mlp_bias:
+            layer["gate_up_bias"] = torch.cat([reader.get(p + "mlp.gate_proj.bias", (inter,)),
+                                               reader.get(p + "mlp.up_proj.bias", (inter,))], 0)
+            layer["down_bias"] = reader.get(p + "mlp.down_proj.bias", (h,))
         if cfg.qk_norm:
             layer["q_norm"] = reader.get(p + "self_attn.q_norm.weight", (d,))
             layer["k_norm"] = reader.get(p + "self_attn.k_norm.weight", (d,))

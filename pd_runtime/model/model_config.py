@@ -1,6 +1,7 @@
 """Reads an HF `config.json` into the one architecture description our decoder understands.
 
-Llama, Mistral, Qwen2 and Qwen3 differ only in the flags below; anything else is refused.
+Llama, Mistral, Qwen2, Qwen3 and Granite differ only in the flags and multipliers below;
+anything else is refused.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ _ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GraniteForCausalLM": "granite",
 }
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                "granite": "granite"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,15 @@ class ModelConfig:
     torch_dtype: str
     rope: RopeConfig = field(default_factory=RopeConfig)
     sliding_window: Optional[int] = None
+    o_bias: bool = False  # the attention output projection's bias (attention_bias)
+    mlp_bias: bool = False  # gate, up and down projections' biases
+    # Granite's scalings (1.0, None: the others'): the embeddings are multiplied by the first,
+    # each block's output by the second before it joins the residual stream, attention scores
+    # by the third (None: 1/sqrt(head_dim)), and the logits divided by the last.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: Optional[float] = None
+    logits_scaling: float = 1.0
 
     @property
     def identity(self) -> str:
@@ -146,6 +158,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             raise ModelLoadError(f"{path}: missing field {key!r}")
         return raw[key]
 
+    attention_bias = bool(raw.get("attention_bias", False))
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     head_dim = raw.get("head_dim") or hidden // heads
@@ -171,12 +184,31 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        # As transformers builds them: Qwen2 has q/k/v biases always; Llama, Qwen3 and Granite
+        # q/k/v/o biases with attention_bias, Llama and Granite MLP biases with mlp_bias;
+        # Mistral none.
+        qkv_bias=family == "qwen2" or (family != "mistral" and attention_bias),
+        o_bias=family in ("llama", "qwen3", "granite") and attention_bias,
+        mlp_bias=family in ("llama", "granite") and bool(raw.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         rope=_rope_from(raw, path),
         sliding_window=int(window) if window else None,
+        **_granite_scalings(raw, path, family),
     )
+
+
+def _granite_scalings(raw: dict, path: Path, family: str) -> dict:
+    if family != "granite":
+        return {}
+    out = {}
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                "logits_scaling"):
+        value = raw.get(key, 1.0)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ModelLoadError(f"{path}: {key} must be a positive number, got {value!r}")
+        out[key] = float(value)
+    return out
 
 
 def context_limit(model: ModelConfig, requested: Optional[int], name: str = "") -> int:
