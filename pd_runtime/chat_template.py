@@ -90,7 +90,8 @@ def tool_call_format(template: Optional[str]) -> Optional[str]:
     Qwen3, Hermes), "mistral" ([TOOL_CALLS], in either form), "llama3_json" (Llama 3.1-3.3's
     JSON calls, and Llama 4's), "deepseek_v3" (<｜tool▁calls▁begin｜>: DeepSeek-V3, R1 and its
     distills), "pythonic" (the [func_name1(params_name1=params_value1, ...)] prompt: Llama 3.2
-    and Llama 4's pythonic templates, ToolACE), or None: also for another format that looks like one of these (a <function= call without
+    and Llama 4's pythonic templates, ToolACE), "granite" (<|tool_call|> and a JSON list:
+    Granite 3.x), or None: also for another format that looks like one of these (a <function= call without
     <parameter= tags), so that tool_choice auto is a clear 400 rather than calls returned as
     text."""
     if not template:
@@ -102,6 +103,8 @@ def tool_call_format(template: Optional[str]) -> Optional[str]:
         return "deepseek_v3"
     if _PYTHONIC_PROMPT.search(template):
         return "pythonic"
+    if "<|tool_call|>" in template:
+        return "granite"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:

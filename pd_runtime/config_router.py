@@ -157,10 +157,10 @@ class RouterConfig(_Strict):
     # (router/tools.py): "auto", the format its chat template shows (<function=...> calls in
     # <tool_call> blocks: qwen3_coder; JSON in them: hermes; [TOOL_CALLS]: mistral;
     # <|python_tag|>: llama3_json; <｜tool▁calls▁begin｜>: deepseek_v3; the
-    # [func_name1(params_name1=...)] prompt: pythonic), else none; "none": auto tool choice
-    # refused.
+    # [func_name1(params_name1=...)] prompt: pythonic; <|tool_call|>: granite), else none;
+    # "none": auto tool choice refused.
     tool_call_parser: Literal["auto", "hermes", "mistral", "llama3_json", "qwen3_coder",
-                              "deepseek_v3", "pythonic", "none"] = "auto"
+                              "deepseek_v3", "pythonic", "granite", "none"] = "auto"
     # A reasoning model's thinking on chat completions (router/reasoning.py): "auto", split
     # into `reasoning` when its chat template knows <think> blocks; "think", always; "none",
     # left in the content.

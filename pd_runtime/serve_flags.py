@@ -18,7 +18,8 @@ TOOL_CALL_PARSERS = {"auto": "auto", "none": "none", "hermes": "hermes", "mistra
                      "llama3_json": "llama3_json", "llama4_json": "llama3_json",
                      "pythonic": "pythonic", "llama4_pythonic": "pythonic",
                      "deepseek_v3": "deepseek_v3", "deepseek_v31": "deepseek_v3",
-                     "qwen3_coder": "qwen3_coder", "qwen3_xml": "qwen3_coder"}
+                     "qwen3_coder": "qwen3_coder", "qwen3_xml": "qwen3_coder",
+                     "granite": "granite"}
 REASONING_PARSERS = {"auto": "auto", "none": "none", "think": "think",
                      "deepseek_r1": "think", "qwen3": "think"}
 _DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",

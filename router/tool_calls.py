@@ -8,6 +8,7 @@ The formats (FORMATS; the one a chat template teaches, or router.tool_call_parse
   hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call>, repeated (Qwen2.5,
                Qwen3, Hermes); text before the first is content, text between them is dropped
   mistral      [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
+  granite      <|tool_call|>[{"name": ..., "arguments": {...}}, ...] (Granite 3.x)
   llama3_json  the whole output: {"name": ..., "parameters": {...}}, several joined by ';'
                (after an optional <|python_tag|>, Llama 3.1-3.3's, or <|python_start|>, with
                the <|python_end|> Llama 4's template writes after it)
@@ -54,13 +55,14 @@ class _Format:
 
 FORMATS = {"hermes": _Format("<tool_call>", opener="<tool_call>"),
            "mistral": _Format("[TOOL_CALLS]", between=_SPACE + "[,"),
+           "granite": _Format("<|tool_call|>", between=_SPACE + "[,"),
            "llama3_json": _Format(None, between=_SPACE + ";", prefixes=(
                "<|python_start|><|python_end|>", "<|python_start|>", "<|python_tag|>")),
            "required": _Format(None, between=_SPACE + "[,"),
            "deepseek_v3": _Format("<｜tool▁calls▁begin｜>")}
 XML_FORMAT, PYTHONIC_FORMAT = "qwen3_coder", "pythonic"
 PARSERS = ("hermes", "mistral", "llama3_json", "deepseek_v3", XML_FORMAT,  # tool_call_parser's
-           PYTHONIC_FORMAT)
+           PYTHONIC_FORMAT, "granite")
 _DS_CALL, _DS_SEP, _DS_END, _DS_CALLS_END = \
     "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
 _DS_FENCE = "```json"

@@ -227,6 +227,10 @@ def test_auto_needs_a_format_the_template_shows(llama_dir):
      [("f", {"b": "[ARGS]"}), ("g", {})]),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"b": [1, 2', None, [("f", '{"b": [1, 2')]),  # cut short
     ("mistral", "[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
+    # Granite 3.x: a JSON list after <|tool_call|>, the content before it.
+    ("granite", 'Let me check.<|tool_call|>[{"name": "f", "arguments": {"b": 1}}, '
+     '{"name": "g", "arguments": {}}]', "Let me check.", [("f", {"b": 1}), ("g", {})]),
+    ("granite", "<|tool_call|>nonsense", "<|tool_call|>nonsense", []),
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"c": 2}}; '
      '{"name": "g", "parameters": {}}', None, [("f", {"c": 2}), ("g", {})]),
     # Llama 4's template: the calls after <|python_start|> (and an empty <|python_end|>).
@@ -273,7 +277,7 @@ def test_formats_parse_what_their_models_write(parser, text, content, calls):
         more, deltas = reader.feed(text[:end], end == len(text))
         shown += more
         assert not calls or all(tag not in shown for tag in (
-            "<tool_call>", "[TOOL_CALLS]", "<｜tool▁calls▁begin｜>"))
+            "<tool_call>", "[TOOL_CALLS]", "<｜tool▁calls▁begin｜>", "<|tool_call|>"))
         if not calls and parser == "llama3_json" and not text.lstrip().startswith("{"):
             assert shown == text[:end] or not text[:end].strip()  # plain text streams on
         for delta in deltas:
@@ -395,6 +399,7 @@ def test_each_format_is_known_from_its_template():
     assert tool_call_format(mistral_v11) == "mistral"
     assert tool_call_format("<tool_call>{{ x | tojson }}</tool_call>") == "hermes"
     assert tool_call_format("[TOOL_CALLS][{{ calls | tojson }}]") == "mistral"
+    assert tool_call_format("{{- '<|tool_call|>' + message.tool_calls | tojson }}") == "granite"
     assert tool_call_format("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + t['type']}}") == \
         "deepseek_v3"
 

@@ -78,7 +78,7 @@ def test_conflicts_are_errors():
     with pytest.raises(ValueError, match="--tensor-parallel-size: 2 is not supported"):
         applied("--tensor-parallel-size", "2")
     with pytest.raises(SystemExit):  # argparse: a parser vLLM has and we do not read
-        build_parser().parse_args(["serve", "--tool-call-parser", "granite"])
+        build_parser().parse_args(["serve", "--tool-call-parser", "kimi_k2"])
 
 
 def test_a_broken_template_fails_at_start(llama_dir):
