@@ -43,6 +43,16 @@ def test_quantized_checkpoint_refused_by_name(llama_dir, tmp_path):
         LLM(str(path))
 
 
+def test_another_activation_refused_by_name(llama_dir, tmp_path):
+    """The MLP is SiLU's here: a checkpoint with another activation would run, wrongly."""
+    path = copy_model(llama_dir, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["hidden_act"] = "gelu"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"config.json: hidden_act 'gelu'"):
+        load_model(path)
+
+
 def test_missing_files_named(llama_dir, tmp_path):
     path = copy_model(llama_dir, tmp_path / "m")
     (path / "model.safetensors").unlink()

@@ -159,6 +159,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         return raw[key]
 
     attention_bias = bool(raw.get("attention_bias", False))
+    # The MLP's activation is SiLU in every family read here; a checkpoint with another would
+    # run, wrongly, with no error.
+    act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"{path}: hidden_act {act!r} is not supported (only silu)")
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     head_dim = raw.get("head_dim") or hidden // heads
