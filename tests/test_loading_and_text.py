@@ -53,6 +53,23 @@ def test_another_activation_refused_by_name(llama_dir, tmp_path):
         load_model(path)
 
 
+def test_a_tensor_no_config_field_accounts_for_is_refused(llama_dir, tmp_path):
+    """An o_proj bias in a checkpoint whose config says no attention_bias: served without it,
+    the output would be wrong with no error; a rotary table or a tied model's lm_head is fine."""
+
+    path = copy_model(llama_dir, tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    hidden = tensors["model.norm.weight"].shape[0]
+    extra = {**tensors, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}
+    save_file(extra, path / "model.safetensors")
+    load_model(path)
+    extra["model.layers.1.self_attn.o_proj.bias"] = torch.zeros(hidden)
+    save_file(extra, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"does not account for: "
+                                             r"model\.layers\.1\.self_attn\.o_proj\.bias"):
+        load_model(path)
+
+
 def test_missing_files_named(llama_dir, tmp_path):
     path = copy_model(llama_dir, tmp_path / "m")
     (path / "model.safetensors").unlink()

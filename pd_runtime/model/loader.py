@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -103,6 +104,7 @@ class _TensorReader:
     def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: str):
         self.files, self.dtype, self.device = files, dtype, device
         self._handles = {}
+        self.read: set[str] = set()
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         path = self.files.get(name)
@@ -111,6 +113,7 @@ class _TensorReader:
         if path not in self._handles:
             self._handles[path] = _open_weights(path)
         tensor = self._handles[path].get_tensor(name)
+        self.read.add(name)
         if tuple(tensor.shape) != tuple(shape):
             raise ModelLoadError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"config.json implies {tuple(shape)}")
@@ -164,10 +167,31 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
         else:
             raise ModelLoadError(f"{model_dir}: config.json says tie_word_embeddings=false but "
                                  "tensor 'lm_head.weight' is missing")
+    _check_all_read(reader, model_dir)
     n_params = sum(t.numel() for t in reader_tensors(weights))
     log.info("loaded %s (%s, %.1fM params, %s) from %s", cfg.family, cfg.identity,
              n_params / 1e6, torch_dtype, model_dir)
     return LlamaModel(cfg, weights, torch_dtype, device, max_positions, batch_invariant)
+
+
+# Tensors a checkpoint may hold that the computation does not use: rotary tables older exports
+# saved, and the output projection a tied model saves beside its embeddings.
+_UNUSED = re.compile(r"(.*\.)?rotary_emb\.inv_freq|lm_head\.weight")
+
+
+def _check_all_read(reader: _TensorReader, model_dir: Path) -> None:
+    """A decoder tensor left unread means a config field this loader does not know changes the
+    computation (as attention_bias's o_proj bias once did): refused, naming them, rather than
+    served wrongly. Others (a vision tower beside the text model) are only logged."""
+    unread = sorted(n for n in reader.files if n not in reader.read and not _UNUSED.fullmatch(n))
+    decoder = [n for n in unread if n.startswith("model.")]
+    if decoder:
+        more = f" and {len(decoder) - 5} more" if len(decoder) > 5 else ""
+        raise ModelLoadError(f"{model_dir}: the checkpoint holds tensors this model's config does "
+                             f"not account for: {', '.join(decoder[:5])}{more}")
+    if unread:
+        log.warning("%s: %d tensors outside the decoder are not used (%s, ...)", model_dir,
+                    len(unread), unread[0])
 
 
 def reader_tensors(weights: dict):
