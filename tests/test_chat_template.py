@@ -203,3 +203,16 @@ def test_offline_chat_answers_as_the_chat_api(served, llama_dir):
                 extra_body={"ignore_eos": True, **options})
             assert got.text == api.choices[0].message.content
             assert len(got.prompt_token_ids) == api.usage.prompt_tokens
+
+
+def test_offline_chat_takes_a_template_of_its_own(llama_dir):
+    """LLM.chat(chat_template=...) renders with that template for the call (as vLLM's LLM.chat
+    takes one), and the model's stays for the next."""
+    llm = LLM(llama_dir, **ENGINE)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    own = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+    got = llm.chat(MESSAGES[:2], params, chat_template=own)[0]
+    rendered = "".join(f"[{m['role']}] {m['content']}\n" for m in MESSAGES[:2]) + "[assistant] "
+    assert got.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+    plain = llm.chat(MESSAGES[:2], params)[0]
+    assert plain.prompt_token_ids == llm.tokenizer.encode_chat(MESSAGES[:2])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import sys
 import time
@@ -45,11 +46,17 @@ class LLM:
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = False, *, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: Optional[dict] = None) -> list[CompletionOutput]:
+             chat_template_kwargs: Optional[dict] = None,
+             chat_template: Optional[str] = None) -> list[CompletionOutput]:
         """One conversation (a list of {"role", "content"} messages) or several, through the
-        model's chat template (as the chat API renders it), then `generate`."""
+        model's chat template (as the chat API renders it), or `chat_template` (Jinja text),
+        then `generate`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode_chat(list(c), add_generation_prompt,
+        tokenizer = self.tokenizer
+        if chat_template is not None:
+            tokenizer = copy.copy(self.tokenizer)  # shares the vocabulary, not the template
+            tokenizer.use_chat_template(chat_template)
+        prompts = [tokenizer.encode_chat(list(c), add_generation_prompt,
                                               continue_final_message=continue_final_message,
                                               **(chat_template_kwargs or {}))
                    for c in conversations]
