@@ -7,6 +7,7 @@ no process is left behind."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -103,7 +104,8 @@ def test_serve_takes_vllm_flags(llama_dir, tmp_path):
     exe = Path(sys.executable).with_name("pd-runtime")
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen(
-        [str(exe), "serve", llama_dir, "--in-process", "--config", str(path),
+        [str(exe), "serve", os.path.relpath(llama_dir, REPO), "--in-process", "--config",
+         str(path),
          "--served-model-name", "tiny-llama", "--api-key", "sk-test", "--max-model-len", "400",
          "--chat-template", str(template), "--enable-auto-tool-choice"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
