@@ -23,6 +23,7 @@ from router.cost_model import CostModel
 from router.cpu_time import cpu_s, read_stat
 from router.ledger import Ledgers
 from router.metrics import RouterMetrics
+from router.metrics_vllm import VllmNames
 from router.policy import Decision, WorkerState, decide, decide_slo, slo_target
 from router.prefix_index import PrefixIndex
 from router.reload import RoutingReloader
@@ -76,6 +77,7 @@ class PoolBackend:
                      "(generation_config.json): %s; router.sampling_defaults: openai turns "
                      "this off", self.sampling_defaults)
         self.metrics = RouterMetrics()
+        self.metrics.registry.register(VllmNames(self.metrics, self.model_name))
         self.tenants = Tenants(cfg.router.tenants)
         self.index = PrefixIndex(card.identity, card.block_size)
         self.reloader = RoutingReloader(config_path, cfg.router.routing,

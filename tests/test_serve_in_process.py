@@ -130,6 +130,9 @@ def test_serve_takes_vllm_flags(llama_dir, tmp_path):
         assert call.function.name == "get_time" and \
             json.loads(call.function.arguments)["zone"] in ("utc", "cet")
         assert done.choices[0].finish_reason == "tool_calls"
+        metrics = httpx.get(base + "/metrics").text  # vLLM's names, the served name on them
+        assert 'vllm:num_requests_running{model_name="tiny-llama"}' in metrics
+        assert 'vllm:time_to_first_token_seconds_count{model_name="tiny-llama"}' in metrics
     finally:
         code = stop_serve(proc, timeout_s=30)
         log.close()
