@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.runs import IdempotencyConflict, body_hash
+from router import beam_search
 from router.backend import Backend, BackendError
 from router.intake import INLINE_MAX_BYTES, Intake
 from router.protocol import InvalidRequest, parse_json
@@ -272,6 +273,9 @@ def _run_headers(request: Request) -> tuple[Optional[str], Optional[str], str]:
 
 
 def _backend_streams(backend: Backend, prepared, response_id: str, tenant, timeout_s: float):
+    if prepared.beam is not None:
+        return merge_streams(beam_search.streams(backend, prepared, response_id, tenant,
+                                                 timeout_s))
     return merge_streams([
         backend.generate(f"{response_id}-{choice.index}", prepared.prompts[choice.prompt_index],
                          choice.params, priority=prepared.priority, tenant=tenant,

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from pd_runtime import structured
 from pd_runtime.api import (InvalidRequestError, SamplingParams, bad_word_spellings,
                             check_bad_words)
+from router import beam_search
 from router.chat_prompt import chat_text
 from router.schema import (ChatCompletionRequest, ChoiceSpec, CompletionRequest, InvalidRequest,
                            PreparedRequest, Body, SamplingBody)
@@ -49,12 +50,11 @@ _OFF_VALUES: dict[str, tuple] = {
     "reasoning_effort": (None,),
     "web_search_options": (None,),
     # vLLM's extensions that would change the output: its per-request template (this server
-    # renders the model's own), beam search. (Structured outputs:
+    # renders the model's own). (Beam search: router/beam_search.py; structured outputs:
     # router/structured_fields.py.)
     "chat_template": (None,),
     "documents": (None, []),
     "guided_whitespace_pattern": (None,),
-    "use_beam_search": (None, False),
     "logits_processors": (None,),
     "spaces_between_special_tokens": (None, True),
     "logprob_token_ids": (None,),
@@ -367,6 +367,7 @@ def prepare_completion(data: dict, tokenizer, model_name: str, max_model_len: in
     return PreparedRequest("completion", model_name, prompts, _choices(prompts, body.n, sampling),
                            bool(body.stream), _include_usage(body), body.priority,
                            body.logprobs, echo, service_tier=_service_tier(body),
+                           beam=beam_search.spec(body, data, "structured_outputs" in params),
                            **_token_fields(body))
 
 
@@ -428,7 +429,9 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
     return PreparedRequest("chat", model_name, [prompt], _choices([prompt], body.n, sampling),
                            bool(body.stream), _include_usage(body), body.priority, logprobs,
                            tools=tool_plan, service_tier=_service_tier(body),
-                           reasoning=thinking, **_token_fields(body))
+                           reasoning=thinking,
+                           beam=beam_search.spec(body, data, "structured_outputs" in params),
+                           **_token_fields(body))
 
 
 def _token_fields(body: SamplingBody) -> dict:

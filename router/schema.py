@@ -72,6 +72,9 @@ class SamplingBody(Body):
     return_token_ids: Optional[bool] = None
     return_tokens_as_token_ids: Optional[bool] = None
     cache_salt: Optional[str] = None
+    # vLLM's beam search (router/beam_search.py): n is the beam width.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionRequest(SamplingBody):
@@ -134,3 +137,4 @@ class PreparedRequest:
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:N"
     prompt_logprobs: Optional[int] = None  # top-n of each prompt token, asked for as such
     cache_salt: Optional[str] = None  # the request's own, beside its tenant's
+    beam: Any = None  # use_beam_search: router/beam_search.py's BeamSpec

@@ -62,7 +62,8 @@ def test_truncate_prompt_tokens_keeps_the_end(server, client, offline, llama_dir
                          # Kept, it still leaves no room for max_tokens: refused as any prompt.
                          ({"truncate_prompt_tokens": limit - 1}, "prompt"),
                          ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
-                         ({"use_beam_search": True}, "use_beam_search"),
+                         ({"spaces_between_special_tokens": False},
+                          "spaces_between_special_tokens"),
                          ({"logits_processors": ["my.Processor"]}, "logits_processors")):
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model=name, prompt=ids, max_tokens=2, extra_body=extra)
