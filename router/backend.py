@@ -93,8 +93,11 @@ class Backend(Protocol):
 
     def generate(self, request_id: str, prompt_ids: list[int], params: dict, *, priority: int,
                  tenant: Optional[TenantConfig], deadline: Optional[float] = None,
-                 flex: bool = False, cache_salt: Optional[str] = None
+                 flex: bool = False, cache_salt: Optional[str] = None, prepaid: bool = False
                  ) -> AsyncIterator[dict]: ...
+
+    async def admit_tenant(self, tenant: Optional[TenantConfig], tokens: int
+                           ) -> Optional[dict]: ...
 
     def health(self) -> dict: ...
 

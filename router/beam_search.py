@@ -145,6 +145,12 @@ class _Search:
 
     async def _run(self):
         spec: BeamSpec = self.prepared.beam
+        # The tenant's rate limits count the search once, as one request of its prompt and
+        # every beam's tokens, not each of its steps.
+        refusal = await self.backend.admit_tenant(
+            self.tenant, len(self.prompt) + spec.width * self.params.max_tokens)
+        if refusal is not None:
+            return refusal
         try:
             return await search(self._step, self.prompt, spec, self.params.max_tokens,
                                  self.backend.tokenizer.eos_token_ids, self.params.ignore_eos)
@@ -164,7 +170,7 @@ class _Search:
         async for chunk in self.backend.generate(
                 request_id, prompt, params, priority=self.prepared.priority, tenant=self.tenant,
                 deadline=time.time() + self.timeout_s, cache_salt=self.prepared.cache_salt,
-                flex=self.prepared.service_tier == "flex"):
+                flex=self.prepared.service_tier == "flex", prepaid=True):
             if "error" in chunk:
                 raise _StepError(chunk)
             if self.first is None:

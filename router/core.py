@@ -188,23 +188,36 @@ class PoolBackend:
         return [WorkerState(w.worker_id, w.role, w.healthy, bool(w.load.get("draining")),
                             w.load, self.inflight.get(w.worker_id, 0)) for w in workers]
 
+    async def admit_tenant(self, tenant: Optional[TenantConfig], tokens: int) -> Optional[dict]:
+        """A request of `tokens` (prompt + most output) against the tenant's rate limits: None
+        when admitted (and charged), else the 429 chunk to answer with."""
+        limit, wait = await self.tenants.admit_async(tenant, tokens)
+        if not limit:
+            return None
+        tenant_id = tenant.tenant_id if tenant else "anonymous"
+        self.metrics.refusals.labels(tenant_id, limit).inc()
+        return _refusal(429, "rate_limit_exceeded", f"tenant {tenant_id} is over its {limit} "
+                        f"limit", retry_after_s=wait if math.isfinite(wait) else 60)
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
                        priority: int = 0, tenant: Optional[TenantConfig] = None,
                        deadline: Optional[float] = None, flex: bool = False,
-                       cache_salt: Optional[str] = None) -> AsyncIterator[dict]:
+                       cache_salt: Optional[str] = None,
+                       prepaid: bool = False) -> AsyncIterator[dict]:
         """`flex` (service_tier "flex"): not held to the latency targets. Routed by load as
         `mode: auto` routes, never refused for a target, and scheduled after the default tier
         (FLEX_PRIORITY later), so it waits rather than getting a 429. `cache_salt`: the
-        request's own (vLLM's field), kept apart from every tenant's."""
+        request's own (vLLM's field), kept apart from every tenant's. `prepaid`: the tenant's
+        rate limits were charged for this request already (a beam search's steps:
+        `admit_tenant` once for them all)."""
         arrival = time.monotonic()
         self.served["requests"] += 1
         tenant_id = tenant.tenant_id if tenant else "anonymous"
-        limit, wait = await self.tenants.admit_async(tenant, len(prompt_ids) + params.max_tokens)
-        if limit:
-            self.metrics.refusals.labels(tenant_id, limit).inc()
-            yield _refusal(429, "rate_limit_exceeded", f"tenant {tenant_id} is over its "
-                           f"{limit} limit", retry_after_s=wait if math.isfinite(wait) else 60)
-            return
+        if not prepaid:
+            refusal = await self.admit_tenant(tenant, len(prompt_ids) + params.max_tokens)
+            if refusal is not None:
+                yield refusal
+                return
         salt = self.tenants.cache_salt(tenant, cache_salt)
         hashes = self.index.hashes(prompt_ids, salt)
         workers = self.client.prefill + self.client.decode
@@ -225,7 +238,8 @@ class PoolBackend:
                       decision.predicted_tpot_s * 1000)
         if decision.path == "none" and decision.retry_after_s is not None:
             self.metrics.refusals.labels(tenant_id, decision.reason).inc()
-            await self.tenants.refund_async(tenant, len(prompt_ids) + params.max_tokens)
+            if not prepaid:
+                await self.tenants.refund_async(tenant, len(prompt_ids) + params.max_tokens)
             yield _refusal(429, "overloaded", decision.refusal,
                            retry_after_s=decision.retry_after_s)
             return

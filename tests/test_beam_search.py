@@ -126,3 +126,22 @@ def test_what_beam_search_would_ignore_is_refused(served, extra, param):
         client.completions.create(model=backend.model_name, prompt=[11, 12], n=n,
                                   max_tokens=3, extra_body=body, **kwargs)
     assert raised.value.body["param"] == param
+
+
+def test_a_search_counts_once_against_the_tenants_limits(llama_dir):
+    """Its steps are requests of their own to the workers, but a tenant's rate limits see one
+    request (of its prompt and every beam's tokens): 12 steps pass a 2-requests-a-minute
+    limit, the third search does not."""
+    from pd_runtime.config_router import RouterConfig
+
+    config = RouterConfig(routing={"mode": "always_colocated"}, tenants=[
+        {"tenant_id": "t", "api_key": "k", "requests_per_minute": 2}])
+    with local(llama_dir, config) as (backend, port):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k",
+                               max_retries=0)
+        kw = dict(model=backend.model_name, prompt=[11, 12, 13], n=2, max_tokens=6,
+                  extra_body={"use_beam_search": True, "ignore_eos": True})
+        for _ in range(2):
+            assert len(client.completions.create(**kw).choices) == 2
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(**kw)
