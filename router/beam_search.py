@@ -1,17 +1,11 @@
-"""Beam search (vLLM's `use_beam_search`, with `n` the beam width and `length_penalty`), run
-by the router over ordinary one-token requests, as vLLM's server runs it: each step asks every
-live beam's next-token log-probabilities (the top 2 x width, raw: no temperature, penalty or
-bias), keeps the `width` best extensions by score, sets aside a beam that ends in EOS, and
-after `max_tokens` steps returns the `width` best of the finished and the live. The steps hit
-the prefix cache (each beam's prompt is the last step's plus one token), so a step costs about
-one token per beam.
-
-A beam's score is its summed log-probability over its length (prompt included, its EOS not)
-to the power `length_penalty`, vLLM's. With no EOS reached (`ignore_eos`) this keeps the same
-beams as transformers' `generate(num_beams=...)`. The chosen beams go to the response as the
-choices' whole outputs, in score order, once the search ends (a stream sends each at its end).
-Sampling fields are refused (`stop`, logprobs, penalties, logit_bias, structured outputs, ...):
-they would be ignored.
+"""Beam search over HTTP (vLLM's `use_beam_search`, `n` the beam width, `length_penalty`),
+run by the router as vLLM's server runs it: pd_runtime/beam_search.py's algorithm, each step
+one ordinary one-token request per live beam (raw log-probabilities, the top 2 x width), which
+hits the prefix cache (a beam's prompt is its last step's plus one token), so a step costs
+about one token per beam. The chosen beams go to the response as the choices' whole outputs,
+in score order, once the search ends (a stream sends each at its end). Sampling fields are
+refused (`stop`, logprobs, penalties, logit_bias, structured outputs, ...): they would be
+ignored.
 """
 
 from __future__ import annotations
@@ -19,28 +13,11 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Optional
+from typing import AsyncIterator, Optional
 
 from pd_runtime.api import SamplingParams
+from pd_runtime.beam_search import MAX_WIDTH, Beam, BeamSpec, search
 from router.schema import InvalidRequest
-
-MAX_WIDTH = 10  # 2 x width candidates a beam: the most logprobs a request may ask (20)
-
-
-@dataclass(frozen=True)
-class BeamSpec:
-    width: int
-    length_penalty: float
-    include_stop: bool  # a finished beam's EOS token is in its output (include_stop_str_in_output)
-
-
-@dataclass
-class Beam:
-    tokens: list[int]  # the output, without a final EOS
-    logprob: float
-    eos: Optional[int] = None  # the EOS token that ended it
-
 
 # Fields that would change a sampled output but not a beam's: refused rather than ignored.
 # name -> the values that mean "not asked".
@@ -69,36 +46,6 @@ def spec(body, data: dict, structured: bool) -> Optional[BeamSpec]:
         raise InvalidRequest("structured outputs do not apply to beam search "
                              "(use_beam_search)", param="use_beam_search")
     return BeamSpec(body.n, float(body.length_penalty), body.include_stop_str_in_output)
-
-
-def score(beam: Beam, prompt_len: int, length_penalty: float) -> float:
-    return beam.logprob / ((prompt_len + len(beam.tokens)) ** length_penalty)
-
-
-Step = Callable[[list[list[int]]], Awaitable[list[dict[int, float]]]]
-
-
-async def search(step: Step, prompt: list[int], spec: BeamSpec, max_tokens: int,
-                 eos_ids: frozenset, ignore_eos: bool) -> list[Beam]:
-    """The `spec.width` best beams after `prompt`, best first. `step(prompts)`: each prompt's
-    top next tokens, {token: logprob}."""
-    def key(beam: Beam) -> float:
-        return score(beam, len(prompt), spec.length_penalty)
-
-    live, done = [Beam([], 0.0)], []
-    for _ in range(max_tokens):
-        tops = await step([prompt + beam.tokens for beam in live])
-        candidates = []
-        for beam, top in zip(live, tops):
-            for token, logprob in sorted(top.items(), key=lambda item: -item[1]):
-                if token in eos_ids and not ignore_eos:
-                    done.append(Beam(beam.tokens, beam.logprob + logprob, eos=token))
-                else:
-                    candidates.append(Beam(beam.tokens + [token], beam.logprob + logprob))
-        live = sorted(candidates, key=key, reverse=True)[:spec.width]  # (stable: ties in order)
-        if not live:
-            break
-    return sorted(done + live, key=key, reverse=True)[:spec.width]
 
 
 def streams(backend, prepared, response_id: str, tenant, timeout_s: float) -> list:

@@ -1,7 +1,7 @@
-"""Beam search (router/beam_search.py, vLLM's use_beam_search): the search on a table model
-(EOS set aside, the length penalty, the width), and over HTTP with the official `openai`
-client against transformers' `generate(num_beams=...)` on the same weights; fields it would
-ignore are 400s naming them."""
+"""Beam search (pd_runtime/beam_search.py; router/beam_search.py, vLLM's use_beam_search): the
+search on a table model (EOS set aside, the length penalty, the width), and over HTTP with the
+official `openai` client and offline (LLM.beam_search) against transformers'
+`generate(num_beams=...)` on the same weights; fields it would ignore are 400s naming them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from router.beam_search import BeamSpec, search
+from pd_runtime.beam_search import BeamSpec, search
 from tests.router_support.serving import local
 
 EOS = 9
@@ -80,9 +80,14 @@ def served(llama_dir):
 
 def test_beams_match_transformers(served, llama_dir):
     backend, client = served
+    from pd_runtime import LLM
+
     hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
-    for prompt in ([11, 12, 13, 14], [(7 * i) % 400 + 5 for i in range(40)]):
+    prompts = ([11, 12, 13, 14], [(7 * i) % 400 + 5 for i in range(40)])
+    offline = LLM(llama_dir, dtype="float32", num_kv_blocks=256).beam_search(
+        list(prompts), 3, 6, ignore_eos=True)  # both prompts' beams, one batch a step
+    for prompt, beams in zip(prompts, offline):
         done = client.completions.create(
             model=backend.model_name, prompt=prompt, n=3, max_tokens=6,
             extra_body={"use_beam_search": True, "ignore_eos": True, "return_token_ids": True})
@@ -91,6 +96,8 @@ def test_beams_match_transformers(served, llama_dir):
             ref = hf.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=3,
                               do_sample=False, max_new_tokens=6, length_penalty=1.0)
         assert got == [row[len(prompt):].tolist() for row in ref]
+        assert [b.token_ids for b in beams] == got and [b.text for b in beams] == \
+            [c.text for c in sorted(done.choices, key=lambda c: c.index)]
         assert [c.finish_reason for c in done.choices] == ["length"] * 3
         assert done.usage.completion_tokens == 18 and done.usage.prompt_tokens == len(prompt)
         assert [c.text for c in done.choices] == \

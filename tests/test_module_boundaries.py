@@ -1,8 +1,8 @@
 """The dependency directions docs/architecture.md promises, checked on the source:
 
 - the router (the HTTP package) imports from the runtime only the contract (pd_runtime.api,
-  the tokenizer and chat template it shares with the workers, the config models) and block
-  hashing: no engine, model, worker or transfer module, and no torch, at import time or lazily
+  the tokenizer and chat template it shares with the workers, the config models), block
+  hashing and beam search's algorithm (torch-free, shared with the offline LLM): no engine, model, worker or transfer module, and no torch, at import time or lazily
   inside a function;
 - kv_transfer's modules import each other without a cycle.
 """
@@ -17,7 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 ROUTER_MAY_IMPORT = {"pd_runtime", "pd_runtime.api", "pd_runtime.tokenizer",
                      "pd_runtime.chat_template", "pd_runtime.config", "pd_runtime.structured",
-                     "pd_runtime.config_loading", "pd_runtime.engine.block_hash"}
+                     "pd_runtime.config_loading", "pd_runtime.engine.block_hash",
+                     "pd_runtime.beam_search"}
 FOREIGN = ("torch", "kv_transfer", "transformers", "ray", "triton")
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 from pd_runtime.api import SamplingParams
+from pd_runtime.beam_search import MAX_WIDTH, BeamSpec, Search
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.engine import LLMEngine, RequestOutput
 
@@ -61,6 +62,39 @@ class LLM:
                                               **(chat_template_kwargs or {}))
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]], beam_width: int,
+                    max_tokens: int, *, length_penalty: float = 1.0, ignore_eos: bool = False,
+                    include_stop_str_in_output: bool = False) -> list[list[CompletionOutput]]:
+        """Per prompt, its `beam_width` best beams, best first (pd_runtime/beam_search.py, the
+        search the server's `use_beam_search` runs; vLLM's LLM.beam_search): every prompt's
+        live beams are one engine batch a step. `finish_reason` "stop" for a beam that ended
+        in EOS (its EOS in `token_ids` only with include_stop_str_in_output), else "length"."""
+        if not 1 <= beam_width <= MAX_WIDTH:
+            raise ValueError(f"beam_width must be in [1, {MAX_WIDTH}], got {beam_width}")
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        ids = [self.engine.tokenize_prompt(p) for p in ([prompts] if single else prompts)]
+        spec = BeamSpec(beam_width, float(length_penalty), include_stop_str_in_output)
+        runs = [Search(p, spec, max_tokens, self.tokenizer.eos_token_ids, ignore_eos)
+                for p in ids]
+        step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * beam_width,
+                              ignore_eos=True)
+        while any(asks := [run.prompts() for run in runs]):
+            flat = [p for ask in asks for p in ask]
+            tops = iter([dict(out.logprobs[0][1]) for out in self.generate(flat, step)])
+            for run, ask in zip(runs, asks):
+                if ask:
+                    run.advance([next(tops) for _ in ask])
+        results = []
+        for prompt, run in zip(ids, runs):
+            beams = []
+            for beam in run.best():
+                tokens = beam.tokens + ([beam.eos] if beam.eos is not None
+                                        and include_stop_str_in_output else [])
+                beams.append(CompletionOutput(prompt, tokens, self.tokenizer.decode(tokens),
+                                              "stop" if beam.eos is not None else "length"))
+            results.append(beams)
+        return results
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
