@@ -8,7 +8,6 @@ results rendered into the prompt; bad tools and choices 400s naming the field.""
 from __future__ import annotations
 
 import json
-import shutil
 
 import jsonschema
 import openai
@@ -18,6 +17,7 @@ from router.text_checks import refuse_json_constant
 from router.tool_calls import CallReader, read_calls
 from router.tools import ToolPlan
 from tests.router_support.serving import local
+from tests.router_support.tool_serving import assembled, with_template
 
 TEMPLATE = """{%- if tools %}<|im_start|>system
 Functions you may call:
@@ -60,12 +60,7 @@ USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def served(llama_dir, tmp_path_factory):
-    model = tmp_path_factory.mktemp("hermes") / "model"
-    shutil.copytree(llama_dir, model)
-    (model / "chat_template.jinja").write_text(TEMPLATE)
-    with local(str(model)) as (backend, port):
-        yield backend, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                                     max_retries=0)
+    yield from with_template(llama_dir, tmp_path_factory, "hermes", TEMPLATE)
 
 
 def create(client, backend, **kw):
@@ -77,22 +72,7 @@ def create(client, backend, **kw):
 
 def streamed(client, backend, **kw):
     """(content, {index: call}, finish_reason) put together from the stream's deltas."""
-    content, calls, finish = "", {}, None
-    for event in create(client, backend, stream=True, **kw):
-        if not event.choices:
-            continue
-        delta = event.choices[0].delta
-        content += delta.content or ""
-        for part in delta.tool_calls or []:
-            call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": "",
-                                                 "pieces": 0})
-            call["id"] = part.id or call["id"]
-            if part.function is not None:
-                call["name"] += part.function.name or ""
-                call["arguments"] += part.function.arguments or ""
-                call["pieces"] += bool(part.function.arguments)
-        finish = event.choices[0].finish_reason or finish
-    return content, calls, finish
+    return assembled(create(client, backend, stream=True, **kw))
 
 
 def test_a_named_function_is_always_called(served):

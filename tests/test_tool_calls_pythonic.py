@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
-import openai
 import pytest
 
 from pd_runtime.chat_template import tool_call_format
 from router.tool_calls import read_calls, reader
 from router.tools import ToolPlan
-from tests.router_support.serving import local
+from tests.router_support.tool_serving import assembled, with_template
 
 NAMES = ("get_weather", "get_time", "noop")
 
@@ -211,12 +209,7 @@ CALLING = r'\[get_weather\(city="(paris|oslo|new york)", days=[1-7]\)\]'
 
 @pytest.fixture(scope="module")
 def served(llama_dir, tmp_path_factory):
-    model = tmp_path_factory.mktemp("pythonic") / "model"
-    shutil.copytree(llama_dir, model)
-    (model / "chat_template.jinja").write_text(TEMPLATE)
-    with local(str(model)) as (backend, port):
-        yield backend, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                                     max_retries=0)
+    yield from with_template(llama_dir, tmp_path_factory, "pythonic", TEMPLATE)
 
 
 def test_auto_reads_pythonic_calls_over_http(served):
@@ -231,19 +224,12 @@ def test_auto_reads_pythonic_calls_over_http(served):
     args = json.loads(tc.function.arguments)
     assert tc.function.name == "get_weather" and args["city"] in ("paris", "oslo", "new york")
     assert isinstance(args["days"], int) and 1 <= args["days"] <= 7
-    content, calls, finish = "", {}, None
-    for event in client.chat.completions.create(stream=True, **kw):
-        delta = event.choices[0].delta
-        content += delta.content or ""
-        for part in delta.tool_calls or []:
-            got = calls.setdefault(part.index, {"name": "", "arguments": "", "pieces": 0})
-            got["name"] += part.function.name or ""
-            got["arguments"] += part.function.arguments or ""
-            got["pieces"] += bool(part.function.arguments)
-        finish = event.choices[0].finish_reason or finish
+    content, calls, finish = assembled(client.chat.completions.create(stream=True, **kw))
     assert content == "" and finish == "tool_calls"
     assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == tc.function.arguments
-    assert calls[0]["pieces"] >= 3  # the city streamed as written, then the days
+    # (How many pieces depends on how many tokens each streamed chunk carried, which a busy
+    # box coalesces; test_a_string_argument_streams_as_it_is_written pins the streaming.)
+    assert calls[0]["pieces"] >= 1
     # The call goes back in the history as the template writes it, and the model goes on.
     history = [kw["messages"][0], {"role": "assistant", "content": None, "tool_calls": [
         {"id": tc.id, "type": "function", "function": {"name": tc.function.name,

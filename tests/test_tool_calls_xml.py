@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import jsonschema
 import openai
@@ -17,7 +16,7 @@ import pytest
 from pd_runtime.chat_template import tool_call_format
 from router.tool_calls import read_calls, reader
 from router.tools import ToolPlan
-from tests.router_support.serving import local
+from tests.router_support.tool_serving import assembled, with_template
 
 PARAMS = {"get_weather": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "hot": {"type": "boolean"},
@@ -277,12 +276,7 @@ CALLING = (r"Checking\.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>
 
 @pytest.fixture(scope="module")
 def served(llama_dir, tmp_path_factory):
-    model = tmp_path_factory.mktemp("coder") / "model"
-    shutil.copytree(llama_dir, model)
-    (model / "chat_template.jinja").write_text(TEMPLATE)
-    with local(str(model)) as (backend, port):
-        yield backend, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                                     max_retries=0)
+    yield from with_template(llama_dir, tmp_path_factory, "coder", TEMPLATE)
 
 
 def test_auto_reads_xml_calls_over_http(served):
@@ -297,16 +291,7 @@ def test_auto_reads_xml_calls_over_http(served):
     args = json.loads(tc.function.arguments)
     assert tc.function.name == "get_weather" and isinstance(args["days"], int)
     jsonschema.validate(args, WEATHER)
-    content, calls, finish = "", {}, None
-    for event in client.chat.completions.create(stream=True, **kw):
-        delta = event.choices[0].delta
-        content += delta.content or ""
-        for part in delta.tool_calls or []:
-            got = calls.setdefault(part.index, {"name": "", "arguments": "", "pieces": 0})
-            got["name"] += part.function.name or ""
-            got["arguments"] += part.function.arguments or ""
-            got["pieces"] += bool(part.function.arguments)
-        finish = event.choices[0].finish_reason or finish
+    content, calls, finish = assembled(client.chat.completions.create(stream=True, **kw))
     assert content == "Checking.\n\n" and finish == "tool_calls"
     assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == tc.function.arguments
     assert calls[0]["pieces"] >= 3  # the city streamed as written, then the days
