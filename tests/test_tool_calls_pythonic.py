@@ -13,28 +13,13 @@ import pytest
 from pd_runtime.chat_template import tool_call_format
 from router.tool_calls import read_calls, reader
 from router.tools import ToolPlan
-from tests.router_support.tool_serving import assembled, with_template
+from tests.router_support.tool_serving import assembled, streamed, with_template
 
 NAMES = ("get_weather", "get_time", "noop")
 
 
 def plan(parallel: bool = True, names=NAMES) -> ToolPlan:
     return ToolPlan("auto", parser="pythonic", parallel=parallel, names=tuple(names))
-
-
-def streamed(text: str, cuts, p: ToolPlan):
-    """(content, [(name, arguments)]) fed up to each cut, then whole."""
-    r, shown, calls = reader(p), "", {}
-    for end in [*cuts, len(text)]:
-        more, deltas = r.feed(text[:end], end == len(text))
-        shown += more
-        for delta in deltas:
-            if "id" in delta:
-                assert delta["index"] == len(calls) and delta["type"] == "function"
-                calls[delta["index"]] = dict(delta["function"])
-            else:
-                calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
-    return shown, [(c["name"], c["arguments"]) for c in calls.values()]
 
 
 @pytest.mark.parametrize("text, content, calls", [

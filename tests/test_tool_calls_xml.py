@@ -16,7 +16,7 @@ import pytest
 from pd_runtime.chat_template import tool_call_format
 from router.tool_calls import read_calls, reader
 from router.tools import ToolPlan
-from tests.router_support.tool_serving import assembled, with_template
+from tests.router_support.tool_serving import assembled, streamed, with_template
 
 PARAMS = {"get_weather": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "hot": {"type": "boolean"},
@@ -33,21 +33,6 @@ def plan(parallel: bool = True) -> ToolPlan:
 def call(name: str, **params) -> str:
     body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
     return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
-
-
-def streamed(text: str, cuts, p: ToolPlan):
-    """(content, [(name, arguments)]) fed up to each cut, then whole."""
-    r, shown, calls = reader(p), "", {}
-    for end in [*cuts, len(text)]:
-        more, deltas = r.feed(text[:end], end == len(text))
-        shown += more
-        for delta in deltas:
-            if "id" in delta:
-                assert delta["index"] == len(calls) and delta["type"] == "function"
-                calls[delta["index"]] = dict(delta["function"])
-            else:
-                calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
-    return shown, [(c["name"], c["arguments"]) for c in calls.values()]
 
 
 def parsed(arguments: str):

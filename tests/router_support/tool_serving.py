@@ -1,5 +1,6 @@
-"""Shared by the tool-call tests: the test model served with a chat template of the test's
-(in a copy of its directory), and a streamed chat's deltas put back together."""
+"""Shared by the tool-call tests: a reader fed an output in pieces, the test model served with
+a chat template of the test's (in a copy of its directory), and a streamed chat's deltas put
+back together."""
 
 from __future__ import annotations
 
@@ -7,7 +8,24 @@ import shutil
 
 import openai
 
+from router.tool_calls import reader
 from tests.router_support.serving import local
+
+
+def streamed(text: str, cuts, plan):
+    """(content, [(name, arguments)]) of `plan`'s reader fed `text` up to each cut, then
+    whole."""
+    r, shown, calls = reader(plan), "", {}
+    for end in [*cuts, len(text)]:
+        more, deltas = r.feed(text[:end], end == len(text))
+        shown += more
+        for delta in deltas:
+            if "id" in delta:
+                assert delta["index"] == len(calls) and delta["type"] == "function"
+                calls[delta["index"]] = dict(delta["function"])
+            else:
+                calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+    return shown, [(c["name"], c["arguments"]) for c in calls.values()]
 
 
 def with_template(llama_dir: str, tmp_path_factory, name: str, template: str):
