@@ -81,6 +81,7 @@ def _cmd_serve(args) -> int:
     model = serve_flags.model_dir(args) or cfg.model or str(ensure_default_model())
     if os.path.isdir(model):  # Ray's workers do not run in this working directory
         model = os.path.abspath(model)
+    cfg = serve_flags.absolute_draft_models(cfg)
     if args.in_process and cfg.router.replicas > 1:
         raise SystemExit("pd-runtime: router.replicas > 1 needs the Ray pools (the replicas "
                          "are Ray actors over them); drop --in-process or set router.replicas: 1")

@@ -9,6 +9,7 @@ the file's. Names vLLM gives its tool-call and reasoning parsers are taken for o
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Optional
 
 from pydantic import ValidationError
@@ -40,9 +41,12 @@ _POOLS = ("prefill", "decode", "colocated")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags, on `serve`'s parser (the model, --max-model-len and --seed are added by the
     caller: `generate` takes them too)."""
-    parser.add_argument("--served-model-name", help="router.served_model_name")
-    parser.add_argument("--api-key", help="one API key every request must send (router.tenants "
-                                          "with one tenant, `default`)")
+    parser.add_argument("--served-model-name", nargs="+",
+                        help="router.served_model_name (one; without it, a model given first "
+                             "is served under that name as given, as vLLM names it)")
+    parser.add_argument("--api-key", nargs="+",
+                        help="API keys, any of which a request must send (router.tenants: "
+                             "`default`, `default-2`, ..., sharing the prefix cache)")
     parser.add_argument("--chat-template", help="router.chat_template: a Jinja file, or the "
                                                 "template itself")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS),
@@ -101,18 +105,29 @@ def apply(cfg, args: argparse.Namespace):
         for pool in _POOLS:
             data[pool]["engine"][field] = value
         set_fields[field] = _flag(dest)
+    names = getattr(args, "served_model_name", None)
+    if names is not None and len(names) > 1:
+        raise ValueError(f"--served-model-name: one name is served here, got {len(names)}")
     for dest, field in _ROUTER.items():
         value = getattr(args, dest, None)
         if value is None:
             continue
+        if dest == "served_model_name":
+            value = value[0]
         value = _NAMES[dest][value] if dest in _NAMES else value
         data["router"][field] = value
         set_fields[field] = _flag(dest)
+    given = getattr(args, "model_path", None)
+    if given and names is None and not data["router"]["served_model_name"]:
+        data["router"]["served_model_name"] = given  # vLLM serves a model under its argument
+        set_fields["served_model_name"] = "MODEL"
     if getattr(args, "api_key", None) is not None:
         if data["router"]["tenants"]:
             raise ValueError("--api-key: the config already names its tenants (router.tenants); "
                              "give the keys there")
-        data["router"]["tenants"] = [{"tenant_id": "default", "api_key": args.api_key}]
+        data["router"]["tenants"] = [
+            {"tenant_id": "default" if i == 0 else f"default-{i + 1}", "api_key": key,
+             "share_prefix_cache": True} for i, key in enumerate(args.api_key)]
         set_fields["api_key"] = "--api-key"
     if not set_fields:
         return cfg
@@ -129,3 +144,15 @@ def apply(cfg, args: argparse.Namespace):
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
+
+def absolute_draft_models(cfg):
+    """`cfg` with each pool's speculative_model directory made absolute (the workers do not run
+    in this working directory)."""
+    update = {}
+    for pool in _POOLS:
+        engine = getattr(cfg, pool).engine
+        draft = engine.speculative_model
+        if draft and os.path.isdir(draft) and not os.path.isabs(draft):
+            update[pool] = getattr(cfg, pool).model_copy(update={"engine": engine.model_copy(
+                update={"speculative_model": os.path.abspath(draft)})})
+    return cfg.model_copy(update=update) if update else cfg

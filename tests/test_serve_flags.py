@@ -36,6 +36,12 @@ def test_each_flag_sets_its_field_in_every_pool(tmp_path):
     assert (r.served_model_name, r.tool_call_parser, r.reasoning_parser, r.sampling_defaults) \
         == ("llama", "pythonic", "think", "openai")
     assert [(t.tenant_id, t.api_key) for t in r.tenants] == [("default", "sk-1")]
+    keys = applied("--api-key", "a", "b").router.tenants
+    assert [(t.tenant_id, t.api_key, t.share_prefix_cache) for t in keys] == \
+        [("default", "a", True), ("default-2", "b", True)]
+    # The model given first is served under its argument, as vLLM names it.
+    assert applied("/models/Llama-3.2-1B").router.served_model_name == "/models/Llama-3.2-1B"
+    assert applied("--model", "/models/x").router.served_model_name is None  # (basename)
     assert r.chat_template_text() == template.read_text()
     assert applied("--chat-template", "{{ messages }}").router.chat_template_text() == \
         "{{ messages }}"
@@ -58,6 +64,7 @@ def test_no_flags_keep_the_config_and_flags_win_over_it():
     (["--chat-template", "/no/such/template.jinja"], "--chat-template: "),
     (["--served-model-name", ""], "--served-model-name: "),
     (["--api-key", ""], "--api-key: "),
+    (["--served-model-name", "a", "b"], "--served-model-name: one name"),
 ])
 def test_a_bad_value_names_its_flag(argv, says):
     with pytest.raises(ValueError) as raised:
@@ -77,6 +84,9 @@ def test_conflicts_are_errors():
         applied("--api-key", "x", cfg=keyed)
     with pytest.raises(ValueError, match="--tensor-parallel-size: 2 is not supported"):
         applied("--tensor-parallel-size", "2")
+    # Several keys stay keys: the last is not taken for the model (and echoed in an error).
+    args = build_parser().parse_args(["serve", "--api-key", "sk-a", "sk-b"])
+    assert args.api_key == ["sk-a", "sk-b"] and args.model_path is None
     with pytest.raises(SystemExit):  # argparse: a parser vLLM has and we do not read
         build_parser().parse_args(["serve", "--tool-call-parser", "kimi_k2"])
 
@@ -90,3 +100,13 @@ def test_a_broken_template_fails_at_start(llama_dir):
     tokenizer.use_chat_template("[func_name1(params_name1=params_value1)] {{ messages[0].content }}")
     assert tokenizer.tool_call_format == "pythonic"
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).endswith(" hi")
+
+
+def test_a_relative_draft_model_is_made_absolute(tmp_path, monkeypatch):
+    (tmp_path / "draft").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = ClusterConfig.model_validate({"decode": {"engine": {"speculative_method": "draft",
+                                                              "speculative_model": "draft"}}})
+    fixed = serve_flags.absolute_draft_models(cfg)
+    assert fixed.decode.engine.speculative_model == str(tmp_path / "draft")
+    assert fixed.prefill == cfg.prefill

@@ -116,6 +116,18 @@ def test_unknown_preset_or_architecture_is_rejected(tmp_path):
         make_tiny_model(tmp_path, architecture="gpt2")
 
 
+def test_a_max_model_len_past_the_models_context_is_refused(llama_dir):
+    """As vLLM refuses it (it was cut down to the model's context without a word)."""
+    from pd_runtime.config import EngineConfig, FieldValueError
+    from pd_runtime.engine.engine import LLMEngine
+
+    with pytest.raises(FieldValueError, match=r"max_model_len.*4096 exceeds .*context \(2048"):
+        LLMEngine(EngineConfig(model=llama_dir, dtype="float32", num_kv_blocks=16,
+                               max_model_len=4096))
+    assert LLMEngine(EngineConfig(model=llama_dir, dtype="float32", num_kv_blocks=16,
+                                  max_model_len=2048)).max_model_len == 2048
+
+
 def test_sliding_window_models_are_capped_at_their_window(tmp_path):
     """Attention is over the whole context; for a sliding-window model that is exact only up to
     the window, so contexts stop there (by default) or the config is refused naming the field."""

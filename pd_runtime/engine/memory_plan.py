@@ -66,6 +66,8 @@ def weight_bytes(cfg: ModelConfig, elem: int) -> int:
     h, inter = cfg.hidden_size, cfg.intermediate_size
     per_layer = h * (q + 2 * kv) + q * h + 2 * h * inter + inter * h + 2 * h
     per_layer += (q + 2 * kv) if cfg.qkv_bias else 0
+    per_layer += h if cfg.o_bias else 0
+    per_layer += 2 * inter + h if cfg.mlp_bias else 0
     per_layer += 2 * cfg.head_dim if cfg.qk_norm else 0
     embed = cfg.vocab_size * h
     return elem * (cfg.num_layers * per_layer + embed * (1 if cfg.tie_word_embeddings else 2) + h)

@@ -221,15 +221,22 @@ def context_limit(model: ModelConfig, requested: Optional[int], name: str = "") 
     None = the model's), at most its max_position_embeddings (with YaRN, its pretraining context
     times the scaling factor, as vLLM derives it), and at most its sliding window: attention here
     is over the whole context, which is what a sliding-window model computes only up to its
-    window. An explicit request above the window is refused naming the field."""
+    window. An explicit request above either is refused naming the field (as vLLM refuses one
+    above the model's context), not quietly cut down."""
+    from pd_runtime.config import FieldValueError
+
     longest = model.max_position_embeddings
     if model.rope.rope_type == "yarn":
         longest = int(model.rope.original_max_position_embeddings * model.rope.factor)
+    if requested and requested > longest:
+        raise FieldValueError(("max_model_len",), f"{requested} exceeds {name or 'the model'}'s "
+                              f"context ({longest} tokens: max_position_embeddings"
+                              + (", with YaRN's factor" if model.rope.rope_type == "yarn" else "")
+                              + ")")
     limit = min(requested or longest, longest)
     window = model.sliding_window
     if window and limit > window:
         if requested:
-            from pd_runtime.config import FieldValueError
             raise FieldValueError(("max_model_len",), f"{requested} exceeds the model's sliding_window "
                                   f"({window}); sliding-window attention is not implemented, so "
                                   f"max_model_len can be at most {window}")
