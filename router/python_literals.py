@@ -16,11 +16,12 @@ _HEX = {"x": 2, "u": 4, "U": 8}
 # A \uXXXX pair's second half (which JSON, and a model borrowing its escapes, joins to the
 # first), whole and as far as it may be written.
 _LOW_SURROGATE = re.compile(r"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
-_LOW_SURROGATE_SO_FAR = re.compile(r"\\(u([dD]([c-fC-F][0-9a-fA-F]?)?)?)?")
+_LOW_SURROGATE_SO_FAR = re.compile(r"(\\(u([dD]([c-fC-F][0-9a-fA-F]?)?)?)?)?")
 _SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"', "a": "\a",
                    "b": "\b", "f": "\f", "v": "\v", "\n": ""}
 _OCTAL = "01234567"
-_NAMED_ESCAPE = re.compile(r"\{[A-Za-z0-9 -]{1,80}\}")
+_NAMED_ESCAPE = re.compile(r"\{[A-Za-z0-9 -]{1,100}\}")  # (Unicode's longest name: 88)
+_NAMED_SO_FAR = re.compile(r"\{[A-Za-z0-9 -]{0,100}")
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -73,11 +74,14 @@ def _escape_len(text: str, at: int, final: bool) -> Optional[int]:
         while end < len(text) and end < at + 4 and text[end] in _OCTAL:
             end += 1
         return None if end == len(text) and end < at + 4 and not final else end - at
-    if kind == "N":
+    if kind == "N":  # \N{NAME}: anything else after \N is no named escape
+        if at + 2 == len(text):
+            return 2 if final else None
         name = _NAMED_ESCAPE.match(text, at + 2)
         if name is not None:
             return name.end() - at
-        return None if not final and len(text) - at < 86 and "}" not in text[at:] else 2
+        so_far = _NAMED_SO_FAR.match(text, at + 2)
+        return None if so_far and so_far.end() == len(text) and not final else 2
     return 2
 
 

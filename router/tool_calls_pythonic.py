@@ -39,6 +39,9 @@ _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _STRING_PREFIX = "rRuU"  # what may stand before a streamed string's quote (r: raw)
 _VALUE_STOPS = re.compile(r"[\\'\"()\[\]{},]")  # what a value's scan looks at
 _CLOSERS = {"(": ")", "[": "]", "{": "}"}
+# Bounds on what is read again while undecided: a call's name (a tool's 64 characters after a
+# `functions.`-like prefix), an argument's name, and the space between it and its `=`.
+_LONGEST_NAME, _LONGEST_KEY, _LONGEST_GAP = 160, 256, 64
 
 
 class PythonicCallReader:
@@ -122,7 +125,7 @@ class PythonicCallReader:
 
     def _call_name(self, text: str, i: int) -> Optional[int]:
         end = _NAME_CHARS.match(text, i).end()
-        if end == len(text) and end - i <= 64:
+        if end == len(text) and end - i <= _LONGEST_NAME:
             self.pos = i
             return None
         name = _tool_name(text[i:end], self.names)
@@ -146,6 +149,8 @@ class PythonicCallReader:
         if key is None:
             return self._broken()  # a positional argument, or no argument at all
         at = _skip(text, key.end())
+        if key.end() - i > _LONGEST_KEY or at - key.end() > _LONGEST_GAP:
+            return self._broken()  # (no model's; and a wait here reads it all again)
         if at == len(text):
             self.pos = i
             return None
@@ -264,8 +269,9 @@ class PythonicCallReader:
         self.pending = None
         if not self.calls or self.calls[-1].done:
             return
-        if self.state == "value_start":
-            self.calls[-1].parts.append("null")
+        if self.state == "value_start":  # nothing of it, or an empty string's quotes
+            rest = text[self.pos:].strip().lstrip(_STRING_PREFIX)
+            self.calls[-1].parts.append('""' if rest in ('""', "''") else "null")
         elif self.state == "string":
             self._stream(text, len(text), final=True)
             self.calls[-1].parts.append('"')

@@ -52,6 +52,17 @@ def plan(parallel: bool = True, names=NAMES) -> ToolPlan:
     ('[get_weather(city="Paris", days=', None, [("get_weather", {"city": "Paris", "days": None})]),
     ("[get_weather(opts={'a': [1, 2", None, [("get_weather", {"opts": "{'a': [1, 2"})]),
     ('[get_weather(city="a\\', None, [("get_weather", {"city": "a\\"})]),
+    ('[get_weather(city=""', None, [("get_weather", {"city": ""})]),  # cut after ""
+    # A surrogate pair's halves (JSON's way to write it) are one character, whichever chunk
+    # each half arrives in; a raw string's \N is no named escape (a Windows path).
+    ('[noop(x="\\ud83d\\ude00")]', None, [("noop", {"x": "\U0001f600"})]),
+    ('[get_weather(city=r"C:\\New", days=3, tags=[r"C:\\New"])]', None,
+     [("get_weather", {"city": "C:\\New", "days": 3, "tags": ["C:\\New"]})]),
+    ('[get_weather(city="\\N{LATIN SMALL LETTER E WITH ACUTE}")]', None,
+     [("get_weather", {"city": "\u00e9"})]),
+    # An argument's name padded past any model's habit is no call (and not read again each
+    # time the output grows).
+    ("[get_weather(city" + " " * 100 + "='x')]", "[get_weather(city" + " " * 100 + "='x')]", []),
     ('[get_weather(days=1e999, big=123456789012345678901234567890)]', None,
      [("get_weather", {"days": "1e999", "big": 123456789012345678901234567890})]),
 ])
@@ -63,6 +74,15 @@ def test_calls_are_read_whole_and_streamed_alike(text, content, calls):
     for cuts in (range(1, len(text)), (), range(1, len(text), 7)):  # a character at a time, ...
         shown, pieces = streamed(text, cuts, plan())
         assert pieces == whole and shown == (content or "")
+
+
+def test_a_long_tool_name_behind_a_prefix_streams_as_it_reads_whole():
+    name = "t" * 64  # the longest a tool may be called
+    text = f"[functions.{name}(city='a')]"
+    content, calls = read_calls(plan(names=(name,)), text)
+    assert content is None and calls[0]["function"]["name"] == name
+    assert streamed(text, range(1, len(text)), plan(names=(name,))) == \
+        ("", [(name, '{"city": "a"}')])
 
 
 def test_one_call_without_parallel_calls():
