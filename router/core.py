@@ -77,7 +77,6 @@ class PoolBackend:
                      "(generation_config.json): %s; router.sampling_defaults: openai turns "
                      "this off", self.sampling_defaults)
         self.metrics = RouterMetrics()
-        self.metrics.registry.register(VllmNames(self.metrics, self.model_name))
         self.tenants = Tenants(cfg.router.tenants)
         self.index = PrefixIndex(card.identity, card.block_size)
         self.reloader = RoutingReloader(config_path, cfg.router.routing,
@@ -88,7 +87,9 @@ class PoolBackend:
         self.ledgers = Ledgers()
         self._engine_ids: dict[str, str] = {}
         self._rng = random.Random()
-        self.served = {"requests": 0, "output_tokens": 0}  # what the router's own CPU went on
+        # What the router's own CPU went on (and vLLM's token counters on /metrics).
+        self.served = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0}
+        self.metrics.registry.register(VllmNames(self.metrics, self.model_name, self.served))
         self._health_thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
 
@@ -280,6 +281,7 @@ class PoolBackend:
                     decode_ledger.grow(request_id, len(chunk["token_ids"]))
                     if first is None:
                         first = now
+                        self.served["prompt_tokens"] += len(prompt_ids)
                         self.ledgers[runner].prefill_done(request_id, now)
                         self.metrics.ttft.labels(path).observe(now - arrival)
                         if decision.predicted_ttft_s is not None:

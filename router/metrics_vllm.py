@@ -12,9 +12,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 class VllmNames:
     """A collector for RouterMetrics' registry."""
 
-    def __init__(self, metrics, model_name: str):
+    def __init__(self, metrics, model_name: str, served: dict):
         self.metrics = metrics
         self.model_name = model_name
+        self.served = served  # PoolBackend.served: the tokens of the requests it answered
 
     def collect(self):
         m, label = self.metrics, [self.model_name]
@@ -38,12 +39,11 @@ class VllmNames:
                      "KV cache usage, 1 = full (the healthy workers' mean)", kv)
         yield family(GaugeMetricFamily, "vllm:gpu_cache_usage_perc",
                      "vllm:kv_cache_usage_perc under its older name", kv)
-        reports = list(m.engine_steps.reports.values())
         yield family(CounterMetricFamily, "vllm:prompt_tokens",
-                     "Prompt tokens computed by the workers (prefix-cache hits not counted)",
-                     sum(r.get("prefill_tokens", 0) for r in reports))
-        yield family(CounterMetricFamily, "vllm:generation_tokens", "Tokens decoded",
-                     sum(r.get("decode_tokens", 0) for r in reports))
+                     "Prompt tokens of the requests that got a first token",
+                     self.served.get("prompt_tokens", 0))
+        yield family(CounterMetricFamily, "vllm:generation_tokens", "Tokens generated",
+                     self.served.get("output_tokens", 0))
         yield family(CounterMetricFamily, "vllm:num_preemptions", "Preemptions",
                      sum(value for _, value in _by_worker(m.preemptions)))
         for source, name, doc in (

@@ -24,12 +24,11 @@ def scraped(metrics: RouterMetrics) -> dict:
 
 def test_the_deployment_reads_as_one_vllm_server():
     m = RouterMetrics()
-    m.registry.register(VllmNames(m, "tiny"))
+    m.registry.register(VllmNames(m, "tiny", {"prompt_tokens": 2000, "output_tokens": 100}))
     for worker, running, waiting, free in (("p0", 1, 4, 60), ("d0", 7, 2, 20)):
         m.observe_worker(worker, True, {
             "total_blocks": 100, "free_blocks": free, "num_running": running,
-            "num_waiting": waiting, "num_preemptions": 3,
-            "step_costs": {"prefill_tokens": 1000, "decode_tokens": 50, "steps": 9}})
+            "num_waiting": waiting, "num_preemptions": 3})
     m.observe_worker("d1", True, {"total_blocks": 100, "free_blocks": 0, "num_running": 40,
                                   "num_waiting": 40})
     m.observe_worker("d1", False, {})  # died: its last report no longer counts as load
