@@ -79,6 +79,11 @@ class PythonicCallReader:
         self.nested: list[str] = []  # a whole-read value's open brackets' closers
         self.inner = ""  # the quote of a string inside it being read
 
+    def _wait(self, i: int) -> None:
+        """Undecided until more is written: reading resumes at `i`."""
+        self.pos = i
+        return None
+
     # -- around the calls ----------------------------------------------------------------------
     def _start(self, text: str, i: int) -> Optional[int]:
         i = _skip(text, i)
@@ -88,16 +93,14 @@ class PythonicCallReader:
                 self.state = "open"
                 return i + len(prefix)
         if not rest or any(prefix.startswith(rest) for prefix in _PREFIXES):
-            self.pos = i
-            return None
+            return self._wait(i)
         self.state = "open"
         return i
 
     def _open(self, text: str, i: int) -> Optional[int]:
         i = _skip(text, i)
         if i == len(text):
-            self.pos = i
-            return None
+            return self._wait(i)
         if text[i] == "[":
             self.listed, self.state = True, "between"
             return i + 1
@@ -113,8 +116,7 @@ class PythonicCallReader:
                                  (text[i] == ";" and not self.listed)):
             i += 1
         if i == len(text):
-            self.pos = i
-            return None
+            return self._wait(i)
         if text[i] == "]" and self.listed:
             self.over = True  # (what follows, <|python_end|> too, is not the calls')
             return i + 1
@@ -126,8 +128,7 @@ class PythonicCallReader:
     def _call_name(self, text: str, i: int) -> Optional[int]:
         end = _NAME_CHARS.match(text, i).end()
         if end == len(text) and end - i <= _LONGEST_NAME:
-            self.pos = i
-            return None
+            return self._wait(i)
         name = _tool_name(text[i:end], self.names)
         if end == len(text) or text[end] != "(" or name is None:
             return self._broken()
@@ -140,8 +141,7 @@ class PythonicCallReader:
         """Inside a call's parentheses, before an argument: `key=`, or the call's end."""
         i = _skip(text, i)
         if i == len(text):
-            self.pos = i
-            return None
+            return self._wait(i)
         if text[i] == ")":
             self._end_call()
             return i + 1
@@ -152,8 +152,7 @@ class PythonicCallReader:
         if key.end() - i > _LONGEST_KEY or at - key.end() > _LONGEST_GAP:
             return self._broken()  # (no model's; and a wait here reads it all again)
         if at == len(text):
-            self.pos = i
-            return None
+            return self._wait(i)
         if text[at] != "=":
             return self._broken()
         self._begin_call()
@@ -169,8 +168,7 @@ class PythonicCallReader:
         at = i + raw
         if at >= len(text) or (text[at] in "'\"" and len(text) - at < 3 and
                                text[at:] == text[at] * (len(text) - at)):
-            self.pos = i  # (one or two quotes: an empty string, or a triple quote's start)
-            return None
+            return self._wait(i)  # (one or two quotes: "", or a triple quote's start)
         if text[at] not in "'\"":
             self.state, self.value_start, self.scan = "value", i, i
             self.nested, self.inner = [], ""
@@ -188,8 +186,7 @@ class PythonicCallReader:
         self.scan = safe
         self._stream(text, safe)
         if end is None:
-            self.pos = safe
-            return None
+            return self._wait(safe)
         self.calls[-1].parts.append('"')
         self.state = "after_value"
         return end + len(self.quote)
@@ -204,8 +201,7 @@ class PythonicCallReader:
     def _after_value(self, text: str, i: int) -> Optional[int]:
         i = _skip(text, i)
         if i == len(text):
-            self.pos = i
-            return None
+            return self._wait(i)
         if text[i] == ",":
             self.state = "args"
             return i + 1
