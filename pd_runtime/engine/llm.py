@@ -72,8 +72,7 @@ class LLM:
         in EOS (its EOS in `token_ids` only with include_stop_str_in_output), else "length"."""
         if not 1 <= beam_width <= MAX_WIDTH:
             raise ValueError(f"beam_width must be in [1, {MAX_WIDTH}], got {beam_width}")
-        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-        ids = [self.engine.tokenize_prompt(p) for p in ([prompts] if single else prompts)]
+        ids = [self.engine.tokenize_prompt(p) for p in _prompt_list(prompts)]
         spec = BeamSpec(beam_width, float(length_penalty), include_stop_str_in_output)
         runs = [Search(p, spec, max_tokens, self.tokenizer.eos_token_ids, ignore_eos)
                 for p in ids]
@@ -99,9 +98,7 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False) -> list[CompletionOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -144,3 +141,11 @@ class LLM:
             result.finish_reason = out.finish_reason
             return 1
         return 0
+
+
+def _prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> list:
+    """One prompt (text, or token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                    and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
