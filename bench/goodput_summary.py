@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from bench.goodput_client import RequestRecord
     from bench.goodput_load import PointPlan
 
-from planner.stats import percentile  # noqa: E402  (the simulator's definition too)
+from pd_runtime.planner.stats import percentile  # noqa: E402  (the simulator's definition too)
 
 
 def stats(values: list[float], qs=(50, 90, 99)) -> dict:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from planner.workload import arrival_offsets  # noqa: F401  (the bench's send times)
+from pd_runtime.planner.workload import arrival_offsets  # noqa: F401  (the bench's send times)
 
 
 # ------------------------------------------------------------------------------------ workload

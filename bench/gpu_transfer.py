@@ -36,8 +36,8 @@ import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 from bench.kv_transfer import _Sender as HostBenchSender, _summary  # noqa: E402
-from kv_transfer.base import Activity, LinkState  # noqa: E402
-from kv_transfer.registry import create_agent, make_transport  # noqa: E402
+from pd_runtime.kv_transfer.base import Activity, LinkState  # noqa: E402
+from pd_runtime.kv_transfer.registry import create_agent, make_transport  # noqa: E402
 from pd_runtime.config import KVTransferConfig  # noqa: E402
 from pd_runtime.engine.host_memory import host_zeros  # noqa: E402
 

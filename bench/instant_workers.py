@@ -1,4 +1,4 @@
-"""Workers that answer at once: the slice of PoolClient that router/core.py's PoolBackend uses
+"""Workers that answer at once: the slice of PoolClient that pd_runtime/router/core.py's PoolBackend uses
 (`prefill`, `decode`, `refresh`, `generate`), with no Ray and no engine behind it.
 
 It lets a bench time the router alone: every chunk is ready the moment it is asked for.

@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from kv_transfer.base import Activity, LinkState, TransferState  # noqa: E402
-from kv_transfer.registry import create_agent, make_transport  # noqa: E402
+from pd_runtime.kv_transfer.base import Activity, LinkState, TransferState  # noqa: E402
+from pd_runtime.kv_transfer.registry import create_agent, make_transport  # noqa: E402
 from pd_runtime.config import KVTransferConfig  # noqa: E402
 from pd_runtime.engine.host_memory import host_zeros  # noqa: E402
 
@@ -51,7 +51,7 @@ def _raw_op(link, buf, what):
     """A plain send or receive of buf as one message, the figure the agent is held to. (UCX
     links split regions into pieces and stage receives so a given-up one cannot write late;
     the raw figure is a bare tag_send/tag_recv of the whole buffer.)"""
-    from kv_transfer import ucx, ucx_worker
+    from pd_runtime.kv_transfer import ucx, ucx_worker
     if not isinstance(link, ucx.UCXLink):
         (link.send_bytes if what == "send" else link.recv_bytes)(buf, TIMEOUT_S)
         return

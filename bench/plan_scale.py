@@ -17,10 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pd_runtime.config import RoutingConfig, SLOTarget  # noqa: E402
-from planner.costs import ClusterCosts  # noqa: E402
-from planner.plan import capacity, default_rates, plan  # noqa: E402
-from planner.simulator import Topology, simulate  # noqa: E402
-from planner.workload import Workload  # noqa: E402
+from pd_runtime.planner.costs import ClusterCosts  # noqa: E402
+from pd_runtime.planner.plan import capacity, default_rates, plan  # noqa: E402
+from pd_runtime.planner.simulator import Topology, simulate  # noqa: E402
+from pd_runtime.planner.workload import Workload  # noqa: E402
 
 
 def hour(costs: ClusterCosts, rate: float, slo: SLOTarget) -> str:

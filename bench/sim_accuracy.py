@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 from bench.common import bench_model  # noqa: E402
 from bench.goodput_study import Server, goodput, write_config  # noqa: E402
 from pd_runtime.config import ClusterConfig, SLOTarget  # noqa: E402
-from planner.costs import ClusterCosts  # noqa: E402
-from planner.simulator import Topology, simulate  # noqa: E402
-from planner.workload import Workload  # noqa: E402
+from pd_runtime.planner.costs import ClusterCosts  # noqa: E402
+from pd_runtime.planner.simulator import Topology, simulate  # noqa: E402
+from pd_runtime.planner.workload import Workload  # noqa: E402
 
 
 def simulated(costs: ClusterCosts, config_path: Path, trace: Path, point: int,

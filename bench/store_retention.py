@@ -1,4 +1,4 @@
-"""What retention (gateway/retention.py) costs the embedded run store, against the store's own
+"""What retention (pd_runtime/gateway/retention.py) costs the embedded run store, against the store's own
 write cost in the same run: two SQLite stores filled alike on this machine's disk, one as the
 current schema makes it and one without the two age indexes retention walks (what writes paid
 before it).
@@ -29,11 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.migrations import MIGRATIONS  # noqa: E402
-from gateway.retention import BATCH, Retention  # noqa: E402
-from gateway.runs import IN_FLIGHT, Runs, record_item  # noqa: E402
-from gateway.sqlite import SqliteRunStore  # noqa: E402
-from gateway.store import DAY_S  # noqa: E402
+from pd_runtime.gateway.migrations import MIGRATIONS  # noqa: E402
+from pd_runtime.gateway.retention import BATCH, Retention  # noqa: E402
+from pd_runtime.gateway.runs import IN_FLIGHT, Runs, record_item  # noqa: E402
+from pd_runtime.gateway.sqlite import SqliteRunStore  # noqa: E402
+from pd_runtime.gateway.store import DAY_S  # noqa: E402
 
 OUTPUT = b"data: " + b"x" * 2040 + b"\n\n"
 

@@ -42,8 +42,8 @@ def main() -> None:
     sys.path.insert(0, args.tree)
     from bench.common import bench_model, machine_line
     from pd_runtime.tokenizer import Tokenizer
-    from router.protocol import prepare_chat
-    from router.responses import ResponseBuilder
+    from pd_runtime.router.protocol import prepare_chat
+    from pd_runtime.router.responses import ResponseBuilder
 
     tokenizer = Tokenizer(bench_model(None))
     tokenizer.chat_template, tokenizer._template = TEMPLATE, None

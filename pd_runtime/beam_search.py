@@ -1,5 +1,5 @@
 """Beam search's one algorithm, stepped by whoever computes the next tokens: the router over
-one-token requests (router/beam_search.py, vLLM's `use_beam_search`), the offline LLM over its
+one-token requests (pd_runtime/router/beam_search.py, vLLM's `use_beam_search`), the offline LLM over its
 engine (`LLM.beam_search`). Torch-free.
 
 Each step asks every live beam's top next tokens (2 x width, raw log-probabilities), keeps the

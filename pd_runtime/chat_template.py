@@ -84,7 +84,7 @@ _PYTHONIC_PROMPT = re.compile(r"\[func_name1\(params?_name1=params?_value1")
 
 
 def tool_call_format(template: Optional[str]) -> Optional[str]:
-    """The tool-call format a chat template teaches its model (router/tools.py reads calls in
+    """The tool-call format a chat template teaches its model (pd_runtime/router/tools.py reads calls in
     it): "qwen3_coder" (<function=NAME><parameter=KEY> calls in <tool_call> blocks:
     Qwen3-Coder and the later Qwen models), "hermes" (JSON in <tool_call> blocks: Qwen2.5,
     Qwen3, Hermes), "mistral" ([TOOL_CALLS], in either form), "llama3_json" (Llama 3.1-3.3's
@@ -116,7 +116,7 @@ def tool_call_format(template: Optional[str]) -> Optional[str]:
 
 def reasoning_format(template: Optional[str]) -> Optional[str]:
     """"think" when a chat template knows <think>...</think> blocks (Qwen3, QwQ, DeepSeek-R1
-    and its distills): its model's thinking is split from its answer (router/reasoning.py)."""
+    and its distills): its model's thinking is split from its answer (pd_runtime/router/reasoning.py)."""
     return "think" if template and ("</think>" in template or "<think>" in template) else None
 
 

@@ -1,5 +1,5 @@
 """`pd-runtime` command line: serve, generate (offline), make-tiny-model, and the planner's
-profile, simulate and plan (planner/cli.py).
+profile, simulate and plan (pd_runtime/planner/cli.py).
 
 Settings come from flags and YAML here, at the edge; nothing deeper reads the environment.
 """
@@ -101,9 +101,9 @@ def _cmd_serve(args) -> int:
             close()
         return 0
     from pd_runtime.workers.router_replicas import start_replicas
-    from router.replicas import build_router
-    from router.run_records import owner_name
-    from router.server import serve_http
+    from pd_runtime.router.replicas import build_router
+    from pd_runtime.router.run_records import owner_name
+    from pd_runtime.router.server import serve_http
 
     host = args.host or cfg.router.host
     port = cfg.router.port if args.port is None else args.port
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "its own thread and event loop, KV moved by in-process links)")
         p.set_defaults(func=func)
 
-    from planner.cli import add_commands
+    from pd_runtime.planner.cli import add_commands
 
     add_commands(sub)
     return parser

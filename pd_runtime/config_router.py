@@ -53,7 +53,7 @@ class RoutingConfig(_Strict):
     """Colocated or disaggregated, per request; reloads live (load_routing_config)."""
 
     # slo: per request, the option (colocated on a decode worker, or a prefill/decode pair)
-    # whose predicted TTFT and TPOT (router/cost_model.py) meet the targets with the most
+    # whose predicted TTFT and TPOT (pd_runtime/router/cost_model.py) meet the targets with the most
     # headroom; none meets them: `overload`. auto: the length threshold below.
     mode: Literal["slo", "auto", "always_disaggregated", "always_colocated"] = "slo"
     slo: SLOTarget = Field(default_factory=SLOTarget)
@@ -85,7 +85,7 @@ class TenantConfig(_Strict):
 
 
 class RunsConfig(_Strict):
-    """Run records (gateway/): every generation request a run with a state, its output kept
+    """Run records (pd_runtime/gateway/): every generation request a run with a state, its output kept
     for idempotent retries and resumed streams, and a usage ledger."""
     enabled: bool = True
     # None: SQLite in a file under the user's data directory; or sqlite:///path, or
@@ -154,14 +154,14 @@ class RouterConfig(_Strict):
     # model's generation_config.json (as vLLM does), else OpenAI's; "openai", always OpenAI's.
     sampling_defaults: Literal["model", "openai"] = "model"
     # How the model writes tool calls, for chat requests with tool_choice "auto"
-    # (router/tools.py): "auto", the format its chat template shows (<function=...> calls in
+    # (pd_runtime/router/tools.py): "auto", the format its chat template shows (<function=...> calls in
     # <tool_call> blocks: qwen3_coder; JSON in them: hermes; [TOOL_CALLS]: mistral;
     # <|python_tag|>: llama3_json; <｜tool▁calls▁begin｜>: deepseek_v3; the
     # [func_name1(params_name1=...)] prompt: pythonic; <|tool_call|>: granite), else none;
     # "none": auto tool choice refused.
     tool_call_parser: Literal["auto", "hermes", "mistral", "llama3_json", "qwen3_coder",
                               "deepseek_v3", "pythonic", "granite", "none"] = "auto"
-    # A reasoning model's thinking on chat completions (router/reasoning.py): "auto", split
+    # A reasoning model's thinking on chat completions (pd_runtime/router/reasoning.py): "auto", split
     # into `reasoning` when its chat template knows <think> blocks; "think", always; "none",
     # left in the content.
     reasoning_parser: Literal["auto", "think", "none"] = "auto"

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.open import open_store
-from gateway.runs import Runs
+from pd_runtime.gateway.open import open_store
+from pd_runtime.gateway.runs import Runs
 
 
 def test_a_postgres_store_answers_the_first_call_after_its_server_restarts():
     """A restart breaks every idle connection; the next read and the next write each find
     theirs dropped and go once more on a new one, instead of failing once per thread. While the
     server is down, calls raise StoreUnavailable (the router answers 503)."""
-    from gateway.store import StoreUnavailable
+    from pd_runtime.gateway.store import StoreUnavailable
     from tests.postgres_server import running_server
 
     with running_server() as server:

@@ -1,4 +1,4 @@
-"""Run records, idempotency keys and the usage ledger (gateway/) on every store, the embedded
+"""Run records, idempotency keys and the usage ledger (pd_runtime/gateway/) on every store, the embedded
 SQLite file and a real PostgreSQL server started for the session: the state machine, one run and
 one ledger row under concurrent retries, a process killed mid-run marked failed at the next start
 with no ledger row, and versioned migrations applied once even by processes starting together."""
@@ -18,11 +18,11 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 
-from gateway.migrations import MIGRATIONS
-from gateway.open import open_store
-from gateway.postgres import PostgresRunStore
-from gateway.runs import IdempotencyConflict, InvalidTransition, Runs
-from gateway.sqlite import SqliteRunStore, default_path
+from pd_runtime.gateway.migrations import MIGRATIONS
+from pd_runtime.gateway.open import open_store
+from pd_runtime.gateway.postgres import PostgresRunStore
+from pd_runtime.gateway.runs import IdempotencyConflict, InvalidTransition, Runs
+from pd_runtime.gateway.sqlite import SqliteRunStore, default_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,8 +108,8 @@ def test_fifty_concurrent_retries_make_one_run_and_one_ledger_row(runs):
 _CRASHING_ROUTER = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-from gateway.open import open_store
-from gateway.runs import Runs
+from pd_runtime.gateway.open import open_store
+from pd_runtime.gateway.runs import Runs
 runs = Runs(open_store({url!r}))
 done, _ = runs.create("acme")
 for state in ("prefilling", "streaming"):
@@ -158,9 +158,9 @@ def test_migrations_are_versioned_and_applied_once(store_url):
 def test_a_store_of_schema_4_keeps_its_runs_transition_times(store_url, monkeypatch):
     """Migration 5 moves run_transitions into columns of runs: a store written by the code of
     schema 4 reads the same states and times after it."""
-    import gateway.sql_store
+    from pd_runtime.gateway import sql_store
 
-    monkeypatch.setattr(gateway.sql_store, "MIGRATIONS", MIGRATIONS[:4])
+    monkeypatch.setattr(sql_store, "MIGRATIONS", MIGRATIONS[:4])
     old = open_store(store_url)
     with old._tx() as db:
         for run_id, state, steps in [("run-done", "completed", [("queued", 10.0),
@@ -192,7 +192,7 @@ def test_a_store_of_schema_4_keeps_its_runs_transition_times(store_url, monkeypa
 _MIGRATING_ROUTER = """
 import sys
 sys.path.insert(0, {repo!r})
-from gateway.open import open_store
+from pd_runtime.gateway.open import open_store
 print("opening", flush=True)
 store = open_store({url!r})
 print(store.schema_version, flush=True)
@@ -354,7 +354,7 @@ def test_recorded_outputs_owners_and_shared_rate_buckets(runs):
 
 
 def test_a_round_records_every_run_it_can_and_names_the_others(runs):
-    from gateway.runs import IN_FLIGHT, record_item
+    from pd_runtime.gateway.runs import IN_FLIGHT, record_item
 
     def row(run_id: str, state: str, **fields) -> dict:
         return {**Runs.new_run("acme", run_id, "router-0", now=100.0), "state": state,
@@ -384,7 +384,7 @@ def test_a_background_responses_opening_is_kept_apart_from_its_output(runs):
     """A background response's created event goes to the store with its first rows (what a
     poll reads should its router stop): once, apart from its output (which routers of an older
     version read), kept past its output's retention, deleted with its run."""
-    from gateway.runs import IN_FLIGHT, record_item
+    from pd_runtime.gateway.runs import IN_FLIGHT, record_item
 
     def write(run_id: str, state: str, output=None, opening=None, insert=False) -> None:
         row = {**Runs.new_run("acme", run_id, "router-0", now=100.0), "state": state,
@@ -449,8 +449,8 @@ def test_a_followed_runs_events_are_published_until_its_end(runs):
     """What a replica's client following another's run reads: the runs of an owner in flight
     and followed lately, their events after a sequence number (each written once however
     often sent), gone with the run's final row, and with the run when retention deletes it."""
-    from gateway.retention import Retention
-    from gateway.runs import IN_FLIGHT, record_item
+    from pd_runtime.gateway.retention import Retention
+    from pd_runtime.gateway.runs import IN_FLIGHT, record_item
 
     store = runs.store
     run, _ = runs.create("acme", owner="a:8000/0")

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from kv_transfer.base import FailureReason, LinkState, SendOutcome, TransferState
-from kv_transfer.registry import create_agent
+from pd_runtime.kv_transfer.base import FailureReason, LinkState, SendOutcome, TransferState
+from pd_runtime.kv_transfer.registry import create_agent
 from tests.kv_transfer_support.common import config, fill_random, make_caches, wait_for
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from bench.gpu_transfer import Shape, run
-from kv_transfer import ucx as ucx_module, ucx_worker
-from kv_transfer.base import KVTransferError, LinkError, LinkState, SendOutcome, TransferState
-from kv_transfer.registry import create_agent, make_transport
+from pd_runtime.kv_transfer import ucx as ucx_module, ucx_worker
+from pd_runtime.kv_transfer.base import KVTransferError, LinkError, LinkState, SendOutcome, TransferState
+from pd_runtime.kv_transfer.registry import create_agent, make_transport
 from pd_runtime.config import same_gpu_reason
-from kv_transfer.ucx import UCXTransport
-from kv_transfer.ucx_worker import (DIRECT_MIN_BYTES, DeviceBytes, Worker, as_bytes,
+from pd_runtime.kv_transfer.ucx import UCXTransport
+from pd_runtime.kv_transfer.ucx_worker import (DIRECT_MIN_BYTES, DeviceBytes, Worker, as_bytes,
                                     check_cuda_transports, context_config, context_transports,
                                     device_array, flat, resolve_mode, ucx_modules)
 from tests.kv_transfer_support.common import (collect, config, fill_random, make_caches,

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from kv_transfer.base import FailureReason, LinkError, Role, SendOutcome, TransferState
-from kv_transfer.registry import make_transport
+from pd_runtime.kv_transfer.base import FailureReason, LinkError, Role, SendOutcome, TransferState
+from pd_runtime.kv_transfer.registry import make_transport
 from tests.kv_transfer_support.common import BlockAllocator, collect, config, fill_random, wait_for
 from tests.kv_transfer_support.peer_proc import PeerProcess, RawSenderProcess
 from tests.kv_transfer_support.side import Side

@@ -1,4 +1,4 @@
-"""Link faults injected at run time (kv_transfer/faults.py) on the local backend and between two
+"""Link faults injected at run time (pd_runtime/kv_transfer/faults.py) on the local backend and between two
 real processes over gloo: every fault ends in a clean failure with its reason on both sides or
 in exact bytes, within the deadline, with block and credit accounting back at its start."""
 
@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from kv_transfer.base import FailureReason, LinkState, TransferState
-from kv_transfer.faults import FaultInjectingTransport, FaultSettingsError, LinkFaults
-from kv_transfer.local import LocalTransport
-from kv_transfer.registry import create_agent
+from pd_runtime.kv_transfer.base import FailureReason, LinkState, TransferState
+from pd_runtime.kv_transfer.faults import FaultInjectingTransport, FaultSettingsError, LinkFaults
+from pd_runtime.kv_transfer.local import LocalTransport
+from pd_runtime.kv_transfer.registry import create_agent
 from tests.kv_transfer_support.common import POISON, collect, config, make_caches, poison_untouched
 from tests.kv_transfer_support.peer_proc import PeerProcess
 from tests.kv_transfer_support.side import Side
@@ -216,8 +216,8 @@ def test_discarded_bytes_are_read_into_a_buffer_on_the_cache_device():
     cache's device, as the sender posted it from the cache: a link picks its group by the
     buffer's device (NCCL for CUDA, gloo for host memory), so the read waits on the group the
     chunk was sent on. `meta` stands in for a device other than the host."""
-    from kv_transfer.layout import KVLayout
-    from kv_transfer.wire import ScratchBuffer
+    from pd_runtime.kv_transfer.layout import KVLayout
+    from pd_runtime.kv_transfer.wire import ScratchBuffer
 
     layout = KVLayout([torch.empty(2, 4, 2, 16, 8, device="meta") for _ in range(2)])
     scratch = ScratchBuffer(layout).region(3 * layout.block_bytes)
@@ -233,9 +233,9 @@ def test_discarded_bytes_are_read_on_the_group_they_were_sent_on():
     discard path) picks gloo and would wait there for ever. `meta` stands in for the device."""
     from types import SimpleNamespace
 
-    from kv_transfer.layout import KVLayout
-    from kv_transfer.torch_dist import TorchDistLink
-    from kv_transfer.wire import ScratchBuffer
+    from pd_runtime.kv_transfer.layout import KVLayout
+    from pd_runtime.kv_transfer.torch_dist import TorchDistLink
+    from pd_runtime.kv_transfer.wire import ScratchBuffer
 
     link = SimpleNamespace(_data="nccl group", _control="gloo group")
     layout = KVLayout([torch.empty(2, 4, 2, 16, 8, device="meta") for _ in range(2)])

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kv_transfer.base import (FailureReason, LinkState, MetadataMismatchError, Role, SendOutcome,
+from pd_runtime.kv_transfer.base import (FailureReason, LinkState, MetadataMismatchError, Role, SendOutcome,
                               TransferState)
-from kv_transfer.layout import BlockRun, merge_runs
-from kv_transfer.registry import create_agent
+from pd_runtime.kv_transfer.layout import BlockRun, merge_runs
+from pd_runtime.kv_transfer.registry import create_agent
 from tests.kv_transfer_support.common import (BlockAllocator, collect, config, fill_random,
                                               make_caches, poison_untouched, wait_for)
 

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from kv_transfer.base import AgentMetadata, LinkState, MetadataMismatchError, SendOutcome, TransferState
-from kv_transfer.registry import create_agent
+from pd_runtime.kv_transfer.base import AgentMetadata, LinkState, MetadataMismatchError, SendOutcome, TransferState
+from pd_runtime.kv_transfer.registry import create_agent
 from tests.kv_transfer_support.common import (BlockAllocator, collect, config, fill_random,
                                               make_caches, poison_untouched, wait_for)
 from tests.kv_transfer_support.peer_proc import PeerProcess

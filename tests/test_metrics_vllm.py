@@ -1,4 +1,4 @@
-"""vLLM's metric names on the router's /metrics (router/metrics_vllm.py): what dashboards,
+"""vLLM's metric names on the router's /metrics (pd_runtime/router/metrics_vllm.py): what dashboards,
 autoscalers and inference gateways written for a vLLM server read, derived from the router's
 own metrics: healthy workers summed, a dead worker's last load left out, the latency histograms
 of every path merged."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import RouterMetrics
-from router.metrics_vllm import VllmNames
+from pd_runtime.router.metrics import RouterMetrics
+from pd_runtime.router.metrics_vllm import VllmNames
 
 
 def scraped(metrics: RouterMetrics) -> dict:

@@ -12,11 +12,11 @@ import math
 import pytest
 
 from pd_runtime.config import RoutingConfig, SLOTarget
-from planner.costs import ClusterCosts, HostCosts, RoleCosts
-from planner.host import fit_host, load_cores, nnls, union_s
-from planner.engine_model import SimEngine
-from planner.simulator import ClusterSim, Topology, simulate
-from planner.workload import SimRequest, Workload, read_trace
+from pd_runtime.planner.costs import ClusterCosts, HostCosts, RoleCosts
+from pd_runtime.planner.host import fit_host, load_cores, nnls, union_s
+from pd_runtime.planner.engine_model import SimEngine
+from pd_runtime.planner.simulator import ClusterSim, Topology, simulate
+from pd_runtime.planner.workload import SimRequest, Workload, read_trace
 
 COEF = dict(step_s=0.004, prefill_token_s=2.5e-4, prefill_attention_s=1e-8,
             decode_seq_s=8e-4, decode_context_s=2e-7)
@@ -252,7 +252,7 @@ def test_steps_on_a_shared_node_slow_down_only_while_they_overlap():
 def test_the_calibration_records_what_each_worker_stepped_beside():
     """Per stage: each worker's step time, weighted by the other workers' engine CPU over the
     stage (what its fitted step costs already hold); then the sweep's figure for the host."""
-    from planner.profile import _engines_beside
+    from pd_runtime.planner.profile import _engines_beside
 
     # Two workers, 2 s: p stepped 1.5 s beside d's 1.0 s of CPU (0.5 cores), d 1.0 s beside
     # p's 1.2 s (0.6 cores).
@@ -310,7 +310,7 @@ def test_router_cpu_on_the_workers_node_slows_them_with_the_rate():
 
 # ---------------------------------------------------------------------------------- plan
 def test_plan_ranks_splits_and_plots(tmp_path):
-    from planner.plan import parse_slo, plan, plot, table
+    from pd_runtime.planner.plan import parse_slo, plan, plot, table
 
     assert parse_slo("ttft=2.5,tpot=100ms") == SLOTarget(ttft_s=2.5, tpot_s=0.1)
     with pytest.raises(ValueError, match="tpot"):
@@ -376,7 +376,7 @@ def test_profile_through_a_running_routers_http_api(llama_dir):
     import httpx
 
     from pd_runtime.config import RouterConfig
-    from planner.profile import calibrate_http
+    from pd_runtime.planner.profile import calibrate_http
     from tests.pool_support import pair_config, served
 
     engine = {"dtype": "float32", "num_kv_blocks": 512, "num_threads": 1, "warmup_tokens": 0}
@@ -409,7 +409,7 @@ def test_profile_through_a_running_routers_http_api(llama_dir):
 
 
 def test_ttft_fit_separates_a_fixed_cost_from_the_fits_error():
-    from planner.profile import _affine, apply_overheads
+    from pd_runtime.planner.profile import _affine, apply_overheads
 
     assert _affine([(p, 0.02 + 1.25 * p) for p in (0.1, 0.4, 0.9)]) == \
         pytest.approx((0.02, 1.25))

@@ -1,5 +1,5 @@
 """OpenAI's `reasoning_effort` (chat) and `reasoning.effort` / `.summary` (Responses) on open
-models (router/chat_prompt.py): the template's `reasoning_effort` variable, its
+models (pd_runtime/router/chat_prompt.py): the template's `reasoning_effort` variable, its
 `enable_thinking` switch (off for "none", on for a level), and a 400 naming the field where the
 model cannot honour it (no thinking at all, or no switch to turn it off)."""
 
@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from pd_runtime.tokenizer import Tokenizer
-from router.protocol import prepare_chat, prepare_completion
-from router.schema import InvalidRequest
+from pd_runtime.router.protocol import prepare_chat, prepare_completion
+from pd_runtime.router.schema import InvalidRequest
 from tests.router_support.serving import local
 from tests.test_reasoning import QWEN3_TEMPLATE, R1_TEMPLATE
 

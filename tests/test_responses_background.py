@@ -1,5 +1,5 @@
-"""Background responses with the official `openai` client (router/generation.py `_background`,
-router/responses_stored.py): queued at once and polled to the answer the same request gives in
+"""Background responses with the official `openai` client (pd_runtime/router/generation.py `_background`,
+pd_runtime/router/responses_stored.py): queued at once and polled to the answer the same request gives in
 the foreground; a background stream its client leaves goes on and is streamed again from where
 it was left; cancelled while it runs, it stops and says so."""
 

@@ -1,4 +1,4 @@
-"""The Responses API's stream events (router/responses_events.py) fed through the official
+"""The Responses API's stream events (pd_runtime/router/responses_events.py) fed through the official
 `openai` client's own accumulator (ResponseStreamState, what `client.responses.stream` uses):
 whatever the chunking, the snapshot it builds from the deltas and the response.completed event
 hold the JSON body's output: a reasoning item, the message, the function calls."""
@@ -15,10 +15,10 @@ from openai.types.responses import ResponseStreamEvent
 
 from pd_runtime.api import SamplingParams
 from pd_runtime.tokenizer import Tokenizer
-from router.schema import ChoiceSpec, PreparedRequest
-from router.responses_api import chat_body
-from router.responses_events import ResponsesBuilder
-from router.tools import ToolPlan
+from pd_runtime.router.schema import ChoiceSpec, PreparedRequest
+from pd_runtime.router.responses_api import chat_body
+from pd_runtime.router.responses_events import ResponsesBuilder
+from pd_runtime.router.tools import ToolPlan
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_a_stream_with_no_chunk_still_opens_and_a_failure_keeps_the_items(tokeni
         "response.created", "response.in_progress", "response.completed"]
     builder = _builder(tokenizer)
     events = builder.events(0, {"text": "so far", "token_ids": [7], "finished": False})
-    from router.backend import BackendError
+    from pd_runtime.router.backend import BackendError
     failed = builder.failed(BackendError(503, "gone"))
     assert [e["type"] for e in failed] == ["error", "response.failed"]
     assert [e["sequence_number"] for e in events + failed] == list(range(len(events) + 2))

@@ -9,10 +9,10 @@ import pytest
 
 from pd_runtime.config import RoutingConfig, TenantConfig
 from pd_runtime.engine.block_hash import block_hashes, root_hash
-from router.policy import WorkerState, decide
-from router.prefix_index import PrefixIndex
-from router.reload import RoutingReloader
-from router.tenants import AuthError, Tenants
+from pd_runtime.router.policy import WorkerState, decide
+from pd_runtime.router.prefix_index import PrefixIndex
+from pd_runtime.router.reload import RoutingReloader
+from pd_runtime.router.tenants import AuthError, Tenants
 
 LOAD = dict(num_running=0, num_waiting=0, queued_prefill_tokens=0, free_blocks=100,
             total_blocks=100, max_num_seqs=64)

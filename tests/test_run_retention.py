@@ -1,4 +1,4 @@
-"""Retention of the run store (gateway/retention.py) on every store, the embedded SQLite file and
+"""Retention of the run store (pd_runtime/gateway/retention.py) on every store, the embedded SQLite file and
 a real PostgreSQL server: outputs and runs past their keep are deleted, runs in flight never, the
 usage ledger's totals stay exact (each deleted run's usage added to its tenant's day once, even
 with several processes trimming at once), a store of the previous schema keeps its outputs' ages;
@@ -12,11 +12,11 @@ import time
 import httpx
 import pytest
 
-from gateway.migrations import MIGRATIONS
-from gateway.open import open_store
-from gateway.retention import Retention
-from gateway.runs import IN_FLIGHT, Runs, record_item
-from gateway.store import DAY_S
+from pd_runtime.gateway.migrations import MIGRATIONS
+from pd_runtime.gateway.open import open_store
+from pd_runtime.gateway.retention import Retention
+from pd_runtime.gateway.runs import IN_FLIGHT, Runs, record_item
+from pd_runtime.gateway.store import DAY_S
 from pd_runtime.config import RouterConfig, TenantConfig
 from tests.router_support.serving import assert_error_body, local
 
@@ -119,9 +119,9 @@ def test_processes_trimming_one_store_at_once_count_each_deleted_run_once(store_
 def test_a_store_of_schema_6_keeps_its_outputs_ages(store_url, monkeypatch):
     """Migration 7 copies each kept output's run creation time onto it: an old output goes
     at the first pass after the upgrade, a recent one stays."""
-    import gateway.sql_store
+    from pd_runtime.gateway import sql_store
 
-    monkeypatch.setattr(gateway.sql_store, "MIGRATIONS", MIGRATIONS[:6])
+    monkeypatch.setattr(sql_store, "MIGRATIONS", MIGRATIONS[:6])
     previous = open_store(store_url)
     with previous._tx() as db:
         for run_id, created_at in (("run-old", NOW - DAY_S), ("run-new", NOW - 60)):

@@ -11,10 +11,10 @@ import pytest
 from pd_runtime.config import RoutingConfig, SLOClass, SLOTarget
 from pd_runtime.config_loading import ConfigError, load_routing_config
 from pd_runtime.engine.step_costs import StepCostModel, StepWork
-from router.cost_model import CostModel
-from router.ledger import Ledgers
-from router.policy import WorkerState, decide_slo, slo_options, slo_target
-from router.reload import RoutingReloader
+from pd_runtime.router.cost_model import CostModel
+from pd_runtime.router.ledger import Ledgers
+from pd_runtime.router.policy import WorkerState, decide_slo, slo_options, slo_target
+from pd_runtime.router.reload import RoutingReloader
 
 # A worker that prefills 5,000 tokens/s and decodes a sequence for 1 ms a step over 5 ms.
 FAST = dict(step_s=0.005, prefill_token_s=2e-4, prefill_attention_s=0.0, decode_seq_s=1e-3,
@@ -197,7 +197,7 @@ def test_time_held_at_the_router_counts_against_the_ttft_target():
 
 def test_tenant_budget_is_given_back_for_a_refusal():
     from pd_runtime.config import TenantConfig
-    from router.tenants import Tenants
+    from pd_runtime.router.tenants import Tenants
 
     tenant = TenantConfig(tenant_id="a", api_key="k", requests_per_minute=2)
     tenants = Tenants([tenant])
@@ -259,7 +259,7 @@ def test_recent_prefill_seconds_match_the_plain_sum_over_minutes_of_traffic():
     """The window sum is a lookup over running totals that are trimmed and rebased as entries
     age past a minute: over 5 simulated minutes at ~200 prefills a second it equals the sum
     over every prefill done in the window, for short and long windows."""
-    from router.ledger import _RECENT_S, WorkerLedger
+    from pd_runtime.router.ledger import _RECENT_S, WorkerLedger
 
     rng = random.Random(3)
     ledger, done, now = WorkerLedger(), [], 1000.0

@@ -1,4 +1,4 @@
-"""Tool calls as a Python list of calls (router/tool_calls_pythonic.py): read whole and as
+"""Tool calls as a Python list of calls (pd_runtime/router/tool_calls_pythonic.py): read whole and as
 streamed in any chunking, values decoded from Python's literals, fuzzed against calls written
 with Python's own repr; and over HTTP with the official `openai` client, the test model given a
 pythonic template and made to call through a regex."""
@@ -11,8 +11,8 @@ import random
 import pytest
 
 from pd_runtime.chat_template import tool_call_format
-from router.tool_calls import read_calls, reader
-from router.tools import ToolPlan
+from pd_runtime.router.tool_calls import read_calls, reader
+from pd_runtime.router.tools import ToolPlan
 from tests.router_support.tool_serving import assembled, streamed, with_template
 
 NAMES = ("get_weather", "get_time", "noop")

@@ -26,9 +26,9 @@ def test_prefill_and_decode_pools_on_two_nodes(llama_dir):
 
     from pd_runtime.config import ClusterConfig
     from pd_runtime.workers.launch import launch
-    from router.app import create_app
-    from router.core import PoolBackend
-    from router.server import start_in_thread
+    from pd_runtime.router.app import create_app
+    from pd_runtime.router.core import PoolBackend
+    from pd_runtime.router.server import start_in_thread
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"pd_prefill_node": 1}, "include_dashboard": False})
@@ -50,7 +50,7 @@ def test_prefill_and_decode_pools_on_two_nodes(llama_dir):
                  for w in client.prefill + client.decode}
         assert infos["decode-0"]["node_id"] == decode_node.node_id
         assert infos["prefill-0"]["node_id"] != decode_node.node_id  # the head: pd_prefill_node
-        from kv_transfer.base import AgentMetadata
+        from pd_runtime.kv_transfer.base import AgentMetadata
 
         for info in infos.values():  # host "auto" became the node's address
             address = AgentMetadata.decode(info["kv_metadata"]).address

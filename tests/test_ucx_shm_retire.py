@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from kv_transfer.base import LinkError
-from kv_transfer.registry import make_transport
+from pd_runtime.kv_transfer.base import LinkError
+from pd_runtime.kv_transfer.registry import make_transport
 from tests.kv_transfer_support.common import config
 from tests.kv_transfer_support.peer_proc import RawSenderProcess
 

@@ -215,7 +215,7 @@ def test_health_reports_a_worker_gone_for_good(cluster, llama_dir):
     from pd_runtime.config import ClusterConfig
     from pd_runtime.workers.client import PoolClient
     from pd_runtime.workers.pool import start_worker, wait_ready
-    from router.core import PoolBackend
+    from pd_runtime.router.core import PoolBackend
 
     engine = EngineConfig(model=llama_dir, dtype="float32", num_kv_blocks=32, num_threads=1)
     kv = KVTransferConfig(backend="torch_dist")

@@ -164,7 +164,7 @@ async def _await_transfer(worker, request_id: str) -> bool:
     deadline passed. The agent's own end of the transfer (`on_release`, which comes only once
     nothing more can be written) resolves the wait, and has already moved the request on in the
     engine (`RemotePrefill.receive_ended`); nothing polls."""
-    from kv_transfer.base import TransferState
+    from pd_runtime.kv_transfer.base import TransferState
 
     # The agent fails the transfer itself at its deadline; this bound is only a backstop.
     status = await _settled(worker, request_id, worker.agent.transfer_timeout_s + 5.0)

@@ -159,6 +159,6 @@ class EngineLoop:
             if now - self._report_at >= _REPORT_EVERY_S or not engine.has_work():
                 report = engine.load_report()
                 # This thread's CPU: the worker's process CPU less it is what its other
-                # threads (KV writers, Ray, the event loop) take (planner/profile.py).
+                # threads (KV writers, Ray, the event loop) take (pd_runtime/planner/profile.py).
                 report["engine_thread_cpu_s"] = time.thread_time()
                 self._report, self._report_at = report, now

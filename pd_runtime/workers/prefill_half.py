@@ -58,7 +58,7 @@ class LayerStreamer:
         return ShipStage.COMPUTING if self.first_sent_at is None else ShipStage.SHIPPING
 
     def layer_done(self, layer: int, block_ids: list[int]) -> None:
-        from kv_transfer.base import LinkState, SendOutcome
+        from pd_runtime.kv_transfer.base import LinkState, SendOutcome
 
         agent = self.worker.agent
         if layer == self.worker.engine.model_config.num_layers - 1:
@@ -134,7 +134,7 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
                   skip_blocks: int, streamer: Optional["LayerStreamer"] = None) -> str:
     """Send the held blocks; returns the send outcome. Anything but 'accepted' releases them
     now; after 'accepted' the lease's end releases them."""
-    from kv_transfer.base import LinkState, SendOutcome
+    from pd_runtime.kv_transfer.base import LinkState, SendOutcome
 
     loop = worker._engine_loop()
     # Layers the prompt's last step already queued (LayerStreamer): the transfer exists and
@@ -198,7 +198,7 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
 
 def _peer_for(worker, metadata: bytes) -> str:
     """The agent's link to the decode worker that sent `metadata`: made once, again if failed."""
-    from kv_transfer.base import AgentMetadata, LinkState
+    from pd_runtime.kv_transfer.base import AgentMetadata, LinkState
 
     engine_id = AgentMetadata.decode(metadata).engine_id
     peer_id = worker._peers.get(engine_id)

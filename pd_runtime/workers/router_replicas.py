@@ -1,4 +1,4 @@
-"""The Ray side of router replicas (router/replicas.py): replicas 1..N-1 as Ray actors on the
+"""The Ray side of router replicas (pd_runtime/router/replicas.py): replicas 1..N-1 as Ray actors on the
 serving node, each a router over the same worker actors, serving the shared port.
 """
 
@@ -20,9 +20,9 @@ class RouterReplica:
                  model_card: dict, index: int, host: str, port: int):
         from pd_runtime.api import ModelCard
         from pd_runtime.workers.client import PoolClient, WorkerRef
-        from router.replicas import build_router
-        from router.run_records import owner_name
-        from router.server import BackgroundServer
+        from pd_runtime.router.replicas import build_router
+        from pd_runtime.router.run_records import owner_name
+        from pd_runtime.router.server import BackgroundServer
 
         logging.basicConfig(level=logging.INFO)
         cfg = ClusterConfig.model_validate_json(cfg_json)

@@ -38,7 +38,7 @@ class PDWorker:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         import torch
 
-        from kv_transfer.registry import create_agent
+        from pd_runtime.kv_transfer.registry import create_agent
         from pd_runtime.engine.engine import LLMEngine
 
         self.role = role
@@ -119,10 +119,10 @@ class PDWorker:
 
     def _on_release(self, status) -> None:
         # Agent thread: a sender lease ended; free the held blocks on the engine thread.
-        from kv_transfer.base import Role
+        from pd_runtime.kv_transfer.base import Role
 
         if status.role is Role.SEND:
-            from kv_transfer.base import TransferState
+            from pd_runtime.kv_transfer.base import TransferState
 
             streamer = self.shipments.pop(status.request_id, None)
             measured = streamer.finished(status.state is TransferState.DONE) if streamer else None
@@ -132,7 +132,7 @@ class PDWorker:
             rid = status.request_id
             self.loop.post(lambda e: e.remote.release_held(rid))
         if status.role is Role.RECV:
-            from kv_transfer.base import TransferState
+            from pd_runtime.kv_transfer.base import TransferState
 
             record = self.remote_prefills.get(status.request_id)
             if record is None:

@@ -50,7 +50,7 @@ def link_faults_unsupported() -> Optional[str]:
 
 def set_link_faults(product: ServedProduct, worker_id: str, timeout_s: float = 10.0,
                     **faults: float) -> None:
-    """Faults on the KV this worker sends from now on (kv_transfer/faults.py LinkFaults:
+    """Faults on the KV this worker sends from now on (pd_runtime/kv_transfer/faults.py LinkFaults:
     drop, corrupt, duplicate per-chunk probabilities, delay_s per chunk, seed); no kinds
     given: clean links again."""
     unknown = set(faults) - set(LINK_FAULT_KINDS) - {"seed"}

@@ -15,8 +15,8 @@ from tests.kv_transfer_support.common import config, fill_random, make_caches
 
 
 def _serve(conn, backend, overrides, engine_id, num_layers):
-    from kv_transfer.base import LinkState
-    from kv_transfer.registry import create_agent
+    from pd_runtime.kv_transfer.base import LinkState
+    from pd_runtime.kv_transfer.registry import create_agent
 
     big, caches = make_caches(num_layers=num_layers)
     agent = create_agent(config(backend, **overrides), caches, engine_id=engine_id, model_id="m",
@@ -131,8 +131,8 @@ class PeerProcess:
 
 
 def _raw_send(conn, backend, overrides, num_bytes):
-    from kv_transfer.base import LinkError
-    from kv_transfer.registry import make_transport
+    from pd_runtime.kv_transfer.base import LinkError
+    from pd_runtime.kv_transfer.registry import make_transport
 
     transport = make_transport(config(backend, **overrides), torch.device("cpu"))
     conn.send(transport.address())

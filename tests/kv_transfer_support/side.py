@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from kv_transfer.base import LinkState, SendOutcome
-from kv_transfer.registry import create_agent, make_transport
+from pd_runtime.kv_transfer.base import LinkState, SendOutcome
+from pd_runtime.kv_transfer.registry import create_agent, make_transport
 from tests.kv_transfer_support.common import (BlockAllocator, collect, config, fill_random,
                                               make_caches, wait_for)
 

@@ -21,7 +21,7 @@ def served(cfg: ClusterConfig, model_dir: str, router: RouterConfig):
     """The pools of `cfg` in process behind the router over HTTP on 127.0.0.1: yields the base
     URL; everything is stopped after."""
     from pd_runtime.workers.local_pool import LocalPool
-    from router.core import PoolBackend
+    from pd_runtime.router.core import PoolBackend
     from tests.router_support.serving import serving
 
     pool = LocalPool(cfg, model_dir)

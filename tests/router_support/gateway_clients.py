@@ -5,7 +5,7 @@ and of a served app's run recorder."""
 from __future__ import annotations
 
 from pd_runtime.config import RouterConfig, TenantConfig
-from router.tenants import Tenants
+from pd_runtime.router.tenants import Tenants
 from tests.router_support.scripted_backend import ScriptedBackend, token_chunk
 
 TENANTS = [TenantConfig(tenant_id="acme", api_key="sk-acme"),

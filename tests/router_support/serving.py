@@ -11,8 +11,8 @@ import os
 import httpx
 
 from pd_runtime.config import ClusterConfig, RouterConfig
-from router.app import create_app
-from router.server import start_in_thread
+from pd_runtime.router.app import create_app
+from pd_runtime.router.server import start_in_thread
 
 ENGINE = dict(dtype="float32", num_kv_blocks=256, num_threads=1)
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -45,7 +45,7 @@ def local(model_dir: str, router_config: RouterConfig | None = None, **engine):
     Ray, without Ray), served over HTTP; `engine_of(backend)` is its engine. Routing is
     always colocated (one worker): no latency-target admission unless a test asks for it."""
     from pd_runtime.workers.local_pool import LocalPool
-    from router.core import PoolBackend
+    from pd_runtime.router.core import PoolBackend
 
     router_config = router_config or RouterConfig(routing={"mode": "always_colocated"})
     cfg = ClusterConfig.model_validate({

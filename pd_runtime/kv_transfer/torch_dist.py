@@ -1,0 +1,147 @@
+"""torch.distributed backend: one pairwise process group per link, built from the acceptor's
+TCPStore (gloo for CPU caches; NCCL carries the KV bytes when the cache is on CUDA).
+
+No global process group: workers die and come back, so each link is its own two-rank group
+under a fresh store prefix, and a dead link is simply replaced by a new one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from pd_runtime.kv_transfer.base import Link, LinkError, LinkTimeoutError, Transport, as_byte_tensor
+
+_COUNTER_KEY = "kvt/links"
+_TAG = 0  # one ordered stream per direction; direction is given by the two ranks
+
+
+def _gloo_group(store, name: str, rank: int, host: str, timeout_s: float):
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, 2, options)
+
+
+class TorchDistLink(Link):
+    def __init__(self, store, name: str, rank: int, host: str, timeout_s: float, device: torch.device):
+        try:
+            self._control = _gloo_group(store, name, rank, host, timeout_s)
+            # NCCL moves device tensors; control frames always stay on gloo (host memory).
+            self._data = (dist.ProcessGroupNCCL(dist.PrefixStore(name + "/nccl", store), rank, 2)
+                          if device.type == "cuda" else self._control)
+        except RuntimeError as exc:
+            raise LinkError(f"could not build link group {name}: {exc}") from exc
+        self._peer = 1 - rank
+        self._closed = False
+
+    def _group_for(self, buf: torch.Tensor):
+        """Device memory goes over the data group (NCCL for CUDA), host memory over gloo."""
+        return self._control if buf.device.type == "cpu" else self._data
+
+    def _wait(self, work, timeout_s: float, what: str) -> None:
+        try:
+            work.wait(datetime.timedelta(seconds=max(timeout_s, 0.001)))
+        except RuntimeError as exc:
+            # A timed-out gloo recv stays posted: a sender that resumes would still write
+            # into its buffer. Aborting the group closes the pair, so nothing lands late.
+            self.close()
+            if "Timed out" in str(exc) or "timed out" in str(exc):
+                raise LinkTimeoutError(f"{what} timed out after {timeout_s:.2f}s") from exc
+            raise LinkError(f"{what} failed: {exc}") from exc
+
+    def send_bytes(self, buf, timeout_s: float) -> None:
+        if self._closed:
+            raise LinkError("link closed")
+        buf = as_byte_tensor(buf)
+        try:
+            work = self._group_for(buf).send([buf], self._peer, _TAG)
+        except RuntimeError as exc:
+            raise LinkError(f"send failed: {exc}") from exc
+        self._wait(work, timeout_s, "send")
+
+    def recv_bytes(self, buf, timeout_s: float) -> None:
+        if self._closed:
+            raise LinkError("link closed")
+        buf = as_byte_tensor(buf)
+        try:
+            work = self._group_for(buf).recv([buf], self._peer, _TAG)
+        except RuntimeError as exc:
+            raise LinkError(f"recv failed: {exc}") from exc
+        self._wait(work, timeout_s, "recv")
+
+    def send_many(self, bufs: list, timeout_s: float) -> None:
+        self._post_all(bufs, timeout_s, "send")
+
+    def recv_many(self, bufs: list, timeout_s: float) -> None:
+        self._post_all(bufs, timeout_s, "recv")
+
+    def _post_all(self, bufs: list, timeout_s: float, what: str) -> None:
+        if self._closed:
+            raise LinkError("link closed")
+        deadline = time.monotonic() + timeout_s
+        bufs = [as_byte_tensor(b) for b in bufs]
+        try:
+            works = [getattr(self._group_for(b), what)([b], self._peer, _TAG) for b in bufs]
+        except RuntimeError as exc:
+            raise LinkError(f"{what} failed: {exc}") from exc
+        for work in works:
+            self._wait(work, deadline - time.monotonic(), what)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for group in {id(self._control): self._control, id(self._data): self._data}.values():
+            try:
+                # abort() fails pending work on both ends, so no thread stays blocked on a
+                # half-finished message and nothing is written after the link is gone.
+                group.abort()
+            except RuntimeError:
+                pass
+
+
+class TorchDistTransport(Transport):
+    """Listens with a TCPStore; a peer connects by bumping a counter in that store, and both
+    sides then build the group for link number n under the prefix kvt/link/<n>."""
+
+    name = "torch_dist"
+
+    def __init__(self, host: str, port: int, device: torch.device):
+        self.host = host
+        self.device = torch.device(device)
+        self._store = dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=30),
+                                    wait_for_workers=False)
+        self._accepted = 0
+        self._clients: list = []
+
+    def address(self) -> dict:
+        return {"host": self.host, "port": self._store.port}
+
+    def connect(self, peer_address: dict, timeout_s: float) -> Link:
+        try:
+            store = dist.TCPStore(peer_address["host"], int(peer_address["port"]), None, False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+            number = store.add(_COUNTER_KEY, 1)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise LinkError(f"cannot reach peer store {peer_address}: {exc}") from exc
+        self._clients.append(store)  # the group keeps using the store; keep the client alive
+        return TorchDistLink(store, f"kvt/link/{number}", 1, self.host, timeout_s, self.device)
+
+    def accept(self, timeout_s: float) -> Optional[Link]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._store.add(_COUNTER_KEY, 0) > self._accepted:
+                self._accepted += 1
+                return TorchDistLink(self._store, f"kvt/link/{self._accepted}", 0, self.host,
+                                     30.0, self.device)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._clients.clear()
