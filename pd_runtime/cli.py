@@ -115,7 +115,8 @@ def _cmd_serve(args) -> int:
           + (f", {replicas} router replicas" if replicas > 1 else "") + ")",
           file=sys.stderr, flush=True)
     try:
-        serve_http(app, host, port, reuse_port=replicas > 1)
+        serve_http(app, host, port, log_level=getattr(args, "uvicorn_log_level", "info"),
+                   reuse_port=replicas > 1)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         print("pd-runtime: stopped", file=sys.stderr, flush=True)
     finally:

@@ -31,6 +31,12 @@ class EnginePoolSettings(_Strict):
     max_num_seqs: int = Field(128, ge=1)
     # KV memory budget; num_kv_blocks overrides it when set.
     kv_cache_memory_bytes: int = Field(512 * 1024 * 1024, ge=1)
+    # CUDA only (vLLM's --gpu-memory-utilization): the fraction of the GPU's memory this
+    # engine takes in all; the KV cache gets what the weights, activations, CUDA graphs and
+    # runtime leave of it (pd_runtime/engine/memory_plan.py), in place of
+    # kv_cache_memory_bytes. Engines sharing a GPU each need their own share. No effect on
+    # a CPU. num_kv_blocks still wins.
+    gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1)
     num_kv_blocks: Optional[int] = Field(None, ge=1)
     enable_prefix_caching: bool = True
     preemption_mode: Literal["recompute", "swap"] = "recompute"

@@ -148,13 +148,16 @@ class RouterConfig(_Strict):
     tenants: list[TenantConfig] = Field(default_factory=list)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     runs: RunsConfig = Field(default_factory=RunsConfig)
+    # One INFO line per request on the router.http logger (id, method, path, status,
+    # latency); false: none (vLLM's --disable-log-requests, --disable-uvicorn-access-log).
+    log_requests: bool = True
     # Router processes serving `port` together (SO_REUSEPORT), all over the same pools.
     replicas: int = Field(1, ge=1, le=64)
     # What a request that leaves a sampling field out gets: "model", the sampling fields of the
     # model's generation_config.json (as vLLM does), else OpenAI's; "openai", always OpenAI's.
     sampling_defaults: Literal["model", "openai"] = "model"
     # How the model writes tool calls, for chat requests with tool_choice "auto"
-    # (pd_runtime/router/tools.py): "auto", the format its chat template shows (<function=...> calls in
+    # (pd_runtime/router/tool_calls.py): "auto", the format its chat template shows (<function=...> calls in
     # <tool_call> blocks: qwen3_coder; JSON in them: hermes; [TOOL_CALLS]: mistral;
     # <|python_tag|>: llama3_json; <｜tool▁calls▁begin｜>: deepseek_v3; the
     # [func_name1(params_name1=...)] prompt: pythonic; <|tool_call|>: granite), else none;

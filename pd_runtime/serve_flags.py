@@ -29,7 +29,9 @@ _DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16":
 _ENGINE = {"max_model_len": "max_model_len", "dtype": "dtype", "seed": "seed",
            "enable_prefix_caching": "enable_prefix_caching", "max_num_seqs": "max_num_seqs",
            "max_num_batched_tokens": "max_num_batched_tokens", "block_size": "block_size",
-           "kv_cache_dtype": "kv_cache_dtype"}
+           "kv_cache_dtype": "kv_cache_dtype", "gpu_memory_utilization": "gpu_memory_utilization",
+           "swap_space": "swap_space_bytes"}
+GIB = 1 << 30
 _ROUTER = {"served_model_name": "served_model_name", "chat_template": "chat_template",
            "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser",
            "generation_config": "sampling_defaults"}
@@ -68,6 +70,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, help="engine.block_size, every pool")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"),
                         help="engine.kv_cache_dtype, every pool")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="engine.gpu_memory_utilization, every pool: the share of its GPU's "
+                             "memory an engine takes, its KV cache what the rest leaves (CUDA "
+                             "only; engines sharing a GPU need a share each)")
+    parser.add_argument("--swap-space", type=float, metavar="GIB",
+                        help="engine.swap_space_bytes in GiB, every pool (host memory for "
+                             "sequences preempted with preemption_mode: swap)")
+    parser.add_argument("--disable-log-requests", "--disable-uvicorn-access-log",
+                        dest="disable_log_requests", action="store_true", default=None,
+                        help="router.log_requests: false (no line per request)")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="accepted for vLLM's command lines: no stats are logged "
+                             "periodically here (they are at /metrics)")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug", "trace"),
+                        help="the HTTP server's own log level (default: info)")
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="engine.cuda_graphs: false, every pool")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
@@ -101,7 +119,12 @@ def apply(cfg, args: argparse.Namespace):
         value = getattr(args, dest, None)
         if value is None:
             continue
-        value = _DTYPES[value] if dest == "dtype" else value
+        if dest == "dtype":
+            value = _DTYPES[value]
+        elif dest == "swap_space":
+            if value < 0:
+                raise ValueError(f"--swap-space: {value} GiB is negative")
+            value = int(value * GIB)
         for pool in _POOLS:
             data[pool]["engine"][field] = value
         set_fields[field] = _flag(dest)
@@ -117,6 +140,9 @@ def apply(cfg, args: argparse.Namespace):
         value = _NAMES[dest][value] if dest in _NAMES else value
         data["router"][field] = value
         set_fields[field] = _flag(dest)
+    if getattr(args, "disable_log_requests", None):
+        data["router"]["log_requests"] = False
+        set_fields["log_requests"] = "--disable-log-requests"
     given = getattr(args, "model_path", None)
     if given and names is None and not data["router"]["served_model_name"]:
         data["router"]["served_model_name"] = given  # vLLM serves a model under its argument

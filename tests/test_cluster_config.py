@@ -105,7 +105,8 @@ def test_engine_config_unchanged():
     assert engine.model_dump() == {
         "model": "x", "dtype": "auto", "device": "cpu", "seed": 0, "block_size": 16,
         "max_model_len": None, "max_num_batched_tokens": 2048, "max_num_seqs": 128,
-        "kv_cache_memory_bytes": 512 * 1024 * 1024, "num_kv_blocks": None,
+        "kv_cache_memory_bytes": 512 * 1024 * 1024, "gpu_memory_utilization": None,
+        "num_kv_blocks": None,
         "enable_prefix_caching": True, "preemption_mode": "recompute",
         "swap_space_bytes": 256 * 1024 * 1024, "max_waiting_requests": 4096,
         "max_waiting_tokens": 1 << 22, "priority_aging_steps": 64, "num_threads": None,

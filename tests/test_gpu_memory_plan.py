@@ -83,3 +83,38 @@ def test_accelerator_type_reaches_ray():
     assert res.bundle()["accelerator_type:H100"] > 0
     with pytest.raises(ValueError, match="accelerator_type"):
         ResourcesConfig(accelerator_type="H100")  # no GPU reserved
+
+
+def test_gpu_memory_utilization_gives_the_kv_cache_what_the_share_leaves(llama_8b):
+    """vLLM's --gpu-memory-utilization: the whole plan comes to the share of the device (to
+    within one KV block), the KV cache taking what the rest leaves; more activations, less
+    KV; num_kv_blocks still wins; a CPU engine keeps kv_cache_memory_bytes."""
+    device = GPU_MEMORY_BYTES["H200"]
+    engine = EngineConfig(model="/m", device="cuda", dtype="bfloat16", max_model_len=32768,
+                          gpu_memory_utilization=0.9)
+    plan = plan_memory(engine, llama_8b, 32768, device)
+    block = 2 * 32 * 8 * 128 * 2 * engine.block_size  # K and V, 32 layers, 8 heads, bf16
+    assert 0 <= 0.9 * device - plan.total < block
+    assert plan.kv_cache > 100 * GIB  # H200: 126 GiB share, 15 GiB of weights
+    check_fits(plan, device, "decode")
+    wider = engine.model_copy(update={"max_num_batched_tokens": 16384})
+    wide_plan = plan_memory(wider, llama_8b, 32768, device)
+    assert wide_plan.activations > plan.activations
+    assert plan.kv_cache - wide_plan.kv_cache >= wide_plan.activations - plan.activations - block
+    assert 0 <= 0.9 * device - wide_plan.total < block
+    pinned = engine.model_copy(update={"num_kv_blocks": 1000})
+    assert plan_memory(pinned, llama_8b, 32768, device).kv_cache == 1000 * block
+    on_cpu = EngineConfig(model="/m", dtype="bfloat16", kv_cache_memory_bytes=GIB,
+                          gpu_memory_utilization=0.9)
+    assert plan_memory(on_cpu, llama_8b, 8192).kv_cache <= GIB
+
+
+def test_a_share_too_small_for_the_weights_names_the_field(llama_8b):
+    engine = EngineConfig(model="/m", device="cuda", dtype="bfloat16", max_model_len=32768,
+                          gpu_memory_utilization=0.15)
+    with pytest.raises(ValueError, match="engine.gpu_memory_utilization: 0.15 of 79.6 GiB") \
+            as err:
+        plan_memory(engine, llama_8b, 32768, GPU_MEMORY_BYTES["H100"])
+    assert "weights" in str(err.value)  # the rest of the plan, as a table
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(model="/m", gpu_memory_utilization=1.2)

@@ -26,15 +26,21 @@ def test_each_flag_sets_its_field_in_every_pool(tmp_path):
                   "--api-key", "sk-1", "--chat-template", str(template),
                   "--tool-call-parser", "llama4_pythonic", "--enable-auto-tool-choice",
                   "--reasoning-parser", "deepseek_r1", "--generation-config", "vllm",
-                  "--enforce-eager", "-tp", "1", "--trust-remote-code")
+                  "--enforce-eager", "-tp", "1", "--trust-remote-code",
+                  "--gpu-memory-utilization", "0.85", "--swap-space", "4",
+                  "--disable-log-requests", "--disable-log-stats",
+                  "--uvicorn-log-level", "warning")
     for pool in (cfg.prefill, cfg.decode, cfg.colocated):
         e = pool.engine
         assert (e.max_model_len, e.dtype, e.seed, e.enable_prefix_caching, e.max_num_seqs,
-                e.max_num_batched_tokens, e.block_size, e.kv_cache_dtype, e.cuda_graphs) == \
-            (4096, "float16", 7, False, 32, 1024, 32, "int8", False)
+                e.max_num_batched_tokens, e.block_size, e.kv_cache_dtype, e.cuda_graphs,
+                e.gpu_memory_utilization, e.swap_space_bytes) == \
+            (4096, "float16", 7, False, 32, 1024, 32, "int8", False, 0.85, 4 << 30)
     r = cfg.router
-    assert (r.served_model_name, r.tool_call_parser, r.reasoning_parser, r.sampling_defaults) \
-        == ("llama", "pythonic", "think", "openai")
+    assert (r.served_model_name, r.tool_call_parser, r.reasoning_parser, r.sampling_defaults,
+            r.log_requests) == ("llama", "pythonic", "think", "openai", False)
+    assert ClusterConfig().router.log_requests  # on by default
+    assert not applied("--disable-uvicorn-access-log").router.log_requests
     assert [(t.tenant_id, t.api_key) for t in r.tenants] == [("default", "sk-1")]
     keys = applied("--api-key", "a", "b").router.tenants
     assert [(t.tenant_id, t.api_key, t.share_prefix_cache) for t in keys] == \
@@ -65,6 +71,9 @@ def test_no_flags_keep_the_config_and_flags_win_over_it():
     (["--served-model-name", ""], "--served-model-name: "),
     (["--api-key", ""], "--api-key: "),
     (["--served-model-name", "a", "b"], "--served-model-name: one name"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: "),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization: "),
+    (["--swap-space", "-1"], "--swap-space: "),
 ])
 def test_a_bad_value_names_its_flag(argv, says):
     with pytest.raises(ValueError) as raised:
@@ -110,3 +119,23 @@ def test_a_relative_draft_model_is_made_absolute(tmp_path, monkeypatch):
     fixed = serve_flags.absolute_draft_models(cfg)
     assert fixed.decode.engine.speculative_model == str(tmp_path / "draft")
     assert fixed.prefill == cfg.prefill
+
+
+@pytest.mark.parametrize("log_requests", [True, False])
+def test_disable_log_requests_leaves_out_the_line_per_request(llama_dir, caplog, log_requests):
+    """router.log_requests (--disable-log-requests): served over HTTP, a request logs its id,
+    method, path and status, or nothing; it keeps its X-Request-Id either way."""
+    import httpx
+
+    from pd_runtime.config import RouterConfig
+    from tests.router_support.serving import local
+
+    config = RouterConfig(routing={"mode": "always_colocated"}, log_requests=log_requests)
+    # The server stops (its request handled to the end) before the log is read.
+    with caplog.at_level("INFO", logger="router.http"), local(llama_dir, config) as (_, port):
+        response = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30)
+        request_id = response.headers["x-request-id"]
+    assert response.status_code == 200 and request_id.startswith("req-")
+    lines = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+    assert lines == ([f"{request_id} GET /v1/models 200 " + lines[0].split()[-1]]
+                     if log_requests else []), lines

@@ -9,6 +9,7 @@ out-of-memory error at the first long prompt.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Optional
 
 import torch
 
@@ -86,15 +87,18 @@ def step_activation_bytes(cfg: ModelConfig, elem: int, tokens: int, rows: int) -
     return layer + sampler + splits
 
 
-def plan_memory(engine: EngineConfig, cfg: ModelConfig, max_model_len: int) -> MemoryPlan:
-    """The plan of one engine; `max_model_len` as the engine resolves it."""
+def plan_memory(engine: EngineConfig, cfg: ModelConfig, max_model_len: int,
+                device_bytes: Optional[int] = None) -> MemoryPlan:
+    """The plan of one engine; `max_model_len` as the engine resolves it. `device_bytes`: the
+    GPU's memory, which `gpu_memory_utilization` takes its share of (see kv_cache_budget)."""
     from pd_runtime.model.loader import resolve_dtype
 
     dtype = resolve_dtype(engine.dtype, cfg, engine.device)
     elem = torch.tensor([], dtype=dtype).element_size()
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
     block_bytes = kv_per_token * engine.block_size
-    num_blocks = engine.num_kv_blocks or max(1, engine.kv_cache_memory_bytes // block_bytes)
+    num_blocks = engine.num_kv_blocks or max(1, kv_cache_budget(
+        engine, cfg, max_model_len, device_bytes, block_bytes) // block_bytes)
     kv = num_blocks * block_bytes
     on_gpu = torch.device(engine.device).type == "cuda"
     side = int(kv * decode_buffer_fraction(engine))
@@ -108,6 +112,30 @@ def plan_memory(engine: EngineConfig, cfg: ModelConfig, max_model_len: int) -> M
     return MemoryPlan(weights=weight_bytes(cfg, elem), kv_cache=kv, side_buffers=side,
                       activations=eager, cuda_graphs=graphs,
                       runtime=RUNTIME_BYTES if on_gpu else 0)
+
+
+def kv_cache_budget(engine: EngineConfig, cfg: ModelConfig, max_model_len: int,
+                    device_bytes: Optional[int], block_bytes: int) -> int:
+    """The KV cache's bytes: `kv_cache_memory_bytes`, or on a GPU with `gpu_memory_utilization`
+    what that share of `device_bytes` leaves after the rest of the plan (a ValueError naming
+    the field when it leaves less than one block of `block_bytes`)."""
+    share = engine.gpu_memory_utilization
+    if share is None or torch.device(engine.device).type != "cuda":
+        return engine.kv_cache_memory_bytes
+    if device_bytes is None:
+        raise ValueError("engine.gpu_memory_utilization: the GPU's memory is needed to plan it")
+    rest = plan_memory(engine.model_copy(update={"gpu_memory_utilization": None,
+                                                 "num_kv_blocks": 1}), cfg, max_model_len)
+    rest_bytes = rest.total - rest.kv_cache
+    budget = int(device_bytes * share) - rest_bytes
+    if budget < block_bytes:
+        raise ValueError(
+            f"engine.gpu_memory_utilization: {share} of {device_bytes / GIB:.1f} GiB is "
+            f"{device_bytes * share / GIB:.1f} GiB, and the engine needs "
+            f"{rest_bytes / GIB:.1f} GiB besides its KV cache; raise it, or lower "
+            f"max_num_batched_tokens, max_num_seqs or cuda_graph_max_batch_size:\n"
+            f"{rest.table()}")
+    return budget
 
 
 def check_fits(plan: MemoryPlan, device_bytes: int, where: str) -> None:

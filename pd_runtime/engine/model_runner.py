@@ -16,7 +16,8 @@ from pd_runtime.kernels import fixed_order, kv_quant, native
 from pd_runtime.kernels.attention import AttentionMetadata, DecodeKVBuffer, DeviceAttention, PrefillSegment
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.host_memory import host_zeros
-from pd_runtime.engine.memory_plan import check_fits, decode_buffer_fraction, plan_memory
+from pd_runtime.engine.memory_plan import (check_fits, decode_buffer_fraction, kv_cache_budget,
+                                           plan_memory)
 from pd_runtime.engine.scheduler import SchedulerOutput
 from pd_runtime.model.loader import load_model
 
@@ -70,16 +71,20 @@ class ModelRunner:
                              "which cannot run here (see the batch_invariant warning above)")
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * row
         block_bytes = self.kv_bytes_per_token * self.block_size
-        self.num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes
-                                                      // block_bytes)
+        device_bytes = torch.cuda.get_device_properties(self.device).total_memory \
+            if self.device.type == "cuda" else None
+        if config.gpu_memory_utilization is not None and device_bytes is None:
+            log.info("engine.gpu_memory_utilization has no effect on %s: the KV cache is "
+                     "kv_cache_memory_bytes (%d)", self.device, config.kv_cache_memory_bytes)
+        self.num_blocks = config.num_kv_blocks or max(1, kv_cache_budget(
+            config, cfg, max_model_len, device_bytes, block_bytes) // block_bytes)
         # One allocation for all layers; per-layer views are what attention and transfers use.
         # Layout [layers, 2 (K, V), blocks, kv_heads, block_size, head_dim]: see pd_runtime/kernels/attention.
         # On the host it lives in huge pages (host_memory: transfers pull from it 2x faster).
         if self.device.type == "cuda":  # fail here, naming the settings, not at a long prompt
-            plan = plan_memory(config, cfg, max_model_len)
-            check_fits(plan, torch.cuda.get_device_properties(self.device).total_memory,
-                       f"engine.device {config.device!r}")
-            log.info("GPU memory plan:\n%s", plan.table())
+            plan = plan_memory(config, cfg, max_model_len, device_bytes)
+            check_fits(plan, device_bytes, f"engine.device {config.device!r}")
+            log.info("GPU memory plan (%d KV blocks):\n%s", self.num_blocks, plan.table())
         width = row if self.kv_dtype == torch.int8 else cfg.head_dim
         kv_shape = (cfg.num_layers, 2, self.num_blocks, cfg.num_kv_heads, self.block_size, width)
         if self.on_host:

@@ -79,7 +79,8 @@ def create_app(backend: Backend, router_config: RouterConfig,
                   lifespan=lifespan)
     app.state.intake = intake  # for servers that run the app without its lifespan
     app.state.recorder = recorder
-    app.add_middleware(RequestLogMiddleware, backend=backend)
+    app.add_middleware(RequestLogMiddleware, backend=backend,
+                       log_requests=router_config.log_requests)
     _install_error_handlers(app)
     timeout_s = router_config.request_timeout_s
 
@@ -305,12 +306,14 @@ def _time_ordered_hex() -> str:
 
 class RequestLogMiddleware:
     """Gives every request an id (X-Request-Id), logs one line per request (id, method, path,
-    status, latency), reports it to the backend's metrics, and turns a crash into an OpenAI 500
-    body (pure ASGI: it neither buffers streams nor hides disconnects)."""
+    status, latency) unless `log_requests` is off, reports it to the backend's metrics, and
+    turns a crash into an OpenAI 500 body (pure ASGI: it neither buffers streams nor hides
+    disconnects)."""
 
-    def __init__(self, app: ASGIApp, backend: Backend):
+    def __init__(self, app: ASGIApp, backend: Backend, log_requests: bool = True):
         self.app = app
         self.backend = backend
+        self.log_requests = log_requests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -341,8 +344,9 @@ class RequestLogMiddleware:
             latency = time.perf_counter() - start
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
-            log.info("%s %s %s %d %.1fms", state["request_id"], scope.get("method"),
-                     scope.get("path"), status, latency * 1e3)
+            if self.log_requests:
+                log.info("%s %s %s %d %.1fms", state["request_id"], scope.get("method"),
+                         scope.get("path"), status, latency * 1e3)
             observe = getattr(self.backend, "observe", None)  # optional in the interface
             try:
                 if observe is not None:
