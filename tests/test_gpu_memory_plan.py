@@ -118,3 +118,32 @@ def test_a_share_too_small_for_the_weights_names_the_field(llama_8b):
     assert "weights" in str(err.value)  # the rest of the plan, as a table
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineConfig(model="/m", gpu_memory_utilization=1.2)
+
+
+def test_dtype_auto_runs_a_float32_checkpoint_in_half_precision_on_a_gpu(tmp_path):
+    """vLLM's `auto`: a float32 checkpoint (or one naming no dtype) runs in bfloat16 on a GPU
+    (the Triton kernels take bfloat16 and float16 only: float32 was refused there), while
+    the CPU keeps float32 and a dtype asked for by name is kept."""
+    import torch
+
+    from pd_runtime.model.loader import resolve_dtype
+
+    for fields in ({"torch_dtype": "float32"}, {}):
+        path = tmp_path / str(len(fields))
+        path.mkdir()
+        raw = {k: v for k, v in LLAMA_31_8B.items() if k != "torch_dtype"}
+        (path / "config.json").write_text(json.dumps({**raw, **fields}))
+        cfg = load_model_config(path)
+        assert resolve_dtype("auto", cfg, "cuda") in (torch.bfloat16, torch.float16)
+        assert resolve_dtype("auto", cfg, "cuda:1") in (torch.bfloat16, torch.float16)
+        assert resolve_dtype("auto", cfg, "cpu") == torch.float32
+        assert resolve_dtype("float32", cfg, "cuda") == torch.float32
+    bf16 = load_model_config(_written(tmp_path / "bf16", LLAMA_31_8B))
+    assert resolve_dtype("auto", bf16, "cuda") == torch.bfloat16
+    assert resolve_dtype("float16", bf16, "cuda") == torch.float16
+
+
+def _written(path: Path, config: dict) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return path
