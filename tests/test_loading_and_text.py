@@ -53,6 +53,24 @@ def test_another_activation_refused_by_name(llama_dir, tmp_path):
         load_model(path)
 
 
+@pytest.mark.parametrize("rope, says", [
+    # Phi-4-mini's: rope over three quarters of each head, and LongRoPE's rescaled frequencies.
+    ({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+     "partial_rotary_factor 0.75 is not supported"),
+    ({"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.0] * 8,
+      "short_factor": [1.0] * 8}, "rope type 'longrope' is not supported"),
+])
+def test_a_phi3_rope_the_decoder_lacks_is_refused_by_name(model_factory, tmp_path, rope, says):
+    """Phi-3/Phi-4 load (tests/test_model_vs_transformers.py); the rope variants of
+    Phi-3.5-mini and Phi-4-mini would load as plain rope and run wrongly: refused."""
+    path = copy_model(model_factory("phi3"), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"] = rope
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=f"config.json: {says}"):
+        load_model(path)
+
+
 def test_a_tensor_no_config_field_accounts_for_is_refused(llama_dir, tmp_path):
     """An o_proj bias in a checkpoint whose config says no attention_bias: served without it,
     the output would be wrong with no error; a rotary table or a tied model's lm_head is fine."""
@@ -195,3 +213,15 @@ def test_cli_make_tiny_model_and_generate(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pd_runtime.cli", "generate", "--model",
                           str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "config.json" in run.stderr
+
+
+def test_a_phi3_sliding_window_caps_the_context(model_factory):
+    """Phi-3-mini-4k's sliding_window (2047) applies whenever set, as transformers reads it:
+    attention here is over the whole context, exact up to the window, so the context stops
+    there (as Mistral v0.1's does)."""
+    from pd_runtime.model.model_config import context_limit, load_model_config
+
+    windowed = load_model_config(model_factory("phi3", sliding_window=64))
+    assert windowed.sliding_window == 64 and context_limit(windowed, None) == 64
+    plain = load_model_config(model_factory("phi3"))
+    assert plain.sliding_window is None and context_limit(plain, None) == 2048

@@ -138,13 +138,18 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        qkv = [reader.get(p + f"self_attn.{n}_proj.weight", (o, h))
-               for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))]
+        if cfg.family == "phi3":  # stored fused, q|k|v and gate|up, as the decoder holds them
+            qkv = reader.get(p + "self_attn.qkv_proj.weight", (q_out + 2 * kv_out, h))
+            gate_up = reader.get(p + "mlp.gate_up_proj.weight", (2 * inter, h))
+        else:
+            qkv = torch.cat([reader.get(p + f"self_attn.{n}_proj.weight", (o, h))
+                             for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))], 0)
+            gate_up = torch.cat([reader.get(p + "mlp.gate_proj.weight", (inter, h)),
+                                 reader.get(p + "mlp.up_proj.weight", (inter, h))], 0)
         layer = {
-            "qkv": torch.cat(qkv, 0),
+            "qkv": qkv,
             "o": reader.get(p + "self_attn.o_proj.weight", (h, q_out)),
-            "gate_up": torch.cat([reader.get(p + "mlp.gate_proj.weight", (inter, h)),
-                                  reader.get(p + "mlp.up_proj.weight", (inter, h))], 0),
+            "gate_up": gate_up,
             "down": reader.get(p + "mlp.down_proj.weight", (h, inter)),
             "in_norm": reader.get(p + "input_layernorm.weight", (h,)),
             "post_norm": reader.get(p + "post_attention_layernorm.weight", (h,)),

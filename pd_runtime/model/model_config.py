@@ -1,7 +1,7 @@
 """Reads an HF `config.json` into the one architecture description our decoder understands.
 
-Llama, Mistral, Qwen2, Qwen3 and Granite differ only in the flags and multipliers below;
-anything else is refused.
+Llama, Mistral, Qwen2, Qwen3, Granite and Phi-3 differ only in the flags and multipliers below
+(Phi-3 stores q/k/v and gate/up fused, as our decoder holds them); anything else is refused.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ _ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GraniteForCausalLM": "granite",
+    "Phi3ForCausalLM": "phi3",
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                "granite": "granite"}
+                "granite": "granite", "phi3": "phi3"}
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,10 @@ def _rope_from(raw: dict, path: Path) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):  # Phi-4-mini's 0.75: rope over part of each head
+        raise ModelLoadError(f"{path}: partial_rotary_factor {partial!r} is not supported "
+                             "(rope over the whole head only)")
     if rope_type not in ("default", "linear", "llama3", "yarn"):
         raise ModelLoadError(f"{path}: rope type {rope_type!r} is not supported "
                              "(supported: default, linear, llama3, yarn)")
@@ -172,6 +177,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     # max_window_layers on.
     if family == "mistral":
         window = raw.get("sliding_window", 4096)
+    elif family == "phi3":  # whenever set (Phi-3-mini-4k: 2047), as Mistral's
+        window = raw.get("sliding_window")
     elif raw.get("use_sliding_window", False) and \
             int(raw.get("max_window_layers") or 0) < int(raw.get("num_hidden_layers", 0)):
         window = raw.get("sliding_window")
@@ -191,8 +198,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # As transformers builds them: Qwen2 has q/k/v biases always; Llama, Qwen3 and Granite
         # q/k/v/o biases with attention_bias, Llama and Granite MLP biases with mlp_bias;
-        # Mistral none.
-        qkv_bias=family == "qwen2" or (family != "mistral" and attention_bias),
+        # Mistral and Phi-3 none.
+        qkv_bias=family == "qwen2" or (family not in ("mistral", "phi3") and attention_bias),
         o_bias=family in ("llama", "qwen3", "granite") and attention_bias,
         mlp_bias=family in ("llama", "granite") and bool(raw.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
