@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("path")
     tiny.add_argument("--preset", choices=["bench", "test"], default="bench")
     tiny.add_argument("--architecture", default="llama",
-                      choices=["llama", "mistral", "qwen2", "qwen3", "granite", "phi3"])
+                      choices=["llama", "mistral", "qwen2", "qwen3", "granite", "phi3",
+                               "smollm3"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_make_tiny_model)
 

@@ -225,3 +225,27 @@ def test_a_phi3_sliding_window_caps_the_context(model_factory):
     assert windowed.sliding_window == 64 and context_limit(windowed, None) == 64
     plain = load_model_config(model_factory("phi3"))
     assert plain.sliding_window is None and context_limit(plain, None) == 2048
+
+
+def test_smollm3_rope_layers_are_read_as_transformers_reads_them(model_factory, tmp_path):
+    """no_rope_layers (1: the layer rotates) or, without it, every no_rope_layer_interval-th
+    layer unrotated; a list that does not cover the layers is refused naming the field; the
+    KV identity differs with the layers (a handshake between pools tells them apart)."""
+    from pd_runtime.model.model_config import load_model_config
+
+    path = copy_model(model_factory("smollm3"), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    for flags, nope in (([1, 0], (1,)), ([0, 0], (0, 1)), ([1, 1], ())):
+        (path / "config.json").write_text(json.dumps({**cfg, "no_rope_layers": flags}))
+        assert load_model_config(path).nope_layers == nope
+    identities = set()
+    for flags in ([1, 0], [0, 1]):
+        (path / "config.json").write_text(json.dumps({**cfg, "no_rope_layers": flags}))
+        identities.add(load_model_config(path).identity)
+    assert len(identities) == 2
+    unset = {k: v for k, v in cfg.items() if k != "no_rope_layers"}
+    (path / "config.json").write_text(json.dumps({**unset, "num_hidden_layers": 8}))
+    assert load_model_config(path).nope_layers == (3, 7)
+    (path / "config.json").write_text(json.dumps({**cfg, "no_rope_layers": [1]}))
+    with pytest.raises(ModelLoadError, match="no_rope_layers must hold one flag per layer"):
+        load_model_config(path)

@@ -39,6 +39,10 @@ VARIANTS = {
                                    "attention_bias": True, "mlp_bias": True}),
     # Phi-3 / Phi-4: q/k/v and gate/up stored fused; Phi-4's rope base.
     "phi3": ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 250000.0}}),
+    # SmolLM3: no rope in every fourth layer (the test preset's 2 layers: the second).
+    "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),
+    "smollm3-biases": ("smollm3", {"no_rope_layers": [0, 1], "attention_bias": True,
+                                   "mlp_bias": True, "tie_word_embeddings": True}),
     "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 64}}),
@@ -96,7 +100,7 @@ def variant(request, model_factory):
 
 # Greedy runs cover each family once plus llama3 and YaRN rope scaling; logits pin every variant.
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope", "granite",
-                        "llama-biases", "phi3"])
+                        "llama-biases", "phi3", "smollm3"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

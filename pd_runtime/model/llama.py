@@ -173,6 +173,7 @@ class LlamaModel:
         self.final_norm = w["final_norm"]
         self.lm_head = w.get("lm_head", self.embed)
         self.layers = w["layers"]
+        self.nope_layers = frozenset(cfg.nope_layers)
         # Kept beside the plain weights (which loading, transfers and tests read): a second
         # copy of the linear weights, half their size for bf16 values run in float32, their
         # size otherwise (the bench model's: 64 MB; its float32 weights 128 MB).
@@ -217,7 +218,10 @@ class LlamaModel:
         qkv = linear(x, layer["qkv"], packed["qkv"], layer.get("qkv_bias"), self.min_rows["qkv"])
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         v = qkv[:, self.q_size + self.kv_size:].view(-1, kv_heads, head_dim)
-        if cfg.qk_norm:
+        if cos is None:  # a layer without rope (SmolLM3's NoPE layers)
+            qk = qkv[:, :self.q_size + self.kv_size].reshape(-1, heads + kv_heads, head_dim)
+            q, k = qk[:, :heads], qk[:, heads:]
+        elif cfg.qk_norm:
             q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], -1)
             q = apply_rope(rms_norm(q.view(-1, heads, head_dim), layer["q_norm"],
                                     cfg.rms_norm_eps), cos, sin)
@@ -270,7 +274,8 @@ class LlamaModel:
             x = rms_norm(h, layer["in_norm"], eps) if mlp_out is None \
                 else add_rms_norm(h, mlp_out, layer["in_norm"], eps)
             rows = output_rows if index == last else None
-            attn_out = self._attention(layer, packed, x, cos, sin, kv_layer, meta, rows)
+            rope = (None, None) if index in self.nope_layers else (cos, sin)
+            attn_out = self._attention(layer, packed, x, *rope, kv_layer, meta, rows)
             if meta.on_layer is not None:
                 meta.on_layer(index)
             if rows is not None:

@@ -1,7 +1,8 @@
 """Reads an HF `config.json` into the one architecture description our decoder understands.
 
-Llama, Mistral, Qwen2, Qwen3, Granite and Phi-3 differ only in the flags and multipliers below
-(Phi-3 stores q/k/v and gate/up fused, as our decoder holds them); anything else is refused.
+Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3 and SmolLM3 differ only in the flags and
+multipliers below (Phi-3 stores q/k/v and gate/up fused, as our decoder holds them; SmolLM3
+leaves rope out of every fourth layer); anything else is refused.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ _ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "GraniteForCausalLM": "granite",
     "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                "granite": "granite", "phi3": "phi3"}
+                "granite": "granite", "phi3": "phi3", "smollm3": "smollm3"}
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: Optional[float] = None
     logits_scaling: float = 1.0
+    # Layers whose attention applies no rope (SmolLM3's NoPE layers: every fourth by default).
+    nope_layers: tuple[int, ...] = ()
 
     @property
     def identity(self) -> str:
@@ -83,6 +87,8 @@ class ModelConfig:
         if r.rope_type != "default":  # every parameter of the scaling, digested
             digest = hashlib.sha256(repr(astuple(r)).encode()).hexdigest()[:8]
             rope += f"-{r.rope_type}-{digest}"
+        if self.nope_layers:  # which layers' keys are rotated is part of the KV's meaning
+            rope += "-nope" + hashlib.sha256(repr(self.nope_layers).encode()).hexdigest()[:8]
         return (f"{self.family}-L{self.num_layers}-H{self.hidden_size}-kv{self.num_kv_heads}"
                 f"x{self.head_dim}-V{self.vocab_size}{rope}")
 
@@ -179,6 +185,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         window = raw.get("sliding_window", 4096)
     elif family == "phi3":  # whenever set (Phi-3-mini-4k: 2047), as Mistral's
         window = raw.get("sliding_window")
+    elif family == "smollm3":  # on the layers layer_types marks, with use_sliding_window
+        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
     elif raw.get("use_sliding_window", False) and \
             int(raw.get("max_window_layers") or 0) < int(raw.get("num_hidden_layers", 0)):
         window = raw.get("sliding_window")
@@ -197,17 +205,35 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # As transformers builds them: Qwen2 has q/k/v biases always; Llama, Qwen3 and Granite
-        # q/k/v/o biases with attention_bias, Llama and Granite MLP biases with mlp_bias;
+        # q/k/v/o biases with attention_bias (SmolLM3 too), Llama and Granite MLP biases with
+        # mlp_bias (SmolLM3 too);
         # Mistral and Phi-3 none.
         qkv_bias=family == "qwen2" or (family not in ("mistral", "phi3") and attention_bias),
-        o_bias=family in ("llama", "qwen3", "granite") and attention_bias,
-        mlp_bias=family in ("llama", "granite") and bool(raw.get("mlp_bias", False)),
+        o_bias=family in ("llama", "qwen3", "granite", "smollm3") and attention_bias,
+        mlp_bias=family in ("llama", "granite", "smollm3") and bool(raw.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         rope=_rope_from(raw, path),
         sliding_window=int(window) if window else None,
         **_granite_scalings(raw, path, family),
+        nope_layers=_nope_layers(raw, path, family),
     )
+
+
+def _nope_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
+    """SmolLM3's layers without rope, as transformers reads them: `no_rope_layers` holds a 1
+    for each layer that rotates (absent: every `no_rope_layer_interval`-th layer does not)."""
+    if family != "smollm3":
+        return ()
+    layers = int(raw["num_hidden_layers"])
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = int(raw.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers:
+        raise ModelLoadError(f"{path}: no_rope_layers must hold one flag per layer "
+                             f"({layers}), got {flags!r}")
+    return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
 
 
 def _granite_scalings(raw: dict, path: Path, family: str) -> dict:

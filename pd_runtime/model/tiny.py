@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
 }
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
