@@ -53,22 +53,52 @@ def test_another_activation_refused_by_name(llama_dir, tmp_path):
         load_model(path)
 
 
-@pytest.mark.parametrize("rope, says", [
-    # Phi-4-mini's: rope over three quarters of each head, and LongRoPE's rescaled frequencies.
-    ({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
-     "partial_rotary_factor 0.75 is not supported"),
-    ({"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.0] * 8,
-      "short_factor": [1.0] * 8}, "rope type 'longrope' is not supported"),
+@pytest.mark.parametrize("family, rope, says", [
+    # Partial rotation and LongRoPE are Phi-3's (transformers turns every dimension elsewhere).
+    ("llama", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75},
+     "partial_rotary_factor 0.75 is not supported for llama"),
+    ("llama", {"rope_type": "longrope", "rope_theta": 1e4, "long_factor": [1.0] * 8,
+               "short_factor": [1.0] * 8}, "rope type 'longrope' is not supported"),
+    ("phi3", {"rope_type": "longrope", "rope_theta": 1e4, "long_factor": [1.0] * 8,
+              "short_factor": [1.0] * 7}, "longrope's short_factor must be 8 positive"),
+    ("phi3", {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+              "long_factor": [1.0] * 8, "short_factor": [1.0] * 8},
+     "longrope's short_factor must be 4 positive"),
+    ("phi3", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+     "rope type 'dynamic' is not supported"),
 ])
-def test_a_phi3_rope_the_decoder_lacks_is_refused_by_name(model_factory, tmp_path, rope, says):
-    """Phi-3/Phi-4 load (tests/test_model_vs_transformers.py); the rope variants of
-    Phi-3.5-mini and Phi-4-mini would load as plain rope and run wrongly: refused."""
-    path = copy_model(model_factory("phi3"), tmp_path / "m")
+def test_a_rope_the_decoder_lacks_is_refused_by_name(model_factory, tmp_path, family, rope,
+                                                      says):
+    """A rope variant read as another would load and run wrongly: refused, naming it."""
+    path = copy_model(model_factory(family), tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())
     cfg["rope_parameters"] = rope
+    cfg.pop("rope_scaling", None)
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=f"config.json: {says}"):
         load_model(path)
+
+
+def test_longrope_serves_its_pretraining_context(model_factory, tmp_path):
+    """Phi-3.5-mini's 128k context is LongRoPE's long factors, which turn the whole sequence
+    anew as it grows past original_max_position_embeddings (transformers recomputes every
+    key): not implemented, so the context stops there (its short factors, exact against
+    transformers: tests/test_model_vs_transformers.py), and more is refused naming the field."""
+    from pd_runtime.config import FieldValueError
+    from pd_runtime.model.model_config import context_limit, load_model_config
+
+    path = copy_model(model_factory("phi3"), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(max_position_embeddings=8192, original_max_position_embeddings=256,
+               rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                "long_factor": [2.0] * 8, "short_factor": [1.0] * 8})
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = load_model_config(path)
+    assert (model.rope.rope_type, model.rope.factor) == ("longrope", 32.0)
+    assert context_limit(model, None) == 256 and context_limit(model, 200) == 200
+    with pytest.raises(FieldValueError, match="300 exceeds the model's original_max_position"):
+        context_limit(model, 300)
+    assert LLM(str(path), num_kv_blocks=64).engine.max_model_len == 256
 
 
 def test_a_tensor_no_config_field_accounts_for_is_refused(llama_dir, tmp_path):

@@ -39,6 +39,15 @@ VARIANTS = {
                                    "attention_bias": True, "mlp_bias": True}),
     # Phi-3 / Phi-4: q/k/v and gate/up stored fused; Phi-4's rope base.
     "phi3": ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 250000.0}}),
+    # Phi-3.5-mini / Phi-4-mini: LongRoPE (its short factors: the context stops at the
+    # pretraining length) over three quarters of each head (head_dim 16: 12 turned, 6 pairs).
+    "phi3-longrope": ("phi3", {"max_position_embeddings": 8192,
+                               "original_max_position_embeddings": 256,
+                               "rope_parameters": {
+                                   "rope_type": "longrope", "rope_theta": 10000.0,
+                                   "partial_rotary_factor": 0.75,
+                                   "short_factor": [1.0, 1.1, 1.3, 1.7, 2.6, 4.0],
+                                   "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}}),
     # SmolLM3: no rope in every fourth layer (the test preset's 2 layers: the second).
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),
     "smollm3-biases": ("smollm3", {"no_rope_layers": [0, 1], "attention_bias": True,
@@ -100,7 +109,7 @@ def variant(request, model_factory):
 
 # Greedy runs cover each family once plus llama3 and YaRN rope scaling; logits pin every variant.
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope", "granite",
-                        "llama-biases", "phi3", "smollm3"])
+                        "llama-biases", "phi3", "phi3-longrope", "smollm3"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

@@ -40,10 +40,19 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return rms_norm(h.add_(delta), weight, eps)
 
 
+def rotary_dim(cfg: ModelConfig) -> int:
+    """The dimensions of each head rope turns (all but with Phi-3's partial_rotary_factor)."""
+    return int(cfg.head_dim * cfg.rope.partial_rotary_factor)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies after `rope_scaling` (default, linear, llama3, yarn), float32."""
+    """Inverse frequencies after `rope_scaling` (default, linear, llama3, yarn, longrope within
+    the pretraining context), float32."""
     r = cfg.rope
-    dim = cfg.head_dim
+    dim = rotary_dim(cfg)
+    if r.rope_type == "longrope":  # the short factors: context_limit stops where they hold
+        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        return 1.0 / (torch.tensor(r.short_factor, dtype=torch.float32) * r.theta ** shape)
     inv = 1.0 / (r.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if r.rope_type == "linear":
         return inv / r.factor
@@ -82,12 +91,16 @@ def _yarn_inv_freq(r, dim: int) -> torch.Tensor:
 
 
 def rope_attention_scale(cfg: ModelConfig) -> float:
-    """What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise)."""
+    """What cos and sin are multiplied by (YaRN's and LongRoPE's attention factor; 1
+    otherwise)."""
     r = cfg.rope
-    if r.rope_type != "yarn":
+    if r.rope_type not in ("yarn", "longrope"):
         return 1.0
     if r.attention_factor is not None:
         return r.attention_factor
+    if r.rope_type == "longrope":
+        return 1.0 if r.factor <= 1 else math.sqrt(
+            1 + math.log(r.factor) / math.log(r.original_max_position_embeddings))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -99,7 +112,13 @@ def rope_attention_scale(cfg: ModelConfig) -> float:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, rounded as that expression is, without the rotated copy
-    (its halves are -x2 and x1; a + (-b) * s equals a - b * s exactly)."""
+    (its halves are -x2 and x1; a + (-b) * s equals a - b * s exactly). With cos narrower than
+    x (a partial rotary factor), its first dimensions turn and the rest pass through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        out = x.clone()
+        out[..., :rot] = apply_rope(x[..., :rot], cos, sin)
+        return out
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = x * cos

@@ -34,7 +34,7 @@ _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # default | linear | llama3 | yarn
+    rope_type: str = "default"  # default | linear | llama3 | yarn | longrope
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
@@ -45,6 +45,12 @@ class RopeConfig:
     attention_factor: Optional[float] = None  # yarn: cos/sin scale (None: from factor, mscale)
     mscale: Optional[float] = None
     mscale_all_dim: Optional[float] = None
+    # longrope (Phi-3.5, Phi-4-mini): per-dimension divisors of the frequencies within the
+    # pretraining context (short) and beyond it (long: not served here, see context_limit).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    # The share of each head rope turns (Phi-4-mini's 0.75; the rest passes through).
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -93,20 +99,25 @@ class ModelConfig:
                 f"x{self.head_dim}-V{self.vocab_size}{rope}")
 
 
-def _rope_from(raw: dict, path: Path) -> RopeConfig:
+def _rope_from(raw: dict, path: Path, family: str, head_dim: int) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (theta inside); older files use rope_theta + rope_scaling.
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
     params = {**scaling, **params}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):  # Phi-4-mini's 0.75: rope over part of each head
+    partial = 1.0 if partial is None else partial
+    # Phi-3's attention alone turns part of each head (transformers' other decoders turn all).
+    if partial != 1 and (family != "phi3" or not 0 < partial < 1
+                         or int(head_dim * partial) % 2):
         raise ModelLoadError(f"{path}: partial_rotary_factor {partial!r} is not supported "
-                             "(rope over the whole head only)")
-    if rope_type not in ("default", "linear", "llama3", "yarn"):
+                             f"for {family} (head_dim {head_dim})")
+    if rope_type not in ("default", "linear", "llama3", "yarn", "longrope") or \
+            (rope_type == "longrope" and family != "phi3"):
         raise ModelLoadError(f"{path}: rope type {rope_type!r} is not supported "
-                             "(supported: default, linear, llama3, yarn)")
+                             "(supported: default, linear, llama3, yarn; longrope for Phi-3)")
     # As transformers reads it: a top-level original_max_position_embeddings first, then the
     # scaling's own, then the model's context.
     original = raw.get("original_max_position_embeddings") or \
@@ -117,8 +128,20 @@ def _rope_from(raw: dict, path: Path) -> RopeConfig:
         return default if value is None else float(value)
 
     factor = number("factor", 1.0)
-    if rope_type == "yarn" and params.get("factor") is None:  # the context's own ratio
+    if rope_type in ("yarn", "longrope") and params.get("factor") is None:  # the context's ratio
         factor = int(raw.get("max_position_embeddings", original)) / int(original)
+    short, long = (), ()
+    if rope_type == "longrope":
+        half = int(head_dim * partial) // 2
+        for key in ("short_factor", "long_factor"):
+            value = params.get(key)
+            if not isinstance(value, list) or len(value) != half or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                    for v in value):
+                raise ModelLoadError(f"{path}: longrope's {key} must be {half} positive "
+                                     f"numbers (one per rotated pair), got {value!r}")
+        short = tuple(float(v) for v in params["short_factor"])
+        long = tuple(float(v) for v in params["long_factor"])
 
     return RopeConfig(
         theta=float(theta),
@@ -133,6 +156,9 @@ def _rope_from(raw: dict, path: Path) -> RopeConfig:
         attention_factor=number("attention_factor", None),
         mscale=number("mscale", None),
         mscale_all_dim=number("mscale_all_dim", None),
+        short_factor=short,
+        long_factor=long,
+        partial_rotary_factor=float(partial),
     )
 
 
@@ -213,7 +239,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         mlp_bias=family in ("llama", "granite", "smollm3") and bool(raw.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-        rope=_rope_from(raw, path),
+        rope=_rope_from(raw, path, family, int(head_dim)),
         sliding_window=int(window) if window else None,
         **_granite_scalings(raw, path, family),
         nope_layers=_nope_layers(raw, path, family),
@@ -259,13 +285,29 @@ def context_limit(model: ModelConfig, requested: Optional[int], name: str = "") 
     from pd_runtime.config import FieldValueError
 
     longest = model.max_position_embeddings
-    if model.rope.rope_type == "yarn":
-        longest = int(model.rope.original_max_position_embeddings * model.rope.factor)
+    rope = model.rope
+    if rope.rope_type == "yarn":
+        longest = int(rope.original_max_position_embeddings * rope.factor)
     if requested and requested > longest:
         raise FieldValueError(("max_model_len",), f"{requested} exceeds {name or 'the model'}'s "
                               f"context ({longest} tokens: max_position_embeddings"
-                              + (", with YaRN's factor" if model.rope.rope_type == "yarn" else "")
+                              + (", with YaRN's factor" if rope.rope_type == "yarn" else "")
                               + ")")
+    original = rope.original_max_position_embeddings
+    if rope.rope_type == "longrope" and (requested or longest) > original:
+        # Past its pretraining context transformers turns the whole sequence by the long
+        # factors, its keys included, as the sequence grows: a cache of keys turned once does
+        # not follow, so the context stops where the short factors hold.
+        if requested:
+            raise FieldValueError(("max_model_len",), f"{requested} exceeds the model's "
+                                  f"original_max_position_embeddings ({original}); LongRoPE's "
+                                  f"long factors are not implemented, so max_model_len can be "
+                                  f"at most {original}")
+        logging.getLogger(__name__).warning(
+            "%s uses LongRoPE, whose long factors are not implemented: max_model_len capped at "
+            "its original_max_position_embeddings, %d (exact up to there)", name or "the model",
+            original)
+        longest = original
     limit = min(requested or longest, longest)
     window = model.sliding_window
     if window and limit > window:
