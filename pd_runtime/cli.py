@@ -109,13 +109,15 @@ def _cmd_serve(args) -> int:
     port = cfg.router.port if args.port is None else args.port
     replicas = cfg.router.replicas
     backend, app = build_router(client, cfg, model, args.config, owner_name(host, port, 0))
-    others = start_replicas(client, cfg, model, args.config, host, port) if replicas > 1 else []
+    others = start_replicas(client, cfg, model, args.config, host, port,
+                            getattr(args, "uvicorn_log_level", None) or "warning") \
+        if replicas > 1 else []
     print(f"pd-runtime: serving {backend.model_name!r} at http://{host}:{port}/v1 "
           f"({len(client.prefill)} prefill, {len(client.decode)} decode workers"
           + (f", {replicas} router replicas" if replicas > 1 else "") + ")",
           file=sys.stderr, flush=True)
     try:
-        serve_http(app, host, port, log_level=getattr(args, "uvicorn_log_level", "info"),
+        serve_http(app, host, port, log_level=getattr(args, "uvicorn_log_level", None) or "info",
                    reuse_port=replicas > 1)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         print("pd-runtime: stopped", file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ the file's. Names vLLM gives its tool-call and reasoning parsers are taken for o
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Optional
 
@@ -83,9 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="accepted for vLLM's command lines: no stats are logged "
                              "periodically here (they are at /metrics)")
-    parser.add_argument("--uvicorn-log-level", default="info",
+    parser.add_argument("--uvicorn-log-level",
                         choices=("critical", "error", "warning", "info", "debug", "trace"),
-                        help="the HTTP server's own log level (default: info)")
+                        help="the HTTP servers' own log level (default: info; router "
+                             "replicas beyond the first: warning)")
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="engine.cuda_graphs: false, every pool")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
@@ -122,8 +124,8 @@ def apply(cfg, args: argparse.Namespace):
         if dest == "dtype":
             value = _DTYPES[value]
         elif dest == "swap_space":
-            if value < 0:
-                raise ValueError(f"--swap-space: {value} GiB is negative")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"--swap-space: {value} GiB is not a size")
             value = int(value * GIB)
         for pool in _POOLS:
             data[pool]["engine"][field] = value

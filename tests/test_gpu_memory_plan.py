@@ -51,7 +51,7 @@ def test_every_gpu_pool_fits_the_gpu_it_names(name, llama_8b):
         gpu = pool.resources.accelerator_type
         assert gpu in GPU_MEMORY_BYTES, f"{name}: a GPU pool names no known accelerator_type"
         engine = pool.engine_config(config.model)
-        plan = plan_memory(engine, llama_8b, engine.max_model_len)
+        plan = plan_memory(engine, llama_8b, engine.max_model_len, GPU_MEMORY_BYTES[gpu])
         check_fits(plan, GPU_MEMORY_BYTES[gpu], name)  # raises with the table when over
         assert plan.side_buffers == 0  # no second copy of the KV on a GPU
         assert plan.kv_cache <= engine.kv_cache_memory_bytes
@@ -107,6 +107,32 @@ def test_gpu_memory_utilization_gives_the_kv_cache_what_the_share_leaves(llama_8
     on_cpu = EngineConfig(model="/m", dtype="bfloat16", kv_cache_memory_bytes=GIB,
                           gpu_memory_utilization=0.9)
     assert plan_memory(on_cpu, llama_8b, 8192).kv_cache <= GIB
+
+
+def test_a_draft_model_takes_its_part_of_the_share(llama_8b, tmp_path):
+    """Speculative decoding with a draft model builds a second model, with as many KV blocks
+    as the target's, in the same process: the share covers both (a 1B-shaped draft)."""
+    from pd_runtime.engine.memory_plan import _draft_bytes
+
+    draft_dir = _written(tmp_path / "draft", {
+        **LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True})
+    device = GPU_MEMORY_BYTES["H100"]
+    engine = EngineConfig(model="/m", device="cuda", dtype="bfloat16", max_model_len=32768,
+                          gpu_memory_utilization=0.9, speculative_method="draft",
+                          speculative_model=str(draft_dir))
+    plan = plan_memory(engine, llama_8b, 32768, device)
+    draft_rest, draft_block = _draft_bytes(engine, 32768)
+    block = 2 * 32 * 8 * 128 * 2 * engine.block_size
+    assert draft_block == 2 * 16 * 8 * 64 * 2 * engine.block_size  # head_dim 2048 / 32
+    assert draft_rest > 2 * GIB  # its 1.2B bf16 weights and activations
+    blocks = plan.kv_cache // block
+    whole = plan.total + draft_rest + blocks * draft_block
+    assert 0 <= 0.9 * device - whole < block + draft_block
+    alone = plan_memory(engine.model_copy(update={"speculative_method": None,
+                                                  "speculative_model": None}),
+                        llama_8b, 32768, device)
+    assert alone.kv_cache > plan.kv_cache
 
 
 def test_a_share_too_small_for_the_weights_names_the_field(llama_8b):

@@ -66,6 +66,8 @@ def test_another_activation_refused_by_name(llama_dir, tmp_path):
      "longrope's short_factor must be 4 positive"),
     ("phi3", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
      "rope type 'dynamic' is not supported"),
+    ("phi3", {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+     "rope type 'linear' is not supported for phi3"),
 ])
 def test_a_rope_the_decoder_lacks_is_refused_by_name(model_factory, tmp_path, family, rope,
                                                       says):
@@ -99,6 +101,14 @@ def test_longrope_serves_its_pretraining_context(model_factory, tmp_path):
     with pytest.raises(FieldValueError, match="300 exceeds the model's original_max_position"):
         context_limit(model, 300)
     assert LLM(str(path), num_kv_blocks=64).engine.max_model_len == 256
+    # Phi3Config reads "su" and "yarn" as longrope, and a missing original length as 4096.
+    for name in ("su", "yarn"):
+        cfg["rope_parameters"]["rope_type"] = name
+        (path / "config.json").write_text(json.dumps(cfg))
+        assert load_model_config(path).rope == model.rope
+    del cfg["original_max_position_embeddings"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(path).rope.original_max_position_embeddings == 4096
 
 
 def test_a_tensor_no_config_field_accounts_for_is_refused(llama_dir, tmp_path):
@@ -276,6 +286,14 @@ def test_smollm3_rope_layers_are_read_as_transformers_reads_them(model_factory, 
     unset = {k: v for k, v in cfg.items() if k != "no_rope_layers"}
     (path / "config.json").write_text(json.dumps({**unset, "num_hidden_layers": 8}))
     assert load_model_config(path).nope_layers == (3, 7)
+    (path / "config.json").write_text(json.dumps({**cfg, "no_rope_layers": [1, 0, 0, 0]}))
+    assert load_model_config(path).nope_layers == (1,)  # at least one flag per layer
     (path / "config.json").write_text(json.dumps({**cfg, "no_rope_layers": [1]}))
-    with pytest.raises(ModelLoadError, match="no_rope_layers must hold one flag per layer"):
+    with pytest.raises(ModelLoadError, match="no_rope_layers must hold a flag for each of"):
         load_model_config(path)
+    # SmolLM3Config's own defaults where a hand-written file leaves them out.
+    bare = {k: v for k, v in cfg.items() if k not in ("tie_word_embeddings", "rope_parameters",
+                                                      "rope_theta", "rope_scaling")}
+    (path / "config.json").write_text(json.dumps(bare))
+    model = load_model_config(path)
+    assert model.tie_word_embeddings and model.rope.theta == 2e6

@@ -74,6 +74,8 @@ def test_no_flags_keep_the_config_and_flags_win_over_it():
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: "),
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization: "),
     (["--swap-space", "-1"], "--swap-space: "),
+    (["--swap-space", "inf"], "--swap-space: "),
+    (["--swap-space", "nan"], "--swap-space: "),
 ])
 def test_a_bad_value_names_its_flag(argv, says):
     with pytest.raises(ValueError) as raised:

@@ -127,15 +127,34 @@ def kv_cache_budget(engine: EngineConfig, cfg: ModelConfig, max_model_len: int,
     rest = plan_memory(engine.model_copy(update={"gpu_memory_utilization": None,
                                                  "num_kv_blocks": 1}), cfg, max_model_len)
     rest_bytes = rest.total - rest.kv_cache
-    budget = int(device_bytes * share) - rest_bytes
-    if budget < block_bytes:
+    draft_rest, draft_block = _draft_bytes(engine, max_model_len)
+    budget = int(device_bytes * share) - rest_bytes - draft_rest
+    # A draft model holds as many KV blocks as the target, of its own size (draft_model.py).
+    blocks = max(0, budget) // (block_bytes + draft_block)
+    if blocks < 1:
         raise ValueError(
             f"engine.gpu_memory_utilization: {share} of {device_bytes / GIB:.1f} GiB is "
             f"{device_bytes * share / GIB:.1f} GiB, and the engine needs "
-            f"{rest_bytes / GIB:.1f} GiB besides its KV cache; raise it, or lower "
-            f"max_num_batched_tokens, max_num_seqs or cuda_graph_max_batch_size:\n"
-            f"{rest.table()}")
-    return budget
+            f"{(rest_bytes + draft_rest) / GIB:.1f} GiB besides its KV cache"
+            + (f" (its draft model's {draft_rest / GIB:.1f} GiB included)" if draft_rest else "")
+            + "; raise it, or lower max_num_batched_tokens, max_num_seqs or "
+            f"cuda_graph_max_batch_size:\n{rest.table()}")
+    return blocks * block_bytes
+
+
+def _draft_bytes(engine: EngineConfig, max_model_len: int) -> tuple[int, int]:
+    """A draft model's (weights and activations, bytes of one KV block), built in the same
+    process as its target (pd_runtime/engine/draft_model.py); (0, 0) without one."""
+    if engine.speculative_method != "draft" or not engine.speculative_model:
+        return 0, 0
+    from pd_runtime.model.model_config import load_model_config
+
+    draft = engine.model_copy(update={
+        "model": engine.speculative_model, "num_kv_blocks": 1, "cuda_graphs": False,
+        "gpu_memory_utilization": None, "speculative_method": None,
+        "speculative_model": None, "kv_cache_dtype": "auto"})
+    plan = plan_memory(draft, load_model_config(engine.speculative_model), max_model_len)
+    return plan.total - plan.kv_cache - plan.runtime, plan.kv_cache  # one CUDA context
 
 
 def check_fits(plan: MemoryPlan, device_bytes: int, where: str) -> None:

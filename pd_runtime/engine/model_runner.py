@@ -76,6 +76,16 @@ class ModelRunner:
         if config.gpu_memory_utilization is not None and device_bytes is None:
             log.info("engine.gpu_memory_utilization has no effect on %s: the KV cache is "
                      "kv_cache_memory_bytes (%d)", self.device, config.kv_cache_memory_bytes)
+        elif config.gpu_memory_utilization is not None and config.num_kv_blocks is None:
+            # As vLLM: the share must be free now (not held by another engine on this GPU).
+            free, _ = torch.cuda.mem_get_info(self.device)
+            share = config.gpu_memory_utilization * device_bytes
+            if free < share:
+                raise ValueError(
+                    f"engine.gpu_memory_utilization: {config.gpu_memory_utilization} of "
+                    f"{self.device} is {share / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB is "
+                    "free (another process holds the rest); lower it so that the engines "
+                    "sharing this GPU fit together")
         self.num_blocks = config.num_kv_blocks or max(1, kv_cache_budget(
             config, cfg, max_model_len, device_bytes, block_bytes) // block_bytes)
         # One allocation for all layers; per-layer views are what attention and transfers use.

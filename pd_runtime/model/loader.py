@@ -40,12 +40,13 @@ def resolve_dtype(requested: str, cfg: ModelConfig, device: str = "cpu") -> torc
     """`auto`: the checkpoint's dtype, except on a CPU where half precision is emulated (float16
     always; bfloat16 without AVX512-BF16 or AMX): float32 there; and on a GPU, where a float32
     checkpoint (or one that names no dtype) runs in half precision as vLLM runs it: bfloat16,
-    float16 on a GPU without bfloat16 (the GPU attention kernels take those two only)."""
+    float16 on a GPU older than Ampere, which only emulates bfloat16 (the GPU attention kernels
+    take those two only)."""
     name = cfg.torch_dtype if requested == "auto" else requested
     dtype = _DTYPES.get(name.replace("torch.", ""), torch.float32)
     if requested == "auto" and torch.device(device).type == "cuda" and dtype == torch.float32:
-        dtype = torch.float16 if torch.cuda.is_available() and \
-            not torch.cuda.is_bf16_supported() else torch.bfloat16
+        dtype = torch.bfloat16 if not torch.cuda.is_available() or \
+            torch.cuda.get_device_capability(torch.device(device))[0] >= 8 else torch.float16
         log.info("dtype auto: the checkpoint's %s runs as %s on the GPU (set engine.dtype to "
                  "choose)", name, str(dtype).removeprefix("torch."))
     if requested == "auto" and torch.device(device).type == "cpu" and dtype != torch.float32:

@@ -104,9 +104,15 @@ def _rope_from(raw: dict, path: Path, family: str, head_dim: int) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
     params = {**scaling, **params}
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    # SmolLM3's config class defaults its base to 2e6 (the others' to 1e4).
+    theta = params.get("rope_theta", raw.get("rope_theta",
+                                             2e6 if family == "smollm3" else 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
+    if family == "phi3":  # as transformers' Phi3Config reads it: "su" and "yarn" are longrope
+        rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type
+        if rope_type not in ("default", "longrope"):
+            raise ModelLoadError(f"{path}: rope type {rope_type!r} is not supported for phi3 "
+                                 "(default or longrope, as transformers reads it)")
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     partial = 1.0 if partial is None else partial
     # Phi-3's attention alone turns part of each head (transformers' other decoders turn all).
@@ -120,8 +126,10 @@ def _rope_from(raw: dict, path: Path, family: str, head_dim: int) -> RopeConfig:
                              "(supported: default, linear, llama3, yarn; longrope for Phi-3)")
     # As transformers reads it: a top-level original_max_position_embeddings first, then the
     # scaling's own, then the model's context.
+    # (Phi3Config's own default: 4096.)
     original = raw.get("original_max_position_embeddings") or \
-        params.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 8192)
+        params.get("original_max_position_embeddings") or \
+        (4096 if family == "phi3" else raw.get("max_position_embeddings", 8192))
 
     def number(key: str, default):
         value = params.get(key)
@@ -229,7 +237,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         head_dim=int(head_dim),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # (SmolLM3's config class ties them unless told otherwise.)
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", family == "smollm3")),
         # As transformers builds them: Qwen2 has q/k/v biases always; Llama, Qwen3 and Granite
         # q/k/v/o biases with attention_bias (SmolLM3 too), Llama and Granite MLP biases with
         # mlp_bias (SmolLM3 too);
@@ -256,10 +265,10 @@ def _nope_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
     if flags is None:
         interval = int(raw.get("no_rope_layer_interval", 4))
         flags = [int((i + 1) % interval != 0) for i in range(layers)]
-    if not isinstance(flags, list) or len(flags) != layers:
-        raise ModelLoadError(f"{path}: no_rope_layers must hold one flag per layer "
-                             f"({layers}), got {flags!r}")
-    return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
+    if not isinstance(flags, list) or len(flags) < layers:
+        raise ModelLoadError(f"{path}: no_rope_layers must hold a flag for each of the "
+                             f"{layers} layers, got {flags!r}")
+    return tuple(i for i, use_rope in enumerate(flags[:layers]) if not use_rope)
 
 
 def _granite_scalings(raw: dict, path: Path, family: str) -> dict:

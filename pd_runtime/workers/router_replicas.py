@@ -17,7 +17,8 @@ class RouterReplica:
     """One more router (a Ray actor): the same app over the same workers, on the shared port."""
 
     def __init__(self, cfg_json: str, model_dir: str, config_path: Optional[str], workers: list,
-                 model_card: dict, index: int, host: str, port: int):
+                 model_card: dict, index: int, host: str, port: int,
+                 log_level: str = "warning"):
         from pd_runtime.api import ModelCard
         from pd_runtime.workers.client import PoolClient, WorkerRef
         from pd_runtime.router.replicas import build_router
@@ -34,7 +35,7 @@ class RouterReplica:
         self.index = index
         self.backend, app = build_router(client, cfg, model_dir, config_path,
                                          owner_name(host, port, index))
-        self.server = BackgroundServer(app, host, port, log_level="warning",
+        self.server = BackgroundServer(app, host, port, log_level=log_level,
                                        reuse_port=True).start()
 
     def ready(self) -> int:
@@ -46,7 +47,7 @@ class RouterReplica:
 
 
 def start_replicas(client, cfg: ClusterConfig, model_dir: str, config_path: Optional[str],
-                   host: str, port: int) -> list:
+                   host: str, port: int, log_level: str = "warning") -> list:
     """Replicas 1..N-1 as Ray actors on this node, each serving `port` once this returns."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -67,7 +68,8 @@ def start_replicas(client, cfg: ClusterConfig, model_dir: str, config_path: Opti
     actor = ray.remote(num_cpus=0, max_restarts=3)(RouterReplica)
     replicas = [actor.options(name=f"pd-router-{i}", scheduling_strategy=here,
                               namespace=cfg.ray.namespace).remote(
-        cfg.model_dump_json(), model_dir, config_path, workers, card, i, host, port)
+        cfg.model_dump_json(), model_dir, config_path, workers, card, i, host, port,
+        log_level)
         for i in range(1, count)]
     ray.get([r.ready.remote() for r in replicas], timeout=120)
     log.info("%d router replicas serve %s:%d", count, host, port)
