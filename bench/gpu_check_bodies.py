@@ -89,6 +89,8 @@ def _sync(device: str) -> None:
 def body_engine(args) -> dict:
     """Our engine over the batch: one warm-up pass of the same shape (kernel builds, the batch
     sizes a ramp-up goes through), then the timed generate, prefill included."""
+    import torch
+
     from pd_runtime.config import EngineConfig
     from pd_runtime.engine.llm import LLM
     from pd_runtime.api import SamplingParams
@@ -122,7 +124,12 @@ def body_engine(args) -> dict:
     if produced != len(prompts) * sizes["output_len"]:
         return {"error": f"{produced} tokens produced, {len(prompts) * sizes['output_len']} "
                          f"expected"}
-    return {"engine": f"pd-runtime (cuda_graphs {args.graphs})", "tokens_per_s": produced / elapsed,
+    memory = {}
+    plan = getattr(llm.engine.runner, "memory_plan", None)
+    if plan is not None and device.startswith("cuda"):  # the plan's estimate against torch's
+        memory = {"plan_gib": (plan.total - plan.runtime) / 2**30,  # the context is not counted
+                  "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+    return {**memory, "engine": f"pd-runtime (cuda_graphs {args.graphs})", "tokens_per_s": produced / elapsed,
             "output_tokens": produced, "elapsed_s": elapsed, "init_s": init_s,
             "graph_capture_s": capture_s, "cuda_graphs_field": "cuda_graphs" in kwargs,
             "first_tokens": outs[0].token_ids[:8]}

@@ -111,7 +111,13 @@ def _engine_rows(label: str):
         figure = f"{d['tokens_per_s']:.0f} out tok/s ({d['output_tokens']} in {d['elapsed_s']:.1f} s)"
         if d.get("graph_capture_s") is not None:
             figure += f", graph capture {d['graph_capture_s']:.1f} s"
-        return [Row(label, figure, "measured", "info")]
+        out = [Row(label, figure, "measured", "info")]
+        if d.get("plan_gib") is not None:  # memory_plan.py's estimate must cover what ran
+            out.append(Row(f"{label}: memory plan",
+                           f"plan {d['plan_gib']:.2f} GiB, torch peak reserved "
+                           f"{d['peak_reserved_gib']:.2f} GiB", "plan >= peak",
+                           ctx.verdict(d["plan_gib"] >= d["peak_reserved_gib"])))
+        return out
     return rows
 
 

@@ -132,6 +132,24 @@ def test_pytest_summary_and_ratio_verdicts(tmp_path):
     assert ratio(2500.0, 1000.0) == "info"  # the twin's speeds carry no target
 
 
+def test_the_memory_plan_must_cover_the_measured_peak(tmp_path):
+    """The engine stage reports memory_plan.py's estimate beside torch's peak on the device:
+    a plan below the peak (an engine that could run out of memory at a longer step) fails."""
+    from bench.gpu_check_stages import _engine_rows
+
+    ctx = _context(tmp_path, {})
+    ctx.mode = "gpu"
+    rows = _engine_rows("engine")
+    data = {"tokens_per_s": 100.0, "output_tokens": 10, "elapsed_s": 0.1, "plan_gib": 20.0}
+    for peak, result in ((18.5, "pass"), (21.0, "FAIL")):
+        run = gpu_check.StageRun("engine_graphs", "ok", data={**data, "peak_reserved_gib": peak})
+        speed, memory = rows(ctx, run)
+        assert memory.result == result and "peak reserved" in memory.figure
+    no_plan = gpu_check.StageRun("engine_graphs", "ok", data={
+        k: v for k, v in data.items() if k != "plan_gib"})
+    assert len(rows(ctx, no_plan)) == 1  # the CPU twin has no device plan
+
+
 @pytest.mark.parametrize("rows", [[gpu_check.Row("a", "b" * 200, "c", "pass")]])
 def test_table_keeps_one_line_per_row(rows):
     table = gpu_check.format_table(rows)

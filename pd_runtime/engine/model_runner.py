@@ -94,6 +94,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # fail here, naming the settings, not at a long prompt
             plan = plan_memory(config, cfg, max_model_len, device_bytes)
             check_fits(plan, device_bytes, f"engine.device {config.device!r}")
+            self.memory_plan = plan  # bench/gpu_check.py sets it beside the measured peak
             log.info("GPU memory plan (%d KV blocks):\n%s", self.num_blocks, plan.table())
         width = row if self.kv_dtype == torch.int8 else cfg.head_dim
         kv_shape = (cfg.num_layers, 2, self.num_blocks, cfg.num_kv_heads, self.block_size, width)
