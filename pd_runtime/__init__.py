@@ -5,13 +5,13 @@ The offline entry points live here; the serving runtime is started by `pd-runtim
 
 from pd_runtime.api import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name):
     # LLM pulls in torch; keep `import pd_runtime` cheap for torch-free users (the router).
-    if name == "LLM":
-        from pd_runtime.engine.llm import LLM
+    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+        from pd_runtime.engine import llm
 
-        return LLM
+        return getattr(llm, name)
     raise AttributeError(name)

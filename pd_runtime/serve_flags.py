@@ -169,6 +169,37 @@ def apply(cfg, args: argparse.Namespace):
         raise ValueError(f"{where}: {error['msg']}") from None
 
 
+def engine_fields(model: str, args: dict) -> dict:
+    """`LLM(model, **args)`'s arguments as EngineConfig's fields: vLLM's names for what they
+    share are taken (enforce_eager, swap_space in GiB, a dtype alias or torch dtype), those
+    with nothing to set here accepted when they ask for what happens anyway
+    (tensor_parallel_size 1, trust_remote_code, disable_log_stats, the model's own
+    tokenizer); anything else is left for EngineConfig to refuse by name."""
+    out = dict(args)
+    if out.get("tensor_parallel_size", 1) != 1:
+        raise ValueError(f"tensor_parallel_size: {out['tensor_parallel_size']} is not "
+                         "supported; an engine runs on one device")
+    tokenizer = out.pop("tokenizer", None)
+    if tokenizer not in (None, model):
+        raise ValueError(f"tokenizer: {tokenizer!r}; the model directory's own tokenizer is "
+                         "the one used")
+    for name in ("tensor_parallel_size", "trust_remote_code", "disable_log_stats"):
+        out.pop(name, None)
+    if "enforce_eager" in out:
+        out["cuda_graphs"] = not out.pop("enforce_eager")
+    if "swap_space" in out:
+        gib = out.pop("swap_space")
+        if not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib < 0:
+            raise ValueError(f"swap_space: {gib!r} GiB is not a size")
+        out["swap_space_bytes"] = int(gib * GIB)
+    dtype = out.get("dtype")
+    if dtype is not None and not isinstance(dtype, str):  # torch.bfloat16, say
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype is not None:
+        out["dtype"] = _DTYPES.get(dtype, dtype)
+    return out
+
+
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 

@@ -12,29 +12,64 @@ from typing import Optional, Sequence, Union
 from pd_runtime.api import SamplingParams
 from pd_runtime.beam_search import MAX_WIDTH, BeamSpec, Search
 from pd_runtime.config import EngineConfig
-from pd_runtime.engine.engine import LLMEngine, RequestOutput
+from pd_runtime.engine.engine import LLMEngine, RequestOutput as StepOutput
 
 Prompt = Union[str, list[int]]
 
 
 @dataclass
 class CompletionOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
+    """One generated sequence, as vLLM's CompletionOutput."""
+
+    index: int = 0
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     # One entry per generated token when logprobs were asked:
     # (logprob of the token, {token_id: logprob} of the top-n).
     logprobs: Optional[list[tuple[float, dict[int, float]]]] = None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result, as vLLM's RequestOutput (`outputs[0].text`); `text`, `token_ids`,
+    `finish_reason` and `logprobs` read its first output."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
     num_cached_tokens: int = 0
     # With prompt_logprobs: per prompt position (None for the first), (logprob of the prompt
     # token, {token_id: logprob} of the top-n, the prompt token's rank).
     prompt_logprobs: Optional[list] = None
 
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self):
+        return self.outputs[0].logprobs
+
 
 class LLM:
     def __init__(self, model: str, **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        """`engine_args`: EngineConfig's fields, and vLLM's names for what they share
+        (enforce_eager, swap_space in GiB, tensor_parallel_size 1, trust_remote_code;
+        pd_runtime/serve_flags.py)."""
+        from pd_runtime.serve_flags import engine_fields
+
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_fields(model, engine_args)))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -48,7 +83,7 @@ class LLM:
              use_tqdm: bool = False, *, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              chat_template_kwargs: Optional[dict] = None,
-             chat_template: Optional[str] = None) -> list[CompletionOutput]:
+             chat_template: Optional[str] = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or several, through the
         model's chat template (as the chat API renders it), or `chat_template` (Jinja text),
         then `generate`."""
@@ -90,14 +125,14 @@ class LLM:
             for beam in run.best():
                 tokens = beam.tokens + ([beam.eos] if beam.eos is not None
                                         and include_stop_str_in_output else [])
-                beams.append(CompletionOutput(prompt, tokens, self.tokenizer.decode(tokens),
+                beams.append(CompletionOutput(len(beams), self.tokenizer.decode(tokens), tokens,
                                               "stop" if beam.eos is not None else "length"))
             results.append(beams)
         return results
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> list[CompletionOutput]:
+                 use_tqdm: bool = False) -> list[RequestOutput]:
         prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
@@ -110,9 +145,9 @@ class LLM:
                 rid = f"offline-{next(self._ids)}"
                 req = engine.add_request(rid, prompt, params)
                 order.append(rid)
-                results[rid] = CompletionOutput(req.prompt_token_ids,
-                                                logprobs=[] if params.logprobs is not None
-                                                else None)
+                results[rid] = RequestOutput(
+                    rid, prompt if isinstance(prompt, str) else None, req.prompt_token_ids,
+                    [CompletionOutput(logprobs=[] if params.logprobs is not None else None)])
         except Exception:
             for rid in order:
                 engine.abort(rid)
@@ -129,16 +164,18 @@ class LLM:
         return [results[rid] for rid in order]
 
     @staticmethod
-    def _collect(result: CompletionOutput, out: RequestOutput) -> int:
+    def _collect(result: RequestOutput, out: StepOutput) -> int:
         if out.prompt_logprobs is not None:
             result.prompt_logprobs = out.prompt_logprobs
-        result.token_ids.extend(out.new_token_ids)
+        completion = result.outputs[0]
+        completion.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
-            result.logprobs.extend(out.new_logprobs)
-        result.text = out.text
+            completion.logprobs.extend(out.new_logprobs)
+        completion.text = out.text
         result.num_cached_tokens = out.num_cached_tokens
         if out.finished:
-            result.finish_reason = out.finish_reason
+            completion.finish_reason = out.finish_reason
+            result.finished = True
             return 1
         return 0
 

@@ -1,0 +1,55 @@
+"""The offline `LLM` as a vLLM script uses it: its engine arguments by vLLM's names, and
+`generate` returning vLLM's RequestOutput shape (`outputs[0].text`), the same tokens either
+way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pd_runtime import LLM, CompletionOutput, RequestOutput, SamplingParams
+
+
+def test_a_vllm_script_runs_unchanged(llama_dir):
+    llm = LLM(model=llama_dir, tensor_parallel_size=1, trust_remote_code=True,
+              enforce_eager=True, gpu_memory_utilization=0.9, swap_space=1, dtype=torch.float32,
+              max_model_len=512, seed=0, disable_log_stats=True, tokenizer=llama_dir,
+              num_kv_blocks=64)
+    config = llm.engine.config
+    assert (config.cuda_graphs, config.gpu_memory_utilization, config.swap_space_bytes,
+            config.dtype, config.max_model_len) == (False, 0.9, 1 << 30, "float32", 512)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+    prompts = ["Hello, my name is", llm.tokenizer.encode("The capital of France is")]
+    outputs = llm.generate(prompts, params)
+    assert [type(o) for o in outputs] == [RequestOutput, RequestOutput]
+    for prompt, output in zip(prompts, outputs):
+        (completion,) = output.outputs
+        assert isinstance(completion, CompletionOutput) and completion.index == 0
+        assert output.finished and completion.finish_reason == "length"
+        assert len(completion.token_ids) == 8 and len(completion.logprobs) == 8
+        assert completion.text == llm.tokenizer.decode(completion.token_ids)
+        # the first output's fields, read off the request as this API returned them before
+        assert (output.text, output.token_ids, output.finish_reason, output.logprobs) == \
+            (completion.text, completion.token_ids, completion.finish_reason,
+             completion.logprobs)
+        if isinstance(prompt, str):
+            assert output.prompt == prompt
+            assert output.prompt_token_ids == llm.tokenizer.encode(prompt)
+        else:
+            assert output.prompt is None and output.prompt_token_ids == prompt
+    assert outputs[0].request_id != outputs[1].request_id
+    # The same greedy tokens as an engine built by our own names.
+    ours = LLM(llama_dir, cuda_graphs=False, dtype="float32", max_model_len=512,
+               num_kv_blocks=64).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("args, says", [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size: 2 is not supported"),
+    ({"tokenizer": "/some/other/tokenizer"}, "tokenizer: '/some/other/tokenizer'"),
+    ({"swap_space": -1}, "swap_space: -1 GiB is not a size"),
+    ({"quantization": "awq"}, "quantization"),  # vLLM has it, we do not: named, not ignored
+])
+def test_vllm_arguments_that_ask_for_more_are_refused_by_name(llama_dir, args, says):
+    with pytest.raises(ValueError, match=says):
+        LLM(llama_dir, **args)
