@@ -50,6 +50,9 @@ MAX_BAD_WORD_CHARS = 200
 
 @dataclass
 class SamplingParams:
+    # vLLM's: sequences per prompt. The offline LLM runs each as a request of its own (choice i
+    # seeded seed + i, as the server's n); one engine request is one sequence (n 1).
+    n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -135,6 +138,8 @@ class SamplingParams:
             return isinstance(value, (int, float)) and not isinstance(value, bool) \
                 and low <= value <= high
 
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= 128:
+            bad("n", f"must be an integer in [1, 128], got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:

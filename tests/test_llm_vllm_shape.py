@@ -53,3 +53,29 @@ def test_a_vllm_script_runs_unchanged(llama_dir):
 def test_vllm_arguments_that_ask_for_more_are_refused_by_name(llama_dir, args, says):
     with pytest.raises(ValueError, match=says):
         LLM(llama_dir, **args)
+
+
+def test_n_sequences_per_prompt_as_the_server_draws_them(llama_dir):
+    """SamplingParams(n=3, seed=s): three outputs per prompt, choice i drawn with seed s + i,
+    as the server's n draws them (pd_runtime/router/protocol.py); unseeded, three draws."""
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=128)
+    prompts = ["Once upon a time", "The weather today"]
+    many = llm.generate(prompts, SamplingParams(n=3, seed=5, temperature=1.0, max_tokens=12,
+                                                logprobs=1))
+    assert [len(o.outputs) for o in many] == [3, 3]
+    for prompt, output in zip(prompts, many):
+        assert [c.index for c in output.outputs] == [0, 1, 2] and output.finished
+        alone = [llm.generate(prompt, SamplingParams(seed=5 + i, temperature=1.0,
+                                                     max_tokens=12))[0].outputs[0].token_ids
+                 for i in range(3)]
+        assert [c.token_ids for c in output.outputs] == alone
+        assert all(len(c.logprobs) == len(c.token_ids) for c in output.outputs)
+    assert len({tuple(c.token_ids) for c in many[0].outputs}) > 1  # the seeds differ
+    unseeded = llm.generate(prompts[0], SamplingParams(n=2, temperature=1.0, max_tokens=4))
+    assert len(unseeded[0].outputs) == 2
+    with pytest.raises(ValueError, match="n must be an integer in"):
+        SamplingParams(n=0)
+    from pd_runtime.api import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="an engine request is one sequence"):
+        llm.engine.add_request("direct", "x", SamplingParams(n=2))

@@ -140,6 +140,9 @@ class LLMEngine:
         The sampling parameters themselves were judged when they were made (SamplingParams);
         what is checked here is what only this engine knows (its vocabulary, its context)."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequestError("n: an engine request is one sequence; LLM.generate and "
+                                      "the server run n requests", param="n")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       param="request_id")

@@ -6,7 +6,7 @@ import copy
 import itertools
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
 from pd_runtime.api import SamplingParams
@@ -139,45 +139,60 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params must be one object or one per prompt")
         engine = self.engine
-        order, results = [], {}
+        results: list[RequestOutput] = []
+        running: dict[str, tuple[RequestOutput, CompletionOutput]] = {}  # engine request id
         try:
             for prompt, params in zip(prompts, sampling_params):
-                rid = f"offline-{next(self._ids)}"
-                req = engine.add_request(rid, prompt, params)
-                order.append(rid)
-                results[rid] = RequestOutput(
-                    rid, prompt if isinstance(prompt, str) else None, req.prompt_token_ids,
-                    [CompletionOutput(logprobs=[] if params.logprobs is not None else None)])
+                result = None
+                for index, own in enumerate(_choices(params)):
+                    rid = f"offline-{next(self._ids)}"
+                    req = engine.add_request(rid, prompt, own)
+                    if result is None:
+                        result = RequestOutput(rid, prompt if isinstance(prompt, str) else None,
+                                               req.prompt_token_ids, [])
+                        results.append(result)
+                    completion = CompletionOutput(
+                        index, logprobs=[] if params.logprobs is not None else None)
+                    result.outputs.append(completion)
+                    running[rid] = (result, completion)
         except Exception:
-            for rid in order:
+            for rid in running:
                 engine.abort(rid)
             raise
-        done, start = 0, time.monotonic()
-        while done < len(order):
+        total, done, start = len(running), 0, time.monotonic()
+        while done < total:
             for out in engine.step():
-                done += self._collect(results[out.request_id], out)
+                done += self._collect(*running[out.request_id], out)
             if use_tqdm:
-                print(f"\r{done}/{len(order)} done, {time.monotonic() - start:.1f}s",
+                print(f"\r{done}/{total} done, {time.monotonic() - start:.1f}s",
                       end="", file=sys.stderr)
         if use_tqdm:
             print(file=sys.stderr)
-        return [results[rid] for rid in order]
+        return results
 
     @staticmethod
-    def _collect(result: RequestOutput, out: StepOutput) -> int:
-        if out.prompt_logprobs is not None:
+    def _collect(result: RequestOutput, completion: CompletionOutput, out: StepOutput) -> int:
+        if out.prompt_logprobs is not None and completion.index == 0:
             result.prompt_logprobs = out.prompt_logprobs
-        completion = result.outputs[0]
         completion.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             completion.logprobs.extend(out.new_logprobs)
         completion.text = out.text
-        result.num_cached_tokens = out.num_cached_tokens
+        if completion.index == 0:
+            result.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             completion.finish_reason = out.finish_reason
-            result.finished = True
+            result.finished = all(c.finish_reason is not None for c in result.outputs)
             return 1
         return 0
+
+
+def _choices(params: SamplingParams) -> list[SamplingParams]:
+    """One prompt's n sequences as n requests: choice i seeded seed + i (the server's n)."""
+    if params.n == 1:
+        return [params]
+    return [replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
 
 
 def _prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> list:
