@@ -173,3 +173,22 @@ def _written(path: Path, config: dict) -> Path:
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+@pytest.mark.parametrize("config, params", [
+    # Mixtral-8x7B and Qwen3-30B-A3B as published (their config.json's fields the plan reads)
+    ({"architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+      "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2,
+      "tie_word_embeddings": False, "torch_dtype": "bfloat16", "rope_theta": 1e6},
+     46_702_792_704),
+    ({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+      "head_dim": 128, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
+      "moe_intermediate_size": 768, "decoder_sparse_step": 1, "mlp_only_layers": [],
+      "norm_topk_prob": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+     30_532_122_624),
+])
+def test_expert_weights_are_counted(tmp_path, config, params):
+    cfg = load_model_config(_written(tmp_path / "moe", config))
+    assert weight_bytes(cfg, 2) == 2 * params

@@ -48,6 +48,12 @@ VARIANTS = {
                                    "partial_rotary_factor": 0.75,
                                    "short_factor": [1.0, 1.1, 1.3, 1.7, 2.6, 4.0],
                                    "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}}),
+    # Mixture of experts: Mixtral (every layer sparse, 8 experts, top 2, renormalized) and
+    # Qwen3-MoE (the first layer dense by mlp_only_layers; top 3 of 8, renormalized or not).
+    "mixtral": ("mixtral", {}),
+    "qwen3-moe": ("qwen3_moe", {"num_experts_per_tok": 3, "norm_topk_prob": True,
+                                "mlp_only_layers": [0]}),
+    "qwen3-moe-unnormalized": ("qwen3_moe", {"norm_topk_prob": False}),
     # SmolLM3: no rope in every fourth layer (the test preset's 2 layers: the second).
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),
     "smollm3-biases": ("smollm3", {"no_rope_layers": [0, 1], "attention_bias": True,
@@ -109,7 +115,8 @@ def variant(request, model_factory):
 
 # Greedy runs cover each family once plus llama3 and YaRN rope scaling; logits pin every variant.
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope", "granite",
-                        "llama-biases", "phi3", "phi3-longrope", "smollm3"])
+                        "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
+                        "qwen3-moe"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -69,6 +70,7 @@ class LLM:
         pd_runtime/serve_flags.py)."""
         from pd_runtime.serve_flags import engine_fields
 
+        model = os.fspath(model)  # a pathlib.Path too
         self.engine = LLMEngine(EngineConfig(model=model, **engine_fields(model, engine_args)))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

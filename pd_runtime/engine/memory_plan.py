@@ -65,13 +65,16 @@ def decode_buffer_fraction(engine: EngineConfig) -> float:
 def weight_bytes(cfg: ModelConfig, elem: int) -> int:
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h, inter = cfg.hidden_size, cfg.intermediate_size
-    per_layer = h * (q + 2 * kv) + q * h + 2 * h * inter + inter * h + 2 * h
+    per_layer = h * (q + 2 * kv) + q * h + 2 * h
     per_layer += (q + 2 * kv) if cfg.qkv_bias else 0
     per_layer += h if cfg.o_bias else 0
-    per_layer += 2 * inter + h if cfg.mlp_bias else 0
     per_layer += 2 * cfg.head_dim if cfg.qk_norm else 0
+    dense = 3 * h * inter + (2 * inter + h if cfg.mlp_bias else 0)
+    sparse = cfg.num_experts * (3 * h * cfg.moe_intermediate_size + h)  # experts and router
+    mlps = (cfg.num_layers - len(cfg.sparse_layers)) * dense + len(cfg.sparse_layers) * sparse
     embed = cfg.vocab_size * h
-    return elem * (cfg.num_layers * per_layer + embed * (1 if cfg.tie_word_embeddings else 2) + h)
+    return elem * (cfg.num_layers * per_layer + mlps
+                   + embed * (1 if cfg.tie_word_embeddings else 2) + h)
 
 
 def step_activation_bytes(cfg: ModelConfig, elem: int, tokens: int, rows: int) -> int:
@@ -81,7 +84,8 @@ def step_activation_bytes(cfg: ModelConfig, elem: int, tokens: int, rows: int) -
     sampler's vocabulary-wide rows, and the decode kernel's split partials."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h, inter = cfg.hidden_size, cfg.intermediate_size
-    layer = tokens * (3 * h + 2 * (q + 2 * kv) + q + 3 * inter) * elem
+    mlp = max(inter, cfg.experts_per_token * cfg.moe_intermediate_size)  # (the chosen experts')
+    layer = tokens * (3 * h + 2 * (q + 2 * kv) + q + 3 * mlp) * elem
     sampler = rows * cfg.vocab_size * 4 * SAMPLER_ROW_COPIES
     splits = rows * cfg.num_heads * MAX_DECODE_SPLITS * (cfg.head_dim + 2) * 4
     return layer + sampler + splits

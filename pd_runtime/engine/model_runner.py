@@ -117,7 +117,10 @@ class ModelRunner:
         # CUDA graphs of decode steps, captured now so that no request waits for them.
         self.graphs = None
         self.graph_capture_s: float | None = None
-        if self.triton is not None and config.cuda_graphs:
+        if self.triton is not None and config.cuda_graphs and cfg.num_experts:
+            # The experts' loop runs the experts its tokens chose: shapes a graph cannot hold.
+            log.info("cuda_graphs: off for a mixture-of-experts model (decode runs eagerly)")
+        elif self.triton is not None and config.cuda_graphs:
             from pd_runtime.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, min(config.cuda_graph_max_batch_size,

@@ -197,11 +197,13 @@ class LlamaModel:
         # copy of the linear weights, half their size for bf16 values run in float32, their
         # size otherwise (the bench model's: 64 MB; its float32 weights 128 MB).
         self.packed = [{name: prepack_weight(layer[name], layer.get(name + "_bias"))
-                        for name in ("qkv", "o", "gate_up", "down")} for layer in self.layers]
+                        for name in ("qkv", "o", "gate_up", "down") if name in layer}
+                       for layer in self.layers]
         self.lm_head_packed = prepack_weight(self.lm_head)
         self.batch_invariant = batch_invariant
         # Rows each matmul is padded to (1: as called); the activation in one native pass.
-        self.min_rows = {name: 1 for name in ("qkv", "o", "gate_up", "down", "lm_head")}
+        self.min_rows = {name: 1 for name in ("qkv", "o", "gate_up", "down", "lm_head",
+                                              "router", "experts_gate_up", "experts_down")}
         self.native_silu = False
         if batch_invariant:
             self._probe_row_stability()
@@ -215,10 +217,17 @@ class LlamaModel:
     def _probe_row_stability(self) -> None:
         """Find each matmul shape's stable row count (the first layer stands for all: same
         shapes, same paths) and whether the native activation runs here."""
-        layer, packed = self.layers[0], self.packed[0]
-        for name in ("qkv", "o", "gate_up", "down", "lm_head"):
+        for name in ("qkv", "o", "gate_up", "down", "lm_head", "router", "experts_gate_up",
+                     "experts_down"):
+            index = next((i for i, layer in enumerate(self.layers) if name in layer), None)
+            if name != "lm_head" and index is None:
+                continue  # a model with no dense MLP, or no experts
+            layer, packed = (self.layers[index], self.packed[index]) if index is not None \
+                else ({}, {})
             weight = self.lm_head if name == "lm_head" else layer[name]
-            pack = self.lm_head_packed if name == "lm_head" else packed[name]
+            if name.startswith("experts_"):
+                weight = weight[0]  # every expert has the first's shape
+            pack = self.lm_head_packed if name == "lm_head" else packed.get(name)
             bias = None if name == "lm_head" else layer.get(name + "_bias")
             key = (tuple(weight.shape), weight.dtype, str(weight.device), pack is not None,
                    bias is not None)
@@ -226,7 +235,9 @@ class LlamaModel:
                 lambda x: linear(x, weight, pack, bias), weight.shape[1], self.dtype,
                 self.device, key)
             self.min_rows[name] = found or 1
-        probe = torch.zeros(1, 2 * self.cfg.intermediate_size, dtype=self.dtype, device=self.device)
+        width = self.cfg.moe_intermediate_size if self.cfg.num_experts else \
+            self.cfg.intermediate_size
+        probe = torch.zeros(1, 2 * width, dtype=self.dtype, device=self.device)
         self.native_silu = native.silu_mul(probe) is not None
 
     def _attention(self, layer: dict, packed: dict, x: torch.Tensor, cos, sin, kv_layer,
@@ -241,10 +252,13 @@ class LlamaModel:
             qk = qkv[:, :self.q_size + self.kv_size].reshape(-1, heads + kv_heads, head_dim)
             q, k = qk[:, :heads], qk[:, heads:]
         elif cfg.qk_norm:
+            # Contiguous first: the fused bf16 norm takes dense rows; torch's float path over
+            # the strided view reduced in an order that depended on the row count (a token's
+            # logprobs then changed with its batch).
             q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], -1)
-            q = apply_rope(rms_norm(q.view(-1, heads, head_dim), layer["q_norm"],
+            q = apply_rope(rms_norm(q.contiguous().view(-1, heads, head_dim), layer["q_norm"],
                                     cfg.rms_norm_eps), cos, sin)
-            k = apply_rope(rms_norm(k.view(-1, kv_heads, head_dim), layer["k_norm"],
+            k = apply_rope(rms_norm(k.contiguous().view(-1, kv_heads, head_dim), layer["k_norm"],
                                     cfg.rms_norm_eps), cos, sin)
         else:  # q and k heads side by side in qkv: one rotation for both (half the launches)
             qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(-1, heads + kv_heads,
@@ -256,14 +270,43 @@ class LlamaModel:
                       layer.get("o_bias"), self.min_rows["o"])
 
     def _mlp(self, layer: dict, packed: dict, x: torch.Tensor) -> torch.Tensor:
+        if "router" in layer:
+            return self._experts(layer, x)
         gate_up = linear(x, layer["gate_up"], packed["gate_up"], layer.get("gate_up_bias"),
                          self.min_rows["gate_up"])
+        return linear(self._silu_mul(gate_up), layer["down"], packed["down"],
+                      layer.get("down_bias"), self.min_rows["down"])
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         act = native.silu_mul(gate_up) if self.native_silu else None
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate).mul_(up)
-        return linear(act, layer["down"], packed["down"], layer.get("down_bias"),
-                      self.min_rows["down"])
+        return act
+
+    def _experts(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
+        """A sparse layer's MLP, as transformers computes it: the router's softmax (float32)
+        picks each token's top experts; each expert runs on its tokens, weighted, and the
+        results are added into the output expert by expert in ascending order. Every step is
+        row by row (matmuls at their row-stable counts), so a token's result does not depend
+        on which others share its batch."""
+        cfg = self.cfg
+        logits = linear(x, layer["router"], None, None, self.min_rows["router"])
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, cfg.experts_per_token, dim=-1)
+        if cfg.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if not cfg.router_weights_float32:
+            weights = weights.to(logits.dtype)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(chosen).tolist():  # ascending
+            tokens, slot = torch.where(chosen == expert)
+            gate_up = linear(x[tokens], layer["experts_gate_up"][expert], None, None,
+                             self.min_rows["experts_gate_up"])
+            down = linear(self._silu_mul(gate_up), layer["experts_down"][expert], None, None,
+                          self.min_rows["experts_down"])
+            out.index_add_(0, tokens, (down * weights[tokens, slot, None]).to(out.dtype))
+        return out
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -141,20 +141,24 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
         p = f"model.layers.{i}."
         if cfg.family == "phi3":  # stored fused, q|k|v and gate|up, as the decoder holds them
             qkv = reader.get(p + "self_attn.qkv_proj.weight", (q_out + 2 * kv_out, h))
-            gate_up = reader.get(p + "mlp.gate_up_proj.weight", (2 * inter, h))
         else:
             qkv = torch.cat([reader.get(p + f"self_attn.{n}_proj.weight", (o, h))
                              for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))], 0)
-            gate_up = torch.cat([reader.get(p + "mlp.gate_proj.weight", (inter, h)),
-                                 reader.get(p + "mlp.up_proj.weight", (inter, h))], 0)
         layer = {
             "qkv": qkv,
             "o": reader.get(p + "self_attn.o_proj.weight", (h, q_out)),
-            "gate_up": gate_up,
-            "down": reader.get(p + "mlp.down_proj.weight", (h, inter)),
             "in_norm": reader.get(p + "input_layernorm.weight", (h,)),
             "post_norm": reader.get(p + "post_attention_layernorm.weight", (h,)),
         }
+        if i in cfg.sparse_layers:
+            layer.update(_experts(reader, cfg, p))
+        elif cfg.family == "phi3":
+            layer["gate_up"] = reader.get(p + "mlp.gate_up_proj.weight", (2 * inter, h))
+            layer["down"] = reader.get(p + "mlp.down_proj.weight", (h, inter))
+        else:
+            layer["gate_up"] = torch.cat([reader.get(p + "mlp.gate_proj.weight", (inter, h)),
+                                          reader.get(p + "mlp.up_proj.weight", (inter, h))], 0)
+            layer["down"] = reader.get(p + "mlp.down_proj.weight", (h, inter))
         if cfg.qkv_bias:
             layer["qkv_bias"] = torch.cat(
                 [reader.get(p + f"self_attn.{n}_proj.bias", (o,))
@@ -185,6 +189,28 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
     log.info("loaded %s (%s, %.1fM params, %s) from %s", cfg.family, cfg.identity,
              n_params / 1e6, torch_dtype, model_dir)
     return LlamaModel(cfg, weights, torch_dtype, device, max_positions, batch_invariant)
+
+
+def _experts(reader: "_TensorReader", cfg: ModelConfig, prefix: str) -> dict:
+    """A sparse layer's router ("router": [experts, hidden]) and experts stacked
+    ("experts_gate_up": [experts, 2 x size, hidden], gate then up; "experts_down":
+    [experts, hidden, size]), from the checkpoint's per-expert tensors: Mixtral's
+    block_sparse_moe.experts.E.w1 (gate), w3 (up), w2 (down); Qwen3-MoE's mlp.experts.E
+    gate_proj, up_proj, down_proj."""
+    h, size, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    if cfg.family == "mixtral":
+        block, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        block, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
+
+    def each(name: str, shape: tuple[int, int]) -> list[torch.Tensor]:
+        return [reader.get(f"{block}experts.{e}.{name}.weight", shape) for e in range(n)]
+
+    gate, up, down = each(names[0], (size, h)), each(names[1], (size, h)), each(names[2],
+                                                                              (h, size))
+    return {"router": reader.get(block + "gate.weight", (n, h)),
+            "experts_gate_up": torch.stack([torch.cat(pair, 0) for pair in zip(gate, up)]),
+            "experts_down": torch.stack(down)}
 
 
 # Tensors a checkpoint may hold that the computation does not use: rotary tables older exports

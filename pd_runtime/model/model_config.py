@@ -2,7 +2,8 @@
 
 Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3 and SmolLM3 differ only in the flags and
 multipliers below (Phi-3 stores q/k/v and gate/up fused, as our decoder holds them; SmolLM3
-leaves rope out of every fourth layer); anything else is refused.
+leaves rope out of every fourth layer); Mixtral and Qwen3-MoE replace the MLP of their sparse
+layers by experts a router picks per token; anything else is refused.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ _ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                "granite": "granite", "phi3": "phi3", "smollm3": "smollm3"}
+                "granite": "granite", "phi3": "phi3", "smollm3": "smollm3",
+                "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,16 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # Layers whose attention applies no rope (SmolLM3's NoPE layers: every fourth by default).
     nope_layers: tuple[int, ...] = ()
+    # Mixture of experts (Mixtral, Qwen3-MoE): in `sparse_layers` the MLP is `num_experts`
+    # experts of `moe_intermediate_size`, of which the router's top `experts_per_token` run
+    # for each token, weighted by their softmax probabilities (renormalized over the chosen
+    # with `norm_topk_prob`; kept in float32 by Mixtral, cast to the model's dtype by Qwen).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    router_weights_float32: bool = False
+    sparse_layers: tuple[int, ...] = ()
 
     @property
     def identity(self) -> str:
@@ -93,6 +107,8 @@ class ModelConfig:
         if r.rope_type != "default":  # every parameter of the scaling, digested
             digest = hashlib.sha256(repr(astuple(r)).encode()).hexdigest()[:8]
             rope += f"-{r.rope_type}-{digest}"
+        # (The experts change no KV layout: a dense and a sparse model with equal attention
+        # differ in their family name.)
         if self.nope_layers:  # which layers' keys are rotated is part of the KV's meaning
             rope += "-nope" + hashlib.sha256(repr(self.nope_layers).encode()).hexdigest()[:8]
         return (f"{self.family}-L{self.num_layers}-H{self.hidden_size}-kv{self.num_kv_heads}"
@@ -219,6 +235,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         window = raw.get("sliding_window", 4096)
     elif family == "phi3":  # whenever set (Phi-3-mini-4k: 2047), as Mistral's
         window = raw.get("sliding_window")
+    elif family == "mixtral":  # as Mistral's, but no window unless the file sets one
+        window = raw.get("sliding_window")
     elif family == "smollm3":  # on the layers layer_types marks, with use_sliding_window
         window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
     elif raw.get("use_sliding_window", False) and \
@@ -243,16 +261,51 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         # q/k/v/o biases with attention_bias (SmolLM3 too), Llama and Granite MLP biases with
         # mlp_bias (SmolLM3 too);
         # Mistral and Phi-3 none.
-        qkv_bias=family == "qwen2" or (family not in ("mistral", "phi3") and attention_bias),
+        qkv_bias=family == "qwen2" or (family not in ("mistral", "phi3", "mixtral")
+                                       and attention_bias),
         o_bias=family in ("llama", "qwen3", "granite", "smollm3") and attention_bias,
         mlp_bias=family in ("llama", "granite", "smollm3") and bool(raw.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         rope=_rope_from(raw, path, family, int(head_dim)),
         sliding_window=int(window) if window else None,
         **_granite_scalings(raw, path, family),
         nope_layers=_nope_layers(raw, path, family),
+        **_experts(raw, path, family),
     )
+
+
+def _experts(raw: dict, path: Path, family: str) -> dict:
+    """The mixture-of-experts fields, as transformers reads them: Mixtral's every layer sparse
+    (num_local_experts, experts of intermediate_size, renormalized float32 weights); Qwen3-MoE's
+    sparse where decoder_sparse_step divides the layer number and mlp_only_layers does not
+    name it (experts of moe_intermediate_size, norm_topk_prob)."""
+    if family not in ("mixtral", "qwen3_moe"):
+        return {}
+    layers = int(raw["num_hidden_layers"])
+    if family == "mixtral":
+        experts, size = raw.get("num_local_experts", 8), raw.get("intermediate_size")
+        sparse, norm = tuple(range(layers)), True
+    else:
+        # (transformers 5 writes num_local_experts, the Hub's files num_experts.)
+        experts = raw.get("num_experts", raw.get("num_local_experts", 128))
+        size = raw.get("moe_intermediate_size", 768)
+        step = int(raw.get("decoder_sparse_step", 1))
+        dense = set(raw.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0
+                       and step > 0 and (i + 1) % step == 0)
+        norm = bool(raw.get("norm_topk_prob", False))
+    top_k = raw.get("num_experts_per_tok", 2)
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", top_k),
+                       ("moe_intermediate_size", size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelLoadError(f"{path}: {key} must be a positive integer, got {value!r}")
+    if top_k > experts:
+        raise ModelLoadError(f"{path}: num_experts_per_tok {top_k} exceeds the {experts} "
+                             "experts")
+    return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": size,
+            "norm_topk_prob": norm, "router_weights_float32": family == "mixtral",
+            "sparse_layers": sparse}
 
 
 def _nope_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:

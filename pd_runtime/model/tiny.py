@@ -30,6 +30,8 @@ ARCHITECTURES = {
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
@@ -89,8 +91,11 @@ def _build_config(architecture: str, fields: dict):
     import transformers
 
     config_name, model_name = ARCHITECTURES[architecture]
-    if architecture == "qwen3" and "head_dim" not in fields:
+    if architecture in ("qwen3", "qwen3_moe") and "head_dim" not in fields:
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    if architecture == "qwen3_moe":  # small experts, a handful (the class's: 128 of 768)
+        fields.setdefault("num_experts", 8)
+        fields.setdefault("moe_intermediate_size", fields["intermediate_size"] // 4)
     if architecture == "qwen2":
         fields.setdefault("use_sliding_window", False)
     if architecture == "mistral":
@@ -133,7 +138,34 @@ def _write_weights(file: Path, config, seed: int, tokenizer_vocab_size: int) -> 
             # emits an id the tokenizer cannot decode (as with real padded checkpoints).
             value[tokenizer_vocab_size:] = 0.0
         tensors[name] = value.to(dtype).contiguous()
-    save_file(tensors, str(file), metadata={"format": "pt"})
+    save_file(_hub_experts(tensors, config), str(file), metadata={"format": "pt"})
+
+
+def _hub_experts(tensors: dict, config) -> dict:
+    """transformers 5 holds a layer's experts stacked (experts.gate_up_proj, experts.down_proj);
+    checkpoints on the Hub, and its own save_pretrained, hold them one by one under the
+    family's names: those are written."""
+    names = {"MixtralForCausalLM": ("block_sparse_moe.", "w1", "w3", "w2"),
+             "Qwen3MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj")}
+    if config.architectures[0] not in names:
+        return tensors
+    block, gate_name, up_name, down_name = names[config.architectures[0]]
+    out = {}
+    for name, value in tensors.items():
+        prefix, _, rest = name.partition("mlp.")
+        if rest == "gate.weight":
+            out[prefix + block + rest] = value
+        elif rest == "experts.gate_up_proj":
+            gate, up = value.chunk(2, dim=1)
+            for e in range(value.shape[0]):
+                out[f"{prefix}{block}experts.{e}.{gate_name}.weight"] = gate[e].contiguous()
+                out[f"{prefix}{block}experts.{e}.{up_name}.weight"] = up[e].contiguous()
+        elif rest == "experts.down_proj":
+            for e in range(value.shape[0]):
+                out[f"{prefix}{block}experts.{e}.{down_name}.weight"] = value[e].contiguous()
+        else:
+            out[name] = value
+    return out
 
 
 def _write_config(out: Path, config) -> None:
