@@ -36,6 +36,8 @@ def main() -> None:
     from pd_runtime.model.loader import load_model
 
     model = load_model(bench_model(args.model), "float32", "cpu", 4096, False)
+    if model.cfg.num_experts:
+        sys.exit("a dense model's linears are measured here (the experts' are not packed)")
     packed = model.packed[0]
     if not isinstance(packed["qkv"], native.PackedLinear):
         sys.exit("the native float32 linear does not run here (no build, or no AVX2 + FMA)")

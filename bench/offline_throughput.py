@@ -176,9 +176,16 @@ def main() -> None:
     cfg = load_model_config(model)
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     q_kv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    linear_params = layers * (h * q_kv + cfg.num_heads * cfg.head_dim * h + 3 * h * inter) \
-        + cfg.vocab_size * h
-    weight_bytes = 2 * linear_params
+    attention = h * q_kv + cfg.num_heads * cfg.head_dim * h
+    # A layer's MLP parameters a token multiplies by, and those stored (a mixture of experts
+    # runs its chosen experts and the router, and a decode batch reads most experts).
+    sparse = len(cfg.sparse_layers)
+    mlp_used = (layers - sparse) * 3 * h * inter + sparse * (
+        cfg.experts_per_token * 3 * h * cfg.moe_intermediate_size + cfg.num_experts * h)
+    mlp_stored = (layers - sparse) * 3 * h * inter + sparse * cfg.num_experts * (
+        3 * h * cfg.moe_intermediate_size + h)
+    linear_params = layers * attention + mlp_used + cfg.vocab_size * h
+    weight_bytes = 2 * (layers * attention + mlp_stored + cfg.vocab_size * h)
     ctx = args.input_len + args.output_len / 2
     kv_bytes = args.num_prompts * ctx * 2 * layers * cfg.num_kv_heads * cfg.head_dim * 2
     read_bw, copy_bw, mm = read_bandwidth_gbs(), copy_bandwidth_gbs(), bf16_matmul_gflops()
@@ -197,8 +204,7 @@ def main() -> None:
         # Linear work actually done per prefill token: every layer's but the last one's, whose
         # output projection and MLP run for the sampled rows only (one per prompt), like the
         # LM head; the last layer computes qkv (the token's K/V) for every token.
-        prefill_params = (layers - 1) * (h * q_kv + cfg.num_heads * cfg.head_dim * h + 3 * h * inter) \
-            + h * q_kv
+        prefill_params = (layers - 1) * attention + mlp_used * (layers - 1) / layers + h * q_kv
         achieved = ours["prefill_tokens_per_s"] * 2 * prefill_params / 1e9
         print(f"prefill: {ours['prefill_tokens_per_s']:.0f} tok/s = {achieved:.0f} GFLOP/s "
               f"in linear layers, {achieved / mm:.0%} of the measured bf16 matmul rate")

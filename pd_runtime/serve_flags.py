@@ -173,17 +173,23 @@ def engine_fields(model: str, args: dict) -> dict:
     """`LLM(model, **args)`'s arguments as EngineConfig's fields: vLLM's names for what they
     share are taken (enforce_eager, swap_space in GiB, a dtype alias or torch dtype), those
     with nothing to set here accepted when they ask for what happens anyway
-    (tensor_parallel_size 1, trust_remote_code, disable_log_stats, the model's own
-    tokenizer); anything else is left for EngineConfig to refuse by name."""
+    (tensor_parallel_size 1, trust_remote_code, disable_log_stats, enable_chunked_prefill
+    true, the model's own tokenizer); anything else is left for EngineConfig to refuse by
+    name."""
     out = dict(args)
     if out.get("tensor_parallel_size", 1) != 1:
         raise ValueError(f"tensor_parallel_size: {out['tensor_parallel_size']} is not "
                          "supported; an engine runs on one device")
     tokenizer = out.pop("tokenizer", None)
-    if tokenizer not in (None, model):
+    if tokenizer is not None and os.path.realpath(os.fspath(tokenizer)) != \
+            os.path.realpath(model):
         raise ValueError(f"tokenizer: {tokenizer!r}; the model directory's own tokenizer is "
                          "the one used")
-    for name in ("tensor_parallel_size", "trust_remote_code", "disable_log_stats"):
+    if out.get("enable_chunked_prefill", True) is not True:
+        raise ValueError("enable_chunked_prefill: prompts are always chunked to "
+                         "max_num_batched_tokens here")
+    for name in ("tensor_parallel_size", "trust_remote_code", "disable_log_stats",
+                 "enable_chunked_prefill"):
         out.pop(name, None)
     if "enforce_eager" in out:
         out["cuda_graphs"] = not out.pop("enforce_eager")

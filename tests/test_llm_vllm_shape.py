@@ -44,11 +44,39 @@ def test_a_vllm_script_runs_unchanged(llama_dir):
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in outputs]
 
 
+def test_vllm_prompt_dicts_chat_prompts_and_cumulative_logprobs(llama_dir, tmp_path):
+    from pathlib import Path
+
+    llm = LLM(Path(llama_dir), tokenizer=Path(llama_dir + "/"), enable_chunked_prefill=True,
+              dtype="float32", num_kv_blocks=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
+    text, ids = "Hello there", llm.tokenizer.encode("Hello there")
+    plain = llm.generate([text, ids], greedy)
+    dicts = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], greedy)
+    one = llm.generate({"prompt": text}, greedy)
+    assert [o.token_ids for o in dicts] == [o.token_ids for o in plain] == \
+        [one[0].token_ids, plain[1].token_ids]
+    assert dicts[0].prompt == text and dicts[1].prompt is None
+    with pytest.raises(ValueError, match="a prompt dict holds one of"):
+        llm.generate({"text": text}, greedy)
+    completion = plain[0].outputs[0]
+    assert completion.cumulative_logprob == pytest.approx(sum(lp for lp, _ in
+                                                              completion.logprobs))
+    assert completion.cumulative_logprob < 0
+    assert llm.generate(text, SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob \
+        is None
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = llm.chat(messages, greedy)[0]
+    assert chat.prompt == llm.tokenizer.apply_chat_template(messages)
+    assert chat.prompt_token_ids == llm.tokenizer.encode_chat(messages)
+
+
 @pytest.mark.parametrize("args, says", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size: 2 is not supported"),
     ({"tokenizer": "/some/other/tokenizer"}, "tokenizer: '/some/other/tokenizer'"),
     ({"swap_space": -1}, "swap_space: -1 GiB is not a size"),
     ({"quantization": "awq"}, "quantization"),  # vLLM has it, we do not: named, not ignored
+    ({"enable_chunked_prefill": False}, "enable_chunked_prefill: prompts are always chunked"),
 ])
 def test_vllm_arguments_that_ask_for_more_are_refused_by_name(llama_dir, args, says):
     with pytest.raises(ValueError, match=says):

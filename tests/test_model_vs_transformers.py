@@ -53,7 +53,9 @@ VARIANTS = {
     "mixtral": ("mixtral", {}),
     "qwen3-moe": ("qwen3_moe", {"num_experts_per_tok": 3, "norm_topk_prob": True,
                                 "mlp_only_layers": [0]}),
-    "qwen3-moe-unnormalized": ("qwen3_moe", {"norm_topk_prob": False}),
+    "qwen3-moe-unnormalized": ("qwen3_moe", {"norm_topk_prob": False,
+                                             "num_experts_per_tok": 2}),
+    "qwen3-moe-bias": ("qwen3_moe", {"attention_bias": True, "num_experts_per_tok": 2}),
     # SmolLM3: no rope in every fourth layer (the test preset's 2 layers: the second).
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),
     "smollm3-biases": ("smollm3", {"no_rope_layers": [0, 1], "attention_bias": True,

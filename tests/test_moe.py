@@ -32,3 +32,52 @@ def test_experts_give_the_same_tokens_alone_batched_and_chunked(moe_model, dtype
         assert outputs(engine.generate(batch, GREEDY)) == greedy
         assert outputs(engine.generate(batch, [seeded(i) for i in range(len(batch))])) == \
             sampled
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_an_expert_block_is_transformers_bit_for_bit_in_bfloat16(model_factory, family):
+    """The router's weights kept in float32 (Mixtral) or cast to bf16 (Qwen) before they scale
+    an expert's output: in float32 both read alike, in bf16 each matches only its own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pd_runtime.model.loader import load_model
+
+    path = model_factory(family, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=256, num_experts_per_tok=2)
+    ours = load_model(path, dtype="bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    x = torch.randn(97, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for index in (0, 1):
+        with torch.no_grad():
+            want = hf.model.layers[index].mlp(x[None])[0]
+        assert torch.equal(ours._experts(ours.layers[index], x), want), (family, index)
+
+
+def test_expert_config_defaults_are_the_config_classes(model_factory, tmp_path):
+    """What a hand-written config leaves out reads as transformers' classes read it."""
+    import json
+    import shutil
+
+    from pd_runtime.model.model_config import load_model_config
+
+    for family, drop, check in (
+            ("qwen3_moe", ("num_experts_per_tok",), lambda c: c.experts_per_token == 8),
+            ("mixtral", ("rope_parameters", "rope_theta", "rope_scaling"),
+             lambda c: c.rope.theta == 1e6)):
+        path = tmp_path / family
+        shutil.copytree(model_factory(family), path)
+        raw = json.loads((path / "config.json").read_text())
+        for key in drop:
+            raw.pop(key, None)
+        (path / "config.json").write_text(json.dumps(raw))
+        assert check(load_model_config(path)), family
+    raw = json.loads((path / "config.json").read_text())  # Mixtral's num_experts alias
+    raw["num_experts"] = raw.pop("num_local_experts")
+    (path / "config.json").write_text(json.dumps(raw))
+    assert load_model_config(path).num_experts == 8
+    qwen = tmp_path / "qwen3_moe"
+    raw = json.loads((qwen / "config.json").read_text())
+    raw.update(use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    (qwen / "config.json").write_text(json.dumps(raw))
+    assert load_model_config(qwen).sliding_window == 64  # every layer: no max_window_layers

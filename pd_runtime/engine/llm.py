@@ -26,9 +26,14 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
-    # One entry per generated token when logprobs were asked:
-    # (logprob of the token, {token_id: logprob} of the top-n).
+    # One entry per generated token when logprobs were asked: (logprob of the token,
+    # {token_id: logprob} of the top-n) -- plain floats, not vLLM's Logprob objects.
     logprobs: Optional[list[tuple[float, dict[int, float]]]] = None
+
+    @property
+    def cumulative_logprob(self) -> Optional[float]:
+        """The sum of the generated tokens' logprobs (None when logprobs were not asked)."""
+        return None if self.logprobs is None else sum(lp for lp, _ in self.logprobs)
 
 
 @dataclass
@@ -94,11 +99,16 @@ class LLM:
         if chat_template is not None:
             tokenizer = copy.copy(self.tokenizer)  # shares the vocabulary, not the template
             tokenizer.use_chat_template(chat_template)
-        prompts = [tokenizer.encode_chat(list(c), add_generation_prompt,
-                                              continue_final_message=continue_final_message,
-                                              **(chat_template_kwargs or {}))
-                   for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        texts = [tokenizer.apply_chat_template(list(c), add_generation_prompt,
+                                               continue_final_message=continue_final_message,
+                                               **(chat_template_kwargs or {}))
+                 for c in conversations]
+        # As encode_chat: the template already carries any BOS.
+        results = self.generate([tokenizer.encode(t, add_special_tokens=False) for t in texts],
+                                sampling_params, use_tqdm)
+        for result, text in zip(results, texts):
+            result.prompt = text  # the rendered conversation, as vLLM reports it
+        return results
 
     def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]], beam_width: int,
                     max_tokens: int, *, length_penalty: float = 1.0, ignore_eos: bool = False,
@@ -198,8 +208,20 @@ def _choices(params: SamplingParams) -> list[SamplingParams]:
 
 
 def _prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> list:
-    """One prompt (text, or token ids) or several, as a list of prompts."""
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                    and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
+    """One prompt or several, as a list of prompts (text or token ids). vLLM's prompt dicts
+    are taken: {"prompt": text} and {"prompt_token_ids": ids}; other keys are refused."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                            and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    return [_prompt_of(p) for p in prompts]
+
+
+def _prompt_of(prompt) -> Prompt:
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
+        return prompt["prompt_token_ids"]
+    raise ValueError(f"a prompt dict holds one of 'prompt' (text) or 'prompt_token_ids', got "
+                     f"the keys {sorted(prompt)}")

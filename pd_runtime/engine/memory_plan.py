@@ -109,7 +109,7 @@ def plan_memory(engine: EngineConfig, cfg: ModelConfig, max_model_len: int,
     rows = engine.max_num_seqs
     eager = step_activation_bytes(cfg, elem, engine.max_num_batched_tokens, rows)
     graphs = 0
-    if on_gpu and engine.cuda_graphs:
+    if on_gpu and engine.cuda_graphs and not cfg.num_experts:  # (none for experts' models)
         batch = min(engine.cuda_graph_max_batch_size, engine.max_num_seqs)
         graphs = step_activation_bytes(cfg, elem, batch, batch) \
             + batch * (-(-max_model_len // engine.block_size) * 4 + 64)  # static buffers

@@ -285,11 +285,12 @@ class LlamaModel:
         return act
 
     def _experts(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
-        """A sparse layer's MLP, as transformers computes it: the router's softmax (float32)
-        picks each token's top experts; each expert runs on its tokens, weighted, and the
-        results are added into the output expert by expert in ascending order. Every step is
-        row by row (matmuls at their row-stable counts), so a token's result does not depend
-        on which others share its batch."""
+        """A sparse layer's MLP, as transformers computes it (its default grouped experts):
+        the router's softmax (float32) picks each token's top experts; each expert runs on its
+        tokens and its output is scaled by the token's weight for it; a token's weighted
+        outputs are summed in the order of its choices (float32 accumulation for bf16) and
+        rounded once. Every step is row by row (matmuls at their row-stable counts), so a
+        token's result does not depend on which others share its batch."""
         cfg = self.cfg
         logits = linear(x, layer["router"], None, None, self.min_rows["router"])
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -298,15 +299,17 @@ class LlamaModel:
             weights /= weights.sum(dim=-1, keepdim=True)
         if not cfg.router_weights_float32:
             weights = weights.to(logits.dtype)
-        out = torch.zeros_like(x)
-        for expert in torch.unique(chosen).tolist():  # ascending
+        # Mixtral's float32 weights make float32 products (rounded only after the sum).
+        weighted = torch.empty(*chosen.shape, x.shape[-1], device=x.device,
+                               dtype=torch.promote_types(x.dtype, weights.dtype))
+        for expert in torch.unique(chosen).tolist():
             tokens, slot = torch.where(chosen == expert)
             gate_up = linear(x[tokens], layer["experts_gate_up"][expert], None, None,
                              self.min_rows["experts_gate_up"])
             down = linear(self._silu_mul(gate_up), layer["experts_down"][expert], None, None,
                           self.min_rows["experts_down"])
-            out.index_add_(0, tokens, (down * weights[tokens, slot, None]).to(out.dtype))
-        return out
+            weighted[tokens, slot] = down * weights[tokens, slot, None]
+        return weighted.sum(dim=1).to(x.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

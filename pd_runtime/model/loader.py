@@ -202,15 +202,16 @@ def _experts(reader: "_TensorReader", cfg: ModelConfig, prefix: str) -> dict:
         block, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
     else:
         block, names = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
-
-    def each(name: str, shape: tuple[int, int]) -> list[torch.Tensor]:
-        return [reader.get(f"{block}experts.{e}.{name}.weight", shape) for e in range(n)]
-
-    gate, up, down = each(names[0], (size, h)), each(names[1], (size, h)), each(names[2],
-                                                                              (h, size))
+    # Filled expert by expert: one expert's tensors at a time beside the stacked ones.
+    gate_up = torch.empty(n, 2 * size, h, dtype=reader.dtype, device=reader.device)
+    down = torch.empty(n, h, size, dtype=reader.dtype, device=reader.device)
+    for e in range(n):
+        expert = f"{block}experts.{e}."
+        gate_up[e, :size] = reader.get(expert + names[0] + ".weight", (size, h))
+        gate_up[e, size:] = reader.get(expert + names[1] + ".weight", (size, h))
+        down[e] = reader.get(expert + names[2] + ".weight", (h, size))
     return {"router": reader.get(block + "gate.weight", (n, h)),
-            "experts_gate_up": torch.stack([torch.cat(pair, 0) for pair in zip(gate, up)]),
-            "experts_down": torch.stack(down)}
+            "experts_gate_up": gate_up, "experts_down": down}
 
 
 # Tensors a checkpoint may hold that the computation does not use: rotary tables older exports

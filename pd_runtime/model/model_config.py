@@ -115,14 +115,16 @@ class ModelConfig:
                 f"x{self.head_dim}-V{self.vocab_size}{rope}")
 
 
+# Config classes whose rope base is not 1e4 when a file leaves it out.
+_DEFAULT_THETA = {"smollm3": 2e6, "mixtral": 1e6}
+
+
 def _rope_from(raw: dict, path: Path, family: str, head_dim: int) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (theta inside); older files use rope_theta + rope_scaling.
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
     params = {**scaling, **params}
-    # SmolLM3's config class defaults its base to 2e6 (the others' to 1e4).
-    theta = params.get("rope_theta", raw.get("rope_theta",
-                                             2e6 if family == "smollm3" else 10000.0))
+    theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_THETA.get(family, 1e4)))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if family == "phi3":  # as transformers' Phi3Config reads it: "su" and "yarn" are longrope
         rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type
@@ -237,6 +239,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         window = raw.get("sliding_window")
     elif family == "mixtral":  # as Mistral's, but no window unless the file sets one
         window = raw.get("sliding_window")
+    elif family == "qwen3_moe":  # every layer's, with use_sliding_window (no layer bound)
+        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
     elif family == "smollm3":  # on the layers layer_types marks, with use_sliding_window
         window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
     elif raw.get("use_sliding_window", False) and \
@@ -263,7 +267,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         # Mistral and Phi-3 none.
         qkv_bias=family == "qwen2" or (family not in ("mistral", "phi3", "mixtral")
                                        and attention_bias),
-        o_bias=family in ("llama", "qwen3", "granite", "smollm3") and attention_bias,
+        o_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3") and attention_bias,
         mlp_bias=family in ("llama", "granite", "smollm3") and bool(raw.get("mlp_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
@@ -284,7 +288,8 @@ def _experts(raw: dict, path: Path, family: str) -> dict:
         return {}
     layers = int(raw["num_hidden_layers"])
     if family == "mixtral":
-        experts, size = raw.get("num_local_experts", 8), raw.get("intermediate_size")
+        experts = raw.get("num_local_experts", raw.get("num_experts", 8))
+        size = raw.get("intermediate_size")
         sparse, norm = tuple(range(layers)), True
     else:
         # (transformers 5 writes num_local_experts, the Hub's files num_experts.)
@@ -295,7 +300,7 @@ def _experts(raw: dict, path: Path, family: str) -> dict:
         sparse = tuple(i for i in range(layers) if i not in dense and experts > 0
                        and step > 0 and (i + 1) % step == 0)
         norm = bool(raw.get("norm_topk_prob", False))
-    top_k = raw.get("num_experts_per_tok", 2)
+    top_k = raw.get("num_experts_per_tok", 2 if family == "mixtral" else 8)
     for key, value in (("num_experts", experts), ("num_experts_per_tok", top_k),
                        ("moe_intermediate_size", size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
