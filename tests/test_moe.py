@@ -51,7 +51,8 @@ def test_an_expert_block_is_transformers_bit_for_bit_in_bfloat16(model_factory, 
     for index in (0, 1):
         with torch.no_grad():
             want = hf.model.layers[index].mlp(x[None])[0]
-        assert torch.equal(ours._experts(ours.layers[index], x), want), (family, index)
+        assert torch.equal(ours._experts(ours.layers[index], ours.packed[index], x), want), \
+            (family, index)
 
 
 def test_expert_config_defaults_are_the_config_classes(model_factory, tmp_path):

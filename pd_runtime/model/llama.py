@@ -199,6 +199,10 @@ class LlamaModel:
         self.packed = [{name: prepack_weight(layer[name], layer.get(name + "_bias"))
                         for name in ("qkv", "o", "gate_up", "down") if name in layer}
                        for layer in self.layers]
+        for layer, packed in zip(self.layers, self.packed):  # experts: one packing each
+            for name in ("experts_gate_up", "experts_down"):
+                if name in layer:
+                    packed[name] = [prepack_weight(w) for w in layer[name]]
         self.lm_head_packed = prepack_weight(self.lm_head)
         self.batch_invariant = batch_invariant
         # Rows each matmul is padded to (1: as called); the activation in one native pass.
@@ -225,9 +229,9 @@ class LlamaModel:
             layer, packed = (self.layers[index], self.packed[index]) if index is not None \
                 else ({}, {})
             weight = self.lm_head if name == "lm_head" else layer[name]
-            if name.startswith("experts_"):
-                weight = weight[0]  # every expert has the first's shape
             pack = self.lm_head_packed if name == "lm_head" else packed.get(name)
+            if name.startswith("experts_"):  # every expert has the first's shape and path
+                weight, pack = weight[0], pack[0]
             bias = None if name == "lm_head" else layer.get(name + "_bias")
             key = (tuple(weight.shape), weight.dtype, str(weight.device), pack is not None,
                    bias is not None)
@@ -271,7 +275,7 @@ class LlamaModel:
 
     def _mlp(self, layer: dict, packed: dict, x: torch.Tensor) -> torch.Tensor:
         if "router" in layer:
-            return self._experts(layer, x)
+            return self._experts(layer, packed, x)
         gate_up = linear(x, layer["gate_up"], packed["gate_up"], layer.get("gate_up_bias"),
                          self.min_rows["gate_up"])
         return linear(self._silu_mul(gate_up), layer["down"], packed["down"],
@@ -284,7 +288,7 @@ class LlamaModel:
             act = F.silu(gate).mul_(up)
         return act
 
-    def _experts(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
+    def _experts(self, layer: dict, packed: dict, x: torch.Tensor) -> torch.Tensor:
         """A sparse layer's MLP, as transformers computes it (its default grouped experts):
         the router's softmax (float32) picks each token's top experts; each expert runs on its
         tokens and its output is scaled by the token's weight for it; a token's weighted
@@ -304,10 +308,11 @@ class LlamaModel:
                                dtype=torch.promote_types(x.dtype, weights.dtype))
         for expert in torch.unique(chosen).tolist():
             tokens, slot = torch.where(chosen == expert)
-            gate_up = linear(x[tokens], layer["experts_gate_up"][expert], None, None,
+            gate_up = linear(x[tokens], layer["experts_gate_up"][expert],
+                             packed["experts_gate_up"][expert], None,
                              self.min_rows["experts_gate_up"])
-            down = linear(self._silu_mul(gate_up), layer["experts_down"][expert], None, None,
-                          self.min_rows["experts_down"])
+            down = linear(self._silu_mul(gate_up), layer["experts_down"][expert],
+                          packed["experts_down"][expert], None, self.min_rows["experts_down"])
             weighted[tokens, slot] = down * weights[tokens, slot, None]
         return weighted.sum(dim=1).to(x.dtype)
 
