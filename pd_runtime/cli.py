@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--preset", choices=["bench", "test"], default="bench")
     tiny.add_argument("--architecture", default="llama",
                       choices=["llama", "mistral", "qwen2", "qwen3", "granite", "phi3",
-                               "smollm3", "mixtral", "qwen3_moe"])
+                               "smollm3", "mixtral", "qwen3_moe", "qwen2_moe"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_make_tiny_model)
 

@@ -188,6 +188,12 @@ def _written(path: Path, config: dict) -> Path:
       "moe_intermediate_size": 768, "decoder_sparse_step": 1, "mlp_only_layers": [],
       "norm_topk_prob": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
      30_532_122_624),
+    ({"architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 5632,
+      "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+      "vocab_size": 151936, "num_experts": 60, "num_experts_per_tok": 4,
+      "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+      "tie_word_embeddings": False, "torch_dtype": "bfloat16"},  # Qwen1.5-MoE-A2.7B: 14.3B
+     14_315_784_192),
 ])
 def test_expert_weights_are_counted(tmp_path, config, params):
     cfg = load_model_config(_written(tmp_path / "moe", config))

@@ -55,6 +55,8 @@ VARIANTS = {
                                 "mlp_only_layers": [0]}),
     "qwen3-moe-unnormalized": ("qwen3_moe", {"norm_topk_prob": False,
                                              "num_experts_per_tok": 2}),
+    # Qwen2-MoE: q/k/v biases, a shared expert gated by a sigmoid beside 4 routed of 8.
+    "qwen2-moe": ("qwen2_moe", {"num_experts_per_tok": 4, "decoder_sparse_step": 1}),
     "qwen3-moe-bias": ("qwen3_moe", {"attention_bias": True, "num_experts_per_tok": 2}),
     # SmolLM3: no rope in every fourth layer (the test preset's 2 layers: the second).
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),
@@ -118,7 +120,7 @@ def variant(request, model_factory):
 # Greedy runs cover each family once plus llama3 and YaRN rope scaling; logits pin every variant.
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope", "granite",
                         "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
-                        "qwen3-moe"])
+                        "qwen3-moe", "qwen2-moe"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Mixtral, Qwen3-MoE) in the engine: a token's experts and their
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE) in the engine: a token's experts and their
 sums do not depend on its company, so outputs stay bit-identical alone, batched and chunked, in
 bfloat16 as in float32 (against transformers: tests/test_model_vs_transformers.py)."""
 
@@ -10,11 +10,11 @@ from pd_runtime import LLM
 from tests.test_batch_invariance import GREEDY, outputs, prompts, seeded
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe"])
 def moe_model(request, model_factory):
     # head_dim 64; 8 experts, 2 (Mixtral) or 3 (Qwen3-MoE, its first layer dense) per token
     extra = {"num_experts_per_tok": 3, "mlp_only_layers": [0]} \
-        if request.param == "qwen3_moe" else {}
+        if request.param != "mixtral" else {}
     return model_factory(request.param, hidden_size=256, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=256, **extra)
 
@@ -34,7 +34,7 @@ def test_experts_give_the_same_tokens_alone_batched_and_chunked(moe_model, dtype
             sampled
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_an_expert_block_is_transformers_bit_for_bit_in_bfloat16(model_factory, family):
     """The router's weights kept in float32 (Mixtral) or cast to bf16 (Qwen) before they scale
     an expert's output: in float32 both read alike, in bf16 each matches only its own."""

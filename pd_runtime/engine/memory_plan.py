@@ -71,6 +71,7 @@ def weight_bytes(cfg: ModelConfig, elem: int) -> int:
     per_layer += 2 * cfg.head_dim if cfg.qk_norm else 0
     dense = 3 * h * inter + (2 * inter + h if cfg.mlp_bias else 0)
     sparse = cfg.num_experts * (3 * h * cfg.moe_intermediate_size + h)  # experts and router
+    sparse += 3 * h * cfg.shared_expert_size + (h if cfg.shared_expert_size else 0)
     mlps = (cfg.num_layers - len(cfg.sparse_layers)) * dense + len(cfg.sparse_layers) * sparse
     embed = cfg.vocab_size * h
     return elem * (cfg.num_layers * per_layer + mlps

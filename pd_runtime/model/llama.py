@@ -197,7 +197,8 @@ class LlamaModel:
         # copy of the linear weights, half their size for bf16 values run in float32, their
         # size otherwise (the bench model's: 64 MB; its float32 weights 128 MB).
         self.packed = [{name: prepack_weight(layer[name], layer.get(name + "_bias"))
-                        for name in ("qkv", "o", "gate_up", "down") if name in layer}
+                        for name in ("qkv", "o", "gate_up", "down", "shared_gate_up",
+                                     "shared_down", "shared_gate") if name in layer}
                        for layer in self.layers]
         for layer, packed in zip(self.layers, self.packed):  # experts: one packing each
             for name in ("experts_gate_up", "experts_down"):
@@ -207,7 +208,8 @@ class LlamaModel:
         self.batch_invariant = batch_invariant
         # Rows each matmul is padded to (1: as called); the activation in one native pass.
         self.min_rows = {name: 1 for name in ("qkv", "o", "gate_up", "down", "lm_head",
-                                              "router", "experts_gate_up", "experts_down")}
+                                              "router", "experts_gate_up", "experts_down",
+                                              "shared_gate_up", "shared_down", "shared_gate")}
         self.native_silu = False
         if batch_invariant:
             self._probe_row_stability()
@@ -222,7 +224,7 @@ class LlamaModel:
         """Find each matmul shape's stable row count (the first layer stands for all: same
         shapes, same paths) and whether the native activation runs here."""
         for name in ("qkv", "o", "gate_up", "down", "lm_head", "router", "experts_gate_up",
-                     "experts_down"):
+                     "experts_down", "shared_gate_up", "shared_down", "shared_gate"):
             index = next((i for i, layer in enumerate(self.layers) if name in layer), None)
             if name != "lm_head" and index is None:
                 continue  # a model with no dense MLP, or no experts
@@ -314,7 +316,17 @@ class LlamaModel:
             down = linear(self._silu_mul(gate_up), layer["experts_down"][expert],
                           packed["experts_down"][expert], None, self.min_rows["experts_down"])
             weighted[tokens, slot] = down * weights[tokens, slot, None]
-        return weighted.sum(dim=1).to(x.dtype)
+        out = weighted.sum(dim=1).to(x.dtype)
+        if "shared_gate_up" in layer:  # Qwen2-MoE: every token's shared expert, gated
+            gate_up = linear(x, layer["shared_gate_up"], packed["shared_gate_up"], None,
+                             self.min_rows["shared_gate_up"])
+            shared = linear(self._silu_mul(gate_up), layer["shared_down"],
+                            packed["shared_down"], None, self.min_rows["shared_down"])
+            # (packed: torch's float32 GEMV for one output gave rows that depend on the count)
+            gate = linear(x, layer["shared_gate"], packed["shared_gate"], None,
+                          self.min_rows["shared_gate"])
+            out = out + torch.sigmoid(gate) * shared
+        return out
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -210,8 +210,16 @@ def _experts(reader: "_TensorReader", cfg: ModelConfig, prefix: str) -> dict:
         gate_up[e, :size] = reader.get(expert + names[0] + ".weight", (size, h))
         gate_up[e, size:] = reader.get(expert + names[1] + ".weight", (size, h))
         down[e] = reader.get(expert + names[2] + ".weight", (h, size))
-    return {"router": reader.get(block + "gate.weight", (n, h)),
-            "experts_gate_up": gate_up, "experts_down": down}
+    out = {"router": reader.get(block + "gate.weight", (n, h)),
+           "experts_gate_up": gate_up, "experts_down": down}
+    shared = cfg.shared_expert_size
+    if shared:  # Qwen2-MoE: mlp.shared_expert (an MLP) and mlp.shared_expert_gate
+        out["shared_gate_up"] = torch.cat([
+            reader.get(block + "shared_expert.gate_proj.weight", (shared, h)),
+            reader.get(block + "shared_expert.up_proj.weight", (shared, h))], 0)
+        out["shared_down"] = reader.get(block + "shared_expert.down_proj.weight", (h, shared))
+        out["shared_gate"] = reader.get(block + "shared_expert_gate.weight", (1, h))
+    return out
 
 
 # Tensors a checkpoint may hold that the computation does not use: rotary tables older exports

@@ -29,10 +29,11 @@ _ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                 "granite": "granite", "phi3": "phi3", "smollm3": "smollm3",
-                "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
+                "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe"}
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     router_weights_float32: bool = False
     sparse_layers: tuple[int, ...] = ()
+    # Qwen2-MoE's shared expert beside the routed ones (its output scaled by a sigmoid gate).
+    shared_expert_size: int = 0
 
     @property
     def identity(self) -> str:
@@ -265,8 +268,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         # q/k/v/o biases with attention_bias (SmolLM3 too), Llama and Granite MLP biases with
         # mlp_bias (SmolLM3 too);
         # Mistral and Phi-3 none.
-        qkv_bias=family == "qwen2" or (family not in ("mistral", "phi3", "mixtral")
-                                       and attention_bias),
+        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and raw.get("qkv_bias", True))
+        or (family not in ("mistral", "phi3", "mixtral", "qwen2_moe") and attention_bias),
         o_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3") and attention_bias,
         mlp_bias=family in ("llama", "granite", "smollm3") and bool(raw.get("mlp_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
@@ -284,7 +287,7 @@ def _experts(raw: dict, path: Path, family: str) -> dict:
     (num_local_experts, experts of intermediate_size, renormalized float32 weights); Qwen3-MoE's
     sparse where decoder_sparse_step divides the layer number and mlp_only_layers does not
     name it (experts of moe_intermediate_size, norm_topk_prob)."""
-    if family not in ("mixtral", "qwen3_moe"):
+    if family not in ("mixtral", "qwen3_moe", "qwen2_moe"):
         return {}
     layers = int(raw["num_hidden_layers"])
     if family == "mixtral":
@@ -293,14 +296,19 @@ def _experts(raw: dict, path: Path, family: str) -> dict:
         sparse, norm = tuple(range(layers)), True
     else:
         # (transformers 5 writes num_local_experts, the Hub's files num_experts.)
-        experts = raw.get("num_experts", raw.get("num_local_experts", 128))
-        size = raw.get("moe_intermediate_size", 768)
+        qwen2 = family == "qwen2_moe"  # (its config class's defaults: 60 of 1408, top 4)
+        experts = raw.get("num_experts", raw.get("num_local_experts", 60 if qwen2 else 128))
+        size = raw.get("moe_intermediate_size", 1408 if qwen2 else 768)
         step = int(raw.get("decoder_sparse_step", 1))
         dense = set(raw.get("mlp_only_layers") or [])
         sparse = tuple(i for i in range(layers) if i not in dense and experts > 0
                        and step > 0 and (i + 1) % step == 0)
         norm = bool(raw.get("norm_topk_prob", False))
-    top_k = raw.get("num_experts_per_tok", 2 if family == "mixtral" else 8)
+    top_k = raw.get("num_experts_per_tok", {"mixtral": 2, "qwen2_moe": 4}.get(family, 8))
+    shared = raw.get("shared_expert_intermediate_size", 5632) if family == "qwen2_moe" else 0
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise ModelLoadError(f"{path}: shared_expert_intermediate_size must be an integer, "
+                             f"got {shared!r}")
     for key, value in (("num_experts", experts), ("num_experts_per_tok", top_k),
                        ("moe_intermediate_size", size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -310,7 +318,7 @@ def _experts(raw: dict, path: Path, family: str) -> dict:
                              "experts")
     return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": size,
             "norm_topk_prob": norm, "router_weights_float32": family == "mixtral",
-            "sparse_layers": sparse}
+            "sparse_layers": sparse, "shared_expert_size": shared}
 
 
 def _nope_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
 }
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
@@ -93,9 +94,12 @@ def _build_config(architecture: str, fields: dict):
     config_name, model_name = ARCHITECTURES[architecture]
     if architecture in ("qwen3", "qwen3_moe") and "head_dim" not in fields:
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
-    if architecture == "qwen3_moe":  # small experts, a handful (the class's: 128 of 768)
+    if architecture in ("qwen3_moe", "qwen2_moe"):  # small experts, a handful (Qwen3's: 128)
         fields.setdefault("num_experts", 8)
         fields.setdefault("moe_intermediate_size", fields["intermediate_size"] // 4)
+    if architecture == "qwen2_moe":
+        fields.setdefault("shared_expert_intermediate_size", fields["intermediate_size"] // 2)
+        fields.setdefault("use_sliding_window", False)
     if architecture == "qwen2":
         fields.setdefault("use_sliding_window", False)
     if architecture == "mistral":
@@ -146,7 +150,8 @@ def _hub_experts(tensors: dict, config) -> dict:
     checkpoints on the Hub, and its own save_pretrained, hold them one by one under the
     family's names: those are written."""
     names = {"MixtralForCausalLM": ("block_sparse_moe.", "w1", "w3", "w2"),
-             "Qwen3MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj")}
+             "Qwen3MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+             "Qwen2MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj")}
     if config.architectures[0] not in names:
         return tensors
     block, gate_name, up_name, down_name = names[config.architectures[0]]
