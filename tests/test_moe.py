@@ -82,3 +82,26 @@ def test_expert_config_defaults_are_the_config_classes(model_factory, tmp_path):
     raw.update(use_sliding_window=True, sliding_window=64, max_window_layers=2)
     (qwen / "config.json").write_text(json.dumps(raw))
     assert load_model_config(qwen).sliding_window == 64  # every layer: no max_window_layers
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_disaggregated_expert_model_equals_colocated(moe_model, dtype):
+    """The prompt's KV computed by a prefill engine and decoded by another (the engines'
+    disaggregation hooks, as tests/test_disaggregated_engine.py drives them): the same tokens
+    and text as one engine, greedy and seeded."""
+    from tests.test_disaggregated_engine import GREEDY as SHORT, disaggregated
+    from tests.test_disaggregated_engine import prompts as short_prompts
+    from tests.test_disaggregated_engine import seeded as short_seeded
+
+    prefill = LLM(moe_model, dtype=dtype, num_kv_blocks=128).engine
+    decode = LLM(moe_model, dtype=dtype, num_kv_blocks=128).engine
+    colocated = LLM(moe_model, dtype=dtype, num_kv_blocks=128)
+    ps = short_prompts()
+    for params in ([SHORT] * len(ps), [short_seeded(i) for i in range(len(ps))]):
+        want = colocated.generate(ps, params)
+        items = [(f"r{i}-{params[0].seed}", p) for i, p in enumerate(ps)]
+        texts = {}
+        got = disaggregated(prefill, decode, items, params, texts)
+        assert [got[rid] for rid, _ in items] == [o.token_ids for o in want]
+        assert [texts[rid] for rid, _ in items] == [o.text for o in want]
+    assert prefill.block_manager.num_free_blocks == decode.block_manager.num_free_blocks == 128
