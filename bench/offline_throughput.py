@@ -155,7 +155,7 @@ def main() -> None:
     if len(modes) == 2:
         ratios = [on["output_tokens_per_s"] / off["output_tokens_per_s"]
                   for off, on in zip(by_mode[False], by_mode[True])]
-        print(f"\nbatch_invariant on / off, output tokens/s, per round: "
+        print("\nbatch_invariant on / off, output tokens/s, per round: "
               + ", ".join(f"{r:.3f}" for r in ratios)
               + f"; median {statistics.median(ratios):.3f}")
         for mode in modes:  # where the difference goes

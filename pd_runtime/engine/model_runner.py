@@ -149,7 +149,6 @@ class ModelRunner:
                 self.kv_cache.device)
         if not plan.scheduled:
             return None
-        bs = self.block_size
         decodes = [s for s in plan.scheduled if len(s.token_ids) == 1]
         prefills = [s for s in plan.scheduled if len(s.token_ids) > 1]
         ordered = decodes + prefills
