@@ -84,6 +84,16 @@ class TenantConfig(_Strict):
     tokens_per_minute: Optional[int] = Field(None, ge=1)
 
 
+class CorsConfig(_Strict):
+    """Cross-origin requests from browsers, as vLLM's --allowed-origins, --allow-credentials,
+    --allowed-methods and --allowed-headers answer them (every origin by default)."""
+
+    allowed_origins: list[str] = Field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    allowed_methods: list[str] = Field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = Field(default_factory=lambda: ["*"])
+
+
 class RunsConfig(_Strict):
     """Run records (pd_runtime/gateway/): every generation request a run with a state, its output kept
     for idempotent retries and resumed streams, and a usage ledger."""
@@ -151,6 +161,8 @@ class RouterConfig(_Strict):
     # One INFO line per request on the router.http logger (id, method, path, status,
     # latency); false: none (vLLM's --disable-log-requests, --disable-uvicorn-access-log).
     log_requests: bool = True
+    # Browsers' cross-origin requests (CORS): answered for these origins; [] answers none.
+    cors: CorsConfig = Field(default_factory=CorsConfig)
     # Router processes serving `port` together (SO_REUSEPORT), all over the same pools.
     replicas: int = Field(1, ge=1, le=64)
     # What a request that leaves a sampling field out gets: "model", the sampling fields of the

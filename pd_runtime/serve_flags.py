@@ -9,6 +9,7 @@ the file's. Names vLLM gives its tool-call and reasoning parsers are taken for o
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from typing import Optional
@@ -81,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-log-requests", "--disable-uvicorn-access-log",
                         dest="disable_log_requests", action="store_true", default=None,
                         help="router.log_requests: false (no line per request)")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        parser.add_argument(flag, type=_json_list, metavar="JSON",
+                            help=f"router.cors.{flag[2:].replace('-', '_')}: the {what} "
+                                 "browsers' cross-origin requests may use, a JSON list as "
+                                 "vLLM takes it (default [\"*\"])")
+    parser.add_argument("--allow-credentials", action="store_true", default=None,
+                        help="router.cors.allow_credentials: true")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="accepted for vLLM's command lines: no stats are logged "
                              "periodically here (they are at /metrics)")
@@ -142,6 +151,11 @@ def apply(cfg, args: argparse.Namespace):
         value = _NAMES[dest][value] if dest in _NAMES else value
         data["router"][field] = value
         set_fields[field] = _flag(dest)
+    for dest in ("allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials"):
+        value = getattr(args, dest, None)
+        if value is not None:
+            data["router"]["cors"][dest] = value
+            set_fields[dest] = _flag(dest)
     if getattr(args, "disable_log_requests", None):
         data["router"]["log_requests"] = False
         set_fields["log_requests"] = "--disable-log-requests"
@@ -204,6 +218,17 @@ def engine_fields(model: str, args: dict) -> dict:
     if dtype is not None:
         out["dtype"] = _DTYPES.get(dtype, dtype)
     return out
+
+
+def _json_list(text: str) -> list:
+    """A flag's value as vLLM reads --allowed-origins: a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"a JSON list of strings, got {text!r}")
+    return value
 
 
 def _flag(dest: str) -> str:

@@ -40,6 +40,15 @@ def test_each_flag_sets_its_field_in_every_pool(tmp_path):
     assert (r.served_model_name, r.tool_call_parser, r.reasoning_parser, r.sampling_defaults,
             r.log_requests) == ("llama", "pythonic", "think", "openai", False)
     assert ClusterConfig().router.log_requests  # on by default
+    cors = applied("--allowed-origins", '["https://app.example"]', "--allow-credentials",
+                   "--allowed-methods", '["GET", "POST"]', "--allowed-headers",
+                   '["Authorization"]').router.cors
+    assert (cors.allowed_origins, cors.allow_credentials, cors.allowed_methods,
+            cors.allowed_headers) == (["https://app.example"], True, ["GET", "POST"],
+                                      ["Authorization"])
+    assert ClusterConfig().router.cors.allowed_origins == ["*"]  # vLLM's default
+    with pytest.raises(SystemExit):  # argparse: not a JSON list of strings
+        build_parser().parse_args(["serve", "--allowed-origins", "https://app.example"])
     assert not applied("--disable-uvicorn-access-log").router.log_requests
     assert [(t.tenant_id, t.api_key) for t in r.tenants] == [("default", "sk-1")]
     keys = applied("--api-key", "a", "b").router.tenants
@@ -141,3 +150,41 @@ def test_disable_log_requests_leaves_out_the_line_per_request(llama_dir, caplog,
     lines = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
     assert lines == ([f"{request_id} GET /v1/models 200 " + lines[0].split()[-1]]
                      if log_requests else []), lines
+
+
+@pytest.mark.parametrize("origins", [["*"], ["https://app.example"], []])
+def test_browsers_cross_origin_requests_are_answered_as_configured(llama_dir, origins):
+    """router.cors over real HTTP: a preflight is answered before the API key is asked for,
+    and a response carries the allowed origin; an origin not listed, or cors off, gets no
+    CORS headers (the browser then refuses the response)."""
+    import httpx
+
+    from pd_runtime.config import RouterConfig
+    from tests.router_support.serving import local
+
+    config = RouterConfig(routing={"mode": "always_colocated"}, cors={"allowed_origins": origins},
+                          tenants=[{"tenant_id": "t", "api_key": "sk-t"}])
+    page = "https://app.example"
+    with local(llama_dir, config) as (_, port):
+        base = f"http://127.0.0.1:{port}/v1"
+        preflight = httpx.options(base + "/chat/completions", headers={
+            "Origin": page, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"}, timeout=30)
+        listed = httpx.get(base + "/models", headers={"Origin": page,
+                                                      "Authorization": "Bearer sk-t"},
+                           timeout=30)
+        other = httpx.get(base + "/models", headers={"Origin": "https://elsewhere.example",
+                                                     "Authorization": "Bearer sk-t"},
+                          timeout=30)
+    assert listed.status_code == other.status_code == 200
+    allow = listed.headers.get("access-control-allow-origin")
+    if not origins:
+        assert allow is None and "access-control-allow-origin" not in preflight.headers
+        return
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] in ("*", page)
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    assert allow == ("*" if origins == ["*"] else page)
+    assert other.headers.get("access-control-allow-origin") == (
+        "*" if origins == ["*"] else None)

@@ -22,6 +22,7 @@ from typing import Optional
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -81,6 +82,12 @@ def create_app(backend: Backend, router_config: RouterConfig,
     app.state.recorder = recorder
     app.add_middleware(RequestLogMiddleware, backend=backend,
                        log_requests=router_config.log_requests)
+    cors = router_config.cors
+    if cors.allowed_origins:  # outermost: a preflight is answered before anything else runs
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
+                           allow_credentials=cors.allow_credentials,
+                           allow_methods=cors.allowed_methods,
+                           allow_headers=cors.allowed_headers)
     _install_error_handlers(app)
     timeout_s = router_config.request_timeout_s
 
