@@ -130,6 +130,9 @@ def test_echo_stop_and_side_endpoints(server, client):
     base = f"http://127.0.0.1:{port}"
     assert httpx.get(f"{base}/health").json()["status"] == "ok"
     assert httpx.get(f"{base}/ready").status_code == 200
+    from importlib import metadata
+
+    assert httpx.get(f"{base}/version").json() == {"version": metadata.version("pd-runtime")}
     config = httpx.get(f"{base}/v1/router/config").json()
     assert config["routing"]["mode"] == "always_colocated"  # as local() configures it
     metrics = httpx.get(f"{base}/metrics")

@@ -211,6 +211,10 @@ def create_app(backend: Backend, router_config: RouterConfig,
     async def health():
         return {"status": "ok", **backend.health(), "router": owner}
 
+    @app.get("/version")
+    async def version():
+        return {"version": _VERSION}  # as vLLM's /version: the server's package version
+
     @app.get("/ready")
     async def ready():
         if not backend.ready():
@@ -309,6 +313,18 @@ def _time_ordered_hex() -> str:
     time, which keeps the run store's inserts at the end of its indexes (random ids made every
     insert touch a random page: several times the writer's work once the store is large)."""
     return f"{time.time_ns():016x}{secrets.token_hex(8)}"
+
+
+def _package_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("pd-runtime")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+_VERSION = _package_version()
 
 
 class CrossOrigin:
