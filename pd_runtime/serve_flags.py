@@ -133,9 +133,7 @@ def apply(cfg, args: argparse.Namespace):
         if dest == "dtype":
             value = _DTYPES[value]
         elif dest == "swap_space":
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"--swap-space: {value} GiB is not a size")
-            value = int(value * GIB)
+            value = gib_bytes("--swap-space", value)
         for pool in _POOLS:
             data[pool]["engine"][field] = value
         set_fields[field] = _flag(dest)
@@ -208,16 +206,22 @@ def engine_fields(model: str, args: dict) -> dict:
     if "enforce_eager" in out:
         out["cuda_graphs"] = not out.pop("enforce_eager")
     if "swap_space" in out:
-        gib = out.pop("swap_space")
-        if not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib < 0:
-            raise ValueError(f"swap_space: {gib!r} GiB is not a size")
-        out["swap_space_bytes"] = int(gib * GIB)
+        out["swap_space_bytes"] = gib_bytes("swap_space", out.pop("swap_space"))
     dtype = out.get("dtype")
     if dtype is not None and not isinstance(dtype, str):  # torch.bfloat16, say
         dtype = str(dtype).removeprefix("torch.")
     if dtype is not None:
         out["dtype"] = _DTYPES.get(dtype, dtype)
     return out
+
+
+def gib_bytes(name: str, gib) -> int:
+    """vLLM's sizes in GiB (--swap-space) as bytes; a ValueError naming `name` for a value
+    that is not a finite size."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib) \
+            or gib < 0:
+        raise ValueError(f"{name}: {gib!r} GiB is not a size")
+    return int(gib * GIB)
 
 
 def _json_list(text: str) -> list:

@@ -40,6 +40,13 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return rms_norm(h.add_(delta), weight, eps)
 
 
+# A layer's linears: packed once at load (experts one packing each) and probed for their
+# row-stable count. The dense MLP, or a sparse layer's router, experts and shared expert.
+LINEARS = ("qkv", "o", "gate_up", "down", "router", "shared_gate_up", "shared_down",
+           "shared_gate")
+EXPERT_LINEARS = ("experts_gate_up", "experts_down")
+
+
 def rotary_dim(cfg: ModelConfig) -> int:
     """The dimensions of each head rope turns (all but with Phi-3's partial_rotary_factor)."""
     return int(cfg.head_dim * cfg.rope.partial_rotary_factor)
@@ -50,10 +57,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     the pretraining context), float32."""
     r = cfg.rope
     dim = rotary_dim(cfg)
+    base = r.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     if r.rope_type == "longrope":  # the short factors: context_limit stops where they hold
-        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        return 1.0 / (torch.tensor(r.short_factor, dtype=torch.float32) * r.theta ** shape)
-    inv = 1.0 / (r.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return 1.0 / (torch.tensor(r.short_factor, dtype=torch.float32) * base)
+    inv = 1.0 / base
     if r.rope_type == "linear":
         return inv / r.factor
     if r.rope_type == "llama3":
@@ -197,19 +204,15 @@ class LlamaModel:
         # copy of the linear weights, half their size for bf16 values run in float32, their
         # size otherwise (the bench model's: 64 MB; its float32 weights 128 MB).
         self.packed = [{name: prepack_weight(layer[name], layer.get(name + "_bias"))
-                        for name in ("qkv", "o", "gate_up", "down", "shared_gate_up",
-                                     "shared_down", "shared_gate") if name in layer}
-                       for layer in self.layers]
+                        for name in LINEARS if name in layer} for layer in self.layers]
         for layer, packed in zip(self.layers, self.packed):  # experts: one packing each
-            for name in ("experts_gate_up", "experts_down"):
+            for name in EXPERT_LINEARS:
                 if name in layer:
                     packed[name] = [prepack_weight(w) for w in layer[name]]
         self.lm_head_packed = prepack_weight(self.lm_head)
         self.batch_invariant = batch_invariant
         # Rows each matmul is padded to (1: as called); the activation in one native pass.
-        self.min_rows = {name: 1 for name in ("qkv", "o", "gate_up", "down", "lm_head",
-                                              "router", "experts_gate_up", "experts_down",
-                                              "shared_gate_up", "shared_down", "shared_gate")}
+        self.min_rows = {name: 1 for name in (*LINEARS, *EXPERT_LINEARS, "lm_head")}
         self.native_silu = False
         if batch_invariant:
             self._probe_row_stability()
@@ -223,8 +226,7 @@ class LlamaModel:
     def _probe_row_stability(self) -> None:
         """Find each matmul shape's stable row count (the first layer stands for all: same
         shapes, same paths) and whether the native activation runs here."""
-        for name in ("qkv", "o", "gate_up", "down", "lm_head", "router", "experts_gate_up",
-                     "experts_down", "shared_gate_up", "shared_down", "shared_gate"):
+        for name in self.min_rows:
             index = next((i for i, layer in enumerate(self.layers) if name in layer), None)
             if name != "lm_head" and index is None:
                 continue  # a model with no dense MLP, or no experts
@@ -298,7 +300,7 @@ class LlamaModel:
         rounded once. Every step is row by row (matmuls at their row-stable counts), so a
         token's result does not depend on which others share its batch."""
         cfg = self.cfg
-        logits = linear(x, layer["router"], None, None, self.min_rows["router"])
+        logits = linear(x, layer["router"], packed["router"], None, self.min_rows["router"])
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, cfg.experts_per_token, dim=-1)
         if cfg.norm_topk_prob:
