@@ -267,6 +267,7 @@ def output_chunk(out, path: str) -> dict:
         "text": out.new_text,
         "finished": out.finished,
         "finish_reason": out.finish_reason,
+        "stop_reason": getattr(out, "stop_reason", None),
         "logprobs": out.new_logprobs,
         "prompt_logprobs": getattr(out, "prompt_logprobs", None),
         "num_prompt_tokens": out.num_prompt_tokens,
@@ -284,8 +285,8 @@ def merge_chunks(into: dict, later: dict) -> dict:
         into["logprobs"] = (into["logprobs"] or []) + (later["logprobs"] or [])
     if into.get("prompt_logprobs") is None:
         into["prompt_logprobs"] = later.get("prompt_logprobs")
-    for key in ("finished", "finish_reason", "queue_s"):
-        into[key] = later[key]
+    for key in ("finished", "finish_reason", "stop_reason", "queue_s"):
+        into[key] = later.get(key)
     return into
 
 

@@ -111,10 +111,12 @@ class Tokenizer:
                              for k, t in self._tok.get_added_tokens_decoder().items()
                              if getattr(t, "special", False)}
         self._template = None
+        self._texts: dict[int, str] = {}  # token_text's, filled as tokens are shown
 
     def __getstate__(self) -> dict:
-        # The compiled chat template does not pickle; a copy in another process compiles its own.
-        return {**self.__dict__, "_template": None}
+        # The compiled chat template does not pickle; a copy in another process compiles its own
+        # (and its own token texts).
+        return {**self.__dict__, "_template": None, "_texts": {}}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while it works (encode holds it: ~0.7 s for 310k chars),
@@ -141,6 +143,13 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         known = [t for t in token_ids if 0 <= t < self.vocab_size]
         return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token: int) -> str:
+        """One token's own text, special tokens included: what logprobs show for it."""
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.decode([token], skip_special_tokens=False)
+        return text
 
     def use_chat_template(self, source: str) -> None:
         """Render chats with `source` instead of the model's template (router.chat_template),

@@ -74,9 +74,10 @@ def test_sampler_on_a_non_host_device():
                                                   None], histories=[([1], [])] * 5)
     histories = [([1, 2], []), ([3], [4]), ([5, 6, 7], [8]), ([9, 9, 10], [11, 11]), ([1], [])]
     packed = sampler.sample_on_device(logits, params, generators, histories)
-    # The whole result in one tensor on the device: ids, then chosen logprobs and top-n.
+    # The whole result in one tensor on the device: ids, then chosen logprobs, their ranks and
+    # the top-n.
     assert packed.device.type == "meta"
-    assert packed.shape[0] == 5 + 3 + 2 * 3 * 3
+    assert packed.shape[0] == 5 + 3 + 3 + 2 * 3 * 3
 
 
 def test_packed_result_reads_back_as_the_host_sampler_gives():
@@ -93,7 +94,23 @@ def test_packed_result_reads_back_as_the_host_sampler_gives():
     assert got.logprobs[0][0] == pytest.approx(float(raw[0, got.token_ids[0]]))
     top = raw[0].topk(2)
     assert got.logprobs[0][1] == {int(i): float(v) for i, v in zip(top.indices, top.values)}
+    assert got.logprobs[0][2] == 1  # greedy: the likeliest
     assert got.logprobs[1] is None
-    assert got.logprobs[2] == (pytest.approx(float(raw[2].max())), {})
+    assert got.logprobs[2] == (pytest.approx(float(raw[2].max())), {}, 1)
     alone = Sampler(1)(logits[1:2], params[1:2], [Sampler.make_generator(5)])
     assert alone.token_ids == got.token_ids[1:2]
+
+
+def test_a_sampled_token_reports_its_rank():
+    """A token drawn at a high temperature is often not the likeliest: its rank is 1 + how many
+    tokens the raw logits made likelier, whatever the top-n asked."""
+    torch.manual_seed(1)
+    logits = torch.randn(8, 40)
+    params = [SamplingParams(temperature=5.0, seed=i, logprobs=i % 3) for i in range(8)]
+    for p in params:
+        p.validate()
+    got = Sampler(0)(logits, params, [Sampler.make_generator(i) for i in range(8)])
+    raw = torch.log_softmax(logits, dim=-1)
+    ranks = [int((raw[i] > raw[i, t]).sum()) + 1 for i, t in enumerate(got.token_ids)]
+    assert [lp[2] for lp in got.logprobs] == ranks
+    assert max(ranks) > 1  # the draw did leave the argmax, so the ranks were really read

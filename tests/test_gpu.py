@@ -72,7 +72,8 @@ def _near_tie(x: Trace, y: Trace, t: int, tol: float) -> bool:
 
 
 def ours_traces(outs) -> list[Trace]:
-    return [Trace(list(o.token_ids), [lp for lp, _ in o.logprobs], [top for _, top in o.logprobs])
+    return [Trace(list(o.token_ids), [e[t].logprob for t, e in zip(o.token_ids, o.logprobs)],
+                  [{t: lp.logprob for t, lp in e.items()} for e in o.logprobs])
             for o in outs]
 
 

@@ -167,3 +167,38 @@ def test_tokenizer_endpoints(server):
                               ("/detokenize", {"tokens": "1 2"}, "tokens")):
         response = httpx.post(base + path, json=body)
         assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_stop_reason_as_vllm_reports_it(server, client, offline):
+    """Each choice's stop_reason: the stop string it matched, the stop token it sampled, null
+    for a length limit; on the streamed choice that finishes too (completions and chat)."""
+    backend, _ = server
+    name, prompt = backend.model_name, "The weather today"
+    free = offline.generate(prompt, greedy(12))[0].outputs[0]
+    word = free.text[len(free.text) // 2:len(free.text) // 2 + 3]
+    token = free.token_ids[4]
+    cases = [({"stop": ["\x00never", word]}, word), ({"stop_token_ids": [token]}, token),
+             ({}, None)]
+    for extra, want in cases:
+        body = {"ignore_eos": True, **{k: v for k, v in extra.items() if k != "stop"}}
+        got = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0,
+                                        stop=extra.get("stop"), extra_body=body)
+        assert got.choices[0].stop_reason == want, extra
+        assert got.choices[0].finish_reason == ("length" if want is None else "stop")
+        events = list(client.completions.create(model=name, prompt=prompt, max_tokens=12,
+                                                temperature=0, stop=extra.get("stop"),
+                                                extra_body=body, stream=True))
+        finishing = [c for e in events for c in e.choices if c.finish_reason is not None]
+        assert [c.stop_reason for c in finishing] == [want], extra
+        assert "stop_reason" not in (events[0].choices[0].model_extra or {})
+    messages = [{"role": "user", "content": prompt}]
+    own = offline.chat(messages, greedy(12))[0].outputs[0]
+    for extra, want in (({"stop_token_ids": [own.token_ids[4]]}, own.token_ids[4]), ({}, None)):
+        body = {"ignore_eos": True, **extra}
+        chat = client.chat.completions.create(model=name, messages=messages, max_tokens=12,
+                                              temperature=0, extra_body=body)
+        assert chat.choices[0].stop_reason == want, extra
+        events = list(client.chat.completions.create(model=name, messages=messages, max_tokens=12,
+                                                     temperature=0, extra_body=body, stream=True))
+        finishing = [c for e in events for c in e.choices if c.finish_reason is not None]
+        assert [c.stop_reason for c in finishing] == [want], extra

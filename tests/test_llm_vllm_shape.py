@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd_runtime import LLM, CompletionOutput, RequestOutput, SamplingParams
+from pd_runtime import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
 
 
 def test_a_vllm_script_runs_unchanged(llama_dir):
@@ -60,8 +60,8 @@ def test_vllm_prompt_dicts_chat_prompts_and_cumulative_logprobs(llama_dir, tmp_p
     with pytest.raises(ValueError, match="a prompt dict holds one of"):
         llm.generate({"text": text}, greedy)
     completion = plain[0].outputs[0]
-    assert completion.cumulative_logprob == pytest.approx(sum(lp for lp, _ in
-                                                              completion.logprobs))
+    assert completion.cumulative_logprob == pytest.approx(sum(
+        entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)))
     assert completion.cumulative_logprob < 0
     assert llm.generate(text, SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob \
         is None
@@ -69,6 +69,49 @@ def test_vllm_prompt_dicts_chat_prompts_and_cumulative_logprobs(llama_dir, tmp_p
     chat = llm.chat(messages, greedy)[0]
     assert chat.prompt == llm.tokenizer.apply_chat_template(messages)
     assert chat.prompt_token_ids == llm.tokenizer.encode_chat(messages)
+
+
+def test_logprobs_are_vllm_logprob_objects(llama_dir):
+    """Per position {token id: Logprob(logprob, rank, decoded_token)}: the position's token
+    first, with its rank among the raw logits (also when it was drawn far down), then the
+    top-n ranked 1..n; prompt_logprobs alike, None for the first prompt token."""
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=64)
+    text = llm.tokenizer.token_text
+    hot = SamplingParams(temperature=3.0, seed=7, max_tokens=24, logprobs=2, prompt_logprobs=1)
+    out = llm.generate("Once upon a time", hot)[0]
+    completion = out.outputs[0]
+    ranks = []
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert list(entry)[0] == token and all(isinstance(v, Logprob) for v in entry.values())
+        assert entry[token].decoded_token == text(token)
+        ranked = sorted(entry.values(), key=lambda v: v.rank)
+        assert [v.rank for v in ranked][:2] == [1, 2]
+        assert len(entry) == (2 if entry[token].rank <= 2 else 3)
+        assert all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:]))
+        ranks.append(entry[token].rank)
+    assert max(ranks) > 2  # a hot draw left the top two: the rank was read, not assumed
+    assert out.prompt_logprobs[0] is None
+    for token, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert list(entry)[0] == token and entry[token].decoded_token == text(token)
+        assert (entry[token].rank == 1) == (len(entry) == 1)
+
+
+def test_stop_reason_names_the_stop_string_or_token(llama_dir):
+    """As vLLM's: the stop string matched, the stop token id sampled, None for EOS or length."""
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=64)
+    free = llm.generate("The weather today", SamplingParams(temperature=0, max_tokens=12,
+                                                           ignore_eos=True))[0].outputs[0]
+    assert (free.finish_reason, free.stop_reason) == ("length", None)
+    word = free.text[len(free.text) // 2:len(free.text) // 2 + 3]
+    by_string = llm.generate("The weather today", SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop=["\x00never", word]))[0].outputs[0]
+    assert (by_string.finish_reason, by_string.stop_reason) == ("stop", word)
+    assert by_string.text == free.text[:free.text.index(word)]
+    token = free.token_ids[5]
+    by_token = llm.generate("The weather today", SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[token]))[0].outputs[0]
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", token)
+    assert by_token.token_ids == free.token_ids[:free.token_ids.index(token) + 1]
 
 
 @pytest.mark.parametrize("args, says", [

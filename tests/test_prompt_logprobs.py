@@ -30,7 +30,10 @@ def test_prompt_logprobs_are_transformers(llama_dir, reference, chunk, slice_row
     entries = out.prompt_logprobs
     assert len(entries) == len(PROMPT) and entries[0] is None
     for p in range(1, len(PROMPT)):
-        logprob, top, rank = entries[p]
+        entry = entries[p]  # vLLM's shape: the prompt token first, then the top-n by rank
+        assert list(entry)[0] == PROMPT[p]
+        logprob, rank = entry[PROMPT[p]].logprob, entry[PROMPT[p]].rank
+        top = {t: v.logprob for t, v in sorted(entry.items(), key=lambda tv: tv[1].rank)[:2]}
         assert abs(logprob - reference[p - 1, PROMPT[p]].item()) < 1e-4
         row, mine = reference[p - 1], reference[p - 1, PROMPT[p]]  # ties within rounding
         assert 1 + int((row > mine + 1e-4).sum()) <= rank <= 1 + int((row > mine - 1e-4).sum())

@@ -135,11 +135,14 @@ def test_logit_bias_forces_and_bans(llm):
     assert not banned & set(out)
     # Logprobs are the raw model's (vLLM's default): the first step's distribution is the same
     # with or without the bias, so the forced token's logprob is its unbiased one.
-    runner_up = sorted(base.logprobs[0][1].items(), key=lambda kv: -kv[1])[1][0]
+    first = {t: lp.logprob for t, lp in base.logprobs[0].items()}
+    runner_up = sorted(first.items(), key=lambda kv: -kv[1])[1][0]
     second = llm.generate([prompt], _greedy(logit_bias={runner_up: 100}, logprobs=20))[0]
     assert second.token_ids[0] == runner_up
-    assert second.logprobs[0][0] == pytest.approx(base.logprobs[0][1][runner_up], abs=1e-6)
-    assert second.logprobs[0][1] == pytest.approx(base.logprobs[0][1], abs=1e-6)
+    assert second.logprobs[0][runner_up].logprob == pytest.approx(first[runner_up], abs=1e-6)
+    assert second.logprobs[0][runner_up].rank == 2  # drawn by the bias, ranked by the model
+    assert {t: lp.logprob for t, lp in second.logprobs[0].items()} == \
+        pytest.approx(first, abs=1e-6)
 
 
 class _RecordingSampler(Sampler):

@@ -157,8 +157,10 @@ def test_logprobs_are_log_softmax_of_logits(llm):
     out = llm.generate([[10, 20, 30]], SamplingParams(max_tokens=4, temperature=0, logprobs=3,
                                                       ignore_eos=True))[0]
     assert len(out.logprobs) == 4
-    for token, (lp, top) in zip(out.token_ids, out.logprobs):
-        assert len(top) == 3
+    for token, entry in zip(out.token_ids, out.logprobs):
+        lp = entry[token].logprob
+        top = {t: v.logprob for t, v in entry.items()}  # greedy: the token is among the top-3
+        assert len(top) == 3 and entry[token].rank == 1
         assert max(top.values()) == pytest.approx(lp, abs=1e-5)  # greedy token is the top one
         assert top[token] == pytest.approx(lp)
         assert lp <= 0

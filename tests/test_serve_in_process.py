@@ -66,7 +66,7 @@ def test_serve_in_process_both_paths_match_offline(llama_dir, tmp_path):
         want = offline.generate([fresh], SamplingParams(max_tokens=1, temperature=0,
                                                         prompt_logprobs=1))[0]
         assert scored.choices[0].logprobs.token_logprobs[:len(fresh)] == \
-            [None] + [e[0] for e in want.prompt_logprobs[1:]]
+            [None] + [e[t].logprob for t, e in zip(fresh[1:], want.prompt_logprobs[1:])]
         assert _decisions(httpx.get(base + "/metrics").text, "disaggregated") == \
             _decisions(metrics, "disaggregated")
     finally:

@@ -128,12 +128,13 @@ def test_the_grammars_end_ends_the_request_under_ignore_eos(llm):
 
 def test_logprobs_of_ruled_out_tokens_stay_finite(llm):
     out = llm.generate(["pick"], params(CHOICE, greedy=True, logprobs=5))[0]
-    for chosen, top in out.logprobs:
-        assert math.isfinite(chosen) and chosen > -9999
-        assert all(-9999.0 <= v <= 0 for v in top.values())
-    json.dumps(out.logprobs, allow_nan=False)  # an HTTP body can carry them
+    values = [{t: lp.logprob for t, lp in entry.items()} for entry in out.logprobs]
+    for token, entry in zip(out.token_ids, values):
+        assert math.isfinite(entry[token]) and entry[token] > -9999
+        assert all(-9999.0 <= v <= 0 for v in entry.values())
+    json.dumps(values, allow_nan=False)  # an HTTP body can carry them
     # Where only EOS is allowed, everything else is reported at the floor.
-    assert -9999.0 in out.logprobs[-1][1].values()
+    assert -9999.0 in values[-1].values()
 
 
 @pytest.mark.parametrize("spec, says", [

@@ -372,14 +372,14 @@ class LLMEngine:
 
     def _finish_token(self, req: Request, token: int, logprob) -> RequestOutput:
         params = req.params
-        reason = None
+        reason, stop_reason = None, None
         # Under a grammar, EOS is only ever allowed where the grammar is complete: it ends the
         # request even under ignore_eos (not while a reasoning model's thinking is left free).
         if token in req.eos_token_ids and (not params.ignore_eos or (
                 req.grammar is not None and not req.grammar.end_ids)):
             reason = FinishReason.STOP
         elif token in params.stop_token_ids:
-            reason = FinishReason.STOP
+            reason, stop_reason = FinishReason.STOP, token
         elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         text_before = len(req.text)
@@ -389,9 +389,10 @@ class LLMEngine:
         detokenize_step(self.tokenizer, req, flush=reason is not None and not drop,
                         drop_last=drop)
         # As vLLM: stop strings only in the text after the first min_tokens tokens.
-        if params.stop and len(req.output_token_ids) > params.min_tokens and \
-                apply_stop_strings(req, text_before):
-            reason = FinishReason.STOP
+        if params.stop and len(req.output_token_ids) > params.min_tokens:
+            matched = apply_stop_strings(req, text_before)
+            if matched is not None:
+                reason, stop_reason = FinishReason.STOP, matched
         # Streamed text holds back a tail that could still grow into a stop string, so no
         # delta ever carries text the final answer cuts off.
         safe = len(req.text)
@@ -410,7 +411,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=req.request_id, new_token_ids=[token], new_text=new_text,
             token_ids=list(req.output_token_ids), text=req.text, finished=reason is not None,
-            finish_reason=reason.value if reason else None,
+            finish_reason=reason.value if reason else None, stop_reason=stop_reason,
             new_logprobs=[logprob] if logprob is not None else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
             prompt_token_ids=req.prompt_token_ids,

@@ -19,6 +19,20 @@ Prompt = Union[str, list[int]]
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability, as vLLM's Logprob: with its rank (1: the likeliest, under the
+    model's raw logits) and its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# Per position: the token there first, then the top-n, by token id (vLLM's SampleLogprobs).
+Logprobs = list[dict[int, Logprob]]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence, as vLLM's CompletionOutput."""
 
@@ -26,14 +40,17 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
-    # One entry per generated token when logprobs were asked: (logprob of the token,
-    # {token_id: logprob} of the top-n) -- plain floats, not vLLM's Logprob objects.
-    logprobs: Optional[list[tuple[float, dict[int, float]]]] = None
+    # One entry per generated token when logprobs were asked.
+    logprobs: Optional[Logprobs] = None
+    # The stop string or stop token that ended it; None for EOS or a length limit (as vLLM's).
+    stop_reason: Union[int, str, None] = None
 
     @property
     def cumulative_logprob(self) -> Optional[float]:
         """The sum of the generated tokens' logprobs (None when logprobs were not asked)."""
-        return None if self.logprobs is None else sum(lp for lp, _ in self.logprobs)
+        if self.logprobs is None:
+            return None
+        return sum(entry[token].logprob for token, entry in zip(self.token_ids, self.logprobs))
 
 
 @dataclass
@@ -47,9 +64,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    # With prompt_logprobs: per prompt position (None for the first), (logprob of the prompt
-    # token, {token_id: logprob} of the top-n, the prompt token's rank).
-    prompt_logprobs: Optional[list] = None
+    # With prompt_logprobs: per prompt position (None for the first, which nothing precedes),
+    # as `logprobs` is per generated token.
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
 
     @property
     def text(self) -> str:
@@ -127,7 +144,8 @@ class LLM:
                               ignore_eos=True)
         while any(asks := [run.prompts() for run in runs]):
             flat = [p for ask in asks for p in ask]
-            tops = iter([dict(out.logprobs[0][1]) for out in self.generate(flat, step)])
+            tops = iter([{t: lp.logprob for t, lp in out.logprobs[0].items()}
+                         for out in self.generate(flat, step)])
             for run, ask in zip(runs, asks):
                 if ask:
                     run.advance([next(tops) for _ in ask])
@@ -182,18 +200,23 @@ class LLM:
             print(file=sys.stderr)
         return results
 
-    @staticmethod
-    def _collect(result: RequestOutput, completion: CompletionOutput, out: StepOutput) -> int:
+    def _collect(self, result: RequestOutput, completion: CompletionOutput,
+                 out: StepOutput) -> int:
+        text = self.tokenizer.token_text
         if out.prompt_logprobs is not None and completion.index == 0:
-            result.prompt_logprobs = out.prompt_logprobs
+            result.prompt_logprobs = [
+                None if entry is None else _ranked(entry, token, text)
+                for token, entry in zip(result.prompt_token_ids, out.prompt_logprobs)]
         completion.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
-            completion.logprobs.extend(out.new_logprobs)
+            completion.logprobs.extend(_ranked(entry, token, text) for token, entry
+                                       in zip(out.new_token_ids, out.new_logprobs))
         completion.text = out.text
         if completion.index == 0:
             result.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             completion.finish_reason = out.finish_reason
+            completion.stop_reason = out.stop_reason
             result.finished = all(c.finish_reason is not None for c in result.outputs)
             return 1
         return 0
@@ -225,3 +248,13 @@ def _prompt_of(prompt) -> Prompt:
         return prompt["prompt_token_ids"]
     raise ValueError(f"a prompt dict holds one of 'prompt' (text) or 'prompt_token_ids', got "
                      f"the keys {sorted(prompt)}")
+
+
+def _ranked(entry: tuple, token: int, text) -> dict[int, Logprob]:
+    """An engine entry (the token's logprob, the top-n's {token: logprob}, the token's rank) as
+    vLLM shows it: the token first, then the top-n ranked 1, 2, ... (the token keeps its own)."""
+    logprob, top, rank = entry
+    ranked = {token: Logprob(logprob, rank, text(token))}
+    for place, (other, value) in enumerate(top.items(), start=1):
+        ranked.setdefault(other, Logprob(value, place, text(other)))
+    return ranked

@@ -4,7 +4,7 @@ with the stop-string cut and the merge of several tokens kept in one step (specu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from pd_runtime.engine.sequence import Request
 
@@ -18,8 +18,12 @@ class RequestOutput:
     text: str
     finished: bool
     finish_reason: Optional[str] = None
-    # Per new token: (logprob of the token, {token_id: logprob} of the top-n); None if not asked.
-    new_logprobs: Optional[list[tuple[float, dict[int, float]]]] = None
+    # What stopped a finished request, as vLLM reports it: the stop string it matched, or the
+    # token of stop_token_ids it sampled; None for EOS, a length limit or an abort.
+    stop_reason: Union[int, str, None] = None
+    # Per new token: (logprob of the token, {token_id: logprob} of the top-n, the token's
+    # rank); None if not asked.
+    new_logprobs: Optional[list[tuple[float, dict[int, float], int]]] = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -28,9 +32,9 @@ class RequestOutput:
     prompt_logprobs: Optional[list] = None
 
 
-def apply_stop_strings(req: Request, text_before: int) -> bool:
+def apply_stop_strings(req: Request, text_before: int) -> Optional[str]:
     """Cut the text before the first stop string that the new text completed (after it, with
-    include_stop_str_in_output)."""
+    include_stop_str_in_output); returns that string (None when none was completed)."""
     longest = max(len(s) for s in req.params.stop)
     window_start = max(0, text_before - longest + 1)
     best = None
@@ -39,11 +43,11 @@ def apply_stop_strings(req: Request, text_before: int) -> bool:
         if pos != -1 and (best is None or pos < best[0]):
             best = (pos, stop)
     if best is None:
-        return False
+        return None
     pos, stop = best
     req.text = req.text[:pos + len(stop)] if req.params.include_stop_str_in_output \
         else req.text[:pos]
-    return True
+    return stop
 
 
 def merged(first: Optional[RequestOutput], then: RequestOutput) -> RequestOutput:

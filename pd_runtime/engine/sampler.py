@@ -24,8 +24,9 @@ History = tuple[list[int], list[int]]
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    # Per row: (logprob of the sampled token, {token: logprob} of the top-n), or None.
-    logprobs: list[Optional[tuple[float, dict[int, float]]]]
+    # Per row: (logprob of the sampled token, {token: logprob} of the top-n, the sampled
+    # token's rank: 1 + how many tokens were likelier), or None.
+    logprobs: list[Optional[tuple[float, dict[int, float], int]]]
     # Row -> its generator's state right after that row's draw, for the rows asked for
     # (speculative decoding puts a seeded request's generator back to its last kept token).
     generator_states: Optional[dict] = None
@@ -77,8 +78,8 @@ class Sampler:
                          keep_states: Optional[set[int]] = None,
                          states: Optional[dict] = None) -> torch.Tensor:
         """Everything on the logits' device, into one float64 tensor (`unpack` reads it): the
-        sampled ids, then for the rows asking for logprobs the sampled token's logprob and the
-        top-n (values, ids), n the largest asked. float64 holds ids and float32 logprobs
+        sampled ids, then for the rows asking for logprobs the sampled token's logprob and rank
+        and the top-n (values, ids), n the largest asked. float64 holds ids and float32 logprobs
         exactly, so one copy brings the whole result to the host."""
         rows, vocab = logits.shape
         device = logits.device
@@ -109,7 +110,8 @@ class Sampler:
         parts = [tokens.double()]
         if want:
             chosen = raw_logprobs.gather(1, tokens[_long(want, device)][:, None])
-            parts.append(chosen.double().view(-1))
+            ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+            parts += [chosen.double().view(-1), ranks.double()]
             top_n = min(max(params[i].logprobs for i in want), vocab)
             if top_n:
                 values, ids = raw_logprobs.topk(top_n, dim=-1)
@@ -125,15 +127,17 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs: list = [None] * rows
         if want:
-            chosen = flat[rows:rows + len(want)]
-            top_n = (len(flat) - rows - len(want)) // (2 * len(want))
-            values = flat[rows + len(want):rows + len(want) * (1 + top_n)]
-            ids = flat[rows + len(want) * (1 + top_n):]
+            w = len(want)
+            chosen, ranks = flat[rows:rows + w], flat[rows + w:rows + 2 * w]
+            top_n = (len(flat) - rows - 2 * w) // (2 * w)
+            values = flat[rows + 2 * w:rows + w * (2 + top_n)]
+            ids = flat[rows + w * (2 + top_n):]
             for j, i in enumerate(want):
                 n = min(params[i].logprobs, top_n)
                 row_ids = ids[j * top_n:j * top_n + n]
                 row_values = values[j * top_n:j * top_n + n]
-                logprobs[i] = (chosen[j], {int(t): v for t, v in zip(row_ids, row_values)})
+                logprobs[i] = (chosen[j], {int(t): v for t, v in zip(row_ids, row_values)},
+                               int(ranks[j]))
         return SampleResult(token_list, logprobs)
 
     def adjust_logits(self, logits: torch.Tensor, params: list[SamplingParams],

@@ -7,9 +7,7 @@ One ResponseBuilder per HTTP request; it accumulates every choice, so streaming 
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, Optional
 
 from pd_runtime.router.protocol import PreparedRequest
@@ -26,6 +24,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # per token (logprob, {token_id: logprob})
     finish_reason: Optional[str] = None
+    stop_reason: Any = None  # vLLM's: the stop string or stop token that ended it, else None
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[list] = None  # echo with logprobs: per prompt position
     started: bool = False  # a stream event went out for it (chat: the role; completions: echo)
@@ -53,7 +52,7 @@ class ResponseBuilder:
                 choice.calls = reader(self.tools)
         for choice in self.choices if prepared.reasoning is not None else ():
             choice.think = ThinkStream(prepared.reasoning)
-        self._token_text = _token_texts(tokenizer)
+        self._token_text = tokenizer.token_text
         # A logprob's token as shown: its text, or "token_id:N" (return_tokens_as_token_ids).
         self._shown = _as_token_id if prepared.tokens_as_ids else self._token_text
 
@@ -80,6 +79,7 @@ class ResponseBuilder:
             choice.prompt_logprobs = list(chunk["prompt_logprobs"])
         if chunk.get("finished"):
             choice.finish_reason = chunk.get("finish_reason") or "stop"
+            choice.stop_reason = chunk.get("stop_reason")
         first = not choice.started
         choice.started = True
         if not (prefix or text or entries or choice.finish_reason or first):
@@ -99,6 +99,8 @@ class ResponseBuilder:
         else:
             item = {"index": index, "text": prefix + text, "logprobs": logprobs,
                     "finish_reason": choice.finish_reason}
+        if choice.finish_reason is not None:
+            item["stop_reason"] = choice.stop_reason
         body = self._envelope(self._chunk_object, [item], stream=True)
         if self.prepared.token_ids:  # the ids the events so far left out (held back text's too)
             if first:
@@ -144,10 +146,11 @@ class ResponseBuilder:
             if self.prepared.kind == "chat":
                 message, finish = self._message(choice)
                 items.append({"index": choice.index, "logprobs": logprobs, "message": message,
-                              "finish_reason": finish})
+                              "finish_reason": finish, "stop_reason": choice.stop_reason})
             else:
                 items.append({"index": choice.index, "text": choice.text, "logprobs": logprobs,
-                              "finish_reason": choice.finish_reason})
+                              "finish_reason": choice.finish_reason,
+                              "stop_reason": choice.stop_reason})
                 self._token_fields(choice, items[-1])
             if self.prepared.token_ids:
                 items[-1]["token_ids"] = choice.token_ids
@@ -323,20 +326,3 @@ class ResponseBuilder:
 
 def _as_token_id(token: int) -> str:
     return f"token_id:{token}"
-
-
-_TOKEN_TEXTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _token_texts(tokenizer):
-    """token id -> its text (special tokens included), cached per tokenizer."""
-    cached = _TOKEN_TEXTS.get(tokenizer)
-    if cached is None:
-        owner = weakref.ref(tokenizer)  # a strong one would keep the key alive forever
-
-        @lru_cache(maxsize=65536)
-        def cached(token: int) -> str:
-            return owner().decode([token], skip_special_tokens=False)
-
-        _TOKEN_TEXTS[tokenizer] = cached
-    return cached

@@ -87,7 +87,8 @@ def references(model_dir: str, dtype: str, specs: list[RequestSpec], alone: bool
     else:
         outs = llm.generate(prompts, params)
     return {s.label: Expected(tuple(o.token_ids), tuple(text_of(t) for t in o.token_ids),
-                              tuple(float(lp[0]) for lp in o.logprobs), o.text, o.finish_reason)
+                              tuple(e[t].logprob for t, e in zip(o.token_ids, o.logprobs)),
+                              o.text, o.finish_reason)
             for s, o in zip(specs, outs)}
 
 
