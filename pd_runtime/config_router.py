@@ -163,6 +163,10 @@ class RouterConfig(_Strict):
     log_requests: bool = True
     # Browsers' cross-origin requests (CORS): answered for these origins; [] answers none.
     cors: CorsConfig = Field(default_factory=CorsConfig)
+    # vLLM's development endpoints (POST /reset_prefix_cache, as load generators' --reset-kv-cache
+    # sends it): off by default, since any client the router admits could then empty every
+    # worker's prefix cache; VLLM_SERVER_DEV_MODE=1 in the environment turns them on too.
+    dev_endpoints: bool = False
     # Router processes serving `port` together (SO_REUSEPORT), all over the same pools.
     replicas: int = Field(1, ge=1, le=64)
     # What a request that leaves a sampling field out gets: "model", the sampling fields of the

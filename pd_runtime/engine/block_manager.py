@@ -160,6 +160,16 @@ class BlockManager:
             self._cached.setdefault(h, block.block_id)
         req.num_published_blocks = num_full
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (a benchmark's cold start); returns how many. Blocks in use
+        stay with their requests, unshared from now on: a running request publishes only the
+        blocks it fills after this."""
+        forgotten = len(self._cached)
+        for block in self.blocks:
+            block.block_hash = block.token_ids = None
+        self._cached.clear()
+        return forgotten
+
     def free(self, req: Request) -> None:
         """Drop the request's references; tail blocks first so they are evicted first."""
         for block_id in reversed(req.block_ids):

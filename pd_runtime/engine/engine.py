@@ -419,6 +419,12 @@ class LLMEngine:
             queue_s=(req.first_scheduled_time - req.arrival_time)
             if reason is not None and req.first_scheduled_time is not None else None)
 
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache (block_manager.reset_prefix_cache); the blocks it forgot."""
+        forgotten = self.block_manager.reset_prefix_cache()
+        log.info("prefix cache reset: %d cached blocks forgotten", forgotten)
+        return forgotten
+
     def load_report(self) -> dict:
         """Cheap numbers for routing: queues, queued prefill tokens, KV blocks, cache hits."""
         sched, bm = self.scheduler, self.block_manager

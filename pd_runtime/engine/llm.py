@@ -97,6 +97,12 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, as vLLM's LLM.reset_prefix_cache (True: it is empty now,
+        whatever is running)."""
+        self.engine.reset_prefix_cache()
+        return True
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's own defaults (its generation_config.json), which
         `generate` uses when given none; an explicit SamplingParams() uses the plain ones."""

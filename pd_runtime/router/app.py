@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import secrets
 import time
 from typing import Optional
@@ -206,6 +207,20 @@ def create_app(backend: Backend, router_config: RouterConfig,
         `pd-runtime profile --url` calibrates the planner from)."""
         backend.authenticate(bearer_key(request))
         return {"workers": backend.worker_reports(), "router": backend.host_report()}
+
+    if router_config.dev_endpoints or os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
+        log.warning("development endpoints are on: any client the router admits can empty "
+                    "every worker's prefix cache (POST /reset_prefix_cache)")
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(request: Request):
+            """vLLM's development endpoint (load generators' cold start): every worker's prefix
+            cache emptied; answers each worker's forgotten blocks (null: it did not answer)."""
+            backend.authenticate(bearer_key(request))
+            workers = await backend.reset_prefix_cache()
+            if not any(n is not None for n in workers.values()):
+                raise BackendError(503, "no worker answered", code="not_ready")
+            return {"workers": workers}
 
     @app.get("/health")
     async def health():

@@ -7,8 +7,8 @@ The contract, written once here:
 - `generate(request_id, prompt_ids, params, priority=, tenant=, cache_salt=)` (the request's
   prefix-cache salt, beside its tenant's) is an async generator of worker
   chunk dicts (pd_runtime/api.py): `token_ids`, `text`, `finished`, `finish_reason`,
-  `logprobs` (per new token `(logprob, {token_id: logprob})`, or None), `num_prompt_tokens`,
-  `num_cached_tokens`, `path`. The last chunk has `finished: True`. A failure is one chunk with
+  `stop_reason`, `logprobs` (per new token `(logprob, {token_id: logprob}, rank)`, or None),
+  `num_prompt_tokens`, `num_cached_tokens`, `path`. The last chunk has `finished: True`. A failure is one chunk with
   `error: {"type", "message", "status", "param"?, "retry_after_s"?}` and `finished: True`, after
   which the generator ends; `status` is the HTTP status the router answers with (400 bad input,
   429 refused by admission (with retry_after_s), 503 no worker can serve, 500 a bug).
@@ -104,6 +104,8 @@ class Backend(Protocol):
     def ready(self) -> bool: ...
 
     def active_config(self) -> dict: ...
+
+    async def reset_prefix_cache(self) -> dict: ...
 
     def worker_reports(self) -> dict: ...
 

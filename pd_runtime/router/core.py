@@ -156,6 +156,25 @@ class PoolBackend:
         up = all(w["state"] == "up" for w in workers.values())
         return {"status": "ok" if up else "degraded", "workers": workers}
 
+    async def reset_prefix_cache(self, timeout_s: float = 10.0) -> dict:
+        """Empty every worker's prefix cache, and what the router remembers of them: worker id
+        -> the cached blocks it forgot (None: unreachable, or no answer within `timeout_s`)."""
+        workers = self.client.prefill + self.client.decode
+
+        async def one(w) -> Optional[int]:
+            if not w.healthy:
+                return None
+            try:
+                return await asyncio.wait_for(w.handle.reset_prefix_cache.remote(), timeout_s)
+            except Exception as exc:
+                log.warning("worker %s did not reset its prefix cache: %s", w.worker_id, exc)
+                return None
+
+        forgotten = await asyncio.gather(*(one(w) for w in workers))
+        for w in workers:
+            self.index.forget(w.worker_id)
+        return {w.worker_id: n for w, n in zip(workers, forgotten)}
+
     def active_config(self) -> dict:
         return {"routing": self.reloader.current.model_dump(),
                 "config_file": str(self.reloader.path) if self.reloader.path else None,

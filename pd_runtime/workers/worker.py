@@ -204,6 +204,10 @@ class PDWorker:
     async def free_blocks(self) -> int:
         return await self._engine_loop().call(lambda e: e.block_manager.num_free_blocks)
 
+    async def reset_prefix_cache(self) -> int:
+        """Empty this worker's prefix cache (the router's POST /reset_prefix_cache)."""
+        return await self._engine_loop().call(lambda e: e.reset_prefix_cache())
+
     async def cached_prefix_tokens(self, token_ids: list[int], cache_salt: Optional[str]) -> int:
         return await self._engine_loop().call(
             lambda e: e.block_manager.cached_prefix_tokens(token_ids, cache_salt))
