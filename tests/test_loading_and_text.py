@@ -81,13 +81,12 @@ def test_a_rope_the_decoder_lacks_is_refused_by_name(model_factory, tmp_path, fa
         load_model(path)
 
 
-def test_longrope_serves_its_pretraining_context(model_factory, tmp_path):
-    """Phi-3.5-mini's 128k context is LongRoPE's long factors, which turn the whole sequence
-    anew as it grows past original_max_position_embeddings (transformers recomputes every
-    key): not implemented, so the context stops there (its short factors, exact against
-    transformers: tests/test_model_vs_transformers.py), and more is refused naming the field."""
-    from pd_runtime.config import FieldValueError
-    from pd_runtime.model.model_config import context_limit, load_model_config
+def test_longrope_picks_its_factors_by_the_served_context(model_factory, tmp_path):
+    """Phi-3.5-mini's 128k context: LongRoPE's long factors for every position when the served
+    context (max_model_len) passes original_max_position_embeddings, the short ones when it
+    does not (as vLLM decides); the choice is part of the model's identity, so KV turned one
+    way is never handed to the other (tests/test_model_vs_transformers.py: both exact)."""
+    from pd_runtime.model.model_config import context_limit, load_model_config, served
 
     path = copy_model(model_factory("phi3"), tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())
@@ -97,10 +96,13 @@ def test_longrope_serves_its_pretraining_context(model_factory, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     model = load_model_config(path)
     assert (model.rope.rope_type, model.rope.factor) == ("longrope", 32.0)
-    assert context_limit(model, None) == 256 and context_limit(model, 200) == 200
-    with pytest.raises(FieldValueError, match="300 exceeds the model's original_max_position"):
-        context_limit(model, 300)
-    assert LLM(str(path), num_kv_blocks=64).engine.max_model_len == 256
+    assert context_limit(model, None) == 8192 and context_limit(model, 300) == 300
+    assert not served(model, 256).rope.long and served(model, 257).rope.long
+    assert served(model, 256).identity == model.identity != served(model, 257).identity
+    full = LLM(str(path), num_kv_blocks=64).engine
+    within = LLM(str(path), num_kv_blocks=64, max_model_len=256).engine
+    assert (full.max_model_len, full.model_config.rope.long) == (8192, True)
+    assert (within.max_model_len, within.model_config.rope.long) == (256, False)
     # Phi3Config reads "su" and "yarn" as longrope, and a missing original length as 4096.
     for name in ("su", "yarn"):
         cfg["rope_parameters"]["rope_type"] = name

@@ -39,8 +39,8 @@ VARIANTS = {
                                    "attention_bias": True, "mlp_bias": True}),
     # Phi-3 / Phi-4: q/k/v and gate/up stored fused; Phi-4's rope base.
     "phi3": ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 250000.0}}),
-    # Phi-3.5-mini / Phi-4-mini: LongRoPE (its short factors: the context stops at the
-    # pretraining length) over three quarters of each head (head_dim 16: 12 turned, 6 pairs).
+    # Phi-3.5-mini / Phi-4-mini: LongRoPE over three quarters of each head (head_dim 16: 12
+    # turned, 6 pairs); served within its pretraining context (SERVED): the short factors.
     "phi3-longrope": ("phi3", {"max_position_embeddings": 8192,
                                "original_max_position_embeddings": 256,
                                "rope_parameters": {
@@ -74,6 +74,10 @@ VARIANTS = {
                                                "mscale": 0.9, "mscale_all_dim": 0.7,
                                                "beta_fast": 16, "beta_slow": 2}}),
 }
+
+
+# The context a variant is served with where it is not the model's own (max_model_len).
+SERVED = {"phi3-longrope": 256}
 
 
 def our_logits(model, prompts_ids: list[list[int]]) -> list[torch.Tensor]:
@@ -129,7 +133,8 @@ def test_logits_match_transformers(variant):
     name, path, hf = variant
     tok = Tokenizer(path)
     prompts_ids = [tok.encode(p) for p in PROMPTS]
-    ours = our_logits(load_model(path, dtype="float32"), prompts_ids)
+    ours = our_logits(load_model(path, dtype="float32", max_positions=SERVED.get(name)),
+                      prompts_ids)
     for ids, got in zip(prompts_ids, ours):
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].float()
@@ -140,7 +145,7 @@ def test_logits_match_transformers(variant):
 
 def test_greedy_tokens_match_transformers(greedy_variant):
     name, path, hf = greedy_variant
-    llm = LLM(path, dtype="float32", num_kv_blocks=512)
+    llm = LLM(path, dtype="float32", num_kv_blocks=512, max_model_len=SERVED.get(name))
     prompts_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     assert len({len(p) for p in prompts_ids}) >= 6, "prompts must differ in length"
     outs = llm.generate(prompts_ids, SamplingParams(max_tokens=64, temperature=0.0,
@@ -178,3 +183,53 @@ def test_yarn_serves_its_extended_context(model_factory):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)[0, 90:]
     assert out.token_ids == ref.tolist()
+
+
+def test_longrope_long_factors_past_the_pretraining_context(model_factory, tmp_path):
+    """Served with its whole context (the default max_model_len), a LongRoPE model turns every
+    position by the long factors: transformers' own logits and greedy tokens for any sequence
+    longer than the pretraining context (where it too turns the whole sequence by them); a
+    shorter prompt gets the long factors too (as vLLM's), which transformers gives a model
+    whose short factors are those long ones."""
+    import json
+    import shutil
+
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.1, 1.3, 1.7, 2.6, 4.0],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
+    path = model_factory("phi3", max_position_embeddings=1024,
+                         original_max_position_embeddings=32, rope_parameters=longrope)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    assert llm.engine.max_model_len == 1024 and llm.engine.model_config.rope.long
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    long_prompts = [llm.tokenizer.encode(p)[:n] for p, n in ((PROMPTS[1], 40), (PROMPTS[7], 33))]
+    assert all(len(p) > 32 for p in long_prompts)
+    ours = our_logits(load_model(path, dtype="float32"), long_prompts)
+    for ids, got in zip(long_prompts, ours):
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    outs = llm.generate(long_prompts, SamplingParams(max_tokens=40, temperature=0.0,
+                                                     ignore_eos=True))
+    for ids, out in zip(long_prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
+        assert out.token_ids == ref[0, len(ids):].tolist()
+    # A short prompt, turned by the long factors: transformers' model whose short ones they are.
+    swapped = tmp_path / "swapped"
+    shutil.copytree(path, swapped)
+    config = json.loads((swapped / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling"):  # (the file has both: either is read)
+        if key in config:
+            config[key]["short_factor"] = longrope["long_factor"]
+    (swapped / "config.json").write_text(json.dumps(config))
+    hf_swapped = AutoModelForCausalLM.from_pretrained(swapped, dtype=torch.float32).eval()
+    short = llm.tokenizer.encode(PROMPTS[0])[:20]
+    got = our_logits(load_model(path, dtype="float32"), [short])[0]
+    with torch.no_grad():
+        ref = hf_swapped(torch.tensor([short])).logits[0].float()
+        plain = hf(torch.tensor([short])).logits[0].float()
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    assert ((got - plain).abs().max() / plain.abs().max()).item() > 1e-3  # the factors differ
+

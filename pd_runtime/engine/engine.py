@@ -40,10 +40,11 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        from pd_runtime.model.model_config import context_limit, load_model_config
+        from pd_runtime.model.model_config import context_limit, load_model_config, served
 
-        self.model_config = load_model_config(config.model)
-        self.max_model_len = context_limit(self.model_config, config.max_model_len, config.model)
+        model_config = load_model_config(config.model)
+        self.max_model_len = context_limit(model_config, config.max_model_len, config.model)
+        self.model_config = served(model_config, self.max_model_len)
         self.tokenizer = Tokenizer(config.model)
         # What a request that leaves a sampling field out gets (the router applies them).
         self.sampling_defaults = read_sampling_defaults(config.model)

@@ -53,13 +53,14 @@ def rotary_dim(cfg: ModelConfig) -> int:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies after `rope_scaling` (default, linear, llama3, yarn, longrope within
-    the pretraining context), float32."""
+    """Inverse frequencies after `rope_scaling` (default, linear, llama3, yarn, longrope's short
+    or long factors: model_config.served), float32."""
     r = cfg.rope
     dim = rotary_dim(cfg)
     base = r.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    if r.rope_type == "longrope":  # the short factors: context_limit stops where they hold
-        return 1.0 / (torch.tensor(r.short_factor, dtype=torch.float32) * base)
+    if r.rope_type == "longrope":
+        factors = r.long_factor if r.long else r.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base)
     inv = 1.0 / base
     if r.rope_type == "linear":
         return inv / r.factor

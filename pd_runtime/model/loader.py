@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from pd_runtime.model.llama import LlamaModel
-from pd_runtime.model.model_config import ModelConfig, ModelLoadError, load_model_config
+from pd_runtime.model.model_config import ModelConfig, ModelLoadError, load_model_config, served
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
                max_positions: int | None = None, batch_invariant: bool = False) -> LlamaModel:
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
+    cfg = served(cfg, max_positions or cfg.max_position_embeddings)  # LongRoPE's factors
     torch_dtype = resolve_dtype(dtype, cfg, device)
     reader = _TensorReader(_shard_files(model_dir), torch_dtype, device)
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -51,9 +51,12 @@ class RopeConfig:
     mscale: Optional[float] = None
     mscale_all_dim: Optional[float] = None
     # longrope (Phi-3.5, Phi-4-mini): per-dimension divisors of the frequencies within the
-    # pretraining context (short) and beyond it (long: not served here, see context_limit).
+    # pretraining context (short) and beyond it (long).
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # Which of the two turns every position: the long ones when the served context passes the
+    # pretraining one (`served`), as vLLM picks them.
+    long: bool = False
     # The share of each head rope turns (Phi-4-mini's 0.75; the rest passes through).
     partial_rotary_factor: float = 1.0
 
@@ -350,6 +353,20 @@ def _granite_scalings(raw: dict, path: Path, family: str) -> dict:
     return out
 
 
+def served(model: ModelConfig, max_model_len: int) -> ModelConfig:
+    """The model as a context of `max_model_len` serves it: LongRoPE's long factors for every
+    position when that passes its pretraining context, else the short ones, whatever a
+    sequence's length (as vLLM decides, once for the deployment). transformers instead turns a
+    whole sequence by the long factors once it grows past the pretraining context, keys
+    included, which a cache of keys turned once cannot follow; the two agree on every sequence
+    longer than that context, and on all of them when the context is within it. The choice is
+    in the identity: KV turned one way is never served to the other."""
+    rope = model.rope
+    if rope.rope_type == "longrope" and max_model_len > rope.original_max_position_embeddings:
+        return replace(model, rope=replace(rope, long=True))
+    return model
+
+
 def context_limit(model: ModelConfig, requested: Optional[int], name: str = "") -> int:
     """The longest sequence (prompt + output) served for a model: `requested` (max_model_len;
     None = the model's), at most its max_position_embeddings (with YaRN, its pretraining context
@@ -368,21 +385,6 @@ def context_limit(model: ModelConfig, requested: Optional[int], name: str = "") 
                               f"context ({longest} tokens: max_position_embeddings"
                               + (", with YaRN's factor" if rope.rope_type == "yarn" else "")
                               + ")")
-    original = rope.original_max_position_embeddings
-    if rope.rope_type == "longrope" and (requested or longest) > original:
-        # Past its pretraining context transformers turns the whole sequence by the long
-        # factors, its keys included, as the sequence grows: a cache of keys turned once does
-        # not follow, so the context stops where the short factors hold.
-        if requested:
-            raise FieldValueError(("max_model_len",), f"{requested} exceeds the model's "
-                                  f"original_max_position_embeddings ({original}); LongRoPE's "
-                                  f"long factors are not implemented, so max_model_len can be "
-                                  f"at most {original}")
-        logging.getLogger(__name__).warning(
-            "%s uses LongRoPE, whose long factors are not implemented: max_model_len capped at "
-            "its original_max_position_embeddings, %d (exact up to there)", name or "the model",
-            original)
-        longest = original
     limit = min(requested or longest, longest)
     window = model.sliding_window
     if window and limit > window:
