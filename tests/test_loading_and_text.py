@@ -257,16 +257,17 @@ def test_cli_make_tiny_model_and_generate(tmp_path):
     assert run.returncode == 2 and "config.json" in run.stderr
 
 
-def test_a_phi3_sliding_window_caps_the_context(model_factory):
-    """Phi-3-mini-4k's sliding_window (2047) applies whenever set, as transformers reads it:
-    attention here is over the whole context, exact up to the window, so the context stops
-    there (as Mistral v0.1's does)."""
+def test_a_phi3_sliding_window_is_read_and_the_context_kept(model_factory):
+    """Phi-3-mini-4k's sliding_window (2047) applies whenever set, on every layer, as
+    transformers reads it; the context stays the model's (tests/test_model_vs_transformers.py:
+    the windowed attention is transformers')."""
     from pd_runtime.model.model_config import context_limit, load_model_config
 
     windowed = load_model_config(model_factory("phi3", sliding_window=64))
-    assert windowed.sliding_window == 64 and context_limit(windowed, None) == 64
+    assert (windowed.sliding_window, windowed.window_layers) == (64, (0, 1))
+    assert context_limit(windowed, None) == 2048
     plain = load_model_config(model_factory("phi3"))
-    assert plain.sliding_window is None and context_limit(plain, None) == 2048
+    assert plain.sliding_window is None and plain.window_layers == ()
 
 
 def test_smollm3_rope_layers_are_read_as_transformers_reads_them(model_factory, tmp_path):

@@ -62,6 +62,14 @@ VARIANTS = {
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),
     "smollm3-biases": ("smollm3", {"no_rope_layers": [0, 1], "attention_bias": True,
                                    "mlp_bias": True, "tie_word_embeddings": True}),
+    # Sliding windows (shorter than most prompts): Mistral v0.1's and Phi-3-mini's on every
+    # layer, Qwen2's from max_window_layers on, SmolLM3's on its NoPE layers.
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+    "phi3-window": ("phi3", {"sliding_window": 7}),
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 6,
+                               "max_window_layers": 1}),
+    "smollm3-window": ("smollm3", {"use_sliding_window": True, "sliding_window": 5,
+                                   "no_rope_layer_interval": 2}),
     "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 64}}),
@@ -124,7 +132,7 @@ def variant(request, model_factory):
 # Greedy runs cover each family once plus llama3 and YaRN rope scaling; logits pin every variant.
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope", "granite",
                         "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
-                        "qwen3-moe", "qwen2-moe"])
+                        "qwen3-moe", "qwen2-moe", "mistral-window", "qwen2-window"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 
@@ -232,4 +240,23 @@ def test_longrope_long_factors_past_the_pretraining_context(model_factory, tmp_p
         plain = hf(torch.tensor([short])).logits[0].float()
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4
     assert ((got - plain).abs().max() / plain.abs().max()).item() > 1e-3  # the factors differ
+
+
+def test_sliding_window_on_the_batched_paths(model_factory):
+    """Outside the batch-invariant mode (decodes through the batch buffer, prompts in chunks
+    over their cached prefix, prefix-cache hits), a sliding window gives transformers' greedy
+    tokens."""
+    _, path, hf = _variant("mistral-window", model_factory)
+    llm = LLM(path, dtype="float32", num_kv_blocks=128, batch_invariant=False,
+              max_num_batched_tokens=16)
+    prompts_ids = [llm.tokenizer.encode(p)[:n] for p, n in ((PROMPTS[1], 37), (PROMPTS[7], 30),
+                                                            (PROMPTS[4], 9))]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompts_ids, greedy)
+    again = llm.generate(prompts_ids, greedy)  # whole blocks of each prompt from the cache
+    assert any(o.num_cached_tokens for o in again)
+    for ids, out, hit in zip(prompts_ids, first, again):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+        assert out.token_ids == hit.token_ids == ref[0, len(ids):].tolist()
 

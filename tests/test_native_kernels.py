@@ -18,11 +18,14 @@ def _cpu_has(flag: str) -> bool:
         return any(flag in line.split() for line in f if line.startswith("flags"))
 
 
-def _fp32_attention(q, k, v, lens, scale):
-    """q [B, KH, G, d], k/v [rows, KH, cap, d] -> float32 [B, KH, G, d], keys j < lens[b]."""
+def _fp32_attention(q, k, v, lens, scale, window=0):
+    """q [B, KH, G, d], k/v [rows, KH, cap, d] -> float32 [B, KH, G, d], keys j < lens[b]
+    (and j >= lens[b] - window, with a window)."""
     batch = q.shape[0]
     scores = torch.matmul(q.float(), k[:batch].float().transpose(-1, -2)) * scale
     visible = torch.arange(k.shape[2])[None, :] < lens[:, None]
+    if window:
+        visible &= torch.arange(k.shape[2])[None, :] >= (lens - window)[:, None]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     return torch.matmul(scores.softmax(-1), v[:batch].float())
 
@@ -68,6 +71,25 @@ def test_decode_attention_matches_float32(group, dim):
     for b, n in enumerate(lens.tolist()):
         k2[b, :, n:], v2[b, :, n:] = float("nan"), float("inf")
     assert torch.equal(native.decode_attention_bf16(q, k2, v2, lens, dim ** -0.5), out)
+
+
+@pytest.mark.parametrize("group,dim", [(2, 64), (4, 128), (3, 32)])
+def test_decode_attention_over_a_sliding_window(group, dim):
+    """With a window, each row's last `window` keys only; the keys before are never read."""
+    gen = torch.Generator().manual_seed(group + dim)
+    batch, kv_heads, cap, window = 5, 2, 70, 20
+    q = torch.randn(batch, kv_heads, group, dim, generator=gen).to(torch.bfloat16)
+    k = torch.randn(batch, kv_heads, cap, dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(batch, kv_heads, cap, dim, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor([1, 70, 33, 20, 21])
+    out = native.decode_attention_bf16(q, k, v, lens, dim ** -0.5, window)
+    want = _fp32_attention(q, k, v, lens, dim ** -0.5, window)
+    assert torch.allclose(out.float(), want, atol=2e-2, rtol=1e-2)
+    assert not torch.allclose(want, _fp32_attention(q, k, v, lens, dim ** -0.5), atol=0.05)
+    k2, v2 = k.clone(), v.clone()
+    for b, n in enumerate(lens.tolist()):
+        k2[b, :, :max(n - window, 0)], v2[b, :, :max(n - window, 0)] = float("nan"), float("inf")
+    assert torch.equal(native.decode_attention_bf16(q, k2, v2, lens, dim ** -0.5, window), out)
 
 
 def test_inputs_the_kernel_does_not_take_return_none():
@@ -170,10 +192,11 @@ def _dense_keys(cache, table, length):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(4, 2, 64, 16), (4, 2, 16, 4),
-                                                           (8, 8, 128, 16), (6, 2, 24, 8)])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,window", [
+    (4, 2, 64, 16, 0), (4, 2, 16, 4, 0), (8, 8, 128, 16, 0), (6, 2, 24, 8, 0),
+    (4, 2, 64, 16, 21), (6, 2, 24, 8, 8)])  # sliding windows: across groups and blocks
 def test_fixed_order_attention_rows_do_not_depend_on_their_company(dtype, heads, kv_heads, dim,
-                                                                    block_size):
+                                                                    block_size, window):
     from pd_runtime.kernels.fixed_order import FixedOrderRows
 
     gen = torch.Generator().manual_seed(heads * 100 + dim + block_size)
@@ -186,7 +209,7 @@ def test_fixed_order_attention_rows_do_not_depend_on_their_company(dtype, heads,
     def attend(tables, starts, counts, q_rows):
         rows = FixedOrderRows.build(tables, starts, counts)
         out = native.fixed_order_attention(q_rows, cache, rows.block_tables, rows.seq, rows.lens,
-                                           scale)
+                                           scale, window=window)
         assert out is not None and out.dtype == dtype
         return out
 
@@ -195,6 +218,8 @@ def test_fixed_order_attention_rows_do_not_depend_on_their_company(dtype, heads,
     group = heads // kv_heads
     scores = torch.einsum("nhd,lhd->hnl", q.double(), k.double().repeat_interleave(group, 1))
     causal = torch.arange(length)[None, :] <= torch.arange(length)[:, None]
+    if window:
+        causal &= torch.arange(length)[None, :] > torch.arange(length)[:, None] - window
     probs = (scores * scale).masked_fill(~causal, float("-inf")).softmax(-1)
     want = torch.einsum("hnl,lhd->nhd", probs, v.double().repeat_interleave(group, 1))
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5

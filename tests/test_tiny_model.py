@@ -128,29 +128,34 @@ def test_a_max_model_len_past_the_models_context_is_refused(llama_dir):
                                   max_model_len=2048)).max_model_len == 2048
 
 
-def test_sliding_window_models_are_capped_at_their_window(tmp_path):
-    """Attention is over the whole context; for a sliding-window model that is exact only up to
-    the window, so contexts stop there (by default) or the config is refused naming the field."""
-    from pd_runtime.config import EngineConfig, FieldValueError
+def test_sliding_windows_are_read_per_layer_and_keep_the_context(tmp_path):
+    """A sliding-window model serves its whole context (attention over each query's window:
+    tests/test_model_vs_transformers.py); which layers the window applies to is read as
+    transformers reads it: Mistral's every layer, Qwen2's only with use_sliding_window and
+    from max_window_layers on, a config's own layer_types first."""
+    from pd_runtime.config import EngineConfig
     from pd_runtime.engine.engine import LLMEngine
+    from pd_runtime.model.model_config import load_model_config
 
     path = make_tiny_model(tmp_path / "swa", architecture="mistral", sliding_window=24)
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16))
-    assert engine.max_model_len == 24
-    with pytest.raises(FieldValueError, match="max_model_len.*sliding_window"):
-        LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16, max_model_len=48))
+    assert engine.max_model_len > 24 and engine.runner.model.windows == [24, 24]
+    assert LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16,
+                                  max_model_len=48)).max_model_len == 48
     full = make_tiny_model(tmp_path / "full", architecture="mistral")  # Mistral v0.2+: no window
-    assert LLMEngine(EngineConfig(model=str(full), dtype="float32", num_kv_blocks=16)).max_model_len > 24
-    # Qwen2 keeps a window in its config that is off unless use_sliding_window says so, and then
-    # applies only to layers from max_window_layers on (transformers' reading)
+    assert load_model_config(full).sliding_window is None
     qwen = make_tiny_model(tmp_path / "qwen", architecture="qwen2", sliding_window=24)
     config_file = qwen / "config.json"
     raw = json.loads(config_file.read_text())
-    for use, window_layers, capped in [(None, None, False), (True, raw["num_hidden_layers"], False),
-                                       (True, 1, True)]:
+    layers = raw["num_hidden_layers"]
+    for use, window_layers, want in [(None, None, ()), (True, layers, ()), (True, 1, (1,)),
+                                     (True, 0, (0, 1))]:
         raw.pop("use_sliding_window", None)  # absent: transformers' default, off
+        raw.pop("layer_types", None)
         if use is not None:  # (transformers writes sliding_window null while it is off)
             raw.update(use_sliding_window=use, max_window_layers=window_layers, sliding_window=24)
         config_file.write_text(json.dumps(raw))
-        limit = LLMEngine(EngineConfig(model=str(qwen), dtype="float32", num_kv_blocks=16)).max_model_len
-        assert (limit == 24) is capped, (use, window_layers, limit)
+        assert load_model_config(qwen).window_layers == want, (use, window_layers)
+    raw["layer_types"] = ["sliding_attention", "full_attention"]
+    config_file.write_text(json.dumps(raw))
+    assert load_model_config(qwen).window_layers == (0,)

@@ -157,6 +157,66 @@ def test_prefill_matches_reference(dtype, block_size, head_dim, heads, kv_heads)
         assert_close(out[begin:end], expected, dtype)
 
 
+WINDOW_CASES = [CASES[0], CASES[1]]
+
+
+def _poison_before_windows(cache, lens, window):
+    """NaN into every block wholly before a sequence's window (what a kernel must not read)."""
+    bs = cache.block_size
+    for row, n in enumerate(lens):
+        for index in range(max(n - window, 0) // bs):
+            cache.kv[:, int(cache.tables[row, index])] = float("nan")
+
+
+@pytest.mark.parametrize("dtype,block_size,head_dim,heads,kv_heads", WINDOW_CASES)
+@pytest.mark.parametrize("window", [5, 40])
+def test_decode_sliding_window_matches_reference(dtype, block_size, head_dim, heads, kv_heads,
+                                                 window):
+    """Each sequence's last `window` keys only; blocks wholly before them are never read."""
+    bs = block_size
+    lens = [3, window, window + 1, 3 * bs + 7]
+    cache = PagedCache(dtype, bs, head_dim, kv_heads, lens, seed=window + heads)
+    context_lens = torch.tensor(lens)
+    q = cache.randn(len(lens), heads, head_dim)
+    expected = reference.decode_attention(q.float(), cache.float32(), cache.tables, context_lens,
+                                          SCALE, window=window)
+    full = reference.decode_attention(q.float(), cache.float32(), cache.tables, context_lens,
+                                      SCALE)
+    assert not torch.allclose(expected[3], full[3], atol=0.05)  # the window matters there
+    _poison_before_windows(cache, lens, window)
+    for splits in (1, 3):
+        out = triton_paged.decode_attention(q, cache.kv, cache.tables, context_lens, SCALE,
+                                            num_splits=splits, window=window)
+        assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype,block_size,head_dim,heads,kv_heads", WINDOW_CASES)
+@pytest.mark.parametrize("window", [5, 40])
+def test_prefill_sliding_window_matches_reference(dtype, block_size, head_dim, heads, kv_heads,
+                                                  window):
+    bs = block_size
+    segments = [(2 * bs + 3, 2 * bs + 3), (3 * bs - 2, bs + 5), (bs, 1)]  # fresh, chunks
+    cache = PagedCache(dtype, bs, head_dim, kv_heads, [c for c, _ in segments], seed=window)
+    chunks = [n for _, n in segments]
+    starts = torch.tensor([0] + chunks).cumsum(0).to(torch.int32)
+    context_lens = torch.tensor([c for c, _ in segments], dtype=torch.int32)
+    q = cache.randn(int(starts[-1]), heads, head_dim)
+    expected = []
+    for s, (context_len, n) in enumerate(segments):
+        begin, end = int(starts[s]), int(starts[s + 1])
+        seg = reference.PrefillSegment(0, n, context_len, cache.tables[s])
+        expected.append(reference.prefill_attention(
+            q[begin:end].float(), cache.keys[s][context_len - n:].float(),
+            cache.values[s][context_len - n:].float(), cache.float32(), seg, SCALE, window))
+    # Blocks before the first query's window (the chunk after a cached prefix) are not read.
+    first_queries = [c - n for c, n in segments]
+    _poison_before_windows(cache, [q0 + 1 for q0 in first_queries], window)
+    out = triton_paged.prefill_attention(q, cache.kv, starts, context_lens, cache.tables, SCALE,
+                                         max_query_len=max(chunks), window=window)
+    for s in range(len(segments)):
+        assert_close(out[int(starts[s]):int(starts[s + 1])], expected[s], dtype)
+
+
 @pytest.mark.parametrize("dtype,block_size,head_dim", [
     (torch.bfloat16, 16, 64), (torch.float16, 32, 128)])
 def test_write_kv_matches_reference_and_skips_negative_slots(dtype, block_size, head_dim):

@@ -4,6 +4,10 @@ Layout of one layer's cache: `[2, num_blocks, kv_heads, block_size, head_dim]` (
 is one contiguous chunk (what kv_transfer ships); inside it each KV head's tokens are
 contiguous, so gathering a sequence's blocks head by head yields `[kv_heads, tokens, head_dim]`
 ready for matmul without a transpose copy.
+
+Sliding windows (Mistral, Phi-3-mini, the layers a Qwen2/SmolLM3 config marks): with
+`meta.window` W > 0 a query at position p sees the keys at positions p - W + 1 .. p, as
+transformers masks them; 0 is full causal attention.
 """
 
 from __future__ import annotations
@@ -114,9 +118,11 @@ class AttentionMetadata:
     prefills: list[PrefillSegment] = field(default_factory=list)
     # Decode through the contiguous batch buffer (None: gather from the paged cache).
     decode_buffer: DecodeKVBuffer | None = None
-    decode_bias: torch.Tensor | None = None     # decode key mask, built by the first layer
+    # Decode key masks by window, each built by the first layer that needs it.
+    decode_biases: dict = field(default_factory=dict)
     prefill_runs: list | None = None            # prefill_runs(prefills), built by the first layer
-    layer: int = 0  # set by the model before each layer's attention
+    layer: int = 0  # set by the model before each layer's attention, with its window
+    window: int = 0
     # Batch-invariant mode: every token through the fixed-order kernel (pd_runtime/kernels/fixed_order.py).
     fixed_order: fixed_order.FixedOrderRows | None = None
     # On CUDA: the Triton kernels module and their metadata (the paths above are not used).
@@ -210,21 +216,22 @@ def _buffered_kv(kv_layer: torch.Tensor, meta: AttentionMetadata, k_new: torch.T
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, kv=None,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """One query token per sequence: q `[B, heads, head_dim]` -> `[B, heads, head_dim]`.
     `kv`: this batch's K/V as `[B, kv_heads, L, d]` when already at hand (the buffer);
-    `bias`: its `[B, 1, 1, L]` key mask (see decode_bias) when already built (one per step)."""
+    `bias`: its `[B, 1, 1, L]` key mask (see decode_bias) when already built (one per step);
+    `window`: the last `window` keys only (0: all)."""
     batch, heads, head_dim = q.shape
     kv_heads = kv_layer.shape[2]
     k, v = kv if kv is not None else gather_heads(kv_layer, block_tables)
     # GQA without repeating K/V: a group's query heads ride along the query-length axis.
     qg = q.view(batch, kv_heads, heads // kv_heads, head_dim)
     if uses_native_decode(q):
-        out = native.decode_attention_bf16(qg, k, v, context_lens, scale)
+        out = native.decode_attention_bf16(qg, k, v, context_lens, scale, window)
         if out is not None:
             return out.view(batch, heads, head_dim)
     if bias is None or bias.shape[-1] != k.shape[2]:
-        bias = decode_bias(context_lens, k.shape[2])
+        bias = decode_bias(context_lens, k.shape[2], window)
     return _attend(qg, k, v, bias, scale).reshape(batch, heads, head_dim)
 
 
@@ -235,48 +242,67 @@ def uses_native_decode(q: torch.Tensor) -> bool:
     return q.dtype == torch.bfloat16 and q.device.type == "cpu" and native.available()
 
 
-def decode_bias(context_lens: torch.Tensor, length: int) -> torch.Tensor:
-    """`[B, 1, 1, length]`: key j is visible to sequence b iff j < context_lens[b]."""
+def decode_bias(context_lens: torch.Tensor, length: int, window: int = 0) -> torch.Tensor:
+    """`[B, 1, 1, length]`: key j is visible to sequence b iff j < context_lens[b] (and
+    j >= context_lens[b] - window, with a window)."""
     positions = torch.arange(length, device=context_lens.device)
-    return key_bias(positions[None, :] < context_lens[:, None]).view(-1, 1, 1, length)
+    visible = positions[None, :] < context_lens[:, None]
+    if window:
+        visible &= positions[None, :] >= (context_lens - window)[:, None]
+    return key_bias(visible).view(-1, 1, 1, length)
+
+
+def window_visible(visible: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
+                   window: int) -> torch.Tensor:
+    """A causal `visible` mask (query positions `rows`, key positions `keys`) narrowed to the
+    last `window` keys of each row (unchanged for 0)."""
+    return visible & (keys[None, :] > rows[:, None] - window) if window else visible
 
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                      kv_layer: torch.Tensor, seg: PrefillSegment, scale: float) -> torch.Tensor:
+                      kv_layer: torch.Tensor, seg: PrefillSegment, scale: float,
+                      window: int = 0) -> torch.Tensor:
     """A chunk of n query tokens attending causally to the cached prefix and to itself."""
     n, heads, head_dim = q.shape
     kv_heads = k_new.shape[1]
     cached = seg.context_len - n
     if cached == 0:
-        return causal_prefill(q, k_new, v_new, 1, scale)
+        return causal_prefill(q, k_new, v_new, 1, scale, window)
     k, v = gather_heads(kv_layer, seg.block_table)       # [1, kv_heads, blocks*bs, d]
     k, v = k[:, :, :seg.context_len], v[:, :, :seg.context_len]
     # Query heads of a KV group stacked along the rows: measured faster than SDPA with GQA.
     qg = q.view(n, kv_heads, heads // kv_heads, head_dim).permute(1, 2, 0, 3)  # [kvh, G, n, d]
     qg = qg.reshape(1, kv_heads, -1, head_dim)
     rows = (torch.arange(n, device=q.device) + cached).repeat(heads // kv_heads)
-    visible = torch.arange(seg.context_len, device=q.device)[None, :] <= rows[:, None]
+    keys = torch.arange(seg.context_len, device=q.device)
+    visible = window_visible(keys[None, :] <= rows[:, None], keys, rows, window)
     out = _attend(qg, k, v, key_bias(visible), scale)  # [1, kvh, G*n, d]
     return out.view(kv_heads, heads // kv_heads, n, head_dim).permute(2, 0, 1, 3) \
         .reshape(n, heads, head_dim)
 
 
 def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
-                   scale: float) -> torch.Tensor:
+                   scale: float, window: int = 0) -> torch.Tensor:
     """`num_seqs` fresh prompts of equal length, back to back in the flat batch, each causal
     over itself: one SDPA call for all of them (views, no copies) instead of one per prompt."""
     tokens, heads, head_dim = q.shape
     n = tokens // num_seqs
-    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+    window = window if window < n else 0  # a window the prompt does not pass changes nothing
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not window:
         # the native kernel: ~3x torch's flash kernel on bf16 here (bf16 pair products)
         out = native.prefill_attention_bf16(q, k, v, num_seqs, scale)
         if out is not None:
             return out
+    mask = None
+    if window:
+        positions = torch.arange(n, device=q.device)
+        mask = window_visible(positions[None, :] <= positions[:, None], positions, positions,
+                              window)
     out = F.scaled_dot_product_attention(
         q.view(num_seqs, n, heads, head_dim).transpose(1, 2),
         k.view(num_seqs, n, -1, head_dim).transpose(1, 2),
         v.view(num_seqs, n, -1, head_dim).transpose(1, 2),
-        is_causal=True, scale=scale, enable_gqa=heads != k.shape[1])
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=heads != k.shape[1])
     return out.transpose(1, 2).reshape(tokens, heads, head_dim)
 
 
@@ -300,18 +326,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     if meta.device_attention is not None:
         return device_paged_attention(q, k, v, kv_layer, meta, scale)
     write_kv(kv_layer, k, v, meta.slot_mapping)
+    window = meta.window
     if meta.fixed_order is not None:
-        return fixed_order.attend(q, kv_layer, meta.fixed_order, scale)
+        return fixed_order.attend(q, kv_layer, meta.fixed_order, scale, window)
     nd = meta.num_decode_tokens
     decoded = None
     if nd:
         kv = _buffered_kv(kv_layer, meta, k[:nd], v[:nd]) if meta.decode_buffer else None
-        if meta.decode_bias is None and not uses_native_decode(q):
+        bias = meta.decode_biases.get(window)
+        if bias is None and not uses_native_decode(q):
             length = kv[0].shape[2] if kv is not None \
                 else meta.decode_block_tables.shape[1] * kv_layer.shape[3]
-            meta.decode_bias = decode_bias(meta.decode_context_lens, length)
+            bias = meta.decode_biases[window] = decode_bias(meta.decode_context_lens, length,
+                                                            window)
         decoded = decode_attention(q[:nd], kv_layer, meta.decode_block_tables,
-                                   meta.decode_context_lens, scale, kv, meta.decode_bias)
+                                   meta.decode_context_lens, scale, kv, bias, window)
         if not meta.prefills:
             return decoded
     if meta.prefill_runs is None:
@@ -322,11 +351,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     for start, count, seg in meta.prefill_runs:
         if count:
             e = start + count * seg.num_tokens
-            out[start:e] = causal_prefill(q[start:e], k[start:e], v[start:e], count, scale)
+            out[start:e] = causal_prefill(q[start:e], k[start:e], v[start:e], count, scale,
+                                          window)
         else:
             e = start + seg.num_tokens
             out[start:e] = prefill_attention(q[start:e], k[start:e], v[start:e], kv_layer, seg,
-                                             scale)
+                                             scale, window)
     return out
 
 
@@ -340,9 +370,10 @@ def device_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     if nd:
         kernels.decode_attention(q[:nd], kv_layer, dev.decode_block_tables,
-                                 dev.decode_context_lens, scale, out=out[:nd])
+                                 dev.decode_context_lens, scale, out=out[:nd],
+                                 window=meta.window)
     if q.shape[0] > nd:
         kernels.prefill_attention(q[nd:], kv_layer, dev.query_start_loc, dev.context_lens,
                                   dev.block_tables, scale, max_query_len=dev.max_query_len,
-                                  out=out[nd:])
+                                  out=out[nd:], window=meta.window)
     return out

@@ -4,6 +4,7 @@
  *   q   [batch, kv_heads, group, dim]       bf16
  *   k,v [rows >= batch, kv_heads, cap, dim]  bf16 (row b holds sequence b, first lens[b] valid)
  *   out [batch, kv_heads, group, dim]       bf16
+ * With window > 0 only the last `window` valid keys of a row are attended (a sliding window).
  * For each (sequence, kv head): scores = q k^T * scale over the valid keys, softmax in float32,
  * out = probs v, accumulated in float32 and rounded to bf16 once. K and V are each read once,
  * which is what bounds this on a CPU; torch's batched matmuls over these shapes (2 query rows
@@ -152,7 +153,8 @@ static void attend_pair_any(const float *qf, const uint16_t *kp, const uint16_t 
 
 int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                           const int64_t *lens, uint16_t *out, int64_t kv_heads, int64_t group,
-                          int64_t cap, int64_t dim, float scale, int64_t pairs, int64_t threads) {
+                          int64_t cap, int64_t dim, float scale, int64_t window, int64_t pairs,
+                          int64_t threads) {
     if (group > 16 || dim > 512 || dim % 16) return -1;
     int status = 0;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
@@ -167,10 +169,12 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
         for (int64_t pair = 0; pair < pairs; pair++) {
             if (!scores || !qf) continue;
             const int64_t b = pair / kv_heads, h = pair % kv_heads;
-            const int64_t n = lens[b] < cap ? lens[b] : cap;
+            const int64_t end = lens[b] < cap ? lens[b] : cap;
+            const int64_t first = window > 0 && end > window ? end - window : 0;
+            const int64_t n = end - first;
             const uint16_t *qp = q + pair * group * dim;
-            const uint16_t *kp = k + (b * kv_heads + h) * cap * dim;
-            const uint16_t *vp = v + (b * kv_heads + h) * cap * dim;
+            const uint16_t *kp = k + ((b * kv_heads + h) * cap + first) * dim;
+            const uint16_t *vp = v + ((b * kv_heads + h) * cap + first) * dim;
             uint16_t *op = out + pair * group * dim;
             for (int64_t i = 0; i < group * dim; i++) qf[i] = bf16_to_float(qp[i]);
 #if defined(__AVX512F__)

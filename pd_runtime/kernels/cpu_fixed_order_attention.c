@@ -5,7 +5,8 @@
  *   cache [2, blocks, kv_heads, block_size, dim] contiguous (one layer's K then V); with kv_int8
  *         each row is dim int8 values then its float32 scale (dim + 4 bytes): value = q * scale
  *   tables[seqs, width] int64 block ids; token t belongs to sequence seq[t] and sees that
- *         sequence's keys 0 .. len[t]-1 (its own K/V is already in the cache)
+ *         sequence's keys 0 .. len[t]-1 (its own K/V is already in the cache); with window > 0
+ *         only the last `window` of them (a sliding window: keys before get probability 0)
  *   out   [tokens, heads, dim] contiguous; elements bf16 (is_bf16) or float32
  *
  * One query row (a token and a head) gets the same bits whether it is a decode, a whole prompt,
@@ -55,7 +56,14 @@ typedef struct {
     int block_shift;  /* log2(block_size) when a power of two, else -1 */
     int is_bf16, kv_int8;
     float scale;
+    int64_t window;   /* 0: every key up to the row's own */
 } Problem;
+
+/* The first key row t sees. */
+static inline int64_t first_key(const Problem *P, int64_t t) {
+    const int64_t n = P->len[t];
+    return P->window > 0 && n > P->window ? n - P->window : 0;
+}
 
 /* `rows` cached rows (kv_row bytes apart) widened to float32 into dst[r * dim]: bf16/float32
  * exactly, int8 rows as value x the row's scale (one rounding, the same for every reader) */
@@ -120,17 +128,22 @@ static void attend_item(const Problem *P, int64_t t0, int64_t count, int64_t h, 
     const int64_t rows = count * group;
     const int64_t *table = P->tables + P->seq[t0] * P->width;
     int64_t n_max = 0;
-    for (int64_t i = 0; i < count; i++) n_max = P->len[t0 + i] > n_max ? P->len[t0 + i] : n_max;
-    const int64_t groups = (n_max + 7) / 8;
+    int64_t lo_min = INT64_MAX;  /* the earliest key any row sees (a window moves it) */
+    for (int64_t i = 0; i < count; i++) {
+        n_max = P->len[t0 + i] > n_max ? P->len[t0 + i] : n_max;
+        lo_min = first_key(P, t0 + i) < lo_min ? first_key(P, t0 + i) : lo_min;
+    }
+    const int64_t groups = (n_max + 7) / 8, g_first = lo_min / 8;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t t = t0 + r / group, head = h * group + r % group;
         widen(P->q + (t * P->q_stride + head * dim) * P->elem, P->is_bf16, qf + r * dim, dim);
     }
     /* scores, 8 keys at a time; a row skips the groups wholly past its keys */
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t g = g_first; g < groups; g++) {
         stage_keys(P, P->k, table, h, g, n_max, kf);
         for (int64_t r = 0; r < rows; r++) {
-            if (8 * g >= P->len[t0 + r / group]) continue;
+            if (8 * g >= P->len[t0 + r / group] || 8 * g + 8 <= first_key(P, t0 + r / group))
+                continue;
             const float *qr = qf + r * dim;
             vf8 a[8];
             for (int k = 0; k < 8; k++) a[k] = vf8_zero();
@@ -141,19 +154,27 @@ static void attend_item(const Problem *P, int64_t t0, int64_t count, int64_t h, 
             vf8_store(s + r * span + 8 * g, vf8_mul(vf8_tree8x8(a), vf8_set1(P->scale)));
         }
     }
-    /* softmax numerators in place (keys past the row's end become 0); 1 / total into inv */
+    /* softmax numerators in place (keys past the row's end, or before its window, become 0);
+     * 1 / total into inv. Groups wholly before the window are left out (their scores were not
+     * computed): the same for a row whatever else is in its item. */
     float inv[64];
     for (int64_t r = 0; r < rows; r++) {
         const int64_t n = P->len[t0 + r / group], full = (n + 7) / 8;
+        const int64_t lo = first_key(P, t0 + r / group), g0 = lo / 8;
         float *sr = s + r * span;
         vf8 m = vf8_set1(-INFINITY);
-        for (int64_t g = 0; g < full; g++)
-            m = vf8_max(m, vf8_keep(vf8_load(sr + 8 * g), vf8_set1(-INFINITY), (int)(n - 8 * g)));
+        for (int64_t g = g0; g < full; g++)
+            m = vf8_max(m, vf8_keep(vf8_set1(-INFINITY),
+                                    vf8_keep(vf8_load(sr + 8 * g), vf8_set1(-INFINITY),
+                                             (int)(n - 8 * g)),
+                                    (int)(lo - 8 * g)));
         const vf8 top = vf8_set1(max8(m));
         vf8 sum = vf8_zero();
-        for (int64_t g = 0; g < full; g++) {
-            const vf8 e = vf8_keep(vf8_exp_nonpositive(vf8_sub(vf8_load(sr + 8 * g), top)),
-                                   vf8_zero(), (int)(n - 8 * g));
+        for (int64_t g = g0; g < full; g++) {
+            const vf8 e = vf8_keep(vf8_zero(),
+                                   vf8_keep(vf8_exp_nonpositive(vf8_sub(vf8_load(sr + 8 * g), top)),
+                                            vf8_zero(), (int)(n - 8 * g)),
+                                   (int)(lo - 8 * g));
             vf8_store(sr + 8 * g, e);
             sum = vf8_add(sum, e);
         }
@@ -162,11 +183,11 @@ static void attend_item(const Problem *P, int64_t t0, int64_t count, int64_t h, 
         memset(acc + r * dim, 0, sizeof(float) * (size_t)dim);
     }
     /* out = sum_j p_j v_j, each element's chain in key order, V widened 8 keys at a time */
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t g = g_first; g < groups; g++) {
         stage_keys(P, P->v, table, h, g, n_max, kf);
         for (int64_t r = 0; r < rows; r++) {
             const int64_t live = P->len[t0 + r / group] - 8 * g;
-            if (live <= 0) continue;
+            if (live <= 0 || 8 * g + 8 <= first_key(P, t0 + r / group)) continue;
             const float *pr = s + r * span + 8 * g;
             float *ar = acc + r * dim;
             if (live >= 8) {  /* the common case, unrolled; the same chain as below */
@@ -206,7 +227,8 @@ int fixed_order_attention(const void *q, int64_t q_stride, const void *cache, in
                           const int64_t *tables, int64_t width, const int64_t *seq,
                           const int64_t *len, void *out, int64_t tokens, int64_t heads,
                           int64_t kv_heads, int64_t dim, int64_t block_size, int64_t is_bf16,
-                          float scale, int64_t tile, int64_t threads, int64_t kv_int8) {
+                          float scale, int64_t tile, int64_t threads, int64_t kv_int8,
+                          int64_t window) {
     if (dim % 8 || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads || tokens < 1)
         return -1;
     const int64_t group = heads / kv_heads, elem = is_bf16 ? 2 : 4;
@@ -220,7 +242,7 @@ int fixed_order_attention(const void *q, int64_t q_stride, const void *cache, in
         if ((int64_t)1 << b == block_size) block_shift = b;
     Problem P = {(const char *)q, (const char *)cache, (const char *)cache + kv_bytes, tables,
                  seq, len, (char *)out, q_stride, heads, kv_heads, dim, block_size, width, elem,
-                 kv_row, block_shift, (int)is_bf16, (int)(kv_int8 != 0), scale};
+                 kv_row, block_shift, (int)is_bf16, (int)(kv_int8 != 0), scale, window};
     /* runs: consecutive tokens of one sequence, cut every `tile` tokens */
     int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(tokens + 1));
     if (!starts) return -2;

@@ -83,12 +83,12 @@ def _build() -> Optional[ctypes.CDLL]:
     _prune(cache, target)
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signatures = {
-        "decode_attention_bf16": [ptr] * 5 + [i64] * 4 + [f32] + [i64] * 2,
+        "decode_attention_bf16": [ptr] * 5 + [i64] * 4 + [f32] + [i64] * 3,
         "prefill_attention_bf16": [ptr, i64, ptr, i64, ptr, i64, ptr] + [i64] * 5 + [f32, i64],
         "rms_norm_bf16": [ptr] * 3 + [i64] * 2 + [f32, i64],
         "add_rms_norm_bf16": [ptr] * 4 + [i64] * 2 + [f32, i64],
         "fixed_order_attention": [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr] + [i64] * 6
-                                 + [f32, i64, i64, i64],
+                                 + [f32, i64, i64, i64, i64],
         "silu_mul": [ptr, i64, ptr] + [i64] * 4,
         "linear_f32": [ptr, i64, ptr, i64, ptr, ptr] + [i64] * 4,
     }
@@ -144,10 +144,12 @@ def available() -> bool:
 
 
 def decode_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          context_lens: torch.Tensor, scale: float) -> Optional[torch.Tensor]:
+                          context_lens: torch.Tensor, scale: float,
+                          window: int = 0) -> Optional[torch.Tensor]:
     """q `[B, kv_heads, group, d]`; k, v `[rows >= B, kv_heads, cap, d]` contiguous bf16 CPU
-    tensors, row b valid for its first context_lens[b] keys -> `[B, kv_heads, group, d]`, or
-    None when the native kernel cannot take these inputs (the caller then runs torch)."""
+    tensors, row b valid for its first context_lens[b] keys (the last `window` of them, with a
+    window) -> `[B, kv_heads, group, d]`, or None when the native kernel cannot take these
+    inputs (the caller then runs torch)."""
     library = _load()
     batch, kv_heads, group, dim = q.shape
     if (library is None or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16
@@ -162,7 +164,7 @@ def decode_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cap = k.shape[2]
     pairs = batch * kv_heads
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(), out.data_ptr(), kv_heads,
-            group, cap, dim, ctypes.c_float(scale))
+            group, cap, dim, ctypes.c_float(scale), window)
     status = library.decode_attention_bf16(*args, pairs, min(torch.get_num_threads(), pairs))
     return out if status == 0 else None
 
@@ -228,13 +230,14 @@ def _fixed_order_dtype(t: torch.Tensor) -> bool:
 
 def fixed_order_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                           seq: torch.Tensor, lens: torch.Tensor, scale: float,
-                          tile: int = 16) -> Optional[torch.Tensor]:
+                          tile: int = 16, window: int = 0) -> Optional[torch.Tensor]:
     """Attention of every query token over its own sequence's paged K/V, one fixed reduction
     order per row (cpu_fixed_order_attention.c): q `[T, heads, d]` (each token's heads
     contiguous), kv_layer `[2, blocks, kv_heads, block_size, d]` of q's dtype, or int8 `[...,
     d + 4]` (pd_runtime/kernels/kv_quant.py: d values and a float32 scale per row), block_tables `[S, W]`,
-    token t of sequence seq[t] sees keys 0..lens[t]-1 -> `[T, heads, d]`; bf16 or float32 on the
-    CPU. None when the kernel cannot take these inputs."""
+    token t of sequence seq[t] sees keys 0..lens[t]-1 (the last `window` of them, with a window)
+    -> `[T, heads, d]`; bf16 or float32 on the CPU. None when the kernel cannot take these
+    inputs."""
     library = _load()
     tokens, heads, dim = q.shape
     kv_int8 = kv_layer.dtype == torch.int8
@@ -253,7 +256,7 @@ def fixed_order_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables:
         q.data_ptr(), q.stride(0), kv_layer.data_ptr(), num_blocks, tables.data_ptr(),
         tables.shape[1], seq.data_ptr(), lens.data_ptr(), out.data_ptr(), tokens, heads, kv_heads,
         dim, block_size, int(q.dtype == torch.bfloat16), scale, tile, torch.get_num_threads(),
-        int(kv_int8))
+        int(kv_int8), window)
     return out if status == 0 else None
 
 

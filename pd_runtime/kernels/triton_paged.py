@@ -6,6 +6,8 @@ Softmax and accumulation are float32; outputs are in q's dtype.
 
 Every launch takes only static shapes from the host (no `.item()`, no data-dependent sizes):
 sequence lengths are read inside the kernels, so decode can be captured in a CUDA graph.
+A sliding window (`window` > 0) limits each query to its last `window` keys, its own included;
+the blocks wholly before it are not read.
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IN_F32: 
 @triton.jit
 def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
                          max_ptr, sum_ptr, part_ptr,
-                         qk_scale, blocks_per_split,
+                         qk_scale, blocks_per_split, window,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_table,
                          stride_kv, stride_blk, stride_head, stride_tok,
                          GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
@@ -175,8 +177,10 @@ def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None], other=0.0)
 
+    lo = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)  # the first key seen
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, (context_len + BLOCK_SIZE - 1) // BLOCK_SIZE)
+    first = tl.maximum(first, lo // BLOCK_SIZE)
     table = table_ptr + b * stride_table
     m_i = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
     l_i = tl.full([GROUP_ROWS], 0.0, tl.float32)
@@ -187,7 +191,7 @@ def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
         v = _load_block(kv_ptr + stride_kv, table, index, kv_head, context_len,
                         stride_blk, stride_head, stride_tok, BLOCK_SIZE, HEAD_DIM)
         positions = index * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        visible = (positions < context_len)[None, :]
+        visible = ((positions < context_len) & (positions >= lo))[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
                                              DOT_IN_F32)
 
@@ -250,9 +254,10 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int,
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, window: int = 0) -> torch.Tensor:
     """One query token per sequence (its key already written): q `[B, heads, head_dim]` ->
-    `[B, heads, head_dim]`; keys 0..context_lens[b]-1 visible; context_len 0 writes zeros."""
+    `[B, heads, head_dim]`; keys 0..context_lens[b]-1 visible (the last `window` of them, with
+    a window); context_len 0 writes zeros."""
     _check(kv_layer, q)
     batch, heads, head_dim = q.shape
     _, _, kv_heads, block_size, _ = kv_layer.shape
@@ -275,7 +280,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
                             device=q.device)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, kv_layer, block_tables, context_lens, out, maxes, sums, parts,
-        scale * LOG2E, -(-max_blocks // num_splits),
+        scale * LOG2E, -(-max_blocks // num_splits), window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *kv_layer.stride()[:4],
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
@@ -294,7 +299,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, qk_scale,
+def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, qk_scale, window,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
                     stride_kv, stride_blk, stride_head, stride_tok,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -325,18 +330,22 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, qk_
     last_token = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, num_queries - 1)
     num_blocks = tl.where(tile * BLOCK_M < num_queries * GROUP,
                           (cached + last_token + BLOCK_SIZE) // BLOCK_SIZE, 0)
+    # With a window, the tile's first query position bounds its keys from below as well.
+    first_block = tl.where(window > 0, tl.maximum(cached + (tile * BLOCK_M) // GROUP
+                                                  - window + 1, 0), 0) // BLOCK_SIZE
     table = table_ptr + seg * stride_table
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
-    for index in range(0, num_blocks):
+    for index in range(first_block, num_blocks):
         k = _load_block(kv_ptr, table, index, kv_head, context_len,
                         stride_blk, stride_head, stride_tok, BLOCK_SIZE, HEAD_DIM)
         v = _load_block(kv_ptr + stride_kv, table, index, kv_head, context_len,
                         stride_blk, stride_head, stride_tok, BLOCK_SIZE, HEAD_DIM)
         positions_k = index * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         visible = (positions_k[None, :] <= positions_q[:, None]) \
-            & (positions_k < context_len)[None, :]
+            & (positions_k < context_len)[None, :] \
+            & ((window <= 0) | (positions_k[None, :] > positions_q[:, None] - window))
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
                                              DOT_IN_F32)
 
@@ -348,10 +357,12 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, qk_
 
 def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
-                      max_query_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                      max_query_len: int, out: torch.Tensor | None = None,
+                      window: int = 0) -> torch.Tensor:
     """S prefill segments in one launch; their own K/V already in the cache (write_kv first).
     q `[T, heads, head_dim]`: segment s is q[qsl[s]:qsl[s+1]], its query i at position
-    context_lens[s] - n_s + i, attending causally to keys 0..that position."""
+    context_lens[s] - n_s + i, attending causally to keys 0..that position (the last `window`
+    of them, with a window)."""
     _check(kv_layer, q)
     tokens, heads, head_dim = q.shape
     _, _, kv_heads, block_size, _ = kv_layer.shape
@@ -365,7 +376,7 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: 
     group = heads // kv_heads
     grid = (triton.cdiv(max_query_len * group, PREFILL_BLOCK_M), segments, kv_heads)
     _prefill_kernel[grid](
-        q, kv_layer, out, query_start_loc, context_lens, block_tables, scale * LOG2E,
+        q, kv_layer, out, query_start_loc, context_lens, block_tables, scale * LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *kv_layer.stride()[:4],
         GROUP=group, BLOCK_M=PREFILL_BLOCK_M, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,

@@ -201,6 +201,9 @@ class LlamaModel:
         self.lm_head = w.get("lm_head", self.embed)
         self.layers = w["layers"]
         self.nope_layers = frozenset(cfg.nope_layers)
+        # Each layer's attention window (0: the whole context).
+        self.windows = [cfg.sliding_window if i in cfg.window_layers else 0
+                        for i in range(cfg.num_layers)]
         # Kept beside the plain weights (which loading, transfers and tests read): a second
         # copy of the linear weights, half their size for bf16 values run in float32, their
         # size otherwise (the bench model's: 64 MB; its float32 weights 128 MB).
@@ -355,7 +358,7 @@ class LlamaModel:
         last = len(self.layers) - 1
         for index, (layer, packed, kv_layer) in enumerate(zip(self.layers, self.packed,
                                                               kv_caches)):
-            meta.layer = index
+            meta.layer, meta.window = index, self.windows[index]
             x = rms_norm(h, layer["in_norm"], eps) if mlp_out is None \
                 else add_rms_norm(h, mlp_out, layer["in_norm"], eps)
             rows = output_rows if index == last else None

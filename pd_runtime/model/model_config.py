@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -78,7 +77,9 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str
     rope: RopeConfig = field(default_factory=RopeConfig)
+    # Attention over the last `sliding_window` positions only, in `window_layers`.
     sliding_window: Optional[int] = None
+    window_layers: tuple[int, ...] = ()
     o_bias: bool = False  # the attention output projection's bias (attention_bias)
     mlp_bias: bool = False  # gate, up and down projections' biases
     # Granite's scalings (1.0, None: the others'): the embeddings are multiplied by the first,
@@ -236,24 +237,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     head_dim = raw.get("head_dim") or hidden // heads
-    # As transformers reads them: Mistral's sliding_window applies whenever set (4096 when the key
-    # is absent); Qwen's only with use_sliding_window (default off), and only to the layers from
-    # max_window_layers on.
-    if family == "mistral":
-        window = raw.get("sliding_window", 4096)
-    elif family == "phi3":  # whenever set (Phi-3-mini-4k: 2047), as Mistral's
-        window = raw.get("sliding_window")
-    elif family == "mixtral":  # as Mistral's, but no window unless the file sets one
-        window = raw.get("sliding_window")
-    elif family == "qwen3_moe":  # every layer's, with use_sliding_window (no layer bound)
-        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
-    elif family == "smollm3":  # on the layers layer_types marks, with use_sliding_window
-        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
-    elif raw.get("use_sliding_window", False) and \
-            int(raw.get("max_window_layers") or 0) < int(raw.get("num_hidden_layers", 0)):
-        window = raw.get("sliding_window")
-    else:
-        window = None
+    window, window_layers = _sliding_window(raw, path, family)
     return ModelConfig(
         family=family,
         vocab_size=int(need("vocab_size")),
@@ -278,11 +262,41 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         qk_norm=family in ("qwen3", "qwen3_moe"),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         rope=_rope_from(raw, path, family, int(head_dim)),
-        sliding_window=int(window) if window else None,
+        sliding_window=window,
+        window_layers=window_layers,
         **_granite_scalings(raw, path, family),
         nope_layers=_nope_layers(raw, path, family),
         **_experts(raw, path, family),
     )
+
+
+def _sliding_window(raw: dict, path: Path, family: str) -> tuple[Optional[int], tuple[int, ...]]:
+    """The sliding window and the layers it applies to, as transformers reads them: Mistral's
+    whenever set (4096 when the key is absent), Phi-3's and Mixtral's whenever set, on every
+    layer; Qwen's and SmolLM3's only with use_sliding_window: Qwen2/3's on the layers from
+    max_window_layers (28 when absent) on, Qwen3-MoE's on all, SmolLM3's on its NoPE layers; a
+    config's own layer_types ("sliding_attention") name the layers instead."""
+    layers = int(raw.get("num_hidden_layers", 0))
+    if family == "mistral":
+        window = raw.get("sliding_window", 4096)
+    elif family in ("phi3", "mixtral"):
+        window = raw.get("sliding_window")
+    else:
+        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    if not window:
+        return None, ()
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ModelLoadError(f"{path}: sliding_window must be a positive integer, got {window!r}")
+    types = raw.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        chosen = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif family in ("qwen2", "qwen3", "qwen2_moe"):
+        chosen = tuple(range(int(raw.get("max_window_layers", 28)), layers))
+    elif family == "smollm3":
+        chosen = _nope_layers(raw, path, family)
+    else:
+        chosen = tuple(range(layers))
+    return (window, chosen) if chosen else (None, ())
 
 
 def _experts(raw: dict, path: Path, family: str) -> dict:
@@ -370,10 +384,8 @@ def served(model: ModelConfig, max_model_len: int) -> ModelConfig:
 def context_limit(model: ModelConfig, requested: Optional[int], name: str = "") -> int:
     """The longest sequence (prompt + output) served for a model: `requested` (max_model_len;
     None = the model's), at most its max_position_embeddings (with YaRN, its pretraining context
-    times the scaling factor, as vLLM derives it), and at most its sliding window: attention here
-    is over the whole context, which is what a sliding-window model computes only up to its
-    window. An explicit request above either is refused naming the field (as vLLM refuses one
-    above the model's context), not quietly cut down."""
+    times the scaling factor, as vLLM derives it). An explicit request above it is refused
+    naming the field (as vLLM refuses one above the model's context), not quietly cut down."""
     from pd_runtime.config import FieldValueError
 
     longest = model.max_position_embeddings
@@ -385,15 +397,4 @@ def context_limit(model: ModelConfig, requested: Optional[int], name: str = "") 
                               f"context ({longest} tokens: max_position_embeddings"
                               + (", with YaRN's factor" if rope.rope_type == "yarn" else "")
                               + ")")
-    limit = min(requested or longest, longest)
-    window = model.sliding_window
-    if window and limit > window:
-        if requested:
-            raise FieldValueError(("max_model_len",), f"{requested} exceeds the model's sliding_window "
-                                  f"({window}); sliding-window attention is not implemented, so "
-                                  f"max_model_len can be at most {window}")
-        logging.getLogger(__name__).warning(
-            "%s uses sliding-window attention (window %d), which is not implemented: max_model_len "
-            "capped at %d (exact up to there)", name or "the model", window, window)
-        limit = window
-    return limit
+    return min(requested or longest, longest)
