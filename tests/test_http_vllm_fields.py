@@ -190,7 +190,9 @@ def test_stop_reason_as_vllm_reports_it(server, client, offline):
                                                 extra_body=body, stream=True))
         finishing = [c for e in events for c in e.choices if c.finish_reason is not None]
         assert [c.stop_reason for c in finishing] == [want], extra
-        assert "stop_reason" not in (events[0].choices[0].model_extra or {})
+        # only on the finishing event (a busy server may send just that one, merged)
+        assert all("stop_reason" not in (c.model_extra or {}) for e in events for c in e.choices
+                   if c.finish_reason is None)
     messages = [{"role": "user", "content": prompt}]
     own = offline.chat(messages, greedy(12))[0].outputs[0]
     for extra, want in (({"stop_token_ids": [own.token_ids[4]]}, own.token_ids[4]), ({}, None)):

@@ -300,3 +300,32 @@ def test_smollm3_rope_layers_are_read_as_transformers_reads_them(model_factory, 
     (path / "config.json").write_text(json.dumps(bare))
     model = load_model_config(path)
     assert model.tie_word_embeddings and model.rope.theta == 2e6
+
+
+def test_gemma3_configs_as_the_hub_writes_them(model_factory, tmp_path):
+    """Gemma 3's config.json on the Hub (rope_theta, rope_local_base_freq, rope_scaling,
+    sliding_window_pattern, no layer_types) reads as transformers 5 writes it (rope_parameters
+    and layer_types per layer type); Gemma 2's logit soft-capping is refused by name."""
+    from pd_runtime.model.model_config import load_model_config
+
+    path = copy_model(model_factory("gemma3", num_hidden_layers=6, sliding_window=16,
+                                    layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                                    rope_parameters={
+                                        "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                           "rope_theta": 1e6},
+                                        "sliding_attention": {"rope_type": "default",
+                                                              "rope_theta": 1e4}}), tmp_path / "m")
+    modern = load_model_config(path)
+    assert (modern.window_layers, modern.rope.factor, modern.local_rope.theta) == \
+        ((0, 1, 2, 3, 4), 8.0, 1e4)
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types", "_sliding_window_pattern"):
+        cfg.pop(key, None)
+    cfg.update(rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=6,
+               rope_scaling={"rope_type": "linear", "factor": 8.0})
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(path) == modern
+    cfg["final_logit_softcapping"] = 30.0
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="final_logit_softcapping 30.0 is not supported"):
+        load_model_config(path)

@@ -70,6 +70,18 @@ VARIANTS = {
                                "max_window_layers": 1}),
     "smollm3-window": ("smollm3", {"use_sliding_window": True, "sliding_window": 5,
                                    "no_rope_layer_interval": 2}),
+    # Gemma 3: norms as offsets from 1 around each block, tanh GELU, a scaled embedding, its
+    # query_pre_attn_scalar, q/k norms, a window and a rope base of its own on the sliding
+    # layers; then linear rope scaling on the full-attention layers (Gemma 3 4B and up).
+    "gemma3": ("gemma3", {"sliding_window": 8, "query_pre_attn_scalar": 24,
+                          "layer_types": ["sliding_attention", "full_attention"]}),
+    "gemma3-scaled": ("gemma3", {"sliding_window": 6, "layer_types": ["full_attention",
+                                                                      "sliding_attention"],
+                                 "rope_parameters": {
+                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                        "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default",
+                                                           "rope_theta": 1e4}}}),
     "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 64}}),
@@ -132,7 +144,8 @@ def variant(request, model_factory):
 # Greedy runs cover each family once plus llama3 and YaRN rope scaling; logits pin every variant.
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope", "granite",
                         "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
-                        "qwen3-moe", "qwen2-moe", "mistral-window", "qwen2-window"])
+                        "qwen3-moe", "qwen2-moe", "mistral-window", "qwen2-window", "gemma3",
+                        "gemma3-scaled"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

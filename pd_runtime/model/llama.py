@@ -1,4 +1,5 @@
-"""One decoder for the Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+"""One decoder for the Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm,
+and the families model_config.py reads into it, Gemma 3's norms around each block among them).
 
 Runs a flat batch of tokens from many sequences against the paged KV cache; weights are fused
 (qkv, gate_up) at load time so every layer is four matmuls over prepacked weights (float32:
@@ -11,6 +12,7 @@ and attention by fixed-order native kernels (the runner passes their metadata).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
     return normed.to(x.dtype).mul_(weight)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: `weight` is 1 + the checkpoint's (float32, loader.py), applied before
+    the cast to x's dtype, as transformers orders it."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
+    return normed.mul_(weight).to(x.dtype)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,6 +106,15 @@ def _yarn_inv_freq(r, dim: int) -> torch.Tensor:
     base = r.theta ** (torch.arange(0, dim, 2).float() / dim)
     kept = 1 - ramp  # the share of each dimension's own (extrapolated) frequency
     return (1.0 / (r.factor * base)) * (1 - kept) + (1.0 / base) * kept
+
+
+def rope_tables(cfg: ModelConfig, n_pos: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position below `n_pos`, `[n_pos, rotary_dim]`, scaled by the rope's
+    attention factor, in the model's dtype."""
+    freqs = torch.arange(n_pos, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1).to(device)
+    scale = rope_attention_scale(cfg)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def rope_attention_scale(cfg: ModelConfig) -> float:
@@ -201,6 +220,11 @@ class LlamaModel:
         self.lm_head = w.get("lm_head", self.embed)
         self.layers = w["layers"]
         self.nope_layers = frozenset(cfg.nope_layers)
+        self.norm = gemma_rms_norm if cfg.gemma_norms else rms_norm
+        # Gemma's embedding scale is rounded to the model's dtype first (a tensor); Granite's is
+        # applied as a number.
+        self.embed_scale = torch.tensor(cfg.embedding_multiplier).to(dtype) \
+            if cfg.gemma_norms else cfg.embedding_multiplier
         # Each layer's attention window (0: the whole context).
         self.windows = [cfg.sliding_window if i in cfg.window_layers else 0
                         for i in range(cfg.num_layers)]
@@ -221,11 +245,10 @@ class LlamaModel:
         if batch_invariant:
             self._probe_row_stability()
         n_pos = max_positions or cfg.max_position_embeddings
-        freqs = torch.arange(n_pos, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1).to(device)
-        scale = rope_attention_scale(cfg)
-        self.cos = (emb.cos() * scale).to(dtype)
-        self.sin = (emb.sin() * scale).to(dtype)
+        self.cos, self.sin = rope_tables(cfg, n_pos, device, dtype)
+        # Gemma 3's windowed layers turn by a rope of their own (another base).
+        self.local_rope = rope_tables(replace(cfg, rope=cfg.local_rope), n_pos, device, dtype) \
+            if cfg.local_rope is not None else None
 
     def _probe_row_stability(self) -> None:
         """Find each matmul shape's stable row count (the first layer stands for all: same
@@ -250,7 +273,7 @@ class LlamaModel:
         width = self.cfg.moe_intermediate_size if self.cfg.num_experts else \
             self.cfg.intermediate_size
         probe = torch.zeros(1, 2 * width, dtype=self.dtype, device=self.device)
-        self.native_silu = native.silu_mul(probe) is not None
+        self.native_silu = self.cfg.mlp_act == "silu" and native.silu_mul(probe) is not None
 
     def _attention(self, layer: dict, packed: dict, x: torch.Tensor, cos, sin, kv_layer,
                    meta, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -268,9 +291,9 @@ class LlamaModel:
             # the strided view reduced in an order that depended on the row count (a token's
             # logprobs then changed with its batch).
             q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], -1)
-            q = apply_rope(rms_norm(q.contiguous().view(-1, heads, head_dim), layer["q_norm"],
+            q = apply_rope(self.norm(q.contiguous().view(-1, heads, head_dim), layer["q_norm"],
                                     cfg.rms_norm_eps), cos, sin)
-            k = apply_rope(rms_norm(k.contiguous().view(-1, kv_heads, head_dim), layer["k_norm"],
+            k = apply_rope(self.norm(k.contiguous().view(-1, kv_heads, head_dim), layer["k_norm"],
                                     cfg.rms_norm_eps), cos, sin)
         else:  # q and k heads side by side in qkv: one rotation for both (half the launches)
             qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(-1, heads + kv_heads,
@@ -290,10 +313,12 @@ class LlamaModel:
                       layer.get("down_bias"), self.min_rows["down"])
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up: SiLU, or Gemma's tanh-approximated GELU."""
         act = native.silu_mul(gate_up) if self.native_silu else None
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate).mul_(up)
+            act = F.gelu(gate, approximate="tanh").mul_(up) if self.cfg.mlp_act == "gelu_tanh" \
+                else F.silu(gate).mul_(up)
         return act
 
     def _experts(self, layer: dict, packed: dict, x: torch.Tensor) -> torch.Tensor:
@@ -348,9 +373,11 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         residual = self.cfg.residual_multiplier  # Granite's scalings (1.0 elsewhere)
         if self.cfg.embedding_multiplier != 1.0:
-            h = h * self.cfg.embedding_multiplier
+            h = h * self.embed_scale
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
+        if self.cfg.gemma_norms:
+            return self._sandwich_layers(h, (cos, sin), positions, kv_caches, meta, output_rows)
         # The residual stream h is this forward's own tensor (the embedding output), never an
         # input, so it is updated in place; each block's output is added in front of the next
         # norm (add_rms_norm), which is where a fused kernel can take both.
@@ -374,6 +401,31 @@ class LlamaModel:
             if residual != 1.0:
                 mlp_out.mul_(residual)
         return add_rms_norm(h, mlp_out, self.final_norm, eps)
+
+    def _sandwich_layers(self, h: torch.Tensor, rope: tuple, positions: torch.Tensor,
+                         kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                         output_rows: torch.Tensor | None) -> torch.Tensor:
+        """Gemma 3's layers (forward's contract): each block's output normed before it joins
+        the residual stream, the MLP's input by a norm of its own; the windowed layers turn by
+        their own rope."""
+        eps, norm, last = self.cfg.rms_norm_eps, self.norm, len(self.layers) - 1
+        local = (self.local_rope[0][positions].unsqueeze(1),
+                 self.local_rope[1][positions].unsqueeze(1)) if self.local_rope else rope
+        for index, (layer, packed, kv_layer) in enumerate(zip(self.layers, self.packed,
+                                                              kv_caches)):
+            meta.layer, meta.window = index, self.windows[index]
+            rows = output_rows if index == last else None
+            turn = local if self.windows[index] else rope
+            attn_out = self._attention(layer, packed, norm(h, layer["in_norm"], eps), *turn,
+                                       kv_layer, meta, rows)
+            if meta.on_layer is not None:
+                meta.on_layer(index)
+            if rows is not None:
+                h = h[rows]  # a new tensor: the residual stream of the output rows only
+            h.add_(norm(attn_out, layer["post_norm"], eps))
+            mlp_out = self._mlp(layer, packed, norm(h, layer["pre_ff_norm"], eps))
+            h.add_(norm(mlp_out, layer["post_ff_norm"], eps))
+        return norm(h, self.final_norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

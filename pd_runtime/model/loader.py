@@ -128,6 +128,9 @@ class _TensorReader:
         return tensor.to(device=self.device, dtype=self.dtype)
 
 
+GEMMA_NORMS = ("in_norm", "post_norm", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm")
+
+
 def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
                max_positions: int | None = None, batch_invariant: bool = False) -> LlamaModel:
     model_dir = Path(model_dir)
@@ -173,6 +176,9 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
         if cfg.qk_norm:
             layer["q_norm"] = reader.get(p + "self_attn.q_norm.weight", (d,))
             layer["k_norm"] = reader.get(p + "self_attn.k_norm.weight", (d,))
+        if cfg.gemma_norms:  # the MLP's own input norm, and the norm of its output
+            layer["pre_ff_norm"] = reader.get(p + "pre_feedforward_layernorm.weight", (h,))
+            layer["post_ff_norm"] = reader.get(p + "post_feedforward_layernorm.weight", (h,))
         layers.append(layer)
     weights = {
         "embed": reader.get("model.embed_tokens.weight", (cfg.vocab_size, h)),
@@ -186,6 +192,11 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
             raise ModelLoadError(f"{model_dir}: config.json says tie_word_embeddings=false but "
                                  "tensor 'lm_head.weight' is missing")
     _check_all_read(reader, model_dir)
+    if cfg.gemma_norms:  # offsets from 1, applied in float32 (model/llama.py: gemma_rms_norm)
+        weights["final_norm"] = 1.0 + weights["final_norm"].float()
+        for layer in layers:
+            for name in GEMMA_NORMS:
+                layer[name] = 1.0 + layer[name].float()
     n_params = sum(t.numel() for t in reader_tensors(weights))
     log.info("loaded %s (%s, %.1fM params, %s) from %s", cfg.family, cfg.identity,
              n_params / 1e6, torch_dtype, model_dir)

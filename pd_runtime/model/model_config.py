@@ -3,13 +3,15 @@
 Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3 and SmolLM3 differ only in the flags and
 multipliers below (Phi-3 stores q/k/v and gate/up fused, as our decoder holds them; SmolLM3
 leaves rope out of every fourth layer); Mixtral and Qwen3-MoE replace the MLP of their sparse
-layers by experts a router picks per token; anything else is refused.
+layers by experts a router picks per token; Gemma 3 norms every block's input and output
+(model/llama.py: _sandwich_layers); anything else is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -29,10 +31,12 @@ _ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Gemma3ForCausalLM": "gemma3",
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                 "granite": "granite", "phi3": "phi3", "smollm3": "smollm3",
-                "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe"}
+                "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe",
+                "gemma3_text": "gemma3"}
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,14 @@ class ModelConfig:
     sparse_layers: tuple[int, ...] = ()
     # Qwen2-MoE's shared expert beside the routed ones (its output scaled by a sigmoid gate).
     shared_expert_size: int = 0
+    # Gemma 3: RMSNorm weights are offsets from 1, applied in float32 before the cast; every
+    # block's output is normed before it joins the residual stream, the MLP's input by a norm
+    # of its own; the MLP's activation is tanh-approximated GELU; the embeddings are scaled by
+    # sqrt(hidden_size) rounded to the model's dtype; the sliding-window layers turn by
+    # `local_rope`.
+    gemma_norms: bool = False
+    mlp_act: str = "silu"  # silu | gelu_tanh
+    local_rope: Optional[RopeConfig] = None
 
     @property
     def identity(self) -> str:
@@ -116,6 +128,8 @@ class ModelConfig:
             rope += f"-{r.rope_type}-{digest}"
         # (The experts change no KV layout: a dense and a sparse model with equal attention
         # differ in their family name.)
+        if self.local_rope is not None:  # the windowed layers' own rope
+            rope += "-local" + hashlib.sha256(repr(astuple(self.local_rope)).encode()).hexdigest()[:8]
         if self.nope_layers:  # which layers' keys are rotated is part of the KV's meaning
             rope += "-nope" + hashlib.sha256(repr(self.nope_layers).encode()).hexdigest()[:8]
         return (f"{self.family}-L{self.num_layers}-H{self.hidden_size}-kv{self.num_kv_heads}"
@@ -229,11 +243,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         return raw[key]
 
     attention_bias = bool(raw.get("attention_bias", False))
-    # The MLP's activation is SiLU in every family read here; a checkpoint with another would
-    # run, wrongly, with no error.
-    act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
-    if act not in ("silu", "swish"):
-        raise ModelLoadError(f"{path}: hidden_act {act!r} is not supported (only silu)")
+    # The MLP's activation: SiLU in every family read here but Gemma's tanh GELU; a checkpoint
+    # with another would run, wrongly, with no error.
+    act = raw.get("hidden_activation" if family == "gemma3" else "hidden_act",
+                  raw.get("hidden_act", raw.get("hidden_activation", "silu")))
+    if act not in (("gelu_pytorch_tanh",) if family == "gemma3" else ("silu", "swish")):
+        raise ModelLoadError(f"{path}: hidden_act {act!r} is not supported (only "
+                             f"{'gelu_pytorch_tanh' if family == 'gemma3' else 'silu'})")
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     head_dim = raw.get("head_dim") or hidden // heads
@@ -249,8 +265,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         head_dim=int(head_dim),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        # (SmolLM3's config class ties them unless told otherwise.)
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", family == "smollm3")),
+        # (SmolLM3's and Gemma 3's config classes tie them unless told otherwise.)
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings",
+                                         family in ("smollm3", "gemma3"))),
         # As transformers builds them: Qwen2 has q/k/v biases always; Llama, Qwen3 and Granite
         # q/k/v/o biases with attention_bias (SmolLM3 too), Llama and Granite MLP biases with
         # mlp_bias (SmolLM3 too);
@@ -259,12 +276,14 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         or (family not in ("mistral", "phi3", "mixtral", "qwen2_moe") and attention_bias),
         o_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3") and attention_bias,
         mlp_bias=family in ("llama", "granite", "smollm3") and bool(raw.get("mlp_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-        rope=_rope_from(raw, path, family, int(head_dim)),
+        rope=_rope_from(_gemma_rope(raw, "full_attention") if family == "gemma3" else raw,
+                        path, family, int(head_dim)),
         sliding_window=window,
         window_layers=window_layers,
         **_granite_scalings(raw, path, family),
+        **_gemma(raw, path, family, hidden, int(head_dim)),
         nope_layers=_nope_layers(raw, path, family),
         **_experts(raw, path, family),
     )
@@ -274,12 +293,13 @@ def _sliding_window(raw: dict, path: Path, family: str) -> tuple[Optional[int], 
     """The sliding window and the layers it applies to, as transformers reads them: Mistral's
     whenever set (4096 when the key is absent), Phi-3's and Mixtral's whenever set, on every
     layer; Qwen's and SmolLM3's only with use_sliding_window: Qwen2/3's on the layers from
-    max_window_layers (28 when absent) on, Qwen3-MoE's on all, SmolLM3's on its NoPE layers; a
-    config's own layer_types ("sliding_attention") name the layers instead."""
+    max_window_layers (28 when absent) on, Qwen3-MoE's on all, SmolLM3's on its NoPE layers;
+    Gemma 3's whenever set, on all but every sliding_window_pattern-th layer; a config's own
+    layer_types ("sliding_attention") name the layers instead."""
     layers = int(raw.get("num_hidden_layers", 0))
     if family == "mistral":
         window = raw.get("sliding_window", 4096)
-    elif family in ("phi3", "mixtral"):
+    elif family in ("phi3", "mixtral", "gemma3"):
         window = raw.get("sliding_window")
     else:
         window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
@@ -294,6 +314,9 @@ def _sliding_window(raw: dict, path: Path, family: str) -> tuple[Optional[int], 
         chosen = tuple(range(int(raw.get("max_window_layers", 28)), layers))
     elif family == "smollm3":
         chosen = _nope_layers(raw, path, family)
+    elif family == "gemma3":  # all but every sliding_window_pattern-th layer (Gemma 3: 5 of 6)
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        chosen = tuple(i for i in range(layers) if (i + 1) % pattern)
     else:
         chosen = tuple(range(layers))
     return (window, chosen) if chosen else (None, ())
@@ -352,6 +375,40 @@ def _nope_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
         raise ModelLoadError(f"{path}: no_rope_layers must hold a flag for each of the "
                              f"{layers} layers, got {flags!r}")
     return tuple(i for i, use_rope in enumerate(flags[:layers]) if not use_rope)
+
+
+def _gemma(raw: dict, path: Path, family: str, hidden: int, head_dim: int) -> dict:
+    """Gemma 3's fields, as transformers reads them (Gemma 2's logit soft-capping is refused:
+    the attention kernels do not cap scores)."""
+    if family != "gemma3":
+        return {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise ModelLoadError(f"{path}: {key} {raw[key]!r} is not supported (logit "
+                                 "soft-capping)")
+    scalar = raw.get("query_pre_attn_scalar", 256)
+    if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or not scalar > 0:
+        raise ModelLoadError(f"{path}: query_pre_attn_scalar must be a positive number, "
+                             f"got {scalar!r}")
+    return {"gemma_norms": True, "mlp_act": "gelu_tanh",
+            "embedding_multiplier": math.sqrt(hidden),
+            "attention_multiplier": float(scalar) ** -0.5,
+            "local_rope": _rope_from(_gemma_rope(raw, "sliding_attention"), path, family,
+                                     head_dim)}
+
+
+def _gemma_rope(raw: dict, layer_type: str) -> dict:
+    """The config a Gemma 3 layer type's rope reads: transformers 5 writes rope_parameters per
+    layer type; older files rope_theta and rope_scaling for the full-attention layers and
+    rope_local_base_freq (default 10000, unscaled) for the sliding ones."""
+    rest = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling")}
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        return {**rest, "rope_parameters": params[layer_type]}
+    if layer_type == "sliding_attention":
+        return {**rest, "rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    return {**rest, "rope_theta": raw.get("rope_theta", 1e6),
+            "rope_scaling": raw.get("rope_scaling")}
 
 
 def _granite_scalings(raw: dict, path: Path, family: str) -> dict:

@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
@@ -104,6 +105,8 @@ def _build_config(architecture: str, fields: dict):
         fields.setdefault("use_sliding_window", False)
     if architecture == "mistral":
         fields.setdefault("sliding_window", None)  # full attention, as in Mistral v0.2+
+    if architecture == "gemma3":  # (its config class defaults to head_dim 256)
+        fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
     config = getattr(transformers, config_name)(
         bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD], **fields)
@@ -127,8 +130,9 @@ def _write_weights(file: Path, config, seed: int, tokenizer_vocab_size: int) -> 
     for name in sorted(shapes):
         shape = shapes[name]
         noise = torch.randn(shape, generator=gen, dtype=torch.float32)
-        if name.endswith("norm.weight"):
-            value = 1.0 + NORM_NOISE * noise
+        if name.endswith("norm.weight"):  # (Gemma's are offsets from 1)
+            value = NORM_NOISE * noise if config.architectures[0] == "Gemma3ForCausalLM" \
+                else 1.0 + NORM_NOISE * noise
         elif name.endswith(".bias"):
             value = BIAS_STD * noise
         elif name.endswith("embed_tokens.weight") and not config.tie_word_embeddings:
