@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -329,3 +330,37 @@ def test_gemma3_configs_as_the_hub_writes_them(model_factory, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="final_logit_softcapping 30.0 is not supported"):
         load_model_config(path)
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_gemma3_text_model_inside_a_multimodal_checkpoint(model_factory, tmp_path, prefix):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: the text model's tensors under
+    the Hub's prefix (or transformers 5's), its config under text_config with transformers'
+    defaults left out, a vision tower beside it (not read, logged). Served as its text model:
+    the same logits as the causal LM with those weights."""
+    from pd_runtime.model.model_config import load_model_config
+
+    source = Path(model_factory("gemma3", sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"]))
+    path = copy_model(str(source), tmp_path / "mm")
+    tensors = load_file(str(source / "model.safetensors"))
+    renamed = {prefix + n.removeprefix("model."): t for n, t in tensors.items()}
+    renamed["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4, 3)
+    save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((source / "config.json").read_text())
+    text["model_type"] = "gemma3_text"
+    for key in ("rms_norm_eps", "hidden_activation", "tie_word_embeddings", "architectures"):
+        text.pop(key, None)  # left to Gemma3TextConfig's defaults, as the Hub's files leave them
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": text, "vision_config": {"model_type": "siglip_vision_model"},
+        "torch_dtype": "float32"}))
+    want, got = load_model_config(source), load_model_config(path)
+    assert (got.family, got.rms_norm_eps, got.tie_word_embeddings) == ("gemma3", 1e-6, True)
+    assert got.rope == want.rope and got.local_rope == want.local_rope \
+        and got.window_layers == want.window_layers
+    ids = Tokenizer(str(source)).encode("The quick brown fox jumps over the lazy dog")
+    logits = [LLM(str(p), dtype="float32", num_kv_blocks=16, max_model_len=256).generate(
+        [ids], SamplingParams(max_tokens=4, temperature=0, logprobs=3))[0].outputs[0].logprobs
+              for p in (source, path)]
+    assert logits[0] == logits[1]

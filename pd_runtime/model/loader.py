@@ -108,13 +108,30 @@ class _PickledWeights:
         return self.state[name]
 
 
+# Where a checkpoint keeps its decoder: a causal LM's own, or the text model inside a
+# multimodal one (Gemma 3 4B and up: the Hub's files, and transformers 5's save_pretrained).
+TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+
+
 class _TensorReader:
     def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: str):
         self.files, self.dtype, self.device = files, dtype, device
         self._handles = {}
         self.read: set[str] = set()
+        # Names are asked for as a causal LM's ("model.", "lm_head."); read under these.
+        self.prefix = next((p for p in TEXT_PREFIXES if p + "embed_tokens.weight" in files),
+                           "model.")
+        self.head = "language_model.lm_head.weight" if self.prefix == "language_model.model." \
+            else "lm_head.weight"
+
+    def name(self, name: str) -> str:
+        """The checkpoint's name of a causal LM's tensor."""
+        if name == "lm_head.weight":
+            return self.head
+        return self.prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        name = self.name(name)
         path = self.files.get(name)
         if path is None:
             raise ModelLoadError(f"tensor {name!r} missing from the checkpoint")
@@ -186,7 +203,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
         "layers": layers,
     }
     if not cfg.tie_word_embeddings:
-        if "lm_head.weight" in reader.files:
+        if reader.head in reader.files:
             weights["lm_head"] = reader.get("lm_head.weight", (cfg.vocab_size, h))
         else:
             raise ModelLoadError(f"{model_dir}: config.json says tie_word_embeddings=false but "
@@ -236,7 +253,7 @@ def _experts(reader: "_TensorReader", cfg: ModelConfig, prefix: str) -> dict:
 
 # Tensors a checkpoint may hold that the computation does not use: rotary tables older exports
 # saved, and the output projection a tied model saves beside its embeddings.
-_UNUSED = re.compile(r"(.*\.)?rotary_emb\.inv_freq|lm_head\.weight")
+_UNUSED = re.compile(r"(.*\.)?rotary_emb\.inv_freq|(language_model\.)?lm_head\.weight")
 
 
 def _check_all_read(reader: _TensorReader, model_dir: Path) -> None:
@@ -244,7 +261,7 @@ def _check_all_read(reader: _TensorReader, model_dir: Path) -> None:
     computation (as attention_bias's o_proj bias once did): refused, naming them, rather than
     served wrongly. Others (a vision tower beside the text model) are only logged."""
     unread = sorted(n for n in reader.files if n not in reader.read and not _UNUSED.fullmatch(n))
-    decoder = [n for n in unread if n.startswith("model.")]
+    decoder = [n for n in unread if n.startswith(reader.prefix) or n == reader.head]
     if decoder:
         more = f" and {len(decoder) - 5} more" if len(decoder) > 5 else ""
         raise ModelLoadError(f"{model_dir}: the checkpoint holds tensors this model's config does "

@@ -32,6 +32,7 @@ _ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text model (images are not read)
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                 "granite": "granite", "phi3": "phi3", "smollm3": "smollm3",
@@ -228,6 +229,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"{path}: unsupported architecture {raw.get('architectures')} / model_type "
             f"{raw.get('model_type')!r}; supported: {sorted(_ARCHITECTURES)}")
 
+    if family == "gemma3":  # the fields a Hub text_config leaves to Gemma3TextConfig's defaults
+        raw = {**_GEMMA3_DEFAULTS, **raw}
+
     # Quantized weights (AWQ, GPTQ, FP8, ...) would load as numbers without their scales: refuse.
     quant = raw.get("quantization_config") or raw.get("compression_config")
     if quant:
@@ -375,6 +379,12 @@ def _nope_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
         raise ModelLoadError(f"{path}: no_rope_layers must hold a flag for each of the "
                              f"{layers} layers, got {flags!r}")
     return tuple(i for i, use_rope in enumerate(flags[:layers]) if not use_rope)
+
+
+_GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                    "head_dim": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+                    "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh"}
 
 
 def _gemma(raw: dict, path: Path, family: str, hidden: int, head_dim: int) -> dict:
