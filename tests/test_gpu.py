@@ -131,6 +131,7 @@ KERNEL_SHAPES = [
     gk.Shape(16, 4, 64, 16, torch.float16),     # GQA 4
     gk.Shape(16, 16, 128, 32, torch.bfloat16),  # GQA 1
     gk.Shape(32, 4, 64, 16, torch.bfloat16),    # GQA 8
+    gk.Shape(8, 4, 256, 16, torch.bfloat16),    # Gemma 3 4B: head_dim 256
 ]
 SHAPE_IDS = [f"d{s.head_dim}-{str(s.dtype)[6:]}-gqa{s.heads // s.kv_heads}-bs{s.block_size}"
              for s in KERNEL_SHAPES]

@@ -39,6 +39,7 @@ CASES = [
     pytest.param(torch.bfloat16, 32, 64, 8, 1, id="bf16-bs32-d64-gqa8"),
     pytest.param(torch.float16, 16, 128, 16, 2, id="fp16-bs16-d128-gqa8"),
     pytest.param(torch.bfloat16, 16, 128, 8, 2, id="bf16-bs16-d128-gqa4"),
+    pytest.param(torch.bfloat16, 16, 256, 8, 4, id="bf16-bs16-d256-gqa2"),  # Gemma 3 4B
 ]
 
 

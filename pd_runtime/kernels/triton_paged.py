@@ -19,11 +19,12 @@ import triton
 import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # 256: Gemma 3 1B-12B
 MIN_BLOCK_SIZE = 16          # tl.dot needs every tile dimension >= 16
 # tl.dot's smallest M: a decode program pads its GQA group of query heads up to this.
 MIN_GROUP_ROWS = 16
 PREFILL_BLOCK_M = 64         # query rows (tokens x heads of a group) per prefill program
+PREFILL_BLOCK_M_WIDE = 32    # ... at head_dim 256 (the float32 accumulator's rows are 2x wider)
 # Split-K for decode: enough programs for about two waves over the SMs, each split reading
 # at least MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits.
 MIN_BLOCKS_PER_SPLIT = 4
@@ -39,7 +40,7 @@ def unsupported_reason(dtype: torch.dtype, head_dim: int, block_size: int, num_h
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype}: the Triton kernels take bfloat16 or float16"
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"head_dim {head_dim}: the Triton kernels take 64 or 128"
+        return f"head_dim {head_dim}: the Triton kernels take 64, 128 or 256"
     if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
         return f"block_size {block_size}: 16 or 32 (or another power of two >= 16)"
     if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
@@ -374,11 +375,12 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: 
     _check_inner_strides(q=q, out=out, block_tables=block_tables, context_lens=context_lens,
                          query_start_loc=query_start_loc)
     group = heads // kv_heads
-    grid = (triton.cdiv(max_query_len * group, PREFILL_BLOCK_M), segments, kv_heads)
+    block_m = PREFILL_BLOCK_M if head_dim <= 128 else PREFILL_BLOCK_M_WIDE
+    grid = (triton.cdiv(max_query_len * group, block_m), segments, kv_heads)
     _prefill_kernel[grid](
         q, kv_layer, out, query_start_loc, context_lens, block_tables, scale * LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *kv_layer.stride()[:4],
-        GROUP=group, BLOCK_M=PREFILL_BLOCK_M, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         DOT_IN_F32=INTERPRETED, num_warps=NUM_WARPS)
     return out
