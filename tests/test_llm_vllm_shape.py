@@ -114,6 +114,24 @@ def test_stop_reason_names_the_stop_string_or_token(llama_dir):
     assert by_token.token_ids == free.token_ids[:free.token_ids.index(token) + 1]
 
 
+def test_get_tokenizer_is_transformers_tokenizer_as_vllm_returns_it(llama_dir):
+    """A vLLM script renders its chat prompt with llm.get_tokenizer(): the ids it gets are the
+    ones llm.chat renders, so both give the same tokens."""
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=64)
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is llm.get_tokenizer() and type(tokenizer).__module__.startswith("transformers")
+    messages = [{"role": "user", "content": "Hello there"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if not isinstance(ids, list):  # (transformers 5 returns a BatchEncoding)
+        ids = ids["input_ids"]
+    assert ids == llm.tokenizer.encode_chat(messages)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    assert llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids == \
+        llm.chat(messages, greedy)[0].outputs[0].token_ids
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == llm.tokenizer.apply_chat_template(messages)
+
+
 @pytest.mark.parametrize("args, says", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size: 2 is not supported"),
     ({"tokenizer": "/some/other/tokenizer"}, "tokenizer: '/some/other/tokenizer'"),

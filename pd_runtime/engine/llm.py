@@ -95,7 +95,18 @@ class LLM:
         model = os.fspath(model)  # a pathlib.Path too
         self.engine = LLMEngine(EngineConfig(model=model, **engine_fields(model, engine_args)))
         self.tokenizer = self.engine.tokenizer
+        self._hf_tokenizer = None
         self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        """The model's tokenizer as transformers loads it from the model directory (what vLLM's
+        LLM.get_tokenizer returns: scripts call its apply_chat_template, encode, decode); the
+        engine's own is `llm.tokenizer`."""
+        if self._hf_tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._hf_tokenizer = AutoTokenizer.from_pretrained(self.engine.config.model)
+        return self._hf_tokenizer
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache, as vLLM's LLM.reset_prefix_cache (True: it is empty now,
