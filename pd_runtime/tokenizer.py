@@ -104,8 +104,10 @@ class Tokenizer:
         self.eos_token = files.get("eos_token")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = set(files.get("generation_eos_token_ids") or [])
-        if self.eos_token and self._tok.token_to_id(self.eos_token) is not None:
-            ids.add(self._tok.token_to_id(self.eos_token))
+        # The tokenizer's own EOS; generation_config may name more (Llama 3's <|eot_id|>).
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
         self.eos_token_ids = frozenset(int(i) for i in ids)
         self._special_ids = {t.id if hasattr(t, "id") else k
                              for k, t in self._tok.get_added_tokens_decoder().items()

@@ -102,8 +102,8 @@ def test_packed_result_reads_back_as_the_host_sampler_gives():
 
 
 def test_a_sampled_token_reports_its_rank():
-    """A token drawn at a high temperature is often not the likeliest: its rank is 1 + how many
-    tokens the raw logits made likelier, whatever the top-n asked."""
+    """A token drawn at a high temperature is often not the likeliest: its rank is how many
+    tokens the raw logits made at least as likely (vLLM's count), whatever the top-n asked."""
     torch.manual_seed(1)
     logits = torch.randn(8, 40)
     params = [SamplingParams(temperature=5.0, seed=i, logprobs=i % 3) for i in range(8)]
@@ -111,6 +111,17 @@ def test_a_sampled_token_reports_its_rank():
         p.validate()
     got = Sampler(0)(logits, params, [Sampler.make_generator(i) for i in range(8)])
     raw = torch.log_softmax(logits, dim=-1)
-    ranks = [int((raw[i] > raw[i, t]).sum()) + 1 for i, t in enumerate(got.token_ids)]
+    ranks = [int((raw[i] >= raw[i, t]).sum()) for i, t in enumerate(got.token_ids)]
     assert [lp[2] for lp in got.logprobs] == ranks
     assert max(ranks) > 1  # the draw did leave the argmax, so the ranks were really read
+
+
+def test_tied_tokens_rank_as_vllm_ranks_them():
+    """Two tokens tied at the top: the one taken is ranked 2, as vLLM counts every token at
+    least as likely (its own included)."""
+    logits = torch.tensor([[3.0, 1.0, 3.0, 0.5]])
+    params = [SamplingParams(temperature=0, logprobs=2)]
+    params[0].validate()
+    got = Sampler(0)(logits, params, [None])
+    assert got.token_ids == [0] and got.logprobs[0][2] == 2
+

@@ -112,6 +112,14 @@ def test_stop_reason_names_the_stop_string_or_token(llama_dir):
         temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[token]))[0].outputs[0]
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", token)
     assert by_token.token_ids == free.token_ids[:free.token_ids.index(token) + 1]
+    # EOS: the tokenizer's own is no stop token (null); another generation_config names (the
+    # chat end, <|im_end|> here) is reported as the token it is, as vLLM reports it.
+    own = llm.tokenizer.eos_token_id
+    other = min(llm.tokenizer.eos_token_ids - {own})
+    for eos, want in ((own, None), (other, other)):
+        ended = llm.generate("The weather today", SamplingParams(
+            temperature=0, max_tokens=12, logit_bias={eos: 100}))[0].outputs[0]
+        assert (ended.token_ids, ended.finish_reason, ended.stop_reason) == ([eos], "stop", want)
 
 
 def test_get_tokenizer_is_transformers_tokenizer_as_vllm_returns_it(llama_dir):

@@ -159,3 +159,32 @@ def test_sliding_windows_are_read_per_layer_and_keep_the_context(tmp_path):
     raw["layer_types"] = ["sliding_attention", "full_attention"]
     config_file.write_text(json.dumps(raw))
     assert load_model_config(qwen).window_layers == (0,)
+
+
+@pytest.mark.parametrize("architecture, fields", [
+    ("qwen2", {"max_window_layers": 3}), ("qwen3", {"max_window_layers": 1}),
+    ("qwen2_moe", {"max_window_layers": 3}), ("qwen2_moe", {"max_window_layers": 8}),
+    ("qwen3_moe", {}), ("smollm3", {"no_rope_layer_interval": 3}), ("mistral", {}),
+    ("gemma3", {"sliding_window_pattern": 3}),
+])
+def test_windowed_layers_without_layer_types_are_transformers_own(tmp_path, architecture,
+                                                                  fields):
+    """A config.json that names no layer_types (as the Hub's older files): the layers we window
+    are the ones transformers' config class marks "sliding_attention"."""
+    from transformers import AutoConfig
+
+    from pd_runtime.model.model_config import load_model_config
+
+    window = {} if architecture in ("mistral", "gemma3") else {"use_sliding_window": True}
+    path = make_tiny_model(tmp_path / "m", architecture=architecture, num_hidden_layers=8,
+                           sliding_window=16, **window, **fields)
+    config_file = path / "config.json"
+    raw = json.loads(config_file.read_text())
+    raw.pop("layer_types", None)
+    raw.pop("_sliding_window_pattern", None)
+    raw.update(fields)
+    config_file.write_text(json.dumps(raw))
+    theirs = AutoConfig.from_pretrained(path)
+    types = getattr(theirs, "layer_types", None) or ["sliding_attention"] * 8
+    want = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    assert load_model_config(path).window_layers == want

@@ -378,7 +378,10 @@ class LLMEngine:
         # request even under ignore_eos (not while a reasoning model's thinking is left free).
         if token in req.eos_token_ids and (not params.ignore_eos or (
                 req.grammar is not None and not req.grammar.end_ids)):
+            # vLLM reports a generation_config EOS other than the tokenizer's own as the stop
+            # token it is (it adds them to stop_token_ids).
             reason = FinishReason.STOP
+            stop_reason = None if token == self.tokenizer.eos_token_id else token
         elif token in params.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, token
         elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:

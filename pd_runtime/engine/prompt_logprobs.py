@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 # Per prompt position: (logprob of the token there, {token id: logprob} of the top-n, the
-# token's rank: 1 + how many were likelier), or None.
+# token's rank: how many were at least as likely), or None.
 PromptLogprobs = list[Optional[tuple[float, dict[int, float], int]]]
 
 
@@ -58,9 +58,9 @@ def _score(req, start: int, logits: torch.Tensor) -> None:
     targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + n], device=logprobs.device)
     picked = logprobs.gather(1, targets[:, None])
     chosen = picked.view(-1).tolist()
-    # 1 + how many tokens the model found likelier (vLLM's rank of a prompt token): one more
-    # pass over the rows, as cheap as the log_softmax before it.
-    ranks = ((logprobs > picked).sum(dim=-1) + 1).tolist()
+    # How many tokens the model found at least as likely (vLLM's rank of a prompt token, ties
+    # counted against it): one more pass over the rows, as cheap as the log_softmax before it.
+    ranks = (logprobs >= picked).sum(dim=-1).tolist()
     top_n = req.params.prompt_logprobs
     tops: list[dict[int, float]] = [{} for _ in range(n)]
     if top_n:

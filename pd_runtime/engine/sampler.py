@@ -25,7 +25,7 @@ History = tuple[list[int], list[int]]
 class SampleResult:
     token_ids: list[int]
     # Per row: (logprob of the sampled token, {token: logprob} of the top-n, the sampled
-    # token's rank: 1 + how many tokens were likelier), or None.
+    # token's rank: how many tokens were at least as likely, as vLLM counts it), or None.
     logprobs: list[Optional[tuple[float, dict[int, float], int]]]
     # Row -> its generator's state right after that row's draw, for the rows asked for
     # (speculative decoding puts a seeded request's generator back to its last kept token).
@@ -110,7 +110,7 @@ class Sampler:
         parts = [tokens.double()]
         if want:
             chosen = raw_logprobs.gather(1, tokens[_long(want, device)][:, None])
-            ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+            ranks = (raw_logprobs >= chosen).sum(dim=-1)  # as vLLM ranks ties: last
             parts += [chosen.double().view(-1), ranks.double()]
             top_n = min(max(params[i].logprobs for i in want), vocab)
             if top_n:

@@ -415,7 +415,7 @@ class LlamaModel:
                                                               kv_caches)):
             meta.layer, meta.window = index, self.windows[index]
             rows = output_rows if index == last else None
-            turn = local if self.windows[index] else rope
+            turn = local if index in self.cfg.local_rope_layers else rope
             attn_out = self._attention(layer, packed, norm(h, layer["in_norm"], eps), *turn,
                                        kv_layer, meta, rows)
             if meta.on_layer is not None:

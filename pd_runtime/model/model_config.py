@@ -116,6 +116,7 @@ class ModelConfig:
     gemma_norms: bool = False
     mlp_act: str = "silu"  # silu | gelu_tanh
     local_rope: Optional[RopeConfig] = None
+    local_rope_layers: tuple[int, ...] = ()  # its "sliding_attention" layers, window or not
 
     @property
     def identity(self) -> str:
@@ -129,8 +130,9 @@ class ModelConfig:
             rope += f"-{r.rope_type}-{digest}"
         # (The experts change no KV layout: a dense and a sparse model with equal attention
         # differ in their family name.)
-        if self.local_rope is not None:  # the windowed layers' own rope
-            rope += "-local" + hashlib.sha256(repr(astuple(self.local_rope)).encode()).hexdigest()[:8]
+        if self.local_rope is not None:  # the sliding layers' own rope
+            local = (astuple(self.local_rope), self.local_rope_layers)
+            rope += "-local" + hashlib.sha256(repr(local).encode()).hexdigest()[:8]
         if self.nope_layers:  # which layers' keys are rotated is part of the KV's meaning
             rope += "-nope" + hashlib.sha256(repr(self.nope_layers).encode()).hexdigest()[:8]
         return (f"{self.family}-L{self.num_layers}-H{self.hidden_size}-kv{self.num_kv_heads}"
@@ -297,8 +299,8 @@ def _sliding_window(raw: dict, path: Path, family: str) -> tuple[Optional[int], 
     """The sliding window and the layers it applies to, as transformers reads them: Mistral's
     whenever set (4096 when the key is absent), Phi-3's and Mixtral's whenever set, on every
     layer; Qwen's and SmolLM3's only with use_sliding_window: Qwen2/3's on the layers from
-    max_window_layers (28 when absent) on, Qwen3-MoE's on all, SmolLM3's on its NoPE layers;
-    Gemma 3's whenever set, on all but every sliding_window_pattern-th layer; a config's own
+    max_window_layers (28 when absent) on, Qwen2-MoE's on every other layer below it,
+    Qwen3-MoE's on all, SmolLM3's on its NoPE layers; Gemma 3's whenever set, on all but every sliding_window_pattern-th layer; a config's own
     layer_types ("sliding_attention") name the layers instead."""
     layers = int(raw.get("num_hidden_layers", 0))
     if family == "mistral":
@@ -314,8 +316,11 @@ def _sliding_window(raw: dict, path: Path, family: str) -> tuple[Optional[int], 
     types = raw.get("layer_types")
     if isinstance(types, list) and len(types) == layers:
         chosen = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    elif family in ("qwen2", "qwen3", "qwen2_moe"):
+    elif family in ("qwen2", "qwen3"):
         chosen = tuple(range(int(raw.get("max_window_layers", 28)), layers))
+    elif family == "qwen2_moe":  # every other layer below max_window_layers
+        chosen = tuple(i for i in range(min(layers, int(raw.get("max_window_layers", 28))))
+                       if (i + 1) % 2)
     elif family == "smollm3":
         chosen = _nope_layers(raw, path, family)
     elif family == "gemma3":  # all but every sliding_window_pattern-th layer (Gemma 3: 5 of 6)
@@ -400,11 +405,19 @@ def _gemma(raw: dict, path: Path, family: str, hidden: int, head_dim: int) -> di
     if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or not scalar > 0:
         raise ModelLoadError(f"{path}: query_pre_attn_scalar must be a positive number, "
                              f"got {scalar!r}")
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    else:  # all but every sliding_window_pattern-th layer (5 of 6)
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        local = tuple(i for i in range(layers) if (i + 1) % pattern)
     return {"gemma_norms": True, "mlp_act": "gelu_tanh",
             "embedding_multiplier": math.sqrt(hidden),
             "attention_multiplier": float(scalar) ** -0.5,
             "local_rope": _rope_from(_gemma_rope(raw, "sliding_attention"), path, family,
-                                     head_dim)}
+                                     head_dim),
+            "local_rope_layers": local}
 
 
 def _gemma_rope(raw: dict, layer_type: str) -> dict:
