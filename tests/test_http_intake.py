@@ -198,7 +198,8 @@ def _parser_processes() -> set[int]:
     """Child processes of this one that run a spawned multiprocessing worker."""
     children = set()
     for task in Path("/proc/self/task").iterdir():
-        children.update(int(pid) for pid in (task / "children").read_text().split())
+        with contextlib.suppress(OSError):  # a thread that ended since the listing
+            children.update(int(pid) for pid in (task / "children").read_text().split())
     found = set()
     for pid in children:
         with contextlib.suppress(OSError):
