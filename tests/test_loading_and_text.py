@@ -306,7 +306,8 @@ def test_smollm3_rope_layers_are_read_as_transformers_reads_them(model_factory, 
 def test_gemma3_configs_as_the_hub_writes_them(model_factory, tmp_path):
     """Gemma 3's config.json on the Hub (rope_theta, rope_local_base_freq, rope_scaling,
     sliding_window_pattern, no layer_types) reads as transformers 5 writes it (rope_parameters
-    and layer_types per layer type); Gemma 2's logit soft-capping is refused by name."""
+    and layer_types per layer type); a soft-capping value that is no positive number is refused
+    by name."""
     from pd_runtime.model.model_config import load_model_config
 
     path = copy_model(model_factory("gemma3", num_hidden_layers=6, sliding_window=16,
@@ -328,7 +329,10 @@ def test_gemma3_configs_as_the_hub_writes_them(model_factory, tmp_path):
     assert load_model_config(path) == modern
     cfg["final_logit_softcapping"] = 30.0
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="final_logit_softcapping 30.0 is not supported"):
+    assert load_model_config(path).final_softcap == 30.0
+    cfg["final_logit_softcapping"] = -1
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="final_logit_softcapping must be a positive"):
         load_model_config(path)
 
 

@@ -82,6 +82,10 @@ VARIANTS = {
                                                         "rope_theta": 1e6},
                                      "sliding_attention": {"rope_type": "default",
                                                            "rope_theta": 1e4}}}),
+    # Gemma 2: Gemma's norms and scalings, every other layer windowed, and soft-capping of the
+    # attention scores and of the logits (caps small enough to bite on this model).
+    "gemma2": ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 24,
+                          "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
     "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 64}}),
@@ -129,7 +133,9 @@ def _variant(name: str, model_factory):
     if name not in _HF_CACHE:
         arch, overrides = VARIANTS[name]
         path = model_factory(arch, **overrides)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # (Gemma 2's soft-capping is in transformers' eager attention only.)
+        extra = {"attn_implementation": "eager"} if arch == "gemma2" else {}
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
         # Our ignore_eos keeps sampling eos; HF's min_new_tokens would mask it: drop eos instead.
         hf.generation_config.eos_token_id = None
         _HF_CACHE[name] = (name, path, hf)
@@ -145,7 +151,7 @@ def variant(request, model_factory):
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope", "granite",
                         "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
                         "qwen3-moe", "qwen2-moe", "mistral-window", "qwen2-window", "gemma3",
-                        "gemma3-scaled"])
+                        "gemma3-scaled", "gemma2"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 
@@ -255,11 +261,12 @@ def test_longrope_long_factors_past_the_pretraining_context(model_factory, tmp_p
     assert ((got - plain).abs().max() / plain.abs().max()).item() > 1e-3  # the factors differ
 
 
-def test_sliding_window_on_the_batched_paths(model_factory):
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2"])
+def test_sliding_window_on_the_batched_paths(model_factory, name):
     """Outside the batch-invariant mode (decodes through the batch buffer, prompts in chunks
-    over their cached prefix, prefix-cache hits), a sliding window gives transformers' greedy
-    tokens."""
-    _, path, hf = _variant("mistral-window", model_factory)
+    over their cached prefix, prefix-cache hits), a sliding window (and Gemma 2's soft-capped
+    scores) gives transformers' greedy tokens."""
+    _, path, hf = _variant(name, model_factory)
     llm = LLM(path, dtype="float32", num_kv_blocks=128, batch_invariant=False,
               max_num_batched_tokens=16)
     prompts_ids = [llm.tokenizer.encode(p)[:n] for p, n in ((PROMPTS[1], 37), (PROMPTS[7], 30),

@@ -218,6 +218,36 @@ def test_prefill_sliding_window_matches_reference(dtype, block_size, head_dim, h
         assert_close(out[int(starts[s]):int(starts[s + 1])], expected[s], dtype)
 
 
+@pytest.mark.parametrize("dtype,block_size,head_dim,heads,kv_heads", [CASES[0]])
+def test_softcapped_scores_match_reference(dtype, block_size, head_dim, heads, kv_heads):
+    """Gemma 2's soft-capping (a scaled score s becomes cap * tanh(s / cap)), with a window, in
+    decode and prefill; a small cap, so the capped scores differ from the plain ones."""
+    bs, cap, window = block_size, 0.5, 20
+    lens = [3, 2 * bs + 7]
+    cache = PagedCache(dtype, bs, head_dim, kv_heads, lens, seed=7)
+    context_lens = torch.tensor(lens)
+    q = cache.randn(len(lens), heads, head_dim) * 4
+    expected = reference.decode_attention(q.float(), cache.float32(), cache.tables, context_lens,
+                                          SCALE, window=window, softcap=cap)
+    plain = reference.decode_attention(q.float(), cache.float32(), cache.tables, context_lens,
+                                       SCALE, window=window)
+    assert not torch.allclose(expected, plain, atol=0.05)
+    for splits in (1, 2):
+        out = triton_paged.decode_attention(q, cache.kv, cache.tables, context_lens, SCALE,
+                                            num_splits=splits, window=window, softcap=cap)
+        assert_close(out, expected, dtype)
+    n = lens[1]
+    starts = torch.tensor([0, n], dtype=torch.int32)
+    qp = cache.randn(n, heads, head_dim) * 4
+    seg = reference.PrefillSegment(0, n, n, cache.tables[1])
+    want = reference.prefill_attention(qp.float(), cache.keys[1].float(), cache.values[1].float(),
+                                       cache.float32(), seg, SCALE, window, cap)
+    out = triton_paged.prefill_attention(qp, cache.kv, starts, torch.tensor([n], dtype=torch.int32),
+                                         cache.tables[1:], SCALE, max_query_len=n,
+                                         window=window, softcap=cap)
+    assert_close(out, want, dtype)
+
+
 @pytest.mark.parametrize("dtype,block_size,head_dim", [
     (torch.bfloat16, 16, 64), (torch.float16, 32, 128)])
 def test_write_kv_matches_reference_and_skips_negative_slots(dtype, block_size, head_dim):

@@ -123,6 +123,7 @@ class AttentionMetadata:
     prefill_runs: list | None = None            # prefill_runs(prefills), built by the first layer
     layer: int = 0  # set by the model before each layer's attention, with its window
     window: int = 0
+    softcap: float = 0.0  # Gemma 2: scores become softcap * tanh(score / softcap); 0: none
     # Batch-invariant mode: every token through the fixed-order kernel (pd_runtime/kernels/fixed_order.py).
     fixed_order: fixed_order.FixedOrderRows | None = None
     # On CUDA: the Triton kernels module and their metadata (the paths above are not used).
@@ -164,13 +165,19 @@ def gather_heads(kv_layer: torch.Tensor, block_tables: torch.Tensor):
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-            scale: float) -> torch.Tensor:
+            scale: float, softcap: float = 0.0) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v, softmax in float32; `bias` is 0 where a key is visible
     and -inf where not (every row keeps one key). Scaling and masking in one pass equals
     scale-then-masked_fill bit for bit (x * scale + 0 rounds once). Measured faster than the
-    fused SDPA kernel for these shapes: for decode (2 query rows per head) ~2x."""
+    fused SDPA kernel for these shapes: for decode (2 query rows per head) ~2x. With a
+    `softcap`, the scaled scores become softcap * tanh(score / softcap) first (transformers'
+    order of operations)."""
     scores = torch.matmul(q, k.transpose(-1, -2))
-    probs = torch.add(bias, scores, alpha=scale).softmax(dim=-1).to(q.dtype)
+    if softcap:
+        scores = torch.tanh(scores * scale / softcap) * softcap
+        probs = (scores + bias).softmax(dim=-1).to(q.dtype)
+    else:
+        probs = torch.add(bias, scores, alpha=scale).softmax(dim=-1).to(q.dtype)
     return torch.matmul(probs, v)
 
 
@@ -216,7 +223,8 @@ def _buffered_kv(kv_layer: torch.Tensor, meta: AttentionMetadata, k_new: torch.T
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, kv=None,
-                     bias: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     """One query token per sequence: q `[B, heads, head_dim]` -> `[B, heads, head_dim]`.
     `kv`: this batch's K/V as `[B, kv_heads, L, d]` when already at hand (the buffer);
     `bias`: its `[B, 1, 1, L]` key mask (see decode_bias) when already built (one per step);
@@ -226,13 +234,13 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
     k, v = kv if kv is not None else gather_heads(kv_layer, block_tables)
     # GQA without repeating K/V: a group's query heads ride along the query-length axis.
     qg = q.view(batch, kv_heads, heads // kv_heads, head_dim)
-    if uses_native_decode(q):
+    if uses_native_decode(q) and not softcap:
         out = native.decode_attention_bf16(qg, k, v, context_lens, scale, window)
         if out is not None:
             return out.view(batch, heads, head_dim)
     if bias is None or bias.shape[-1] != k.shape[2]:
         bias = decode_bias(context_lens, k.shape[2], window)
-    return _attend(qg, k, v, bias, scale).reshape(batch, heads, head_dim)
+    return _attend(qg, k, v, bias, scale, softcap).reshape(batch, heads, head_dim)
 
 
 def uses_native_decode(q: torch.Tensor) -> bool:
@@ -261,13 +269,13 @@ def window_visible(visible: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       kv_layer: torch.Tensor, seg: PrefillSegment, scale: float,
-                      window: int = 0) -> torch.Tensor:
+                      window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """A chunk of n query tokens attending causally to the cached prefix and to itself."""
     n, heads, head_dim = q.shape
     kv_heads = k_new.shape[1]
     cached = seg.context_len - n
     if cached == 0:
-        return causal_prefill(q, k_new, v_new, 1, scale, window)
+        return causal_prefill(q, k_new, v_new, 1, scale, window, softcap)
     k, v = gather_heads(kv_layer, seg.block_table)       # [1, kv_heads, blocks*bs, d]
     k, v = k[:, :, :seg.context_len], v[:, :, :seg.context_len]
     # Query heads of a KV group stacked along the rows: measured faster than SDPA with GQA.
@@ -276,18 +284,33 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     rows = (torch.arange(n, device=q.device) + cached).repeat(heads // kv_heads)
     keys = torch.arange(seg.context_len, device=q.device)
     visible = window_visible(keys[None, :] <= rows[:, None], keys, rows, window)
-    out = _attend(qg, k, v, key_bias(visible), scale)  # [1, kvh, G*n, d]
+    out = _attend(qg, k, v, key_bias(visible), scale, softcap)  # [1, kvh, G*n, d]
     return out.view(kv_heads, heads // kv_heads, n, head_dim).permute(2, 0, 1, 3) \
         .reshape(n, heads, head_dim)
 
 
 def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
-                   scale: float, window: int = 0) -> torch.Tensor:
+                   scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """`num_seqs` fresh prompts of equal length, back to back in the flat batch, each causal
-    over itself: one SDPA call for all of them (views, no copies) instead of one per prompt."""
+    over itself: one SDPA call for all of them (views, no copies) instead of one per prompt
+    (with a softcap, which SDPA does not take: `_attend`, the query heads of a KV group along
+    the rows as prefill_attention stacks them)."""
     tokens, heads, head_dim = q.shape
     n = tokens // num_seqs
     window = window if window < n else 0  # a window the prompt does not pass changes nothing
+    if softcap:
+        kv_heads = k.shape[1]
+        group = heads // kv_heads
+        qg = q.view(num_seqs, n, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4) \
+            .reshape(num_seqs, kv_heads, group * n, head_dim)
+        rows = torch.arange(n, device=q.device).repeat(group)
+        keys = torch.arange(n, device=q.device)
+        visible = window_visible(keys[None, :] <= rows[:, None], keys, rows, window)
+        out = _attend(qg, k.view(num_seqs, n, kv_heads, head_dim).transpose(1, 2),
+                      v.view(num_seqs, n, kv_heads, head_dim).transpose(1, 2),
+                      key_bias(visible), scale, softcap)
+        return out.view(num_seqs, kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4) \
+            .reshape(tokens, heads, head_dim)
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not window:
         # the native kernel: ~3x torch's flash kernel on bf16 here (bf16 pair products)
         out = native.prefill_attention_bf16(q, k, v, num_seqs, scale)
@@ -326,21 +349,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     if meta.device_attention is not None:
         return device_paged_attention(q, k, v, kv_layer, meta, scale)
     write_kv(kv_layer, k, v, meta.slot_mapping)
-    window = meta.window
+    window, softcap = meta.window, meta.softcap
     if meta.fixed_order is not None:
-        return fixed_order.attend(q, kv_layer, meta.fixed_order, scale, window)
+        return fixed_order.attend(q, kv_layer, meta.fixed_order, scale, window, softcap)
     nd = meta.num_decode_tokens
     decoded = None
     if nd:
         kv = _buffered_kv(kv_layer, meta, k[:nd], v[:nd]) if meta.decode_buffer else None
         bias = meta.decode_biases.get(window)
-        if bias is None and not uses_native_decode(q):
+        if bias is None and (softcap or not uses_native_decode(q)):
             length = kv[0].shape[2] if kv is not None \
                 else meta.decode_block_tables.shape[1] * kv_layer.shape[3]
             bias = meta.decode_biases[window] = decode_bias(meta.decode_context_lens, length,
                                                             window)
         decoded = decode_attention(q[:nd], kv_layer, meta.decode_block_tables,
-                                   meta.decode_context_lens, scale, kv, bias, window)
+                                   meta.decode_context_lens, scale, kv, bias, window, softcap)
         if not meta.prefills:
             return decoded
     if meta.prefill_runs is None:
@@ -352,11 +375,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
         if count:
             e = start + count * seg.num_tokens
             out[start:e] = causal_prefill(q[start:e], k[start:e], v[start:e], count, scale,
-                                          window)
+                                          window, softcap)
         else:
             e = start + seg.num_tokens
             out[start:e] = prefill_attention(q[start:e], k[start:e], v[start:e], kv_layer, seg,
-                                             scale, window)
+                                             scale, window, softcap)
     return out
 
 
@@ -371,9 +394,9 @@ def device_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if nd:
         kernels.decode_attention(q[:nd], kv_layer, dev.decode_block_tables,
                                  dev.decode_context_lens, scale, out=out[:nd],
-                                 window=meta.window)
+                                 window=meta.window, softcap=meta.softcap)
     if q.shape[0] > nd:
         kernels.prefill_attention(q[nd:], kv_layer, dev.query_start_loc, dev.context_lens,
                                   dev.block_tables, scale, max_query_len=dev.max_query_len,
-                                  out=out[nd:], window=meta.window)
+                                  out=out[nd:], window=meta.window, softcap=meta.softcap)
     return out

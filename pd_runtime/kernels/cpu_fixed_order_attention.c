@@ -57,6 +57,7 @@ typedef struct {
     int is_bf16, kv_int8;
     float scale;
     int64_t window;   /* 0: every key up to the row's own */
+    float softcap;    /* > 0: a scaled score s becomes softcap * tanh(s / softcap) (Gemma 2) */
 } Problem;
 
 /* The first key row t sees. */
@@ -151,7 +152,10 @@ static void attend_item(const Problem *P, int64_t t0, int64_t count, int64_t h, 
                 const vf8 qc = vf8_load(qr + 8 * c);
                 for (int k = 0; k < 8; k++) a[k] = vf8_fma(qc, vf8_load(kf + k * dim + 8 * c), a[k]);
             }
-            vf8_store(s + r * span + 8 * g, vf8_mul(vf8_tree8x8(a), vf8_set1(P->scale)));
+            float *sg = s + r * span + 8 * g;
+            vf8_store(sg, vf8_mul(vf8_tree8x8(a), vf8_set1(P->scale)));
+            if (P->softcap > 0.0f)
+                for (int k = 0; k < 8; k++) sg[k] = P->softcap * tanhf(sg[k] / P->softcap);
         }
     }
     /* softmax numerators in place (keys past the row's end, or before its window, become 0);
@@ -228,7 +232,7 @@ int fixed_order_attention(const void *q, int64_t q_stride, const void *cache, in
                           const int64_t *len, void *out, int64_t tokens, int64_t heads,
                           int64_t kv_heads, int64_t dim, int64_t block_size, int64_t is_bf16,
                           float scale, int64_t tile, int64_t threads, int64_t kv_int8,
-                          int64_t window) {
+                          int64_t window, float softcap) {
     if (dim % 8 || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads || tokens < 1)
         return -1;
     const int64_t group = heads / kv_heads, elem = is_bf16 ? 2 : 4;
@@ -242,7 +246,8 @@ int fixed_order_attention(const void *q, int64_t q_stride, const void *cache, in
         if ((int64_t)1 << b == block_size) block_shift = b;
     Problem P = {(const char *)q, (const char *)cache, (const char *)cache + kv_bytes, tables,
                  seq, len, (char *)out, q_stride, heads, kv_heads, dim, block_size, width, elem,
-                 kv_row, block_shift, (int)is_bf16, (int)(kv_int8 != 0), scale, window};
+                 kv_row, block_shift, (int)is_bf16, (int)(kv_int8 != 0), scale, window,
+                 softcap};
     /* runs: consecutive tokens of one sequence, cut every `tile` tokens */
     int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(tokens + 1));
     if (!starts) return -2;

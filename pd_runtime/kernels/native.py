@@ -88,7 +88,7 @@ def _build() -> Optional[ctypes.CDLL]:
         "rms_norm_bf16": [ptr] * 3 + [i64] * 2 + [f32, i64],
         "add_rms_norm_bf16": [ptr] * 4 + [i64] * 2 + [f32, i64],
         "fixed_order_attention": [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr] + [i64] * 6
-                                 + [f32, i64, i64, i64, i64],
+                                 + [f32, i64, i64, i64, i64, f32],
         "silu_mul": [ptr, i64, ptr] + [i64] * 4,
         "linear_f32": [ptr, i64, ptr, i64, ptr, ptr] + [i64] * 4,
     }
@@ -230,7 +230,8 @@ def _fixed_order_dtype(t: torch.Tensor) -> bool:
 
 def fixed_order_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                           seq: torch.Tensor, lens: torch.Tensor, scale: float,
-                          tile: int = 16, window: int = 0) -> Optional[torch.Tensor]:
+                          tile: int = 16, window: int = 0,
+                          softcap: float = 0.0) -> Optional[torch.Tensor]:
     """Attention of every query token over its own sequence's paged K/V, one fixed reduction
     order per row (cpu_fixed_order_attention.c): q `[T, heads, d]` (each token's heads
     contiguous), kv_layer `[2, blocks, kv_heads, block_size, d]` of q's dtype, or int8 `[...,
@@ -256,7 +257,7 @@ def fixed_order_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables:
         q.data_ptr(), q.stride(0), kv_layer.data_ptr(), num_blocks, tables.data_ptr(),
         tables.shape[1], seq.data_ptr(), lens.data_ptr(), out.data_ptr(), tokens, heads, kv_heads,
         dim, block_size, int(q.dtype == torch.bfloat16), scale, tile, torch.get_num_threads(),
-        int(kv_int8), window)
+        int(kv_int8), window, softcap)
     return out if status == 0 else None
 
 

@@ -136,11 +136,18 @@ def _dot(a, b, IN_F32: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IN_F32: tl.constexpr):
+def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IN_F32: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
     """One key block into the running (max, sum, output) of each query row, flash-attention
     style, in float32 and base 2 (`qk_scale` includes log2 e). A row none of whose keys is
-    visible yet keeps max -inf and contributes nothing."""
+    visible yet keeps max -inf and contributes nothing. SOFTCAP > 0 (Gemma 2): the scaled
+    score s becomes SOFTCAP * tanh(s / SOFTCAP), tanh from exp(-2|x|) (no overflow)."""
     scores = _dot(q, tl.trans(k), DOT_IN_F32) * qk_scale
+    if SOFTCAP > 0:
+        x = scores / (1.4426950408889634 * SOFTCAP)
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        scores = SOFTCAP * tl.where(x < 0, -t, t) * 1.4426950408889634
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -163,7 +170,8 @@ def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
                          stride_kv, stride_blk, stride_head, stride_tok,
                          GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, DOT_IN_F32: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, DOT_IN_F32: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
     """Program (sequence b, kv head, split): the group's query heads against the split's range
     of cache blocks. One split writes the normalized output; several write float32 partials
     (running max, sum, unnormalized output) per (b, head, split) for the reduction."""
@@ -194,7 +202,7 @@ def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
         positions = index * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         visible = ((positions < context_len) & (positions >= lo))[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
-                                             DOT_IN_F32)
+                                             DOT_IN_F32, SOFTCAP)
 
     if NUM_SPLITS == 1:
         # context_len 0 (a padding row): l = 0, acc = 0 -> zeros, not NaN
@@ -255,7 +263,8 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int,
 
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
-                     num_splits: int | None = None, window: int = 0) -> torch.Tensor:
+                     num_splits: int | None = None, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     """One query token per sequence (its key already written): q `[B, heads, head_dim]` ->
     `[B, heads, head_dim]`; keys 0..context_lens[b]-1 visible (the last `window` of them, with
     a window); context_len 0 writes zeros."""
@@ -286,7 +295,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
         *kv_layer.stride()[:4],
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        DOT_IN_F32=INTERPRETED, num_warps=NUM_WARPS)
+        DOT_IN_F32=INTERPRETED, SOFTCAP=float(softcap), num_warps=NUM_WARPS)
     if num_splits > 1:
         _decode_reduce_kernel[(batch, heads)](
             maxes, sums, parts, out, out.stride(0), out.stride(1),
@@ -304,7 +313,7 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, qk_
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
                     stride_kv, stride_blk, stride_head, stride_tok,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, DOT_IN_F32: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, DOT_IN_F32: tl.constexpr, SOFTCAP: tl.constexpr):
     """Program (row tile, segment, kv head). A segment's rows are its (query token, query head
     of the group) pairs, token-major, so each K/V block is loaded once for the whole group;
     row r is token r // GROUP, head kv_head * GROUP + r % GROUP. Keys are read block by block
@@ -348,7 +357,7 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, qk_
             & (positions_k < context_len)[None, :] \
             & ((window <= 0) | (positions_k[None, :] > positions_q[:, None] - window))
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
-                                             DOT_IN_F32)
+                                             DOT_IN_F32, SOFTCAP)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = out_ptr + (start + tokens)[:, None] * stride_ot + heads[:, None] * stride_oh \
@@ -359,7 +368,7 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, qk_
 def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                       max_query_len: int, out: torch.Tensor | None = None,
-                      window: int = 0) -> torch.Tensor:
+                      window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """S prefill segments in one launch; their own K/V already in the cache (write_kv first).
     q `[T, heads, head_dim]`: segment s is q[qsl[s]:qsl[s+1]], its query i at position
     context_lens[s] - n_s + i, attending causally to keys 0..that position (the last `window`
@@ -382,5 +391,5 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: 
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *kv_layer.stride()[:4],
         GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        DOT_IN_F32=INTERPRETED, num_warps=NUM_WARPS)
+        DOT_IN_F32=INTERPRETED, SOFTCAP=float(softcap), num_warps=NUM_WARPS)
     return out

@@ -409,6 +409,7 @@ class LlamaModel:
         the residual stream, the MLP's input by a norm of its own; the windowed layers turn by
         their own rope."""
         eps, norm, last = self.cfg.rms_norm_eps, self.norm, len(self.layers) - 1
+        meta.softcap = self.cfg.attn_softcap or 0.0
         local = (self.local_rope[0][positions].unsqueeze(1),
                  self.local_rope[1][positions].unsqueeze(1)) if self.local_rope else rope
         for index, (layer, packed, kv_layer) in enumerate(zip(self.layers, self.packed,
@@ -433,4 +434,7 @@ class LlamaModel:
                         min_rows=self.min_rows["lm_head"])
         if self.cfg.logits_scaling != 1.0:  # Granite's, in the model's dtype as it divides
             logits = logits / self.cfg.logits_scaling
+        if self.cfg.final_softcap:  # Gemma 2's, in the model's dtype too
+            cap = self.cfg.final_softcap
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()

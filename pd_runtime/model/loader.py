@@ -213,7 +213,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
         weights["final_norm"] = 1.0 + weights["final_norm"].float()
         for layer in layers:
             for name in GEMMA_NORMS:
-                layer[name] = 1.0 + layer[name].float()
+                if name in layer:  # (Gemma 2 has no q/k norms)
+                    layer[name] = 1.0 + layer[name].float()
     n_params = sum(t.numel() for t in reader_tensors(weights))
     log.info("loaded %s (%s, %.1fM params, %s) from %s", cfg.family, cfg.identity,
              n_params / 1e6, torch_dtype, model_dir)

@@ -3,8 +3,9 @@
 Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3 and SmolLM3 differ only in the flags and
 multipliers below (Phi-3 stores q/k/v and gate/up fused, as our decoder holds them; SmolLM3
 leaves rope out of every fourth layer); Mixtral and Qwen3-MoE replace the MLP of their sparse
-layers by experts a router picks per token; Gemma 3 norms every block's input and output
-(model/llama.py: _sandwich_layers); anything else is refused.
+layers by experts a router picks per token; Gemma 2 and 3 norm every block's input and output
+(model/llama.py: _sandwich_layers), Gemma 2 soft-caps its attention scores and logits;
+anything else is refused.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ _ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its text model (images are not read)
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                 "granite": "granite", "phi3": "phi3", "smollm3": "smollm3",
                 "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe",
-                "gemma3_text": "gemma3"}
+                "gemma2": "gemma2", "gemma3_text": "gemma3"}
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,9 @@ class ModelConfig:
     mlp_act: str = "silu"  # silu | gelu_tanh
     local_rope: Optional[RopeConfig] = None
     local_rope_layers: tuple[int, ...] = ()  # its "sliding_attention" layers, window or not
+    # Gemma 2's soft-capping: attention scores, then the logits, become cap * tanh(x / cap).
+    attn_softcap: Optional[float] = None
+    final_softcap: Optional[float] = None
 
     @property
     def identity(self) -> str:
@@ -231,8 +236,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"{path}: unsupported architecture {raw.get('architectures')} / model_type "
             f"{raw.get('model_type')!r}; supported: {sorted(_ARCHITECTURES)}")
 
-    if family == "gemma3":  # the fields a Hub text_config leaves to Gemma3TextConfig's defaults
-        raw = {**_GEMMA3_DEFAULTS, **raw}
+    if family in ("gemma2", "gemma3"):  # what a Hub config leaves to the config class's defaults
+        raw = {**(_GEMMA3_DEFAULTS if family == "gemma3" else _GEMMA2_DEFAULTS), **raw}
 
     # Quantized weights (AWQ, GPTQ, FP8, ...) would load as numbers without their scales: refuse.
     quant = raw.get("quantization_config") or raw.get("compression_config")
@@ -251,11 +256,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     attention_bias = bool(raw.get("attention_bias", False))
     # The MLP's activation: SiLU in every family read here but Gemma's tanh GELU; a checkpoint
     # with another would run, wrongly, with no error.
-    act = raw.get("hidden_activation" if family == "gemma3" else "hidden_act",
+    gemma = family in ("gemma2", "gemma3")
+    act = raw.get("hidden_activation" if gemma else "hidden_act",
                   raw.get("hidden_act", raw.get("hidden_activation", "silu")))
-    if act not in (("gelu_pytorch_tanh",) if family == "gemma3" else ("silu", "swish")):
+    if act not in (("gelu_pytorch_tanh",) if gemma else ("silu", "swish")):
         raise ModelLoadError(f"{path}: hidden_act {act!r} is not supported (only "
-                             f"{'gelu_pytorch_tanh' if family == 'gemma3' else 'silu'})")
+                             f"{'gelu_pytorch_tanh' if gemma else 'silu'})")
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     head_dim = raw.get("head_dim") or hidden // heads
@@ -273,7 +279,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         # (SmolLM3's and Gemma 3's config classes tie them unless told otherwise.)
         tie_word_embeddings=bool(raw.get("tie_word_embeddings",
-                                         family in ("smollm3", "gemma3"))),
+                                         family in ("smollm3", "gemma2", "gemma3"))),
         # As transformers builds them: Qwen2 has q/k/v biases always; Llama, Qwen3 and Granite
         # q/k/v/o biases with attention_bias (SmolLM3 too), Llama and Granite MLP biases with
         # mlp_bias (SmolLM3 too);
@@ -305,7 +311,7 @@ def _sliding_window(raw: dict, path: Path, family: str) -> tuple[Optional[int], 
     layers = int(raw.get("num_hidden_layers", 0))
     if family == "mistral":
         window = raw.get("sliding_window", 4096)
-    elif family in ("phi3", "mixtral", "gemma3"):
+    elif family in ("phi3", "mixtral", "gemma2", "gemma3"):
         window = raw.get("sliding_window")
     else:
         window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
@@ -323,8 +329,8 @@ def _sliding_window(raw: dict, path: Path, family: str) -> tuple[Optional[int], 
                        if (i + 1) % 2)
     elif family == "smollm3":
         chosen = _nope_layers(raw, path, family)
-    elif family == "gemma3":  # all but every sliding_window_pattern-th layer (Gemma 3: 5 of 6)
-        pattern = int(raw.get("sliding_window_pattern", 6))
+    elif family in ("gemma2", "gemma3"):  # all but every pattern-th layer (Gemma 3: 5 of 6)
+        pattern = int(raw.get("sliding_window_pattern", 6 if family == "gemma3" else 2))
         chosen = tuple(i for i in range(layers) if (i + 1) % pattern)
     else:
         chosen = tuple(range(layers))
@@ -392,19 +398,34 @@ _GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_siz
                     "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh"}
 
 
+_GEMMA2_DEFAULTS = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                    "head_dim": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+                    "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh",
+                    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+
+
 def _gemma(raw: dict, path: Path, family: str, hidden: int, head_dim: int) -> dict:
-    """Gemma 3's fields, as transformers reads them (Gemma 2's logit soft-capping is refused:
-    the attention kernels do not cap scores)."""
-    if family != "gemma3":
+    """Gemma 2's and 3's fields, as transformers reads them."""
+    if family not in ("gemma2", "gemma3"):
         return {}
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if raw.get(key) is not None:
-            raise ModelLoadError(f"{path}: {key} {raw[key]!r} is not supported (logit "
-                                 "soft-capping)")
+    caps = {}
+    for key, name in (("attn_logit_softcapping", "attn_softcap"),
+                      ("final_logit_softcapping", "final_softcap")):
+        cap = raw.get(key)
+        if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool)
+                                or not cap > 0):
+            raise ModelLoadError(f"{path}: {key} must be a positive number, got {cap!r}")
+        caps[name] = None if cap is None else float(cap)
     scalar = raw.get("query_pre_attn_scalar", 256)
     if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or not scalar > 0:
         raise ModelLoadError(f"{path}: query_pre_attn_scalar must be a positive number, "
                              f"got {scalar!r}")
+    common = {"gemma_norms": True, "mlp_act": "gelu_tanh",
+              "embedding_multiplier": math.sqrt(hidden),
+              "attention_multiplier": float(scalar) ** -0.5, **caps}
+    if family == "gemma2":  # one rope for every layer
+        return common
     layers = int(raw["num_hidden_layers"])
     types = raw.get("layer_types")
     if isinstance(types, list) and len(types) == layers:
@@ -412,9 +433,7 @@ def _gemma(raw: dict, path: Path, family: str, hidden: int, head_dim: int) -> di
     else:  # all but every sliding_window_pattern-th layer (5 of 6)
         pattern = int(raw.get("sliding_window_pattern", 6))
         local = tuple(i for i in range(layers) if (i + 1) % pattern)
-    return {"gemma_norms": True, "mlp_act": "gelu_tanh",
-            "embedding_multiplier": math.sqrt(hidden),
-            "attention_multiplier": float(scalar) ** -0.5,
+    return {**common,
             "local_rope": _rope_from(_gemma_rope(raw, "sliding_attention"), path, family,
                                      head_dim),
             "local_rope_layers": local}

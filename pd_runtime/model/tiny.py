@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
@@ -105,7 +106,7 @@ def _build_config(architecture: str, fields: dict):
         fields.setdefault("use_sliding_window", False)
     if architecture == "mistral":
         fields.setdefault("sliding_window", None)  # full attention, as in Mistral v0.2+
-    if architecture == "gemma3":  # (its config class defaults to head_dim 256)
+    if architecture in ("gemma2", "gemma3"):  # (their config classes default to head_dim 256)
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
     config = getattr(transformers, config_name)(
@@ -131,7 +132,7 @@ def _write_weights(file: Path, config, seed: int, tokenizer_vocab_size: int) -> 
         shape = shapes[name]
         noise = torch.randn(shape, generator=gen, dtype=torch.float32)
         if name.endswith("norm.weight"):  # (Gemma's are offsets from 1)
-            value = NORM_NOISE * noise if config.architectures[0] == "Gemma3ForCausalLM" \
+            value = NORM_NOISE * noise if config.architectures[0].startswith("Gemma") \
                 else 1.0 + NORM_NOISE * noise
         elif name.endswith(".bias"):
             value = BIAS_STD * noise
