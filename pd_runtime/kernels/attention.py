@@ -272,21 +272,30 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """A chunk of n query tokens attending causally to the cached prefix and to itself."""
     n, heads, head_dim = q.shape
-    kv_heads = k_new.shape[1]
     cached = seg.context_len - n
     if cached == 0:
         return causal_prefill(q, k_new, v_new, 1, scale, window, softcap)
     k, v = gather_heads(kv_layer, seg.block_table)       # [1, kv_heads, blocks*bs, d]
     k, v = k[:, :, :seg.context_len], v[:, :, :seg.context_len]
-    # Query heads of a KV group stacked along the rows: measured faster than SDPA with GQA.
-    qg = q.view(n, kv_heads, heads // kv_heads, head_dim).permute(1, 2, 0, 3)  # [kvh, G, n, d]
-    qg = qg.reshape(1, kv_heads, -1, head_dim)
-    rows = (torch.arange(n, device=q.device) + cached).repeat(heads // kv_heads)
-    keys = torch.arange(seg.context_len, device=q.device)
+    return _grouped_attend(q.view(1, n, heads, head_dim), k, v, cached, scale, window,
+                           softcap).reshape(n, heads, head_dim)
+
+
+def _grouped_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, scale: float,
+                    window: int, softcap: float) -> torch.Tensor:
+    """q `[S, n, heads, d]` (query i at position first + i), k/v `[S, kv_heads, L, d]` ->
+    `[S, n, heads, d]`, causal (and windowed) over the keys. The query heads of a KV group are
+    stacked along the rows: measured faster than SDPA with GQA."""
+    seqs, n, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    qg = q.view(seqs, n, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4) \
+        .reshape(seqs, kv_heads, group * n, head_dim)
+    rows = (torch.arange(n, device=q.device) + first).repeat(group)
+    keys = torch.arange(k.shape[2], device=q.device)
     visible = window_visible(keys[None, :] <= rows[:, None], keys, rows, window)
-    out = _attend(qg, k, v, key_bias(visible), scale, softcap)  # [1, kvh, G*n, d]
-    return out.view(kv_heads, heads // kv_heads, n, head_dim).permute(2, 0, 1, 3) \
-        .reshape(n, heads, head_dim)
+    out = _attend(qg, k, v, key_bias(visible), scale, softcap)  # [S, kvh, G*n, d]
+    return out.view(seqs, kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
 
 
 def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
@@ -300,17 +309,11 @@ def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: 
     window = window if window < n else 0  # a window the prompt does not pass changes nothing
     if softcap:
         kv_heads = k.shape[1]
-        group = heads // kv_heads
-        qg = q.view(num_seqs, n, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4) \
-            .reshape(num_seqs, kv_heads, group * n, head_dim)
-        rows = torch.arange(n, device=q.device).repeat(group)
-        keys = torch.arange(n, device=q.device)
-        visible = window_visible(keys[None, :] <= rows[:, None], keys, rows, window)
-        out = _attend(qg, k.view(num_seqs, n, kv_heads, head_dim).transpose(1, 2),
-                      v.view(num_seqs, n, kv_heads, head_dim).transpose(1, 2),
-                      key_bias(visible), scale, softcap)
-        return out.view(num_seqs, kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4) \
-            .reshape(tokens, heads, head_dim)
+        out = _grouped_attend(q.view(num_seqs, n, heads, head_dim),
+                              k.view(num_seqs, n, kv_heads, head_dim).transpose(1, 2),
+                              v.view(num_seqs, n, kv_heads, head_dim).transpose(1, 2),
+                              0, scale, window, softcap)
+        return out.reshape(tokens, heads, head_dim)
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not window:
         # the native kernel: ~3x torch's flash kernel on bf16 here (bf16 pair products)
         out = native.prefill_attention_bf16(q, k, v, num_seqs, scale)

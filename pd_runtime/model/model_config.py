@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 from pd_runtime.api import ModelLoadError  # noqa: F401  (raised here, defined with the contract)
+from pd_runtime.model import family_fields as fields
 
 
 # architecture name -> family; model_type is the fallback key.
@@ -237,7 +237,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"{raw.get('model_type')!r}; supported: {sorted(_ARCHITECTURES)}")
 
     if family in ("gemma2", "gemma3"):  # what a Hub config leaves to the config class's defaults
-        raw = {**(_GEMMA3_DEFAULTS if family == "gemma3" else _GEMMA2_DEFAULTS), **raw}
+        raw = {**(fields.GEMMA3_DEFAULTS if family == "gemma3" else fields.GEMMA2_DEFAULTS),
+               **raw}
 
     # Quantized weights (AWQ, GPTQ, FP8, ...) would load as numbers without their scales: refuse.
     quant = raw.get("quantization_config") or raw.get("compression_config")
@@ -265,7 +266,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     head_dim = raw.get("head_dim") or hidden // heads
-    window, window_layers = _sliding_window(raw, path, family)
+    window, window_layers = fields.sliding_window(raw, path, family)
     return ModelConfig(
         family=family,
         vocab_size=int(need("vocab_size")),
@@ -294,149 +295,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
                         path, family, int(head_dim)),
         sliding_window=window,
         window_layers=window_layers,
-        **_granite_scalings(raw, path, family),
-        **_gemma(raw, path, family, hidden, int(head_dim)),
-        nope_layers=_nope_layers(raw, path, family),
-        **_experts(raw, path, family),
+        **fields.granite_scalings(raw, path, family),
+        **fields.gemma(raw, path, family, hidden),
+        local_rope=_rope_from(_gemma_rope(raw, "sliding_attention"), path, family,
+                              int(head_dim)) if family == "gemma3" else None,
+        nope_layers=fields.nope_layers(raw, path, family),
+        **fields.experts(raw, path, family),
     )
-
-
-def _sliding_window(raw: dict, path: Path, family: str) -> tuple[Optional[int], tuple[int, ...]]:
-    """The sliding window and the layers it applies to, as transformers reads them: Mistral's
-    whenever set (4096 when the key is absent), Phi-3's and Mixtral's whenever set, on every
-    layer; Qwen's and SmolLM3's only with use_sliding_window: Qwen2/3's on the layers from
-    max_window_layers (28 when absent) on, Qwen2-MoE's on every other layer below it,
-    Qwen3-MoE's on all, SmolLM3's on its NoPE layers; Gemma 3's whenever set, on all but every sliding_window_pattern-th layer; a config's own
-    layer_types ("sliding_attention") name the layers instead."""
-    layers = int(raw.get("num_hidden_layers", 0))
-    if family == "mistral":
-        window = raw.get("sliding_window", 4096)
-    elif family in ("phi3", "mixtral", "gemma2", "gemma3"):
-        window = raw.get("sliding_window")
-    else:
-        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
-    if not window:
-        return None, ()
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise ModelLoadError(f"{path}: sliding_window must be a positive integer, got {window!r}")
-    types = raw.get("layer_types")
-    if isinstance(types, list) and len(types) == layers:
-        chosen = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    elif family in ("qwen2", "qwen3"):
-        chosen = tuple(range(int(raw.get("max_window_layers", 28)), layers))
-    elif family == "qwen2_moe":  # every other layer below max_window_layers
-        chosen = tuple(i for i in range(min(layers, int(raw.get("max_window_layers", 28))))
-                       if (i + 1) % 2)
-    elif family == "smollm3":
-        chosen = _nope_layers(raw, path, family)
-    elif family in ("gemma2", "gemma3"):  # all but every pattern-th layer (Gemma 3: 5 of 6)
-        pattern = int(raw.get("sliding_window_pattern", 6 if family == "gemma3" else 2))
-        chosen = tuple(i for i in range(layers) if (i + 1) % pattern)
-    else:
-        chosen = tuple(range(layers))
-    return (window, chosen) if chosen else (None, ())
-
-
-def _experts(raw: dict, path: Path, family: str) -> dict:
-    """The mixture-of-experts fields, as transformers reads them: Mixtral's every layer sparse
-    (num_local_experts, experts of intermediate_size, renormalized float32 weights); Qwen3-MoE's
-    sparse where decoder_sparse_step divides the layer number and mlp_only_layers does not
-    name it (experts of moe_intermediate_size, norm_topk_prob)."""
-    if family not in ("mixtral", "qwen3_moe", "qwen2_moe"):
-        return {}
-    layers = int(raw["num_hidden_layers"])
-    if family == "mixtral":
-        experts = raw.get("num_local_experts", raw.get("num_experts", 8))
-        size = raw.get("intermediate_size")
-        sparse, norm = tuple(range(layers)), True
-    else:
-        # (transformers 5 writes num_local_experts, the Hub's files num_experts.)
-        qwen2 = family == "qwen2_moe"  # (its config class's defaults: 60 of 1408, top 4)
-        experts = raw.get("num_experts", raw.get("num_local_experts", 60 if qwen2 else 128))
-        size = raw.get("moe_intermediate_size", 1408 if qwen2 else 768)
-        step = int(raw.get("decoder_sparse_step", 1))
-        dense = set(raw.get("mlp_only_layers") or [])
-        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0
-                       and step > 0 and (i + 1) % step == 0)
-        norm = bool(raw.get("norm_topk_prob", False))
-    top_k = raw.get("num_experts_per_tok", {"mixtral": 2, "qwen2_moe": 4}.get(family, 8))
-    shared = raw.get("shared_expert_intermediate_size", 5632) if family == "qwen2_moe" else 0
-    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
-        raise ModelLoadError(f"{path}: shared_expert_intermediate_size must be an integer, "
-                             f"got {shared!r}")
-    for key, value in (("num_experts", experts), ("num_experts_per_tok", top_k),
-                       ("moe_intermediate_size", size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ModelLoadError(f"{path}: {key} must be a positive integer, got {value!r}")
-    if top_k > experts:
-        raise ModelLoadError(f"{path}: num_experts_per_tok {top_k} exceeds the {experts} "
-                             "experts")
-    return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": size,
-            "norm_topk_prob": norm, "router_weights_float32": family == "mixtral",
-            "sparse_layers": sparse, "shared_expert_size": shared}
-
-
-def _nope_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
-    """SmolLM3's layers without rope, as transformers reads them: `no_rope_layers` holds a 1
-    for each layer that rotates (absent: every `no_rope_layer_interval`-th layer does not)."""
-    if family != "smollm3":
-        return ()
-    layers = int(raw["num_hidden_layers"])
-    flags = raw.get("no_rope_layers")
-    if flags is None:
-        interval = int(raw.get("no_rope_layer_interval", 4))
-        flags = [int((i + 1) % interval != 0) for i in range(layers)]
-    if not isinstance(flags, list) or len(flags) < layers:
-        raise ModelLoadError(f"{path}: no_rope_layers must hold a flag for each of the "
-                             f"{layers} layers, got {flags!r}")
-    return tuple(i for i, use_rope in enumerate(flags[:layers]) if not use_rope)
-
-
-_GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
-                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-                    "head_dim": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
-                    "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh"}
-
-
-_GEMMA2_DEFAULTS = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
-                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-                    "head_dim": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
-                    "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh",
-                    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
-
-
-def _gemma(raw: dict, path: Path, family: str, hidden: int, head_dim: int) -> dict:
-    """Gemma 2's and 3's fields, as transformers reads them."""
-    if family not in ("gemma2", "gemma3"):
-        return {}
-    caps = {}
-    for key, name in (("attn_logit_softcapping", "attn_softcap"),
-                      ("final_logit_softcapping", "final_softcap")):
-        cap = raw.get(key)
-        if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool)
-                                or not cap > 0):
-            raise ModelLoadError(f"{path}: {key} must be a positive number, got {cap!r}")
-        caps[name] = None if cap is None else float(cap)
-    scalar = raw.get("query_pre_attn_scalar", 256)
-    if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or not scalar > 0:
-        raise ModelLoadError(f"{path}: query_pre_attn_scalar must be a positive number, "
-                             f"got {scalar!r}")
-    common = {"gemma_norms": True, "mlp_act": "gelu_tanh",
-              "embedding_multiplier": math.sqrt(hidden),
-              "attention_multiplier": float(scalar) ** -0.5, **caps}
-    if family == "gemma2":  # one rope for every layer
-        return common
-    layers = int(raw["num_hidden_layers"])
-    types = raw.get("layer_types")
-    if isinstance(types, list) and len(types) == layers:
-        local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    else:  # all but every sliding_window_pattern-th layer (5 of 6)
-        pattern = int(raw.get("sliding_window_pattern", 6))
-        local = tuple(i for i in range(layers) if (i + 1) % pattern)
-    return {**common,
-            "local_rope": _rope_from(_gemma_rope(raw, "sliding_attention"), path, family,
-                                     head_dim),
-            "local_rope_layers": local}
 
 
 def _gemma_rope(raw: dict, layer_type: str) -> dict:
@@ -451,19 +316,6 @@ def _gemma_rope(raw: dict, layer_type: str) -> dict:
         return {**rest, "rope_theta": raw.get("rope_local_base_freq", 10000.0)}
     return {**rest, "rope_theta": raw.get("rope_theta", 1e6),
             "rope_scaling": raw.get("rope_scaling")}
-
-
-def _granite_scalings(raw: dict, path: Path, family: str) -> dict:
-    if family != "granite":
-        return {}
-    out = {}
-    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
-                "logits_scaling"):
-        value = raw.get(key, 1.0)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise ModelLoadError(f"{path}: {key} must be a positive number, got {value!r}")
-        out[key] = float(value)
-    return out
 
 
 def served(model: ModelConfig, max_model_len: int) -> ModelConfig:

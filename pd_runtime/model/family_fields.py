@@ -1,0 +1,158 @@
+"""The config.json fields of particular families, as transformers reads them: sliding windows
+and which layers take them, experts, SmolLM3's layers without rope, Granite's scalings, Gemma's
+norms, scalings and soft-caps (model_config.py assembles them into a ModelConfig).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+from pd_runtime.api import ModelLoadError
+
+
+def sliding_window(raw: dict, path: Path, family: str) -> tuple[Optional[int], tuple[int, ...]]:
+    """The sliding window and the layers it applies to (sliding_layers), as transformers reads
+    them: Mistral's whenever set (4096 when the key is absent), Phi-3's, Mixtral's and Gemma's
+    whenever set; Qwen's and SmolLM3's only with use_sliding_window."""
+    if family == "mistral":
+        window = raw.get("sliding_window", 4096)
+    elif family in ("phi3", "mixtral", "gemma2", "gemma3"):
+        window = raw.get("sliding_window")
+    else:
+        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    if not window:
+        return None, ()
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ModelLoadError(f"{path}: sliding_window must be a positive integer, got {window!r}")
+    chosen = sliding_layers(raw, path, family)
+    return (window, chosen) if chosen else (None, ())
+
+
+def sliding_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
+    """The layers transformers types "sliding_attention": a config's own layer_types, else the
+    family's: Qwen2/3's from max_window_layers on, Qwen2-MoE's every other layer below it,
+    SmolLM3's NoPE layers, Gemma's all but every sliding_window_pattern-th (Gemma 3: 5 of 6,
+    Gemma 2: every other), the others' every layer."""
+    layers = int(raw.get("num_hidden_layers", 0))
+    types = raw.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if family in ("qwen2", "qwen3"):
+        return tuple(range(int(raw.get("max_window_layers", 28)), layers))
+    if family == "qwen2_moe":
+        return tuple(i for i in range(min(layers, int(raw.get("max_window_layers", 28))))
+                     if (i + 1) % 2)
+    if family == "smollm3":
+        return nope_layers(raw, path, family)
+    if family in ("gemma2", "gemma3"):
+        pattern = int(raw.get("sliding_window_pattern", 6 if family == "gemma3" else 2))
+        return tuple(i for i in range(layers) if (i + 1) % pattern)
+    return tuple(range(layers))
+
+
+def experts(raw: dict, path: Path, family: str) -> dict:
+    """The mixture-of-experts fields, as transformers reads them: Mixtral's every layer sparse
+    (num_local_experts, experts of intermediate_size, renormalized float32 weights); Qwen3-MoE's
+    sparse where decoder_sparse_step divides the layer number and mlp_only_layers does not
+    name it (experts of moe_intermediate_size, norm_topk_prob)."""
+    if family not in ("mixtral", "qwen3_moe", "qwen2_moe"):
+        return {}
+    layers = int(raw["num_hidden_layers"])
+    if family == "mixtral":
+        experts = raw.get("num_local_experts", raw.get("num_experts", 8))
+        size = raw.get("intermediate_size")
+        sparse, norm = tuple(range(layers)), True
+    else:
+        # (transformers 5 writes num_local_experts, the Hub's files num_experts.)
+        qwen2 = family == "qwen2_moe"  # (its config class's defaults: 60 of 1408, top 4)
+        experts = raw.get("num_experts", raw.get("num_local_experts", 60 if qwen2 else 128))
+        size = raw.get("moe_intermediate_size", 1408 if qwen2 else 768)
+        step = int(raw.get("decoder_sparse_step", 1))
+        dense = set(raw.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0
+                       and step > 0 and (i + 1) % step == 0)
+        norm = bool(raw.get("norm_topk_prob", False))
+    top_k = raw.get("num_experts_per_tok", {"mixtral": 2, "qwen2_moe": 4}.get(family, 8))
+    shared = raw.get("shared_expert_intermediate_size", 5632) if family == "qwen2_moe" else 0
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise ModelLoadError(f"{path}: shared_expert_intermediate_size must be an integer, "
+                             f"got {shared!r}")
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", top_k),
+                       ("moe_intermediate_size", size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelLoadError(f"{path}: {key} must be a positive integer, got {value!r}")
+    if top_k > experts:
+        raise ModelLoadError(f"{path}: num_experts_per_tok {top_k} exceeds the {experts} "
+                             "experts")
+    return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": size,
+            "norm_topk_prob": norm, "router_weights_float32": family == "mixtral",
+            "sparse_layers": sparse, "shared_expert_size": shared}
+
+
+def nope_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
+    """SmolLM3's layers without rope, as transformers reads them: `no_rope_layers` holds a 1
+    for each layer that rotates (absent: every `no_rope_layer_interval`-th layer does not)."""
+    if family != "smollm3":
+        return ()
+    layers = int(raw["num_hidden_layers"])
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = int(raw.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) < layers:
+        raise ModelLoadError(f"{path}: no_rope_layers must hold a flag for each of the "
+                             f"{layers} layers, got {flags!r}")
+    return tuple(i for i, use_rope in enumerate(flags[:layers]) if not use_rope)
+
+
+GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                    "head_dim": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+                    "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh"}
+
+
+GEMMA2_DEFAULTS = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                    "head_dim": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+                    "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh",
+                    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+
+
+def gemma(raw: dict, path: Path, family: str, hidden: int) -> dict:
+    """Gemma 2's and 3's fields, as transformers reads them."""
+    if family not in ("gemma2", "gemma3"):
+        return {}
+    caps = {}
+    for key, name in (("attn_logit_softcapping", "attn_softcap"),
+                      ("final_logit_softcapping", "final_softcap")):
+        cap = raw.get(key)
+        if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool)
+                                or not cap > 0):
+            raise ModelLoadError(f"{path}: {key} must be a positive number, got {cap!r}")
+        caps[name] = None if cap is None else float(cap)
+    scalar = raw.get("query_pre_attn_scalar", 256)
+    if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or not scalar > 0:
+        raise ModelLoadError(f"{path}: query_pre_attn_scalar must be a positive number, "
+                             f"got {scalar!r}")
+    common = {"gemma_norms": True, "mlp_act": "gelu_tanh",
+              "embedding_multiplier": math.sqrt(hidden),
+              "attention_multiplier": float(scalar) ** -0.5, **caps}
+    if family == "gemma2":  # one rope for every layer
+        return common
+    # (Gemma 3's sliding layers turn by a rope of their own: model_config reads it.)
+    return {**common, "local_rope_layers": sliding_layers(raw, path, family)}
+
+
+def granite_scalings(raw: dict, path: Path, family: str) -> dict:
+    if family != "granite":
+        return {}
+    out = {}
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                "logits_scaling"):
+        value = raw.get(key, 1.0)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ModelLoadError(f"{path}: {key} must be a positive number, got {value!r}")
+        out[key] = float(value)
+    return out
