@@ -212,3 +212,74 @@ def test_row_stability_probe_finds_a_rare_single_row_difference():
         return out
 
     assert row_stable.stable_min_rows(fn, 32, torch.float32, "cpu", key=("odd_row",)) == 2
+
+
+def _gpt_oss_attention(q, k, v, sinks, first, scale, window=0):
+    """transformers' own gpt-oss eager attention (the sinks' definition): q `[n, H, d]` at
+    positions first.., k/v `[L, kvh, d]`."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    n, heads, _ = q.shape
+    length, kv_heads = k.shape[:2]
+    rows, keys = torch.arange(n)[:, None] + first, torch.arange(length)[None, :]
+    visible = (keys <= rows) & ((keys > rows - window) if window else True)
+    mask = torch.zeros(n, length).masked_fill(~visible, float("-inf"))
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=heads // kv_heads, training=False)
+    out, _ = eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                     v.transpose(0, 1)[None], mask[None, None], scale)
+    return out[0]  # [n, H, d]
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_sinks_match_transformers_gpt_oss_attention(window):
+    """gpt-oss's attention sinks on every reference path (decode, a chunk over a cached
+    prefix, fresh prompts batched, and all three in one step) against transformers' eager
+    attention; sinks large enough to take most of the probability."""
+    gen = torch.Generator().manual_seed(3 + window)
+    heads, kv_heads, d, bs, scale = 8, 2, 8, 4, 0.4
+    sinks = torch.randn(heads, generator=gen) * 2 + torch.tensor([3.0, -2, 0, 1, 4, -5, 2, 0])
+    cache = make_cache(kv_heads=kv_heads, block_size=bs, head_dim=d)
+    table = [7, 3, 30, 12, 0]
+    total, chunk = 18, 7
+    k, v = torch.randn(total, kv_heads, d, generator=gen), torch.randn(total, kv_heads, d,
+                                                                       generator=gen)
+    fill(cache, table, k, v)
+    q = torch.randn(total, heads, d, generator=gen)
+    want = _gpt_oss_attention(q, k, v, sinks, 0, scale, window)
+    plain = _gpt_oss_attention(q, k, v, sinks - 1e4, 0, scale, window)
+    assert not torch.allclose(want, plain, atol=0.05)  # the sinks matter
+    bt = torch.tensor([table])
+    got = decode_attention(q[-1:], cache, bt, torch.tensor([total]), scale, window=window,
+                           sinks=sinks)
+    torch.testing.assert_close(got, want[-1:], rtol=1e-5, atol=1e-5)
+    seg = PrefillSegment(0, chunk, total, bt[0])
+    got = prefill_attention(q[-chunk:], k[-chunk:], v[-chunk:], cache, seg, scale, window,
+                            sinks=sinks)
+    torch.testing.assert_close(got, want[-chunk:], rtol=1e-5, atol=1e-5)
+    # One step: a decode (the whole sequence's last token), two fresh 9-token prompts batched
+    # (the sequence's first 9 tokens twice), and a chunk over its cached prefix.
+    cache2 = make_cache(kv_heads=kv_heads, block_size=bs, head_dim=d)
+    fill(cache2, table, k[:-1], v[:-1])
+    fill(cache2, [1, 2, 4], k[:9], v[:9])
+    fill(cache2, [5, 6, 8], k[:9], v[:9])
+    fill(cache2, [9, 10, 11, 13, 14], k[:total - chunk], v[:total - chunk])
+    n = 9
+    qs = torch.cat([q[-1:], q[:n], q[:n], q[-chunk:]])
+    ks = torch.cat([k[-1:], k[:n], k[:n], k[-chunk:]])
+    vs = torch.cat([v[-1:], v[:n], v[:n], v[-chunk:]])
+    slot = lambda tbl, p: tbl[p // bs] * bs + p % bs  # noqa: E731
+    slots = [slot(table, total - 1)] + [slot([1, 2, 4], p) for p in range(n)] \
+        + [slot([5, 6, 8], p) for p in range(n)] \
+        + [slot([9, 10, 11, 13, 14], p) for p in range(total - chunk, total)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), num_decode_tokens=1, decode_block_tables=bt,
+        decode_context_lens=torch.tensor([total]),
+        prefills=[PrefillSegment(1, n, n, torch.tensor([1, 2, 4])),
+                  PrefillSegment(1 + n, n, n, torch.tensor([5, 6, 8])),
+                  PrefillSegment(1 + 2 * n, chunk, total, torch.tensor([9, 10, 11, 13, 14]))],
+        window=window, sinks=sinks)
+    out = paged_attention(qs, ks, vs, cache2, meta, scale)
+    torch.testing.assert_close(out, torch.cat([want[-1:], want[:n], want[:n], want[-chunk:]]),
+                               rtol=1e-5, atol=1e-5)

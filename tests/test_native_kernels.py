@@ -192,11 +192,13 @@ def _dense_keys(cache, table, length):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size,window", [
-    (4, 2, 64, 16, 0), (4, 2, 16, 4, 0), (8, 8, 128, 16, 0), (6, 2, 24, 8, 0),
-    (4, 2, 64, 16, 21), (6, 2, 24, 8, 8)])  # sliding windows: across groups and blocks
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,window,sinks", [
+    (4, 2, 64, 16, 0, False), (4, 2, 16, 4, 0, False), (8, 8, 128, 16, 0, False),
+    (6, 2, 24, 8, 0, False),
+    (4, 2, 64, 16, 21, False), (6, 2, 24, 8, 8, False),  # sliding windows: across groups, blocks
+    (8, 2, 64, 16, 0, True), (4, 2, 64, 16, 21, True)])  # gpt-oss's sinks, with its window
 def test_fixed_order_attention_rows_do_not_depend_on_their_company(dtype, heads, kv_heads, dim,
-                                                                    block_size, window):
+                                                                    block_size, window, sinks):
     from pd_runtime.kernels.fixed_order import FixedOrderRows
 
     gen = torch.Generator().manual_seed(heads * 100 + dim + block_size)
@@ -205,11 +207,13 @@ def test_fixed_order_attention_rows_do_not_depend_on_their_company(dtype, heads,
     table = torch.randperm(96, generator=gen)[:-(-length // block_size)].tolist()
     other = [b for b in range(96) if b not in table][:12]
     q = torch.randn(length, heads, dim, generator=gen).to(dtype)
+    # (sinks of about the scores' size and above: they take a share of every row)
+    sink = torch.randn(heads, generator=gen) * 2 + 1 if sinks else None
 
     def attend(tables, starts, counts, q_rows):
         rows = FixedOrderRows.build(tables, starts, counts)
         out = native.fixed_order_attention(q_rows, cache, rows.block_tables, rows.seq, rows.lens,
-                                           scale, window=window)
+                                           scale, window=window, sinks=sink)
         assert out is not None and out.dtype == dtype
         return out
 
@@ -220,7 +224,13 @@ def test_fixed_order_attention_rows_do_not_depend_on_their_company(dtype, heads,
     causal = torch.arange(length)[None, :] <= torch.arange(length)[:, None]
     if window:
         causal &= torch.arange(length)[None, :] > torch.arange(length)[:, None] - window
-    probs = (scores * scale).masked_fill(~causal, float("-inf")).softmax(-1)
+    logits = (scores * scale).masked_fill(~causal, float("-inf"))
+    if sinks:  # a column of the softmax with no value row
+        column = sink.double()[:, None, None].expand(heads, length, 1)
+        probs = torch.cat([logits, column], -1).softmax(-1)[..., :-1]
+        assert probs.sum(-1).mean() < 0.95  # the sinks take a share
+    else:
+        probs = logits.softmax(-1)
     want = torch.einsum("hnl,lhd->nhd", probs, v.double().repeat_interleave(group, 1))
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(whole.double(), want, atol=tolerance, rtol=tolerance)

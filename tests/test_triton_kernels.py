@@ -248,6 +248,45 @@ def test_softcapped_scores_match_reference(dtype, block_size, head_dim, heads, k
     assert_close(out, want, dtype)
 
 
+@pytest.mark.parametrize("dtype,block_size,head_dim,heads,kv_heads", [CASES[2], CASES[1]])
+@pytest.mark.parametrize("window", [0, 20])
+def test_sinks_match_reference(dtype, block_size, head_dim, heads, kv_heads, window):
+    """gpt-oss's attention sinks (a logit per query head, no value) in decode, split or not,
+    and in prefill (fresh and after a cached prefix), with and without its window."""
+    bs = block_size
+    lens = [3, 2 * bs + 7, 3 * bs]
+    cache = PagedCache(dtype, bs, head_dim, kv_heads, lens, seed=11 + window)
+    sinks = torch.randn(heads, generator=cache.gen) * 2 + 1
+    context_lens = torch.tensor(lens)
+    q = cache.randn(len(lens), heads, head_dim)
+    expected = reference.decode_attention(q.float(), cache.float32(), cache.tables, context_lens,
+                                          SCALE, window=window, sinks=sinks)
+    plain = reference.decode_attention(q.float(), cache.float32(), cache.tables, context_lens,
+                                       SCALE, window=window)
+    assert not torch.allclose(expected, plain, atol=0.05)
+    for splits in (1, 3):
+        out = triton_paged.decode_attention(q, cache.kv, cache.tables, context_lens, SCALE,
+                                            num_splits=splits, window=window, sinks=sinks)
+        assert_close(out, expected, dtype)
+    segments = [(2 * bs + 7, 2 * bs + 7), (3 * bs, bs + 5)]  # a fresh prompt, a chunk
+    chunks = [n for _, n in segments]
+    starts = torch.tensor([0] + chunks).cumsum(0).to(torch.int32)
+    qp = cache.randn(int(starts[-1]), heads, head_dim)
+    out = torch.full_like(qp, float("nan"))
+    triton_paged.prefill_attention(qp, cache.kv, starts,
+                                   torch.tensor([c for c, _ in segments], dtype=torch.int32),
+                                   cache.tables[1:], SCALE, max_query_len=max(chunks), out=out,
+                                   window=window, sinks=sinks)
+    for s, (context_len, n) in enumerate(segments):
+        begin, end = int(starts[s]), int(starts[s + 1])
+        seg = reference.PrefillSegment(0, n, context_len, cache.tables[s + 1])
+        want = reference.prefill_attention(
+            qp[begin:end].float(), cache.keys[s + 1][context_len - n:].float(),
+            cache.values[s + 1][context_len - n:].float(), cache.float32(), seg, SCALE, window,
+            sinks=sinks)
+        assert_close(out[begin:end], want, dtype)
+
+
 @pytest.mark.parametrize("dtype,block_size,head_dim", [
     (torch.bfloat16, 16, 64), (torch.float16, 32, 128)])
 def test_write_kv_matches_reference_and_skips_negative_slots(dtype, block_size, head_dim):

@@ -8,6 +8,9 @@ ready for matmul without a transpose copy.
 Sliding windows (Mistral, Phi-3-mini, the layers a Qwen2/SmolLM3 config marks): with
 `meta.window` W > 0 a query at position p sees the keys at positions p - W + 1 .. p, as
 transformers masks them; 0 is full causal attention.
+
+Attention sinks (gpt-oss): with `meta.sinks`, each query head's learned logit joins the softmax
+(its max and its total) but has no value row, so a row's probabilities sum below 1.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class AttentionMetadata:
     layer: int = 0  # set by the model before each layer's attention, with its window
     window: int = 0
     softcap: float = 0.0  # Gemma 2: scores become softcap * tanh(score / softcap); 0: none
+    sinks: torch.Tensor | None = None  # gpt-oss: the layer's `[heads]` float32 sink logits
     # Batch-invariant mode: every token through the fixed-order kernel (pd_runtime/kernels/fixed_order.py).
     fixed_order: fixed_order.FixedOrderRows | None = None
     # On CUDA: the Triton kernels module and their metadata (the paths above are not used).
@@ -165,20 +169,25 @@ def gather_heads(kv_layer: torch.Tensor, block_tables: torch.Tensor):
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-            scale: float, softcap: float = 0.0) -> torch.Tensor:
+            scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v, softmax in float32; `bias` is 0 where a key is visible
     and -inf where not (every row keeps one key). Scaling and masking in one pass equals
     scale-then-masked_fill bit for bit (x * scale + 0 rounds once). Measured faster than the
     fused SDPA kernel for these shapes: for decode (2 query rows per head) ~2x. With a
     `softcap`, the scaled scores become softcap * tanh(score / softcap) first (transformers'
-    order of operations)."""
+    order of operations). `sinks`: each query row's sink logit, broadcastable to
+    `[..., rows, 1]`: a column of the softmax whose probability is dropped."""
     scores = torch.matmul(q, k.transpose(-1, -2))
     if softcap:
         scores = torch.tanh(scores * scale / softcap) * softcap
-        probs = (scores + bias).softmax(dim=-1).to(q.dtype)
+        logits = scores + bias
     else:
-        probs = torch.add(bias, scores, alpha=scale).softmax(dim=-1).to(q.dtype)
-    return torch.matmul(probs, v)
+        logits = torch.add(bias, scores, alpha=scale)
+    if sinks is None:
+        return torch.matmul(logits.softmax(dim=-1).to(q.dtype), v)
+    sink = sinks.to(logits.dtype).expand(*logits.shape[:-1], 1)
+    probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def key_bias(visible: torch.Tensor) -> torch.Tensor:
@@ -224,23 +233,24 @@ def _buffered_kv(kv_layer: torch.Tensor, meta: AttentionMetadata, k_new: torch.T
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, kv=None,
                      bias: torch.Tensor | None = None, window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q `[B, heads, head_dim]` -> `[B, heads, head_dim]`.
     `kv`: this batch's K/V as `[B, kv_heads, L, d]` when already at hand (the buffer);
     `bias`: its `[B, 1, 1, L]` key mask (see decode_bias) when already built (one per step);
-    `window`: the last `window` keys only (0: all)."""
+    `window`: the last `window` keys only (0: all); `sinks`: `[heads]` sink logits."""
     batch, heads, head_dim = q.shape
     kv_heads = kv_layer.shape[2]
     k, v = kv if kv is not None else gather_heads(kv_layer, block_tables)
     # GQA without repeating K/V: a group's query heads ride along the query-length axis.
     qg = q.view(batch, kv_heads, heads // kv_heads, head_dim)
-    if uses_native_decode(q) and not softcap:
+    if uses_native_decode(q) and not softcap and sinks is None:
         out = native.decode_attention_bf16(qg, k, v, context_lens, scale, window)
         if out is not None:
             return out.view(batch, heads, head_dim)
     if bias is None or bias.shape[-1] != k.shape[2]:
         bias = decode_bias(context_lens, k.shape[2], window)
-    return _attend(qg, k, v, bias, scale, softcap).reshape(batch, heads, head_dim)
+    group_sinks = None if sinks is None else sinks.view(kv_heads, heads // kv_heads, 1)
+    return _attend(qg, k, v, bias, scale, softcap, group_sinks).reshape(batch, heads, head_dim)
 
 
 def uses_native_decode(q: torch.Tensor) -> bool:
@@ -269,20 +279,21 @@ def window_visible(visible: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       kv_layer: torch.Tensor, seg: PrefillSegment, scale: float,
-                      window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                      window: int = 0, softcap: float = 0.0,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A chunk of n query tokens attending causally to the cached prefix and to itself."""
     n, heads, head_dim = q.shape
     cached = seg.context_len - n
     if cached == 0:
-        return causal_prefill(q, k_new, v_new, 1, scale, window, softcap)
+        return causal_prefill(q, k_new, v_new, 1, scale, window, softcap, sinks)
     k, v = gather_heads(kv_layer, seg.block_table)       # [1, kv_heads, blocks*bs, d]
     k, v = k[:, :, :seg.context_len], v[:, :, :seg.context_len]
     return _grouped_attend(q.view(1, n, heads, head_dim), k, v, cached, scale, window,
-                           softcap).reshape(n, heads, head_dim)
+                           softcap, sinks).reshape(n, heads, head_dim)
 
 
 def _grouped_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, scale: float,
-                    window: int, softcap: float) -> torch.Tensor:
+                    window: int, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
     """q `[S, n, heads, d]` (query i at position first + i), k/v `[S, kv_heads, L, d]` ->
     `[S, n, heads, d]`, causal (and windowed) over the keys. The query heads of a KV group are
     stacked along the rows: measured faster than SDPA with GQA."""
@@ -294,25 +305,29 @@ def _grouped_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: in
     rows = (torch.arange(n, device=q.device) + first).repeat(group)
     keys = torch.arange(k.shape[2], device=q.device)
     visible = window_visible(keys[None, :] <= rows[:, None], keys, rows, window)
-    out = _attend(qg, k, v, key_bias(visible), scale, softcap)  # [S, kvh, G*n, d]
+    if sinks is not None:  # rows are (head of the group, token): each head's for its n rows
+        sinks = sinks.view(kv_heads, group, 1, 1).expand(kv_heads, group, n, 1) \
+            .reshape(kv_heads, group * n, 1)
+    out = _attend(qg, k, v, key_bias(visible), scale, softcap, sinks)  # [S, kvh, G*n, d]
     return out.view(seqs, kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
 
 
 def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int,
-                   scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                   scale: float, window: int = 0, softcap: float = 0.0,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`num_seqs` fresh prompts of equal length, back to back in the flat batch, each causal
     over itself: one SDPA call for all of them (views, no copies) instead of one per prompt
-    (with a softcap, which SDPA does not take: `_attend`, the query heads of a KV group along
-    the rows as prefill_attention stacks them)."""
+    (with a softcap or sinks, which SDPA does not take: `_attend`, the query heads of a KV
+    group along the rows as prefill_attention stacks them)."""
     tokens, heads, head_dim = q.shape
     n = tokens // num_seqs
     window = window if window < n else 0  # a window the prompt does not pass changes nothing
-    if softcap:
+    if softcap or sinks is not None:
         kv_heads = k.shape[1]
         out = _grouped_attend(q.view(num_seqs, n, heads, head_dim),
                               k.view(num_seqs, n, kv_heads, head_dim).transpose(1, 2),
                               v.view(num_seqs, n, kv_heads, head_dim).transpose(1, 2),
-                              0, scale, window, softcap)
+                              0, scale, window, softcap, sinks)
         return out.reshape(tokens, heads, head_dim)
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not window:
         # the native kernel: ~3x torch's flash kernel on bf16 here (bf16 pair products)
@@ -352,21 +367,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     if meta.device_attention is not None:
         return device_paged_attention(q, k, v, kv_layer, meta, scale)
     write_kv(kv_layer, k, v, meta.slot_mapping)
-    window, softcap = meta.window, meta.softcap
+    window, softcap, sinks = meta.window, meta.softcap, meta.sinks
     if meta.fixed_order is not None:
-        return fixed_order.attend(q, kv_layer, meta.fixed_order, scale, window, softcap)
+        return fixed_order.attend(q, kv_layer, meta.fixed_order, scale, window, softcap, sinks)
     nd = meta.num_decode_tokens
     decoded = None
     if nd:
         kv = _buffered_kv(kv_layer, meta, k[:nd], v[:nd]) if meta.decode_buffer else None
         bias = meta.decode_biases.get(window)
-        if bias is None and (softcap or not uses_native_decode(q)):
+        if bias is None and (softcap or sinks is not None or not uses_native_decode(q)):
             length = kv[0].shape[2] if kv is not None \
                 else meta.decode_block_tables.shape[1] * kv_layer.shape[3]
             bias = meta.decode_biases[window] = decode_bias(meta.decode_context_lens, length,
                                                             window)
         decoded = decode_attention(q[:nd], kv_layer, meta.decode_block_tables,
-                                   meta.decode_context_lens, scale, kv, bias, window, softcap)
+                                   meta.decode_context_lens, scale, kv, bias, window, softcap,
+                                   sinks)
         if not meta.prefills:
             return decoded
     if meta.prefill_runs is None:
@@ -378,11 +394,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
         if count:
             e = start + count * seg.num_tokens
             out[start:e] = causal_prefill(q[start:e], k[start:e], v[start:e], count, scale,
-                                          window, softcap)
+                                          window, softcap, sinks)
         else:
             e = start + seg.num_tokens
             out[start:e] = prefill_attention(q[start:e], k[start:e], v[start:e], kv_layer, seg,
-                                             scale, window, softcap)
+                                             scale, window, softcap, sinks)
     return out
 
 
@@ -397,9 +413,10 @@ def device_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if nd:
         kernels.decode_attention(q[:nd], kv_layer, dev.decode_block_tables,
                                  dev.decode_context_lens, scale, out=out[:nd],
-                                 window=meta.window, softcap=meta.softcap)
+                                 window=meta.window, softcap=meta.softcap, sinks=meta.sinks)
     if q.shape[0] > nd:
         kernels.prefill_attention(q[nd:], kv_layer, dev.query_start_loc, dev.context_lens,
                                   dev.block_tables, scale, max_query_len=dev.max_query_len,
-                                  out=out[nd:], window=meta.window, softcap=meta.softcap)
+                                  out=out[nd:], window=meta.window, softcap=meta.softcap,
+                                  sinks=meta.sinks)
     return out

@@ -7,6 +7,8 @@
  *   tables[seqs, width] int64 block ids; token t belongs to sequence seq[t] and sees that
  *         sequence's keys 0 .. len[t]-1 (its own K/V is already in the cache); with window > 0
  *         only the last `window` of them (a sliding window: keys before get probability 0)
+ *   sinks [heads] float32 or NULL: each query head's learned logit (gpt-oss), which joins the
+ *         softmax's max and total but has no value row (the row's probabilities sum below 1)
  *   out   [tokens, heads, dim] contiguous; elements bf16 (is_bf16) or float32
  *
  * One query row (a token and a head) gets the same bits whether it is a decode, a whole prompt,
@@ -14,6 +16,7 @@
  * the batch, because every row runs the same arithmetic over its own keys only:
  *   score_j = tree8(lane l: fma chain over d = l, l+8, ... of q_d k_jd) * scale
  *   p_j     = exp(score_j - max), total = tree8(lane l: sum of p_j, j = l, l+8, ... in order)
+ *             (with a sink: max over the scores and the sink, total + exp(sink - max))
  *   out_d   = (fma chain over j = 0, 1, ... of p_j v_jd) * (1 / total), rounded once
  * where tree8(a) = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). Keys are taken in groups
  * of 8 from key 0 (group boundaries never move), every group through the same vector code (no
@@ -58,6 +61,7 @@ typedef struct {
     float scale;
     int64_t window;   /* 0: every key up to the row's own */
     float softcap;    /* > 0: a scaled score s becomes softcap * tanh(s / softcap) (Gemma 2) */
+    const float *sinks;  /* NULL, or [heads]: a logit per query head with no value (gpt-oss) */
 } Problem;
 
 /* The first key row t sees. */
@@ -172,7 +176,9 @@ static void attend_item(const Problem *P, int64_t t0, int64_t count, int64_t h, 
                                     vf8_keep(vf8_load(sr + 8 * g), vf8_set1(-INFINITY),
                                              (int)(n - 8 * g)),
                                     (int)(lo - 8 * g)));
-        const vf8 top = vf8_set1(max8(m));
+        const float sink = P->sinks ? P->sinks[h * group + r % group] : -INFINITY;
+        const float best = max8(m), top_s = best > sink ? best : sink;
+        const vf8 top = vf8_set1(top_s);
         vf8 sum = vf8_zero();
         for (int64_t g = g0; g < full; g++) {
             const vf8 e = vf8_keep(vf8_zero(),
@@ -182,7 +188,7 @@ static void attend_item(const Problem *P, int64_t t0, int64_t count, int64_t h, 
             vf8_store(sr + 8 * g, e);
             sum = vf8_add(sum, e);
         }
-        const float total = tree8(sum);
+        const float total = tree8(sum) + (P->sinks ? expf(sink - top_s) : 0.0f);
         inv[r] = total > 0.0f ? 1.0f / total : 0.0f;
         memset(acc + r * dim, 0, sizeof(float) * (size_t)dim);
     }
@@ -232,7 +238,7 @@ int fixed_order_attention(const void *q, int64_t q_stride, const void *cache, in
                           const int64_t *len, void *out, int64_t tokens, int64_t heads,
                           int64_t kv_heads, int64_t dim, int64_t block_size, int64_t is_bf16,
                           float scale, int64_t tile, int64_t threads, int64_t kv_int8,
-                          int64_t window, float softcap) {
+                          int64_t window, float softcap, const float *sinks) {
     if (dim % 8 || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads || tokens < 1)
         return -1;
     const int64_t group = heads / kv_heads, elem = is_bf16 ? 2 : 4;
@@ -247,7 +253,7 @@ int fixed_order_attention(const void *q, int64_t q_stride, const void *cache, in
     Problem P = {(const char *)q, (const char *)cache, (const char *)cache + kv_bytes, tables,
                  seq, len, (char *)out, q_stride, heads, kv_heads, dim, block_size, width, elem,
                  kv_row, block_shift, (int)is_bf16, (int)(kv_int8 != 0), scale, window,
-                 softcap};
+                 softcap, sinks};
     /* runs: consecutive tokens of one sequence, cut every `tile` tokens */
     int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (size_t)(tokens + 1));
     if (!starts) return -2;

@@ -67,11 +67,12 @@ class FixedOrderKernelError(RuntimeError):
 
 
 def attend(q: torch.Tensor, kv_layer: torch.Tensor, rows: FixedOrderRows,
-           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+           scale: float, window: int = 0, softcap: float = 0.0,
+           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`[T, heads, d]` attention of every token over its own keys (already in the cache; the
-    last `window` of them, with a window)."""
+    last `window` of them, with a window; `sinks`: each head's sink logit)."""
     out = native.fixed_order_attention(q, kv_layer, rows.block_tables, rows.seq, rows.lens, scale,
-                                       window=window, softcap=softcap)
+                                       window=window, softcap=softcap, sinks=sinks)
     if out is None:
         raise FixedOrderKernelError(
             f"fixed-order attention refused q {tuple(q.shape)} {q.dtype} stride {q.stride()}, "

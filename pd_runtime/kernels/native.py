@@ -88,7 +88,7 @@ def _build() -> Optional[ctypes.CDLL]:
         "rms_norm_bf16": [ptr] * 3 + [i64] * 2 + [f32, i64],
         "add_rms_norm_bf16": [ptr] * 4 + [i64] * 2 + [f32, i64],
         "fixed_order_attention": [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr] + [i64] * 6
-                                 + [f32, i64, i64, i64, i64, f32],
+                                 + [f32, i64, i64, i64, i64, f32, ptr],
         "silu_mul": [ptr, i64, ptr] + [i64] * 4,
         "linear_f32": [ptr, i64, ptr, i64, ptr, ptr] + [i64] * 4,
     }
@@ -230,14 +230,15 @@ def _fixed_order_dtype(t: torch.Tensor) -> bool:
 
 def fixed_order_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                           seq: torch.Tensor, lens: torch.Tensor, scale: float,
-                          tile: int = 16, window: int = 0,
-                          softcap: float = 0.0) -> Optional[torch.Tensor]:
+                          tile: int = 16, window: int = 0, softcap: float = 0.0,
+                          sinks: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Attention of every query token over its own sequence's paged K/V, one fixed reduction
     order per row (cpu_fixed_order_attention.c): q `[T, heads, d]` (each token's heads
     contiguous), kv_layer `[2, blocks, kv_heads, block_size, d]` of q's dtype, or int8 `[...,
     d + 4]` (pd_runtime/kernels/kv_quant.py: d values and a float32 scale per row), block_tables `[S, W]`,
     token t of sequence seq[t] sees keys 0..lens[t]-1 (the last `window` of them, with a window)
-    -> `[T, heads, d]`; bf16 or float32 on the CPU. None when the kernel cannot take these
+    -> `[T, heads, d]`; bf16 or float32 on the CPU. `sinks` `[heads]`: each head's logit that
+    joins the softmax without a value (gpt-oss). None when the kernel cannot take these
     inputs."""
     library = _load()
     tokens, heads, dim = q.shape
@@ -246,8 +247,10 @@ def fixed_order_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables:
     if (library is None or not _fixed_order_dtype(q) or (kv_layer.dtype != q.dtype and not kv_int8)
             or not kv_layer.is_contiguous() or kv_layer.dim() != 5 or kv_layer.shape[4] != row
             or q.stride(2) != 1 or q.stride(1) != dim or seq.numel() != tokens
-            or lens.numel() != tokens or block_tables.dim() != 2):
+            or lens.numel() != tokens or block_tables.dim() != 2
+            or (sinks is not None and sinks.numel() != heads)):
         return None
+    sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     seq = seq.to(torch.int64).contiguous()
     lens = lens.to(torch.int64).contiguous()
@@ -257,7 +260,7 @@ def fixed_order_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables:
         q.data_ptr(), q.stride(0), kv_layer.data_ptr(), num_blocks, tables.data_ptr(),
         tables.shape[1], seq.data_ptr(), lens.data_ptr(), out.data_ptr(), tokens, heads, kv_heads,
         dim, block_size, int(q.dtype == torch.bfloat16), scale, tile, torch.get_num_threads(),
-        int(kv_int8), window, softcap)
+        int(kv_int8), window, softcap, None if sinks is None else sinks.data_ptr())
     return out if status == 0 else None
 
 

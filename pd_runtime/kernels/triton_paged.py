@@ -7,7 +7,8 @@ Softmax and accumulation are float32; outputs are in q's dtype.
 Every launch takes only static shapes from the host (no `.item()`, no data-dependent sizes):
 sequence lengths are read inside the kernels, so decode can be captured in a CUDA graph.
 A sliding window (`window` > 0) limits each query to its last `window` keys, its own included;
-the blocks wholly before it are not read.
+the blocks wholly before it are not read. Attention sinks (gpt-oss: `sinks`, a float32 logit per
+query head) join each row's softmax after its keys, with no value.
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ def _check(kv_layer: torch.Tensor, q: torch.Tensor | None = None) -> None:
         reason = f"q head_dim {q.shape[2]} differs from the cache's {head_dim}"
     if reason is not None:
         raise ValueError(reason)
+
+
+def _sinks(sinks: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    """The sink logits as the kernels read them: `[heads]` float32, contiguous."""
+    if sinks is None:
+        return None
+    if sinks.numel() != heads:
+        raise ValueError(f"sinks: {sinks.numel()} logits for {heads} query heads")
+    return sinks.reshape(heads).to(torch.float32).contiguous()
 
 
 def _check_inner_strides(**tensors: torch.Tensor) -> None:
@@ -158,23 +168,33 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IN_F32: 
     return m_new, l_i, acc
 
 
+@triton.jit
+def _add_sink(m_i, l_i, acc, sink):
+    """A sink logit (base 2) into each row's running max and sum: a key with no value."""
+    m_new = tl.maximum(m_i, sink)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    return l_i * alpha + tl.exp2(sink - m_safe), acc * alpha[:, None]
+
+
 # ---------------------------------------------------------------------------------------------
 # decode: split-K over the context, then a reduction over the splits
 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
-                         max_ptr, sum_ptr, part_ptr,
+                         max_ptr, sum_ptr, part_ptr, sinks_ptr,
                          qk_scale, blocks_per_split, window,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_table,
                          stride_kv, stride_blk, stride_head, stride_tok,
                          GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, DOT_IN_F32: tl.constexpr,
-                         SOFTCAP: tl.constexpr):
+                         SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Program (sequence b, kv head, split): the group's query heads against the split's range
-    of cache blocks. One split writes the normalized output; several write float32 partials
-    (running max, sum, unnormalized output) per (b, head, split) for the reduction."""
+    of cache blocks. One split writes the normalized output (its sinks added); several write
+    float32 partials (running max, sum, unnormalized output) per (b, head, split) for the
+    reduction (which adds the sinks)."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -205,6 +225,9 @@ def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
                                              DOT_IN_F32, SOFTCAP)
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+            l_i, acc = _add_sink(m_i, l_i, acc, sink)
         # context_len 0 (a padding row): l = 0, acc = 0 -> zeros, not NaN
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
@@ -217,11 +240,12 @@ def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
 
 
 @triton.jit
-def _decode_reduce_kernel(max_ptr, sum_ptr, part_ptr, out_ptr, stride_ob, stride_oh,
+def _decode_reduce_kernel(max_ptr, sum_ptr, part_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh,
                           NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
-                          HEAD_DIM: tl.constexpr):
-    """Program (sequence b, head): rescale each split's partial to the global max and sum.
-    Empty splits (max -inf) weigh 0; a row with no keys at all writes zeros."""
+                          HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Program (sequence b, head): rescale each split's partial to the global max and sum (the
+    head's sink among them). Empty splits (max -inf) weigh 0; a row with no keys at all writes
+    zeros."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_POW2)
@@ -232,9 +256,13 @@ def _decode_reduce_kernel(max_ptr, sum_ptr, part_ptr, out_ptr, stride_ob, stride
     s = tl.load(sum_ptr + base + splits, mask=ok, other=0.0)
     part = tl.load(part_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
                    mask=ok[:, None], other=0.0)
-    m_all = tl.max(m, 0)
-    weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))
-    total = tl.sum(s * weight, 0)
+    sink = tl.full([], float("-inf"), tl.float32)  # (none: weighs exp2(-inf) = 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+    m_all = tl.maximum(tl.max(m, 0), sink)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    weight = tl.exp2(m - m_safe)
+    total = tl.sum(s * weight, 0) + tl.exp2(sink - m_safe)
     out = tl.sum(part * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
@@ -264,10 +292,10 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int,
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
                      num_splits: int | None = None, window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence (its key already written): q `[B, heads, head_dim]` ->
     `[B, heads, head_dim]`; keys 0..context_lens[b]-1 visible (the last `window` of them, with
-    a window); context_len 0 writes zeros."""
+    a window; `sinks`: `[heads]` float32 sink logits); context_len 0 writes zeros."""
     _check(kv_layer, q)
     batch, heads, head_dim = q.shape
     _, _, kv_heads, block_size, _ = kv_layer.shape
@@ -288,19 +316,22 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
         sums = torch.empty_like(maxes)
         parts = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32,
                             device=q.device)
+    sinks = _sinks(sinks, heads)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, kv_layer, block_tables, context_lens, out, maxes, sums, parts,
+        out if sinks is None else sinks,
         scale * LOG2E, -(-max_blocks // num_splits), window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *kv_layer.stride()[:4],
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        DOT_IN_F32=INTERPRETED, SOFTCAP=float(softcap), num_warps=NUM_WARPS)
+        DOT_IN_F32=INTERPRETED, SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
+        num_warps=NUM_WARPS)
     if num_splits > 1:
         _decode_reduce_kernel[(batch, heads)](
-            maxes, sums, parts, out, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, num_warps=NUM_WARPS)
+            maxes, sums, parts, out if sinks is None else sinks, out, out.stride(0),
+            out.stride(1), NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HAS_SINKS=sinks is not None, num_warps=NUM_WARPS)
     return out
 
 
@@ -309,11 +340,13 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, qk_scale, window,
+def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, sinks_ptr,
+                    qk_scale, window,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
                     stride_kv, stride_blk, stride_head, stride_tok,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, DOT_IN_F32: tl.constexpr, SOFTCAP: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, DOT_IN_F32: tl.constexpr, SOFTCAP: tl.constexpr,
+                    HAS_SINKS: tl.constexpr):
     """Program (row tile, segment, kv head). A segment's rows are its (query token, query head
     of the group) pairs, token-major, so each K/V block is loaded once for the whole group;
     row r is token r // GROUP, head kv_head * GROUP + r % GROUP. Keys are read block by block
@@ -359,6 +392,9 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, qk_
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
                                              DOT_IN_F32, SOFTCAP)
 
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+        l_i, acc = _add_sink(m_i, l_i, acc, sink)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = out_ptr + (start + tokens)[:, None] * stride_ot + heads[:, None] * stride_oh \
         + dims[None, :]
@@ -368,7 +404,8 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, qk_
 def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                       max_query_len: int, out: torch.Tensor | None = None,
-                      window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                      window: int = 0, softcap: float = 0.0,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """S prefill segments in one launch; their own K/V already in the cache (write_kv first).
     q `[T, heads, head_dim]`: segment s is q[qsl[s]:qsl[s+1]], its query i at position
     context_lens[s] - n_s + i, attending causally to keys 0..that position (the last `window`
@@ -386,10 +423,13 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: 
     group = heads // kv_heads
     block_m = PREFILL_BLOCK_M if head_dim <= 128 else PREFILL_BLOCK_M_WIDE
     grid = (triton.cdiv(max_query_len * group, block_m), segments, kv_heads)
+    sinks = _sinks(sinks, heads)
     _prefill_kernel[grid](
-        q, kv_layer, out, query_start_loc, context_lens, block_tables, scale * LOG2E, window,
+        q, kv_layer, out, query_start_loc, context_lens, block_tables,
+        out if sinks is None else sinks, scale * LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *kv_layer.stride()[:4],
         GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        DOT_IN_F32=INTERPRETED, SOFTCAP=float(softcap), num_warps=NUM_WARPS)
+        DOT_IN_F32=INTERPRETED, SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
+        num_warps=NUM_WARPS)
     return out
