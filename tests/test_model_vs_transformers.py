@@ -86,6 +86,11 @@ VARIANTS = {
     # attention scores and of the logits (caps small enough to bite on this model).
     "gemma2": ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 24,
                           "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
+    # gpt-oss: a sink logit per query head, q/k/v/o biases, every other layer windowed, YaRN
+    # (untruncated); experts with biases and a clamped SwiGLU (a limit low enough to clamp),
+    # its router's bias, top 2 of 8 by logit.
+    "gpt-oss": ("gpt_oss", {"sliding_window": 6, "swiglu_limit": 1.0,
+                            "num_experts_per_tok": 2}),
     "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 64}}),
@@ -133,8 +138,8 @@ def _variant(name: str, model_factory):
     if name not in _HF_CACHE:
         arch, overrides = VARIANTS[name]
         path = model_factory(arch, **overrides)
-        # (Gemma 2's soft-capping is in transformers' eager attention only.)
-        extra = {"attn_implementation": "eager"} if arch == "gemma2" else {}
+        # (Gemma 2's soft-capping and gpt-oss's sinks are in transformers' eager attention.)
+        extra = {"attn_implementation": "eager"} if arch in ("gemma2", "gpt_oss") else {}
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
         # Our ignore_eos keeps sampling eos; HF's min_new_tokens would mask it: drop eos instead.
         hf.generation_config.eos_token_id = None
@@ -151,7 +156,7 @@ def variant(request, model_factory):
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope", "granite",
                         "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
                         "qwen3-moe", "qwen2-moe", "mistral-window", "qwen2-window", "gemma3",
-                        "gemma3-scaled", "gemma2"])
+                        "gemma3-scaled", "gemma2", "gpt-oss"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 
@@ -261,7 +266,7 @@ def test_longrope_long_factors_past_the_pretraining_context(model_factory, tmp_p
     assert ((got - plain).abs().max() / plain.abs().max()).item() > 1e-3  # the factors differ
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "gemma2"])
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2", "gpt-oss"])
 def test_sliding_window_on_the_batched_paths(model_factory, name):
     """Outside the batch-invariant mode (decodes through the batch buffer, prompts in chunks
     over their cached prefix, prefix-cache hits), a sliding window (and Gemma 2's soft-capped

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE) in the engine: a token's experts and their
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE, gpt-oss) in the engine: a token's experts and their
 sums do not depend on its company, so outputs stay bit-identical alone, batched and chunked, in
 bfloat16 as in float32 (against transformers: tests/test_model_vs_transformers.py)."""
 
@@ -10,11 +10,12 @@ from pd_runtime import LLM
 from tests.test_batch_invariance import GREEDY, outputs, prompts, seeded
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"])
 def moe_model(request, model_factory):
-    # head_dim 64; 8 experts, 2 (Mixtral) or 3 (Qwen3-MoE, its first layer dense) per token
-    extra = {"num_experts_per_tok": 3, "mlp_only_layers": [0]} \
-        if request.param != "mixtral" else {}
+    # head_dim 64; 8 experts, 2 (Mixtral) or 3 (Qwen3-MoE, its first layer dense) per token;
+    # gpt-oss 4 per token, a window of 70 on its first layer, sinks in both
+    extra = {"mixtral": {}, "gpt_oss": {"sliding_window": 70}}.get(
+        request.param, {"num_experts_per_tok": 3, "mlp_only_layers": [0]})
     return model_factory(request.param, hidden_size=256, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=256, **extra)
 
@@ -34,10 +35,11 @@ def test_experts_give_the_same_tokens_alone_batched_and_chunked(moe_model, dtype
             sampled
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_an_expert_block_is_transformers_bit_for_bit_in_bfloat16(model_factory, family):
-    """The router's weights kept in float32 (Mixtral) or cast to bf16 (Qwen) before they scale
-    an expert's output: in float32 both read alike, in bf16 each matches only its own."""
+    """The router's weights kept in float32 (Mixtral) or cast to bf16 (Qwen, gpt-oss) before
+    they scale an expert's output: in float32 both read alike, in bf16 each matches only its
+    own (gpt-oss: its expert biases added to the rounded products)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -50,7 +52,8 @@ def test_an_expert_block_is_transformers_bit_for_bit_in_bfloat16(model_factory, 
     x = torch.randn(97, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     for index in (0, 1):
         with torch.no_grad():
-            want = hf.model.layers[index].mlp(x[None])[0]
+            out = hf.model.layers[index].mlp(x[None])  # (gpt-oss's: with its router scores)
+        want = (out[0] if isinstance(out, tuple) else out)[0]
         assert torch.equal(ours._experts(ours.layers[index], ours.packed[index], x), want), \
             (family, index)
 
@@ -105,3 +108,45 @@ def test_a_disaggregated_expert_model_equals_colocated(moe_model, dtype):
         assert [got[rid] for rid, _ in items] == [o.token_ids for o in want]
         assert [texts[rid] for rid, _ in items] == [o.text for o in want]
     assert prefill.block_manager.num_free_blocks == decode.block_manager.num_free_blocks == 128
+
+
+def test_a_hub_gpt_oss_config_reads_as_transformers_reads_it(tmp_path):
+    """gpt-oss-20b's config.json as the Hub ships it (rope_theta and rope_scaling, no
+    layer_types, experts_per_token beside num_experts_per_tok), and the same file stripped to
+    what the config class supplies: the fields transformers' GptOssConfig reads."""
+    import json
+
+    from transformers import GptOssConfig
+
+    from pd_runtime.model.model_config import load_model_config
+
+    hub = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "head_dim": 64,
+           "experts_per_token": 4, "hidden_act": "silu", "hidden_size": 2880,
+           "initial_context_length": 4096, "intermediate_size": 2880,
+           "max_position_embeddings": 131072, "model_type": "gpt_oss",
+           "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+           "num_key_value_heads": 8, "num_local_experts": 32, "rms_norm_eps": 1e-05,
+           "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                            "truncate": False},
+           "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0,
+           "tie_word_embeddings": False, "vocab_size": 201088}
+    bare = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}
+    for raw in (hub, bare):
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        ours = load_model_config(tmp_path)
+        theirs = GptOssConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+        sliding = tuple(i for i, t in enumerate(theirs.layer_types) if t == "sliding_attention")
+        rope = theirs.rope_parameters
+        assert (ours.num_layers, ours.num_experts, ours.experts_per_token, ours.sliding_window,
+                ours.window_layers, ours.head_dim, ours.num_kv_heads, ours.vocab_size) == \
+            (theirs.num_hidden_layers, theirs.num_local_experts, theirs.num_experts_per_tok,
+             theirs.sliding_window, sliding, theirs.head_dim, theirs.num_key_value_heads,
+             theirs.vocab_size)
+        assert (ours.rope.rope_type, ours.rope.theta, ours.rope.factor, ours.rope.truncate,
+                ours.rope.original_max_position_embeddings) == \
+            (rope["rope_type"], rope["rope_theta"], rope["factor"], rope["truncate"],
+             rope["original_max_position_embeddings"])
+        assert ours.attn_sinks and ours.qkv_bias and ours.o_bias and not ours.tie_word_embeddings
+        assert (ours.swiglu_alpha, ours.swiglu_limit) == (theirs.swiglu_alpha,
+                                                          theirs.swiglu_limit)

@@ -1,6 +1,7 @@
 """The config.json fields of particular families, as transformers reads them: sliding windows
 and which layers take them, experts, SmolLM3's layers without rope, Granite's scalings, Gemma's
-norms, scalings and soft-caps (model_config.py assembles them into a ModelConfig).
+norms, scalings and soft-caps, gpt-oss's sinks and experts (model_config.py assembles them into
+a ModelConfig).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def sliding_window(raw: dict, path: Path, family: str) -> tuple[Optional[int], t
     whenever set; Qwen's and SmolLM3's only with use_sliding_window."""
     if family == "mistral":
         window = raw.get("sliding_window", 4096)
-    elif family in ("phi3", "mixtral", "gemma2", "gemma3"):
+    elif family in ("phi3", "mixtral", "gemma2", "gemma3", "gpt_oss"):
         window = raw.get("sliding_window")
     else:
         window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
@@ -34,7 +35,7 @@ def sliding_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
     """The layers transformers types "sliding_attention": a config's own layer_types, else the
     family's: Qwen2/3's from max_window_layers on, Qwen2-MoE's every other layer below it,
     SmolLM3's NoPE layers, Gemma's all but every sliding_window_pattern-th (Gemma 3: 5 of 6,
-    Gemma 2: every other), the others' every layer."""
+    Gemma 2: every other), gpt-oss's every other from the first, the others' every layer."""
     layers = int(raw.get("num_hidden_layers", 0))
     types = raw.get("layer_types")
     if isinstance(types, list) and len(types) == layers:
@@ -46,6 +47,8 @@ def sliding_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
                      if (i + 1) % 2)
     if family == "smollm3":
         return nope_layers(raw, path, family)
+    if family == "gpt_oss":
+        return tuple(range(0, layers, 2))
     if family in ("gemma2", "gemma3"):
         pattern = int(raw.get("sliding_window_pattern", 6 if family == "gemma3" else 2))
         return tuple(i for i in range(layers) if (i + 1) % pattern)
@@ -56,11 +59,12 @@ def experts(raw: dict, path: Path, family: str) -> dict:
     """The mixture-of-experts fields, as transformers reads them: Mixtral's every layer sparse
     (num_local_experts, experts of intermediate_size, renormalized float32 weights); Qwen3-MoE's
     sparse where decoder_sparse_step divides the layer number and mlp_only_layers does not
-    name it (experts of moe_intermediate_size, norm_topk_prob)."""
-    if family not in ("mixtral", "qwen3_moe", "qwen2_moe"):
+    name it (experts of moe_intermediate_size, norm_topk_prob); gpt-oss's every layer sparse
+    (num_local_experts of intermediate_size, softmax over the chosen logits: normalized)."""
+    if family not in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"):
         return {}
     layers = int(raw["num_hidden_layers"])
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):
         experts = raw.get("num_local_experts", raw.get("num_experts", 8))
         size = raw.get("intermediate_size")
         sparse, norm = tuple(range(layers)), True
@@ -74,7 +78,8 @@ def experts(raw: dict, path: Path, family: str) -> dict:
         sparse = tuple(i for i in range(layers) if i not in dense and experts > 0
                        and step > 0 and (i + 1) % step == 0)
         norm = bool(raw.get("norm_topk_prob", False))
-    top_k = raw.get("num_experts_per_tok", {"mixtral": 2, "qwen2_moe": 4}.get(family, 8))
+    top_k = raw.get("num_experts_per_tok", raw.get("experts_per_token", {
+        "mixtral": 2, "qwen2_moe": 4, "gpt_oss": 4}.get(family, 8)))
     shared = raw.get("shared_expert_intermediate_size", 5632) if family == "qwen2_moe" else 0
     if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
         raise ModelLoadError(f"{path}: shared_expert_intermediate_size must be an integer, "
@@ -156,3 +161,40 @@ def granite_scalings(raw: dict, path: Path, family: str) -> dict:
             raise ModelLoadError(f"{path}: {key} must be a positive number, got {value!r}")
         out[key] = float(value)
     return out
+
+
+# What gpt-oss's config class supplies when a file leaves it out (the Hub's files name these
+# mostly; the rope's theta and YaRN scaling by rope_theta and rope_scaling).
+GPT_OSS_DEFAULTS = {"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+                    "num_hidden_layers": 36, "num_attention_heads": 64,
+                    "num_key_value_heads": 8, "head_dim": 64,
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                    "sliding_window": 128, "num_local_experts": 128, "attention_bias": True}
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
+
+
+def gpt_oss_defaults(raw: dict) -> dict:
+    """A gpt-oss config with its class's defaults filled in (rope: YaRN over base 150000)."""
+    out = {**GPT_OSS_DEFAULTS, **raw}
+    if not raw.get("rope_parameters") and not raw.get("rope_scaling"):
+        out["rope_scaling"] = dict(GPT_OSS_ROPE)
+    if "rope_theta" not in raw and "rope_theta" not in (raw.get("rope_parameters") or {}):
+        out["rope_theta"] = 150000.0
+    return out
+
+
+def gpt_oss(raw: dict, path: Path, family: str) -> dict:
+    """gpt-oss's fields: a sink logit per query head in every attention; a router with a bias
+    that softmaxes over the chosen experts' logits; experts with biases and a clamped SwiGLU
+    (swiglu_alpha, swiglu_limit)."""
+    if family != "gpt_oss":
+        return {}
+    out = {}
+    for key, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+        value = raw.get(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ModelLoadError(f"{path}: {key} must be a positive number, got {value!r}")
+        out[key] = float(value)
+    return {**out, "attn_sinks": True, "float32_norms": True,
+            "router_topk_first": True, "mlp_act": "clamped_swiglu"}

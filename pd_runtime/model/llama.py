@@ -11,7 +11,6 @@ and attention by fixed-order native kernels (the runner passes their metadata).
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
@@ -19,13 +18,18 @@ import torch.nn.functional as F
 
 from pd_runtime.kernels import native, row_stable
 from pd_runtime.kernels.attention import AttentionMetadata, paged_attention
+from pd_runtime.model.gpt_oss import clamped_swiglu
 from pd_runtime.model.model_config import ModelConfig
+from pd_runtime.model.rope import apply_rope, rope_tables
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same op order as the reference implementation: normalise in fp32, cast, then scale; the
     # in-place steps only reuse temporaries (`normed` is never `x`, even for fp32 input).
     # bf16 on the CPU: the same steps fused in one native pass (pd_runtime/kernels/native.py) when built.
+    # A float32 weight on a half-precision x (gpt-oss's, loader.py) scales before the cast.
+    if weight.dtype == torch.float32 and x.dtype != torch.float32:
+        return gemma_rms_norm(x, weight, eps)
     fused = native.rms_norm_bf16(x, weight, eps) if x.dtype == torch.bfloat16 else None
     if fused is not None:
         return fused
@@ -36,7 +40,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm: `weight` is 1 + the checkpoint's (float32, loader.py), applied before
-    the cast to x's dtype, as transformers orders it."""
+    the cast to x's dtype, as transformers orders it (gpt-oss's too, its weight as it is)."""
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
     return normed.mul_(weight).to(x.dtype)
@@ -44,7 +48,8 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The residual add in place (`h += delta`), then RMSNorm(h); one native pass for bf16."""
-    fused = native.add_rms_norm_bf16(h, delta, weight, eps) if h.dtype == torch.bfloat16 else None
+    fused = native.add_rms_norm_bf16(h, delta, weight, eps) \
+        if h.dtype == torch.bfloat16 == weight.dtype else None
     if fused is not None:
         return fused
     return rms_norm(h.add_(delta), weight, eps)
@@ -55,103 +60,6 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 LINEARS = ("qkv", "o", "gate_up", "down", "router", "shared_gate_up", "shared_down",
            "shared_gate")
 EXPERT_LINEARS = ("experts_gate_up", "experts_down")
-
-
-def rotary_dim(cfg: ModelConfig) -> int:
-    """The dimensions of each head rope turns (all but with Phi-3's partial_rotary_factor)."""
-    return int(cfg.head_dim * cfg.rope.partial_rotary_factor)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies after `rope_scaling` (default, linear, llama3, yarn, longrope's short
-    or long factors: model_config.served), float32."""
-    r = cfg.rope
-    dim = rotary_dim(cfg)
-    base = r.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    if r.rope_type == "longrope":
-        factors = r.long_factor if r.long else r.short_factor
-        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base)
-    inv = 1.0 / base
-    if r.rope_type == "linear":
-        return inv / r.factor
-    if r.rope_type == "llama3":
-        old_len = r.original_max_position_embeddings
-        low_wavelen = old_len / r.low_freq_factor
-        high_wavelen = old_len / r.high_freq_factor
-        wavelen = 2 * torch.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / r.factor, inv)
-        smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    if r.rope_type == "yarn":
-        return _yarn_inv_freq(r, dim)
-    return inv
-
-
-def _yarn_inv_freq(r, dim: int) -> torch.Tensor:
-    """YaRN: dimensions that turn more than beta_fast times over the pretraining context keep
-    their frequency, those under beta_slow are interpolated by `factor`, a linear ramp between."""
-    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
-        return dim * math.log(r.original_max_position_embeddings / (rotations * 2 * math.pi)) \
-            / (2 * math.log(r.theta))
-
-    low, high = dim_of(r.beta_fast), dim_of(r.beta_slow)
-    if r.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    base = r.theta ** (torch.arange(0, dim, 2).float() / dim)
-    kept = 1 - ramp  # the share of each dimension's own (extrapolated) frequency
-    return (1.0 / (r.factor * base)) * (1 - kept) + (1.0 / base) * kept
-
-
-def rope_tables(cfg: ModelConfig, n_pos: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position below `n_pos`, `[n_pos, rotary_dim]`, scaled by the rope's
-    attention factor, in the model's dtype."""
-    freqs = torch.arange(n_pos, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1).to(device)
-    scale = rope_attention_scale(cfg)
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-
-
-def rope_attention_scale(cfg: ModelConfig) -> float:
-    """What cos and sin are multiplied by (YaRN's and LongRoPE's attention factor; 1
-    otherwise)."""
-    r = cfg.rope
-    if r.rope_type not in ("yarn", "longrope"):
-        return 1.0
-    if r.attention_factor is not None:
-        return r.attention_factor
-    if r.rope_type == "longrope":
-        return 1.0 if r.factor <= 1 else math.sqrt(
-            1 + math.log(r.factor) / math.log(r.original_max_position_embeddings))
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    if r.mscale and r.mscale_all_dim:
-        return mscale(r.factor, r.mscale) / mscale(r.factor, r.mscale_all_dim)
-    return mscale(r.factor)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, rounded as that expression is, without the rotated copy
-    (its halves are -x2 and x1; a + (-b) * s equals a - b * s exactly). With cos narrower than
-    x (a partial rotary factor), its first dimensions turn and the rest pass through."""
-    rot = cos.shape[-1]
-    if rot < x.shape[-1]:
-        out = x.clone()
-        out[..., :rot] = apply_rope(x[..., :rot], cos, sin)
-        return out
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = x * cos
-    out[..., :half] -= x2 * sin[..., :half]
-    out[..., half:] += x1 * sin[..., half:]
-    return out
 
 
 def prepack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -263,7 +171,7 @@ class LlamaModel:
             pack = self.lm_head_packed if name == "lm_head" else packed.get(name)
             if name.startswith("experts_"):  # every expert has the first's shape and path
                 weight, pack = weight[0], pack[0]
-            bias = None if name == "lm_head" else layer.get(name + "_bias")
+            bias = None if name in ("lm_head", *EXPERT_LINEARS) else layer.get(name + "_bias")
             key = (tuple(weight.shape), weight.dtype, str(weight.device), pack is not None,
                    bias is not None)
             found = row_stable.stable_min_rows(
@@ -313,7 +221,9 @@ class LlamaModel:
                       layer.get("down_bias"), self.min_rows["down"])
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up: SiLU, or Gemma's tanh-approximated GELU."""
+        """act(gate) * up: SiLU, or Gemma's tanh-approximated GELU; gpt-oss's clamped SwiGLU."""
+        if self.cfg.mlp_act == "clamped_swiglu":
+            return clamped_swiglu(gate_up, self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
         act = native.silu_mul(gate_up) if self.native_silu else None
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -327,25 +237,37 @@ class LlamaModel:
         tokens and its output is scaled by the token's weight for it; a token's weighted
         outputs are summed in the order of its choices (float32 accumulation for bf16) and
         rounded once. Every step is row by row (matmuls at their row-stable counts), so a
-        token's result does not depend on which others share its batch."""
+        token's result does not depend on which others share its batch. gpt-oss's router
+        picks by logit and softmaxes over the picked (in the logits' dtype)."""
         cfg = self.cfg
-        logits = linear(x, layer["router"], packed["router"], None, self.min_rows["router"])
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, cfg.experts_per_token, dim=-1)
-        if cfg.norm_topk_prob:
-            weights /= weights.sum(dim=-1, keepdim=True)
+        logits = linear(x, layer["router"], packed["router"], layer.get("router_bias"),
+                        self.min_rows["router"])
+        if cfg.router_topk_first:
+            top, chosen = torch.topk(logits, cfg.experts_per_token, dim=-1)
+            weights = torch.softmax(top, dim=-1, dtype=top.dtype)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, chosen = torch.topk(probs, cfg.experts_per_token, dim=-1)
+            if cfg.norm_topk_prob:
+                weights /= weights.sum(dim=-1, keepdim=True)
         if not cfg.router_weights_float32:
             weights = weights.to(logits.dtype)
         # Mixtral's float32 weights make float32 products (rounded only after the sum).
         weighted = torch.empty(*chosen.shape, x.shape[-1], device=x.device,
                                dtype=torch.promote_types(x.dtype, weights.dtype))
+        # gpt-oss's expert biases: added to the rounded products, as transformers adds them.
+        up_bias, down_bias = layer.get("experts_gate_up_bias"), layer.get("experts_down_bias")
         for expert in torch.unique(chosen).tolist():
             tokens, slot = torch.where(chosen == expert)
             gate_up = linear(x[tokens], layer["experts_gate_up"][expert],
                              packed["experts_gate_up"][expert], None,
                              self.min_rows["experts_gate_up"])
+            if up_bias is not None:
+                gate_up += up_bias[expert]
             down = linear(self._silu_mul(gate_up), layer["experts_down"][expert],
                           packed["experts_down"][expert], None, self.min_rows["experts_down"])
+            if down_bias is not None:
+                down += down_bias[expert]
             weighted[tokens, slot] = down * weights[tokens, slot, None]
         out = weighted.sum(dim=1).to(x.dtype)
         if "shared_gate_up" in layer:  # Qwen2-MoE: every token's shared expert, gated
@@ -386,6 +308,7 @@ class LlamaModel:
         for index, (layer, packed, kv_layer) in enumerate(zip(self.layers, self.packed,
                                                               kv_caches)):
             meta.layer, meta.window = index, self.windows[index]
+            meta.sinks = layer.get("sinks")  # gpt-oss's
             x = rms_norm(h, layer["in_norm"], eps) if mlp_out is None \
                 else add_rms_norm(h, mlp_out, layer["in_norm"], eps)
             rows = output_rows if index == last else None

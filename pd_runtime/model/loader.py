@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pd_runtime.model import gpt_oss
 from pd_runtime.model.llama import LlamaModel
 from pd_runtime.model.model_config import ModelConfig, ModelLoadError, load_model_config, served
 
@@ -196,6 +197,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
         if cfg.gemma_norms:  # the MLP's own input norm, and the norm of its output
             layer["pre_ff_norm"] = reader.get(p + "pre_feedforward_layernorm.weight", (h,))
             layer["post_ff_norm"] = reader.get(p + "post_feedforward_layernorm.weight", (h,))
+        if cfg.attn_sinks:  # float32, as the attention kernels read them
+            layer["sinks"] = reader.get(p + "self_attn.sinks", (cfg.num_heads,)).float()
         layers.append(layer)
     weights = {
         "embed": reader.get("model.embed_tokens.weight", (cfg.vocab_size, h)),
@@ -215,6 +218,11 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
             for name in GEMMA_NORMS:
                 if name in layer:  # (Gemma 2 has no q/k norms)
                     layer[name] = 1.0 + layer[name].float()
+    if cfg.float32_norms:  # applied in float32 before the cast (model/llama.py: rms_norm)
+        weights["final_norm"] = weights["final_norm"].float()
+        for layer in layers:
+            layer["in_norm"], layer["post_norm"] = layer["in_norm"].float(), \
+                layer["post_norm"].float()
     n_params = sum(t.numel() for t in reader_tensors(weights))
     log.info("loaded %s (%s, %.1fM params, %s) from %s", cfg.family, cfg.identity,
              n_params / 1e6, torch_dtype, model_dir)
@@ -227,6 +235,8 @@ def _experts(reader: "_TensorReader", cfg: ModelConfig, prefix: str) -> dict:
     [experts, hidden, size]), from the checkpoint's per-expert tensors: Mixtral's
     block_sparse_moe.experts.E.w1 (gate), w3 (up), w2 (down); Qwen3-MoE's mlp.experts.E
     gate_proj, up_proj, down_proj."""
+    if cfg.family == "gpt_oss":  # stacked, transposed, with biases
+        return gpt_oss.load_experts(reader, cfg, prefix)
     h, size, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     if cfg.family == "mixtral":
         block, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")

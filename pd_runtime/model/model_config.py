@@ -5,6 +5,7 @@ multipliers below (Phi-3 stores q/k/v and gate/up fused, as our decoder holds th
 leaves rope out of every fourth layer); Mixtral and Qwen3-MoE replace the MLP of their sparse
 layers by experts a router picks per token; Gemma 2 and 3 norm every block's input and output
 (model/llama.py: _sandwich_layers), Gemma 2 soft-caps its attention scores and logits;
+gpt-oss adds attention sinks and experts with biases and a clamped SwiGLU (model/gpt_oss.py);
 anything else is refused.
 """
 
@@ -35,11 +36,12 @@ _ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its text model (images are not read)
+    "GptOssForCausalLM": "gpt_oss",
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                 "granite": "granite", "phi3": "phi3", "smollm3": "smollm3",
                 "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe",
-                "gemma2": "gemma2", "gemma3_text": "gemma3"}
+                "gemma2": "gemma2", "gemma3_text": "gemma3", "gpt_oss": "gpt_oss"}
 
 
 @dataclass(frozen=True)
@@ -116,12 +118,21 @@ class ModelConfig:
     # sqrt(hidden_size) rounded to the model's dtype; the sliding-window layers turn by
     # `local_rope`.
     gemma_norms: bool = False
-    mlp_act: str = "silu"  # silu | gelu_tanh
+    mlp_act: str = "silu"  # silu | gelu_tanh | clamped_swiglu (gpt-oss's, below)
     local_rope: Optional[RopeConfig] = None
     local_rope_layers: tuple[int, ...] = ()  # its "sliding_attention" layers, window or not
     # Gemma 2's soft-capping: attention scores, then the logits, become cap * tanh(x / cap).
     attn_softcap: Optional[float] = None
     final_softcap: Optional[float] = None
+    # gpt-oss: a learned sink logit per query head joins every attention softmax (with no
+    # value); the router has a bias and softmaxes over the logits of the experts it picks;
+    # the experts have biases and a clamped SwiGLU, mlp_act "clamped_swiglu":
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+    attn_sinks: bool = False
+    float32_norms: bool = False  # RMSNorm weights applied in float32, before the cast
+    router_topk_first: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @property
     def identity(self) -> str:
@@ -239,6 +250,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if family in ("gemma2", "gemma3"):  # what a Hub config leaves to the config class's defaults
         raw = {**(fields.GEMMA3_DEFAULTS if family == "gemma3" else fields.GEMMA2_DEFAULTS),
                **raw}
+    elif family == "gpt_oss":
+        raw = fields.gpt_oss_defaults(raw)
 
     # Quantized weights (AWQ, GPTQ, FP8, ...) would load as numbers without their scales: refuse.
     quant = raw.get("quantization_config") or raw.get("compression_config")
@@ -255,8 +268,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         return raw[key]
 
     attention_bias = bool(raw.get("attention_bias", False))
-    # The MLP's activation: SiLU in every family read here but Gemma's tanh GELU; a checkpoint
-    # with another would run, wrongly, with no error.
+    # The MLP's activation: SiLU in every family read here but Gemma's tanh GELU (gpt-oss's
+    # config says silu for its clamped SwiGLU); a checkpoint with another would run, wrongly,
+    # with no error.
     gemma = family in ("gemma2", "gemma3")
     act = raw.get("hidden_activation" if gemma else "hidden_act",
                   raw.get("hidden_act", raw.get("hidden_activation", "silu")))
@@ -287,7 +301,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         # Mistral and Phi-3 none.
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and raw.get("qkv_bias", True))
         or (family not in ("mistral", "phi3", "mixtral", "qwen2_moe") and attention_bias),
-        o_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3") and attention_bias,
+        o_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3", "gpt_oss")
+        and attention_bias,
         mlp_bias=family in ("llama", "granite", "smollm3") and bool(raw.get("mlp_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
@@ -301,6 +316,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
                               int(head_dim)) if family == "gemma3" else None,
         nope_layers=fields.nope_layers(raw, path, family),
         **fields.experts(raw, path, family),
+        **fields.gpt_oss(raw, path, family),
     )
 
 

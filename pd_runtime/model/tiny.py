@@ -35,6 +35,7 @@ ARCHITECTURES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
@@ -106,8 +107,14 @@ def _build_config(architecture: str, fields: dict):
         fields.setdefault("use_sliding_window", False)
     if architecture == "mistral":
         fields.setdefault("sliding_window", None)  # full attention, as in Mistral v0.2+
-    if architecture in ("gemma2", "gemma3"):  # (their config classes default to head_dim 256)
+    if architecture in ("gemma2", "gemma3", "gpt_oss"):  # (their classes' head_dim: 256, 64)
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
+    if architecture == "gpt_oss":  # 8 experts; YaRN (as gpt-oss's own) up to the preset's context
+        fields.setdefault("num_local_experts", 8)
+        fields.setdefault("rope_parameters", {
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": fields["max_position_embeddings"] // 8})
     ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
     config = getattr(transformers, config_name)(
         bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD], **fields)
@@ -134,8 +141,13 @@ def _write_weights(file: Path, config, seed: int, tokenizer_vocab_size: int) -> 
         if name.endswith("norm.weight"):  # (Gemma's are offsets from 1)
             value = NORM_NOISE * noise if config.architectures[0].startswith("Gemma") \
                 else 1.0 + NORM_NOISE * noise
-        elif name.endswith(".bias"):
+        elif name.endswith((".bias", "_bias")):
             value = BIAS_STD * noise
+        elif name.endswith("self_attn.sinks"):  # about the scores' size: a share of each row
+            value = noise
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")) \
+                and config.architectures[0] == "GptOssForCausalLM":  # (x @ W: rows are inputs)
+            value = noise / math.sqrt(shape[-2])
         elif name.endswith("embed_tokens.weight") and not config.tie_word_embeddings:
             value = noise  # unit-RMS residual stream from the first layer on
         elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
