@@ -194,6 +194,12 @@ def _written(path: Path, config: dict) -> Path:
       "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
       "tie_word_embeddings": False, "torch_dtype": "bfloat16"},  # Qwen1.5-MoE-A2.7B: 14.3B
      14_315_784_192),
+    ({"architectures": ["GptOssForCausalLM"], "attention_bias": True, "head_dim": 64,
+      "hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64,
+      "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+      "num_local_experts": 32, "sliding_window": 128, "tie_word_embeddings": False,
+      "vocab_size": 201088, "quantization_config": {"quant_method": "mxfp4"}},
+     20_914_757_184),  # gpt-oss-20b (its MXFP4 experts dequantized: bf16 like the rest)
 ])
 def test_expert_weights_are_counted(tmp_path, config, params):
     cfg = load_model_config(_written(tmp_path / "moe", config))

@@ -91,6 +91,9 @@ VARIANTS = {
     # its router's bias, top 2 of 8 by logit.
     "gpt-oss": ("gpt_oss", {"sliding_window": 6, "swiglu_limit": 1.0,
                             "num_experts_per_tok": 2}),
+    # ... its experts in MXFP4 as OpenAI's checkpoints hold them (transformers dequantizes).
+    "gpt-oss-mxfp4": ("gpt_oss", {"sliding_window": 6, "num_experts_per_tok": 2,
+                                  "quantization": "mxfp4"}),
     "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 64}}),
@@ -140,6 +143,10 @@ def _variant(name: str, model_factory):
         path = model_factory(arch, **overrides)
         # (Gemma 2's soft-capping and gpt-oss's sinks are in transformers' eager attention.)
         extra = {"attn_implementation": "eager"} if arch in ("gemma2", "gpt_oss") else {}
+        if overrides.get("quantization") == "mxfp4":
+            from transformers import Mxfp4Config
+
+            extra["quantization_config"] = Mxfp4Config(dequantize=True)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
         # Our ignore_eos keeps sampling eos; HF's min_new_tokens would mask it: drop eos instead.
         hf.generation_config.eos_token_id = None
@@ -156,7 +163,7 @@ def variant(request, model_factory):
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope", "granite",
                         "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
                         "qwen3-moe", "qwen2-moe", "mistral-window", "qwen2-window", "gemma3",
-                        "gemma3-scaled", "gemma2", "gpt-oss"])
+                        "gemma3-scaled", "gemma2", "gpt-oss", "gpt-oss-mxfp4"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

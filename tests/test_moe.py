@@ -150,3 +150,26 @@ def test_a_hub_gpt_oss_config_reads_as_transformers_reads_it(tmp_path):
         assert ours.attn_sinks and ours.qkv_bias and ours.o_bias and not ours.tie_word_embeddings
         assert (ours.swiglu_alpha, ours.swiglu_limit) == (theirs.swiglu_alpha,
                                                           theirs.swiglu_limit)
+
+
+def test_mxfp4_is_read_for_gpt_oss_only(model_factory, tmp_path):
+    """MXFP4 experts load for gpt-oss (tests/test_model_vs_transformers.py checks their
+    values); rows MXFP4's groups of 32 do not divide, or another family's quantized
+    checkpoint, are refused naming why."""
+    import json
+    import shutil
+
+    from pd_runtime.api import ModelLoadError
+    from pd_runtime.model.loader import load_model
+
+    quant = {"quant_method": "mxfp4"}
+    for family, extra, match in (("gpt_oss", {"hidden_size": 48, "num_attention_heads": 3,
+                                              "num_key_value_heads": 1},
+                                  "groups of 32 do not divide its rows of 48"),
+                                 ("mixtral", {}, "quantized checkpoints are not supported")):
+        path = tmp_path / family
+        shutil.copytree(model_factory(family, **extra), path)
+        raw = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**raw, "quantization_config": quant}))
+        with pytest.raises(ModelLoadError, match=match):
+            load_model(path, dtype="float32")

@@ -70,9 +70,12 @@ def weight_bytes(cfg: ModelConfig, elem: int) -> int:
     per_layer += h if cfg.o_bias else 0
     per_layer += 2 * cfg.head_dim if cfg.qk_norm else 0
     per_layer += 2 * h if cfg.gemma_norms else 0  # (Gemma's MLP input and output norms)
+    per_layer += cfg.num_heads if cfg.attn_sinks else 0  # (gpt-oss's sink logits)
     dense = 3 * h * inter + (2 * inter + h if cfg.mlp_bias else 0)
     sparse = cfg.num_experts * (3 * h * cfg.moe_intermediate_size + h)  # experts and router
     sparse += 3 * h * cfg.shared_expert_size + (h if cfg.shared_expert_size else 0)
+    if cfg.expert_bias:  # gpt-oss's: the experts' (dequantized MXFP4: the weights as above)
+        sparse += cfg.num_experts * (2 * cfg.moe_intermediate_size + h + 1)
     mlps = (cfg.num_layers - len(cfg.sparse_layers)) * dense + len(cfg.sparse_layers) * sparse
     embed = cfg.vocab_size * h
     return elem * (cfg.num_layers * per_layer + mlps

@@ -196,5 +196,5 @@ def gpt_oss(raw: dict, path: Path, family: str) -> dict:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise ModelLoadError(f"{path}: {key} must be a positive number, got {value!r}")
         out[key] = float(value)
-    return {**out, "attn_sinks": True, "float32_norms": True,
+    return {**out, "attn_sinks": True, "float32_norms": True, "expert_bias": True,
             "router_topk_first": True, "mlp_act": "clamped_swiglu"}

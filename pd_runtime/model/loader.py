@@ -131,7 +131,9 @@ class _TensorReader:
             return self.head
         return self.prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...],
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor in the model's dtype (or `dtype`: packed bytes keep theirs)."""
         name = self.name(name)
         path = self.files.get(name)
         if path is None:
@@ -143,7 +145,7 @@ class _TensorReader:
         if tuple(tensor.shape) != tuple(shape):
             raise ModelLoadError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"config.json implies {tuple(shape)}")
-        return tensor.to(device=self.device, dtype=self.dtype)
+        return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
 
 GEMMA_NORMS = ("in_norm", "post_norm", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm")

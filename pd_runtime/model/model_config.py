@@ -133,6 +133,9 @@ class ModelConfig:
     router_topk_first: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    expert_bias: bool = False  # (gpt-oss's router and experts have biases)
+    # How the checkpoint stores weights: None (as numbers), "mxfp4" (gpt-oss's experts).
+    quantization: Optional[str] = None
 
     @property
     def identity(self) -> str:
@@ -253,11 +256,14 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     elif family == "gpt_oss":
         raw = fields.gpt_oss_defaults(raw)
 
-    # Quantized weights (AWQ, GPTQ, FP8, ...) would load as numbers without their scales: refuse.
+    # Quantized weights (AWQ, GPTQ, FP8, ...) would load as numbers without their scales: refuse,
+    # but for gpt-oss's MXFP4 experts (dequantized at load: model/gpt_oss.py).
     quant = raw.get("quantization_config") or raw.get("compression_config")
+    method = None
     if quant:
         method = (quant.get("quant_method") or quant.get("format")) \
             if isinstance(quant, dict) else quant
+    if quant and (family, method) != ("gpt_oss", "mxfp4"):
         raise ModelLoadError(f"{path}: quantized checkpoints are not supported "
                              f"(quantization_config: {method!r}); serve the unquantized model "
                              "(kv_cache_dtype: int8 quantizes the KV cache)")
@@ -317,6 +323,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         nope_layers=fields.nope_layers(raw, path, family),
         **fields.experts(raw, path, family),
         **fields.gpt_oss(raw, path, family),
+        quantization=method,
     )
 
 

@@ -60,13 +60,14 @@ _SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 
 def make_tiny_model(path: str | os.PathLike, preset: str = "test", architecture: str = "llama",
                     dtype: str | None = None, seed: int = 0, tokenizer_vocab_size: int | None = None,
-                    **overrides) -> Path:
+                    quantization: str | None = None, **overrides) -> Path:
     """Write a complete HF model directory at `path` and return it.
 
     `overrides` set config fields (`num_hidden_layers=3`, `tie_word_embeddings=True`,
     `rope_scaling={...}`, a `vocab_size` above the tokenizer's to mimic a padded vocabulary).
     The tokenizer has `tokenizer_vocab_size` tokens: by default the preset's vocabulary, or the
-    config's if that is smaller. Same arguments -> byte-identical files.
+    config's if that is smaller. `quantization="mxfp4"` (gpt_oss only) stores the experts as
+    OpenAI's checkpoints do. Same arguments -> byte-identical files.
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -78,6 +79,8 @@ def make_tiny_model(path: str | os.PathLike, preset: str = "test", architecture:
         fields["dtype"] = dtype
     if tokenizer_vocab_size is None:
         tokenizer_vocab_size = min(PRESETS[preset]["vocab_size"], fields["vocab_size"])
+    if quantization not in (None, "mxfp4") or (quantization and architecture != "gpt_oss"):
+        raise ValueError(f"quantization {quantization!r}: only 'mxfp4', for gpt_oss")
     if tokenizer_vocab_size > fields["vocab_size"]:
         raise ValueError(f"tokenizer_vocab_size {tokenizer_vocab_size} exceeds "
                          f"vocab_size {fields['vocab_size']}")
@@ -85,6 +88,10 @@ def make_tiny_model(path: str | os.PathLike, preset: str = "test", architecture:
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     config = _build_config(architecture, fields)
+    if quantization:  # (the experts; attention, router and embeddings stay as they are)
+        config.quantization_config = {"quant_method": quantization, "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]}
     _write_weights(out / "model.safetensors", config, seed, tokenizer_vocab_size)
     _write_config(out, config)
     _write_tokenizer(out, tokenizer_vocab_size, config.max_position_embeddings)
@@ -159,7 +166,30 @@ def _write_weights(file: Path, config, seed: int, tokenizer_vocab_size: int) -> 
             # emits an id the tokenizer cannot decode (as with real padded checkpoints).
             value[tokenizer_vocab_size:] = 0.0
         tensors[name] = value.to(dtype).contiguous()
+    if getattr(config, "quantization_config", None):
+        tensors = _mxfp4_experts(tensors)
     save_file(_hub_experts(tensors, config), str(file), metadata={"format": "pt"})
+
+
+def _mxfp4_experts(tensors: dict) -> dict:
+    """gpt-oss's stacked experts as MXFP4 blocks and scales (model/gpt_oss.py), rows in a
+    linear weight's layout, each group of 32 scaled so its largest value fits e2m1's 6."""
+    out = {}
+    for name, value in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name] = value
+            continue
+        rows = value.float().transpose(1, 2)  # [experts, out, in]
+        groups = rows.reshape(*rows.shape[:2], -1, 32)
+        top = groups.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -126)
+        exponent = (torch.floor(torch.log2(top)) - 2).clamp(-127, 127)
+        grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        scaled = (groups / torch.exp2(exponent)).clamp(-6.0, 6.0)
+        code = (scaled.abs()[..., None] - grid).abs().argmin(-1) + 8 * (scaled < 0)
+        code = code.to(torch.uint8).reshape(*groups.shape[:3], 16, 2)
+        out[name + "_blocks"] = (code[..., 0] | (code[..., 1] << 4)).contiguous()
+        out[name + "_scales"] = (exponent[..., 0] + 127).to(torch.uint8).contiguous()
+    return out
 
 
 def _hub_experts(tensors: dict, config) -> dict:
