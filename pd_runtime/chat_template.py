@@ -116,7 +116,10 @@ def tool_call_format(template: Optional[str]) -> Optional[str]:
 
 def reasoning_format(template: Optional[str]) -> Optional[str]:
     """"think" when a chat template knows <think>...</think> blocks (Qwen3, QwQ, DeepSeek-R1
-    and its distills): its model's thinking is split from its answer (pd_runtime/router/reasoning.py)."""
+    and its distills): its model's thinking is split from its answer (pd_runtime/router/reasoning.py);
+    "harmony" when it writes harmony's channels (gpt-oss: pd_runtime/router/harmony.py)."""
+    if template and "<|channel|>" in template:
+        return "harmony"
     return "think" if template and ("</think>" in template or "<think>" in template) else None
 
 

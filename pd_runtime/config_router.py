@@ -181,9 +181,10 @@ class RouterConfig(_Strict):
     tool_call_parser: Literal["auto", "hermes", "mistral", "llama3_json", "qwen3_coder",
                               "deepseek_v3", "pythonic", "granite", "none"] = "auto"
     # A reasoning model's thinking on chat completions (pd_runtime/router/reasoning.py): "auto", split
-    # into `reasoning` when its chat template knows <think> blocks; "think", always; "none",
+    # into `reasoning` when its chat template knows <think> blocks (or writes harmony's
+    # channels: gpt-oss, pd_runtime/router/harmony.py); "think" or "harmony", always; "none",
     # left in the content.
-    reasoning_parser: Literal["auto", "think", "none"] = "auto"
+    reasoning_parser: Literal["auto", "think", "harmony", "none"] = "auto"
     # The chat template chat requests are rendered with instead of the model's own (vLLM's
     # --chat-template): a Jinja file's path (relative: to the working directory), or the
     # template itself; None: the model's. The tool-call and reasoning formats "auto" finds

@@ -66,7 +66,7 @@ class PoolBackend:
             self.tokenizer.use_chat_template(cfg.router.chat_template_text())
         if cfg.router.reasoning_parser != "auto":
             self.tokenizer.reasoning_format = None if cfg.router.reasoning_parser == "none" \
-                else "think"
+                else cfg.router.reasoning_parser
         if cfg.router.tool_call_parser != "auto":
             self.tokenizer.tool_call_format = None if cfg.router.tool_call_parser == "none" \
                 else cfg.router.tool_call_parser

@@ -413,7 +413,15 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
     if body.logprobs:
         logprobs = params["logprobs"] = body.top_logprobs or 0
     thinking = None
-    if getattr(tokenizer, "reasoning_format", None):  # its thinking is split from its answer
+    if getattr(tokenizer, "reasoning_format", None) == "harmony":  # gpt-oss's channels
+        if "structured_outputs" in params:
+            field = structured_spec(body.model_extra or {})[1] or "tool_choice"
+            raise InvalidRequest(f"{field}: structured outputs are not supported for a model "
+                                 "that answers in harmony's channels (gpt-oss) yet",
+                                 param=field, code="unsupported_parameter")
+        params["skip_special_tokens"] = False  # its markers are special tokens
+        thinking = "harmony"
+    elif getattr(tokenizer, "reasoning_format", None):  # its thinking is split from its answer
         thinking = opens_in_prompt(text)
         if "structured_outputs" in params and not text.rstrip().endswith(THINK_CLOSE):
             if structured.think_tag_ids(tokenizer) is not None:

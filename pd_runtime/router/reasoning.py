@@ -71,6 +71,12 @@ class ThinkStream:
         self.open_at_start = open_at_start
         self.reasoning_sent = 0
 
+    def split(self, text: str) -> tuple[Optional[str], str]:
+        return split(text, self.open_at_start)
+
+    def content_start(self, text: str) -> Optional[int]:
+        return content_start(text, self.open_at_start)
+
     def feed(self, text: str, final: bool) -> tuple[str, Optional[str]]:
         """The output so far -> (the reasoning to send now, the content so far, or None while
         the output is still thinking)."""

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pd_runtime.router.protocol import PreparedRequest
+from pd_runtime.router.harmony import HarmonyStream
 from pd_runtime.router.reasoning import ThinkStream
-from pd_runtime.router.reasoning import split as split_thinking
 from pd_runtime.router.tool_calls import CallReader, call_id, read_calls, reader
 
 
@@ -31,7 +31,8 @@ class _Choice:
     calls: Optional[CallReader] = None  # chat with tools: its content and calls, read
     call_id: str = ""  # a named tool_choice's one call
     call_sent: bool = False  # its first delta (id and name) went out
-    think: Optional[ThinkStream] = None  # a reasoning model's: its thinking split out
+    # A reasoning model's: its thinking split out (<think> blocks, or gpt-oss's harmony).
+    think: Optional[ThinkStream | HarmonyStream] = None
     content_sent: int = 0  # with `think`: characters of the content streamed
     ids_sent: int = 0  # return_token_ids: how many of token_ids the stream has carried
 
@@ -51,7 +52,8 @@ class ResponseBuilder:
             else:
                 choice.calls = reader(self.tools)
         for choice in self.choices if prepared.reasoning is not None else ():
-            choice.think = ThinkStream(prepared.reasoning)
+            choice.think = HarmonyStream() if prepared.reasoning == "harmony" \
+                else ThinkStream(prepared.reasoning)
         self._token_text = tokenizer.token_text
         # A logprob's token as shown: its text, or "token_id:N" (return_tokens_as_token_ids).
         self._shown = _as_token_id if prepared.tokens_as_ids else self._token_text
@@ -175,7 +177,7 @@ class ResponseBuilder:
         function's call ends with the output's own reason (as OpenAI's)."""
         text, reasoning = choice.text, None
         if choice.think is not None:
-            reasoning, text = split_thinking(choice.text, choice.think.open_at_start)
+            reasoning, text = choice.think.split(choice.text)
         message: dict[str, Any] = {"role": "assistant",
                                    "content": None if reasoning is not None and not text
                                    else text}

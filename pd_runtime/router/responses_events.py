@@ -19,8 +19,6 @@ from typing import Any, Optional
 from pd_runtime.router.backend import BackendError
 from pd_runtime.router.live_run import event_data, split_events
 from pd_runtime.router.protocol import PreparedRequest
-from pd_runtime.router.reasoning import CLOSE, content_start
-from pd_runtime.router.reasoning import split as split_thinking
 from pd_runtime.router.responses import ResponseBuilder
 from pd_runtime.router.responses_api import ResponsesRequest
 
@@ -199,7 +197,7 @@ class ResponsesBuilder:
         begin = self.answer_start
         if begin is None:
             choice = self.chat.choices[0]
-            begin = self.answer_start = content_start(choice.text, choice.think.open_at_start) \
+            begin = self.answer_start = choice.think.content_start(choice.text) \
                 if choice.think is not None else 0
             if begin is None:  # still thinking
                 return []
@@ -282,16 +280,17 @@ class ResponsesBuilder:
         """The output tokens through the end of the thinking (all of them while it had not
         ended); 0 without thinking."""
         choice = self.chat.choices[0]
-        if choice.think is None or split_thinking(choice.text, choice.think.open_at_start)[0] \
-                is None:
+        if choice.think is None or choice.think.split(choice.text)[0] is None:
             return 0
         ids = choice.token_ids
-        if CLOSE not in choice.text:
+        begin = choice.think.content_start(choice.text)
+        if begin is None:
             return len(ids)
-        low, high = 1, len(ids)  # the shortest prefix whose text holds the end tag
+        skip = self.prepared.choices[0].params.skip_special_tokens  # (as the text was decoded)
+        low, high = 1, len(ids)  # the shortest prefix whose text reaches the answer
         while low < high:
             mid = (low + high) // 2
-            if CLOSE in self.tokenizer.decode(ids[:mid], skip_special_tokens=False):
+            if len(self.tokenizer.decode(ids[:mid], skip_special_tokens=skip)) >= begin:
                 high = mid
             else:
                 low = mid + 1

@@ -130,8 +130,9 @@ class PreparedRequest:
     tools: Any = None  # chat with tool calls: pd_runtime/router/tools.py's ToolPlan
     service_tier: Optional[str] = None  # "default" or "flex" when the request named one
     # A reasoning model's chat: whether the prompt left its think block open (None: no
-    # thinking is split out; pd_runtime/router/reasoning.py)
-    reasoning: Optional[bool] = None
+    # thinking is split out; pd_runtime/router/reasoning.py), or "harmony" (gpt-oss's channels,
+    # pd_runtime/router/harmony.py)
+    reasoning: Optional[bool | str] = None
     responses: Any = None  # a Responses API request's: pd_runtime/router/responses_api.ResponsesRequest
     token_ids: bool = False  # return_token_ids: prompt_token_ids and each choice's token_ids
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:N"

@@ -1,0 +1,136 @@
+"""gpt-oss's harmony output split into thinking and answer (pd_runtime/router/harmony.py): the
+split itself, chat's stream of deltas against the whole answer and the Responses API's items
+through the router's own builders, and over HTTP with a model whose template writes harmony's
+channels and whose tokenizer has its markers as special tokens."""
+
+from __future__ import annotations
+
+import shutil
+
+import openai
+import pytest
+
+from pd_runtime import LLM, SamplingParams
+from pd_runtime.router.harmony import content_start, split
+from pd_runtime.tokenizer import Tokenizer
+from tests.router_support.serving import ENGINE, local
+from tests.test_reasoning import _built
+from tests.test_responses_events import _accumulated, _run, _shape
+
+THINK = "<|channel|>analysis<|message|>2 and 2 make 4.<|end|>"
+ANSWER = "<|start|>assistant<|channel|>final<|message|>It is 4."
+
+
+@pytest.mark.parametrize("text, reasoning, content, start", [
+    (THINK + ANSWER, "2 and 2 make 4.", "It is 4.", len(THINK + ANSWER) - len("It is 4.")),
+    (THINK, "2 and 2 make 4.", "", None),  # cut off while thinking
+    ("<|channel|>analysis<|message|>2 and", "2 and", "", None),
+    ("<|channel|>analy", "", "", None),  # a header not yet complete
+    # a preamble (commentary to no one) is thinking; two messages of it, a blank line between
+    (THINK + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + ANSWER,
+     "2 and 2 make 4.\n\nChecking.", "It is 4.", None),
+    ("<|channel|>final<|message|>Just this.", "", "Just this.", len("<|channel|>final<|message|>")),
+    ("Plain text, no channels.", None, "Plain text, no channels.", 0),
+])
+def test_split(text, reasoning, content, start):
+    assert split(text) == (reasoning, content)
+    if start is not None or reasoning is None or not content:
+        assert content_start(text) == (start if content else
+                                       (0 if reasoning is None else None))
+
+
+def test_a_call_addressed_to_a_tool_is_neither_thinking_nor_answer():
+    text = (THINK + "<|start|>assistant<|channel|>commentary to=functions.get_time "
+            "<|constrain|>json<|message|>{\"zone\": \"UTC\"}")
+    assert split(text) == ("2 and 2 make 4.", "")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_dir):
+    return Tokenizer(llama_dir)
+
+
+@pytest.mark.parametrize("pieces", [1, 4, 9])
+def test_chat_deltas_add_up_to_the_answer(tokenizer, pieces):
+    events, final = _built(tokenizer, THINK + ANSWER, "harmony", pieces=pieces)
+    assert final["message"] == {"role": "assistant", "reasoning": "2 and 2 make 4.",
+                                "content": "It is 4."}
+    assert "".join(e["delta"].get("reasoning", "") for e in events) == "2 and 2 make 4."
+    assert "".join(e["delta"].get("content") or "" for e in events) == "It is 4."
+    assert not any("<|" in (e["delta"].get("content") or "") + e["delta"].get("reasoning", "")
+                   for e in events)
+
+
+@pytest.mark.parametrize("pieces", [1, 5])
+def test_responses_give_a_reasoning_item_and_the_message(tokenizer, pieces):
+    events, body = _run(tokenizer, THINK + ANSWER, pieces, reasoning="harmony")
+    assert [item["type"] for item in body["output"]] == ["reasoning", "message"]
+    reasoning, message = body["output"]
+    assert reasoning["content"][0]["text"] == "2 and 2 make 4."
+    assert message["content"][0]["text"] == "It is 4."
+    final = _accumulated(events)._completed_response  # what the official client builds
+    assert _shape(final.output) == _shape(body["output"])
+
+
+# A harmony-writing template, as gpt-oss's renders a conversation (its system and developer
+# messages left out), with gpt-oss's markers among the tokenizer's special tokens.
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}"
+                    "<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
+                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
+           "<|call|>")
+
+
+@pytest.fixture(scope="module")
+def harmony_model(model_factory, tmp_path_factory):
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    model = tmp_path_factory.mktemp("harmony") / "model"
+    shutil.copytree(model_factory("llama", vocab_size=528), model)  # room for the markers
+    (model / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
+    hf = HFTokenizer.from_file(str(model / "tokenizer.json"))
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MARKERS])
+    hf.save(str(model / "tokenizer.json"))
+    return model
+
+
+def test_over_http(harmony_model):
+    """The request keeps the markers in its text (special tokens); the random model writes no
+    channel, so its whole output is the answer, as it decodes with them kept; a structured
+    output is refused naming its field."""
+    offline = LLM(str(harmony_model), **ENGINE)
+    assert offline.engine.tokenizer.reasoning_format == "harmony"
+    messages = [{"role": "user", "content": "2 + 2?"}]
+    prompt = offline.engine.tokenizer.apply_chat_template(messages)
+    assert prompt.endswith("<|start|>assistant")
+    ids = offline.engine.tokenizer.encode(prompt, add_special_tokens=False)
+    want = offline.generate([ids], SamplingParams(max_tokens=12, temperature=0,
+                                                  skip_special_tokens=False))[0].text
+    with local(str(harmony_model)) as (backend, port):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0)
+        done = client.chat.completions.create(model=backend.model_name, messages=messages,
+                                              max_tokens=12, temperature=0)
+        message = done.choices[0].message.to_dict()
+        assert message["content"] == want and "reasoning" not in message
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=backend.model_name, messages=messages,
+                                           max_tokens=4, response_format={"type": "json_object"})
+        assert refused.value.body["param"] == "response_format"
+        assert "harmony" in refused.value.body["message"]
+
+
+def test_a_harmony_request_keeps_the_markers_in_its_text(harmony_model):
+    from pd_runtime.router.protocol import prepare_chat
+
+    tokenizer = Tokenizer(str(harmony_model))
+    prepared = prepare_chat({"messages": [{"role": "user", "content": "hi"}]}, tokenizer, "m",
+                            512)
+    assert prepared.reasoning == "harmony"
+    assert prepared.choices[0].params.skip_special_tokens is False
+    # The markers are special tokens: a plain decode drops them, this one keeps them.
+    ids = tokenizer.encode(THINK + ANSWER, add_special_tokens=False)
+    assert tokenizer.decode(ids) == "analysis2 and 2 make 4.assistantfinalIt is 4."
+    assert split(tokenizer.decode(ids, skip_special_tokens=False)) == ("2 and 2 make 4.",
+                                                                        "It is 4.")
