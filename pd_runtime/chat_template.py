@@ -91,11 +91,13 @@ def tool_call_format(template: Optional[str]) -> Optional[str]:
     JSON calls, and Llama 4's), "deepseek_v3" (<｜tool▁calls▁begin｜>: DeepSeek-V3, R1 and its
     distills), "pythonic" (the [func_name1(params_name1=params_value1, ...)] prompt: Llama 3.2
     and Llama 4's pythonic templates, ToolACE), "granite" (<|tool_call|> and a JSON list:
-    Granite 3.x), or None: also for another format that looks like one of these (a <function= call without
-    <parameter= tags), so that tool_choice auto is a clear 400 rather than calls returned as
-    text."""
+    Granite 3.x), "harmony" (gpt-oss's messages to=functions.NAME), or None: also for another
+    format that looks like one of these (a <function= call without <parameter= tags), so that
+    tool_choice auto is a clear 400 rather than calls returned as text."""
     if not template:
         return None
+    if "<|channel|>" in template:
+        return "harmony"
     if "<function=" in template:
         return "qwen3_coder" if "<parameter=" in template and "<tool_call>" in template \
             else None

@@ -176,10 +176,11 @@ class RouterConfig(_Strict):
     # (pd_runtime/router/tool_calls.py): "auto", the format its chat template shows (<function=...> calls in
     # <tool_call> blocks: qwen3_coder; JSON in them: hermes; [TOOL_CALLS]: mistral;
     # <|python_tag|>: llama3_json; <｜tool▁calls▁begin｜>: deepseek_v3; the
-    # [func_name1(params_name1=...)] prompt: pythonic; <|tool_call|>: granite), else none;
-    # "none": auto tool choice refused.
+    # [func_name1(params_name1=...)] prompt: pythonic; <|tool_call|>: granite; harmony's
+    # <|channel|>: harmony, gpt-oss's), else none; "none": auto tool choice refused.
     tool_call_parser: Literal["auto", "hermes", "mistral", "llama3_json", "qwen3_coder",
-                              "deepseek_v3", "pythonic", "granite", "none"] = "auto"
+                              "deepseek_v3", "pythonic", "granite", "harmony",
+                              "none"] = "auto"
     # A reasoning model's thinking on chat completions (pd_runtime/router/reasoning.py): "auto", split
     # into `reasoning` when its chat template knows <think> blocks (or writes harmony's
     # channels: gpt-oss, pd_runtime/router/harmony.py); "think" or "harmony", always; "none",

@@ -39,10 +39,14 @@ def test_split(text, reasoning, content, start):
                                        (0 if reasoning is None else None))
 
 
-def test_a_call_addressed_to_a_tool_is_neither_thinking_nor_answer():
-    text = (THINK + "<|start|>assistant<|channel|>commentary to=functions.get_time "
+def test_a_call_stays_in_the_content_as_written_and_another_recipient_is_dropped():
+    """(The tool-call reader takes the call out: below.)"""
+    call = ("<|start|>assistant<|channel|>commentary to=functions.get_time "
             "<|constrain|>json<|message|>{\"zone\": \"UTC\"}")
-    assert split(text) == ("2 and 2 make 4.", "")
+    assert split(THINK + call) == ("2 and 2 make 4.", call)
+    assert content_start(THINK + call) == len(THINK)
+    browse = "<|start|>assistant<|channel|>analysis to=browser.search<|message|>{}<|end|>"
+    assert split(THINK + browse + ANSWER) == ("2 and 2 make 4.", "It is 4.")
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +118,12 @@ def test_over_http(harmony_model):
                                               max_tokens=12, temperature=0)
         message = done.choices[0].message.to_dict()
         assert message["content"] == want and "reasoning" not in message
+        tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+            "type": "object", "properties": {}}}}]
+        with_tools = client.chat.completions.create(model=backend.model_name, messages=messages,
+                                                    max_tokens=12, temperature=0, tools=tools)
+        assert with_tools.choices[0].message.content == want  # no call: the answer
+        assert not with_tools.choices[0].message.tool_calls
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=backend.model_name, messages=messages,
                                            max_tokens=4, response_format={"type": "json_object"})
@@ -134,3 +144,49 @@ def test_a_harmony_request_keeps_the_markers_in_its_text(harmony_model):
     assert tokenizer.decode(ids) == "analysis2 and 2 make 4.assistantfinalIt is 4."
     assert split(tokenizer.decode(ids, skip_special_tokens=False)) == ("2 and 2 make 4.",
                                                                         "It is 4.")
+
+
+CALL = ("<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json"
+        "<|message|>{\"zone\": \"UTC\"}")
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 8])
+def test_a_call_to_a_function_is_a_tool_call(tokenizer, pieces):
+    """Thinking, a preamble, then a call (the <|call|> stop token ends it, its text left out):
+    the reasoning, no content, the call with its arguments as written, streamed or whole."""
+    from pd_runtime.router.tools import ToolPlan
+
+    text = THINK + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + CALL
+    plan = ToolPlan("auto", parser="harmony", names=("get_time",))
+    events, final = _built(tokenizer, text, "harmony", tools=plan, pieces=pieces)
+    message = final["message"]
+    assert final["finish_reason"] == "tool_calls"
+    assert message["reasoning"] == "2 and 2 make 4.\n\nChecking." and not message["content"]
+    [call] = message["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == \
+        ("get_time", '{"zone": "UTC"}')
+    streamed = [c for e in events for c in e["delta"].get("tool_calls") or []]
+    assert [c["function"]["name"] for c in streamed if "id" in c] == ["get_time"]
+    assert "".join(c["function"]["arguments"] for c in streamed) == '{"zone": "UTC"}'
+    assert not "".join(e["delta"].get("content") or "" for e in events)
+    # An answer, not a call: content as without tools.
+    events, final = _built(tokenizer, THINK + ANSWER, "harmony", tools=plan, pieces=pieces)
+    assert final["message"]["content"] == "It is 4." and "tool_calls" not in final["message"]
+    assert final["finish_reason"] == "stop"
+
+
+def test_responses_give_the_call_as_a_function_call_item(tokenizer):
+    from pd_runtime.router.tools import ToolPlan
+
+    plan = ToolPlan("auto", parser="harmony", names=("get_time",))
+    events, body = _run(tokenizer, THINK + CALL, 4, reasoning="harmony", tools=plan)
+    assert [item["type"] for item in body["output"]] == ["reasoning", "function_call"]
+    call = body["output"][1]
+    assert (call["name"], call["arguments"]) == ("get_time", '{"zone": "UTC"}')
+    final = _accumulated(events)._completed_response
+    assert _shape(final.output) == _shape(body["output"])
+
+
+def test_the_template_names_the_format(harmony_model):
+    tokenizer = Tokenizer(str(harmony_model))
+    assert (tokenizer.reasoning_format, tokenizer.tool_call_format) == ("harmony", "harmony")

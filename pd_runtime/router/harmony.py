@@ -1,7 +1,9 @@
 """gpt-oss's output (OpenAI's harmony format) split into thinking and answer on chat
 completions and Responses, as vLLM returns them: the analysis channel (and commentary the
 model addresses to no tool, its preambles) goes to `message.reasoning`, the final channel to
-`content`.
+`content`. A message addressed to a function (`to=functions.NAME`) is a tool call: it stays in
+the content as written, where the tool-call reader for this format (tool_calls_harmony.py)
+takes it out.
 
 The generation prompt ends with `<|start|>assistant`; the output is then messages of the form
 `<|channel|>NAME[ to=RECIPIENT][ <|constrain|>FORMAT]<|message|>BODY<|end|>`, each after the
@@ -31,6 +33,14 @@ class Message:
     recipient: Optional[str]
     body: str
     start: int  # where the body begins in the output text
+    head: int  # where its header begins
+
+    @property
+    def function(self) -> Optional[str]:
+        """The function it calls (to=functions.NAME), or None."""
+        prefix = "functions."
+        return self.recipient[len(prefix):] if self.recipient and \
+            self.recipient.startswith(prefix) else None
 
 
 def parse(text: str, final: bool = True) -> Optional[list[Message]]:
@@ -55,19 +65,25 @@ def parse(text: str, final: bool = True) -> Optional[list[Message]]:
         if end < 0 and not final:
             body = body[:len(body) - partial_tag_len(body, END)]
         messages.append(Message(channel.group(1) if channel else "", recipient and
-                                recipient.group(1), body, start))
+                                recipient.group(1), body, start, pos))
         if end < 0:
             break
         pos = end + len(END)
     return messages
 
 
-def _is_answer(message: Message) -> bool:
-    return message.channel == "final"
-
-
 def _is_thinking(message: Message) -> bool:
-    return not _is_answer(message) and message.recipient is None
+    return message.channel != "final" and message.recipient is None
+
+
+def _answer(text: str, message: Message) -> Optional[tuple[int, str]]:
+    """A message's part of the content (where it begins, its text): a final message's body, a
+    function call as written; None for thinking, or a message to another recipient."""
+    if message.function is not None:
+        return message.head, text[message.head:message.start + len(message.body)]
+    if message.channel == "final" and message.recipient is None:
+        return message.start, message.body
+    return None
 
 
 def split(text: str, final: bool = True) -> tuple[Optional[str], str]:
@@ -76,8 +92,9 @@ def split(text: str, final: bool = True) -> tuple[Optional[str], str]:
     messages = parse(text, final)
     if messages is None:
         return None, text
+    answers = [a for a in (_answer(text, m) for m in messages) if a is not None]
     return (SEPARATOR.join(m.body for m in messages if _is_thinking(m)),
-            SEPARATOR.join(m.body for m in messages if _is_answer(m)))
+            SEPARATOR.join(part for _, part in answers))
 
 
 def content_start(text: str) -> Optional[int]:
@@ -86,7 +103,7 @@ def content_start(text: str) -> Optional[int]:
     messages = parse(text)
     if messages is None:
         return 0
-    return next((m.start for m in messages if _is_answer(m)), None)
+    return next((a[0] for a in (_answer(text, m) for m in messages) if a is not None), None)
 
 
 class HarmonyStream:

@@ -20,6 +20,8 @@ The formats (FORMATS; the one a chat template teaches, or router.tool_call_parse
                (Qwen3-Coder and the later Qwen models: pd_runtime/router/tool_calls_xml.py)
   pythonic     the whole output: [get_weather(city="Paris"), ...], Python literals for values
                (Llama 3.2 and 4 prompted for it, ToolACE: pd_runtime/router/tool_calls_pythonic.py)
+  harmony      a message to=functions.NAME on gpt-oss's commentary channel, its body the
+               arguments (pd_runtime/router/tool_calls_harmony.py)
 Output that breaks its format before a call has begun is content after all (all of it, as
 written); after one has, what follows the last whole call is dropped. Arguments are given as
 the model wrote them: a call cut short (max_tokens) has them cut short too; a JSON string is
@@ -60,9 +62,9 @@ FORMATS = {"hermes": _Format("<tool_call>", opener="<tool_call>"),
                "<|python_start|><|python_end|>", "<|python_start|>", "<|python_tag|>")),
            "required": _Format(None, between=_SPACE + "[,"),
            "deepseek_v3": _Format("<｜tool▁calls▁begin｜>")}
-XML_FORMAT, PYTHONIC_FORMAT = "qwen3_coder", "pythonic"
+XML_FORMAT, PYTHONIC_FORMAT, HARMONY_FORMAT = "qwen3_coder", "pythonic", "harmony"
 PARSERS = ("hermes", "mistral", "llama3_json", "deepseek_v3", XML_FORMAT,  # tool_call_parser's
-           PYTHONIC_FORMAT, "granite")
+           PYTHONIC_FORMAT, "granite", HARMONY_FORMAT)
 _DS_CALL, _DS_SEP, _DS_END, _DS_CALLS_END = \
     "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
 _DS_FENCE = "```json"
@@ -354,6 +356,9 @@ def reader(plan):
     if plan.mode == "auto" and plan.parser == PYTHONIC_FORMAT:
         from pd_runtime.router.tool_calls_pythonic import PythonicCallReader
         return PythonicCallReader(plan)
+    if plan.mode == "auto" and plan.parser == HARMONY_FORMAT:
+        from pd_runtime.router.tool_calls_harmony import HarmonyCallReader
+        return HarmonyCallReader(plan)
     return CallReader(plan)
 
 
