@@ -193,6 +193,43 @@ def test_prefill_matches_reference(tp, shape):
 
 
 @requires_cuda
+@pytest.mark.parametrize("window", [0, 128])
+def test_sinks_match_reference_at_gpt_oss_shape(tp, window):
+    """gpt-oss-20b's attention (64 query heads over 8 KV heads, head_dim 64, a sink logit per
+    head; its window of 128 on every other layer): decode split or not, and prefill."""
+    from pd_runtime.kernels import attention as ref
+
+    shape = gk.Shape(64, 8, 64, 16, torch.bfloat16)
+    sinks = (torch.randn(64, generator=torch.Generator().manual_seed(16)) * 2).to(DEVICE)
+    case = gk.decode_case(shape, [1, 100, 129, 5000], DEVICE, seed=16)
+    kv = torch.nan_to_num(case.kv.float(), nan=0.0)
+    want = ref.decode_attention(case.q.float(), kv, case.block_tables.long(),
+                                case.context_lens.long(), shape.scale, window=window,
+                                sinks=sinks)
+    for splits in (None, 1):
+        out = torch.full_like(case.q, float("nan"))
+        tp.decode_attention(case.q, case.kv, case.block_tables, case.context_lens, shape.scale,
+                            out=out, num_splits=splits, window=window, sinks=sinks)
+        _assert_close(out, want, f"decode, splits {splits}")
+    case = gk.prefill_case(shape, [(300, 0), (64, 1000)], DEVICE, seed=17)
+    kv = torch.nan_to_num(case.kv.float(), nan=0.0)
+    want = torch.empty(case.q.shape, dtype=torch.float32, device=DEVICE)
+    starts = case.query_start_loc.tolist()
+    for row, ctx in enumerate(case.context_lens.tolist()):
+        a, b = starts[row], starts[row + 1]
+        seg = ref.PrefillSegment(0, b - a, ctx,
+                                 case.block_tables[row, :-(-ctx // shape.block_size)].long())
+        want[a:b] = ref.prefill_attention(case.q[a:b].float(), case.k_new[a:b].float(),
+                                          case.v_new[a:b].float(), kv, seg, shape.scale,
+                                          window, sinks=sinks)
+    out = torch.full_like(case.q, float("nan"))
+    tp.prefill_attention(case.q, case.kv, case.query_start_loc, case.context_lens,
+                         case.block_tables, shape.scale, max_query_len=case.max_query_len,
+                         out=out, window=window, sinks=sinks)
+    _assert_close(out, want, "prefill")
+
+
+@requires_cuda
 def test_decode_replays_from_a_cuda_graph_with_new_lengths(tp):
     """Captured once; the block tables, lengths and queries change in place, as they do between
     replays of the engine's decode graph."""
@@ -254,6 +291,10 @@ MODELS = {
     # A sliding window shorter than most prompts (Mistral v0.1's, Phi-3-mini's), every layer.
     "window": dict(architecture="mistral", sliding_window=48, hidden_size=256,
                    intermediate_size=512, num_attention_heads=4, num_key_value_heads=1),
+    # gpt-oss: sinks in every layer, a window on every other, experts with biases (eager
+    # decode); calibrated on CPU as mixtral (in bf16, 58% of the tokens before a difference).
+    "gpt-oss": dict(architecture="gpt_oss", sliding_window=48, hidden_size=256,
+                    intermediate_size=256, num_attention_heads=4, num_key_value_heads=1),
 }
 DENSE = ("d128", "d64", "window")  # the models decode runs under CUDA graphs for
 PROMPT_LENS = [3, 17, 64, 100, 129, 250, 31, 8]  # ragged, around block edges
