@@ -78,8 +78,10 @@ def test_responses_give_a_reasoning_item_and_the_message(tokenizer, pieces):
 
 # A harmony-writing template, as gpt-oss's renders a conversation (its system and developer
 # messages left out), with gpt-oss's markers among the tokenizer's special tokens.
-HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}"
-                    "<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
+HARMONY_TEMPLATE = ("{% for m in messages %}{% if m.role == 'assistant' %}{% if m.thinking %}"
+                    "<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>"
+                    "{% endif %}<|start|>assistant<|channel|>final{% else %}<|start|>"
+                    "{{ m.role }}{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
                     "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
            "<|call|>")
@@ -190,3 +192,18 @@ def test_responses_give_the_call_as_a_function_call_item(tokenizer):
 def test_the_template_names_the_format(harmony_model):
     tokenizer = Tokenizer(str(harmony_model))
     assert (tokenizer.reasoning_format, tokenizer.tool_call_format) == ("harmony", "harmony")
+
+
+def test_thinking_sent_back_reaches_the_template_as_gpt_oss_reads_it(harmony_model):
+    """An earlier answer's `reasoning` (what this server returned) is the message's
+    `thinking` for a harmony template, as gpt-oss's reads it."""
+    from pd_runtime.router.protocol import prepare_chat
+
+    tokenizer = Tokenizer(str(harmony_model))
+    messages = [{"role": "user", "content": "2 + 2?"},
+                {"role": "assistant", "content": "It is 4.", "reasoning": "2 and 2 make 4."},
+                {"role": "user", "content": "And 3 + 3?"}]
+    prepared = prepare_chat({"messages": messages}, tokenizer, "m", 512)
+    text = tokenizer.decode(prepared.prompts[0], skip_special_tokens=False)
+    assert "<|start|>assistant<|channel|>analysis<|message|>2 and 2 make 4.<|end|>" \
+        "<|start|>assistant<|channel|>final<|message|>It is 4.<|end|>" in text

@@ -22,7 +22,7 @@ _RESERVED = frozenset({"messages", "add_generation_prompt", "continue_final_mess
                        "bos_token", "eos_token", "tools", "documents"})
 
 
-def _message_dict(message: ChatMessage, index: int) -> dict:
+def _message_dict(message: ChatMessage, index: int, harmony: bool = False) -> dict:
     content = message.content
     if isinstance(content, list):
         texts = []
@@ -39,6 +39,8 @@ def _message_dict(message: ChatMessage, index: int) -> dict:
         thinking = _thinking(message.model_extra, index)
         if thinking is not None:  # under both names: templates read one or the other
             out["reasoning_content"] = out["reasoning"] = thinking
+            if harmony:  # (gpt-oss's template reads it as `thinking`)
+                out["thinking"] = thinking
     return out
 
 
@@ -70,11 +72,12 @@ def chat_text(body: ChatCompletionRequest, tokenizer, tools: Optional[list] = No
     if body.continue_final_message and body.add_generation_prompt:
         raise InvalidRequest("continue_final_message needs add_generation_prompt: false",
                              param="continue_final_message")
+    fmt = getattr(tokenizer, "reasoning_format", None) or \
+        reasoning_format(tokenizer.chat_template)
     _effort_variables(body.reasoning_effort, variables, tokenizer.chat_template or "",
-                      thinks=bool(getattr(tokenizer, "reasoning_format", None)
-                                  or reasoning_format(tokenizer.chat_template)))
-    dicts = template_messages([_message_dict(m, i) for i, m in enumerate(body.messages)],
-                              body.messages)
+                      thinks=bool(fmt))
+    dicts = template_messages([_message_dict(m, i, fmt == "harmony")
+                               for i, m in enumerate(body.messages)], body.messages)
     if tools is not None:
         variables["tools"] = tools
     try:
