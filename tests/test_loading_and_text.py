@@ -368,3 +368,34 @@ def test_gemma3_text_model_inside_a_multimodal_checkpoint(model_factory, tmp_pat
         [ids], SamplingParams(max_tokens=4, temperature=0, logprobs=3))[0].outputs[0].logprobs
               for p in (source, path)]
     assert logits[0] == logits[1]
+
+
+def test_mistral3_text_model_inside_a_multimodal_checkpoint(model_factory, tmp_path):
+    """Mistral Small 3.1/3.2 ship as Mistral3ForConditionalGeneration: a Mistral text model
+    under language_model. (its config under text_config, no window), a vision tower and
+    projector beside it (not read). Served as its text model: the causal LM's logits."""
+    from pd_runtime.model.model_config import load_model_config
+
+    source = Path(model_factory("mistral"))
+    path = copy_model(str(source), tmp_path / "mm")
+    tensors = load_file(str(source / "model.safetensors"))
+    renamed = {("language_model." + n) if n.startswith(("model.", "lm_head.")) else n: t
+               for n, t in tensors.items()}
+    renamed["multi_modal_projector.linear_1.weight"] = torch.zeros(4, 3)
+    save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((source / "config.json").read_text())
+    text.pop("architectures")
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
+        "text_config": {**text, "sliding_window": None},
+        "vision_config": {"model_type": "pixtral"}, "image_token_index": 10,
+        "torch_dtype": "float32"}))
+    got = load_model_config(path)
+    assert (got.family, got.sliding_window) == ("mistral", None)
+    assert got.identity == load_model_config(source).identity
+    ids = Tokenizer(str(source)).encode("The quick brown fox jumps over the lazy dog")
+    logits = [LLM(str(p), dtype="float32", num_kv_blocks=16, max_model_len=256).generate(
+        [ids], SamplingParams(max_tokens=4, temperature=0, logprobs=3))[0].outputs[0].logprobs
+              for p in (source, path)]
+    assert logits[0] == logits[1]
+

@@ -36,6 +36,7 @@ _ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its text model (images are not read)
+    "Mistral3ForConditionalGeneration": "mistral",  # Mistral Small 3.1/3.2: its text model
     "GptOssForCausalLM": "gpt_oss",
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
