@@ -29,7 +29,8 @@ def outputs(results) -> list[tuple]:
     return [(r.token_ids, r.text, r.logprobs) for r in results]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "mistral-window", "gemma3", "gemma2"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "mistral-window", "gemma3", "gemma2",
+                                        "gemma"])
 def model(request, model_factory):
     # head_dim 64 and two query heads per KV head: the shapes the native kernels specialise;
     # Qwen3 for its q/k norms (whose bf16 rows once depended on the batch); a sliding window

@@ -399,3 +399,30 @@ def test_mistral3_text_model_inside_a_multimodal_checkpoint(model_factory, tmp_p
               for p in (source, path)]
     assert logits[0] == logits[1]
 
+
+def test_the_first_gemmas_config_reads_as_transformers_reads_it(tmp_path):
+    """Gemma 2B's config.json as the Hub ships it (hidden_act "gelu", the first releases'
+    name for the tanh approximation), and one left to GemmaConfig's defaults."""
+    from transformers import GemmaConfig
+
+    from pd_runtime.model.model_config import load_model_config
+
+    hub = {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_act": "gelu",
+           "hidden_size": 2048, "intermediate_size": 16384, "num_attention_heads": 8,
+           "num_hidden_layers": 18, "num_key_value_heads": 1, "head_dim": 256,
+           "vocab_size": 256000, "rope_theta": 10000.0, "rms_norm_eps": 1e-06}
+    for raw in (hub, {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}):
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        ours = load_model_config(tmp_path)
+        theirs = GemmaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+        assert (ours.family, ours.mlp_act, ours.gemma_norms, ours.sandwich_norms) == \
+            ("gemma", "gelu_tanh", True, False)
+        assert theirs.hidden_act == "gelu_pytorch_tanh"
+        assert (ours.num_layers, ours.num_kv_heads, ours.head_dim, ours.hidden_size,
+                ours.tie_word_embeddings, ours.embedding_multiplier) == \
+            (theirs.num_hidden_layers, theirs.num_key_value_heads, theirs.head_dim,
+             theirs.hidden_size, theirs.tie_word_embeddings, theirs.hidden_size ** 0.5)
+    (tmp_path / "config.json").write_text(json.dumps({**hub, "hidden_act": "relu"}))
+    with pytest.raises(ModelLoadError, match="hidden_act 'relu' is not supported"):
+        load_model_config(tmp_path)
+

@@ -82,6 +82,9 @@ VARIANTS = {
                                                         "rope_theta": 1e6},
                                      "sliding_attention": {"rope_type": "default",
                                                            "rope_theta": 1e4}}}),
+    # The first Gemma: norms as offsets from 1 (pre-norm blocks as Llama's), tanh GELU, a
+    # scaled embedding, tied embeddings, GQA here (Gemma 2B's is MQA).
+    "gemma": ("gemma", {}),
     # Gemma 2: Gemma's norms and scalings, every other layer windowed, and soft-capping of the
     # attention scores and of the logits (caps small enough to bite on this model).
     "gemma2": ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 24,
@@ -163,7 +166,7 @@ def variant(request, model_factory):
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope", "granite",
                         "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
                         "qwen3-moe", "qwen2-moe", "mistral-window", "qwen2-window", "gemma3",
-                        "gemma3-scaled", "gemma2", "gpt-oss", "gpt-oss-mxfp4"])
+                        "gemma3-scaled", "gemma2", "gemma", "gpt-oss", "gpt-oss-mxfp4"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

@@ -112,6 +112,12 @@ def nope_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
     return tuple(i for i, use_rope in enumerate(flags[:layers]) if not use_rope)
 
 
+GEMMA1_DEFAULTS = {"vocab_size": 256000, "hidden_size": 3072, "intermediate_size": 24576,
+                   "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16,
+                   "head_dim": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+                   "hidden_act": "gelu_pytorch_tanh"}
+
+
 GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
                     "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
                     "head_dim": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
@@ -125,8 +131,16 @@ GEMMA2_DEFAULTS = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size
                     "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 
 
+GEMMA_DEFAULTS = {"gemma": GEMMA1_DEFAULTS, "gemma2": GEMMA2_DEFAULTS,
+                  "gemma3": GEMMA3_DEFAULTS}
+
+
 def gemma(raw: dict, path: Path, family: str, hidden: int) -> dict:
-    """Gemma 2's and 3's fields, as transformers reads them."""
+    """Gemma's fields, as transformers reads them (the first Gemma: its norms, activation and
+    embedding scale alone)."""
+    if family == "gemma":
+        return {"gemma_norms": True, "mlp_act": "gelu_tanh",
+                "embedding_multiplier": math.sqrt(hidden)}
     if family not in ("gemma2", "gemma3"):
         return {}
     caps = {}
@@ -141,7 +155,7 @@ def gemma(raw: dict, path: Path, family: str, hidden: int) -> dict:
     if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or not scalar > 0:
         raise ModelLoadError(f"{path}: query_pre_attn_scalar must be a positive number, "
                              f"got {scalar!r}")
-    common = {"gemma_norms": True, "mlp_act": "gelu_tanh",
+    common = {"gemma_norms": True, "sandwich_norms": True, "mlp_act": "gelu_tanh",
               "embedding_multiplier": math.sqrt(hidden),
               "attention_multiplier": float(scalar) ** -0.5, **caps}
     if family == "gemma2":  # one rope for every layer

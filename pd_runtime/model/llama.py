@@ -298,7 +298,7 @@ class LlamaModel:
             h = h * self.embed_scale
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        if self.cfg.gemma_norms:
+        if self.cfg.sandwich_norms:
             return self._sandwich_layers(h, (cos, sin), positions, kv_caches, meta, output_rows)
         # The residual stream h is this forward's own tensor (the embedding output), never an
         # input, so it is updated in place; each block's output is added in front of the next

@@ -196,7 +196,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
         if cfg.qk_norm:
             layer["q_norm"] = reader.get(p + "self_attn.q_norm.weight", (d,))
             layer["k_norm"] = reader.get(p + "self_attn.k_norm.weight", (d,))
-        if cfg.gemma_norms:  # the MLP's own input norm, and the norm of its output
+        if cfg.sandwich_norms:  # the MLP's own input norm, and the norm of its output
             layer["pre_ff_norm"] = reader.get(p + "pre_feedforward_layernorm.weight", (h,))
             layer["post_ff_norm"] = reader.get(p + "post_feedforward_layernorm.weight", (h,))
         if cfg.attn_sinks:  # float32, as the attention kernels read them

@@ -33,6 +33,7 @@ _ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its text model (images are not read)
@@ -42,7 +43,8 @@ _ARCHITECTURES = {
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                 "granite": "granite", "phi3": "phi3", "smollm3": "smollm3",
                 "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe",
-                "gemma2": "gemma2", "gemma3_text": "gemma3", "gpt_oss": "gpt_oss"}
+                "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
+                "gpt_oss": "gpt_oss"}
 
 
 @dataclass(frozen=True)
@@ -113,12 +115,13 @@ class ModelConfig:
     sparse_layers: tuple[int, ...] = ()
     # Qwen2-MoE's shared expert beside the routed ones (its output scaled by a sigmoid gate).
     shared_expert_size: int = 0
-    # Gemma 3: RMSNorm weights are offsets from 1, applied in float32 before the cast; every
-    # block's output is normed before it joins the residual stream, the MLP's input by a norm
-    # of its own; the MLP's activation is tanh-approximated GELU; the embeddings are scaled by
-    # sqrt(hidden_size) rounded to the model's dtype; the sliding-window layers turn by
-    # `local_rope`.
+    # Gemma: RMSNorm weights are offsets from 1, applied in float32 before the cast; the MLP's
+    # activation is tanh-approximated GELU; the embeddings are scaled by sqrt(hidden_size)
+    # rounded to the model's dtype. Gemma 2 and 3 (`sandwich_norms`): every block's output is
+    # normed before it joins the residual stream, the MLP's input by a norm of its own; Gemma
+    # 3's sliding-window layers turn by `local_rope`.
     gemma_norms: bool = False
+    sandwich_norms: bool = False
     mlp_act: str = "silu"  # silu | gelu_tanh | clamped_swiglu (gpt-oss's, below)
     local_rope: Optional[RopeConfig] = None
     local_rope_layers: tuple[int, ...] = ()  # its "sliding_attention" layers, window or not
@@ -251,9 +254,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"{path}: unsupported architecture {raw.get('architectures')} / model_type "
             f"{raw.get('model_type')!r}; supported: {sorted(_ARCHITECTURES)}")
 
-    if family in ("gemma2", "gemma3"):  # what a Hub config leaves to the config class's defaults
-        raw = {**(fields.GEMMA3_DEFAULTS if family == "gemma3" else fields.GEMMA2_DEFAULTS),
-               **raw}
+    if family in ("gemma", "gemma2", "gemma3"):  # what a Hub config leaves to the class's defaults
+        raw = {**fields.GEMMA_DEFAULTS[family], **raw}
     elif family == "gpt_oss":
         raw = fields.gpt_oss_defaults(raw)
 
@@ -278,9 +280,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     # The MLP's activation: SiLU in every family read here but Gemma's tanh GELU (gpt-oss's
     # config says silu for its clamped SwiGLU); a checkpoint with another would run, wrongly,
     # with no error.
-    gemma = family in ("gemma2", "gemma3")
+    gemma = family in ("gemma", "gemma2", "gemma3")
     act = raw.get("hidden_activation" if gemma else "hidden_act",
                   raw.get("hidden_act", raw.get("hidden_activation", "silu")))
+    if family == "gemma":  # (GemmaConfig reads hidden_act; "gelu", the first releases', is tanh)
+        act = {"gelu": "gelu_pytorch_tanh"}.get(raw.get("hidden_act"), raw.get("hidden_act"))
     if act not in (("gelu_pytorch_tanh",) if gemma else ("silu", "swish")):
         raise ModelLoadError(f"{path}: hidden_act {act!r} is not supported (only "
                              f"{'gelu_pytorch_tanh' if gemma else 'silu'})")
@@ -301,7 +305,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         # (SmolLM3's and Gemma 3's config classes tie them unless told otherwise.)
         tie_word_embeddings=bool(raw.get("tie_word_embeddings",
-                                         family in ("smollm3", "gemma2", "gemma3"))),
+                                         family in ("smollm3", "gemma", "gemma2",
+                                                    "gemma3"))),
         # As transformers builds them: Qwen2 has q/k/v biases always; Llama, Qwen3 and Granite
         # q/k/v/o biases with attention_bias (SmolLM3 too), Llama and Granite MLP biases with
         # mlp_bias (SmolLM3 too);

@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
@@ -114,7 +115,7 @@ def _build_config(architecture: str, fields: dict):
         fields.setdefault("use_sliding_window", False)
     if architecture == "mistral":
         fields.setdefault("sliding_window", None)  # full attention, as in Mistral v0.2+
-    if architecture in ("gemma2", "gemma3", "gpt_oss"):  # (their classes' head_dim: 256, 64)
+    if architecture in ("gemma", "gemma2", "gemma3", "gpt_oss"):  # (their head_dim: 256, 64)
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     if architecture == "gpt_oss":  # 8 experts; YaRN (as gpt-oss's own) up to the preset's context
         fields.setdefault("num_local_experts", 8)
