@@ -22,9 +22,10 @@ TOOL_CALL_PARSERS = {"auto": "auto", "none": "none", "hermes": "hermes", "mistra
                      "pythonic": "pythonic", "llama4_pythonic": "pythonic",
                      "deepseek_v3": "deepseek_v3", "deepseek_v31": "deepseek_v3",
                      "qwen3_coder": "qwen3_coder", "qwen3_xml": "qwen3_coder",
-                     "granite": "granite"}
+                     "granite": "granite", "harmony": "harmony", "openai": "harmony"}
 REASONING_PARSERS = {"auto": "auto", "none": "none", "think": "think",
-                     "deepseek_r1": "think", "qwen3": "think"}
+                     "deepseek_r1": "think", "qwen3": "think", "harmony": "harmony",
+                     "openai_gptoss": "harmony"}
 _DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
            "float16": "float16", "half": "float16"}
 # flag (argparse dest) -> the engine field it sets in every pool

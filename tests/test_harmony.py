@@ -21,30 +21,31 @@ THINK = "<|channel|>analysis<|message|>2 and 2 make 4.<|end|>"
 ANSWER = "<|start|>assistant<|channel|>final<|message|>It is 4."
 
 
+PREAMBLE = "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+
+
 @pytest.mark.parametrize("text, reasoning, content, start", [
     (THINK + ANSWER, "2 and 2 make 4.", "It is 4.", len(THINK + ANSWER) - len("It is 4.")),
     (THINK, "2 and 2 make 4.", "", None),  # cut off while thinking
     ("<|channel|>analysis<|message|>2 and", "2 and", "", None),
     ("<|channel|>analy", "", "", None),  # a header not yet complete
-    # a preamble (commentary to no one) is thinking; two messages of it, a blank line between
-    (THINK + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + ANSWER,
-     "2 and 2 make 4.\n\nChecking.", "It is 4.", None),
+    # a preamble (commentary to no one) is thinking; two messages of it, a newline between
+    (THINK + PREAMBLE + ANSWER, "2 and 2 make 4.\nChecking.", "It is 4.",
+     len(THINK + PREAMBLE + ANSWER) - len("It is 4.")),
     ("<|channel|>final<|message|>Just this.", "", "Just this.", len("<|channel|>final<|message|>")),
     ("Plain text, no channels.", None, "Plain text, no channels.", 0),
 ])
 def test_split(text, reasoning, content, start):
     assert split(text) == (reasoning, content)
-    if start is not None or reasoning is None or not content:
-        assert content_start(text) == (start if content else
-                                       (0 if reasoning is None else None))
+    assert content_start(text) == start
 
 
-def test_a_call_stays_in_the_content_as_written_and_another_recipient_is_dropped():
-    """(The tool-call reader takes the call out: below.)"""
+def test_a_call_or_a_message_to_another_recipient_is_neither_thinking_nor_answer():
+    """(The tool-call reader reads the calls: below.)"""
     call = ("<|start|>assistant<|channel|>commentary to=functions.get_time "
             "<|constrain|>json<|message|>{\"zone\": \"UTC\"}")
-    assert split(THINK + call) == ("2 and 2 make 4.", call)
-    assert content_start(THINK + call) == len(THINK)
+    assert split(THINK + call) == ("2 and 2 make 4.", "")
+    assert content_start(THINK + call) is None
     browse = "<|start|>assistant<|channel|>analysis to=browser.search<|message|>{}<|end|>"
     assert split(THINK + browse + ANSWER) == ("2 and 2 make 4.", "It is 4.")
 
@@ -158,12 +159,12 @@ def test_a_call_to_a_function_is_a_tool_call(tokenizer, pieces):
     the reasoning, no content, the call with its arguments as written, streamed or whole."""
     from pd_runtime.router.tools import ToolPlan
 
-    text = THINK + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + CALL
+    text = THINK + PREAMBLE + CALL
     plan = ToolPlan("auto", parser="harmony", names=("get_time",))
     events, final = _built(tokenizer, text, "harmony", tools=plan, pieces=pieces)
     message = final["message"]
     assert final["finish_reason"] == "tool_calls"
-    assert message["reasoning"] == "2 and 2 make 4.\n\nChecking." and not message["content"]
+    assert message["reasoning"] == "2 and 2 make 4.\nChecking." and not message["content"]
     [call] = message["tool_calls"]
     assert (call["function"]["name"], call["function"]["arguments"]) == \
         ("get_time", '{"zone": "UTC"}')
@@ -207,3 +208,67 @@ def test_thinking_sent_back_reaches_the_template_as_gpt_oss_reads_it(harmony_mod
     text = tokenizer.decode(prepared.prompts[0], skip_special_tokens=False)
     assert "<|start|>assistant<|channel|>analysis<|message|>2 and 2 make 4.<|end|>" \
         "<|start|>assistant<|channel|>final<|message|>It is 4.<|end|>" in text
+
+
+@pytest.mark.parametrize("pieces", [1, 4])
+def test_a_first_message_with_its_recipient_before_the_channel_is_a_call(tokenizer, pieces):
+    """The recipient may come in the role part of the header (gpt-oss's template writes calls
+    so): the output then starts with it, right after the prompt's <|start|>assistant."""
+    from pd_runtime.router.tools import ToolPlan
+
+    text = ' to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC"}'
+    assert split(text) == ("", "")
+    plan = ToolPlan("auto", parser="harmony", names=("get_time",))
+    events, final = _built(tokenizer, text, "harmony", tools=plan, pieces=pieces)
+    [call] = final["message"]["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == \
+        ("get_time", '{"zone": "UTC"}')
+    assert not final["message"]["content"] and final["finish_reason"] == "tool_calls"
+    assert not "".join(e["delta"].get("content") or "" for e in events)
+
+
+def test_an_answer_and_a_call_in_one_output_each_keep_their_own(tokenizer):
+    """Past a stop token (ignore_eos, or stop ids cleared): an answer, then a call, or a call
+    ended by <|end|> and then an answer; neither runs into the other."""
+    from pd_runtime.router.tools import ToolPlan
+
+    plan = ToolPlan("auto", parser="harmony", names=("get_time",))
+    for text in (THINK + ANSWER + "<|end|>" + CALL, THINK + CALL + "<|end|>" + ANSWER):
+        events, final = _built(tokenizer, text, "harmony", tools=plan, pieces=3)
+        message = final["message"]
+        assert message["content"] == "It is 4."
+        assert [c["function"]["arguments"] for c in message["tool_calls"]] == \
+            ['{"zone": "UTC"}']
+        assert "".join(e["delta"].get("content") or "" for e in events) == "It is 4."
+
+
+def test_reasoning_tokens_count_only_thinking(harmony_model):
+    """Responses' output_tokens_details.reasoning_tokens: the tokens through the thinking's
+    end; none for an output that only answers (its header is no thinking)."""
+    tokenizer = Tokenizer(str(harmony_model))
+    for text, thinking in ((THINK + ANSWER, True), ("<|channel|>final<|message|>It is 4.", False)):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        prepared_events, body = _run_ids(tokenizer, text, ids)
+        used = body["usage"]["output_tokens_details"]["reasoning_tokens"]
+        if thinking:
+            upto = tokenizer.encode(THINK + "<|start|>assistant<|channel|>final<|message|>",
+                                    add_special_tokens=False)
+            assert 0 < used <= len(upto)
+        else:
+            assert used == 0
+
+
+def _run_ids(tokenizer, text, ids):
+    """A Responses builder fed `text` with its real token ids, in one chunk."""
+    from pd_runtime.api import SamplingParams
+    from pd_runtime.router.responses_api import chat_body
+    from pd_runtime.router.responses_events import ResponsesBuilder
+    from pd_runtime.router.schema import ChoiceSpec, PreparedRequest
+
+    prepared = PreparedRequest("chat", "m", [[1]], [ChoiceSpec(0, 0, SamplingParams(
+        max_tokens=100, skip_special_tokens=False))], False, False, 0, None,
+        reasoning="harmony")
+    builder = ResponsesBuilder(prepared, "resp_x", tokenizer, chat_body({"input": "hi"})[1])
+    builder.add(0, {"text": text, "token_ids": ids, "finished": True, "finish_reason": "stop"})
+    return None, builder.final_body()
+

@@ -150,6 +150,10 @@ def test_a_hub_gpt_oss_config_reads_as_transformers_reads_it(tmp_path):
         assert ours.attn_sinks and ours.qkv_bias and ours.o_bias and not ours.tie_word_embeddings
         assert (ours.swiglu_alpha, ours.swiglu_limit) == (theirs.swiglu_alpha,
                                                           theirs.swiglu_limit)
+        assert ours.torch_dtype == "bfloat16"  # (named by neither: its weights are bf16)
+    (tmp_path / "config.json").write_text(json.dumps({**bare, "num_experts": 32}))
+    assert load_model_config(tmp_path).num_experts == GptOssConfig(num_experts=32) \
+        .num_local_experts == 32  # the alias, as transformers maps it
 
 
 def test_mxfp4_is_read_for_gpt_oss_only(model_factory, tmp_path):

@@ -40,6 +40,8 @@ def test_each_flag_sets_its_field_in_every_pool(tmp_path):
     assert (r.served_model_name, r.tool_call_parser, r.reasoning_parser, r.sampling_defaults,
             r.log_requests) == ("llama", "pythonic", "think", "openai", False)
     assert ClusterConfig().router.log_requests  # on by default
+    gpt_oss = applied("--tool-call-parser", "openai", "--reasoning-parser", "openai_gptoss").router
+    assert (gpt_oss.tool_call_parser, gpt_oss.reasoning_parser) == ("harmony", "harmony")
     cors = applied("--allowed-origins", '["https://app.example"]', "--allow-credentials",
                    "--allowed-methods", '["GET", "POST"]', "--allowed-headers",
                    '["Authorization"]').router.cors

@@ -191,6 +191,10 @@ GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 def gpt_oss_defaults(raw: dict) -> dict:
     """A gpt-oss config with its class's defaults filled in (rope: YaRN over base 150000)."""
     out = {**GPT_OSS_DEFAULTS, **raw}
+    if "num_experts" in raw and "num_local_experts" not in raw:  # (its alias, as transformers')
+        out["num_local_experts"] = raw["num_experts"]
+    if not raw.get("torch_dtype") and not raw.get("dtype"):  # its weights are bf16 (and MXFP4)
+        out["torch_dtype"] = "bfloat16"
     if not raw.get("rope_parameters") and not raw.get("rope_scaling"):
         out["rope_scaling"] = dict(GPT_OSS_ROPE)
     if "rope_theta" not in raw and "rope_theta" not in (raw.get("rope_parameters") or {}):

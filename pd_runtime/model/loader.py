@@ -220,11 +220,14 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
             for name in GEMMA_NORMS:
                 if name in layer:  # (Gemma 2 has no q/k norms)
                     layer[name] = 1.0 + layer[name].float()
-    if cfg.float32_norms:  # applied in float32 before the cast (model/llama.py: rms_norm)
-        weights["final_norm"] = weights["final_norm"].float()
-        for layer in layers:
-            layer["in_norm"], layer["post_norm"] = layer["in_norm"].float(), \
-                layer["post_norm"].float()
+    if cfg.float32_norms:  # applied in float32 before the cast (model/llama.py: rms_norm), as
+        # the checkpoint stores them (transformers keeps them so: _keep_in_fp32_modules)
+        weights["final_norm"] = reader.get("model.norm.weight", (h,), dtype=torch.float32)
+        for i, layer in enumerate(layers):
+            p = f"model.layers.{i}."
+            layer["in_norm"] = reader.get(p + "input_layernorm.weight", (h,), dtype=torch.float32)
+            layer["post_norm"] = reader.get(p + "post_attention_layernorm.weight", (h,),
+                                            dtype=torch.float32)
     n_params = sum(t.numel() for t in reader_tensors(weights))
     log.info("loaded %s (%s, %.1fM params, %s) from %s", cfg.family, cfg.identity,
              n_params / 1e6, torch_dtype, model_dir)

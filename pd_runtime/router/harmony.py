@@ -1,16 +1,18 @@
 """gpt-oss's output (OpenAI's harmony format) split into thinking and answer on chat
-completions and Responses, as vLLM returns them: the analysis channel (and commentary the
-model addresses to no tool, its preambles) goes to `message.reasoning`, the final channel to
-`content`. A message addressed to a function (`to=functions.NAME`) is a tool call: it stays in
-the content as written, where the tool-call reader for this format (tool_calls_harmony.py)
-takes it out.
+completions and Responses: the analysis channel (and commentary the model addresses to no tool,
+its preambles; messages joined by a newline) goes to `message.reasoning`, the final channel to
+`content`. A message addressed to a function (`to=functions.NAME`) is a tool call, which the
+tool-call reader for this format takes from the same parse (tool_calls_harmony.py); a message
+to another recipient (a built-in tool) is in neither.
 
 The generation prompt ends with `<|start|>assistant`; the output is then messages of the form
 `<|channel|>NAME[ to=RECIPIENT][ <|constrain|>FORMAT]<|message|>BODY<|end|>`, each after the
-first opened by `<|start|>assistant` again; the last one ends with a stop token (`<|return|>`,
-`<|call|>`), whose text is left out. The markers are special tokens, which such a request keeps
-in its text (skip_special_tokens false, pd_runtime/router/protocol.py). An output that does not
-start with a marker is all answer, as without this format.
+first opened by `<|start|>assistant` again (the recipient may come before the channel, the
+first message's too: ` to=functions.NAME<|channel|>commentary json<|message|>...`); the last
+one ends with a stop token (`<|return|>`, `<|call|>`), whose text is left out. The markers are
+special tokens, which such a request keeps in its text (skip_special_tokens false,
+pd_runtime/router/protocol.py). An output that does not start with a header is all answer, as
+without this format.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from pd_runtime.router.text_checks import partial_tag_len
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 _CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
-SEPARATOR = "\n\n"  # between two messages of the thinking (or of the answer)
+_LEADING_RECIPIENT = re.compile(r"\s*to=")  # a first header's recipient, before its channel
+SEPARATOR = "\n"  # between two messages of the thinking (or of the answer)
 
 
 @dataclass
@@ -47,10 +50,10 @@ def parse(text: str, final: bool = True) -> Optional[list[Message]]:
     """The messages of the output so far (the last one's body may still grow), or None when
     the output is not in the format. Not `final`: what could still be the start of a marker
     is held back (the markers are whole tokens, so this is for text fed in pieces)."""
-    if not final and len(text) < len(CHANNEL) and (CHANNEL.startswith(text)
-                                                   or START.startswith(text)):
+    if not final and len(text) < len(CHANNEL) and (
+            CHANNEL.startswith(text) or START.startswith(text) or "to=".startswith(text.lstrip())):
         return []  # undecided yet
-    if not text.startswith((CHANNEL, START)):
+    if not text.startswith((CHANNEL, START)) and not _LEADING_RECIPIENT.match(text):
         return None
     messages, pos = [], 0
     while pos < len(text):
@@ -72,18 +75,12 @@ def parse(text: str, final: bool = True) -> Optional[list[Message]]:
     return messages
 
 
-def _is_thinking(message: Message) -> bool:
+def is_thinking(message: Message) -> bool:
     return message.channel != "final" and message.recipient is None
 
 
-def _answer(text: str, message: Message) -> Optional[tuple[int, str]]:
-    """A message's part of the content (where it begins, its text): a final message's body, a
-    function call as written; None for thinking, or a message to another recipient."""
-    if message.function is not None:
-        return message.head, text[message.head:message.start + len(message.body)]
-    if message.channel == "final" and message.recipient is None:
-        return message.start, message.body
-    return None
+def is_answer(message: Message) -> bool:
+    return message.channel == "final" and message.recipient is None
 
 
 def split(text: str, final: bool = True) -> tuple[Optional[str], str]:
@@ -92,9 +89,8 @@ def split(text: str, final: bool = True) -> tuple[Optional[str], str]:
     messages = parse(text, final)
     if messages is None:
         return None, text
-    answers = [a for a in (_answer(text, m) for m in messages) if a is not None]
-    return (SEPARATOR.join(m.body for m in messages if _is_thinking(m)),
-            SEPARATOR.join(part for _, part in answers))
+    return (SEPARATOR.join(m.body for m in messages if is_thinking(m)),
+            SEPARATOR.join(m.body for m in messages if is_answer(m)))
 
 
 def content_start(text: str) -> Optional[int]:
@@ -103,13 +99,16 @@ def content_start(text: str) -> Optional[int]:
     messages = parse(text)
     if messages is None:
         return 0
-    return next((a[0] for a in (_answer(text, m) for m in messages) if a is not None), None)
+    return next((m.start for m in messages if is_answer(m)), None)
+
+
+def thinks(text: str) -> bool:
+    """Whether the output so far holds thinking (a message of it)."""
+    return any(is_thinking(m) for m in parse(text) or ())
 
 
 class HarmonyStream:
     """One choice's thinking and answer, as responses.py asks them of a reasoning format."""
-
-    open_at_start = False  # (the think format's question; harmony's messages carry it)
 
     def __init__(self):
         self.reasoning_sent = 0

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from pd_runtime.router.protocol import PreparedRequest
 from pd_runtime.router.harmony import HarmonyStream
 from pd_runtime.router.reasoning import ThinkStream
-from pd_runtime.router.tool_calls import CallReader, call_id, read_calls, reader
+from pd_runtime.router.tool_calls import HARMONY_FORMAT, CallReader, call_id, read_calls, reader
 
 
 @dataclass
@@ -190,7 +190,7 @@ class ResponseBuilder:
             message["content"] = None
             message["tool_calls"] = [self._named_call(choice, text)]
             return message, finish
-        content, calls = read_calls(self.tools, text)
+        content, calls = read_calls(self.tools, self._call_source(choice, text))
         if calls:
             message["content"] = content
             message["tool_calls"] = calls
@@ -212,6 +212,11 @@ class ResponseBuilder:
         elif text or first:
             delta["content"] = text
 
+    def _call_source(self, choice: _Choice, content: str) -> str:
+        """What the call reader reads: the content, or for harmony's calls the whole output
+        (its calls are messages of their own beside the thinking and the answer)."""
+        return choice.text if self.tools.parser == HARMONY_FORMAT else content
+
     def _named_call(self, choice: _Choice, arguments: str) -> dict:
         return {"id": choice.call_id, "type": "function",
                 "function": {"name": self.tools.name, "arguments": arguments}}
@@ -230,7 +235,8 @@ class ResponseBuilder:
             elif text:
                 delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
             return
-        shown, calls = choice.calls.feed(content, choice.finish_reason is not None)
+        shown, calls = choice.calls.feed(self._call_source(choice, content),
+                                         choice.finish_reason is not None)
         if calls:
             delta["tool_calls"] = calls
         if choice.finish_reason == "stop" and choice.calls.calls:

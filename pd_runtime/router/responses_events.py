@@ -278,9 +278,9 @@ class ResponsesBuilder:
 
     def _reasoning_tokens(self) -> int:
         """The output tokens through the end of the thinking (all of them while it had not
-        ended); 0 without thinking."""
+        ended); 0 without thinking (none, or an empty block)."""
         choice = self.chat.choices[0]
-        if choice.think is None or choice.think.split(choice.text)[0] is None:
+        if choice.think is None or not choice.think.split(choice.text)[0]:
             return 0
         ids = choice.token_ids
         begin = choice.think.content_start(choice.text)

@@ -1,9 +1,11 @@
 """gpt-oss's tool calls (OpenAI's harmony format): a message addressed to a function,
-`<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS`,
-which the `<|call|>` stop token ends. pd_runtime/router/harmony.py leaves such a message in the
-content as written; this reader takes it out as a call (CallReader's interface,
-pd_runtime/router/tool_calls.py): its name once the header is whole, its arguments as they are
-written. A content that is not a call (the final channel's answer) is all content.
+`<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS`
+(or with the recipient before the channel), which the `<|call|>` stop token ends. This reader
+(CallReader's interface, pd_runtime/router/tool_calls.py) is fed the whole output, markers and
+thinking included (pd_runtime/router/responses.py), and reads it as pd_runtime/router/harmony.py
+does: a call per such message, its name once the header is whole, its arguments as they are
+written; the content is the final channel's, as harmony.split gives it. An output not in the
+format is all content.
 """
 
 from __future__ import annotations
@@ -31,14 +33,15 @@ class HarmonyCallReader:
         self.shown = 0  # characters of the content sent
 
     def feed(self, text: str, finished: bool = False) -> tuple[str, list[dict]]:
-        """The content so far -> (content to send now, tool_calls deltas to send now)."""
+        """The output so far -> (content to send now, tool_calls deltas to send now)."""
         messages = harmony.parse(text, finished)
-        if messages is None:  # the answer: all content
-            out = text[self.shown:]
-            self.shown = len(text)
-            return out, []
+        content = text if messages is None else \
+            harmony.SEPARATOR.join(m.body for m in messages if harmony.is_answer(m))
+        shown = content[self.shown:]
+        self.shown = max(self.shown, len(content))
         deltas = []
-        for index, message in enumerate(m for m in messages if m.function is not None):
+        calls = [m for m in messages or () if m.function is not None]
+        for index, message in enumerate(calls):
             if index == len(self.calls):
                 if index and not self.parallel:
                     break
@@ -47,19 +50,10 @@ class HarmonyCallReader:
                                "function": {"name": message.function, "arguments": ""}})
             call = self.calls[index]
             if len(message.body) > call.sent:
-                deltas.append({"index": index,
-                               "function": {"arguments": message.body[call.sent:]}})
+                arguments = message.body[call.sent:]
                 call.sent = len(message.body)
-        return "", _merged(deltas)
-
-
-def _merged(deltas: list[dict]) -> list[dict]:
-    """A new call's first arguments folded into its header delta (one delta per call)."""
-    out: list[dict] = []
-    for delta in deltas:
-        if out and "id" not in delta and out[-1]["index"] == delta["index"]:
-            out[-1]["function"]["arguments"] += delta["function"]["arguments"]
-        else:
-            out.append(delta)
-    return out
-
+                if deltas and deltas[-1]["index"] == index:  # one delta per call and feed
+                    deltas[-1]["function"]["arguments"] += arguments
+                else:
+                    deltas.append({"index": index, "function": {"arguments": arguments}})
+        return shown, deltas
