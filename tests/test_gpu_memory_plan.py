@@ -200,6 +200,10 @@ def _written(path: Path, config: dict) -> Path:
       "num_local_experts": 32, "sliding_window": 128, "tie_word_embeddings": False,
       "vocab_size": 201088, "quantization_config": {"quant_method": "mxfp4"}},
      20_914_757_184),  # gpt-oss-20b (its MXFP4 experts dequantized: bf16 like the rest)
+    ({"architectures": ["Olmo2ForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+      "vocab_size": 100352, "rope_theta": 500000, "tie_word_embeddings": False},
+     7_298_617_344),  # OLMo-2-1124-7B: q/k norms over all heads (not experts: the plan's sum)
 ])
 def test_expert_weights_are_counted(tmp_path, config, params):
     cfg = load_model_config(_written(tmp_path / "moe", config))

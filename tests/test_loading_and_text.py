@@ -415,8 +415,8 @@ def test_the_first_gemmas_config_reads_as_transformers_reads_it(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(raw))
         ours = load_model_config(tmp_path)
         theirs = GemmaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
-        assert (ours.family, ours.mlp_act, ours.gemma_norms, ours.sandwich_norms) == \
-            ("gemma", "gelu_tanh", True, False)
+        assert (ours.family, ours.mlp_act, ours.gemma_norms, ours.block_norms) == \
+            ("gemma", "gelu_tanh", True, "pre")
         assert theirs.hidden_act == "gelu_pytorch_tanh"
         assert (ours.num_layers, ours.num_kv_heads, ours.head_dim, ours.hidden_size,
                 ours.tie_word_embeddings, ours.embedding_multiplier) == \

@@ -97,6 +97,9 @@ VARIANTS = {
     # ... its experts in MXFP4 as OpenAI's checkpoints hold them (transformers dequantizes).
     "gpt-oss-mxfp4": ("gpt_oss", {"sliding_window": 6, "num_experts_per_tok": 2,
                                   "quantization": "mxfp4"}),
+    # OLMo 2: each block's output normed (no norm on its input), q and k normed over all
+    # heads at once before rope, norms scaled in float32.
+    "olmo2": ("olmo2", {}),
     "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 64}}),
@@ -166,7 +169,8 @@ def variant(request, model_factory):
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "llama3-rope", "yarn-rope", "granite",
                         "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
                         "qwen3-moe", "qwen2-moe", "mistral-window", "qwen2-window", "gemma3",
-                        "gemma3-scaled", "gemma2", "gemma", "gpt-oss", "gpt-oss-mxfp4"])
+                        "gemma3-scaled", "gemma2", "gemma", "gpt-oss", "gpt-oss-mxfp4",
+                        "olmo2"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

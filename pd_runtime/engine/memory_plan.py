@@ -68,8 +68,8 @@ def weight_bytes(cfg: ModelConfig, elem: int) -> int:
     per_layer = h * (q + 2 * kv) + q * h + 2 * h
     per_layer += (q + 2 * kv) if cfg.qkv_bias else 0
     per_layer += h if cfg.o_bias else 0
-    per_layer += 2 * cfg.head_dim if cfg.qk_norm else 0
-    per_layer += 2 * h if cfg.sandwich_norms else 0  # (Gemma 2/3's MLP input, output norms)
+    per_layer += (q + kv if cfg.qk_norm_whole else 2 * cfg.head_dim) if cfg.qk_norm else 0
+    per_layer += 2 * h if cfg.block_norms == "sandwich" else 0  # (Gemma 2/3's MLP norms)
     per_layer += cfg.num_heads if cfg.attn_sinks else 0  # (gpt-oss's sink logits)
     dense = 3 * h * inter + (2 * inter + h if cfg.mlp_bias else 0)
     sparse = cfg.num_experts * (3 * h * cfg.moe_intermediate_size + h)  # experts and router

@@ -155,7 +155,7 @@ def gemma(raw: dict, path: Path, family: str, hidden: int) -> dict:
     if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or not scalar > 0:
         raise ModelLoadError(f"{path}: query_pre_attn_scalar must be a positive number, "
                              f"got {scalar!r}")
-    common = {"gemma_norms": True, "sandwich_norms": True, "mlp_act": "gelu_tanh",
+    common = {"gemma_norms": True, "block_norms": "sandwich", "mlp_act": "gelu_tanh",
               "embedding_multiplier": math.sqrt(hidden),
               "attention_multiplier": float(scalar) ** -0.5, **caps}
     if family == "gemma2":  # one rope for every layer

@@ -194,6 +194,12 @@ class LlamaModel:
         if cos is None:  # a layer without rope (SmolLM3's NoPE layers)
             qk = qkv[:, :self.q_size + self.kv_size].reshape(-1, heads + kv_heads, head_dim)
             q, k = qk[:, :heads], qk[:, heads:]
+        elif cfg.qk_norm and cfg.qk_norm_whole:  # (OLMo 2's: over all heads, before rope)
+            q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], -1)
+            q = apply_rope(self.norm(q.contiguous(), layer["q_norm"], cfg.rms_norm_eps)
+                           .view(-1, heads, head_dim), cos, sin)
+            k = apply_rope(self.norm(k.contiguous(), layer["k_norm"], cfg.rms_norm_eps)
+                           .view(-1, kv_heads, head_dim), cos, sin)
         elif cfg.qk_norm:
             # Contiguous first: the fused bf16 norm takes dense rows; torch's float path over
             # the strided view reduced in an order that depended on the row count (a token's
@@ -298,7 +304,7 @@ class LlamaModel:
             h = h * self.embed_scale
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        if self.cfg.sandwich_norms:
+        if self.cfg.block_norms != "pre":
             return self._sandwich_layers(h, (cos, sin), positions, kv_caches, meta, output_rows)
         # The residual stream h is this forward's own tensor (the embedding output), never an
         # input, so it is updated in place; each block's output is added in front of the next
@@ -328,9 +334,9 @@ class LlamaModel:
     def _sandwich_layers(self, h: torch.Tensor, rope: tuple, positions: torch.Tensor,
                          kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                          output_rows: torch.Tensor | None) -> torch.Tensor:
-        """Gemma 3's layers (forward's contract): each block's output normed before it joins
-        the residual stream, the MLP's input by a norm of its own; the windowed layers turn by
-        their own rope."""
+        """Gemma 2/3's layers (forward's contract): each block's output normed before it joins
+        the residual stream, the MLP's input by a norm of its own; Gemma 3's windowed layers
+        turn by their own rope. OLMo 2's: the outputs' norms alone."""
         eps, norm, last = self.cfg.rms_norm_eps, self.norm, len(self.layers) - 1
         meta.softcap = self.cfg.attn_softcap or 0.0
         local = (self.local_rope[0][positions].unsqueeze(1),
@@ -340,14 +346,15 @@ class LlamaModel:
             meta.layer, meta.window = index, self.windows[index]
             rows = output_rows if index == last else None
             turn = local if index in self.cfg.local_rope_layers else rope
-            attn_out = self._attention(layer, packed, norm(h, layer["in_norm"], eps), *turn,
-                                       kv_layer, meta, rows)
+            x = norm(h, layer["in_norm"], eps) if "in_norm" in layer else h
+            attn_out = self._attention(layer, packed, x, *turn, kv_layer, meta, rows)
             if meta.on_layer is not None:
                 meta.on_layer(index)
             if rows is not None:
                 h = h[rows]  # a new tensor: the residual stream of the output rows only
             h.add_(norm(attn_out, layer["post_norm"], eps))
-            mlp_out = self._mlp(layer, packed, norm(h, layer["pre_ff_norm"], eps))
+            mlp_out = self._mlp(layer, packed, norm(h, layer["pre_ff_norm"], eps)
+                                if "pre_ff_norm" in layer else h)
             h.add_(norm(mlp_out, layer["post_ff_norm"], eps))
         return norm(h, self.final_norm, eps)
 

@@ -160,6 +160,16 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
     reader = _TensorReader(_shard_files(model_dir), torch_dtype, device)
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
+
+    def norm(name: str, size: int) -> torch.Tensor:
+        """A norm's weight; with float32_norms in float32 (model/llama.py: rms_norm): gpt-oss's
+        as the checkpoint stores them (transformers keeps them so), OLMo 2's rounded to the
+        model's dtype first (as transformers holds them)."""
+        if cfg.family == "gpt_oss":
+            return reader.get(name, (size,), dtype=torch.float32)
+        weight = reader.get(name, (size,))
+        return weight.float() if cfg.float32_norms else weight
+
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -171,9 +181,10 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
         layer = {
             "qkv": qkv,
             "o": reader.get(p + "self_attn.o_proj.weight", (h, q_out)),
-            "in_norm": reader.get(p + "input_layernorm.weight", (h,)),
-            "post_norm": reader.get(p + "post_attention_layernorm.weight", (h,)),
+            "post_norm": norm(p + "post_attention_layernorm.weight", h),
         }
+        if cfg.block_norms != "post":  # (OLMo 2 norms no block's input)
+            layer["in_norm"] = norm(p + "input_layernorm.weight", h)
         if i in cfg.sparse_layers:
             layer.update(_experts(reader, cfg, p))
         elif cfg.family == "phi3":
@@ -193,18 +204,21 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
             layer["gate_up_bias"] = torch.cat([reader.get(p + "mlp.gate_proj.bias", (inter,)),
                                                reader.get(p + "mlp.up_proj.bias", (inter,))], 0)
             layer["down_bias"] = reader.get(p + "mlp.down_proj.bias", (h,))
-        if cfg.qk_norm:
-            layer["q_norm"] = reader.get(p + "self_attn.q_norm.weight", (d,))
-            layer["k_norm"] = reader.get(p + "self_attn.k_norm.weight", (d,))
-        if cfg.sandwich_norms:  # the MLP's own input norm, and the norm of its output
-            layer["pre_ff_norm"] = reader.get(p + "pre_feedforward_layernorm.weight", (h,))
-            layer["post_ff_norm"] = reader.get(p + "post_feedforward_layernorm.weight", (h,))
+        if cfg.qk_norm:  # per head, or (OLMo 2) over all of them
+            layer["q_norm"] = norm(p + "self_attn.q_norm.weight",
+                                   q_out if cfg.qk_norm_whole else d)
+            layer["k_norm"] = norm(p + "self_attn.k_norm.weight",
+                                   kv_out if cfg.qk_norm_whole else d)
+        if cfg.block_norms == "sandwich":  # the MLP's own input norm
+            layer["pre_ff_norm"] = norm(p + "pre_feedforward_layernorm.weight", h)
+        if cfg.block_norms != "pre":  # the norm of the MLP's output
+            layer["post_ff_norm"] = norm(p + "post_feedforward_layernorm.weight", h)
         if cfg.attn_sinks:  # float32, as the attention kernels read them
             layer["sinks"] = reader.get(p + "self_attn.sinks", (cfg.num_heads,)).float()
         layers.append(layer)
     weights = {
         "embed": reader.get("model.embed_tokens.weight", (cfg.vocab_size, h)),
-        "final_norm": reader.get("model.norm.weight", (h,)),
+        "final_norm": norm("model.norm.weight", h),
         "layers": layers,
     }
     if not cfg.tie_word_embeddings:
@@ -220,14 +234,6 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
             for name in GEMMA_NORMS:
                 if name in layer:  # (Gemma 2 has no q/k norms)
                     layer[name] = 1.0 + layer[name].float()
-    if cfg.float32_norms:  # applied in float32 before the cast (model/llama.py: rms_norm), as
-        # the checkpoint stores them (transformers keeps them so: _keep_in_fp32_modules)
-        weights["final_norm"] = reader.get("model.norm.weight", (h,), dtype=torch.float32)
-        for i, layer in enumerate(layers):
-            p = f"model.layers.{i}."
-            layer["in_norm"] = reader.get(p + "input_layernorm.weight", (h,), dtype=torch.float32)
-            layer["post_norm"] = reader.get(p + "post_attention_layernorm.weight", (h,),
-                                            dtype=torch.float32)
     n_params = sum(t.numel() for t in reader_tensors(weights))
     log.info("loaded %s (%s, %.1fM params, %s) from %s", cfg.family, cfg.identity,
              n_params / 1e6, torch_dtype, model_dir)

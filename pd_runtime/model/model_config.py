@@ -4,7 +4,8 @@ Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3 and SmolLM3 differ only in the flag
 multipliers below (Phi-3 stores q/k/v and gate/up fused, as our decoder holds them; SmolLM3
 leaves rope out of every fourth layer); Mixtral and Qwen3-MoE replace the MLP of their sparse
 layers by experts a router picks per token; Gemma 2 and 3 norm every block's input and output
-(model/llama.py: _sandwich_layers), Gemma 2 soft-caps its attention scores and logits;
+(model/llama.py: _sandwich_layers), OLMo 2 norms only their outputs, Gemma 2 soft-caps its
+attention scores and logits;
 gpt-oss adds attention sinks and experts with biases and a clamped SwiGLU (model/gpt_oss.py);
 anything else is refused.
 """
@@ -39,12 +40,13 @@ _ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "gemma3",  # its text model (images are not read)
     "Mistral3ForConditionalGeneration": "mistral",  # Mistral Small 3.1/3.2: its text model
     "GptOssForCausalLM": "gpt_oss",
+    "Olmo2ForCausalLM": "olmo2",
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                 "granite": "granite", "phi3": "phi3", "smollm3": "smollm3",
                 "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe",
                 "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
-                "gpt_oss": "gpt_oss"}
+                "gpt_oss": "gpt_oss", "olmo2": "olmo2"}
 
 
 @dataclass(frozen=True)
@@ -117,11 +119,14 @@ class ModelConfig:
     shared_expert_size: int = 0
     # Gemma: RMSNorm weights are offsets from 1, applied in float32 before the cast; the MLP's
     # activation is tanh-approximated GELU; the embeddings are scaled by sqrt(hidden_size)
-    # rounded to the model's dtype. Gemma 2 and 3 (`sandwich_norms`): every block's output is
-    # normed before it joins the residual stream, the MLP's input by a norm of its own; Gemma
-    # 3's sliding-window layers turn by `local_rope`.
+    # rounded to the model's dtype. Gemma 3's sliding-window layers turn by `local_rope`.
     gemma_norms: bool = False
-    sandwich_norms: bool = False
+    # Where a layer's norms are: "pre" (Llama's: each block's input), "sandwich" (Gemma 2 and
+    # 3: its input and its output, which is normed before it joins the residual stream) or
+    # "post" (OLMo 2: its output only).
+    block_norms: str = "pre"
+    # OLMo 2: q and k normed over all their heads at once (weights of heads x head_dim).
+    qk_norm_whole: bool = False
     mlp_act: str = "silu"  # silu | gelu_tanh | clamped_swiglu (gpt-oss's, below)
     local_rope: Optional[RopeConfig] = None
     local_rope_layers: tuple[int, ...] = ()  # its "sliding_attention" layers, window or not
@@ -313,10 +318,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         # Mistral and Phi-3 none.
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and raw.get("qkv_bias", True))
         or (family not in ("mistral", "phi3", "mixtral", "qwen2_moe") and attention_bias),
-        o_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3", "gpt_oss")
-        and attention_bias,
+        o_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3", "gpt_oss",
+                          "olmo2") and attention_bias,
         mlp_bias=family in ("llama", "granite", "smollm3") and bool(raw.get("mlp_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         rope=_rope_from(_gemma_rope(raw, "full_attention") if family == "gemma3" else raw,
                         path, family, int(head_dim)),
@@ -329,6 +334,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         nope_layers=fields.nope_layers(raw, path, family),
         **fields.experts(raw, path, family),
         **fields.gpt_oss(raw, path, family),
+        **({"block_norms": "post", "float32_norms": True, "qk_norm_whole": True}
+           if family == "olmo2" else {}),
         quantization=method,
     )
 
