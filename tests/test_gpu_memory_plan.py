@@ -204,6 +204,10 @@ def _written(path: Path, config: dict) -> Path:
       "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
       "vocab_size": 100352, "rope_theta": 500000, "tie_word_embeddings": False},
      7_298_617_344),  # OLMo-2-1124-7B: q/k norms over all heads (not experts: the plan's sum)
+    ({"architectures": ["OlmoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 1024,
+      "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+      "vocab_size": 50304, "num_experts": 64, "num_experts_per_tok": 8, "clip_qkv": None,
+      "tie_word_embeddings": False}, 6_919_161_856),  # OLMoE-1B-7B
 ])
 def test_expert_weights_are_counted(tmp_path, config, params):
     cfg = load_model_config(_written(tmp_path / "moe", config))

@@ -100,6 +100,10 @@ VARIANTS = {
     # OLMo 2: each block's output normed (no norm on its input), q and k normed over all
     # heads at once before rope, norms scaled in float32.
     "olmo2": ("olmo2", {}),
+    # OLMoE: Llama's blocks, q and k normed over all heads, every layer 8 experts (top 2),
+    # probabilities renormalized over the chosen or not.
+    "olmoe": ("olmoe", {}),
+    "olmoe-normalized": ("olmoe", {"norm_topk_prob": True, "num_experts_per_tok": 3}),
     "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 64}}),
@@ -170,7 +174,7 @@ def variant(request, model_factory):
                         "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
                         "qwen3-moe", "qwen2-moe", "mistral-window", "qwen2-window", "gemma3",
                         "gemma3-scaled", "gemma2", "gemma", "gpt-oss", "gpt-oss-mxfp4",
-                        "olmo2"])
+                        "olmo2", "olmoe"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

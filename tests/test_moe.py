@@ -10,11 +10,12 @@ from pd_runtime import LLM
 from tests.test_batch_invariance import GREEDY, outputs, prompts, seeded
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss",
+                                        "olmoe"])
 def moe_model(request, model_factory):
     # head_dim 64; 8 experts, 2 (Mixtral) or 3 (Qwen3-MoE, its first layer dense) per token;
     # gpt-oss 4 per token, a window of 70 on its first layer, sinks in both
-    extra = {"mixtral": {}, "gpt_oss": {"sliding_window": 70}}.get(
+    extra = {"mixtral": {}, "gpt_oss": {"sliding_window": 70}, "olmoe": {}}.get(
         request.param, {"num_experts_per_tok": 3, "mlp_only_layers": [0]})
     return model_factory(request.param, hidden_size=256, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=256, **extra)
@@ -35,7 +36,7 @@ def test_experts_give_the_same_tokens_alone_batched_and_chunked(moe_model, dtype
             sampled
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe"])
 def test_an_expert_block_is_transformers_bit_for_bit_in_bfloat16(model_factory, family):
     """The router's weights kept in float32 (Mixtral) or cast to bf16 (Qwen, gpt-oss) before
     they scale an expert's output: in float32 both read alike, in bf16 each matches only its
@@ -177,3 +178,19 @@ def test_mxfp4_is_read_for_gpt_oss_only(model_factory, tmp_path):
         (path / "config.json").write_text(json.dumps({**raw, "quantization_config": quant}))
         with pytest.raises(ModelLoadError, match=match):
             load_model(path, dtype="float32")
+
+
+def test_olmoe_clip_qkv_is_refused_naming_it(model_factory, tmp_path):
+    import json
+    import shutil
+
+    from pd_runtime.api import ModelLoadError
+    from pd_runtime.model.model_config import load_model_config
+
+    path = tmp_path / "olmoe"
+    shutil.copytree(model_factory("olmoe"), path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "clip_qkv": 8.0}))
+    with pytest.raises(ModelLoadError, match="clip_qkv 8.0 is not supported"):
+        load_model_config(path)
+

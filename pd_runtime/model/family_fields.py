@@ -60,11 +60,16 @@ def experts(raw: dict, path: Path, family: str) -> dict:
     (num_local_experts, experts of intermediate_size, renormalized float32 weights); Qwen3-MoE's
     sparse where decoder_sparse_step divides the layer number and mlp_only_layers does not
     name it (experts of moe_intermediate_size, norm_topk_prob); gpt-oss's every layer sparse
-    (num_local_experts of intermediate_size, softmax over the chosen logits: normalized)."""
-    if family not in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"):
+    (num_local_experts of intermediate_size, softmax over the chosen logits: normalized);
+    OLMoE's every layer (num_experts of intermediate_size, norm_topk_prob)."""
+    if family not in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe"):
         return {}
     layers = int(raw["num_hidden_layers"])
-    if family in ("mixtral", "gpt_oss"):
+    if family == "olmoe":
+        experts = raw.get("num_experts", 64)
+        size = raw.get("intermediate_size")
+        sparse, norm = tuple(range(layers)), bool(raw.get("norm_topk_prob", False))
+    elif family in ("mixtral", "gpt_oss"):
         experts = raw.get("num_local_experts", raw.get("num_experts", 8))
         size = raw.get("intermediate_size")
         sparse, norm = tuple(range(layers)), True

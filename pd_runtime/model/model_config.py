@@ -41,12 +41,13 @@ _ARCHITECTURES = {
     "Mistral3ForConditionalGeneration": "mistral",  # Mistral Small 3.1/3.2: its text model
     "GptOssForCausalLM": "gpt_oss",
     "Olmo2ForCausalLM": "olmo2",
+    "OlmoeForCausalLM": "olmoe",
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                 "granite": "granite", "phi3": "phi3", "smollm3": "smollm3",
                 "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe",
                 "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
-                "gpt_oss": "gpt_oss", "olmo2": "olmo2"}
+                "gpt_oss": "gpt_oss", "olmo2": "olmo2", "olmoe": "olmoe"}
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
                              f"(quantization_config: {method!r}); serve the unquantized model "
                              "(kv_cache_dtype: int8 quantizes the KV cache)")
 
+    if raw.get("clip_qkv") is not None:  # (OLMoE's option; its releases leave it null)
+        raise ModelLoadError(f"{path}: clip_qkv {raw['clip_qkv']!r} is not supported (only "
+                             "null: q, k and v unclipped)")
+
     def need(key):
         if key not in raw:
             raise ModelLoadError(f"{path}: missing field {key!r}")
@@ -319,9 +324,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and raw.get("qkv_bias", True))
         or (family not in ("mistral", "phi3", "mixtral", "qwen2_moe") and attention_bias),
         o_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3", "gpt_oss",
-                          "olmo2") and attention_bias,
+                          "olmo2", "olmoe") and attention_bias,
         mlp_bias=family in ("llama", "granite", "smollm3") and bool(raw.get("mlp_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmoe"),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         rope=_rope_from(_gemma_rope(raw, "full_attention") if family == "gemma3" else raw,
                         path, family, int(head_dim)),
@@ -335,7 +340,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         **fields.experts(raw, path, family),
         **fields.gpt_oss(raw, path, family),
         **({"block_norms": "post", "float32_norms": True, "qk_norm_whole": True}
-           if family == "olmo2" else {}),
+           if family == "olmo2" else {"qk_norm_whole": True} if family == "olmoe" else {}),
         quantization=method,
     )
 

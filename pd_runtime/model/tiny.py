@@ -38,6 +38,7 @@ ARCHITECTURES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
 }
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
@@ -109,6 +110,9 @@ def _build_config(architecture: str, fields: dict):
     if architecture in ("qwen3_moe", "qwen2_moe"):  # small experts, a handful (Qwen3's: 128)
         fields.setdefault("num_experts", 8)
         fields.setdefault("moe_intermediate_size", fields["intermediate_size"] // 4)
+    if architecture == "olmoe":  # 8 experts of the preset's size, 2 a token (OLMoE's: 64, 8)
+        fields.setdefault("num_experts", 8)
+        fields.setdefault("num_experts_per_tok", 2)
     if architecture == "qwen2_moe":
         fields.setdefault("shared_expert_intermediate_size", fields["intermediate_size"] // 2)
         fields.setdefault("use_sliding_window", False)
@@ -200,7 +204,8 @@ def _hub_experts(tensors: dict, config) -> dict:
     family's names: those are written."""
     names = {"MixtralForCausalLM": ("block_sparse_moe.", "w1", "w3", "w2"),
              "Qwen3MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
-             "Qwen2MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj")}
+             "Qwen2MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+             "OlmoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj")}
     if config.architectures[0] not in names:
         return tensors
     block, gate_name, up_name, down_name = names[config.architectures[0]]
