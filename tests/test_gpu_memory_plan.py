@@ -208,6 +208,10 @@ def _written(path: Path, config: dict) -> Path:
       "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
       "vocab_size": 50304, "num_experts": 64, "num_experts_per_tok": 8, "clip_qkv": None,
       "tie_word_embeddings": False}, 6_919_161_856),  # OLMoE-1B-7B
+    ({"architectures": ["GraniteMoeForCausalLM"], "hidden_size": 1024, "intermediate_size": 512,
+      "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 8,
+      "vocab_size": 49155, "num_local_experts": 32, "num_experts_per_tok": 8,
+      "tie_word_embeddings": True}, 1_334_628_352),  # granite-3.0-1b-a400m
 ])
 def test_expert_weights_are_counted(tmp_path, config, params):
     cfg = load_model_config(_written(tmp_path / "moe", config))

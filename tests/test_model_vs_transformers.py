@@ -103,6 +103,9 @@ VARIANTS = {
     # OLMoE: Llama's blocks, q and k normed over all heads, every layer 8 experts (top 2),
     # probabilities renormalized over the chosen or not.
     "olmoe": ("olmoe", {}),
+    # GraniteMoE: Granite's scalings, every layer 8 experts stored stacked, top 2 by logit.
+    "granitemoe": ("granitemoe", {"embedding_multiplier": 6.0, "residual_multiplier": 0.3,
+                                  "attention_multiplier": 0.1, "logits_scaling": 2.0}),
     "olmoe-normalized": ("olmoe", {"norm_topk_prob": True, "num_experts_per_tok": 3}),
     "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -174,7 +177,7 @@ def variant(request, model_factory):
                         "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
                         "qwen3-moe", "qwen2-moe", "mistral-window", "qwen2-window", "gemma3",
                         "gemma3-scaled", "gemma2", "gemma", "gpt-oss", "gpt-oss-mxfp4",
-                        "olmo2", "olmoe"])
+                        "olmo2", "olmoe", "granitemoe"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

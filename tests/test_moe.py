@@ -11,11 +11,12 @@ from tests.test_batch_invariance import GREEDY, outputs, prompts, seeded
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss",
-                                        "olmoe"])
+                                        "olmoe", "granitemoe"])
 def moe_model(request, model_factory):
     # head_dim 64; 8 experts, 2 (Mixtral) or 3 (Qwen3-MoE, its first layer dense) per token;
     # gpt-oss 4 per token, a window of 70 on its first layer, sinks in both
-    extra = {"mixtral": {}, "gpt_oss": {"sliding_window": 70}, "olmoe": {}}.get(
+    extra = {"mixtral": {}, "gpt_oss": {"sliding_window": 70}, "olmoe": {},
+             "granitemoe": {"embedding_multiplier": 4.0, "residual_multiplier": 0.5}}.get(
         request.param, {"num_experts_per_tok": 3, "mlp_only_layers": [0]})
     return model_factory(request.param, hidden_size=256, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=256, **extra)
@@ -36,7 +37,8 @@ def test_experts_give_the_same_tokens_alone_batched_and_chunked(moe_model, dtype
             sampled
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe",
+                                    "granitemoe"])
 def test_an_expert_block_is_transformers_bit_for_bit_in_bfloat16(model_factory, family):
     """The router's weights kept in float32 (Mixtral) or cast to bf16 (Qwen, gpt-oss) before
     they scale an expert's output: in float32 both read alike, in bf16 each matches only its
@@ -53,7 +55,9 @@ def test_an_expert_block_is_transformers_bit_for_bit_in_bfloat16(model_factory, 
     x = torch.randn(97, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     for index in (0, 1):
         with torch.no_grad():
-            out = hf.model.layers[index].mlp(x[None])  # (gpt-oss's: with its router scores)
+            layer = hf.model.layers[index]  # (GraniteMoE's block: block_sparse_moe)
+            block = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
+            out = block(x[None])  # (gpt-oss's: with its router scores)
         want = (out[0] if isinstance(out, tuple) else out)[0]
         assert torch.equal(ours._experts(ours.layers[index], ours.packed[index], x), want), \
             (family, index)

@@ -61,15 +61,16 @@ def experts(raw: dict, path: Path, family: str) -> dict:
     sparse where decoder_sparse_step divides the layer number and mlp_only_layers does not
     name it (experts of moe_intermediate_size, norm_topk_prob); gpt-oss's every layer sparse
     (num_local_experts of intermediate_size, softmax over the chosen logits: normalized);
-    OLMoE's every layer (num_experts of intermediate_size, norm_topk_prob)."""
-    if family not in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe"):
+    OLMoE's every layer (num_experts of intermediate_size, norm_topk_prob); GraniteMoE's as
+    Mixtral's (softmax over the chosen logits)."""
+    if family not in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "olmoe", "granitemoe"):
         return {}
     layers = int(raw["num_hidden_layers"])
     if family == "olmoe":
         experts = raw.get("num_experts", 64)
         size = raw.get("intermediate_size")
         sparse, norm = tuple(range(layers)), bool(raw.get("norm_topk_prob", False))
-    elif family in ("mixtral", "gpt_oss"):
+    elif family in ("mixtral", "gpt_oss", "granitemoe"):
         experts = raw.get("num_local_experts", raw.get("num_experts", 8))
         size = raw.get("intermediate_size")
         sparse, norm = tuple(range(layers)), True
@@ -84,7 +85,7 @@ def experts(raw: dict, path: Path, family: str) -> dict:
                        and step > 0 and (i + 1) % step == 0)
         norm = bool(raw.get("norm_topk_prob", False))
     top_k = raw.get("num_experts_per_tok", raw.get("experts_per_token", {
-        "mixtral": 2, "qwen2_moe": 4, "gpt_oss": 4}.get(family, 8)))
+        "mixtral": 2, "qwen2_moe": 4, "gpt_oss": 4, "granitemoe": 2}.get(family, 8)))
     shared = raw.get("shared_expert_intermediate_size", 5632) if family == "qwen2_moe" else 0
     if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
         raise ModelLoadError(f"{path}: shared_expert_intermediate_size must be an integer, "
@@ -170,7 +171,7 @@ def gemma(raw: dict, path: Path, family: str, hidden: int) -> dict:
 
 
 def granite_scalings(raw: dict, path: Path, family: str) -> dict:
-    if family != "granite":
+    if family not in ("granite", "granitemoe"):
         return {}
     out = {}
     for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",

@@ -249,6 +249,11 @@ def _experts(reader: "_TensorReader", cfg: ModelConfig, prefix: str) -> dict:
     if cfg.family == "gpt_oss":  # stacked, transposed, with biases
         return gpt_oss.load_experts(reader, cfg, prefix)
     h, size, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    if cfg.family == "granitemoe":  # stacked as the decoder holds them (gate then up)
+        block = prefix + "block_sparse_moe."
+        return {"router": reader.get(block + "router.layer.weight", (n, h)),
+                "experts_gate_up": reader.get(block + "input_linear.weight", (n, 2 * size, h)),
+                "experts_down": reader.get(block + "output_linear.weight", (n, h, size))}
     if cfg.family == "mixtral":
         block, names = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
     else:

@@ -42,12 +42,14 @@ _ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Olmo2ForCausalLM": "olmo2",
     "OlmoeForCausalLM": "olmoe",
+    "GraniteMoeForCausalLM": "granitemoe",
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                 "granite": "granite", "phi3": "phi3", "smollm3": "smollm3",
                 "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe",
                 "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
-                "gpt_oss": "gpt_oss", "olmo2": "olmo2", "olmoe": "olmoe"}
+                "gpt_oss": "gpt_oss", "olmo2": "olmo2", "olmoe": "olmoe",
+                "granitemoe": "granitemoe"}
 
 
 @dataclass(frozen=True)
@@ -323,8 +325,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         # Mistral and Phi-3 none.
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and raw.get("qkv_bias", True))
         or (family not in ("mistral", "phi3", "mixtral", "qwen2_moe") and attention_bias),
-        o_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3", "gpt_oss",
-                          "olmo2", "olmoe") and attention_bias,
+        o_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "granitemoe", "smollm3",
+                          "gpt_oss", "olmo2", "olmoe") and attention_bias,
         mlp_bias=family in ("llama", "granite", "smollm3") and bool(raw.get("mlp_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmoe"),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
@@ -340,7 +342,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         **fields.experts(raw, path, family),
         **fields.gpt_oss(raw, path, family),
         **({"block_norms": "post", "float32_norms": True, "qk_norm_whole": True}
-           if family == "olmo2" else {"qk_norm_whole": True} if family == "olmoe" else {}),
+           if family == "olmo2" else {"qk_norm_whole": True} if family == "olmoe"
+           else {"router_topk_first": True} if family == "granitemoe" else {}),
         quantization=method,
     )
 

@@ -39,6 +39,7 @@ ARCHITECTURES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
 }
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
@@ -206,6 +207,15 @@ def _hub_experts(tensors: dict, config) -> dict:
              "Qwen3MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
              "Qwen2MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
              "OlmoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj")}
+    if config.architectures[0] == "GraniteMoeForCausalLM":  # stacked, under older names
+        renamed = {"experts.gate_up_proj": "input_linear.weight",
+                   "experts.down_proj": "output_linear.weight",
+                   "router.weight": "router.layer.weight"}
+        out = {}
+        for name, value in tensors.items():
+            head, _, rest = name.partition("block_sparse_moe.")
+            out[head + "block_sparse_moe." + renamed[rest] if rest else name] = value
+        return out
     if config.architectures[0] not in names:
         return tensors
     block, gate_name, up_name, down_name = names[config.architectures[0]]
