@@ -426,3 +426,54 @@ def test_the_first_gemmas_config_reads_as_transformers_reads_it(tmp_path):
     with pytest.raises(ModelLoadError, match="hidden_act 'relu' is not supported"):
         load_model_config(tmp_path)
 
+
+@pytest.mark.parametrize("family, arch, prefix", [
+    ("qwen2", "Qwen2_5_VLForConditionalGeneration", "model."),  # the Hub's names
+    ("qwen3", "Qwen3VLForConditionalGeneration", "model.language_model.")])
+def test_qwen_vl_text_model_gives_transformers_text_logits(model_factory, tmp_path, family, arch,
+                                                          prefix):
+    """Qwen2.5-VL and Qwen3-VL served as their text models: multimodal rope (its sections,
+    interleaved or not) turns text as plain rope; the vision tower is not read. Our logits are
+    transformers' own VL model's on text (its vision weights missing, initialized)."""
+    from transformers import AutoModelForImageTextToText
+
+    from pd_runtime.model.model_config import load_model_config
+
+    source = Path(model_factory(family))
+    path = copy_model(str(source), tmp_path / "vl")
+    tensors = load_file(str(source / "model.safetensors"))
+    renamed = {(prefix + n.removeprefix("model.")) if n.startswith("model.") else n: t
+               for n, t in tensors.items()}
+    save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((source / "config.json").read_text())
+    text.pop("architectures")
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+              "out_hidden_size": 64, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    if family == "qwen2":  # Qwen2.5-VL's file: the text fields at the top, mrope named so
+        config = {**text, "model_type": "qwen2_5_vl",
+                  "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+                  "vision_config": {**vision, "patch_size": 14, "fullatt_block_indexes": [0],
+                                    "window_size": 112}}
+    else:  # Qwen3-VL's: under text_config, interleaved sections
+        config = {"model_type": "qwen3_vl", "tie_word_embeddings": text["tie_word_embeddings"],
+                  "text_config": {**text, "model_type": "qwen3_vl_text", "rope_scaling": {
+                      "rope_type": "default", "mrope_section": [2, 3, 3],
+                      "mrope_interleaved": True}},
+                  "vision_config": {**vision, "patch_size": 16,
+                                    "deepstack_visual_indexes": [0],
+                                    "num_position_embeddings": 16}}
+    config.update(architectures=[arch], image_token_id=5, video_token_id=6,
+                  vision_start_token_id=7)
+    (path / "config.json").write_text(json.dumps(config))
+    assert load_model_config(path).family == family
+    ids = Tokenizer(str(source)).encode("The quick brown fox jumps over the lazy dog")
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    from tests.test_model_vs_transformers import our_logits
+
+    from pd_runtime.model.loader import load_model
+
+    got = our_logits(load_model(path, dtype="float32"), [ids])[0]
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+

@@ -39,6 +39,10 @@ _ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its text model (images are not read)
     "Mistral3ForConditionalGeneration": "mistral",  # Mistral Small 3.1/3.2: its text model
+    # Qwen2-VL, Qwen2.5-VL, Qwen3-VL: their text models (multimodal rope on text is plain rope)
+    "Qwen2VLForConditionalGeneration": "qwen2",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",
+    "Qwen3VLForConditionalGeneration": "qwen3",
     "GptOssForCausalLM": "gpt_oss",
     "Olmo2ForCausalLM": "olmo2",
     "OlmoeForCausalLM": "olmoe",
@@ -181,6 +185,8 @@ def _rope_from(raw: dict, path: Path, family: str, head_dim: int) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_THETA.get(family, 1e4)))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "mrope":  # (Qwen2-VL's: its three sections share a text token's position,
+        rope_type = "default"  # so on text it turns as plain rope; images are not read)
     if family == "phi3":  # as transformers' Phi3Config reads it: "su" and "yarn" are longrope
         rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type
         if rope_type not in ("default", "longrope"):
