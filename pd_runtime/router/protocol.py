@@ -15,15 +15,13 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from pd_runtime import structured
 from pd_runtime.api import (InvalidRequestError, SamplingParams, bad_word_spellings,
                             check_bad_words)
 from pd_runtime.router import beam_search
 from pd_runtime.router.chat_prompt import chat_text
 from pd_runtime.router.schema import (ChatCompletionRequest, ChoiceSpec, CompletionRequest, InvalidRequest,
                            PreparedRequest, Body, SamplingBody)
-from pd_runtime.router.reasoning import CLOSE as THINK_CLOSE
-from pd_runtime.router.reasoning import opens_in_prompt
+from pd_runtime.router import reasoning
 from pd_runtime.router.structured_fields import structured_spec
 from pd_runtime.router.tools import prepare as prepare_tools
 from pd_runtime.router.text_checks import lone_surrogate_field, min_tokens, refuse_json_constant
@@ -412,26 +410,7 @@ def prepare_chat(data: dict, tokenizer, model_name: str, max_model_len: int,
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     if body.logprobs:
         logprobs = params["logprobs"] = body.top_logprobs or 0
-    thinking = None
-    if getattr(tokenizer, "reasoning_format", None) == "harmony":  # gpt-oss's channels
-        if "structured_outputs" in params:
-            field = structured_spec(body.model_extra or {})[1] or "tool_choice"
-            raise InvalidRequest(f"{field}: structured outputs are not supported for a model "
-                                 "that answers in harmony's channels (gpt-oss) yet",
-                                 param=field, code="unsupported_parameter")
-        params["skip_special_tokens"] = False  # its markers are special tokens
-        thinking = "harmony"
-    elif getattr(tokenizer, "reasoning_format", None):  # its thinking is split from its answer
-        thinking = opens_in_prompt(text)
-        if "structured_outputs" in params and not text.rstrip().endswith(THINK_CLOSE):
-            if structured.think_tag_ids(tokenizer) is not None:
-                # A grammar holds the answer after the thinking (from the first token where
-                # the prompt closed an empty block: Qwen3 without thinking answers at once).
-                params["structured_outputs"] = {
-                    **params["structured_outputs"],
-                    structured.THINK: "open" if thinking else "optional"}
-            else:  # tags spelled in several tokens: the grammar holds all of it, unsplit
-                thinking = None
+    thinking = reasoning.prepare(text, params, tokenizer, body.model_extra or {})
     sampling = _check_sampling(params, {"max_tokens": param, "logprobs": "top_logprobs"})
     _check_length(prompt, max_tokens, max_model_len, "messages")
     return PreparedRequest("chat", model_name, [prompt], _choices([prompt], body.n, sampling),

@@ -12,11 +12,41 @@ prompt) is all content. Tool calls are read from the content alone (pd_runtime/r
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
+from pd_runtime import structured
+from pd_runtime.router.schema import InvalidRequest
+from pd_runtime.router.structured_fields import structured_spec
 from pd_runtime.router.text_checks import partial_tag_len
 
 OPEN, CLOSE = "<think>", "</think>"
+
+
+def prepare(prompt: str, params: dict, tokenizer, extra: dict) -> Union[bool, str, None]:
+    """How a chat request's output is split (PreparedRequest.reasoning) for the model's
+    reasoning format: None (not split), whether the prompt left a think block open, or
+    "harmony" (gpt-oss's channels, pd_runtime/router/harmony.py). Sets what the format needs
+    in the request's sampling `params`; `extra`: the body's fields beyond the schema's."""
+    fmt = getattr(tokenizer, "reasoning_format", None)
+    if fmt == "harmony":
+        if "structured_outputs" in params:
+            field = structured_spec(extra)[1] or "tool_choice"
+            raise InvalidRequest(f"{field}: structured outputs are not supported for a model "
+                                 "that answers in harmony's channels (gpt-oss) yet",
+                                 param=field, code="unsupported_parameter")
+        params["skip_special_tokens"] = False  # its markers are special tokens
+        return "harmony"
+    if not fmt:
+        return None
+    thinking = opens_in_prompt(prompt)
+    if "structured_outputs" in params and not prompt.rstrip().endswith(CLOSE):
+        if structured.think_tag_ids(tokenizer) is None:
+            return None  # tags spelled in several tokens: the grammar holds all of it, unsplit
+        # A grammar holds the answer after the thinking (from the first token where the
+        # prompt closed an empty block: Qwen3 without thinking answers at once).
+        params["structured_outputs"] = {**params["structured_outputs"],
+                                        structured.THINK: "open" if thinking else "optional"}
+    return thinking
 
 
 def opens_in_prompt(prompt: str) -> bool:
