@@ -392,6 +392,16 @@ def test_mistral3_text_model_inside_a_multimodal_checkpoint(model_factory, tmp_p
         "torch_dtype": "float32"}))
     got = load_model_config(path)
     assert (got.family, got.sliding_window) == ("mistral", None)
+    config = json.loads((path / "config.json").read_text())
+    for text_type, beta in (("ministral3", None), ("mistral", 0.1)):  # variants: refused
+        text = {**config["text_config"], "model_type": text_type}
+        if beta is not None:
+            text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6,
+                                       "llama_4_scaling_beta": beta}
+        (path / "config.json").write_text(json.dumps({**config, "text_config": text}))
+        with pytest.raises(ModelLoadError, match="ministral3|llama_4_scaling_beta"):
+            load_model_config(path)
+    (path / "config.json").write_text(json.dumps(config))
     assert got.identity == load_model_config(source).identity
     ids = Tokenizer(str(source)).encode("The quick brown fox jumps over the lazy dog")
     logits = [LLM(str(p), dtype="float32", num_kv_blocks=16, max_model_len=256).generate(
@@ -424,6 +434,9 @@ def test_the_first_gemmas_config_reads_as_transformers_reads_it(tmp_path):
              theirs.hidden_size, theirs.tie_word_embeddings, theirs.hidden_size ** 0.5)
     (tmp_path / "config.json").write_text(json.dumps({**hub, "hidden_act": "relu"}))
     with pytest.raises(ModelLoadError, match="hidden_act 'relu' is not supported"):
+        load_model_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**hub, "use_bidirectional_attention": True}))
+    with pytest.raises(ModelLoadError, match="use_bidirectional_attention"):
         load_model_config(tmp_path)
 
 
@@ -476,4 +489,33 @@ def test_qwen_vl_text_model_gives_transformers_text_logits(model_factory, tmp_pa
 
     got = our_logits(load_model(path, dtype="float32"), [ids])[0]
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+def test_olmo2_turns_q_and_k_in_float32_as_transformers(model_factory):
+    """In bf16, OLMo 2's q and k (normed over all heads, then turned by rope in float32 and
+    cast) are transformers' own, bit for bit; a rope applied in bf16 differs."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.olmo2.modeling_olmo2 import apply_rotary_pos_emb
+
+    from pd_runtime.model.loader import load_model
+
+    path = model_factory("olmo2", hidden_size=256, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=512)
+    ours = load_model(path, dtype="bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 300, 256, generator=gen).to(torch.bfloat16)
+    positions = torch.arange(300)
+    attn = hf.model.layers[0].self_attn
+    with torch.no_grad():
+        cos, sin = hf.model.rotary_emb(x, positions[None])
+        q = attn.q_norm(attn.q_proj(x)).view(1, 300, 4, 64).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(x)).view(1, 300, 2, 64).transpose(1, 2)
+        want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+        layer = ours.layers[0]
+        qkv = torch.nn.functional.linear(x[0], layer["qkv"])
+        got_q, got_k = ours.rotated_qk(layer, qkv, ours.cos[positions].unsqueeze(1),
+                                       ours.sin[positions].unsqueeze(1))
+    assert torch.equal(got_q, want_q[0].transpose(0, 1))
+    assert torch.equal(got_k, want_k[0].transpose(0, 1))
 

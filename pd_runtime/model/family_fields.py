@@ -221,4 +221,27 @@ def gpt_oss(raw: dict, path: Path, family: str) -> dict:
             raise ModelLoadError(f"{path}: {key} must be a positive number, got {value!r}")
         out[key] = float(value)
     return {**out, "attn_sinks": True, "float32_norms": True, "expert_bias": True,
-            "router_topk_first": True, "mlp_act": "clamped_swiglu"}
+            "routing": "topk_softmax", "mlp_act": "clamped_swiglu"}
+
+
+def layout(family: str) -> dict:
+    """OLMo 2's, OLMoE's and GraniteMoE's differences from Llama's decoder."""
+    return {"olmo2": {"block_norms": "post", "float32_norms": True, "qk_norm_whole": True,
+                      "rope_float32": True},
+            "olmoe": {"qk_norm_whole": True},
+            "granitemoe": {"routing": "topk_softmax_f32"}}.get(family, {})
+
+
+def refuse_variants(raw: dict, path: Path, family: str) -> None:
+    """Configs of a family's variants that compute otherwise than this decoder: refused by
+    name rather than served wrongly."""
+    text_type = (raw.get("text_config") or {}).get("model_type")
+    if family == "mistral" and text_type not in (None, "mistral"):  # Mistral3's text model
+        raise ModelLoadError(f"{path}: a text model of model_type {text_type!r} is not "
+                             "supported (Mistral3ForConditionalGeneration: mistral's only)")
+    scaling = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    if scaling.get("llama_4_scaling_beta"):
+        raise ModelLoadError(f"{path}: rope llama_4_scaling_beta is not supported")
+    if family == "gemma" and raw.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{path}: use_bidirectional_attention is not supported (a "
+                             "causal decoder only)")

@@ -153,7 +153,9 @@ class LlamaModel:
         if batch_invariant:
             self._probe_row_stability()
         n_pos = max_positions or cfg.max_position_embeddings
-        self.cos, self.sin = rope_tables(cfg, n_pos, device, dtype)
+        # (OLMo 2 turns q and k in float32, as transformers does: its tables stay float32.)
+        self.cos, self.sin = rope_tables(cfg, n_pos, device,
+                                         torch.float32 if cfg.rope_float32 else dtype)
         # Gemma 3's windowed layers turn by a rope of their own (another base).
         self.local_rope = rope_tables(replace(cfg, rope=cfg.local_rope), n_pos, device, dtype) \
             if cfg.local_rope is not None else None
@@ -189,18 +191,29 @@ class LlamaModel:
         `rows` when given."""
         cfg = self.cfg
         qkv = linear(x, layer["qkv"], packed["qkv"], layer.get("qkv_bias"), self.min_rows["qkv"])
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k = self.rotated_qk(layer, qkv, cos, sin)
+        out = paged_attention(q, k, v.contiguous(), kv_layer, meta, self.scale)
+        out = out.reshape(-1, self.q_size)
+        return linear(out if rows is None else out[rows], layer["o"], packed["o"],
+                      layer.get("o_bias"), self.min_rows["o"])
+
+    def rotated_qk(self, layer: dict, qkv: torch.Tensor, cos, sin):
+        """q `[T, heads, d]` and k `[T, kv_heads, d]` of a layer's qkv projection, normed where
+        the family norms them, turned by rope (cos None: not turned)."""
+        cfg = self.cfg
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, kv_heads, head_dim)
         if cos is None:  # a layer without rope (SmolLM3's NoPE layers)
             qk = qkv[:, :self.q_size + self.kv_size].reshape(-1, heads + kv_heads, head_dim)
-            q, k = qk[:, :heads], qk[:, heads:]
-        elif cfg.qk_norm and cfg.qk_norm_whole:  # (OLMo 2's: over all heads, before rope)
+            return qk[:, :heads], qk[:, heads:]
+        if cfg.qk_norm and cfg.qk_norm_whole:  # (OLMo 2's, OLMoE's: over all heads)
             q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], -1)
-            q = apply_rope(self.norm(q.contiguous(), layer["q_norm"], cfg.rms_norm_eps)
-                           .view(-1, heads, head_dim), cos, sin)
-            k = apply_rope(self.norm(k.contiguous(), layer["k_norm"], cfg.rms_norm_eps)
-                           .view(-1, kv_heads, head_dim), cos, sin)
-        elif cfg.qk_norm:
+            q = self.norm(q.contiguous(), layer["q_norm"], cfg.rms_norm_eps)
+            k = self.norm(k.contiguous(), layer["k_norm"], cfg.rms_norm_eps)
+            turn = (lambda t: apply_rope(t.float(), cos, sin).to(t.dtype)) \
+                if cfg.rope_float32 else (lambda t: apply_rope(t, cos, sin))
+            return turn(q.view(-1, heads, head_dim)), turn(k.view(-1, kv_heads, head_dim))
+        if cfg.qk_norm:
             # Contiguous first: the fused bf16 norm takes dense rows; torch's float path over
             # the strided view reduced in an order that depended on the row count (a token's
             # logprobs then changed with its batch).
@@ -209,14 +222,11 @@ class LlamaModel:
                                     cfg.rms_norm_eps), cos, sin)
             k = apply_rope(self.norm(k.contiguous().view(-1, kv_heads, head_dim), layer["k_norm"],
                                     cfg.rms_norm_eps), cos, sin)
-        else:  # q and k heads side by side in qkv: one rotation for both (half the launches)
-            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(-1, heads + kv_heads,
-                                                                      head_dim), cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-        out = paged_attention(q, k, v.contiguous(), kv_layer, meta, self.scale)
-        out = out.reshape(-1, self.q_size)
-        return linear(out if rows is None else out[rows], layer["o"], packed["o"],
-                      layer.get("o_bias"), self.min_rows["o"])
+            return q, k
+        # q and k heads side by side in qkv: one rotation for both (half the launches)
+        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(-1, heads + kv_heads,
+                                                                  head_dim), cos, sin)
+        return qk[:, :heads], qk[:, heads:]
 
     def _mlp(self, layer: dict, packed: dict, x: torch.Tensor) -> torch.Tensor:
         if "router" in layer:
@@ -243,14 +253,15 @@ class LlamaModel:
         tokens and its output is scaled by the token's weight for it; a token's weighted
         outputs are summed in the order of its choices (float32 accumulation for bf16) and
         rounded once. Every step is row by row (matmuls at their row-stable counts), so a
-        token's result does not depend on which others share its batch. gpt-oss's router
-        picks by logit and softmaxes over the picked (in the logits' dtype)."""
+        token's result does not depend on which others share its batch. gpt-oss's and
+        GraniteMoE's routers pick by logit and softmax over the picked (cfg.routing)."""
         cfg = self.cfg
         logits = linear(x, layer["router"], packed["router"], layer.get("router_bias"),
                         self.min_rows["router"])
-        if cfg.router_topk_first:
+        if cfg.routing != "softmax_topk":
             top, chosen = torch.topk(logits, cfg.experts_per_token, dim=-1)
-            weights = torch.softmax(top, dim=-1, dtype=top.dtype)
+            weights = torch.softmax(top, dim=-1, dtype=top.dtype) \
+                if cfg.routing == "topk_softmax" else torch.softmax(top.float(), dim=-1)
         else:
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             weights, chosen = torch.topk(probs, cfg.experts_per_token, dim=-1)

@@ -140,13 +140,17 @@ class ModelConfig:
     # Gemma 2's soft-capping: attention scores, then the logits, become cap * tanh(x / cap).
     attn_softcap: Optional[float] = None
     final_softcap: Optional[float] = None
+    # How a router weighs the experts it picks: "softmax_topk" (a float32 softmax over all,
+    # its top ones: Mixtral, Qwen, OLMoE), "topk_softmax" (the top logits, a softmax over them
+    # in their dtype: gpt-oss) or "topk_softmax_f32" (the same in float32: GraniteMoE).
+    routing: str = "softmax_topk"
     # gpt-oss: a learned sink logit per query head joins every attention softmax (with no
-    # value); the router has a bias and softmaxes over the logits of the experts it picks;
-    # the experts have biases and a clamped SwiGLU, mlp_act "clamped_swiglu":
-    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+    # value); the router has a bias; the experts have biases and a clamped SwiGLU, mlp_act
+    # "clamped_swiglu": (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
+    # g = min(gate, limit).
     attn_sinks: bool = False
     float32_norms: bool = False  # RMSNorm weights applied in float32, before the cast
-    router_topk_first: bool = False
+    rope_float32: bool = False  # OLMo 2: q and k turned in float32, then cast
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     expert_bias: bool = False  # (gpt-oss's router and experts have biases)
@@ -257,8 +261,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
-    if "text_config" in raw and "hidden_size" not in raw:
+    if isinstance(raw.get("text_config"), dict):  # a multimodal model's: its text model's
+        tied = raw.get("tie_word_embeddings")
         raw = {**raw, **raw["text_config"]}
+        if tied and any(a.startswith("Qwen") for a in raw.get("architectures") or []):
+            raw["tie_word_embeddings"] = True  # (Qwen-VL's configs tie if either says so)
     family = None
     for arch in raw.get("architectures") or []:
         family = family or _ARCHITECTURES.get(arch)
@@ -285,6 +292,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
                              f"(quantization_config: {method!r}); serve the unquantized model "
                              "(kv_cache_dtype: int8 quantizes the KV cache)")
 
+    fields.refuse_variants(raw, path, family)
     if raw.get("clip_qkv") is not None:  # (OLMoE's option; its releases leave it null)
         raise ModelLoadError(f"{path}: clip_qkv {raw['clip_qkv']!r} is not supported (only "
                              "null: q, k and v unclipped)")
@@ -319,7 +327,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(raw.get("rms_norm_eps",
+                                   1e-5 if family in ("olmo2", "olmoe") else 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         # (SmolLM3's and Gemma 3's config classes tie them unless told otherwise.)
         tie_word_embeddings=bool(raw.get("tie_word_embeddings",
@@ -347,9 +356,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         nope_layers=fields.nope_layers(raw, path, family),
         **fields.experts(raw, path, family),
         **fields.gpt_oss(raw, path, family),
-        **({"block_norms": "post", "float32_norms": True, "qk_norm_whole": True}
-           if family == "olmo2" else {"qk_norm_whole": True} if family == "olmoe"
-           else {"router_topk_first": True} if family == "granitemoe" else {}),
+        **fields.layout(family),
         quantization=method,
     )
 

@@ -102,10 +102,6 @@ def content_start(text: str) -> Optional[int]:
     return next((m.start for m in messages if is_answer(m)), None)
 
 
-def thinks(text: str) -> bool:
-    """Whether the output so far holds thinking (a message of it)."""
-    return any(is_thinking(m) for m in parse(text) or ())
-
 
 class HarmonyStream:
     """One choice's thinking and answer, as responses.py asks them of a reasoning format."""
