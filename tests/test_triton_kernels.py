@@ -218,6 +218,20 @@ def test_prefill_sliding_window_matches_reference(dtype, block_size, head_dim, h
         assert_close(out[int(starts[s]):int(starts[s + 1])], expected[s], dtype)
 
 
+def _check_decode_with(cache, q, context_lens, dtype, splits, window, **feature):
+    """Triton decode with a `feature` (softcap, sinks) against the reference's, split as
+    given; the feature must change the reference's output, so the check can fail."""
+    expected = reference.decode_attention(q.float(), cache.float32(), cache.tables, context_lens,
+                                          SCALE, window=window, **feature)
+    plain = reference.decode_attention(q.float(), cache.float32(), cache.tables, context_lens,
+                                       SCALE, window=window)
+    assert not torch.allclose(expected, plain, atol=0.05)
+    for count in splits:
+        out = triton_paged.decode_attention(q, cache.kv, cache.tables, context_lens, SCALE,
+                                            num_splits=count, window=window, **feature)
+        assert_close(out, expected, dtype)
+
+
 @pytest.mark.parametrize("dtype,block_size,head_dim,heads,kv_heads", [CASES[0]])
 def test_softcapped_scores_match_reference(dtype, block_size, head_dim, heads, kv_heads):
     """Gemma 2's soft-capping (a scaled score s becomes cap * tanh(s / cap)), with a window, in
@@ -227,15 +241,7 @@ def test_softcapped_scores_match_reference(dtype, block_size, head_dim, heads, k
     cache = PagedCache(dtype, bs, head_dim, kv_heads, lens, seed=7)
     context_lens = torch.tensor(lens)
     q = cache.randn(len(lens), heads, head_dim) * 4
-    expected = reference.decode_attention(q.float(), cache.float32(), cache.tables, context_lens,
-                                          SCALE, window=window, softcap=cap)
-    plain = reference.decode_attention(q.float(), cache.float32(), cache.tables, context_lens,
-                                       SCALE, window=window)
-    assert not torch.allclose(expected, plain, atol=0.05)
-    for splits in (1, 2):
-        out = triton_paged.decode_attention(q, cache.kv, cache.tables, context_lens, SCALE,
-                                            num_splits=splits, window=window, softcap=cap)
-        assert_close(out, expected, dtype)
+    _check_decode_with(cache, q, context_lens, dtype, (1, 2), window=window, softcap=cap)
     n = lens[1]
     starts = torch.tensor([0, n], dtype=torch.int32)
     qp = cache.randn(n, heads, head_dim) * 4
@@ -259,15 +265,7 @@ def test_sinks_match_reference(dtype, block_size, head_dim, heads, kv_heads, win
     sinks = torch.randn(heads, generator=cache.gen) * 2 + 1
     context_lens = torch.tensor(lens)
     q = cache.randn(len(lens), heads, head_dim)
-    expected = reference.decode_attention(q.float(), cache.float32(), cache.tables, context_lens,
-                                          SCALE, window=window, sinks=sinks)
-    plain = reference.decode_attention(q.float(), cache.float32(), cache.tables, context_lens,
-                                       SCALE, window=window)
-    assert not torch.allclose(expected, plain, atol=0.05)
-    for splits in (1, 3):
-        out = triton_paged.decode_attention(q, cache.kv, cache.tables, context_lens, SCALE,
-                                            num_splits=splits, window=window, sinks=sinks)
-        assert_close(out, expected, dtype)
+    _check_decode_with(cache, q, context_lens, dtype, (1, 3), window=window, sinks=sinks)
     segments = [(2 * bs + 7, 2 * bs + 7), (3 * bs, bs + 5)]  # a fresh prompt, a chunk
     chunks = [n for _, n in segments]
     starts = torch.tensor([0] + chunks).cumsum(0).to(torch.int32)
