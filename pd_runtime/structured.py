@@ -23,10 +23,12 @@ OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_f
 # Set by the router for a reasoning model (not a client's field): the grammar holds only the
 # answer after the model's think block, which the prompt opened ("open") or the output may open
 # ("optional"), as vLLM starts a grammar after the reasoning (engine/grammar.py: the tags are
-# found by their token ids, never put in the grammar: tokenizers make them added tokens).
+# found by their token ids, never put in the grammar: tokenizers make them added tokens); or,
+# for gpt-oss ("harmony"), the final channel's message, after its header's tokens.
 THINK = "think"
-THINK_MODES = ("open", "optional")
+THINK_MODES = ("open", "optional", "harmony")
 THINK_START, THINK_END = "<think>", "</think>"
+HARMONY_ANSWER = ("<|channel|>", "final", "<|message|>")  # where gpt-oss's answer begins
 
 
 def think_tag_ids(tokenizer) -> "tuple[int, int] | None":
@@ -34,6 +36,14 @@ def think_tag_ids(tokenizer) -> "tuple[int, int] | None":
     several (then the tags cannot be told from text the answer may hold: no `think`)."""
     ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (THINK_START, THINK_END)]
     return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
+
+
+def harmony_answer_ids(tokenizer) -> "tuple[int, ...] | None":
+    """The tokens of the final channel's header, `<|channel|>final<|message|>`, as gpt-oss's
+    tokenizer spells it (its markers are tokens of their own), or None where they are not."""
+    channel, name, message = (tokenizer.encode(t, add_special_tokens=False)
+                              for t in HARMONY_ANSWER)
+    return tuple(channel + name + message) if len(channel) == len(message) == 1 else None
 PARAM = "structured_outputs"
 # Bounds the work a request can ask of the router and of each engine step.
 MAX_SPEC_CHARS = 100_000

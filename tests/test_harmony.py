@@ -104,8 +104,8 @@ def harmony_model(model_factory, tmp_path_factory):
 
 def test_over_http(harmony_model):
     """The request keeps the markers in its text (special tokens); the random model writes no
-    channel, so its whole output is the answer, as it decodes with them kept; a structured
-    output is refused naming its field."""
+    channel, so its whole output is the answer, as it decodes with them kept; a required tool
+    choice is refused naming its field."""
     offline = LLM(str(harmony_model), **ENGINE)
     assert offline.engine.tokenizer.reasoning_format == "harmony"
     messages = [{"role": "user", "content": "2 + 2?"}]
@@ -129,9 +129,15 @@ def test_over_http(harmony_model):
         assert not with_tools.choices[0].message.tool_calls
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=backend.model_name, messages=messages,
-                                           max_tokens=4, response_format={"type": "json_object"})
-        assert refused.value.body["param"] == "response_format"
+                                           max_tokens=4, tools=tools, tool_choice="required")
+        assert refused.value.body["param"] == "tool_choice"
         assert "harmony" in refused.value.body["message"]
+        # A structured output: the thinking is free until the final channel's header, which
+        # this random model never writes: its output is the free one above.
+        held = client.chat.completions.create(model=backend.model_name, messages=messages,
+                                              max_tokens=12, temperature=0,
+                                              response_format={"type": "json_object"})
+        assert held.choices[0].message.content == want
 
 
 def test_a_harmony_request_keeps_the_markers_in_its_text(harmony_model):
@@ -271,4 +277,43 @@ def _run_ids(tokenizer, text, ids):
     builder = ResponsesBuilder(prepared, "resp_x", tokenizer, chat_body({"input": "hi"})[1])
     builder.add(0, {"text": text, "token_ids": ids, "finished": True, "finish_reason": "stop"})
     return None, builder.final_body()
+
+
+def test_a_grammar_holds_only_the_final_channel(harmony_model):
+    """A structured output on a harmony model (the router's `think: harmony`): every token is
+    free until the final channel's header (<|channel|>final<|message|>), then the grammar
+    holds the answer, then only EOS."""
+    import functools
+    from types import SimpleNamespace
+
+    import torch
+
+    from pd_runtime.engine.grammar import GrammarMasks
+    from pd_runtime.router.protocol import prepare_chat
+
+    tokenizer = Tokenizer(str(harmony_model))
+    prepared = prepare_chat({"messages": [{"role": "user", "content": "2 + 2?"}],
+                             "guided_choice": ["4", "5"]}, tokenizer, "m", 512)
+    spec = prepared.choices[0].params.structured_outputs
+    assert spec["think"] == "harmony" and prepared.reasoning == "harmony"
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    width = 528
+    masks = GrammarMasks(tokenizer, width)
+    request = SimpleNamespace(grammar=masks.start(SamplingParams(structured_outputs=spec)),
+                              output_token_ids=[], request_id="r")
+
+    def allowed() -> set[int]:
+        logits = torch.zeros(1, width)
+        masks.mask(logits, [(0, request)])
+        return set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist())
+
+    header = encode("<|channel|>final<|message|>")
+    thinking = encode(THINK + "<|start|>assistant")
+    for token in thinking + header:
+        assert allowed() == set(range(width))  # free through the header
+        request.output_token_ids.append(token)
+    answer = allowed()
+    assert encode("4")[0] in answer and encode("2")[0] not in answer and len(answer) < 10
+    request.output_token_ids += encode("4")
+    assert allowed() == set(tokenizer.eos_token_ids)
 

@@ -7,7 +7,8 @@ prefill worker's first token, a lost worker's resumed tokens and this engine's o
 alike), so every path computes the same masks and so samples the same tokens. Once the grammar
 is complete only EOS is allowed, and that EOS ends the request (under ignore_eos too). A
 reasoning model's row (the spec's `think`) is left free until its think block's end tag, found
-by token id in its output; the matcher takes what follows.
+by token id in its output (gpt-oss's: the final channel's header); the matcher takes what
+follows.
 Speculative decoding proposes no drafts for such a request (engine.py).
 """
 
@@ -62,6 +63,13 @@ class GrammarMasks:
         think = spec.get(structured.THINK)
         if think is None:
             return GrammarState(matcher)
+        if think == "harmony":
+            header = structured.harmony_answer_ids(self._tokenizer)
+            if header is None:
+                raise InvalidRequestError("structured_outputs.think harmony needs <|channel|> and "
+                                          "<|message|> to be tokens of this model's own",
+                                          param="structured_outputs")
+            return GrammarState(matcher, end_ids=header)
         tags = structured.think_tag_ids(self._tokenizer)
         if tags is None:
             raise InvalidRequestError("structured_outputs.think needs <think> and </think> to "

@@ -30,10 +30,15 @@ def prepare(prompt: str, params: dict, tokenizer, extra: dict) -> Union[bool, st
     fmt = getattr(tokenizer, "reasoning_format", None)
     if fmt == "harmony":
         if "structured_outputs" in params:
-            field = structured_spec(extra)[1] or "tool_choice"
-            raise InvalidRequest(f"{field}: structured outputs are not supported for a model "
-                                 "that answers in harmony's channels (gpt-oss) yet",
-                                 param=field, code="unsupported_parameter")
+            if structured_spec(extra)[1] is None:  # a required or named tool choice's
+                raise InvalidRequest("tool_choice: a required or named tool choice is not "
+                                     "supported for a model that answers in harmony's "
+                                     "channels (gpt-oss) yet; its calls come with auto",
+                                     param="tool_choice", code="unsupported_parameter")
+            # The grammar holds the final channel's message (the answer), from the token after
+            # its header on; the thinking before it is free.
+            params["structured_outputs"] = {**params["structured_outputs"],
+                                            structured.THINK: "harmony"}
         params["skip_special_tokens"] = False  # its markers are special tokens
         return "harmony"
     if not fmt:
