@@ -519,3 +519,32 @@ def test_olmo2_turns_q_and_k_in_float32_as_transformers(model_factory):
     assert torch.equal(got_q, want_q[0].transpose(0, 1))
     assert torch.equal(got_k, want_k[0].transpose(0, 1))
 
+
+def test_an_olmo3_hub_config_reads_as_transformers_reads_it(tmp_path):
+    """Olmo-3's config.json as the Hub ships it (rope_theta and a YaRN rope_scaling, which
+    transformers gives the full-attention layers only; no layer_types: three windowed layers
+    of four), and one left to Olmo3Config's defaults."""
+    from transformers import Olmo3Config
+
+    from pd_runtime.model.model_config import load_model_config
+
+    hub = {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_size": 4096,
+           "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32,
+           "num_key_value_heads": 32, "max_position_embeddings": 65536, "rope_theta": 500000,
+           "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32,
+                            "beta_slow": 1, "original_max_position_embeddings": 8192,
+                            "attention_factor": 1.2079441541679836},
+           "sliding_window": 4096, "vocab_size": 100278, "rms_norm_eps": 1e-06}
+    for raw in (hub, {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3"}):
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        ours = load_model_config(tmp_path)
+        theirs = Olmo3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+        sliding = tuple(i for i, t in enumerate(theirs.layer_types) if t == "sliding_attention")
+        assert (ours.window_layers, ours.local_rope_layers, ours.sliding_window) == \
+            (sliding, sliding, theirs.sliding_window)
+        for rope, kind in ((ours.rope, "full_attention"), (ours.local_rope, "sliding_attention")):
+            want = theirs.rope_parameters[kind]
+            assert (rope.rope_type, rope.theta, rope.factor) == \
+                (want["rope_type"], want["rope_theta"], want.get("factor", 1.0))
+        assert ours.rms_norm_eps == theirs.rms_norm_eps
+

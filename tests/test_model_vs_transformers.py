@@ -100,6 +100,13 @@ VARIANTS = {
     # OLMo 2: each block's output normed (no norm on its input), q and k normed over all
     # heads at once before rope, norms scaled in float32.
     "olmo2": ("olmo2", {}),
+    # OLMo 3: OLMo 2 with a window on three layers of four (here the first of two), YaRN on
+    # the full-attention layers only (its file's rope_scaling), plain rope on the windowed.
+    "olmo3": ("olmo3", {"sliding_window": 6, "layer_types": ["sliding_attention",
+                                                            "full_attention"],
+                        "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                         "original_max_position_embeddings": 512,
+                                         "beta_fast": 32, "beta_slow": 1}}),
     # OLMoE: Llama's blocks, q and k normed over all heads, every layer 8 experts (top 2),
     # probabilities renormalized over the chosen or not.
     "olmoe": ("olmoe", {}),
@@ -177,7 +184,7 @@ def variant(request, model_factory):
                         "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
                         "qwen3-moe", "qwen2-moe", "mistral-window", "qwen2-window", "gemma3",
                         "gemma3-scaled", "gemma2", "gemma", "gpt-oss", "gpt-oss-mxfp4",
-                        "olmo2", "olmoe", "granitemoe"])
+                        "olmo2", "olmo3", "olmoe", "granitemoe"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

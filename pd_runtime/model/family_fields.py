@@ -15,9 +15,10 @@ from pd_runtime.api import ModelLoadError
 
 def sliding_window(raw: dict, path: Path, family: str) -> tuple[Optional[int], tuple[int, ...]]:
     """The sliding window and the layers it applies to (sliding_layers), as transformers reads
-    them: Mistral's whenever set (4096 when the key is absent), Phi-3's, Mixtral's and Gemma's
-    whenever set; Qwen's and SmolLM3's only with use_sliding_window."""
-    if family == "mistral":
+    them: Mistral's and OLMo 3's whenever set (4096 when the key is absent), Phi-3's,
+    Mixtral's, Gemma's and gpt-oss's whenever set; Qwen's and SmolLM3's only with
+    use_sliding_window."""
+    if family in ("mistral", "olmo3"):
         window = raw.get("sliding_window", 4096)
     elif family in ("phi3", "mixtral", "gemma2", "gemma3", "gpt_oss"):
         window = raw.get("sliding_window")
@@ -49,6 +50,8 @@ def sliding_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
         return nope_layers(raw, path, family)
     if family == "gpt_oss":
         return tuple(range(0, layers, 2))
+    if family == "olmo3":  # all but every fourth
+        return tuple(i for i in range(layers) if (i + 1) % 4)
     if family in ("gemma2", "gemma3"):
         pattern = int(raw.get("sliding_window_pattern", 6 if family == "gemma3" else 2))
         return tuple(i for i in range(layers) if (i + 1) % pattern)
@@ -137,8 +140,17 @@ GEMMA2_DEFAULTS = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size
                     "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 
 
-GEMMA_DEFAULTS = {"gemma": GEMMA1_DEFAULTS, "gemma2": GEMMA2_DEFAULTS,
-                  "gemma3": GEMMA3_DEFAULTS}
+OLMO_DEFAULTS = {"vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008,
+                 "num_hidden_layers": 32, "num_attention_heads": 32,
+                 "max_position_embeddings": 2048, "rms_norm_eps": 1e-5}
+OLMOE_DEFAULTS = {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048,
+                  "num_hidden_layers": 16, "num_attention_heads": 16,
+                  "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+
+# What each family's config class supplies where a file leaves a field out.
+CLASS_DEFAULTS = {"gemma": GEMMA1_DEFAULTS, "gemma2": GEMMA2_DEFAULTS,
+                  "gemma3": GEMMA3_DEFAULTS, "olmo2": OLMO_DEFAULTS, "olmo3": OLMO_DEFAULTS,
+                  "olmoe": OLMOE_DEFAULTS}
 
 
 def gemma(raw: dict, path: Path, family: str, hidden: int) -> dict:
@@ -224,10 +236,14 @@ def gpt_oss(raw: dict, path: Path, family: str) -> dict:
             "routing": "topk_softmax", "mlp_act": "clamped_swiglu"}
 
 
-def layout(family: str) -> dict:
-    """OLMo 2's, OLMoE's and GraniteMoE's differences from Llama's decoder."""
-    return {"olmo2": {"block_norms": "post", "float32_norms": True, "qk_norm_whole": True,
-                      "rope_float32": True},
+def layout(raw: dict, path: Path, family: str) -> dict:
+    """OLMo 2's and 3's, OLMoE's and GraniteMoE's differences from Llama's decoder (OLMo 3's
+    sliding layers turn by a rope of their own: model_config reads it)."""
+    olmo = {"block_norms": "post", "float32_norms": True, "qk_norm_whole": True,
+            "rope_float32": True}
+    if family == "olmo3":
+        return {**olmo, "local_rope_layers": sliding_layers(raw, path, family)}
+    return {"olmo2": olmo,
             "olmoe": {"qk_norm_whole": True},
             "granitemoe": {"routing": "topk_softmax_f32"}}.get(family, {})
 

@@ -153,12 +153,12 @@ class LlamaModel:
         if batch_invariant:
             self._probe_row_stability()
         n_pos = max_positions or cfg.max_position_embeddings
-        # (OLMo 2 turns q and k in float32, as transformers does: its tables stay float32.)
-        self.cos, self.sin = rope_tables(cfg, n_pos, device,
-                                         torch.float32 if cfg.rope_float32 else dtype)
-        # Gemma 3's windowed layers turn by a rope of their own (another base).
-        self.local_rope = rope_tables(replace(cfg, rope=cfg.local_rope), n_pos, device, dtype) \
-            if cfg.local_rope is not None else None
+        # (OLMo 2 and 3 turn q and k in float32, as transformers does: their tables stay so.)
+        rope_dtype = torch.float32 if cfg.rope_float32 else dtype
+        self.cos, self.sin = rope_tables(cfg, n_pos, device, rope_dtype)
+        # Gemma 3's and OLMo 3's windowed layers turn by a rope of their own.
+        self.local_rope = rope_tables(replace(cfg, rope=cfg.local_rope), n_pos, device,
+                                      rope_dtype) if cfg.local_rope is not None else None
 
     def _probe_row_stability(self) -> None:
         """Find each matmul shape's stable row count (the first layer stands for all: same

@@ -4,7 +4,7 @@ Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3 and SmolLM3 differ only in the flag
 multipliers below (Phi-3 stores q/k/v and gate/up fused, as our decoder holds them; SmolLM3
 leaves rope out of every fourth layer); Mixtral and Qwen3-MoE replace the MLP of their sparse
 layers by experts a router picks per token; Gemma 2 and 3 norm every block's input and output
-(model/llama.py: _sandwich_layers), OLMo 2 norms only their outputs, Gemma 2 soft-caps its
+(model/llama.py: _sandwich_layers), OLMo 2 and 3 norm only their outputs, Gemma 2 soft-caps its
 attention scores and logits;
 gpt-oss adds attention sinks and experts with biases and a clamped SwiGLU (model/gpt_oss.py);
 anything else is refused.
@@ -45,6 +45,7 @@ _ARCHITECTURES = {
     "Qwen3VLForConditionalGeneration": "qwen3",
     "GptOssForCausalLM": "gpt_oss",
     "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
     "OlmoeForCausalLM": "olmoe",
     "GraniteMoeForCausalLM": "granitemoe",
 }
@@ -52,7 +53,7 @@ _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3
                 "granite": "granite", "phi3": "phi3", "smollm3": "smollm3",
                 "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe",
                 "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
-                "gpt_oss": "gpt_oss", "olmo2": "olmo2", "olmoe": "olmoe",
+                "gpt_oss": "gpt_oss", "olmo2": "olmo2", "olmo3": "olmo3", "olmoe": "olmoe",
                 "granitemoe": "granitemoe"}
 
 
@@ -275,8 +276,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"{path}: unsupported architecture {raw.get('architectures')} / model_type "
             f"{raw.get('model_type')!r}; supported: {sorted(_ARCHITECTURES)}")
 
-    if family in ("gemma", "gemma2", "gemma3"):  # what a Hub config leaves to the class's defaults
-        raw = {**fields.GEMMA_DEFAULTS[family], **raw}
+    if family in fields.CLASS_DEFAULTS:  # what a Hub config leaves to the class's defaults
+        raw = {**fields.CLASS_DEFAULTS[family], **raw}
     elif family == "gpt_oss":
         raw = fields.gpt_oss_defaults(raw)
 
@@ -327,8 +328,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
-        rms_norm_eps=float(raw.get("rms_norm_eps",
-                                   1e-5 if family in ("olmo2", "olmoe") else 1e-6)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         # (SmolLM3's and Gemma 3's config classes tie them unless told otherwise.)
         tie_word_embeddings=bool(raw.get("tie_word_embeddings",
@@ -341,37 +341,44 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and raw.get("qkv_bias", True))
         or (family not in ("mistral", "phi3", "mixtral", "qwen2_moe") and attention_bias),
         o_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "granitemoe", "smollm3",
-                          "gpt_oss", "olmo2", "olmoe") and attention_bias,
+                          "gpt_oss", "olmo2", "olmo3", "olmoe") and attention_bias,
         mlp_bias=family in ("llama", "granite", "smollm3") and bool(raw.get("mlp_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmoe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe"),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-        rope=_rope_from(_gemma_rope(raw, "full_attention") if family == "gemma3" else raw,
-                        path, family, int(head_dim)),
+        rope=_rope_from(_typed_rope(raw, "full_attention", family) if family in TYPED_ROPES
+                        else raw, path, family, int(head_dim)),
         sliding_window=window,
         window_layers=window_layers,
         **fields.granite_scalings(raw, path, family),
         **fields.gemma(raw, path, family, hidden),
-        local_rope=_rope_from(_gemma_rope(raw, "sliding_attention"), path, family,
-                              int(head_dim)) if family == "gemma3" else None,
+        local_rope=_rope_from(_typed_rope(raw, "sliding_attention", family), path, family,
+                              int(head_dim)) if family in TYPED_ROPES else None,
         nope_layers=fields.nope_layers(raw, path, family),
         **fields.experts(raw, path, family),
         **fields.gpt_oss(raw, path, family),
-        **fields.layout(family),
+        **fields.layout(raw, path, family),
         quantization=method,
     )
 
 
-def _gemma_rope(raw: dict, layer_type: str) -> dict:
-    """The config a Gemma 3 layer type's rope reads: transformers 5 writes rope_parameters per
-    layer type; older files rope_theta and rope_scaling for the full-attention layers and
-    rope_local_base_freq (default 10000, unscaled) for the sliding ones."""
+# Families whose sliding and full-attention layers each turn by a rope of their own.
+TYPED_ROPES = ("gemma3", "olmo3")
+
+
+def _typed_rope(raw: dict, layer_type: str, family: str) -> dict:
+    """The config a layer type's rope reads: transformers 5 writes rope_parameters per layer
+    type; older files rope_theta and rope_scaling for the full-attention layers, and for the
+    sliding ones Gemma 3's rope_local_base_freq (default 10000), OLMo 3's base 500000 (what
+    its config class gives them whatever rope_theta says), unscaled."""
     rest = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling")}
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
         return {**rest, "rope_parameters": params[layer_type]}
+    gemma = family == "gemma3"
     if layer_type == "sliding_attention":
-        return {**rest, "rope_theta": raw.get("rope_local_base_freq", 10000.0)}
-    return {**rest, "rope_theta": raw.get("rope_theta", 1e6),
+        return {**rest, "rope_theta": raw.get("rope_local_base_freq", 10000.0) if gemma
+                else 500000.0}
+    return {**rest, "rope_theta": raw.get("rope_theta", 1e6 if gemma else 500000.0),
             "rope_scaling": raw.get("rope_scaling")}
 
 
