@@ -295,8 +295,13 @@ MODELS = {
     # decode); calibrated on CPU as mixtral (in bf16, 58% of the tokens before a difference).
     "gpt-oss": dict(architecture="gpt_oss", sliding_window=48, hidden_size=256,
                     intermediate_size=256, num_attention_heads=4, num_key_value_heads=1),
+    # OLMo 3: q and k turned in float32 (its rope tables stay float32 on the device), a window
+    # and a rope of its own on the first layer; calibrated on CPU (84% before a difference).
+    "olmo3": dict(architecture="olmo3", sliding_window=48, hidden_size=256,
+                  intermediate_size=512, num_attention_heads=4, num_key_value_heads=1,
+                  layer_types=["sliding_attention", "full_attention"]),
 }
-DENSE = ("d128", "d64", "window")  # the models decode runs under CUDA graphs for
+DENSE = ("d128", "d64", "window", "olmo3")  # the models decode runs under CUDA graphs for
 PROMPT_LENS = [3, 17, 64, 100, 129, 250, 31, 8]  # ragged, around block edges
 MAX_TOKENS = 32
 # Calibrated on CPU (our bf16 vs transformers' fp32, these models): a shared token's logprob
