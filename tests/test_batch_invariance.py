@@ -30,7 +30,7 @@ def outputs(results) -> list[tuple]:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "mistral-window", "gemma3", "gemma2",
-                                        "gemma", "olmo2", "olmo3"])
+                                        "gemma", "olmo2", "olmo3", "glm4"])
 def model(request, model_factory):
     # head_dim 64 and two query heads per KV head: the shapes the native kernels specialise;
     # Qwen3 for its q/k norms (whose bf16 rows once depended on the batch); a sliding window

@@ -212,6 +212,10 @@ def _written(path: Path, config: dict) -> Path:
       "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 8,
       "vocab_size": 49155, "num_local_experts": 32, "num_experts_per_tok": 8,
       "tie_word_embeddings": True}, 1_334_628_352),  # granite-3.0-1b-a400m
+    ({"architectures": ["Glm4ForCausalLM"], "attention_bias": True, "head_dim": 128,
+      "hidden_size": 4096, "intermediate_size": 13696, "num_attention_heads": 32,
+      "num_hidden_layers": 40, "num_key_value_heads": 2, "vocab_size": 151552,
+      "tie_word_embeddings": False}, 9_400_279_040),  # GLM-4-9B-0414: four norms a layer
 ])
 def test_expert_weights_are_counted(tmp_path, config, params):
     cfg = load_model_config(_written(tmp_path / "moe", config))

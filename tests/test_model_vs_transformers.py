@@ -100,6 +100,9 @@ VARIANTS = {
     # OLMo 2: each block's output normed (no norm on its input), q and k normed over all
     # heads at once before rope, norms scaled in float32.
     "olmo2": ("olmo2", {}),
+    # GLM-4 (0414): rope over half of each head in neighbouring pairs, four norms a layer
+    # (each block's input and output), q/k/v biases, gate and up stored fused.
+    "glm4": ("glm4", {}),
     # OLMo 3: OLMo 2 with a window on three layers of four (here the first of two), YaRN on
     # the full-attention layers only (its file's rope_scaling), plain rope on the windowed.
     "olmo3": ("olmo3", {"sliding_window": 6, "layer_types": ["sliding_attention",
@@ -184,7 +187,7 @@ def variant(request, model_factory):
                         "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
                         "qwen3-moe", "qwen2-moe", "mistral-window", "qwen2-window", "gemma3",
                         "gemma3-scaled", "gemma2", "gemma", "gpt-oss", "gpt-oss-mxfp4",
-                        "olmo2", "olmo3", "olmoe", "granitemoe"])
+                        "olmo2", "olmo3", "olmoe", "granitemoe", "glm4"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

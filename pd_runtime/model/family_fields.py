@@ -140,6 +140,11 @@ GEMMA2_DEFAULTS = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size
                     "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 
 
+GLM4_DEFAULTS = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 13696,
+                 "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2,
+                 "head_dim": 128, "max_position_embeddings": 131072,
+                 "rms_norm_eps": 0.00000015625, "attention_bias": True,
+                 "partial_rotary_factor": 0.5}
 OLMO_DEFAULTS = {"vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008,
                  "num_hidden_layers": 32, "num_attention_heads": 32,
                  "max_position_embeddings": 2048, "rms_norm_eps": 1e-5}
@@ -150,7 +155,7 @@ OLMOE_DEFAULTS = {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size":
 # What each family's config class supplies where a file leaves a field out.
 CLASS_DEFAULTS = {"gemma": GEMMA1_DEFAULTS, "gemma2": GEMMA2_DEFAULTS,
                   "gemma3": GEMMA3_DEFAULTS, "olmo2": OLMO_DEFAULTS, "olmo3": OLMO_DEFAULTS,
-                  "olmoe": OLMOE_DEFAULTS}
+                  "olmoe": OLMOE_DEFAULTS, "glm4": GLM4_DEFAULTS}
 
 
 def gemma(raw: dict, path: Path, family: str, hidden: int) -> dict:
@@ -245,6 +250,7 @@ def layout(raw: dict, path: Path, family: str) -> dict:
         return {**olmo, "local_rope_layers": sliding_layers(raw, path, family)}
     return {"olmo2": olmo,
             "olmoe": {"qk_norm_whole": True},
+            "glm4": {"block_norms": "sandwich"},
             "granitemoe": {"routing": "topk_softmax_f32"}}.get(family, {})
 
 

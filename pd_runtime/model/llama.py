@@ -11,6 +11,7 @@ and attention by fixed-order native kernels (the runner passes their metadata).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -155,6 +156,7 @@ class LlamaModel:
         n_pos = max_positions or cfg.max_position_embeddings
         # (OLMo 2 and 3 turn q and k in float32, as transformers does: their tables stay so.)
         rope_dtype = torch.float32 if cfg.rope_float32 else dtype
+        self._turn = functools.partial(apply_rope, interleaved=cfg.rope.interleaved)
         self.cos, self.sin = rope_tables(cfg, n_pos, device, rope_dtype)
         # Gemma 3's and OLMo 3's windowed layers turn by a rope of their own.
         self.local_rope = rope_tables(replace(cfg, rope=cfg.local_rope), n_pos, device,
@@ -210,21 +212,21 @@ class LlamaModel:
             q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], -1)
             q = self.norm(q.contiguous(), layer["q_norm"], cfg.rms_norm_eps)
             k = self.norm(k.contiguous(), layer["k_norm"], cfg.rms_norm_eps)
-            turn = (lambda t: apply_rope(t.float(), cos, sin).to(t.dtype)) \
-                if cfg.rope_float32 else (lambda t: apply_rope(t, cos, sin))
+            turn = (lambda t: self._turn(t.float(), cos, sin).to(t.dtype)) \
+                if cfg.rope_float32 else (lambda t: self._turn(t, cos, sin))
             return turn(q.view(-1, heads, head_dim)), turn(k.view(-1, kv_heads, head_dim))
         if cfg.qk_norm:
             # Contiguous first: the fused bf16 norm takes dense rows; torch's float path over
             # the strided view reduced in an order that depended on the row count (a token's
             # logprobs then changed with its batch).
             q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], -1)
-            q = apply_rope(self.norm(q.contiguous().view(-1, heads, head_dim), layer["q_norm"],
+            q = self._turn(self.norm(q.contiguous().view(-1, heads, head_dim), layer["q_norm"],
                                     cfg.rms_norm_eps), cos, sin)
-            k = apply_rope(self.norm(k.contiguous().view(-1, kv_heads, head_dim), layer["k_norm"],
+            k = self._turn(self.norm(k.contiguous().view(-1, kv_heads, head_dim), layer["k_norm"],
                                     cfg.rms_norm_eps), cos, sin)
             return q, k
         # q and k heads side by side in qkv: one rotation for both (half the launches)
-        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(-1, heads + kv_heads,
+        qk = self._turn(qkv[:, :self.q_size + self.kv_size].view(-1, heads + kv_heads,
                                                                   head_dim), cos, sin)
         return qk[:, :heads], qk[:, heads:]
 

@@ -148,6 +148,16 @@ class _TensorReader:
         return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
 
+# A layer's norms by their checkpoint names: post_norm is the attention output's in Gemma's and
+# OLMo's sandwich (the MLP input's in Llama's), pre_ff_norm the MLP input's there; GLM-4 names
+# its four otherwise.
+NORM_NAMES = {None: {"post_norm": "post_attention_layernorm.weight",
+                     "pre_ff_norm": "pre_feedforward_layernorm.weight",
+                     "post_ff_norm": "post_feedforward_layernorm.weight"},
+              "glm4": {"post_norm": "post_self_attn_layernorm.weight",
+                       "pre_ff_norm": "post_attention_layernorm.weight",
+                       "post_ff_norm": "post_mlp_layernorm.weight"}}
+
 GEMMA_NORMS = ("in_norm", "post_norm", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm")
 
 
@@ -178,16 +188,17 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
         else:
             qkv = torch.cat([reader.get(p + f"self_attn.{n}_proj.weight", (o, h))
                              for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))], 0)
+        names = NORM_NAMES.get(cfg.family, NORM_NAMES[None])
         layer = {
             "qkv": qkv,
             "o": reader.get(p + "self_attn.o_proj.weight", (h, q_out)),
-            "post_norm": norm(p + "post_attention_layernorm.weight", h),
+            "post_norm": norm(p + names["post_norm"], h),
         }
         if cfg.block_norms != "post":  # (OLMo 2 norms no block's input)
             layer["in_norm"] = norm(p + "input_layernorm.weight", h)
         if i in cfg.sparse_layers:
             layer.update(_experts(reader, cfg, p))
-        elif cfg.family == "phi3":
+        elif cfg.family in ("phi3", "glm4"):  # stored fused, gate|up
             layer["gate_up"] = reader.get(p + "mlp.gate_up_proj.weight", (2 * inter, h))
             layer["down"] = reader.get(p + "mlp.down_proj.weight", (h, inter))
         else:
@@ -210,9 +221,9 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
             layer["k_norm"] = norm(p + "self_attn.k_norm.weight",
                                    kv_out if cfg.qk_norm_whole else d)
         if cfg.block_norms == "sandwich":  # the MLP's own input norm
-            layer["pre_ff_norm"] = norm(p + "pre_feedforward_layernorm.weight", h)
+            layer["pre_ff_norm"] = norm(p + names["pre_ff_norm"], h)
         if cfg.block_norms != "pre":  # the norm of the MLP's output
-            layer["post_ff_norm"] = norm(p + "post_feedforward_layernorm.weight", h)
+            layer["post_ff_norm"] = norm(p + names["post_ff_norm"], h)
         if cfg.attn_sinks:  # float32, as the attention kernels read them
             layer["sinks"] = reader.get(p + "self_attn.sinks", (cfg.num_heads,)).float()
         layers.append(layer)

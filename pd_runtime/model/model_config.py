@@ -46,6 +46,7 @@ _ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    "Glm4ForCausalLM": "glm4",
     "OlmoeForCausalLM": "olmoe",
     "GraniteMoeForCausalLM": "granitemoe",
 }
@@ -54,6 +55,7 @@ _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3
                 "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe",
                 "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
                 "gpt_oss": "gpt_oss", "olmo2": "olmo2", "olmo3": "olmo3", "olmoe": "olmoe",
+                "glm4": "glm4",
                 "granitemoe": "granitemoe"}
 
 
@@ -80,6 +82,8 @@ class RopeConfig:
     long: bool = False
     # The share of each head rope turns (Phi-4-mini's 0.75; the rest passes through).
     partial_rotary_factor: float = 1.0
+    # Pairs of neighbouring dimensions turn together (GLM-4's), not the two halves.
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -199,8 +203,8 @@ def _rope_from(raw: dict, path: Path, family: str, head_dim: int) -> RopeConfig:
                                  "(default or longrope, as transformers reads it)")
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     partial = 1.0 if partial is None else partial
-    # Phi-3's attention alone turns part of each head (transformers' other decoders turn all).
-    if partial != 1 and (family != "phi3" or not 0 < partial < 1
+    # Phi-3's and GLM-4's attention turn part of each head (transformers' others turn all).
+    if partial != 1 and (family not in ("phi3", "glm4") or not 0 < partial < 1
                          or int(head_dim * partial) % 2):
         raise ModelLoadError(f"{path}: partial_rotary_factor {partial!r} is not supported "
                              f"for {family} (head_dim {head_dim})")
@@ -251,6 +255,7 @@ def _rope_from(raw: dict, path: Path, family: str, head_dim: int) -> RopeConfig:
         short_factor=short,
         long_factor=long,
         partial_rotary_factor=float(partial),
+        interleaved=family == "glm4",
     )
 
 

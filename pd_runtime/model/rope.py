@@ -66,7 +66,9 @@ def rope_tables(cfg: ModelConfig, n_pos: int, device, dtype) -> tuple[torch.Tens
     """cos and sin of every position below `n_pos`, `[n_pos, rotary_dim]`, scaled by the rope's
     attention factor, in the model's dtype."""
     freqs = torch.arange(n_pos, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1).to(device)
+    emb = freqs.repeat_interleave(2, dim=-1) if cfg.rope.interleaved \
+        else torch.cat((freqs, freqs), dim=-1)
+    emb = emb.to(device)
     scale = rope_attention_scale(cfg)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
@@ -91,14 +93,22 @@ def rope_attention_scale(cfg: ModelConfig) -> float:
     return mscale(r.factor)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool = False) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, rounded as that expression is, without the rotated copy
     (its halves are -x2 and x1; a + (-b) * s equals a - b * s exactly). With cos narrower than
-    x (a partial rotary factor), its first dimensions turn and the rest pass through."""
+    x (a partial rotary factor), its first dimensions turn and the rest pass through.
+    `interleaved` (GLM-4's): pairs are neighbours (2i, 2i + 1), not halves, and the tables
+    hold each pair's angle twice in a row (rope_tables)."""
     rot = cos.shape[-1]
     if rot < x.shape[-1]:
         out = x.clone()
-        out[..., :rot] = apply_rope(x[..., :rot], cos, sin)
+        out[..., :rot] = apply_rope(x[..., :rot], cos, sin, interleaved)
+        return out
+    if interleaved:
+        out = x * cos
+        out[..., 0::2] -= x[..., 1::2] * sin[..., 0::2]
+        out[..., 1::2] += x[..., 0::2] * sin[..., 1::2]
         return out
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]

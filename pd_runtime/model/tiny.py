@@ -39,6 +39,7 @@ ARCHITECTURES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
 }
@@ -122,7 +123,7 @@ def _build_config(architecture: str, fields: dict):
         fields.setdefault("use_sliding_window", False)
     if architecture == "mistral":
         fields.setdefault("sliding_window", None)  # full attention, as in Mistral v0.2+
-    if architecture in ("gemma", "gemma2", "gemma3", "gpt_oss"):  # (their head_dim: 256, 64)
+    if architecture in ("gemma", "gemma2", "gemma3", "gpt_oss", "glm4"):  # (theirs: 256, 64, 128)
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     if architecture == "gpt_oss":  # 8 experts; YaRN (as gpt-oss's own) up to the preset's context
         fields.setdefault("num_local_experts", 8)
