@@ -30,7 +30,7 @@ def outputs(results) -> list[tuple]:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "mistral-window", "gemma3", "gemma2",
-                                        "gemma", "olmo2", "olmo3", "glm4"])
+                                        "gemma", "olmo2", "olmo3", "glm4", "cohere2"])
 def model(request, model_factory):
     # head_dim 64 and two query heads per KV head: the shapes the native kernels specialise;
     # Qwen3 for its q/k norms (whose bf16 rows once depended on the batch); a sliding window
@@ -41,6 +41,8 @@ def model(request, model_factory):
                      "gemma2": ("gemma2", {"sliding_window": 70, "attn_logit_softcapping": 2.0,
                                            "final_logit_softcapping": 3.0}),
                      "olmo3": ("olmo3", {"sliding_window": 70, "layer_types": [
+                         "sliding_attention", "full_attention"]}),
+                     "cohere2": ("cohere2", {"sliding_window": 70, "layer_types": [
                          "sliding_attention", "full_attention"]})}.get(
         request.param, (request.param, {}))
     return model_factory(family, hidden_size=256, num_attention_heads=4,

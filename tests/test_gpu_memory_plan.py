@@ -216,6 +216,13 @@ def _written(path: Path, config: dict) -> Path:
       "hidden_size": 4096, "intermediate_size": 13696, "num_attention_heads": 32,
       "num_hidden_layers": 40, "num_key_value_heads": 2, "vocab_size": 151552,
       "tie_word_embeddings": False}, 9_400_279_040),  # GLM-4-9B-0414: four norms a layer
+    ({"architectures": ["CohereForCausalLM"], "hidden_size": 8192, "intermediate_size": 22528,
+      "num_hidden_layers": 40, "num_attention_heads": 64, "num_key_value_heads": 64,
+      "vocab_size": 256000, "use_qk_norm": True},  # Command R's shape, R+'s q/k norms; tied
+     34_981_486_592),
+    ({"architectures": ["Cohere2ForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+      "vocab_size": 256000}, 8_028_033_024),  # Command R7B: one norm a layer
 ])
 def test_expert_weights_are_counted(tmp_path, config, params):
     cfg = load_model_config(_written(tmp_path / "moe", config))

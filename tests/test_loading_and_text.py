@@ -548,3 +548,31 @@ def test_an_olmo3_hub_config_reads_as_transformers_reads_it(tmp_path):
                 (want["rope_type"], want["rope_theta"], want.get("factor", 1.0))
         assert ours.rms_norm_eps == theirs.rms_norm_eps
 
+
+def test_cohere_turns_q_and_k_as_transformers(model_factory):
+    """In bf16, Command R+'s q and k (per-head LayerNorms, then rope in neighbouring pairs,
+    computed in float32 over bf16 tables and cast) are transformers' own, bit for bit."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb
+
+    from pd_runtime.model.loader import load_model
+
+    path = model_factory("cohere", hidden_size=256, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=512, use_qk_norm=True)
+    ours = load_model(path, dtype="bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    x = torch.randn(1, 300, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    positions = torch.arange(300)
+    attn = hf.model.layers[0].self_attn
+    with torch.no_grad():
+        cos, sin = hf.model.rotary_emb(x, positions[None])
+        q = attn.q_norm(attn.q_proj(x).view(1, 300, 4, 64)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(x).view(1, 300, 2, 64)).transpose(1, 2)
+        want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+        layer = ours.layers[0]
+        qkv = torch.nn.functional.linear(x[0], layer["qkv"])
+        got_q, got_k = ours.rotated_qk(layer, qkv, ours.cos[positions].unsqueeze(1),
+                                       ours.sin[positions].unsqueeze(1))
+    assert torch.equal(got_q, want_q[0].transpose(0, 1))
+    assert torch.equal(got_k, want_k[0].transpose(0, 1))
+

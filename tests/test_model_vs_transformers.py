@@ -103,6 +103,13 @@ VARIANTS = {
     # GLM-4 (0414): rope over half of each head in neighbouring pairs, four norms a layer
     # (each block's input and output), q/k/v biases, gate and up stored fused.
     "glm4": ("glm4", {}),
+    # Cohere (Command R): one LayerNorm a layer whose output attention and the MLP both take,
+    # rope in neighbouring pairs turned in float32, the logits scaled; per-head q/k LayerNorms
+    # (Command R+). Cohere 2 (Command R7B): a window on three layers of four, which alone turn.
+    "cohere": ("cohere", {"logit_scale": 0.5}),
+    "cohere-qknorm": ("cohere", {"use_qk_norm": True, "logit_scale": 0.5}),
+    "cohere2": ("cohere2", {"sliding_window": 6, "logit_scale": 0.5,
+                            "layer_types": ["sliding_attention", "full_attention"]}),
     # OLMo 3: OLMo 2 with a window on three layers of four (here the first of two), YaRN on
     # the full-attention layers only (its file's rope_scaling), plain rope on the windowed.
     "olmo3": ("olmo3", {"sliding_window": 6, "layer_types": ["sliding_attention",
@@ -187,7 +194,8 @@ def variant(request, model_factory):
                         "llama-biases", "phi3", "phi3-longrope", "smollm3", "mixtral",
                         "qwen3-moe", "qwen2-moe", "mistral-window", "qwen2-window", "gemma3",
                         "gemma3-scaled", "gemma2", "gemma", "gpt-oss", "gpt-oss-mxfp4",
-                        "olmo2", "olmo3", "olmoe", "granitemoe", "glm4"])
+                        "olmo2", "olmo3", "olmoe", "granitemoe", "glm4", "cohere",
+                        "cohere-qknorm", "cohere2"])
 def greedy_variant(request, model_factory):
     return _variant(request.param, model_factory)
 

@@ -65,10 +65,11 @@ def decode_buffer_fraction(engine: EngineConfig) -> float:
 def weight_bytes(cfg: ModelConfig, elem: int) -> int:
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h, inter = cfg.hidden_size, cfg.intermediate_size
-    per_layer = h * (q + 2 * kv) + q * h + 2 * h
+    per_layer = h * (q + 2 * kv) + q * h + (h if cfg.block_norms == "parallel" else 2 * h)
     per_layer += (q + 2 * kv) if cfg.qkv_bias else 0
     per_layer += h if cfg.o_bias else 0
-    per_layer += (q + kv if cfg.qk_norm_whole else 2 * cfg.head_dim) if cfg.qk_norm else 0
+    if cfg.qk_norm:  # a weight per head's dimension, over all heads (OLMo), a head's (Cohere)
+        per_layer += q + kv if cfg.qk_norm_whole or cfg.norm_kind == "layer" else 2 * cfg.head_dim
     per_layer += 2 * h if cfg.block_norms == "sandwich" else 0  # (Gemma 2/3's MLP norms)
     per_layer += cfg.num_heads if cfg.attn_sinks else 0  # (gpt-oss's sink logits)
     dense = 3 * h * inter + (2 * inter + h if cfg.mlp_bias else 0)

@@ -20,7 +20,7 @@ def sliding_window(raw: dict, path: Path, family: str) -> tuple[Optional[int], t
     use_sliding_window."""
     if family in ("mistral", "olmo3"):
         window = raw.get("sliding_window", 4096)
-    elif family in ("phi3", "mixtral", "gemma2", "gemma3", "gpt_oss"):
+    elif family in ("phi3", "mixtral", "gemma2", "gemma3", "gpt_oss", "cohere2"):
         window = raw.get("sliding_window")
     else:
         window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
@@ -52,6 +52,9 @@ def sliding_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
         return tuple(range(0, layers, 2))
     if family == "olmo3":  # all but every fourth
         return tuple(i for i in range(layers) if (i + 1) % 4)
+    if family == "cohere2":  # all but every sliding_window_pattern-th
+        pattern = int(raw.get("sliding_window_pattern", 4))
+        return tuple(i for i in range(layers) if (i + 1) % pattern)
     if family in ("gemma2", "gemma3"):
         pattern = int(raw.get("sliding_window_pattern", 6 if family == "gemma3" else 2))
         return tuple(i for i in range(layers) if (i + 1) % pattern)
@@ -107,7 +110,11 @@ def experts(raw: dict, path: Path, family: str) -> dict:
 
 def nope_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
     """SmolLM3's layers without rope, as transformers reads them: `no_rope_layers` holds a 1
-    for each layer that rotates (absent: every `no_rope_layer_interval`-th layer does not)."""
+    for each layer that rotates (absent: every `no_rope_layer_interval`-th layer does not);
+    Cohere 2's full-attention layers (rope turns its windowed ones only)."""
+    if family == "cohere2":
+        windowed = set(sliding_layers(raw, path, family))
+        return tuple(i for i in range(int(raw["num_hidden_layers"])) if i not in windowed)
     if family != "smollm3":
         return ()
     layers = int(raw["num_hidden_layers"])
@@ -145,6 +152,10 @@ GLM4_DEFAULTS = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size":
                  "head_dim": 128, "max_position_embeddings": 131072,
                  "rms_norm_eps": 0.00000015625, "attention_bias": True,
                  "partial_rotary_factor": 0.5}
+COHERE_DEFAULTS = {"vocab_size": 256000, "hidden_size": 8192, "intermediate_size": 22528,
+                   "num_hidden_layers": 40, "num_attention_heads": 64,
+                   "max_position_embeddings": 8192, "layer_norm_eps": 1e-5,
+                   "logit_scale": 0.0625, "rope_theta": 500000.0}
 OLMO_DEFAULTS = {"vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008,
                  "num_hidden_layers": 32, "num_attention_heads": 32,
                  "max_position_embeddings": 2048, "rms_norm_eps": 1e-5}
@@ -155,7 +166,9 @@ OLMOE_DEFAULTS = {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size":
 # What each family's config class supplies where a file leaves a field out.
 CLASS_DEFAULTS = {"gemma": GEMMA1_DEFAULTS, "gemma2": GEMMA2_DEFAULTS,
                   "gemma3": GEMMA3_DEFAULTS, "olmo2": OLMO_DEFAULTS, "olmo3": OLMO_DEFAULTS,
-                  "olmoe": OLMOE_DEFAULTS, "glm4": GLM4_DEFAULTS}
+                  "olmoe": OLMOE_DEFAULTS, "glm4": GLM4_DEFAULTS,
+                  "cohere": COHERE_DEFAULTS, "cohere2": {**COHERE_DEFAULTS, "rope_theta": 1e4,
+                                                         "sliding_window": 4096}}
 
 
 def gemma(raw: dict, path: Path, family: str, hidden: int) -> dict:
@@ -245,7 +258,13 @@ def layout(raw: dict, path: Path, family: str) -> dict:
     """OLMo 2's and 3's, OLMoE's and GraniteMoE's differences from Llama's decoder (OLMo 3's
     sliding layers turn by a rope of their own: model_config reads it)."""
     olmo = {"block_norms": "post", "float32_norms": True, "qk_norm_whole": True,
-            "rope_float32": True}
+            "rope_float32": True, "rope_tables_float32": True}
+    if family in ("cohere", "cohere2"):
+        scale = raw.get("logit_scale", 0.0625)
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+            raise ModelLoadError(f"{path}: logit_scale must be a positive number, got {scale!r}")
+        return {"block_norms": "parallel", "norm_kind": "layer", "rope_float32": True,
+                "logit_scale": float(scale)}
     if family == "olmo3":
         return {**olmo, "local_rope_layers": sliding_layers(raw, path, family)}
     return {"olmo2": olmo,

@@ -47,6 +47,15 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return normed.mul_(weight).to(x.dtype)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Cohere's LayerNorm (no bias): mean-centred and scaled in float32, then cast, as
+    transformers orders it."""
+    xf = x.float()
+    centred = xf - xf.mean(-1, keepdim=True)
+    normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * normed).to(x.dtype)
+
+
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The residual add in place (`h += delta`), then RMSNorm(h); one native pass for bf16."""
     fused = native.add_rms_norm_bf16(h, delta, weight, eps) \
@@ -129,7 +138,8 @@ class LlamaModel:
         self.lm_head = w.get("lm_head", self.embed)
         self.layers = w["layers"]
         self.nope_layers = frozenset(cfg.nope_layers)
-        self.norm = gemma_rms_norm if cfg.gemma_norms else rms_norm
+        self.norm = gemma_rms_norm if cfg.gemma_norms else \
+            layer_norm if cfg.norm_kind == "layer" else rms_norm
         # Gemma's embedding scale is rounded to the model's dtype first (a tensor); Granite's is
         # applied as a number.
         self.embed_scale = torch.tensor(cfg.embedding_multiplier).to(dtype) \
@@ -154,9 +164,12 @@ class LlamaModel:
         if batch_invariant:
             self._probe_row_stability()
         n_pos = max_positions or cfg.max_position_embeddings
-        # (OLMo 2 and 3 turn q and k in float32, as transformers does: their tables stay so.)
-        rope_dtype = torch.float32 if cfg.rope_float32 else dtype
-        self._turn = functools.partial(apply_rope, interleaved=cfg.rope.interleaved)
+        # (OLMo and Cohere turn q and k in float32, as transformers does; OLMo's tables stay
+        # float32 too.)
+        rope_dtype = torch.float32 if cfg.rope_tables_float32 else dtype
+        turn = functools.partial(apply_rope, interleaved=cfg.rope.interleaved)
+        self._turn = (lambda x, cos, sin: turn(x.float(), cos, sin).to(x.dtype)) \
+            if cfg.rope_float32 else turn
         self.cos, self.sin = rope_tables(cfg, n_pos, device, rope_dtype)
         # Gemma 3's and OLMo 3's windowed layers turn by a rope of their own.
         self.local_rope = rope_tables(replace(cfg, rope=cfg.local_rope), n_pos, device,
@@ -212,9 +225,8 @@ class LlamaModel:
             q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], -1)
             q = self.norm(q.contiguous(), layer["q_norm"], cfg.rms_norm_eps)
             k = self.norm(k.contiguous(), layer["k_norm"], cfg.rms_norm_eps)
-            turn = (lambda t: self._turn(t.float(), cos, sin).to(t.dtype)) \
-                if cfg.rope_float32 else (lambda t: self._turn(t, cos, sin))
-            return turn(q.view(-1, heads, head_dim)), turn(k.view(-1, kv_heads, head_dim))
+            return (self._turn(q.view(-1, heads, head_dim), cos, sin),
+                    self._turn(k.view(-1, kv_heads, head_dim), cos, sin))
         if cfg.qk_norm:
             # Contiguous first: the fused bf16 norm takes dense rows; torch's float path over
             # the strided view reduced in an order that depended on the row count (a token's
@@ -317,6 +329,8 @@ class LlamaModel:
             h = h * self.embed_scale
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
+        if self.cfg.block_norms == "parallel":
+            return self._parallel_layers(h, (cos, sin), kv_caches, meta, output_rows)
         if self.cfg.block_norms != "pre":
             return self._sandwich_layers(h, (cos, sin), positions, kv_caches, meta, output_rows)
         # The residual stream h is this forward's own tensor (the embedding output), never an
@@ -371,10 +385,32 @@ class LlamaModel:
             h.add_(norm(mlp_out, layer["post_ff_norm"], eps))
         return norm(h, self.final_norm, eps)
 
+    def _parallel_layers(self, h: torch.Tensor, rope: tuple, kv_caches: list[torch.Tensor],
+                         meta: AttentionMetadata,
+                         output_rows: torch.Tensor | None) -> torch.Tensor:
+        """Cohere's layers (forward's contract): one norm, whose output attention and the MLP
+        both take, both added to the residual stream (attention's first)."""
+        eps, last = self.cfg.rms_norm_eps, len(self.layers) - 1
+        for index, (layer, packed, kv_layer) in enumerate(zip(self.layers, self.packed,
+                                                              kv_caches)):
+            meta.layer, meta.window = index, self.windows[index]
+            rows = output_rows if index == last else None
+            x = self.norm(h, layer["in_norm"], eps)
+            turn = (None, None) if index in self.nope_layers else rope
+            attn_out = self._attention(layer, packed, x, *turn, kv_layer, meta, rows)
+            if meta.on_layer is not None:
+                meta.on_layer(index)
+            if rows is not None:
+                h, x = h[rows], x[rows]  # the output rows only, from here on
+            h.add_(attn_out).add_(self._mlp(layer, packed, x))
+        return self.norm(h, self.final_norm, eps)
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.lm_head, self.lm_head_packed,
                         min_rows=self.min_rows["lm_head"])
+        if self.cfg.logit_scale != 1.0:  # Cohere's, in the model's dtype as it multiplies
+            logits = logits * self.cfg.logit_scale
         if self.cfg.logits_scaling != 1.0:  # Granite's, in the model's dtype as it divides
             logits = logits / self.cfg.logits_scaling
         if self.cfg.final_softcap:  # Gemma 2's, in the model's dtype too

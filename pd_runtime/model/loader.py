@@ -171,13 +171,14 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
 
-    def norm(name: str, size: int) -> torch.Tensor:
+    def norm(name: str, size) -> torch.Tensor:
         """A norm's weight; with float32_norms in float32 (model/llama.py: rms_norm): gpt-oss's
         as the checkpoint stores them (transformers keeps them so), OLMo 2's rounded to the
         model's dtype first (as transformers holds them)."""
+        shape = size if isinstance(size, tuple) else (size,)
         if cfg.family == "gpt_oss":
-            return reader.get(name, (size,), dtype=torch.float32)
-        weight = reader.get(name, (size,))
+            return reader.get(name, shape, dtype=torch.float32)
+        weight = reader.get(name, shape)
         return weight.float() if cfg.float32_norms else weight
 
     layers = []
@@ -189,11 +190,9 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
             qkv = torch.cat([reader.get(p + f"self_attn.{n}_proj.weight", (o, h))
                              for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))], 0)
         names = NORM_NAMES.get(cfg.family, NORM_NAMES[None])
-        layer = {
-            "qkv": qkv,
-            "o": reader.get(p + "self_attn.o_proj.weight", (h, q_out)),
-            "post_norm": norm(p + names["post_norm"], h),
-        }
+        layer = {"qkv": qkv, "o": reader.get(p + "self_attn.o_proj.weight", (h, q_out))}
+        if cfg.block_norms != "parallel":  # (Cohere's one norm a layer is its input's)
+            layer["post_norm"] = norm(p + names["post_norm"], h)
         if cfg.block_norms != "post":  # (OLMo 2 norms no block's input)
             layer["in_norm"] = norm(p + "input_layernorm.weight", h)
         if i in cfg.sparse_layers:
@@ -215,14 +214,14 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
             layer["gate_up_bias"] = torch.cat([reader.get(p + "mlp.gate_proj.bias", (inter,)),
                                                reader.get(p + "mlp.up_proj.bias", (inter,))], 0)
             layer["down_bias"] = reader.get(p + "mlp.down_proj.bias", (h,))
-        if cfg.qk_norm:  # per head, or (OLMo 2) over all of them
-            layer["q_norm"] = norm(p + "self_attn.q_norm.weight",
-                                   q_out if cfg.qk_norm_whole else d)
-            layer["k_norm"] = norm(p + "self_attn.k_norm.weight",
-                                   kv_out if cfg.qk_norm_whole else d)
+        if cfg.qk_norm:  # per head, or (OLMo 2) over all of them; Cohere's a weight a head
+            layer["q_norm"] = norm(p + "self_attn.q_norm.weight", q_out if cfg.qk_norm_whole
+                                   else (cfg.num_heads, d) if cfg.norm_kind == "layer" else d)
+            layer["k_norm"] = norm(p + "self_attn.k_norm.weight", kv_out if cfg.qk_norm_whole
+                                   else (cfg.num_kv_heads, d) if cfg.norm_kind == "layer" else d)
         if cfg.block_norms == "sandwich":  # the MLP's own input norm
             layer["pre_ff_norm"] = norm(p + names["pre_ff_norm"], h)
-        if cfg.block_norms != "pre":  # the norm of the MLP's output
+        if cfg.block_norms in ("sandwich", "post"):  # the norm of the MLP's output
             layer["post_ff_norm"] = norm(p + names["post_ff_norm"], h)
         if cfg.attn_sinks:  # float32, as the attention kernels read them
             layer["sinks"] = reader.get(p + "self_attn.sinks", (cfg.num_heads,)).float()

@@ -47,6 +47,8 @@ _ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
     "Glm4ForCausalLM": "glm4",
+    "CohereForCausalLM": "cohere",
+    "Cohere2ForCausalLM": "cohere2",
     "OlmoeForCausalLM": "olmoe",
     "GraniteMoeForCausalLM": "granitemoe",
 }
@@ -55,7 +57,7 @@ _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3
                 "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe",
                 "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
                 "gpt_oss": "gpt_oss", "olmo2": "olmo2", "olmo3": "olmo3", "olmoe": "olmoe",
-                "glm4": "glm4",
+                "glm4": "glm4", "cohere": "cohere", "cohere2": "cohere2",
                 "granitemoe": "granitemoe"}
 
 
@@ -134,9 +136,12 @@ class ModelConfig:
     # rounded to the model's dtype. Gemma 3's sliding-window layers turn by `local_rope`.
     gemma_norms: bool = False
     # Where a layer's norms are: "pre" (Llama's: each block's input), "sandwich" (Gemma 2 and
-    # 3: its input and its output, which is normed before it joins the residual stream) or
-    # "post" (OLMo 2: its output only).
+    # 3: its input and its output, which is normed before it joins the residual stream),
+    # "post" (OLMo 2: its output only) or "parallel" (Cohere: one norm, whose output both
+    # attention and the MLP take, both added to the residual stream).
     block_norms: str = "pre"
+    norm_kind: str = "rms"  # rms | layer (Cohere's: mean-centred, in float32, no bias)
+    logit_scale: float = 1.0  # Cohere's: the logits multiplied by it (in the model's dtype)
     # OLMo 2: q and k normed over all their heads at once (weights of heads x head_dim).
     qk_norm_whole: bool = False
     mlp_act: str = "silu"  # silu | gelu_tanh | clamped_swiglu (gpt-oss's, below)
@@ -155,7 +160,8 @@ class ModelConfig:
     # g = min(gate, limit).
     attn_sinks: bool = False
     float32_norms: bool = False  # RMSNorm weights applied in float32, before the cast
-    rope_float32: bool = False  # OLMo 2: q and k turned in float32, then cast
+    rope_float32: bool = False  # OLMo 2, Cohere: q and k turned in float32, then cast
+    rope_tables_float32: bool = False  # OLMo 2: cos and sin kept in float32 (not the dtype's)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     expert_bias: bool = False  # (gpt-oss's router and experts have biases)
@@ -255,7 +261,7 @@ def _rope_from(raw: dict, path: Path, family: str, head_dim: int) -> RopeConfig:
         short_factor=short,
         long_factor=long,
         partial_rotary_factor=float(partial),
-        interleaved=family == "glm4",
+        interleaved=family in ("glm4", "cohere", "cohere2"),
     )
 
 
@@ -333,12 +339,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(raw.get("layer_norm_eps" if family in ("cohere", "cohere2")
+                                   else "rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        # (SmolLM3's and Gemma 3's config classes tie them unless told otherwise.)
+        # (SmolLM3's, Gemma's and Cohere's config classes tie them unless told otherwise.)
         tie_word_embeddings=bool(raw.get("tie_word_embeddings",
                                          family in ("smollm3", "gemma", "gemma2",
-                                                    "gemma3"))),
+                                                    "gemma3", "cohere", "cohere2"))),
         # As transformers builds them: Qwen2 has q/k/v biases always; Llama, Qwen3 and Granite
         # q/k/v/o biases with attention_bias (SmolLM3 too), Llama and Granite MLP biases with
         # mlp_bias (SmolLM3 too);
@@ -346,9 +353,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and raw.get("qkv_bias", True))
         or (family not in ("mistral", "phi3", "mixtral", "qwen2_moe") and attention_bias),
         o_bias=family in ("llama", "qwen3", "qwen3_moe", "granite", "granitemoe", "smollm3",
-                          "gpt_oss", "olmo2", "olmo3", "olmoe") and attention_bias,
+                          "gpt_oss", "olmo2", "olmo3", "olmoe", "cohere", "cohere2")
+        and attention_bias,
         mlp_bias=family in ("llama", "granite", "smollm3") and bool(raw.get("mlp_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe")
+        or (family == "cohere" and bool(raw.get("use_qk_norm"))),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         rope=_rope_from(_typed_rope(raw, "full_attention", family) if family in TYPED_ROPES
                         else raw, path, family, int(head_dim)),

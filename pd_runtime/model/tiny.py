@@ -40,6 +40,8 @@ ARCHITECTURES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
     "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+    "cohere": ("CohereConfig", "CohereForCausalLM"),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
 }
