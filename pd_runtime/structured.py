@@ -28,7 +28,10 @@ OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_f
 THINK = "think"
 THINK_MODES = ("open", "optional", "harmony")
 THINK_START, THINK_END = "<think>", "</think>"
-HARMONY_ANSWER = ("<|channel|>", "final", "<|message|>")  # where gpt-oss's answer begins
+# Where gpt-oss's answer begins: `<|channel|>final`, maybe ` <|constrain|>json`, `<|message|>`
+# (within HARMONY_HEADER_TOKENS tokens, not past a message's end or start).
+HARMONY_ANSWER = ("<|channel|>", "final", "<|message|>")
+HARMONY_HEADER_TOKENS = 20
 
 
 def think_tag_ids(tokenizer) -> "tuple[int, int] | None":
@@ -38,12 +41,15 @@ def think_tag_ids(tokenizer) -> "tuple[int, int] | None":
     return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
 
 
-def harmony_answer_ids(tokenizer) -> "tuple[int, ...] | None":
-    """The tokens of the final channel's header, `<|channel|>final<|message|>`, as gpt-oss's
-    tokenizer spells it (its markers are tokens of their own), or None where they are not."""
-    channel, name, message = (tokenizer.encode(t, add_special_tokens=False)
-                              for t in HARMONY_ANSWER)
-    return tuple(channel + name + message) if len(channel) == len(message) == 1 else None
+def harmony_answer_ids(tokenizer) -> "tuple[tuple[int, ...], int, tuple[int, ...]] | None":
+    """The final channel's header as gpt-oss's tokenizer spells it: (`<|channel|>final`'s
+    tokens, `<|message|>`'s token, the tokens no header passes: `<|end|>`, `<|start|>`), or
+    None where its markers are not tokens of their own."""
+    ids = [tokenizer.encode(t, add_special_tokens=False)
+           for t in (*HARMONY_ANSWER, "<|end|>", "<|start|>")]
+    if any(len(ids[i]) != 1 for i in (0, 2, 3, 4)):
+        return None
+    return tuple(ids[0] + ids[1]), ids[2][0], (ids[3][0], ids[4][0])
 PARAM = "structured_outputs"
 # Bounds the work a request can ask of the router and of each engine step.
 MAX_SPEC_CHARS = 100_000

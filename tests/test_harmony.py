@@ -279,10 +279,13 @@ def _run_ids(tokenizer, text, ids):
     return None, builder.final_body()
 
 
-def test_a_grammar_holds_only_the_final_channel(harmony_model):
+@pytest.mark.parametrize("header", ["<|channel|>final<|message|>",
+                                    "<|channel|>final <|constrain|>json<|message|>"])
+def test_a_grammar_holds_only_the_final_channel(harmony_model, header):
     """A structured output on a harmony model (the router's `think: harmony`): every token is
-    free until the final channel's header (<|channel|>final<|message|>), then the grammar
-    holds the answer, then only EOS."""
+    free until the final channel's header (<|channel|>final, maybe a constraint, then
+    <|message|>), then the grammar holds the answer, then only EOS. A final channel's start
+    cut short by another message's start is no header."""
     import functools
     from types import SimpleNamespace
 
@@ -307,13 +310,12 @@ def test_a_grammar_holds_only_the_final_channel(harmony_model):
         masks.mask(logits, [(0, request)])
         return set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist())
 
-    header = encode("<|channel|>final<|message|>")
-    thinking = encode(THINK + "<|start|>assistant")
-    for token in thinking + header:
+    thinking = encode(THINK + "<|start|>assistant<|channel|>final<|end|><|start|>assistant"
+                      "<|channel|>analysis<|message|>again<|end|><|start|>assistant")
+    for token in thinking + encode(header):
         assert allowed() == set(range(width))  # free through the header
         request.output_token_ids.append(token)
     answer = allowed()
     assert encode("4")[0] in answer and encode("2")[0] not in answer and len(answer) < 10
     request.output_token_ids += encode("4")
     assert allowed() == set(tokenizer.eos_token_ids)
-

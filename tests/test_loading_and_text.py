@@ -546,6 +546,11 @@ def test_an_olmo3_hub_config_reads_as_transformers_reads_it(tmp_path):
             want = theirs.rope_parameters[kind]
             assert (rope.rope_type, rope.theta, rope.factor) == \
                 (want["rope_type"], want["rope_theta"], want.get("factor", 1.0))
+            if rope.rope_type == "yarn":
+                assert (rope.attention_factor, rope.original_max_position_embeddings,
+                        rope.beta_fast, rope.beta_slow) == \
+                    (want["attention_factor"], want["original_max_position_embeddings"],
+                     want["beta_fast"], want["beta_slow"])
         assert ours.rms_norm_eps == theirs.rms_norm_eps
 
 
@@ -575,4 +580,49 @@ def test_cohere_turns_q_and_k_as_transformers(model_factory):
                                        ours.sin[positions].unsqueeze(1))
     assert torch.equal(got_q, want_q[0].transpose(0, 1))
     assert torch.equal(got_k, want_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("arch, raw", [
+    ("Glm4ForCausalLM", {"attention_bias": True, "head_dim": 128, "hidden_size": 4096,
+                         "intermediate_size": 13696, "num_attention_heads": 32,
+                         "num_hidden_layers": 40, "num_key_value_heads": 2,
+                         "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05,
+                         "rope_theta": 10000.0, "vocab_size": 151552,
+                         "max_position_embeddings": 32768}),  # GLM-4-9B-0414
+    ("Cohere2ForCausalLM", {"hidden_size": 4096, "intermediate_size": 14336,
+                            "num_attention_heads": 32, "num_hidden_layers": 32,
+                            "num_key_value_heads": 8, "layer_norm_eps": 1e-05,
+                            "logit_scale": 0.25, "rope_theta": 50000, "sliding_window": 4096,
+                            "sliding_window_pattern": 4, "vocab_size": 256000}),  # R7B
+    ("CohereForCausalLM", {"hidden_size": 12288, "intermediate_size": 33792,
+                           "num_attention_heads": 96, "num_hidden_layers": 64,
+                           "num_key_value_heads": 8, "layer_norm_eps": 1e-05,
+                           "logit_scale": 0.8333333333333334, "rope_theta": 75000000.0,
+                           "use_qk_norm": True, "vocab_size": 256000}),  # Command R+
+])
+def test_glm4_and_cohere_hub_configs_read_as_transformers_reads_them(tmp_path, arch, raw):
+    """The Hub's files (top-level partial_rotary_factor and rope_theta, sliding_window_pattern
+    without layer_types, layer_norm_eps, logit_scale, use_qk_norm) read as transformers'
+    config classes read them."""
+    import transformers
+
+    from pd_runtime.model.model_config import load_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], **raw}))
+    ours = load_model_config(tmp_path)
+    theirs = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**raw)
+    rope = theirs.rope_parameters
+    assert (ours.rope.theta, ours.rope.partial_rotary_factor) == \
+        (rope["rope_theta"], rope.get("partial_rotary_factor", 1.0))
+    head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
+    eps = theirs.layer_norm_eps if hasattr(theirs, "layer_norm_eps") else theirs.rms_norm_eps
+    assert (ours.rope.interleaved, ours.head_dim, ours.rms_norm_eps) == (True, head_dim, eps)
+    if arch.startswith("Cohere"):
+        assert (ours.logit_scale, ours.qk_norm, ours.tie_word_embeddings) == \
+            (theirs.logit_scale, bool(getattr(theirs, "use_qk_norm", False)),
+             theirs.tie_word_embeddings)
+    if arch == "Cohere2ForCausalLM":
+        sliding = tuple(i for i, t in enumerate(theirs.layer_types) if t == "sliding_attention")
+        assert (ours.window_layers, ours.sliding_window) == (sliding, theirs.sliding_window)
+        assert set(ours.nope_layers) == set(range(theirs.num_hidden_layers)) - set(sliding)
 

@@ -37,6 +37,9 @@ class GrammarState:
     end_ids: tuple = ()
     open_id: Optional[int] = None  # "optional": the first token may open the block instead
     searched: int = 0  # output tokens looked through for the end tag
+    # gpt-oss's (think "harmony"): (`<|channel|>final`'s ids, `<|message|>`'s id, the ids no
+    # header passes); the end is the first <|message|> after the former (within a bound).
+    harmony: Optional[tuple] = None
 
 
 class GrammarMasks:
@@ -66,10 +69,11 @@ class GrammarMasks:
         if think == "harmony":
             header = structured.harmony_answer_ids(self._tokenizer)
             if header is None:
-                raise InvalidRequestError("structured_outputs.think harmony needs <|channel|> and "
-                                          "<|message|> to be tokens of this model's own",
-                                          param="structured_outputs")
-            return GrammarState(matcher, end_ids=header)
+                raise InvalidRequestError("a structured output for a harmony-format model needs "
+                                          "<|channel|>, <|message|>, <|start|> and <|end|> to be "
+                                          "tokens of its tokenizer's own",
+                                          param="response_format")
+            return GrammarState(matcher, end_ids=header[0], harmony=header)
         tags = structured.think_tag_ids(self._tokenizer)
         if tags is None:
             raise InvalidRequestError("structured_outputs.think needs <think> and </think> to "
@@ -162,11 +166,34 @@ def _thinking(req, opening: set) -> bool:
             state.end_ids = ()
             return False
     n = len(state.end_ids)
+    if state.harmony is not None:  # gpt-oss: `<|channel|>final`, its header's end
+        return _harmony_header_open(state, out)
     for at in range(max(0, state.searched - n + 1), len(out) - n + 1):
         if tuple(out[at:at + n]) == state.end_ids:
             state.end_ids = ()
             state.consumed = state.searched = at + n
             return False
+    state.searched = len(out)
+    return True
+
+
+def _harmony_header_open(state: GrammarState, out: list) -> bool:
+    """Whether a harmony output has yet to finish its final channel's header: its
+    `<|channel|>final` tokens, then (` <|constrain|>json` or nothing between) the first
+    `<|message|>` within HARMONY_HEADER_TOKENS, before any <|end|> or <|start|>."""
+    final, message, stops = state.harmony
+    n = len(final)
+    for at in range(max(0, state.searched - structured.HARMONY_HEADER_TOKENS - n),
+                    len(out) - n + 1):
+        if tuple(out[at:at + n]) != final:
+            continue
+        for end in range(at + n, min(len(out), at + n + structured.HARMONY_HEADER_TOKENS)):
+            if out[end] in stops:
+                break
+            if out[end] == message:
+                state.end_ids = ()
+                state.consumed = state.searched = end + 1
+                return False
     state.searched = len(out)
     return True
 

@@ -112,8 +112,8 @@ def nope_layers(raw: dict, path: Path, family: str) -> tuple[int, ...]:
     """SmolLM3's layers without rope, as transformers reads them: `no_rope_layers` holds a 1
     for each layer that rotates (absent: every `no_rope_layer_interval`-th layer does not);
     Cohere 2's full-attention layers (rope turns its windowed ones only)."""
-    if family == "cohere2":
-        windowed = set(sliding_layers(raw, path, family))
+    if family == "cohere2":  # (no window: no layer turns, as transformers reads it)
+        windowed = set(sliding_layers(raw, path, family)) if raw.get("sliding_window") else ()
         return tuple(i for i in range(int(raw["num_hidden_layers"])) if i not in windowed)
     if family != "smollm3":
         return ()

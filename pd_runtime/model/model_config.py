@@ -329,6 +329,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     head_dim = raw.get("head_dim") or hidden // heads
+    if family in ("cohere", "cohere2"):  # (their config classes ignore a file's head_dim)
+        head_dim = hidden // heads
     window, window_layers = fields.sliding_window(raw, path, family)
     return ModelConfig(
         family=family,
@@ -382,8 +384,9 @@ TYPED_ROPES = ("gemma3", "olmo3")
 def _typed_rope(raw: dict, layer_type: str, family: str) -> dict:
     """The config a layer type's rope reads: transformers 5 writes rope_parameters per layer
     type; older files rope_theta and rope_scaling for the full-attention layers, and for the
-    sliding ones Gemma 3's rope_local_base_freq (default 10000), OLMo 3's base 500000 (what
-    its config class gives them whatever rope_theta says), unscaled."""
+    sliding ones Gemma 3's rope_local_base_freq (default 10000), OLMo 3's rope_theta (as vLLM
+    reads it; transformers 5.25 gives them 500000 whatever it says: its releases' base),
+    unscaled."""
     rest = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling")}
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
@@ -391,7 +394,7 @@ def _typed_rope(raw: dict, layer_type: str, family: str) -> dict:
     gemma = family == "gemma3"
     if layer_type == "sliding_attention":
         return {**rest, "rope_theta": raw.get("rope_local_base_freq", 10000.0) if gemma
-                else 500000.0}
+                else raw.get("rope_theta", 500000.0)}
     return {**rest, "rope_theta": raw.get("rope_theta", 1e6 if gemma else 500000.0),
             "rope_scaling": raw.get("rope_scaling")}
 
