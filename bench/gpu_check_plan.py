@@ -20,9 +20,10 @@ SIZES = {
         tokenizer_vocab=8000, num_prompts=64, prompt_len=512, output_len=256,
         max_num_batched_tokens=8192, kv_cache_gib=8.0,
         # expected on an H200: env 10, kernels 60, model 30, engines 40 each, hf 25,
-        # transfer 30, tests 100 (Triton builds for ~50 kernel variants): ~350 of the 450
+        # transfer 30, tests 150 (Triton builds for ~60 kernel variants; 10 engine models,
+        # 6 of them under CUDA graphs): ~400 of the 450
         stage_s=dict(env=30, kernels=110, model=75, engine_graphs=80, hf=60, engine_eager=70,
-                     transfer=60, tests=150),
+                     transfer=60, tests=200),
         kernels_args=[], transfer_args=[]),
     "cpu": dict(
         device="cpu", budget_s=240.0,

@@ -300,8 +300,15 @@ MODELS = {
     "olmo3": dict(architecture="olmo3", sliding_window=48, hidden_size=256,
                   intermediate_size=512, num_attention_heads=4, num_key_value_heads=1,
                   layer_types=["sliding_attention", "full_attention"]),
+    # Rope in neighbouring pairs: GLM-4's over half of each head, Cohere's (with its per-head
+    # q/k LayerNorms, parallel blocks) turned in float32; calibrated on CPU (85%, 100%).
+    "glm4": dict(architecture="glm4", hidden_size=256, intermediate_size=512,
+                 num_attention_heads=4, num_key_value_heads=1, head_dim=64),
+    "cohere": dict(architecture="cohere", hidden_size=256, intermediate_size=512,
+                   num_attention_heads=4, num_key_value_heads=1, use_qk_norm=True,
+                   logit_scale=0.5),
 }
-DENSE = ("d128", "d64", "window", "olmo3")  # the models decode runs under CUDA graphs for
+DENSE = ("d128", "d64", "window", "olmo3", "glm4", "cohere")  # decode under CUDA graphs for
 PROMPT_LENS = [3, 17, 64, 100, 129, 250, 31, 8]  # ragged, around block edges
 MAX_TOKENS = 32
 # Calibrated on CPU (our bf16 vs transformers' fp32, these models): a shared token's logprob
