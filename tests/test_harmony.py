@@ -289,10 +289,9 @@ def test_a_grammar_holds_only_the_final_channel(harmony_model, header):
     import functools
     from types import SimpleNamespace
 
-    import torch
-
     from pd_runtime.engine.grammar import GrammarMasks
     from pd_runtime.router.protocol import prepare_chat
+    from tests.test_structured_outputs import allowed_tokens
 
     tokenizer = Tokenizer(str(harmony_model))
     prepared = prepare_chat({"messages": [{"role": "user", "content": "2 + 2?"}],
@@ -306,9 +305,7 @@ def test_a_grammar_holds_only_the_final_channel(harmony_model, header):
                               output_token_ids=[], request_id="r")
 
     def allowed() -> set[int]:
-        logits = torch.zeros(1, width)
-        masks.mask(logits, [(0, request)])
-        return set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist())
+        return allowed_tokens(masks, request, width)
 
     thinking = encode(THINK + "<|start|>assistant<|channel|>final<|end|><|start|>assistant"
                       "<|channel|>analysis<|message|>again<|end|><|start|>assistant")

@@ -491,27 +491,37 @@ def test_qwen_vl_text_model_gives_transformers_text_logits(model_factory, tmp_pa
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
 
 
-def test_olmo2_turns_q_and_k_in_float32_as_transformers(model_factory):
-    """In bf16, OLMo 2's q and k (normed over all heads, then turned by rope in float32 and
-    cast) are transformers' own, bit for bit; a rope applied in bf16 differs."""
+@pytest.mark.parametrize("family", ["olmo2", "cohere"])
+def test_q_and_k_turn_as_transformers_in_bfloat16(model_factory, family):
+    """In bf16, q and k are transformers' own, bit for bit: OLMo 2's normed over all heads,
+    then turned by rope in float32 over float32 tables; Command R+'s normed head by head (its
+    LayerNorms), then turned in neighbouring pairs in float32 over bf16 tables. A rope applied
+    in bf16 differs."""
+    import importlib
+
     from transformers import AutoModelForCausalLM
-    from transformers.models.olmo2.modeling_olmo2 import apply_rotary_pos_emb
 
     from pd_runtime.model.loader import load_model
 
-    path = model_factory("olmo2", hidden_size=256, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=512)
+    path = model_factory(family, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=512, **({"use_qk_norm": True}
+                                                   if family == "cohere" else {}))
     ours = load_model(path, dtype="bfloat16")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 300, 256, generator=gen).to(torch.bfloat16)
+    turn = importlib.import_module(f"transformers.models.{family}.modeling_{family}") \
+        .apply_rotary_pos_emb
+    x = torch.randn(1, 300, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     positions = torch.arange(300)
     attn = hf.model.layers[0].self_attn
     with torch.no_grad():
         cos, sin = hf.model.rotary_emb(x, positions[None])
-        q = attn.q_norm(attn.q_proj(x)).view(1, 300, 4, 64).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(x)).view(1, 300, 2, 64).transpose(1, 2)
-        want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+        if family == "olmo2":  # normed over all heads, then split
+            q = attn.q_norm(attn.q_proj(x)).view(1, 300, 4, 64)
+            k = attn.k_norm(attn.k_proj(x)).view(1, 300, 2, 64)
+        else:  # split, then each head by its own weights
+            q = attn.q_norm(attn.q_proj(x).view(1, 300, 4, 64))
+            k = attn.k_norm(attn.k_proj(x).view(1, 300, 2, 64))
+        want_q, want_k = turn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         layer = ours.layers[0]
         qkv = torch.nn.functional.linear(x[0], layer["qkv"])
         got_q, got_k = ours.rotated_qk(layer, qkv, ours.cos[positions].unsqueeze(1),
@@ -552,34 +562,6 @@ def test_an_olmo3_hub_config_reads_as_transformers_reads_it(tmp_path):
                     (want["attention_factor"], want["original_max_position_embeddings"],
                      want["beta_fast"], want["beta_slow"])
         assert ours.rms_norm_eps == theirs.rms_norm_eps
-
-
-def test_cohere_turns_q_and_k_as_transformers(model_factory):
-    """In bf16, Command R+'s q and k (per-head LayerNorms, then rope in neighbouring pairs,
-    computed in float32 over bf16 tables and cast) are transformers' own, bit for bit."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb
-
-    from pd_runtime.model.loader import load_model
-
-    path = model_factory("cohere", hidden_size=256, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=512, use_qk_norm=True)
-    ours = load_model(path, dtype="bfloat16")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    x = torch.randn(1, 300, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    positions = torch.arange(300)
-    attn = hf.model.layers[0].self_attn
-    with torch.no_grad():
-        cos, sin = hf.model.rotary_emb(x, positions[None])
-        q = attn.q_norm(attn.q_proj(x).view(1, 300, 4, 64)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(x).view(1, 300, 2, 64)).transpose(1, 2)
-        want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
-        layer = ours.layers[0]
-        qkv = torch.nn.functional.linear(x[0], layer["qkv"])
-        got_q, got_k = ours.rotated_qk(layer, qkv, ours.cos[positions].unsqueeze(1),
-                                       ours.sin[positions].unsqueeze(1))
-    assert torch.equal(got_q, want_q[0].transpose(0, 1))
-    assert torch.equal(got_k, want_k[0].transpose(0, 1))
 
 
 @pytest.mark.parametrize("arch, raw", [

@@ -256,6 +256,15 @@ def thinking_tokenizer(llama_dir, tmp_path_factory):
     return Tokenizer(str(model))
 
 
+def allowed_tokens(masks, request, width: int) -> set[int]:
+    """The tokens `masks` leaves a request's next sample (its row of `width` logits)."""
+    import torch
+
+    logits = torch.zeros(1, width)
+    masks.mask(logits, [(0, request)])
+    return set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist())
+
+
 @pytest.mark.parametrize("mode, text", [("open", "hm, two</think>yes"),
                                         ("optional", "<think>hm\n</think>no"),
                                         ("optional", "yes")])
@@ -263,7 +272,6 @@ def test_a_grammar_holds_only_the_answer_after_the_thinking(thinking_tokenizer, 
     """A reasoning model's grammar (`think`, set by the router): every token is free until the
     think block's end tag (its own token), then the grammar holds the answer, then only EOS.
     Under "optional" the first token is the answer's or the block's start."""
-    import torch
     from types import SimpleNamespace
 
     from pd_runtime.engine.grammar import GrammarMasks
@@ -278,9 +286,7 @@ def test_a_grammar_holds_only_the_answer_after_the_thinking(thinking_tokenizer, 
                               output_token_ids=[], request_id="r")
 
     def allowed() -> set[int]:
-        logits = torch.zeros(1, width)
-        masks.mask(logits, [(0, request)])
-        return set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist())
+        return allowed_tokens(masks, request, width)
 
     newline = encode("\n")[0]
     if mode == "optional":
