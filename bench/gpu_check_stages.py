@@ -79,7 +79,9 @@ def _kernels_rows(ctx: Context, run: StageRun) -> list[Row]:
         best = long["best"]
         rows.append(Row(f"decode attn ({long['rule']})",
                         f"median {long['median_fraction']:.0%} of copy (min "
-                        f"{long['min_fraction']:.0%}, {long['shapes']} shapes); best "
+                        f"{long['min_fraction']:.0%}, {long['shapes']} shapes; each at its "
+                        f"best of 1/2x, 1x, 2x the splits: "
+                        f"{long.get('median_best_splits', float('nan')):.0%}); best "
                         f"{best['gbs']:.0f} GB/s at B={best['batch']} ctx={best['context']}",
                         ">= 70% of copy", ctx.verdict(long["median_fraction"] >= 0.7)))
     elif "copy_gbs" in d:

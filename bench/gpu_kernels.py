@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         rotation_bytes = max(8 * l2, 256 << 20) if device.type == "cuda" else 0
         decode = decode_sweep(tp, shape, device, _ints(args.batches), _ints(args.contexts),
                               int(args.memory_budget_gib * 2**30), rotation_bytes, args.rounds,
-                              copy_gbs)
+                              copy_gbs, compare_at=(args.long_context, args.long_batch))
         if device.type == "cuda":
             torch.cuda.empty_cache()
         chunk, prefix = _segments(args.chunk)[0]

@@ -91,7 +91,11 @@ def decode_bytes(shape: Shape, batch: int, context: int, width: int) -> int:
 
 
 def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[int],
-                 budget_bytes: int, rotation_bytes: int, rounds: int, copy_gbs: float) -> list:
+                 budget_bytes: int, rotation_bytes: int, rounds: int, copy_gbs: float,
+                 compare_at: tuple[int, int] | None = None) -> list:
+    """GB/s of each (batch, context) with the kernel's own split count; at shapes with context
+    and batch at least `compare_at`, also half and twice that count (whether the default sits
+    near the best; `alternatives`: splits -> fraction of copy)."""
     combos = [(b, c) for b in batches for c in contexts if b * shape.kv_bytes(c) <= budget_bytes]
     skipped = [(b, c) for b in batches for c in contexts if (b, c) not in combos]
     if skipped:
@@ -135,12 +139,23 @@ def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[in
             sm = torch.cuda.get_device_properties(device).multi_processor_count \
                 if device.type == "cuda" else getattr(tp, "DEFAULT_SM_COUNT", 132)
             splits = tp.default_num_splits(batch, shape.kv_heads, tables[0].shape[1], sm)
+        alternatives = {}
+        if splits and compare_at and context >= compare_at[0] and batch >= compare_at[1]:
+            for other in sorted({max(1, splits // 2), min(splits * 2, tables[0].shape[1])}
+                                - {splits}):
+                other_calls = [lambda t=t, n=other: tp.decode_attention(
+                    q, kv, t, lens, shape.scale, out=out, num_splits=n) for t in tables]
+                other_s, _ = time_launches(other_calls, device, reps, rounds)
+                alternatives[other] = num_bytes / other_s / 1e9 / copy_gbs
+                del other_calls
         results.append({"batch": batch, "context": context, "us": seconds * 1e6, "gbs": gbs,
                         "fraction_of_copy": gbs / copy_gbs, "bytes": num_bytes,
-                        "rotations": rotations, "num_splits": splits, "timing": method})
+                        "rotations": rotations, "num_splits": splits, "timing": method,
+                        "alternatives": alternatives})
+        others = "".join(f", {n} splits {f:.1%}" for n, f in alternatives.items())
         print(f"  decode B={batch:<4} ctx={context:<6} {seconds * 1e6:9.1f} us  {gbs:8.1f} GB/s "
-              f"= {gbs / copy_gbs:6.1%} of copy  (splits {splits}, {rotations} table sets, "
-              f"{method})", flush=True)
+              f"= {gbs / copy_gbs:6.1%} of copy  (splits {splits}{others}, {rotations} table "
+              f"sets, {method})", flush=True)
         del calls, tables, out, q
     del kv
     return results
@@ -207,6 +222,9 @@ def summarize(decode: list, prefill: list, checks: list, long_context: int,
         out["decode_long"] = {
             "rule": f"context >= {long_context}, batch >= {long_batch}", "shapes": len(long),
             "median_fraction": statistics.median(fractions), "min_fraction": min(fractions),
+            # the median had each shape taken its best of the default, half and twice the splits
+            "median_best_splits": statistics.median(
+                max([r["fraction_of_copy"], *r.get("alternatives", {}).values()]) for r in long),
             "best": {k: best[k] for k in ("batch", "context", "gbs", "fraction_of_copy")}}
     fresh = [r for r in prefill if r["case"].startswith("prompt")]
     if fresh:

@@ -116,7 +116,8 @@ def test_decode_default_splits_come_from_static_shapes():
     split = triton_paged.default_num_splits
     assert split(batch=256, num_kv_heads=8, max_blocks=256, sm_count=132) == 1
     assert split(batch=1, num_kv_heads=8, max_blocks=256, sm_count=132) == triton_paged.MAX_SPLITS
-    assert split(batch=4, num_kv_heads=8, max_blocks=256, sm_count=132) == 9  # ~2 waves
+    assert split(batch=4, num_kv_heads=8, max_blocks=256, sm_count=132) == 33  # ~8 per SM
+    assert split(batch=8, num_kv_heads=8, max_blocks=1024, sm_count=132) == 17
     assert split(batch=1, num_kv_heads=8, max_blocks=12, sm_count=132) == 3  # >= 4 blocks each
     assert split(batch=1, num_kv_heads=1, max_blocks=2, sm_count=132) == 1
 
@@ -321,3 +322,12 @@ def test_unsupported_reason_names_the_field():
         triton_paged.decode_attention(torch.zeros(1, 4, 96, dtype=torch.bfloat16), cache,
                                       torch.zeros(1, 1, dtype=torch.int32),
                                       torch.ones(1, dtype=torch.int32), SCALE)
+
+
+def test_the_memory_plan_counts_the_most_decode_splits():
+    """memory_plan.py sizes the decode kernel's float32 partials for MAX_DECODE_SPLITS splits
+    (it does not import Triton); the kernel never uses more."""
+    from pd_runtime.engine.memory_plan import MAX_DECODE_SPLITS
+
+    assert triton_paged.MAX_SPLITS <= MAX_DECODE_SPLITS
+    assert triton_paged.default_num_splits(1, 1, 1 << 20, sm_count=1000) == triton_paged.MAX_SPLITS

@@ -26,10 +26,13 @@ MIN_BLOCK_SIZE = 16          # tl.dot needs every tile dimension >= 16
 MIN_GROUP_ROWS = 16
 PREFILL_BLOCK_M = 64         # query rows (tokens x heads of a group) per prefill program
 PREFILL_BLOCK_M_WIDE = 32    # ... at head_dim 256 (the float32 accumulator's rows are 2x wider)
-# Split-K for decode: enough programs for about two waves over the SMs, each split reading
-# at least MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits.
+# Split-K for decode: enough programs for about PROGRAMS_PER_SM per SM, each split reading at
+# least MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits. On the H200 at context
+# >= 16k (docs/BENCHMARKS.md, the first device run) the share of copy bandwidth followed the
+# program count: 320 programs 36-49%, 512 60-69%, 1024 82-87%; 8 per SM asks for ~1056.
+PROGRAMS_PER_SM = 8
 MIN_BLOCKS_PER_SPLIT = 4
-MAX_SPLITS = 16
+MAX_SPLITS = 64
 DEFAULT_SM_COUNT = 132       # an H100/H200; used where the device is not CUDA (interpreter)
 NUM_WARPS = 4
 LOG2E = 1.4426950408889634
@@ -281,10 +284,10 @@ def _sm_count(device: torch.device) -> int:
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int,
                        sm_count: int = DEFAULT_SM_COUNT) -> int:
     """Splits per (sequence, kv head) from static shapes only (a CUDA graph replays with other
-    lengths): about two waves of programs over the SMs, each split at least
+    lengths): about PROGRAMS_PER_SM programs per SM, each split at least
     MIN_BLOCKS_PER_SPLIT blocks of the block table's width, at most MAX_SPLITS."""
     programs = max(1, batch * num_kv_heads)
-    wanted = -(-2 * sm_count // programs)
+    wanted = -(-PROGRAMS_PER_SM * sm_count // programs)
     by_width = max(1, max_blocks // MIN_BLOCKS_PER_SPLIT)
     return max(1, min(wanted, by_width, MAX_SPLITS))
 
