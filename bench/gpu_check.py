@@ -15,15 +15,14 @@ engine on device cpu, the transfer with --device cpu): the plumbing, in about a 
 speed figures mean nothing and are reported without targets. Inside, `--stage NAME` runs one
 stage's body (the engine, HF generate, the model writer, the environment report).
 
-On the lent H200 (its image has torch, triton, transformers, xxhash, msgpack, safetensors but
-no pydantic and no ucxx): here, once, `echo /.whl/ >> .git/info/exclude` and
-`python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
---platform manylinux_2_17_x86_64 -d .whl pydantic==2.14.4 pydantic_core==2.50.5
-annotated_types==0.8.0 typing_inspection==0.4.5 typing_extensions==4.16.0`; then one device
-call carrying `.whl`, timeout ~540 s: `python3 -m pip install -q --no-index --no-deps
---no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export
-PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 bench/gpu_check.py`. Without ucxx
-the transfer stage reports itself missing (its wheels are CUDA 12 builds, ~54 MB).
+On the lent H200 (its image has torch, triton, transformers, numpy, xxhash, msgpack,
+safetensors but no pydantic and no ucxx): here, once, `bash bench/gpu_deps.sh` (fills the
+git-ignored .whl/ with pydantic's wheels and ucxx-cu12 installed for CPython 3.12 and packed,
+~23 MB); then one device call carrying `.whl`, timeout ~540 s: `python3 -m pip install -q
+--no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && tar
+-xJf .whl/ucxx-site-cp312.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site || exit;
+PYTHONUNBUFFERED=1 python3 bench/gpu_check.py`. Without the tarball the transfer stage reports
+ucxx missing.
 """
 
 from __future__ import annotations
