@@ -128,7 +128,9 @@ def body_engine(args) -> dict:
     plan = getattr(llm.engine.runner, "memory_plan", None)
     if plan is not None and device.startswith("cuda"):  # the plan's estimate against torch's
         memory = {"plan_gib": (plan.total - plan.runtime) / 2**30,  # the context is not counted
-                  "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+                  "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+                  "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                  "plan": {k: v / 2**30 for k, v in vars(plan).items()}}
     return {**memory, "engine": f"pd-runtime (cuda_graphs {args.graphs})", "tokens_per_s": produced / elapsed,
             "output_tokens": produced, "elapsed_s": elapsed, "init_s": init_s,
             "graph_capture_s": capture_s, "cuda_graphs_field": "cuda_graphs" in kwargs,

@@ -117,7 +117,8 @@ def _engine_rows(label: str):
         if d.get("plan_gib") is not None:  # memory_plan.py's estimate must cover what ran
             out.append(Row(f"{label}: memory plan",
                            f"plan {d['plan_gib']:.2f} GiB, torch peak reserved "
-                           f"{d['peak_reserved_gib']:.2f} GiB", "plan >= peak",
+                           f"{d['peak_reserved_gib']:.2f} GiB (allocated "
+                           f"{d.get('peak_allocated_gib', float('nan')):.2f})", "plan >= peak",
                            ctx.verdict(d["plan_gib"] >= d["peak_reserved_gib"])))
         return out
     return rows

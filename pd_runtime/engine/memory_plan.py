@@ -1,9 +1,9 @@
 """What one engine holds in GPU memory, from its settings and the model's config.json alone:
 weights, KV cache, side buffers, the transient activations of its largest step, the CUDA-graph
-pool and the CUDA context. A worker on a GPU checks it against the device before allocating
-(ModelRunner), and a cluster file that names its GPUs (`resources.accelerator_type`) is checked
-by the tests, so a configuration that cannot fit fails with the field to change, not with an
-out-of-memory error at the first long prompt.
+pool, the caching allocator's reserve and the CUDA context. A worker on a GPU checks it against
+the device before allocating (ModelRunner), and a cluster file that names its GPUs
+(`resources.accelerator_type`) is checked by the tests, so a configuration that cannot fit
+fails with the field to change, not with an out-of-memory error at the first long prompt.
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ RUNTIME_BYTES = 1 * GIB
 # Vocabulary-wide float32 rows alive at once while sampling (logits, raw logprobs, adjusted
 # copy, probabilities, noise, the sort of top-k/top-p and its scatter).
 SAMPLER_ROW_COPIES = 7
+# PyTorch's caching allocator reserves more than the live tensors at their peak: a step's large
+# transients of many sizes split and strand cached segments. The first H200 run (bench model,
+# 8192-token chunks, docs/BENCHMARKS.md) reserved 0.21 GiB above the plan's 0.60 GiB of
+# activations; half the activations are kept for it.
+ALLOCATOR_SLACK = 0.5
 # Split-K partials of the decode kernel: at most this many splits per (sequence, head).
 MAX_DECODE_SPLITS = 64
 
@@ -45,6 +50,7 @@ class MemoryPlan:
     side_buffers: int       # the decode side buffer (host paths only: 0 on a GPU)
     activations: int        # the largest eager step's transient tensors
     cuda_graphs: int        # the captured decode graphs' memory pool (kept for the run)
+    allocator: int          # the caching allocator's reserve above the live activations
     runtime: int            # CUDA context and library workspaces
 
     @property
@@ -121,6 +127,7 @@ def plan_memory(engine: EngineConfig, cfg: ModelConfig, max_model_len: int,
             + batch * (-(-max_model_len // engine.block_size) * 4 + 64)  # static buffers
     return MemoryPlan(weights=weight_bytes(cfg, elem), kv_cache=kv, side_buffers=side,
                       activations=eager, cuda_graphs=graphs,
+                      allocator=int(eager * ALLOCATOR_SLACK) if on_gpu else 0,
                       runtime=RUNTIME_BYTES if on_gpu else 0)
 
 
