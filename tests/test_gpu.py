@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from bench import gpu_kernels as gk
+from tests.gpu_traces import (ROUTER_TIE, Trace, compare_traces, logits_traces, ours_traces,
+                              router_margins)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda"
@@ -24,68 +25,6 @@ if torch.cuda.is_available():
     # tests/conftest.py turns the Triton interpreter on for the CPU suite (it is read when the
     # kernels are first imported); on a GPU these tests are about the compiled kernels.
     os.environ["TRITON_INTERPRET"] = "0"
-
-
-# ---------------------------------------------------------------------------------- comparing
-@dataclass
-class Trace:
-    """One generated sequence: its tokens, each one's logprob, and the top-n at each step."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    top: list[dict[int, float]]
-
-
-def compare_traces(a: list[Trace], b: list[Trace], tol: float, min_shared: float,
-                   tie_at_divergence: bool = True) -> list[str]:
-    """Problems found (none: the runs agree). Per sequence, before the first differing token
-    each token's logprob must agree within `tol` nats (a broken kernel moves them far more);
-    at that token, for greedy runs (`tie_at_divergence`), the other run's token must be in this
-    run's top-n within `tol` of the chosen one, or the other way round. Over all sequences at
-    least `min_shared` of the tokens come before any difference: a broken path parts early."""
-    problems, shared, total = [], 0, 0
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        n = min(len(x.tokens), len(y.tokens))
-        total += max(len(x.tokens), len(y.tokens))
-        first = next((t for t in range(n) if x.tokens[t] != y.tokens[t]), n)
-        shared += first
-        for t in range(first):
-            if abs(x.logprobs[t] - y.logprobs[t]) > tol:
-                problems.append(f"sequence {i} step {t}: token {x.tokens[t]} has logprob "
-                                f"{x.logprobs[t]:.3f} in one run, {y.logprobs[t]:.3f} in the other")
-                break
-        if first < n and tie_at_divergence and not (_near_tie(x, y, first, tol)
-                                                    or _near_tie(y, x, first, tol)):
-            problems.append(f"sequence {i} parts at step {first} ({x.tokens[first]} vs "
-                            f"{y.tokens[first]}) where no run has the two within {tol} nats")
-        if first == n and len(x.tokens) != len(y.tokens):
-            problems.append(f"sequence {i}: {len(x.tokens)} tokens vs {len(y.tokens)}")
-    if shared < min_shared * total:
-        problems.append(f"only {shared} of {total} tokens before the runs part "
-                        f"(at least {min_shared:.0%} expected)")
-    return problems
-
-
-def _near_tie(x: Trace, y: Trace, t: int, tol: float) -> bool:
-    other = x.top[t].get(y.tokens[t])
-    return other is not None and x.logprobs[t] - other <= tol
-
-
-def ours_traces(outs) -> list[Trace]:
-    return [Trace(list(o.token_ids), [e[t].logprob for t, e in zip(o.token_ids, o.logprobs)],
-                  [{t: lp.logprob for t, lp in e.items()} for e in o.logprobs])
-            for o in outs]
-
-
-def logits_traces(tokens: list[list[int]], logits: list[torch.Tensor], top_n: int = 5):
-    """Traces from per-step logits `[steps, vocab]` of each sequence (transformers' scores)."""
-    traces = []
-    for seq, steps in zip(tokens, logits):
-        lps = torch.log_softmax(steps.float(), dim=-1)
-        values, ids = lps.topk(top_n, dim=-1)
-        traces.append(Trace(list(seq), [lps[t, tok].item() for t, tok in enumerate(seq)],
-                            [dict(zip(i.tolist(), v.tolist())) for v, i in zip(values, ids)]))
-    return traces
 
 
 def _trace(tokens, top_gap=0.5, lp=-1.0):
@@ -112,6 +51,41 @@ def test_compare_traces_catches_far_divergence_drift_and_early_parting():
         a, early, tol=0.1, min_shared=0.5, tie_at_divergence=False))
     assert compare_traces(a, [_trace([5, 6])], tol=0.1, min_shared=0.0) \
         == ["sequence 0: 4 tokens vs 2"]
+
+
+def test_compare_traces_excuses_only_where_asked_and_keeps_comparing():
+    a = [_trace([5, 6, 7, 8])]
+    one_off = [Trace([5, 6, 7, 8], [-1.0, -1.3, -1.0, -1.0], a[0].top)]
+    excused = []
+    assert compare_traces(a, one_off, 0.1, 0.0, excuse=lambda i, t: t == 1,
+                          excused=excused, detail=lambda i, t: f" <{i},{t}>") == []
+    assert excused == ["sequence 0 step 1: token 6 has logprob -1.000 in one run, -1.300 in "
+                       "the other <0,1>"]
+    two_off = [Trace([5, 6, 7, 8], [-1.0, -1.3, -1.0, -1.5], a[0].top)]
+    problems = compare_traces(a, two_off, 0.1, 0.0, excuse=lambda i, t: t == 1, excused=[])
+    assert len(problems) == 1 and "step 3" in problems[0]  # later steps still compared
+
+
+def test_router_margins_are_the_top_k_gap_of_transformers_router(tmp_path):
+    """On the CPU: one margin per generated step, each the smallest over layers of the gap
+    between the k-th and (k+1)-th router logit at the position that chose the step's token
+    (checked for the first step against a forward pass over the prompt alone)."""
+    from transformers import AutoModelForCausalLM
+
+    from pd_runtime.model.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", preset="test", dtype="bfloat16", **MODELS["mixtral"])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _prompts(4, lens=[9, 3])
+    tokens = [[11, 12, 13], [14, 15]]
+    margins = router_margins(hf, prompts, tokens)
+    assert [len(m) for m in margins] == [3, 2] and min(min(m) for m in margins) >= 0
+    k = hf.config.num_experts_per_tok
+    with torch.inference_mode():
+        out = hf(torch.tensor([prompts[0]]), output_router_logits=True)
+    gaps = [logits.reshape(-1, logits.shape[-1])[-1].topk(k + 1).values for logits in
+            out.router_logits]
+    assert margins[0][0] == pytest.approx(min((g[k - 1] - g[k]).item() for g in gaps), abs=1e-5)
 
 
 def test_logits_traces_reads_greedy_scores():
@@ -308,6 +282,8 @@ MODELS = {
                    num_attention_heads=4, num_key_value_heads=1, use_qk_norm=True,
                    logit_scale=0.5),
 }
+MOE = ("mixtral", "gpt-oss")
+MAX_ROUTER_TIES = 3  # of 256 steps per model (8 prompts x 32 tokens)
 DENSE = ("d128", "d64", "window", "olmo3", "glm4", "cohere")  # decode under CUDA graphs for
 PROMPT_LENS = [3, 17, 64, 100, 129, 250, 31, 8]  # ragged, around block edges
 MAX_TOKENS = 32
@@ -405,7 +381,10 @@ def test_same_batch_twice_gives_identical_tokens(gpu_model, engine):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_greedy_close_to_transformers_on_the_same_gpu(gpu_model, engine, name):
     """Ours in bf16 against transformers in float32 (the reference) on the same device, as
-    tests/test_model_vs_transformers.py does on CPU (eos dropped, our ignore_eos)."""
+    tests/test_model_vs_transformers.py does on CPU (eos dropped, our ignore_eos). A mixture of
+    experts may differ beyond the tolerance at a few steps where transformers' router has two
+    experts within ROUTER_TIE (bf16 can route either way there; the first device run saw one
+    such step per model, 0.16-0.27 nats); anywhere else, or more often, is a fault."""
     from transformers import AutoModelForCausalLM
 
     path = gpu_model(name)
@@ -423,9 +402,14 @@ def test_greedy_close_to_transformers_on_the_same_gpu(gpu_model, engine, name):
                               do_sample=False, output_logits=True, return_dict_in_generate=True)
             tokens.append(out.sequences[0, len(p):].tolist())
             logits.append(torch.cat(out.logits).cpu())
+    margins = router_margins(hf, prompts, tokens) if name in MOE else None
     del hf
-    assert compare_traces(ours, logits_traces(tokens, logits), TOL_VS_FP32,
-                          min_shared=0.3) == []
+    excused = []
+    problems = compare_traces(
+        ours, logits_traces(tokens, logits), TOL_VS_FP32, min_shared=0.3, excused=excused,
+        excuse=(lambda i, t: margins[i][t] < ROUTER_TIE) if margins else None,
+        detail=(lambda i, t: f" (router margin {margins[i][t]:.4f})") if margins else None)
+    assert problems == [] and len(excused) <= MAX_ROUTER_TIES, (problems, excused)
 
 
 @requires_cuda
