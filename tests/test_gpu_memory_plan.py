@@ -264,3 +264,22 @@ def test_the_activation_term_covers_a_measured_step(tmp_path):
     peak = max(totals) - totals[0]
     planned = step_activation_bytes(load_model_config(path), 2, tokens, rows)
     assert 0.3 * planned < peak <= planned, (peak, planned)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"architecture": "olmo3", "sliding_window": 48,  # float32 tables, a second rope
+     "layer_types": ["sliding_attention", "full_attention"]},
+    {"architecture": "glm4", "head_dim": 64},  # rope over half of each head
+])
+def test_the_rope_tables_are_counted_as_the_model_holds_them(tmp_path, overrides):
+    from pd_runtime.engine.memory_plan import rope_table_bytes
+    from pd_runtime.model.loader import load_model
+    from pd_runtime.model.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", preset="test", dtype="bfloat16", hidden_size=256,
+                           intermediate_size=512, num_attention_heads=4, num_key_value_heads=1,
+                           **overrides)
+    model = load_model(path, "bfloat16", "cpu", 300)
+    tables = [model.cos, model.sin, *(model.local_rope or ())]
+    assert rope_table_bytes(model.cfg, 2, 300) == sum(t.nbytes for t in tables)

@@ -45,7 +45,7 @@ MAX_DECODE_SPLITS = 64
 
 @dataclass
 class MemoryPlan:
-    weights: int
+    weights: int            # and the rope tables
     kv_cache: int
     side_buffers: int       # the decode side buffer (host paths only: 0 on a GPU)
     activations: int        # the largest eager step's transient tensors
@@ -89,6 +89,15 @@ def weight_bytes(cfg: ModelConfig, elem: int) -> int:
                    + embed * (1 if cfg.tie_word_embeddings else 2) + h)
 
 
+def rope_table_bytes(cfg: ModelConfig, elem: int, max_model_len: int) -> int:
+    """The cos and sin tables the model keeps for every position it serves (a second pair for
+    the windowed layers' own rope, Gemma 3's and OLMo 3's; float32 where the model turns in
+    float32), pd_runtime/model/llama.py."""
+    rotary = int(cfg.head_dim * cfg.rope.partial_rotary_factor)
+    table_elem = 4 if cfg.rope_tables_float32 else elem
+    return 2 * max_model_len * rotary * table_elem * (2 if cfg.local_rope is not None else 1)
+
+
 def step_activation_bytes(cfg: ModelConfig, elem: int, tokens: int, rows: int) -> int:
     """Peak transient bytes of a step of `tokens` tokens sampling `rows` rows: the residual
     stream and norm output, qkv and the rotated q/k, attention output, the MLP's gate_up,
@@ -125,7 +134,8 @@ def plan_memory(engine: EngineConfig, cfg: ModelConfig, max_model_len: int,
         batch = min(engine.cuda_graph_max_batch_size, engine.max_num_seqs)
         graphs = step_activation_bytes(cfg, elem, batch, batch) \
             + batch * (-(-max_model_len // engine.block_size) * 4 + 64)  # static buffers
-    return MemoryPlan(weights=weight_bytes(cfg, elem), kv_cache=kv, side_buffers=side,
+    weights = weight_bytes(cfg, elem) + rope_table_bytes(cfg, elem, max_model_len)
+    return MemoryPlan(weights=weights, kv_cache=kv, side_buffers=side,
                       activations=eager, cuda_graphs=graphs,
                       allocator=int(eager * ALLOCATOR_SLACK) if on_gpu else 0,
                       runtime=RUNTIME_BYTES if on_gpu else 0)
