@@ -187,7 +187,7 @@ def _add_sink(m_i, l_i, acc, sink):
 @triton.jit
 def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
                          max_ptr, sum_ptr, part_ptr, sinks_ptr,
-                         qk_scale, blocks_per_split, window,
+                         qk_scale, window,
                          stride_qb, stride_qh, stride_ob, stride_oh, stride_table,
                          stride_kv, stride_blk, stride_head, stride_tok,
                          GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
@@ -210,9 +210,14 @@ def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
                 mask=row_ok[:, None], other=0.0)
 
     lo = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)  # the first key seen
-    first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, (context_len + BLOCK_SIZE - 1) // BLOCK_SIZE)
-    first = tl.maximum(first, lo // BLOCK_SIZE)
+    # This sequence's blocks (from the window's first) shared evenly by the splits: the split
+    # count comes from the table's static width, the shares from the length (a CUDA graph
+    # replays with any lengths and still spreads each sequence over every split).
+    end_block = (context_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    lo_block = lo // BLOCK_SIZE
+    share = (end_block - lo_block + NUM_SPLITS - 1) // NUM_SPLITS
+    first = lo_block + split * share
+    last = tl.minimum(first + share, end_block)
     table = table_ptr + b * stride_table
     m_i = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
     l_i = tl.full([GROUP_ROWS], 0.0, tl.float32)
@@ -323,7 +328,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, kv_layer, block_tables, context_lens, out, maxes, sums, parts,
         out if sinks is None else sinks,
-        scale * LOG2E, -(-max_blocks // num_splits), window,
+        scale * LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *kv_layer.stride()[:4],
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
