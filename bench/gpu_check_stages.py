@@ -80,8 +80,8 @@ def _kernels_rows(ctx: Context, run: StageRun) -> list[Row]:
         rows.append(Row(f"decode attn ({long['rule']})",
                         f"median {long['median_fraction']:.0%} of copy (min "
                         f"{long['min_fraction']:.0%}, {long['shapes']} shapes; each at its "
-                        f"best of 1/2x, 1x, 2x the splits: "
-                        f"{long.get('median_best_splits', float('nan')):.0%}); best "
+                        f"best of the variants: "
+                        f"{long.get('median_best_variant', float('nan')):.0%}); best "
                         f"{best['gbs']:.0f} GB/s at B={best['batch']} ctx={best['context']}",
                         ">= 70% of copy", ctx.verdict(long["median_fraction"] >= 0.7)))
     elif "copy_gbs" in d:
@@ -91,7 +91,9 @@ def _kernels_rows(ctx: Context, run: StageRun) -> list[Row]:
         p = s.get(key)
         if p:
             rows.append(Row(f"prefill attn, {p['case']}",
-                            f"{p['tflops']:.1f} TFLOP/s = {p['fraction_of_matmul']:.0%} of matmul",
+                            f"{p['tflops']:.1f} TFLOP/s = {p['fraction_of_matmul']:.0%} of matmul"
+                            + (f" (one block per step: {p['one_block_per_step_tflops']:.1f})"
+                               if p.get("one_block_per_step_tflops") else ""),
                             "reported", "info"))
     return rows
 

@@ -93,9 +93,10 @@ def decode_bytes(shape: Shape, batch: int, context: int, width: int) -> int:
 def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[int],
                  budget_bytes: int, rotation_bytes: int, rounds: int, copy_gbs: float,
                  compare_at: tuple[int, int] | None = None) -> list:
-    """GB/s of each (batch, context) with the kernel's own split count; at shapes with context
-    and batch at least `compare_at`, also half and twice that count (whether the default sits
-    near the best; `alternatives`: splits -> fraction of copy)."""
+    """GB/s of each (batch, context) with the kernel's defaults; at shapes with context and
+    batch at least `compare_at`, also with half and twice its split count and with one cache
+    block per loop step (whether the defaults sit near the best; `alternatives`: variant ->
+    fraction of copy)."""
     combos = [(b, c) for b in batches for c in contexts if b * shape.kv_bytes(c) <= budget_bytes]
     skipped = [(b, c) for b in batches for c in contexts if (b, c) not in combos]
     if skipped:
@@ -141,18 +142,21 @@ def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[in
             splits = tp.default_num_splits(batch, shape.kv_heads, tables[0].shape[1], sm)
         alternatives = {}
         if splits and compare_at and context >= compare_at[0] and batch >= compare_at[1]:
-            for other in sorted({max(1, splits // 2), min(splits * 2, tables[0].shape[1])}
-                                - {splits}):
-                other_calls = [lambda t=t, n=other: tp.decode_attention(
-                    q, kv, t, lens, shape.scale, out=out, num_splits=n) for t in tables]
+            variants = {f"{n} splits": dict(num_splits=n) for n in sorted(
+                {max(1, splits // 2), min(splits * 2, tables[0].shape[1])} - {splits})}
+            if hasattr(tp, "KEYS_PER_TILE"):
+                variants[f"{bs} keys/step"] = dict(keys_per_tile=bs)
+            for label, kwargs in variants.items():
+                other_calls = [lambda t=t, kw=kwargs: tp.decode_attention(
+                    q, kv, t, lens, shape.scale, out=out, **kw) for t in tables]
                 other_s, _ = time_launches(other_calls, device, reps, rounds)
-                alternatives[other] = num_bytes / other_s / 1e9 / copy_gbs
+                alternatives[label] = num_bytes / other_s / 1e9 / copy_gbs
                 del other_calls
         results.append({"batch": batch, "context": context, "us": seconds * 1e6, "gbs": gbs,
                         "fraction_of_copy": gbs / copy_gbs, "bytes": num_bytes,
                         "rotations": rotations, "num_splits": splits, "timing": method,
                         "alternatives": alternatives})
-        others = "".join(f", {n} splits {f:.1%}" for n, f in alternatives.items())
+        others = "".join(f", {n} {f:.1%}" for n, f in alternatives.items())
         print(f"  decode B={batch:<4} ctx={context:<6} {seconds * 1e6:9.1f} us  {gbs:8.1f} GB/s "
               f"= {gbs / copy_gbs:6.1%} of copy  (splits {splits}{others}, {rotations} table "
               f"sets, {method})", flush=True)
@@ -174,17 +178,23 @@ def prefill_sweep(tp, shape: Shape, device, cases: list[tuple[str, list[tuple[in
         out = torch.empty_like(case.q)
         max_query_len = case.max_query_len
 
-        def call():
+        def call(**kwargs):
             tp.prefill_attention(case.q, case.kv, case.query_start_loc, case.context_lens,
                                  case.block_tables, shape.scale, max_query_len=max_query_len,
-                                 out=out)
+                                 out=out, **kwargs)
 
         seconds = time_median(call, device, rounds)
         tflops = prefill_flops(shape, segments) / seconds / 1e12
+        one_block = None  # the same with one cache block per loop step
+        if hasattr(tp, "KEYS_PER_TILE"):
+            one_s = time_median(lambda: call(keys_per_tile=shape.block_size), device, rounds)
+            one_block = prefill_flops(shape, segments) / one_s / 1e12
         results.append({"case": name, "segments": segments, "ms": seconds * 1e3,
-                        "tflops": tflops, "fraction_of_matmul": tflops / matmul})
+                        "tflops": tflops, "fraction_of_matmul": tflops / matmul,
+                        "one_block_per_step_tflops": one_block})
         print(f"  prefill {name:<22} {seconds * 1e3:9.2f} ms  {tflops:7.1f} TFLOP/s = "
-              f"{tflops / matmul:6.1%} of matmul", flush=True)
+              f"{tflops / matmul:6.1%} of matmul"
+              + (f" (one block per step: {one_block:.1f})" if one_block else ""), flush=True)
         del case, out
     return results
 
@@ -222,17 +232,17 @@ def summarize(decode: list, prefill: list, checks: list, long_context: int,
         out["decode_long"] = {
             "rule": f"context >= {long_context}, batch >= {long_batch}", "shapes": len(long),
             "median_fraction": statistics.median(fractions), "min_fraction": min(fractions),
-            # the median had each shape taken its best of the default, half and twice the splits
-            "median_best_splits": statistics.median(
+            # the median had each shape taken its best of the defaults and the variants
+            "median_best_variant": statistics.median(
                 max([r["fraction_of_copy"], *r.get("alternatives", {}).values()]) for r in long),
             "best": {k: best[k] for k in ("batch", "context", "gbs", "fraction_of_copy")}}
     fresh = [r for r in prefill if r["case"].startswith("prompt")]
     if fresh:
         longest = max(fresh, key=lambda r: r["segments"][0][0])
-        out["prefill_longest"] = {k: longest[k] for k in ("case", "tflops",
-                                                           "fraction_of_matmul")}
+        out["prefill_longest"] = {k: longest.get(k) for k in (
+            "case", "tflops", "fraction_of_matmul", "one_block_per_step_tflops")}
     chunked = [r for r in prefill if r["case"].startswith("chunk")]
     if chunked:
-        out["prefill_chunked"] = {k: chunked[0][k] for k in ("case", "tflops",
-                                                              "fraction_of_matmul")}
+        out["prefill_chunked"] = {k: chunked[0].get(k) for k in (
+            "case", "tflops", "fraction_of_matmul", "one_block_per_step_tflops")}
     return out

@@ -331,3 +331,37 @@ def test_the_memory_plan_counts_the_most_decode_splits():
 
     assert triton_paged.MAX_SPLITS <= MAX_DECODE_SPLITS
     assert triton_paged.default_num_splits(1, 1, 1 << 20, sm_count=1000) == triton_paged.MAX_SPLITS
+
+
+@pytest.mark.parametrize("block_size,keys", [(16, 16), (32, 16), (32, 128)])
+def test_any_keys_per_tile_gives_the_reference(block_size, keys):
+    """Keys per loop step below, at and above the block size (the default gathers several
+    blocks per step): decode split and whole, and prefill chunks after a cached prefix, over
+    sequences of several tiles; a value that is not a power of two >= 16 is refused."""
+    dtype, head_dim, heads, kv_heads = torch.bfloat16, 64, 8, 2
+    lens = [2 * keys + 3, 2, keys]
+    cache = PagedCache(dtype, block_size, head_dim, kv_heads, lens, seed=keys + block_size)
+    context_lens = torch.tensor(lens)
+    q = cache.randn(len(lens), heads, head_dim)
+    expected = reference.decode_attention(q.float(), cache.float32(), cache.tables,
+                                          context_lens, SCALE)
+    for splits in (1, 3):
+        out = triton_paged.decode_attention(q, cache.kv, cache.tables, context_lens, SCALE,
+                                            num_splits=splits, keys_per_tile=keys)
+        assert_close(out, expected, dtype)
+
+    chunks = [keys + 5, 1, keys]
+    starts = torch.tensor([0] + chunks).cumsum(0).to(torch.int32)
+    qp = cache.randn(int(starts[-1]), heads, head_dim)
+    out = triton_paged.prefill_attention(qp, cache.kv, starts, context_lens.to(torch.int32),
+                                         cache.tables, SCALE, max_query_len=max(chunks),
+                                         keys_per_tile=keys)
+    for s, (context_len, n) in enumerate(zip(lens, chunks)):
+        seg = reference.PrefillSegment(0, n, context_len, cache.tables[s])
+        want = reference.prefill_attention(
+            qp[int(starts[s]):int(starts[s + 1])].float(), cache.keys[s][context_len - n:].float(),
+            cache.values[s][context_len - n:].float(), cache.float32(), seg, SCALE)
+        assert_close(out[int(starts[s]):int(starts[s + 1])], want, dtype)
+    with pytest.raises(ValueError, match="keys_per_tile 48"):
+        triton_paged.decode_attention(q, cache.kv, cache.tables, context_lens, SCALE,
+                                      keys_per_tile=48)

@@ -26,6 +26,11 @@ MIN_BLOCK_SIZE = 16          # tl.dot needs every tile dimension >= 16
 MIN_GROUP_ROWS = 16
 PREFILL_BLOCK_M = 64         # query rows (tokens x heads of a group) per prefill program
 PREFILL_BLOCK_M_WIDE = 32    # ... at head_dim 256 (the float32 accumulator's rows are 2x wider)
+# Keys per loop step, gathered through the block table row by row (any number of cache blocks
+# per step): one 16-key block per step left the prefill kernel at 23-31% of the H200's matmul
+# rate. At most the cache block size is used where that is larger.
+KEYS_PER_TILE = 64
+KEYS_PER_TILE_WIDE = 32      # head_dim 256
 # Split-K for decode: enough programs for about PROGRAMS_PER_SM per SM, each split reading at
 # least MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits. On the H200 at context
 # >= 16k (docs/BENCHMARKS.md, the first device run) the share of copy bandwidth followed the
@@ -125,16 +130,18 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @triton.jit
-def _load_block(kv_ptr, table_ptr, index, kv_head, context_len,
-                stride_blk, stride_head, stride_tok,
-                BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """K or V of logical block `index` of a sequence: `[BLOCK_SIZE, HEAD_DIM]`, zeros past the
-    context (those slots may hold anything, NaN included)."""
-    block = tl.load(table_ptr + index).to(tl.int64)
-    positions = index * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    ptrs = (kv_ptr + block * stride_blk + kv_head * stride_head
-            + tl.arange(0, BLOCK_SIZE)[:, None] * stride_tok + tl.arange(0, HEAD_DIM)[None, :])
-    return tl.load(ptrs, mask=(positions < context_len)[:, None], other=0.0)
+def _key_offsets(table_ptr, first, kv_head, lo, context_len, stride_blk, stride_head, stride_tok,
+                 KEYS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Where positions first..first+KEYS-1 of a sequence sit in the cache (`[KEYS, HEAD_DIM]`
+    element offsets, each row through its own block's table entry) and which of them to read:
+    lo <= position < context_len (the rest may hold anything, NaN included, and their table
+    entries are not read)."""
+    positions = first + tl.arange(0, KEYS)
+    read = (positions >= lo) & (positions < context_len)
+    block = tl.load(table_ptr + positions // BLOCK_SIZE, mask=read, other=0).to(tl.int64)
+    offsets = (block[:, None] * stride_blk + kv_head * stride_head
+               + (positions % BLOCK_SIZE)[:, None] * stride_tok + tl.arange(0, HEAD_DIM)[None, :])
+    return offsets, read
 
 
 @triton.jit
@@ -192,10 +199,10 @@ def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
                          stride_kv, stride_blk, stride_head, stride_tok,
                          GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, DOT_IN_F32: tl.constexpr,
+                         KEYS: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_IN_F32: tl.constexpr,
                          SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Program (sequence b, kv head, split): the group's query heads against the split's range
-    of cache blocks. One split writes the normalized output (its sinks added); several write
+    of key tiles. One split writes the normalized output (its sinks added); several write
     float32 partials (running max, sum, unnormalized output) per (b, head, split) for the
     reduction (which adds the sinks)."""
     b = tl.program_id(0).to(tl.int64)
@@ -210,25 +217,25 @@ def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
                 mask=row_ok[:, None], other=0.0)
 
     lo = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)  # the first key seen
-    # This sequence's blocks (from the window's first) shared evenly by the splits: the split
-    # count comes from the table's static width, the shares from the length (a CUDA graph
-    # replays with any lengths and still spreads each sequence over every split).
-    end_block = (context_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-    lo_block = lo // BLOCK_SIZE
-    share = (end_block - lo_block + NUM_SPLITS - 1) // NUM_SPLITS
-    first = lo_block + split * share
-    last = tl.minimum(first + share, end_block)
+    # This sequence's key tiles (from the window's first) shared evenly by the splits: the
+    # split count comes from the table's static width, the shares from the length (a CUDA
+    # graph replays with any lengths and still spreads each sequence over every split).
+    end_tile = (context_len + KEYS - 1) // KEYS
+    lo_tile = lo // KEYS
+    share = (end_tile - lo_tile + NUM_SPLITS - 1) // NUM_SPLITS
+    first = lo_tile + split * share
+    last = tl.minimum(first + share, end_tile)
     table = table_ptr + b * stride_table
     m_i = tl.full([GROUP_ROWS], float("-inf"), tl.float32)
     l_i = tl.full([GROUP_ROWS], 0.0, tl.float32)
     acc = tl.full([GROUP_ROWS, HEAD_DIM], 0.0, tl.float32)
-    for index in range(first, last):
-        k = _load_block(kv_ptr, table, index, kv_head, context_len,
-                        stride_blk, stride_head, stride_tok, BLOCK_SIZE, HEAD_DIM)
-        v = _load_block(kv_ptr + stride_kv, table, index, kv_head, context_len,
-                        stride_blk, stride_head, stride_tok, BLOCK_SIZE, HEAD_DIM)
-        positions = index * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        visible = ((positions < context_len) & (positions >= lo))[None, :]
+    for tile in range(first, last):
+        offsets, read = _key_offsets(table, tile * KEYS, kv_head, lo, context_len,
+                                     stride_blk, stride_head, stride_tok, KEYS, BLOCK_SIZE,
+                                     HEAD_DIM)
+        k = tl.load(kv_ptr + offsets, mask=read[:, None], other=0.0)
+        v = tl.load(kv_ptr + stride_kv + offsets, mask=read[:, None], other=0.0)
+        visible = read[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
                                              DOT_IN_F32, SOFTCAP)
 
@@ -286,6 +293,16 @@ def _sm_count(device: torch.device) -> int:
     return DEFAULT_SM_COUNT
 
 
+def _keys_per_tile(requested: int | None, block_size: int, head_dim: int) -> int:
+    """Keys per loop step: `requested` (a power of two >= 16; the benchmarks compare), else
+    KEYS_PER_TILE (KEYS_PER_TILE_WIDE at head_dim 256), at least the block size."""
+    if requested is not None:
+        if requested < MIN_BLOCK_SIZE or requested & (requested - 1):
+            raise ValueError(f"keys_per_tile {requested}: a power of two >= {MIN_BLOCK_SIZE}")
+        return requested
+    return max(block_size, KEYS_PER_TILE if head_dim <= 128 else KEYS_PER_TILE_WIDE)
+
+
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int,
                        sm_count: int = DEFAULT_SM_COUNT) -> int:
     """Splits per (sequence, kv head) from static shapes only (a CUDA graph replays with other
@@ -300,7 +317,8 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int,
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
                      num_splits: int | None = None, window: int = 0,
-                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                     keys_per_tile: int | None = None) -> torch.Tensor:
     """One query token per sequence (its key already written): q `[B, heads, head_dim]` ->
     `[B, heads, head_dim]`; keys 0..context_lens[b]-1 visible (the last `window` of them, with
     a window; `sinks`: `[heads]` float32 sink logits); context_len 0 writes zeros."""
@@ -332,7 +350,8 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *kv_layer.stride()[:4],
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
-        NUM_SPLITS=num_splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
+        KEYS=_keys_per_tile(keys_per_tile, block_size, head_dim), HEAD_DIM=head_dim,
         DOT_IN_F32=INTERPRETED, SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
         num_warps=NUM_WARPS)
     if num_splits > 1:
@@ -353,11 +372,11 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, sin
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
                     stride_kv, stride_blk, stride_head, stride_tok,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, DOT_IN_F32: tl.constexpr, SOFTCAP: tl.constexpr,
-                    HAS_SINKS: tl.constexpr):
+                    KEYS: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_IN_F32: tl.constexpr,
+                    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Program (row tile, segment, kv head). A segment's rows are its (query token, query head
-    of the group) pairs, token-major, so each K/V block is loaded once for the whole group;
-    row r is token r // GROUP, head kv_head * GROUP + r % GROUP. Keys are read block by block
+    of the group) pairs, token-major, so each key tile is loaded once for the whole group;
+    row r is token r // GROUP, head kv_head * GROUP + r % GROUP. Keys are read KEYS at a time
     through the segment's table, up to the tile's last query position (causal)."""
     tile = tl.program_id(0)
     seg = tl.program_id(1)
@@ -379,23 +398,21 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, sin
 
     # The tile's last query position bounds its keys; an empty tile loops zero times.
     last_token = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, num_queries - 1)
-    num_blocks = tl.where(tile * BLOCK_M < num_queries * GROUP,
-                          (cached + last_token + BLOCK_SIZE) // BLOCK_SIZE, 0)
+    end = tl.where(tile * BLOCK_M < num_queries * GROUP, cached + last_token + 1, 0)
     # With a window, the tile's first query position bounds its keys from below as well.
-    first_block = tl.where(window > 0, tl.maximum(cached + (tile * BLOCK_M) // GROUP
-                                                  - window + 1, 0), 0) // BLOCK_SIZE
+    lo = tl.where(window > 0, tl.maximum(cached + (tile * BLOCK_M) // GROUP - window + 1, 0), 0)
     table = table_ptr + seg * stride_table
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
-    for index in range(first_block, num_blocks):
-        k = _load_block(kv_ptr, table, index, kv_head, context_len,
-                        stride_blk, stride_head, stride_tok, BLOCK_SIZE, HEAD_DIM)
-        v = _load_block(kv_ptr + stride_kv, table, index, kv_head, context_len,
-                        stride_blk, stride_head, stride_tok, BLOCK_SIZE, HEAD_DIM)
-        positions_k = index * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        visible = (positions_k[None, :] <= positions_q[:, None]) \
-            & (positions_k < context_len)[None, :] \
+    for key_tile in range(lo // KEYS, (end + KEYS - 1) // KEYS):
+        offsets, read = _key_offsets(table, key_tile * KEYS, kv_head, lo, end,
+                                     stride_blk, stride_head, stride_tok, KEYS, BLOCK_SIZE,
+                                     HEAD_DIM)
+        k = tl.load(kv_ptr + offsets, mask=read[:, None], other=0.0)
+        v = tl.load(kv_ptr + stride_kv + offsets, mask=read[:, None], other=0.0)
+        positions_k = key_tile * KEYS + tl.arange(0, KEYS)
+        visible = (positions_k[None, :] <= positions_q[:, None]) & read[None, :] \
             & ((window <= 0) | (positions_k[None, :] > positions_q[:, None] - window))
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
                                              DOT_IN_F32, SOFTCAP)
@@ -413,7 +430,8 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: 
                       context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                       max_query_len: int, out: torch.Tensor | None = None,
                       window: int = 0, softcap: float = 0.0,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None,
+                      keys_per_tile: int | None = None) -> torch.Tensor:
     """S prefill segments in one launch; their own K/V already in the cache (write_kv first).
     q `[T, heads, head_dim]`: segment s is q[qsl[s]:qsl[s+1]], its query i at position
     context_lens[s] - n_s + i, attending causally to keys 0..that position (the last `window`
@@ -437,7 +455,8 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: 
         out if sinks is None else sinks, scale * LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *kv_layer.stride()[:4],
-        GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size,
+        KEYS=_keys_per_tile(keys_per_tile, block_size, head_dim), HEAD_DIM=head_dim,
         DOT_IN_F32=INTERPRETED, SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
         num_warps=NUM_WARPS)
     return out
