@@ -94,9 +94,9 @@ def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[in
                  budget_bytes: int, rotation_bytes: int, rounds: int, copy_gbs: float,
                  compare_at: tuple[int, int] | None = None) -> list:
     """GB/s of each (batch, context) with the kernel's defaults; at shapes with context and
-    batch at least `compare_at`, also with half and twice its split count and with one cache
-    block per loop step (whether the defaults sit near the best; `alternatives`: variant ->
-    fraction of copy)."""
+    batch at least `compare_at`, also with half and twice its split count (within the
+    kernel's cap) and with 64 keys per loop step in place of one cache block (whether the
+    defaults sit near the best; `alternatives`: variant -> fraction of copy)."""
     combos = [(b, c) for b in batches for c in contexts if b * shape.kv_bytes(c) <= budget_bytes]
     skipped = [(b, c) for b in batches for c in contexts if (b, c) not in combos]
     if skipped:
@@ -142,10 +142,11 @@ def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[in
             splits = tp.default_num_splits(batch, shape.kv_heads, tables[0].shape[1], sm)
         alternatives = {}
         if splits and compare_at and context >= compare_at[0] and batch >= compare_at[1]:
+            most = min(tables[0].shape[1], getattr(tp, "MAX_SPLITS", splits * 2))
             variants = {f"{n} splits": dict(num_splits=n) for n in sorted(
-                {max(1, splits // 2), min(splits * 2, tables[0].shape[1])} - {splits})}
-            if hasattr(tp, "KEYS_PER_TILE"):
-                variants[f"{bs} keys/step"] = dict(keys_per_tile=bs)
+                {max(1, splits // 2), min(splits * 2, most)} - {splits})}
+            if hasattr(tp, "PREFILL_KEYS_PER_TILE") and bs < 64:
+                variants["64 keys/step"] = dict(keys_per_tile=64)
             for label, kwargs in variants.items():
                 other_calls = [lambda t=t, kw=kwargs: tp.decode_attention(
                     q, kv, t, lens, shape.scale, out=out, **kw) for t in tables]
@@ -186,7 +187,8 @@ def prefill_sweep(tp, shape: Shape, device, cases: list[tuple[str, list[tuple[in
         seconds = time_median(call, device, rounds)
         tflops = prefill_flops(shape, segments) / seconds / 1e12
         one_block = None  # the same with one cache block per loop step
-        if hasattr(tp, "KEYS_PER_TILE"):
+        if hasattr(tp, "PREFILL_KEYS_PER_TILE") \
+                and tp.prefill_keys_per_tile(shape.head_dim) != shape.block_size:
             one_s = time_median(lambda: call(keys_per_tile=shape.block_size), device, rounds)
             one_block = prefill_flops(shape, segments) / one_s / 1e12
         results.append({"case": name, "segments": segments, "ms": seconds * 1e3,
@@ -194,7 +196,8 @@ def prefill_sweep(tp, shape: Shape, device, cases: list[tuple[str, list[tuple[in
                         "one_block_per_step_tflops": one_block})
         print(f"  prefill {name:<22} {seconds * 1e3:9.2f} ms  {tflops:7.1f} TFLOP/s = "
               f"{tflops / matmul:6.1%} of matmul"
-              + (f" (one block per step: {one_block:.1f})" if one_block else ""), flush=True)
+              + (f" (one block per step: {one_block:.1f} TFLOP/s)" if one_block else ""),
+              flush=True)
         del case, out
     return results
 

@@ -26,11 +26,13 @@ MIN_BLOCK_SIZE = 16          # tl.dot needs every tile dimension >= 16
 MIN_GROUP_ROWS = 16
 PREFILL_BLOCK_M = 64         # query rows (tokens x heads of a group) per prefill program
 PREFILL_BLOCK_M_WIDE = 32    # ... at head_dim 256 (the float32 accumulator's rows are 2x wider)
-# Keys per loop step, gathered through the block table row by row (any number of cache blocks
-# per step): one 16-key block per step left the prefill kernel at 23-31% of the H200's matmul
-# rate. At most the cache block size is used where that is larger.
-KEYS_PER_TILE = 64
-KEYS_PER_TILE_WIDE = 32      # head_dim 256
+# Keys per loop step of the prefill kernel, gathered through the block table row by row (any
+# number of cache blocks per step): one 16-key block per step left it at 23-31% of the H200's
+# matmul rate. Compiled for sm_90 (Triton 3.7), 64 keys at head_dim 128 take 255 registers and
+# no spill, as 16 took 247. Decode reads one cache block per step: 64 keys there took 249
+# registers against 109 (fewer programs resident, where the bandwidth follows their count).
+PREFILL_KEYS_PER_TILE = 64
+PREFILL_KEYS_PER_TILE_WIDE = 32  # head_dim 256
 # Split-K for decode: enough programs for about PROGRAMS_PER_SM per SM, each split reading at
 # least MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits. On the H200 at context
 # >= 16k (docs/BENCHMARKS.md, the first device run) the share of copy bandwidth followed the
@@ -130,18 +132,23 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @triton.jit
-def _key_offsets(table_ptr, first, kv_head, lo, context_len, stride_blk, stride_head, stride_tok,
-                 KEYS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Where positions first..first+KEYS-1 of a sequence sit in the cache (`[KEYS, HEAD_DIM]`
-    element offsets, each row through its own block's table entry) and which of them to read:
-    lo <= position < context_len (the rest may hold anything, NaN included, and their table
-    entries are not read)."""
+def _key_ptrs(kv_ptr, table_ptr, first, kv_head, lo, context_len, stride_blk, stride_head,
+              stride_tok, KEYS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Where positions first..first+KEYS-1 of a sequence (`first` a multiple of KEYS) sit in
+    the cache, `[KEYS, HEAD_DIM]` pointers into K (V is `stride_kv` on), and which of them to
+    read: lo <= position < context_len (the rest may hold anything, NaN included, and their
+    table entries are not read). A tile within one cache block reads its table entry once;
+    a wider one gathers each row through its own block's entry."""
     positions = first + tl.arange(0, KEYS)
     read = (positions >= lo) & (positions < context_len)
-    block = tl.load(table_ptr + positions // BLOCK_SIZE, mask=read, other=0).to(tl.int64)
-    offsets = (block[:, None] * stride_blk + kv_head * stride_head
-               + (positions % BLOCK_SIZE)[:, None] * stride_tok + tl.arange(0, HEAD_DIM)[None, :])
-    return offsets, read
+    rows = (positions % BLOCK_SIZE)[:, None] * stride_tok + tl.arange(0, HEAD_DIM)[None, :]
+    if KEYS <= BLOCK_SIZE:  # (the loops visit only tiles with a key to read: a real block)
+        block = tl.load(table_ptr + first // BLOCK_SIZE).to(tl.int64)
+        base = kv_ptr + block * stride_blk + kv_head * stride_head
+        return base + rows, read
+    else:
+        block = tl.load(table_ptr + positions // BLOCK_SIZE, mask=read, other=0).to(tl.int64)
+        return kv_ptr + kv_head * stride_head + block[:, None] * stride_blk + rows, read
 
 
 @triton.jit
@@ -230,11 +237,11 @@ def _decode_split_kernel(q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr,
     l_i = tl.full([GROUP_ROWS], 0.0, tl.float32)
     acc = tl.full([GROUP_ROWS, HEAD_DIM], 0.0, tl.float32)
     for tile in range(first, last):
-        offsets, read = _key_offsets(table, tile * KEYS, kv_head, lo, context_len,
-                                     stride_blk, stride_head, stride_tok, KEYS, BLOCK_SIZE,
-                                     HEAD_DIM)
-        k = tl.load(kv_ptr + offsets, mask=read[:, None], other=0.0)
-        v = tl.load(kv_ptr + stride_kv + offsets, mask=read[:, None], other=0.0)
+        k_ptrs, read = _key_ptrs(kv_ptr, table, tile * KEYS, kv_head, lo, context_len,
+                                 stride_blk, stride_head, stride_tok, KEYS, BLOCK_SIZE,
+                                 HEAD_DIM)
+        k = tl.load(k_ptrs, mask=read[:, None], other=0.0)
+        v = tl.load(k_ptrs + stride_kv, mask=read[:, None], other=0.0)
         visible = read[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
                                              DOT_IN_F32, SOFTCAP)
@@ -293,14 +300,18 @@ def _sm_count(device: torch.device) -> int:
     return DEFAULT_SM_COUNT
 
 
-def _keys_per_tile(requested: int | None, block_size: int, head_dim: int) -> int:
+def _tile_keys(requested: int | None, default: int) -> int:
     """Keys per loop step: `requested` (a power of two >= 16; the benchmarks compare), else
-    KEYS_PER_TILE (KEYS_PER_TILE_WIDE at head_dim 256), at least the block size."""
-    if requested is not None:
-        if requested < MIN_BLOCK_SIZE or requested & (requested - 1):
-            raise ValueError(f"keys_per_tile {requested}: a power of two >= {MIN_BLOCK_SIZE}")
-        return requested
-    return max(block_size, KEYS_PER_TILE if head_dim <= 128 else KEYS_PER_TILE_WIDE)
+    the kernel's default."""
+    if requested is None:
+        return default
+    if requested < MIN_BLOCK_SIZE or requested & (requested - 1):
+        raise ValueError(f"keys_per_tile {requested}: a power of two >= {MIN_BLOCK_SIZE}")
+    return requested
+
+
+def prefill_keys_per_tile(head_dim: int) -> int:
+    return PREFILL_KEYS_PER_TILE if head_dim <= 128 else PREFILL_KEYS_PER_TILE_WIDE
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int,
@@ -351,7 +362,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
         *kv_layer.stride()[:4],
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
-        KEYS=_keys_per_tile(keys_per_tile, block_size, head_dim), HEAD_DIM=head_dim,
+        KEYS=_tile_keys(keys_per_tile, block_size), HEAD_DIM=head_dim,
         DOT_IN_F32=INTERPRETED, SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
         num_warps=NUM_WARPS)
     if num_splits > 1:
@@ -406,11 +417,11 @@ def _prefill_kernel(q_ptr, kv_ptr, out_ptr, starts_ptr, lens_ptr, table_ptr, sin
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
     for key_tile in range(lo // KEYS, (end + KEYS - 1) // KEYS):
-        offsets, read = _key_offsets(table, key_tile * KEYS, kv_head, lo, end,
-                                     stride_blk, stride_head, stride_tok, KEYS, BLOCK_SIZE,
-                                     HEAD_DIM)
-        k = tl.load(kv_ptr + offsets, mask=read[:, None], other=0.0)
-        v = tl.load(kv_ptr + stride_kv + offsets, mask=read[:, None], other=0.0)
+        k_ptrs, read = _key_ptrs(kv_ptr, table, key_tile * KEYS, kv_head, lo, end,
+                                 stride_blk, stride_head, stride_tok, KEYS, BLOCK_SIZE,
+                                 HEAD_DIM)
+        k = tl.load(k_ptrs, mask=read[:, None], other=0.0)
+        v = tl.load(k_ptrs + stride_kv, mask=read[:, None], other=0.0)
         positions_k = key_tile * KEYS + tl.arange(0, KEYS)
         visible = (positions_k[None, :] <= positions_q[:, None]) & read[None, :] \
             & ((window <= 0) | (positions_k[None, :] > positions_q[:, None] - window))
@@ -456,7 +467,7 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: 
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *kv_layer.stride()[:4],
         GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size,
-        KEYS=_keys_per_tile(keys_per_tile, block_size, head_dim), HEAD_DIM=head_dim,
+        KEYS=_tile_keys(keys_per_tile, prefill_keys_per_tile(head_dim)), HEAD_DIM=head_dim,
         DOT_IN_F32=INTERPRETED, SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
         num_warps=NUM_WARPS)
     return out
