@@ -92,9 +92,8 @@ def _kernels_rows(ctx: Context, run: StageRun) -> list[Row]:
         if p:
             rows.append(Row(f"prefill attn, {p['case']}",
                             f"{p['tflops']:.1f} TFLOP/s = {p['fraction_of_matmul']:.0%} of matmul"
-                            + (f" (one block per step: {p['one_block_per_step_tflops']:.1f} "
-                               "TFLOP/s)"
-                               if p.get("one_block_per_step_tflops") else ""),
+                            + "".join(f"; {label}: {v:.1f}" for label, v in
+                                      (p.get("variants_tflops") or {}).items()),
                             "reported", "info"))
     return rows
 

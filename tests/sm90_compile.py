@@ -71,6 +71,10 @@ def variants():
                 GROUP=4, BLOCK_M=tp.PREFILL_BLOCK_M if head_dim <= 128 else tp.PREFILL_BLOCK_M_WIDE,
                 BLOCK_SIZE=block, KEYS=tp.prefill_keys_per_tile(head_dim), HEAD_DIM=head_dim,
                 **feature)
+        if head_dim <= 128:  # the benchmark's variant (bench/gpu_kernels_timing.py)
+            yield f"prefill d{head_dim} 128 rows", tp._prefill_kernel, dict(
+                GROUP=4, BLOCK_M=128, BLOCK_SIZE=16, KEYS=tp.prefill_keys_per_tile(head_dim),
+                HEAD_DIM=head_dim, SOFTCAP=0.0, HAS_SINKS=False, **common)
         yield f"reduce d{head_dim}", tp._decode_reduce_kernel, dict(
             NUM_SPLITS=tp.MAX_SPLITS, SPLITS_POW2=tp.MAX_SPLITS, HEAD_DIM=head_dim,
             HAS_SINKS=True)
@@ -80,8 +84,10 @@ def variants():
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("run without TRITON_INTERPRET: the interpreter compiles nothing")
-    print(json.dumps({name: resources(fn, constants, 1 if name.startswith("write_kv")
-                                      else tp.NUM_WARPS)
+    def warps(name: str) -> int:
+        return 1 if name.startswith("write_kv") else 8 if "128 rows" in name else tp.NUM_WARPS
+
+    print(json.dumps({name: resources(fn, constants, warps(name))
                       for name, fn, constants in variants()}))
 
 

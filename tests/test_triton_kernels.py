@@ -362,6 +362,14 @@ def test_any_keys_per_tile_gives_the_reference(block_size, keys):
             qp[int(starts[s]):int(starts[s + 1])].float(), cache.keys[s][context_len - n:].float(),
             cache.values[s][context_len - n:].float(), cache.float32(), seg, SCALE)
         assert_close(out[int(starts[s]):int(starts[s + 1])], want, dtype)
+    wide = triton_paged.prefill_attention(qp, cache.kv, starts, context_lens.to(torch.int32),
+                                          cache.tables, SCALE, max_query_len=max(chunks),
+                                          keys_per_tile=keys, rows_per_tile=128, num_warps=8)
+    assert_close(wide, out.float(), dtype)
+    with pytest.raises(ValueError, match="rows_per_tile 48"):
+        triton_paged.prefill_attention(qp, cache.kv, starts, context_lens.to(torch.int32),
+                                       cache.tables, SCALE, max_query_len=max(chunks),
+                                       rows_per_tile=48)
     with pytest.raises(ValueError, match="keys_per_tile 48"):
         triton_paged.decode_attention(q, cache.kv, cache.tables, context_lens, SCALE,
                                       keys_per_tile=48)

@@ -442,11 +442,13 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: 
                       max_query_len: int, out: torch.Tensor | None = None,
                       window: int = 0, softcap: float = 0.0,
                       sinks: torch.Tensor | None = None,
-                      keys_per_tile: int | None = None) -> torch.Tensor:
+                      keys_per_tile: int | None = None, rows_per_tile: int | None = None,
+                      num_warps: int = NUM_WARPS) -> torch.Tensor:
     """S prefill segments in one launch; their own K/V already in the cache (write_kv first).
     q `[T, heads, head_dim]`: segment s is q[qsl[s]:qsl[s+1]], its query i at position
     context_lens[s] - n_s + i, attending causally to keys 0..that position (the last `window`
-    of them, with a window)."""
+    of them, with a window). keys_per_tile, rows_per_tile (query rows per program, a power of
+    two >= 16) and num_warps: the benchmarks' variants of the tiling."""
     _check(kv_layer, q)
     tokens, heads, head_dim = q.shape
     _, _, kv_heads, block_size, _ = kv_layer.shape
@@ -458,7 +460,9 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: 
     _check_inner_strides(q=q, out=out, block_tables=block_tables, context_lens=context_lens,
                          query_start_loc=query_start_loc)
     group = heads // kv_heads
-    block_m = PREFILL_BLOCK_M if head_dim <= 128 else PREFILL_BLOCK_M_WIDE
+    block_m = rows_per_tile or (PREFILL_BLOCK_M if head_dim <= 128 else PREFILL_BLOCK_M_WIDE)
+    if block_m < MIN_GROUP_ROWS or block_m & (block_m - 1):
+        raise ValueError(f"rows_per_tile {block_m}: a power of two >= {MIN_GROUP_ROWS}")
     grid = (triton.cdiv(max_query_len * group, block_m), segments, kv_heads)
     sinks = _sinks(sinks, heads)
     _prefill_kernel[grid](
@@ -469,5 +473,5 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: 
         GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size,
         KEYS=_tile_keys(keys_per_tile, prefill_keys_per_tile(head_dim)), HEAD_DIM=head_dim,
         DOT_IN_F32=INTERPRETED, SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
-        num_warps=NUM_WARPS)
+        num_warps=num_warps)
     return out
