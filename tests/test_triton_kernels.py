@@ -327,10 +327,18 @@ def test_unsupported_reason_names_the_field():
 def test_the_memory_plan_counts_the_most_decode_splits():
     """memory_plan.py sizes the decode kernel's float32 partials for MAX_DECODE_SPLITS splits
     (it does not import Triton); the kernel never uses more."""
-    from pd_runtime.engine.memory_plan import MAX_DECODE_SPLITS
+    from pd_runtime.engine.memory_plan import DECODE_PROGRAMS_PER_SM, MAX_DECODE_SPLITS, MAX_SMS
 
     assert triton_paged.MAX_SPLITS <= MAX_DECODE_SPLITS
     assert triton_paged.default_num_splits(1, 1, 1 << 20, sm_count=1000) == triton_paged.MAX_SPLITS
+    # The plan's bound on sequences x splits when the kernel splits at all.
+    assert triton_paged.PROGRAMS_PER_SM == DECODE_PROGRAMS_PER_SM
+    for sms in (108, 132, 148, MAX_SMS):
+        for kv_heads in (1, 2, 4, 8, 16):
+            bound = 2 * DECODE_PROGRAMS_PER_SM * sms / kv_heads
+            for batch in range(1, 600):
+                splits = triton_paged.default_num_splits(batch, kv_heads, 1 << 14, sms)
+                assert splits == 1 or batch * splits < bound, (sms, kv_heads, batch, splits)
 
 
 @pytest.mark.parametrize("block_size,keys", [(16, 16), (32, 16), (32, 128)])

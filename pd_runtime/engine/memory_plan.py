@@ -41,6 +41,11 @@ SAMPLER_ROW_COPIES = 7
 ALLOCATOR_SLACK = 0.5
 # Split-K partials of the decode kernel: at most this many splits per (sequence, head).
 MAX_DECODE_SPLITS = 64
+# ... and asks for about this many programs (sequences x kv heads x splits) per SM, so
+# whenever it splits, sequences x splits < 2 x DECODE_PROGRAMS_PER_SM x SMs / kv heads
+# (tests/test_triton_kernels.py); MAX_SMS bounds the SMs of any device the plan may meet.
+DECODE_PROGRAMS_PER_SM = 8
+MAX_SMS = 192
 
 
 @dataclass
@@ -108,7 +113,9 @@ def step_activation_bytes(cfg: ModelConfig, elem: int, tokens: int, rows: int) -
     mlp = max(inter, cfg.experts_per_token * cfg.moe_intermediate_size)  # (the chosen experts')
     layer = tokens * (3 * h + 2 * (q + 2 * kv) + q + 3 * mlp) * elem
     sampler = rows * cfg.vocab_size * 4 * SAMPLER_ROW_COPIES
-    splits = rows * cfg.num_heads * MAX_DECODE_SPLITS * (cfg.head_dim + 2) * 4
+    split_rows = min(rows * MAX_DECODE_SPLITS,
+                     -(-2 * DECODE_PROGRAMS_PER_SM * MAX_SMS // cfg.num_kv_heads))
+    splits = split_rows * cfg.num_heads * (cfg.head_dim + 2) * 4
     return layer + sampler + splits
 
 
