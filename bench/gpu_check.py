@@ -21,8 +21,8 @@ git-ignored .whl/ with pydantic's wheels and ucxx-cu12 installed for CPython 3.1
 ~23 MB); then one device call carrying `.whl`, timeout ~540 s: `python3 -m pip install -q
 --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && tar
 -xJf .whl/ucxx-site-cp312.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site || exit;
-PYTHONUNBUFFERED=1 python3 bench/gpu_check.py`. Without the tarball the transfer stage reports
-ucxx missing.
+PYTHONUNBUFFERED=1 python3 bench/gpu_check.py`. Without ucxx (the `tar` step left out of that
+call) the transfer stage reports it missing and the others run.
 """
 
 from __future__ import annotations

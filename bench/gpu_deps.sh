@@ -9,8 +9,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.whl
+rm -rf "$out"  # (no stale versions beside the new ones: the device installs .whl/*.whl)
 mkdir -p "$out"
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
 pick=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64)
 python3 -m pip download -q "${pick[@]}" -d "$out" pydantic==2.14.4 pydantic_core==2.50.5 \

@@ -192,6 +192,8 @@ def prefill_sweep(tp, shape: Shape, device, cases: list[tuple[str, list[tuple[in
                 if shape.head_dim <= 128 else {}
             if tp.prefill_keys_per_tile(shape.head_dim) != shape.block_size:
                 tilings["one block per step"] = dict(keys_per_tile=shape.block_size)
+            if tp.prefill_keys_per_tile(shape.head_dim) != 64:  # (spills on sm_90)
+                tilings["64 keys per step"] = dict(keys_per_tile=64)
             for label, kwargs in tilings.items():
                 other_s = time_median(lambda kw=kwargs: call(**kw), device, rounds)
                 variants[label] = prefill_flops(shape, segments) / other_s / 1e12

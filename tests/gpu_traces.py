@@ -14,6 +14,9 @@ import torch
 # the first it passes over, a bf16 run may route otherwise (measured on CPU for the device
 # tests' tiny MoE models: bf16 moves router logits by 0.003 at the median, 0.02 at p99).
 ROUTER_TIE = 0.02
+# ... and the most an excused step may differ by (the device run's ties: 0.16-0.27 nats); a
+# fault at a tie moves it further.
+EXCUSED_MOST = 1.0
 
 
 @dataclass
@@ -36,9 +39,10 @@ def compare_traces(a: list[Trace], b: list[Trace], tol: float, min_shared: float
     run's top-n within `tol` of the chosen one, or the other way round. Over all sequences at
     least `min_shared` of the tokens come before any difference: a broken path parts early.
     `excuse(sequence, step)` true: a logprob beyond `tol` there goes to `excused` instead, and
-    the steps after it are still compared (a mixture of experts' router tie, router_margins);
+    the steps after it are still compared; a difference over EXCUSED_MOST never is excused (a mixture of experts' router tie, router_margins);
     `detail(sequence, step)` is appended to such a step's message."""
     problems, shared, total = [], 0, 0
+    excused = [] if excused is None else excused
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         n = min(len(x.tokens), len(y.tokens))
         total += max(len(x.tokens), len(y.tokens))
@@ -49,7 +53,8 @@ def compare_traces(a: list[Trace], b: list[Trace], tol: float, min_shared: float
                 found = (f"sequence {i} step {t}: token {x.tokens[t]} has logprob "
                          f"{x.logprobs[t]:.3f} in one run, {y.logprobs[t]:.3f} in the other"
                          + (detail(i, t) if detail else ""))
-                if excuse is not None and excuse(i, t):
+                if excuse is not None and excuse(i, t) \
+                        and abs(x.logprobs[t] - y.logprobs[t]) <= EXCUSED_MOST:
                     excused.append(found)
                     continue
                 problems.append(found)

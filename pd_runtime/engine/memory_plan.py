@@ -36,8 +36,8 @@ RUNTIME_BYTES = 1 * GIB
 SAMPLER_ROW_COPIES = 7
 # PyTorch's caching allocator reserves more than the live tensors at their peak: a step's large
 # transients of many sizes split and strand cached segments. The first H200 run (bench model,
-# 8192-token chunks, docs/BENCHMARKS.md) reserved 0.21 GiB above the plan's 0.60 GiB of
-# activations; half the activations are kept for it.
+# 8192-token chunks, docs/BENCHMARKS.md) reserved 0.21 GiB above a plan whose activations were
+# 0.60 GiB (0.56 since the decode partials' bound); half the activations are kept for it.
 ALLOCATOR_SLACK = 0.5
 # Split-K partials of the decode kernel: at most this many splits per (sequence, head).
 MAX_DECODE_SPLITS = 64
