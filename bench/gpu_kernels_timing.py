@@ -9,6 +9,7 @@ import time
 import torch
 
 from bench.gpu_kernels_cases import PagedCase, Shape, _elem, _tables
+from pd_runtime.kernels import triton_launch as launch
 
 
 def _sync(device: torch.device) -> None:
@@ -142,10 +143,10 @@ def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[in
             splits = tp.default_num_splits(batch, shape.kv_heads, tables[0].shape[1], sm)
         alternatives = {}
         if splits and compare_at and context >= compare_at[0] and batch >= compare_at[1]:
-            most = min(tables[0].shape[1], getattr(tp, "MAX_SPLITS", splits * 2))
+            most = min(tables[0].shape[1], launch.MAX_SPLITS)
             variants = {f"{n} splits": dict(num_splits=n) for n in sorted(
                 {max(1, splits // 2), min(splits * 2, most)} - {splits})}
-            if hasattr(tp, "PREFILL_KEYS_PER_TILE") and bs < 64:
+            if bs < 64:
                 variants["64 keys/step"] = dict(keys_per_tile=64)
             for label, kwargs in variants.items():
                 other_calls = [lambda t=t, kw=kwargs: tp.decode_attention(
@@ -187,16 +188,16 @@ def prefill_sweep(tp, shape: Shape, device, cases: list[tuple[str, list[tuple[in
         seconds = time_median(call, device, rounds)
         tflops = prefill_flops(shape, segments) / seconds / 1e12
         variants = {}  # the same with other tilings: label -> TFLOP/s
-        if hasattr(tp, "PREFILL_KEYS_PER_TILE"):
-            tilings = {"128 rows, 8 warps": dict(rows_per_tile=128, num_warps=8)} \
-                if shape.head_dim <= 128 else {}
-            if tp.prefill_keys_per_tile(shape.head_dim) != shape.block_size:
-                tilings["one block per step"] = dict(keys_per_tile=shape.block_size)
-            if tp.prefill_keys_per_tile(shape.head_dim) != 64:  # (spills on sm_90)
-                tilings["64 keys per step"] = dict(keys_per_tile=64)
-            for label, kwargs in tilings.items():
-                other_s = time_median(lambda kw=kwargs: call(**kw), device, rounds)
-                variants[label] = prefill_flops(shape, segments) / other_s / 1e12
+        default_keys = launch.prefill_keys_per_tile(shape.head_dim)
+        tilings = {"128 rows, 8 warps": dict(rows_per_tile=128, num_warps=8)} \
+            if shape.head_dim <= 128 else {}
+        if default_keys != shape.block_size:
+            tilings["one block per step"] = dict(keys_per_tile=shape.block_size)
+        if default_keys != 64:  # (spills on sm_90)
+            tilings["64 keys per step"] = dict(keys_per_tile=64)
+        for label, kwargs in tilings.items():
+            other_s = time_median(lambda kw=kwargs: call(**kw), device, rounds)
+            variants[label] = prefill_flops(shape, segments) / other_s / 1e12
         results.append({"case": name, "segments": segments, "ms": seconds * 1e3,
                         "tflops": tflops, "fraction_of_matmul": tflops / matmul,
                         "variants_tflops": variants})

@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pd_runtime.kernels import triton_launch as launch  # noqa: E402
 from pd_runtime.kernels import triton_paged as tp  # noqa: E402
 
 POINTER_TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "k_ptr": "*bf16",
@@ -41,7 +42,7 @@ def _signature(fn, constants: dict) -> dict:
     return sig
 
 
-def resources(fn, constants: dict, num_warps: int = tp.NUM_WARPS) -> dict:
+def resources(fn, constants: dict, num_warps: int = launch.NUM_WARPS) -> dict:
     """Registers per thread and local-memory bytes of one compiled variant (sm_90)."""
     source = ASTSource(fn, _signature(fn, constants),
                        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
@@ -68,14 +69,15 @@ def variants():
             feature = dict(SOFTCAP=softcap, HAS_SINKS=sinks, **common)
             name = f"d{head_dim} bs{block}" + (" softcap sinks" if sinks else "")
             yield f"decode {name}", tp._decode_split_kernel, dict(
-                GROUP=4, GROUP_ROWS=tp.MIN_GROUP_ROWS, NUM_SPLITS=8, BLOCK_SIZE=block,
+                GROUP=4, GROUP_ROWS=launch.MIN_GROUP_ROWS, NUM_SPLITS=8, BLOCK_SIZE=block,
                 KEYS=block, HEAD_DIM=head_dim, **feature)
             yield f"prefill {name}", tp._prefill_kernel, dict(
-                GROUP=4, BLOCK_M=tp.PREFILL_BLOCK_M if head_dim <= 128 else tp.PREFILL_BLOCK_M_WIDE,
-                BLOCK_SIZE=block, KEYS=tp.prefill_keys_per_tile(head_dim), HEAD_DIM=head_dim,
+                GROUP=4, BLOCK_SIZE=block, HEAD_DIM=head_dim,
+                BLOCK_M=launch.PREFILL_BLOCK_M if head_dim <= 128 else launch.PREFILL_BLOCK_M_WIDE,
+                KEYS=launch.prefill_keys_per_tile(head_dim),
                 **feature)
         yield f"reduce d{head_dim}", tp._decode_reduce_kernel, dict(
-            NUM_SPLITS=tp.MAX_SPLITS, SPLITS_POW2=tp.MAX_SPLITS, HEAD_DIM=head_dim,
+            NUM_SPLITS=launch.MAX_SPLITS, SPLITS_POW2=launch.MAX_SPLITS, HEAD_DIM=head_dim,
             HAS_SINKS=True)
         yield f"write_kv d{head_dim}", tp._write_kv_kernel, dict(BLOCK_SIZE=16, HEAD_DIM=head_dim)
 
@@ -84,7 +86,7 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("run without TRITON_INTERPRET: the interpreter compiles nothing")
     print(json.dumps({name: resources(fn, constants, 1 if name.startswith("write_kv")
-                                      else tp.NUM_WARPS)
+                                      else launch.NUM_WARPS)
                       for name, fn, constants in variants()}))
 
 

@@ -19,7 +19,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import triton
 
 from pd_runtime.kernels import attention as reference
-from pd_runtime.kernels import triton_paged
+from pd_runtime.kernels import triton_launch, triton_paged
 
 # triton.jit reads the variable when it decorates, triton.language's own helpers (tl.max,
 # tl.sum) included: had anything imported triton before this module, the kernels could not run.
@@ -115,7 +115,7 @@ def test_decode_matches_reference(dtype, block_size, head_dim, heads, kv_heads):
 def test_decode_default_splits_come_from_static_shapes():
     split = triton_paged.default_num_splits
     assert split(batch=256, num_kv_heads=8, max_blocks=256, sm_count=132) == 1
-    assert split(batch=1, num_kv_heads=8, max_blocks=256, sm_count=132) == triton_paged.MAX_SPLITS
+    assert split(batch=1, num_kv_heads=8, max_blocks=256, sm_count=132) == triton_launch.MAX_SPLITS
     assert split(batch=4, num_kv_heads=8, max_blocks=256, sm_count=132) == 33  # ~8 per SM
     assert split(batch=8, num_kv_heads=8, max_blocks=1024, sm_count=132) == 17
     assert split(batch=1, num_kv_heads=8, max_blocks=12, sm_count=132) == 3  # >= 4 blocks each
@@ -324,20 +324,19 @@ def test_unsupported_reason_names_the_field():
                                       torch.ones(1, dtype=torch.int32), SCALE)
 
 
-def test_the_memory_plan_counts_the_most_decode_splits():
-    """memory_plan.py sizes the decode kernel's float32 partials for MAX_DECODE_SPLITS splits
-    (it does not import Triton); the kernel never uses more."""
-    from pd_runtime.engine.memory_plan import DECODE_PROGRAMS_PER_SM, MAX_DECODE_SPLITS, MAX_SMS
+def test_the_memory_plan_bounds_the_decode_splits_the_kernel_chooses():
+    """memory_plan.py sizes the decode kernel's float32 partials from its launch shapes
+    (pd_runtime/kernels/triton_launch.py): at most MAX_SPLITS splits, and whenever the kernel
+    splits, fewer than 2 x PROGRAMS_PER_SM x SMs / kv heads (sequence, split) pairs."""
+    from pd_runtime.engine.memory_plan import MAX_SMS
 
-    assert triton_paged.MAX_SPLITS <= MAX_DECODE_SPLITS
-    assert triton_paged.default_num_splits(1, 1, 1 << 20, sm_count=1000) == triton_paged.MAX_SPLITS
-    # The plan's bound on sequences x splits when the kernel splits at all.
-    assert triton_paged.PROGRAMS_PER_SM == DECODE_PROGRAMS_PER_SM
+    split = triton_launch.default_num_splits
+    assert split(1, 1, 1 << 20, sm_count=1000) == triton_launch.MAX_SPLITS
     for sms in (108, 132, 148, MAX_SMS):
         for kv_heads in (1, 2, 4, 8, 16):
-            bound = 2 * DECODE_PROGRAMS_PER_SM * sms / kv_heads
+            bound = 2 * triton_launch.PROGRAMS_PER_SM * sms / kv_heads
             for batch in range(1, 600):
-                splits = triton_paged.default_num_splits(batch, kv_heads, 1 << 14, sms)
+                splits = split(batch, kv_heads, 1 << 14, sms)
                 assert splits == 1 or batch * splits < bound, (sms, kv_heads, batch, splits)
 
 

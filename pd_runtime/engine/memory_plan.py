@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from pd_runtime.config import EngineConfig
+from pd_runtime.kernels.triton_launch import MAX_SPLITS, PROGRAMS_PER_SM
 from pd_runtime.model.model_config import ModelConfig
 
 GIB = 1 << 30
@@ -39,12 +40,10 @@ SAMPLER_ROW_COPIES = 7
 # 8192-token chunks, docs/BENCHMARKS.md) reserved 0.21 GiB above a plan whose activations were
 # 0.60 GiB (0.56 since the decode partials' bound); half the activations are kept for it.
 ALLOCATOR_SLACK = 0.5
-# Split-K partials of the decode kernel: at most this many splits per (sequence, head).
-MAX_DECODE_SPLITS = 64
-# ... and asks for about this many programs (sequences x kv heads x splits) per SM, so
-# whenever it splits, sequences x splits < 2 x DECODE_PROGRAMS_PER_SM x SMs / kv heads
+# The decode kernel asks for about PROGRAMS_PER_SM programs (sequences x kv heads x splits)
+# per SM, at most MAX_SPLITS splits (pd_runtime/kernels/triton_launch.py), so whenever it
+# splits, sequences x splits < 2 x PROGRAMS_PER_SM x SMs / kv heads
 # (tests/test_triton_kernels.py); MAX_SMS bounds the SMs of any device the plan may meet.
-DECODE_PROGRAMS_PER_SM = 8
 MAX_SMS = 192
 
 
@@ -113,8 +112,7 @@ def step_activation_bytes(cfg: ModelConfig, elem: int, tokens: int, rows: int) -
     mlp = max(inter, cfg.experts_per_token * cfg.moe_intermediate_size)  # (the chosen experts')
     layer = tokens * (3 * h + 2 * (q + 2 * kv) + q + 3 * mlp) * elem
     sampler = rows * cfg.vocab_size * 4 * SAMPLER_ROW_COPIES
-    split_rows = min(rows * MAX_DECODE_SPLITS,
-                     -(-2 * DECODE_PROGRAMS_PER_SM * MAX_SMS // cfg.num_kv_heads))
+    split_rows = min(rows * MAX_SPLITS, -(-2 * PROGRAMS_PER_SM * MAX_SMS // cfg.num_kv_heads))
     splits = split_rows * cfg.num_heads * (cfg.head_dim + 2) * 4
     return layer + sampler + splits
 

@@ -1,0 +1,55 @@
+"""The launch shapes of the Triton paged-attention kernels (pd_runtime/kernels/triton_paged.py):
+tile sizes, warps and decode's split-K count, chosen from static shapes only. Kept apart from
+the kernels (no triton import) so the GPU memory plan (pd_runtime/engine/memory_plan.py) reads
+the same numbers.
+"""
+
+from __future__ import annotations
+
+MIN_BLOCK_SIZE = 16          # tl.dot needs every tile dimension >= 16
+# tl.dot's smallest M: a decode program pads its GQA group of query heads up to this.
+MIN_GROUP_ROWS = 16
+PREFILL_BLOCK_M = 64         # query rows (tokens x heads of a group) per prefill program
+PREFILL_BLOCK_M_WIDE = 32    # ... at head_dim 256 (the float32 accumulator's rows are 2x wider)
+# Keys per loop step of the prefill kernel, gathered through the block table row by row (any
+# number of cache blocks per step): one 16-key block per step left it at 23-31% of the H200's
+# matmul rate. The most that compile for sm_90 without spilling (Triton 3.7, tests/
+# test_triton_compile.py): 32 at head_dim 64/128 (64 spill 48-280 bytes), 16 at 256. Decode
+# reads one cache block per step: 64 keys there took 249 registers against 109 (fewer
+# programs resident, where the bandwidth follows their count).
+PREFILL_KEYS_PER_TILE = 32
+PREFILL_KEYS_PER_TILE_WIDE = 16  # head_dim 256
+# Split-K for decode: enough programs for about PROGRAMS_PER_SM per SM, each split reading at
+# least MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits. On the H200 at context
+# >= 16k (docs/BENCHMARKS.md, the first device run) the share of copy bandwidth followed the
+# program count: 320 programs 36-49%, 512 60-69%, 1024 82-87%; 8 per SM asks for ~1056.
+PROGRAMS_PER_SM = 8
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 64
+DEFAULT_SM_COUNT = 132       # an H100/H200; used where the device is not CUDA (interpreter)
+NUM_WARPS = 4
+
+
+def tile_keys(requested: int | None, default: int) -> int:
+    """Keys per loop step: `requested` (a power of two >= 16; the benchmarks compare), else
+    the kernel's default."""
+    if requested is None:
+        return default
+    if requested < MIN_BLOCK_SIZE or requested & (requested - 1):
+        raise ValueError(f"keys_per_tile {requested}: a power of two >= {MIN_BLOCK_SIZE}")
+    return requested
+
+
+def prefill_keys_per_tile(head_dim: int) -> int:
+    return PREFILL_KEYS_PER_TILE if head_dim <= 128 else PREFILL_KEYS_PER_TILE_WIDE
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int,
+                       sm_count: int = DEFAULT_SM_COUNT) -> int:
+    """Splits per (sequence, kv head) from static shapes only (a CUDA graph replays with other
+    lengths): about PROGRAMS_PER_SM programs per SM, each split at least
+    MIN_BLOCKS_PER_SPLIT blocks of the block table's width, at most MAX_SPLITS."""
+    programs = max(1, batch * num_kv_heads)
+    wanted = -(-PROGRAMS_PER_SM * sm_count // programs)
+    by_width = max(1, max_blocks // MIN_BLOCKS_PER_SPLIT)
+    return max(1, min(wanted, by_width, MAX_SPLITS))
