@@ -22,7 +22,7 @@ SIZES = {
         # expected on an H200: env 10, kernels 60, model 30, engines 40 each, hf 25,
         # transfer 30, tests 150 (Triton builds for ~60 kernel variants; 10 engine models,
         # 6 of them under CUDA graphs): ~400 of the 450
-        stage_s=dict(env=30, kernels=140, model=75, engine_graphs=80, hf=60, engine_eager=70,
+        stage_s=dict(env=30, kernels=170, model=75, engine_graphs=80, hf=60, engine_eager=70,
                      transfer=60, tests=200),
         kernels_args=[], transfer_args=[]),
     "cpu": dict(

@@ -96,8 +96,9 @@ def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[in
                  compare_at: tuple[int, int] | None = None) -> list:
     """GB/s of each (batch, context) with the kernel's defaults; at shapes with context and
     batch at least `compare_at`, also with half and twice its split count (within the
-    kernel's cap) and with 64 keys per loop step in place of one cache block (whether the
-    defaults sit near the best; `alternatives`: variant -> fraction of copy)."""
+    kernel's cap), 32 and 64 keys per loop step in place of one cache block, 2 and 8 warps and
+    a 4-stage pipeline (whether the defaults sit near the best; `alternatives`: variant ->
+    fraction of copy)."""
     combos = [(b, c) for b in batches for c in contexts if b * shape.kv_bytes(c) <= budget_bytes]
     skipped = [(b, c) for b in batches for c in contexts if (b, c) not in combos]
     if skipped:
@@ -146,8 +147,10 @@ def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[in
             most = min(tables[0].shape[1], launch.MAX_SPLITS)
             variants = {f"{n} splits": dict(num_splits=n) for n in sorted(
                 {max(1, splits // 2), min(splits * 2, most)} - {splits})}
-            if bs < 64:
-                variants["64 keys/step"] = dict(keys_per_tile=64)
+            variants.update({f"{n} keys/step": dict(keys_per_tile=n) for n in (32, 64) if n > bs})
+            variants.update({f"{n} warps": dict(num_warps=n) for n in (2, 8)
+                             if n != launch.NUM_WARPS})
+            variants["4 stages"] = dict(num_stages=4)
             for label, kwargs in variants.items():
                 other_calls = [lambda t=t, kw=kwargs: tp.decode_attention(
                     q, kv, t, lens, shape.scale, out=out, **kw) for t in tables]
@@ -189,12 +192,15 @@ def prefill_sweep(tp, shape: Shape, device, cases: list[tuple[str, list[tuple[in
         tflops = prefill_flops(shape, segments) / seconds / 1e12
         variants = {}  # the same with other tilings: label -> TFLOP/s
         default_keys = launch.prefill_keys_per_tile(shape.head_dim)
-        tilings = {"128 rows, 8 warps": dict(rows_per_tile=128, num_warps=8)} \
-            if shape.head_dim <= 128 else {}
+        tilings = {}
         if default_keys != shape.block_size:
             tilings["one block per step"] = dict(keys_per_tile=shape.block_size)
-        if default_keys != 64:  # (spills on sm_90)
-            tilings["64 keys per step"] = dict(keys_per_tile=64)
+        if default_keys > 32:
+            tilings["32 keys per step"] = dict(keys_per_tile=32)
+        if shape.head_dim <= 128:
+            tilings["128 rows, 8 warps"] = dict(rows_per_tile=128, num_warps=8)
+            tilings["128 rows, 8 warps, 32 keys"] = dict(rows_per_tile=128, num_warps=8,
+                                                         keys_per_tile=32)
         for label, kwargs in tilings.items():
             other_s = time_median(lambda kw=kwargs: call(**kw), device, rounds)
             variants[label] = prefill_flops(shape, segments) / other_s / 1e12

@@ -13,12 +13,13 @@ PREFILL_BLOCK_M = 64         # query rows (tokens x heads of a group) per prefil
 PREFILL_BLOCK_M_WIDE = 32    # ... at head_dim 256 (the float32 accumulator's rows are 2x wider)
 # Keys per loop step of the prefill kernel, gathered through the block table row by row (any
 # number of cache blocks per step): one 16-key block per step left it at 23-31% of the H200's
-# matmul rate. The most that compile for sm_90 without spilling (Triton 3.7, tests/
-# test_triton_compile.py): 32 at head_dim 64/128 (64 spill 48-280 bytes), 16 at 256. Decode
-# reads one cache block per step: 64 keys there took 249 registers against 109 (fewer
-# programs resident, where the bandwidth follows their count).
-PREFILL_KEYS_PER_TILE = 32
-PREFILL_KEYS_PER_TILE_WIDE = 16  # head_dim 256
+# matmul rate. The most that compile for sm_90 without spilling, as the engine launches them
+# (tests/sm90_compile.py, Triton 3.7): 64 at head_dim 64/128 (138/203 registers, 128 spill at
+# 128), 32 at 256 (64 spill). Decode reads one cache block per step (64 registers at head_dim
+# 128; 32 keys 96, 64 keys 144: fewer programs resident, where the bandwidth follows their
+# count). Every loop's loads are pipelined (Triton's default 3 stages).
+PREFILL_KEYS_PER_TILE = 64
+PREFILL_KEYS_PER_TILE_WIDE = 32  # head_dim 256
 # Split-K for decode: enough programs for about PROGRAMS_PER_SM per SM, each split reading at
 # least MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits. On the H200 at context
 # >= 16k (docs/BENCHMARKS.md, the first device run) the share of copy bandwidth followed the
