@@ -20,10 +20,12 @@ PREFILL_BLOCK_M_WIDE = 32    # ... at head_dim 256 (the float32 accumulator's ro
 # count). Every loop's loads are pipelined (Triton's default 3 stages).
 PREFILL_KEYS_PER_TILE = 64
 PREFILL_KEYS_PER_TILE_WIDE = 32  # head_dim 256
-# Split-K for decode: enough programs for about PROGRAMS_PER_SM per SM, each split reading at
-# least MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits. On the H200 at context
-# >= 16k (docs/BENCHMARKS.md, the first device run) the share of copy bandwidth followed the
-# program count: 320 programs 36-49%, 512 60-69%, 1024 82-87%; 8 per SM asks for ~1056.
+# Split-K for decode: at most PROGRAMS_PER_SM programs per SM (one wave: a decode program at
+# head_dim 128 holds 64 registers, so 8 programs of 4 warps are resident per SM; a few past a
+# full wave would cost a second wave as long as the first), each split reading at least
+# MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits. On the H200 at context >= 16k
+# (docs/BENCHMARKS.md, the first device run) the share of copy bandwidth followed the program
+# count: 320 programs 36-49%, 512 60-69%, 1024 82-87%.
 PROGRAMS_PER_SM = 8
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64
@@ -48,9 +50,9 @@ def prefill_keys_per_tile(head_dim: int) -> int:
 def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int,
                        sm_count: int = DEFAULT_SM_COUNT) -> int:
     """Splits per (sequence, kv head) from static shapes only (a CUDA graph replays with other
-    lengths): about PROGRAMS_PER_SM programs per SM, each split at least
-    MIN_BLOCKS_PER_SPLIT blocks of the block table's width, at most MAX_SPLITS."""
+    lengths): as many as keep the programs within PROGRAMS_PER_SM per SM, each split at
+    least MIN_BLOCKS_PER_SPLIT blocks of the block table's width, at most MAX_SPLITS."""
     programs = max(1, batch * num_kv_heads)
-    wanted = -(-PROGRAMS_PER_SM * sm_count // programs)
+    wanted = PROGRAMS_PER_SM * sm_count // programs
     by_width = max(1, max_blocks // MIN_BLOCKS_PER_SPLIT)
     return max(1, min(wanted, by_width, MAX_SPLITS))
