@@ -96,9 +96,8 @@ def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[in
                  compare_at: tuple[int, int] | None = None) -> list:
     """GB/s of each (batch, context) with the kernel's defaults; at shapes with context and
     batch at least `compare_at`, also with half and twice its split count (within the
-    kernel's cap), 32 and 64 keys per loop step in place of one cache block, 2 and 8 warps and
-    a 4-stage pipeline (whether the defaults sit near the best; `alternatives`: variant ->
-    fraction of copy)."""
+    kernel's cap), 32 and 64 keys per loop step in place of one cache block, and 2 and 8 warps
+    (whether the defaults sit near the best; `alternatives`: variant -> fraction of copy)."""
     combos = [(b, c) for b in batches for c in contexts if b * shape.kv_bytes(c) <= budget_bytes]
     skipped = [(b, c) for b in batches for c in contexts if (b, c) not in combos]
     if skipped:
@@ -150,7 +149,6 @@ def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[in
             variants.update({f"{n} keys/step": dict(keys_per_tile=n) for n in (32, 64) if n > bs})
             variants.update({f"{n} warps": dict(num_warps=n) for n in (2, 8)
                              if n != launch.NUM_WARPS})
-            variants["4 stages"] = dict(num_stages=4)
             for label, kwargs in variants.items():
                 other_calls = [lambda t=t, kw=kwargs: tp.decode_attention(
                     q, kv, t, lens, shape.scale, out=out, **kw) for t in tables]

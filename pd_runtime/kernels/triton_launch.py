@@ -17,7 +17,8 @@ PREFILL_BLOCK_M_WIDE = 32    # ... at head_dim 256 (the float32 accumulator's ro
 # (tests/sm90_compile.py, Triton 3.7): 64 at head_dim 64/128 (138/203 registers, 128 spill at
 # 128), 32 at 256 (64 spill). Decode reads one cache block per step (64 registers at head_dim
 # 128; 32 keys 96, 64 keys 144: fewer programs resident, where the bandwidth follows their
-# count). Every loop's loads are pipelined (Triton's default 3 stages).
+# count). Both loops' loads are pipelined: the next tile is copied while one is computed
+# (decode compiled with a deeper pipeline than Triton's default 3 stages is the same code).
 PREFILL_KEYS_PER_TILE = 64
 PREFILL_KEYS_PER_TILE_WIDE = 32  # head_dim 256
 # Split-K for decode: at most PROGRAMS_PER_SM programs per SM (one wave: a decode program at

@@ -288,13 +288,12 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
                      context_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
                      num_splits: int | None = None, window: int = 0,
                      softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                     keys_per_tile: int | None = None, num_warps: int = NUM_WARPS,
-                     num_stages: int | None = None) -> torch.Tensor:
+                     keys_per_tile: int | None = None,
+                     num_warps: int = NUM_WARPS) -> torch.Tensor:
     """One query token per sequence (its key already written): q `[B, heads, head_dim]` ->
     `[B, heads, head_dim]`; keys 0..context_lens[b]-1 visible (the last `window` of them, with
     a window; `sinks`: `[heads]` float32 sink logits); context_len 0 writes zeros.
-    num_splits, keys_per_tile, num_warps and num_stages (of the key loop's pipeline; Triton's
-    default without): the benchmarks' variants of the launch."""
+    num_splits, keys_per_tile and num_warps: the benchmarks' variants of the launch."""
     _check(kv_layer, q)
     batch, heads, head_dim = q.shape
     _, _, kv_heads, block_size, _ = kv_layer.shape
@@ -326,7 +325,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
         KEYS=tile_keys(keys_per_tile, block_size), HEAD_DIM=head_dim,
         DOT_IN_F32=INTERPRETED, SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+        num_warps=num_warps)
     if num_splits > 1:
         _decode_reduce_kernel[(batch, heads)](
             maxes, sums, parts, out if sinks is None else sinks, out, out.stride(0),
