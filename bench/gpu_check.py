@@ -1,8 +1,9 @@
 """The prepared GPU check (issue 13): the Triton kernels against the reference and their
 benchmark, the engine's offline throughput with and without CUDA graphs against HF `generate`,
-a P->D transfer on the device, and the GPU tests; one summary table at the end.
+P->D transfers on the device (torch_dist: CUDA IPC on one GPU; then UCX), and the GPU tests;
+one summary table at the end.
 
-    python bench/gpu_check.py [--out FILE] [--budget-s 450] [--only STAGE,...] [--cpu-twin]
+    python bench/gpu_check.py [--out FILE] [--budget-s 480] [--only STAGE,...] [--cpu-twin]
 
 Every stage runs in its own subprocess under its own time limit (and what is left of the global
 budget); one that fails, times out or finds a dependency missing is reported and the next one
@@ -22,7 +23,7 @@ git-ignored .whl/ with pydantic's wheels and ucxx-cu12 installed for CPython 3.1
 --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && tar
 -xJf .whl/ucxx-site-cp312.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site || exit;
 PYTHONUNBUFFERED=1 python3 bench/gpu_check.py`. Without ucxx (the `tar` step left out of that
-call) the transfer stage reports it missing and the others run.
+call) the transfer_ucx stage reports it missing and the others run.
 """
 
 from __future__ import annotations
@@ -57,14 +58,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="summary JSON (default $OUT/gpu_check.json when OUT is set); the log "
                          "goes beside it as gpu_check.log")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="global time budget (default 450 on the GPU, 240 for the twin)")
+                    help="global time budget (default 480 on the GPU, 240 for the twin)")
     ap.add_argument("--only", default=None, help="comma-separated stages: "
                     + ",".join(s.name for s in STAGES))
     ap.add_argument("--stage-s", action="append", default=[], metavar="STAGE=SECONDS",
                     help="override one stage's time limit")
     ap.add_argument("--model-dir", default=None,
                     help="where the bench model is written (default: a folder under /tmp)")
-    ap.add_argument("--transfer-backend", default="ucx", choices=["ucx", "torch_dist"])
     ap.add_argument("--stage", choices=sorted(BODIES), help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=sorted(SIZES), default="gpu", help=argparse.SUPPRESS)
     ap.add_argument("--graphs", choices=["on", "off"], default="on", help=argparse.SUPPRESS)
@@ -94,7 +94,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
     budget = args.budget_s or sizes["budget_s"]
-    ctx = Context(mode, sizes, args.model_dir, args.transfer_backend)
+    ctx = Context(mode, sizes, args.model_dir)
     started = time.time()
     print(f"# gpu_check ({'CPU twin' if ctx.twin else 'GPU'}), budget {budget:.0f} s, "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)

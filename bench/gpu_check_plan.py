@@ -13,17 +13,17 @@ STAGE_MISSING = 3  # a stage's exit code when what it runs is not there (yet)
 # Sizes per mode. gpu: a ~0.9B Llama (head_dim 128, bf16) at batch 64; cpu twin: toys.
 SIZES = {
     "gpu": dict(
-        device="cuda", budget_s=450.0,
+        device="cuda", budget_s=480.0,
         model=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                    num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
                    max_position_embeddings=4096),
         tokenizer_vocab=8000, num_prompts=64, prompt_len=512, output_len=256,
         max_num_batched_tokens=8192, kv_cache_gib=8.0,
-        # expected on an H200: env 10, kernels 60, model 30, engines 40 each, hf 25,
-        # transfer 30, tests 150 (Triton builds for ~60 kernel variants; 10 engine models,
-        # 6 of them under CUDA graphs): ~400 of the 450
+        # expected on an H200: env 10, kernels 80, model 30, engines 40 each, hf 25,
+        # transfers 30 each, tests 150 (Triton builds for ~60 kernel variants; 10 engine
+        # models, 6 of them under CUDA graphs): ~440 of the 480
         stage_s=dict(env=30, kernels=170, model=75, engine_graphs=80, hf=60, engine_eager=70,
-                     transfer=60, tests=200),
+                     transfer=50, transfer_ucx=50, tests=200),
         kernels_args=[], transfer_args=[]),
     "cpu": dict(
         device="cpu", budget_s=240.0,
@@ -33,7 +33,7 @@ SIZES = {
         tokenizer_vocab=512, num_prompts=4, prompt_len=24, output_len=6,
         max_num_batched_tokens=256, kv_cache_gib=0.0625,
         stage_s=dict(env=30, kernels=90, model=40, engine_graphs=60, hf=60, engine_eager=60,
-                     transfer=60, tests=90),
+                     transfer=60, transfer_ucx=60, tests=90),
         kernels_args=["--batches", "2", "--contexts", "40", "--prompts", "24", "--chunk", "8:24",
                       "--check-lens", "1,40", "--check-segments", "20:0,9:24",
                       "--long-context", "40", "--long-batch", "1"],
@@ -82,7 +82,6 @@ class Context:
     mode: str                      # gpu | cpu
     sizes: dict
     model_dir: str
-    transfer_backend: str
     runs: dict[str, StageRun] = field(default_factory=dict)
 
     @property

@@ -126,27 +126,31 @@ def _engine_rows(label: str):
     return rows
 
 
-def _transfer_command(ctx: Context) -> list[str] | str:
-    script = REPO / "bench" / "gpu_transfer.py"
-    if not script.exists():
-        return "bench/gpu_transfer.py is not there"
-    return [sys.executable, str(script), "--device", ctx.sizes["device"],
-            "--backend", ctx.transfer_backend, *ctx.sizes["transfer_args"]]
+def _transfer_command(backend: str):
+    def command(ctx: Context) -> list[str] | str:
+        script = REPO / "bench" / "gpu_transfer.py"
+        if not script.exists():
+            return "bench/gpu_transfer.py is not there"
+        return [sys.executable, str(script), "--device", ctx.sizes["device"],
+                "--backend", backend, *ctx.sizes["transfer_args"]]
+    return command
 
 
-def _transfer_rows(ctx: Context, run: StageRun) -> list[Row]:
-    name = f"P->D transfer ({ctx.transfer_backend})"
-    points = (run.data or {}).get("transfer")
-    if not points:
-        return _failed_rows(name, run)
-    big = max(points, key=lambda p: p["bytes"])
-    figure = (f"{big['gbs']:.1f} GB/s = {big['ratio']:.0%} of device copy "
-              f"({big['copy_gbs']:.0f} GB/s) at {big['tokens']} tokens")
-    if big.get("raw_gbs") is not None:
-        figure += f"; bare link {big['raw_gbs']:.1f} GB/s"
-    rows = [Row(name, figure, "reported", "info")]
-    if (run.data or {}).get("error"):
-        rows.append(Row(name, str(run.data["error"])[:90], "no error", "FAIL"))
+def _transfer_rows(backend: str):
+    def rows(ctx: Context, run: StageRun) -> list[Row]:
+        name = f"P->D transfer ({backend}{', ' + run.data['mode'] if (run.data or {}).get('mode') else ''})"
+        points = (run.data or {}).get("transfer")
+        if not points:
+            return _failed_rows(f"P->D transfer ({backend})", run)
+        big = max(points, key=lambda p: p["bytes"])
+        figure = (f"{big['gbs']:.1f} GB/s = {big['ratio']:.0%} of device copy "
+                  f"({big['copy_gbs']:.0f} GB/s) at {big['tokens']} tokens")
+        if big.get("raw_gbs") is not None:
+            figure += f"; bare link {big['raw_gbs']:.1f} GB/s"
+        out = [Row(name, figure, "reported", "info")]
+        if (run.data or {}).get("error"):
+            out.append(Row(name, str(run.data["error"])[:90], "no error", "FAIL"))
+        return out
     return rows
 
 
@@ -161,7 +165,9 @@ STAGES = [
     Stage("hf", lambda ctx: _self(ctx, "hf"), _engine_rows("HF generate"), needs=("model",)),
     Stage("engine_eager", lambda ctx: _self(ctx, "engine", "--graphs", "off"),
           _engine_rows("engine, CUDA graphs off"), needs=("model",)),
-    Stage("transfer", _transfer_command, _transfer_rows),
+    # the default backend (on one GPU: CUDA IPC), then UCX (cuda_ipc)
+    Stage("transfer", _transfer_command("torch_dist"), _transfer_rows("torch_dist")),
+    Stage("transfer_ucx", _transfer_command("ucx"), _transfer_rows("ucx")),
     Stage("tests", _tests_command, _tests_rows),
 ]
 

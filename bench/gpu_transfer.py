@@ -13,7 +13,7 @@ message of the same bytes) from its first send to the receiver's ack. The copy i
 dst.copy_(src) of those bytes on the device, synchronized. The first transfer of each size is
 checked byte for byte (xxh3 of the blocks on both ends). On cpu the caches are host memory
 (ucx picks shm on loopback, torch_dist gloo); on cuda ucx picks its cuda mode (cuda_ipc) and
-torch_dist NCCL, which refuses two ranks on one GPU: that run ends with an error.
+torch_dist, both ends on one GPU (where NCCL refuses two ranks), CUDA IPC (kv_transfer/ipc.py).
 The last line printed is JSON: {"transfer": [{"tokens", "bytes", "gbs", "copy_gbs", "ratio",
 "raw_gbs", "p99_ms"}, ...], ...}, with "error" set when a run failed.
 """
@@ -216,7 +216,9 @@ def run(device: str = "cuda", backend: str = "ucx", tokens_list=(2048, 8192, 327
     flat = big.view(-1).view(torch.uint8)
     try:
         sender = _Sender(conn, backend, device, caches)
-        result["mode"] = getattr(sender.raw, "mode", None) or ("nccl" if device.type == "cuda" else "gloo")
+        result["mode"] = getattr(sender.raw, "mode", None) or (
+            "ipc" if getattr(sender.link, "_exports", None) is not None
+            else "nccl" if device.type == "cuda" else "gloo")
         for tokens in tokens_list:
             size, ids = tokens * shape.bytes_per_token(), list(range(tokens // shape.block))
             chunk = payload[:size]

@@ -110,23 +110,6 @@ def _is_cuda(device: str) -> bool:
     return device == "cuda" or device.startswith("cuda:")
 
 
-def same_gpu_reason(backend: str, prefill_num_gpus: float, decode_num_gpus: float,
-                    device) -> Optional[str]:
-    """Why KV transfer cannot work between a prefill and a decode worker that may share one
-    GPU, or None. Ray packs fractional GPU requests onto one device, so a pair can share a GPU
-    only when both pools ask for a fraction (num_gpus < 1); NCCL, which torch_dist uses for
-    CUDA tensors, refuses two ranks on one device. UCX moves such KV with CUDA IPC."""
-    if backend != "torch_dist" or not _is_cuda(str(device)):
-        return None
-    if prefill_num_gpus >= 1 or decode_num_gpus >= 1:
-        return None
-    return (f"kv_transfer.backend 'torch_dist' moves CUDA KV with NCCL, which refuses two ranks "
-            f"on one GPU, and prefill.resources.num_gpus {prefill_num_gpus:g} with "
-            f"decode.resources.num_gpus {decode_num_gpus:g} lets a prefill and a decode worker "
-            "share one; set kv_transfer.backend to 'ucx' (CUDA IPC), or give one of the pools "
-            "whole GPUs (num_gpus >= 1)")
-
-
 # ---------------------------------------------------------------------------------- kv transfer
 class KVTransferConfig(_Strict):
     """Settings of the KV transfer agent of one worker."""
@@ -335,10 +318,6 @@ class ClusterConfig(_Strict):
                 raise FieldValueError(("prefill", "engine", name), f"{ours!r} differs from "
                                       f"decode.engine.{name} {theirs!r}; KV moves between them")
         if self.prefill.num_workers:
-            reason = same_gpu_reason(self.kv_transfer.backend, self.prefill.resources.num_gpus,
-                                     self.decode.resources.num_gpus, self.prefill.engine.device)
-            if reason:
-                raise FieldValueError(("kv_transfer", "backend"), reason)
             if self.kv_transfer.backend == "ucx" and self.kv_transfer.ucx_mode != "auto" \
                     and _is_cuda(self.prefill.engine.device):
                 raise FieldValueError(("kv_transfer", "ucx_mode"), f"{self.kv_transfer.ucx_mode!r} "

@@ -261,18 +261,6 @@ BROKEN = {
           routing:
             mode: always_disaggregated
         """, "router.routing.mode", 4, "prefill.num_workers"),
-    "NCCL between workers that may share a GPU": ("""\
-        prefill:
-          num_workers: 1
-          resources: {num_gpus: 0.5}
-          engine: {device: cuda}
-        decode:
-          num_workers: 1
-          resources: {num_gpus: 0.5}
-          engine: {device: cuda}
-        kv_transfer:
-          backend: torch_dist
-        """, "kv_transfer.backend", 10, "set kv_transfer.backend to 'ucx'"),
     "a host UCX mode for a GPU cache": ("""\
         prefill:
           num_workers: 1

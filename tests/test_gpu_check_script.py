@@ -58,7 +58,7 @@ def _fake_stage(name: str, code: str, needs: tuple[str, ...] = ()) -> gpu_check.
 
 def _context(tmp_path, limits: dict) -> gpu_check.Context:
     sizes = dict(gpu_check.SIZES["cpu"], stage_s=limits)
-    return gpu_check.Context("cpu", sizes, str(tmp_path), "ucx")
+    return gpu_check.Context("cpu", sizes, str(tmp_path))
 
 
 def test_a_hung_failed_or_missing_stage_does_not_stop_the_others(tmp_path):

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from pd_runtime.kv_transfer.base import FailureReason, LinkError, Role, SendOutcome, TransferState
-from pd_runtime.kv_transfer.registry import make_transport
-from tests.kv_transfer_support.common import BlockAllocator, collect, config, fill_random, wait_for
+from tests.kv_transfer_support.common import (BlockAllocator, collect, fill_random,
+                                              transport_and_caches, wait_for)
 from tests.kv_transfer_support.peer_proc import PeerProcess, RawSenderProcess
 from tests.kv_transfer_support.side import Side
 
-BACKENDS = [("torch_dist", {}), ("ucx", {"ucx_mode": "tcp"}), ("ucx", {"ucx_mode": "shm"})]
-IDS = ["gloo", "ucx-tcp", "ucx-shm"]
+BACKENDS = [("torch_dist", {}), ("ucx", {"ucx_mode": "tcp"}), ("ucx", {"ucx_mode": "shm"}),
+            ("torch_dist", {"ipc_twin": True})]  # (one GPU's IPC path, on shared host memory)
+IDS = ["gloo", "ucx-tcp", "ucx-shm", "ipc-twin"]
 pytestmark = [pytest.mark.timeout(90), pytest.mark.parametrize("backend,overrides", BACKENDS, ids=IDS)]
 
 
@@ -202,7 +203,7 @@ def test_receive_given_up_is_never_written_later(backend, overrides):
     # reach the buffer, which the engine has freed by then (SIGSTOP: a real stall, no mock).
     num_bytes = 64 << 20
     proc = RawSenderProcess(backend, num_bytes, **overrides)
-    transport = make_transport(config(backend, **overrides), torch.device("cpu"))
+    transport = transport_and_caches(backend, overrides)[1]
     try:
         link = transport.connect(proc.address, 15)
         dst = torch.zeros(num_bytes, dtype=torch.uint8)

@@ -9,17 +9,18 @@ import torch
 
 from pd_runtime.kv_transfer.base import AgentMetadata, LinkState, MetadataMismatchError, SendOutcome, TransferState
 from pd_runtime.kv_transfer.registry import create_agent
-from tests.kv_transfer_support.common import (BlockAllocator, collect, config, fill_random,
-                                              make_caches, poison_untouched, wait_for)
+from tests.kv_transfer_support.common import (BlockAllocator, collect, fill_random,
+                                              poison_untouched, transport_and_caches, wait_for)
 from tests.kv_transfer_support.peer_proc import PeerProcess
 
-BACKENDS = [("torch_dist", {}), ("ucx", {"ucx_mode": "tcp"}), ("ucx", {"ucx_mode": "shm"})]
-IDS = ["gloo", "ucx-tcp", "ucx-shm"]
+BACKENDS = [("torch_dist", {}), ("ucx", {"ucx_mode": "tcp"}), ("ucx", {"ucx_mode": "shm"}),
+            ("torch_dist", {"ipc_twin": True})]  # (one GPU's IPC path, on shared host memory)
+IDS = ["gloo", "ucx-tcp", "ucx-shm", "ipc-twin"]
 
 
 def _local_agent(backend, overrides, engine_id, num_layers=3):
-    big, caches = make_caches(num_layers=num_layers)
-    agent = create_agent(config(backend, **overrides), caches, engine_id=engine_id, model_id="m",
+    cfg, transport, big, caches = transport_and_caches(backend, overrides, num_layers)
+    agent = create_agent(cfg, caches, engine_id=engine_id, model_id="m", transport=transport,
                          heartbeat_interval_s=0.2, peer_timeout_s=2.0)
     return agent, big, caches
 

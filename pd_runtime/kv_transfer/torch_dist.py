@@ -1,5 +1,7 @@
 """torch.distributed backend: one pairwise process group per link, built from the acceptor's
-TCPStore (gloo for CPU caches; NCCL carries the KV bytes when the cache is on CUDA).
+TCPStore (gloo for CPU caches; NCCL carries the KV bytes when the cache is on CUDA, except
+between two processes on one GPU, which NCCL refuses: there the KV moves through CUDA IPC
+and gloo carries its descriptors, pd_runtime/kv_transfer/ipc.py).
 
 No global process group: workers die and come back, so each link is its own two-rank group
 under a fresh store prefix, and a dead link is simply replaced by a new one.
@@ -11,9 +13,11 @@ import datetime
 import time
 from typing import Optional
 
+import numpy
 import torch
 import torch.distributed as dist
 
+from pd_runtime.kv_transfer import ipc
 from pd_runtime.kv_transfer.base import Link, LinkError, LinkTimeoutError, Transport, as_byte_tensor
 
 _COUNTER_KEY = "kvt/links"
@@ -28,16 +32,20 @@ def _gloo_group(store, name: str, rank: int, host: str, timeout_s: float):
 
 
 class TorchDistLink(Link):
-    def __init__(self, store, name: str, rank: int, host: str, timeout_s: float, device: torch.device):
+    def __init__(self, store, name: str, rank: int, host: str, timeout_s: float, device: torch.device,
+                 use_ipc: bool = False, host_shared=()):
         try:
             self._control = _gloo_group(store, name, rank, host, timeout_s)
             # NCCL moves device tensors; control frames always stay on gloo (host memory).
             self._data = (dist.ProcessGroupNCCL(dist.PrefixStore(name + "/nccl", store), rank, 2)
-                          if device.type == "cuda" else self._control)
+                          if device.type == "cuda" and not use_ipc else self._control)
         except RuntimeError as exc:
             raise LinkError(f"could not build link group {name}: {exc}") from exc
         self._peer = 1 - rank
         self._closed = False
+        # Through IPC every message goes on gloo as ipc.py's records (host_shared: the CPU twin).
+        self._exports = ipc.Exports(host_shared) if use_ipc else None
+        self._mappings = ipc.Mappings() if use_ipc else None
 
     def _group_for(self, buf: torch.Tensor):
         """Device memory goes over the data group (NCCL for CUDA), host memory over gloo."""
@@ -55,6 +63,8 @@ class TorchDistLink(Link):
             raise LinkError(f"{what} failed: {exc}") from exc
 
     def send_bytes(self, buf, timeout_s: float) -> None:
+        if self._exports is not None:
+            return self.send_many([buf], timeout_s)
         if self._closed:
             raise LinkError("link closed")
         buf = as_byte_tensor(buf)
@@ -65,6 +75,8 @@ class TorchDistLink(Link):
         self._wait(work, timeout_s, "send")
 
     def recv_bytes(self, buf, timeout_s: float) -> None:
+        if self._mappings is not None:
+            return self.recv_many([buf], timeout_s)
         if self._closed:
             raise LinkError("link closed")
         buf = as_byte_tensor(buf)
@@ -75,10 +87,49 @@ class TorchDistLink(Link):
         self._wait(work, timeout_s, "recv")
 
     def send_many(self, bufs: list, timeout_s: float) -> None:
+        if self._exports is not None:
+            if self._closed:
+                raise LinkError("link closed")
+            ipc.wait_for_device(bufs)
+            bufs = [m for b in bufs for m in self._exports.messages(as_byte_tensor(b))]
         self._post_all(bufs, timeout_s, "send")
 
     def recv_many(self, bufs: list, timeout_s: float) -> None:
-        self._post_all(bufs, timeout_s, "recv")
+        if self._mappings is None:
+            return self._post_all(bufs, timeout_s, "recv")
+        deadline = time.monotonic() + timeout_s
+        copied = None
+        for buf in bufs:
+            target = as_byte_tensor(buf)
+            while True:  # map records (with their payloads) come before a storage's first copy
+                head = ipc.empty_record()
+                self._post_all([head], deadline - time.monotonic(), "recv")
+                kind, number, offset, length = ipc.read_record(head)
+                if kind == ipc.MAP:
+                    payload = numpy.empty(length, dtype=numpy.uint8)
+                    self._post_all([payload], deadline - time.monotonic(), "recv")
+                    try:
+                        self._mappings.add(number, payload.tobytes())
+                    except LinkError:
+                        self.close()
+                        raise
+                    continue
+                break
+            if length != target.numel():
+                self.close()
+                raise LinkError(f"a message of {length} bytes for a {target.numel()}-byte buffer")
+            if kind == ipc.INLINE:
+                self._post_all([target], deadline - time.monotonic(), "recv")
+            else:
+                try:
+                    source = self._mappings.source(number, offset, length)
+                except LinkError:
+                    self.close()
+                    raise
+                target.copy_(source, non_blocking=target.device.type == "cuda")
+                copied = target.device if target.device.type == "cuda" else copied
+        if copied is not None:
+            torch.cuda.current_stream(copied).synchronize()  # the bytes are ours once this returns
 
     def _post_all(self, bufs: list, timeout_s: float, what: str) -> None:
         if self._closed:
@@ -103,42 +154,67 @@ class TorchDistLink(Link):
                 group.abort()
             except RuntimeError:
                 pass
+        if self._mappings is not None:
+            self._mappings.clear()
+
+
+def _gpu_uuid(device: torch.device) -> Optional[str]:
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device.index if device.index is not None
+                                                else torch.cuda.current_device()).uuid)
 
 
 class TorchDistTransport(Transport):
     """Listens with a TCPStore; a peer connects by bumping a counter in that store, and both
-    sides then build the group for link number n under the prefix kvt/link/<n>."""
+    sides then build the group for link number n under the prefix kvt/link/<n>. The connecting
+    side decides whether the link moves device memory by IPC (its GPU is the acceptor's, by
+    UUID) and leaves the decision in the store for the acceptor. `use_ipc` and `host_shared`
+    (host tensors in shared memory, moved by IPC records) force it: the CPU twin's tests."""
 
     name = "torch_dist"
 
-    def __init__(self, host: str, port: int, device: torch.device):
+    def __init__(self, host: str, port: int, device: torch.device,
+                 use_ipc: Optional[bool] = None, host_shared=()):
         self.host = host
         self.device = torch.device(device)
+        self._gpu = _gpu_uuid(self.device)
+        self._use_ipc, self._host_shared = use_ipc, ipc.share_host(host_shared)
         self._store = dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=30),
                                     wait_for_workers=False)
         self._accepted = 0
         self._clients: list = []
 
     def address(self) -> dict:
-        return {"host": self.host, "port": self._store.port}
+        return {"host": self.host, "port": self._store.port, "gpu": self._gpu}
 
     def connect(self, peer_address: dict, timeout_s: float) -> Link:
+        use_ipc = self._use_ipc
+        if use_ipc is None:
+            use_ipc = self._gpu is not None and peer_address.get("gpu") == self._gpu
         try:
             store = dist.TCPStore(peer_address["host"], int(peer_address["port"]), None, False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
             number = store.add(_COUNTER_KEY, 1)
+            store.set(f"kvt/link/{number}/ipc", "1" if use_ipc else "0")
         except (RuntimeError, KeyError, ValueError) as exc:
             raise LinkError(f"cannot reach peer store {peer_address}: {exc}") from exc
         self._clients.append(store)  # the group keeps using the store; keep the client alive
-        return TorchDistLink(store, f"kvt/link/{number}", 1, self.host, timeout_s, self.device)
+        return TorchDistLink(store, f"kvt/link/{number}", 1, self.host, timeout_s, self.device,
+                             use_ipc, self._host_shared)
 
     def accept(self, timeout_s: float) -> Optional[Link]:
         deadline = time.monotonic() + timeout_s
         while True:
             if self._store.add(_COUNTER_KEY, 0) > self._accepted:
                 self._accepted += 1
-                return TorchDistLink(self._store, f"kvt/link/{self._accepted}", 0, self.host,
-                                     30.0, self.device)
+                name = f"kvt/link/{self._accepted}"
+                try:
+                    use_ipc = self._store.get(name + "/ipc") == b"1"
+                except RuntimeError as exc:  # the connecting side died before deciding
+                    raise LinkError(f"link {name}: {exc}") from exc
+                return TorchDistLink(self._store, name, 0, self.host, 30.0, self.device,
+                                     use_ipc, self._host_shared)
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.02)

@@ -67,6 +67,26 @@ def config(backend, **overrides):
     return KVTransferConfig(**base)
 
 
+def transport_and_caches(backend, overrides, num_layers=NUM_LAYERS):
+    """(config, transport, big, per-layer caches) of one side. overrides["ipc_twin"]: torch_dist
+    whose links move the cache's ranges as IPC records (pd_runtime/kv_transfer/ipc.py), the cache
+    in shared memory: the CPU twin of two workers on one GPU."""
+    from pd_runtime.kv_transfer.registry import make_transport
+    from pd_runtime.kv_transfer.torch_dist import TorchDistTransport
+
+    overrides = dict(overrides)
+    twin = overrides.pop("ipc_twin", False)
+    cfg = config(backend, **overrides)
+    big, _ = make_caches(num_layers=num_layers)
+    if twin:
+        big.share_memory_()
+        transport = TorchDistTransport(cfg.host, cfg.port, torch.device("cpu"), use_ipc=True,
+                                       host_shared=[big])
+    else:
+        transport = make_transport(cfg, torch.device("cpu"))
+    return cfg, transport, big, [big[i] for i in range(num_layers)]
+
+
 def wait_for(predicate, timeout_s=10.0, interval_s=0.01):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -11,15 +11,15 @@ import time
 
 import torch
 
-from tests.kv_transfer_support.common import config, fill_random, make_caches
+from tests.kv_transfer_support.common import fill_random, transport_and_caches
 
 
 def _serve(conn, backend, overrides, engine_id, num_layers):
     from pd_runtime.kv_transfer.base import LinkState
     from pd_runtime.kv_transfer.registry import create_agent
 
-    big, caches = make_caches(num_layers=num_layers)
-    agent = create_agent(config(backend, **overrides), caches, engine_id=engine_id, model_id="m",
+    cfg, transport, big, caches = transport_and_caches(backend, overrides, num_layers)
+    agent = create_agent(cfg, caches, engine_id=engine_id, model_id="m", transport=transport,
                          heartbeat_interval_s=0.2, peer_timeout_s=2.0)
     conn.send(agent.metadata())
     while True:
@@ -132,9 +132,8 @@ class PeerProcess:
 
 def _raw_send(conn, backend, overrides, num_bytes):
     from pd_runtime.kv_transfer.base import LinkError
-    from pd_runtime.kv_transfer.registry import make_transport
 
-    transport = make_transport(config(backend, **overrides), torch.device("cpu"))
+    transport = transport_and_caches(backend, overrides)[1]
     conn.send(transport.address())
     link = None
     while link is None:

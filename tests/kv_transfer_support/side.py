@@ -6,22 +6,19 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from pd_runtime.kv_transfer.base import LinkState, SendOutcome
-from pd_runtime.kv_transfer.registry import create_agent, make_transport
-from tests.kv_transfer_support.common import (BlockAllocator, collect, config, fill_random,
-                                              make_caches, wait_for)
+from pd_runtime.kv_transfer.registry import create_agent
+from tests.kv_transfer_support.common import (BlockAllocator, collect, fill_random,
+                                              transport_and_caches, wait_for)
 
 
 class Side:
     def __init__(self, backend, overrides, engine_id, peer_timeout_s=2.0):
-        self.big, self.caches = make_caches()
-        cfg = config(backend, **overrides)
+        cfg, transport, self.big, self.caches = transport_and_caches(backend, overrides)
         # create_agent wraps the transport itself where overrides ask for fault_injection
         self.agent = create_agent(cfg, self.caches, engine_id=engine_id, model_id="m",
-                                  transport=make_transport(cfg, torch.device("cpu")),
-                                  heartbeat_interval_s=0.2, peer_timeout_s=peer_timeout_s)
+                                  transport=transport, heartbeat_interval_s=0.2,
+                                  peer_timeout_s=peer_timeout_s)
         self.transport = self.agent.transport
         self.alloc = BlockAllocator(48, seed=5)
         self.leased = {}

@@ -1,0 +1,157 @@
+"""KV between two processes on one GPU for the torch_dist backend: NCCL refuses two ranks on
+one device, so device memory is shared instead (CUDA IPC) and only small descriptors travel,
+over the link's gloo group with its host frames, in one ordered stream.
+
+Every message is preceded by (or is) a record of four int64s, so the receiver reads each the
+way it was sent whatever its own buffer is (a block of its cache, or the scratch a discarded
+chunk is read into):
+- `inline` (host frames): the message's bytes follow as the next message;
+- `map`: a storage exported to this link (torch's CUDA IPC handle), its description follows;
+  once per storage (the KV cache is one), before its first range;
+- `copy` (device messages): storage number, byte offset, length; no bytes follow, the
+  receiver copies the range from the mapped storage.
+Before posting, the sender waits for its device's queued work (the bytes must be written
+before the peer reads them). The receiver waits for its copies before returning; its
+transfer-done frame, sent after that, is what ends the sender's lease on those blocks
+(base.py), so no message needs an acknowledgement.
+
+The CPU twin (tests): host tensors in shared memory registered with the link, exported as
+shared-memory files and moved by the same records and copies.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import msgpack
+import numpy
+import torch
+
+from pd_runtime.kv_transfer.base import LinkError
+
+INLINE, MAP, COPY = 0, 1, 2
+RECORD_INT64S = 4  # kind, storage number, byte offset, length in bytes
+
+
+def record(kind: int, number: int, offset: int, length: int) -> numpy.ndarray:
+    return numpy.array([kind, number, offset, length], dtype=numpy.int64).view(numpy.uint8)
+
+
+def empty_record() -> numpy.ndarray:
+    return numpy.empty(RECORD_INT64S * 8, dtype=numpy.uint8)
+
+
+def read_record(buf: numpy.ndarray) -> tuple[int, int, int, int]:
+    kind, number, offset, length = (int(x) for x in buf.view(numpy.int64))
+    return kind, number, offset, length
+
+
+def _export(storage: torch.UntypedStorage) -> bytes:
+    if storage.device.type == "cuda":
+        device, handle, size, offset, counter, counter_offset, event, sync = storage._share_cuda_()
+        fields = ["cuda", device, handle, size, offset, counter, counter_offset, event, sync]
+    elif storage.is_shared():
+        manager, name, size = storage._share_filename_cpu_()
+        fields = ["cpu", manager, name, size]
+    else:
+        raise LinkError("an IPC link moves device memory, or host memory in shared memory "
+                        "(the CPU twin); this buffer is in neither")
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def _open(exported: bytes) -> torch.Tensor:
+    """The exported storage as a flat uint8 tensor in this process."""
+    fields = msgpack.unpackb(exported, raw=False)
+    if fields[0] == "cuda":
+        storage = torch.UntypedStorage._new_shared_cuda(*fields[1:])
+        device = torch.device("cuda", fields[1])
+    else:
+        storage = torch.UntypedStorage._new_shared_filename_cpu(*fields[1:])
+        device = torch.device("cpu")
+    flat = torch.empty(0, dtype=torch.uint8, device=device)
+    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def share_host(tensors) -> tuple:
+    """(The CPU twin) export host tensors' storages as shared-memory files now, before anything
+    takes a raw view of their memory: the first such export may move a storage into a new file
+    (torch views follow, a numpy view taken before would not)."""
+    for tensor in tensors:
+        if not tensor.is_shared():
+            raise LinkError("an IPC link's host memory must be in shared memory "
+                            "(tensor.share_memory_())")
+        tensor.untyped_storage()._share_filename_cpu_()
+    return tuple(tensors)
+
+
+class Exports:
+    """The sender's half: which storages this link has exported, and the messages that carry
+    one buffer."""
+
+    def __init__(self, host_shared=()) -> None:
+        self._numbers: dict[int, int] = {}  # storage data_ptr -> number on this link
+        self._kept: list = []  # the exported storages, alive as long as the link
+        # (the CPU twin) host storages whose ranges go by copy: (start, end, storage)
+        self._host = [(t.untyped_storage().data_ptr(),
+                       t.untyped_storage().data_ptr() + t.untyped_storage().nbytes(),
+                       t.untyped_storage()) for t in host_shared]
+
+    def _storage(self, buf: torch.Tensor) -> Optional[torch.UntypedStorage]:
+        if buf.device.type != "cpu":
+            return buf.untyped_storage()
+        for start, end, storage in self._host:
+            if start <= buf.data_ptr() < end:
+                return storage
+        return None
+
+    def messages(self, buf: torch.Tensor) -> list:
+        """What carries buf (a flat byte tensor): its `inline` record and itself; or a `map`
+        record and its payload the first time its storage is sent, then its `copy` record."""
+        length = buf.numel()
+        storage = self._storage(buf)
+        if storage is None:
+            return [record(INLINE, 0, 0, length), buf]
+        out = []
+        number = self._numbers.get(storage.data_ptr())
+        if number is None:
+            try:
+                payload = numpy.frombuffer(bytearray(_export(storage)), dtype=numpy.uint8)
+            except RuntimeError as exc:  # (e.g. CUDA memory torch cannot share)
+                raise LinkError(f"cannot share this memory with the peer: {exc}") from exc
+            number = len(self._kept)
+            out += [record(MAP, number, 0, payload.size), payload]
+            self._numbers[storage.data_ptr()] = number
+            self._kept.append(storage)
+        out.append(record(COPY, number, buf.data_ptr() - storage.data_ptr(), length))
+        return out
+
+
+class Mappings:
+    """The receiver's half: the peer's storages mapped here, by number."""
+
+    def __init__(self) -> None:
+        self._mapped: dict[int, torch.Tensor] = {}
+
+    def add(self, number: int, exported: bytes) -> None:
+        try:
+            self._mapped[number] = _open(exported)
+        except RuntimeError as exc:
+            raise LinkError(f"cannot map the peer's memory: {exc}") from exc
+
+    def source(self, number: int, offset: int, length: int) -> torch.Tensor:
+        flat = self._mapped.get(number)
+        if flat is None or offset < 0 or offset + length > flat.numel():
+            raise LinkError(f"IPC record out of range: storage {number}, bytes {offset}+{length}")
+        return flat[offset:offset + length]
+
+    def clear(self) -> None:
+        self._mapped.clear()
+
+
+def wait_for_device(bufs: list) -> Optional[torch.device]:
+    """Wait for the device work queued before these messages (the writes of their bytes)."""
+    for buf in bufs:
+        if isinstance(buf, torch.Tensor) and buf.device.type == "cuda":
+            torch.cuda.synchronize(buf.device)
+            return buf.device
+    return None

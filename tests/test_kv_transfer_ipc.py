@@ -1,0 +1,145 @@
+"""torch_dist's IPC links (pd_runtime/kv_transfer/ipc.py), the path of two workers on one GPU,
+checked on their CPU twin: host caches in shared memory moved by the same records and copies.
+Two transports of one process on 127.0.0.1 (real gloo groups, real shared-memory mappings); the
+two-process transfer and fault suites run the twin too (ipc-twin in
+tests/test_kv_transfer_two_process.py and tests/test_kv_transfer_faults.py)."""
+
+import threading
+
+import numpy
+import pytest
+import torch
+
+from pd_runtime.kv_transfer import ipc
+from pd_runtime.kv_transfer.base import LinkError, frame_buffers
+from pd_runtime.kv_transfer.torch_dist import TorchDistTransport
+
+pytestmark = pytest.mark.timeout(60)
+CPU = torch.device("cpu")
+
+
+def _shared(values):
+    tensor = torch.tensor(values, dtype=torch.float32)
+    tensor.share_memory_()
+    return tensor
+
+
+def _pair(a_kwargs, b_kwargs):
+    """(connecting transport, accepting transport, its link, the other's link)."""
+    a = TorchDistTransport("127.0.0.1", 0, CPU, **a_kwargs)
+    b = TorchDistTransport("127.0.0.1", 0, CPU, **b_kwargs)
+    accepted = {}
+    thread = threading.Thread(target=lambda: accepted.setdefault("link", b.accept(15)))
+    thread.start()
+    link_a = a.connect(b.address(), 15)
+    thread.join()
+    return a, b, link_a, accepted["link"]
+
+
+def _post(link, messages):
+    """Send raw messages (records) from another thread: a gloo send waits for its receive (the
+    receiver may close the link first: then the send fails, as it should)."""
+    def send():
+        try:
+            link._post_all(messages, 10, "send")
+        except LinkError:
+            pass
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def _close(*things):
+    for thing in things:
+        thing.close()
+
+
+def test_ranges_of_a_registered_storage_are_copied_and_frames_travel_inline():
+    src = _shared([float(i) for i in range(4096)])
+    dst = _shared([0.0] * 4096)
+    a, b, link_a, link_b = _pair(dict(use_ipc=True, host_shared=[src]),
+                                 dict(use_ipc=True, host_shared=[dst]))
+    try:
+        assert link_a._exports is not None and link_b._mappings is not None
+        unregistered = torch.arange(64, dtype=torch.float32)  # not shared: goes inline
+        sent = frame_buffers(b"header") + [src[100:200].view(torch.uint8),
+                                           src.numpy()[3000:3010].view(numpy.uint8),
+                                           unregistered.view(torch.uint8)]
+        sender = threading.Thread(target=link_a.send_many, args=(sent, 10))
+        sender.start()
+        assert link_b.recv_frame(10) == b"header"
+        other = torch.zeros(64, dtype=torch.float32)
+        link_b.recv_many([dst[0:100].view(torch.uint8), dst.numpy()[500:510].view(numpy.uint8),
+                          other.view(torch.uint8)], 10)
+        sender.join()
+        assert torch.equal(dst[0:100], src[100:200])
+        assert torch.equal(dst[500:510], src[3000:3010])
+        assert torch.equal(other, unregistered)
+        # the storage was exported once, for both ranges; the receiver mapped it once
+        assert len(link_a._exports._kept) == 1 and list(link_b._mappings._mapped) == [0]
+    finally:
+        _close(link_a, link_b, a, b)
+
+
+def test_a_record_out_of_range_or_of_another_length_fails_the_link():
+    src = _shared([1.0] * 256)
+    a, b, link_a, link_b = _pair(dict(use_ipc=True, host_shared=[src]), dict(use_ipc=True))
+    try:
+        # a range past the end of the mapped storage fails the link
+        payload = numpy.frombuffer(bytearray(ipc._export(src.untyped_storage())), dtype=numpy.uint8)
+        _post(link_a, [ipc.record(ipc.MAP, 0, 0, payload.size), payload,
+                       ipc.record(ipc.COPY, 0, 1000, 64)])
+        with pytest.raises(LinkError, match="out of range"):
+            link_b.recv_bytes(torch.zeros(64, dtype=torch.uint8), 10)
+        with pytest.raises(LinkError, match="closed"):
+            link_b.recv_bytes(torch.zeros(64, dtype=torch.uint8), 10)
+    finally:
+        _close(link_a, link_b, a, b)
+    # a message of another length than the buffer posted for it, too
+    a, b, link_a, link_b = _pair(dict(use_ipc=True, host_shared=[src]), dict(use_ipc=True))
+    try:
+        _post(link_a, [ipc.record(ipc.INLINE, 0, 0, 32), numpy.zeros(32, dtype=numpy.uint8)])
+        with pytest.raises(LinkError, match="32 bytes for a 64-byte buffer"):
+            link_b.recv_bytes(torch.zeros(64, dtype=torch.uint8), 10)
+        with pytest.raises(LinkError, match="closed"):
+            link_b.recv_bytes(torch.zeros(64, dtype=torch.uint8), 10)
+    finally:
+        _close(link_a, link_b, a, b)
+
+
+@pytest.mark.parametrize("same_gpu", [True, False])
+def test_the_connecting_side_picks_ipc_by_gpu_and_the_acceptor_follows(same_gpu):
+    """Auto: IPC only where both transports report the same GPU (by UUID); the accepting side
+    reads the decision from the store. Host caches report none, so they keep gloo."""
+    a, b, link_a, link_b = _pair({}, {})
+    assert a.address()["gpu"] is None
+    assert link_a._exports is None and link_b._mappings is None
+    _close(link_a, link_b, a, b)
+    a = TorchDistTransport("127.0.0.1", 0, CPU)
+    b = TorchDistTransport("127.0.0.1", 0, CPU)
+    a._gpu, b._gpu = "GPU-aaaa", "GPU-aaaa" if same_gpu else "GPU-bbbb"  # as CUDA devices report
+    accepted = {}
+    thread = threading.Thread(target=lambda: accepted.setdefault("link", b.accept(15)))
+    thread.start()
+    link_a = a.connect(b.address(), 15)
+    thread.join()
+    link_b = accepted["link"]
+    try:
+        assert (link_a._exports is not None) is same_gpu
+        assert (link_b._mappings is not None) is same_gpu
+        # either way the link carries bytes (with IPC, host bytes go inline)
+        sender = threading.Thread(target=link_a.send_bytes,
+                                  args=(torch.arange(16, dtype=torch.uint8), 10))
+        sender.start()
+        got = torch.zeros(16, dtype=torch.uint8)
+        link_b.recv_bytes(got, 10)
+        sender.join()
+        assert torch.equal(got, torch.arange(16, dtype=torch.uint8))
+    finally:
+        _close(link_a, link_b, a, b)
+
+
+def test_host_memory_for_ipc_must_be_shared():
+    with pytest.raises(LinkError, match="share_memory_"):
+        TorchDistTransport("127.0.0.1", 0, CPU, use_ipc=True, host_shared=[torch.zeros(8)])
