@@ -101,8 +101,9 @@ def _engine_tensors(head_dim: int, block: int, heads: int = 32, kv_heads: int = 
 
 def variants(**overrides):
     """The launches the engine makes: head_dim 64/128/256, block 16 and 32, GQA 4, with and
-    without Gemma 2's softcap and gpt-oss's sinks; `overrides` go to decode_attention and
-    prefill_attention (the benchmarks' tilings). Yields (name, jit function, args, kwargs)."""
+    without Gemma 2's softcap and gpt-oss's sinks, decode also over a table 64 wide;
+    `overrides` go to decode_attention and prefill_attention (the benchmarks' tilings).
+    Yields (name, jit function, args, kwargs)."""
     for head_dim in tp.SUPPORTED_HEAD_DIMS:
         for block, softcap, sinks in ((16, 0.0, False), (32, 0.0, False), (16, 50.0, True)):
             kv, q, k, v, tables = _engine_tensors(head_dim, block)
@@ -121,8 +122,12 @@ def variants(**overrides):
                 q, kv, starts, lens, tables, 0.1,
                 max_query_len=8, out=out, **extra, **overrides))
             yield f"prefill {name}", *launches[0]
-        kv, q, k, v, tables = _engine_tensors(head_dim, 16)
+        kv, q, k, v, tables = _engine_tensors(head_dim, 16, width=64)
         lens = torch.full((tables.shape[0],), 300, dtype=torch.int32)
+        # a CUDA graph's table (max_model_len wide, here divisible by 16: another specialization)
+        launches = recorded(lambda: tp.decode_attention(q[:3], kv, tables, lens, 0.1,
+                                                        num_splits=8))
+        yield f"decode d{head_dim} bs16 table 64", *launches[0]
         launches = recorded(lambda: tp.decode_attention(
             q[:3], kv, tables, lens, 0.1, num_splits=launch.MAX_SPLITS,
             sinks=torch.zeros(q.shape[1])))

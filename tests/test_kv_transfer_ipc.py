@@ -82,6 +82,28 @@ def test_ranges_of_a_registered_storage_are_copied_and_frames_travel_inline():
         _close(link_a, link_b, a, b)
 
 
+def test_a_send_lasts_until_the_receiver_has_copied_its_ranges():
+    """Until the peer has copied a range it may still read it: the send (and with it the
+    transfer's lease on those blocks) is not over before the peer acknowledges the copy."""
+    src = _shared([float(i) for i in range(1024)])
+    dst = _shared([0.0] * 1024)
+    a, b, link_a, link_b = _pair(dict(use_ipc=True, host_shared=[src]),
+                                 dict(use_ipc=True, host_shared=[dst]))
+    try:
+        sender = threading.Thread(target=link_a.send_many,
+                                  args=([src[0:512].view(torch.uint8)], 10), daemon=True)
+        sender.start()
+        sender.join(0.5)
+        assert sender.is_alive()  # the records went out; the copy is not made yet
+        link_b.recv_bytes(dst[0:512].view(torch.uint8), 10)
+        sender.join(10)
+        assert not sender.is_alive()
+        assert torch.equal(dst[0:512], src[0:512])
+        assert link_a._copies_acked == link_a._exports.copies == 1
+    finally:
+        _close(link_a, link_b, a, b)
+
+
 def test_a_record_out_of_range_or_of_another_length_fails_the_link():
     src = _shared([1.0] * 256)
     a, b, link_a, link_b = _pair(dict(use_ipc=True, host_shared=[src]), dict(use_ipc=True))

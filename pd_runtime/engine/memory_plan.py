@@ -40,10 +40,10 @@ SAMPLER_ROW_COPIES = 7
 # 8192-token chunks, docs/BENCHMARKS.md) reserved 0.21 GiB above a plan whose activations were
 # 0.60 GiB (0.56 since the decode partials' bound); half the activations are kept for it.
 ALLOCATOR_SLACK = 0.5
-# The decode kernel asks for about PROGRAMS_PER_SM programs (sequences x kv heads x splits)
-# per SM, at most MAX_SPLITS splits (pd_runtime/kernels/triton_launch.py), so whenever it
-# splits, sequences x splits < 2 x PROGRAMS_PER_SM x SMs / kv heads
-# (tests/test_triton_kernels.py); MAX_SMS bounds the SMs of any device the plan may meet.
+# The decode kernel launches at most PROGRAMS_PER_SM programs (sequences x kv heads x splits)
+# per SM whenever it splits, at most MAX_SPLITS splits (pd_runtime/kernels/triton_launch.py):
+# the plan keeps twice that, sequences x splits < 2 x PROGRAMS_PER_SM x SMs / kv heads
+# (tests/test_triton_kernels.py), as margin; MAX_SMS bounds the SMs of any device it may meet.
 MAX_SMS = 192
 
 

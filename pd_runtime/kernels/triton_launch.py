@@ -14,19 +14,21 @@ PREFILL_BLOCK_M_WIDE = 32    # ... at head_dim 256 (the float32 accumulator's ro
 # Keys per loop step of the prefill kernel, gathered through the block table row by row (any
 # number of cache blocks per step): one 16-key block per step left it at 23-31% of the H200's
 # matmul rate. The most that compile for sm_90 without spilling, as the engine launches them
-# (tests/sm90_compile.py, Triton 3.7): 64 at head_dim 64/128 (138/203 registers, 128 spill at
-# 128), 32 at 256 (64 spill). Decode reads one cache block per step (64 registers at head_dim
-# 128; 32 keys 96, 64 keys 144: fewer programs resident, where the bandwidth follows their
-# count). Both loops' loads are pipelined: the next tile is copied while one is computed
-# (decode compiled with a deeper pipeline than Triton's default 3 stages is the same code).
+# (tests/sm90_compile.py, Triton 3.7): 64 at head_dim 64/128 (138/203 registers; 128 keys
+# spill at head_dim 128), 32 at 256 (64 keys spill). Decode reads one cache block per step
+# (64 registers at head_dim 128; 32 keys 96, 64 keys 144: fewer programs resident, where the
+# bandwidth follows their count). Both loops' loads are pipelined: the next tile is copied
+# while one is computed (decode compiled with a deeper pipeline than Triton's default 3 stages
+# is the same code).
 PREFILL_KEYS_PER_TILE = 64
 PREFILL_KEYS_PER_TILE_WIDE = 32  # head_dim 256
-# Split-K for decode: at most PROGRAMS_PER_SM programs per SM (one wave: a decode program at
-# head_dim 128 holds 64 registers, so 8 programs of 4 warps are resident per SM; a few past a
-# full wave would cost a second wave as long as the first), each split reading at least
-# MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits. On the H200 at context >= 16k
-# (docs/BENCHMARKS.md, the first device run) the share of copy bandwidth followed the program
-# count: 320 programs 36-49%, 512 60-69%, 1024 82-87%.
+# Split-K for decode: at most PROGRAMS_PER_SM programs per SM (one wave at head_dim <= 128 with
+# 16-token blocks: a program holds 56-64 registers there, so 8 of 4 warps are resident per SM
+# and a few past a full wave would cost a second wave as long as the first; at head_dim 256 or
+# 32-token blocks, 71-113 registers, 4-7 fit and 8 per SM is about two waves), each split
+# reading at least MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits. On the H200 at
+# context >= 16k (docs/BENCHMARKS.md, the first device run) the share of copy bandwidth
+# followed the program count: 320 programs 36-49%, 512 60-69%, 1024 82-87%.
 PROGRAMS_PER_SM = 8
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64

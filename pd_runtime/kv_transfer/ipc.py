@@ -11,9 +11,13 @@ chunk is read into):
 - `copy` (device messages): storage number, byte offset, length; no bytes follow, the
   receiver copies the range from the mapped storage.
 Before posting, the sender waits for its device's queued work (the bytes must be written
-before the peer reads them). The receiver waits for its copies before returning; its
-transfer-done frame, sent after that, is what ends the sender's lease on those blocks
-(base.py), so no message needs an acknowledgement.
+before the peer reads them). The receiver waits for its copies, also when it gives up (no byte
+lands after a receive raised), and then acknowledges them on a second tag; the sender's send is
+over only when every range it sent has been acknowledged: until then the peer may still read
+them, so the transfer keeps its lease on the source blocks (a cancel or failure waits for the
+send, wire.py). Left open: a send that times out waiting (a receiver stalled past the transfer's
+deadline, records in hand) ends the lease while that receiver could still copy; its own
+acknowledgement then fails on the closed link, but a copy that lands first is not undone.
 
 The CPU twin (tests): host tensors in shared memory registered with the link, exported as
 shared-memory files and moved by the same records and copies.
@@ -59,12 +63,15 @@ def _export(storage: torch.UntypedStorage) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
 
-def _open(exported: bytes) -> torch.Tensor:
-    """The exported storage as a flat uint8 tensor in this process."""
+def _open(exported: bytes, device: torch.device) -> torch.Tensor:
+    """The exported storage as a flat uint8 tensor in this process. A CUDA storage is opened on
+    `device`, this side's cache device: the same GPU (the link was chosen by its UUID), whose
+    index may differ from the sender's where the two see other devices."""
     fields = msgpack.unpackb(exported, raw=False)
     if fields[0] == "cuda":
-        storage = torch.UntypedStorage._new_shared_cuda(*fields[1:])
-        device = torch.device("cuda", fields[1])
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        storage = torch.UntypedStorage._new_shared_cuda(index, *fields[2:])
+        device = torch.device("cuda", index)
     else:
         storage = torch.UntypedStorage._new_shared_filename_cpu(*fields[1:])
         device = torch.device("cpu")
@@ -91,6 +98,7 @@ class Exports:
     def __init__(self, host_shared=()) -> None:
         self._numbers: dict[int, int] = {}  # storage data_ptr -> number on this link
         self._kept: list = []  # the exported storages, alive as long as the link
+        self.copies = 0  # copy records made so far
         # (the CPU twin) host storages whose ranges go by copy: (start, end, storage)
         self._host = [(t.untyped_storage().data_ptr(),
                        t.untyped_storage().data_ptr() + t.untyped_storage().nbytes(),
@@ -123,6 +131,7 @@ class Exports:
             self._numbers[storage.data_ptr()] = number
             self._kept.append(storage)
         out.append(record(COPY, number, buf.data_ptr() - storage.data_ptr(), length))
+        self.copies += 1
         return out
 
 
@@ -132,9 +141,9 @@ class Mappings:
     def __init__(self) -> None:
         self._mapped: dict[int, torch.Tensor] = {}
 
-    def add(self, number: int, exported: bytes) -> None:
+    def add(self, number: int, exported: bytes, device: torch.device) -> None:
         try:
-            self._mapped[number] = _open(exported)
+            self._mapped[number] = _open(exported, torch.device(device))
         except RuntimeError as exc:
             raise LinkError(f"cannot map the peer's memory: {exc}") from exc
 

@@ -22,6 +22,7 @@ from pd_runtime.kv_transfer.base import Link, LinkError, LinkTimeoutError, Trans
 
 _COUNTER_KEY = "kvt/links"
 _TAG = 0  # one ordered stream per direction; direction is given by the two ranks
+_ACK_TAG = 1  # IPC links: the receiver's count of ranges copied, back to the sender
 
 
 def _gloo_group(store, name: str, rank: int, host: str, timeout_s: float):
@@ -46,6 +47,8 @@ class TorchDistLink(Link):
         # Through IPC every message goes on gloo as ipc.py's records (host_shared: the CPU twin).
         self._exports = ipc.Exports(host_shared) if use_ipc else None
         self._mappings = ipc.Mappings() if use_ipc else None
+        self._device = device
+        self._copies_acked = 0  # (IPC) ranges the peer says it has copied
 
     def _group_for(self, buf: torch.Tensor):
         """Device memory goes over the data group (NCCL for CUDA), host memory over gloo."""
@@ -88,60 +91,81 @@ class TorchDistLink(Link):
 
     def send_many(self, bufs: list, timeout_s: float) -> None:
         if self._exports is not None:
-            if self._closed:
-                raise LinkError("link closed")
-            ipc.wait_for_device(bufs)
-            bufs = [m for b in bufs for m in self._exports.messages(as_byte_tensor(b))]
+            return self._ipc_send(bufs, timeout_s)
         self._post_all(bufs, timeout_s, "send")
 
     def recv_many(self, bufs: list, timeout_s: float) -> None:
-        if self._mappings is None:
-            return self._post_all(bufs, timeout_s, "recv")
-        deadline = time.monotonic() + timeout_s
-        copied = None
-        for buf in bufs:
-            target = as_byte_tensor(buf)
-            while True:  # map records (with their payloads) come before a storage's first copy
-                head = ipc.empty_record()
-                self._post_all([head], deadline - time.monotonic(), "recv")
-                kind, number, offset, length = ipc.read_record(head)
-                if kind == ipc.MAP:
-                    payload = numpy.empty(length, dtype=numpy.uint8)
-                    self._post_all([payload], deadline - time.monotonic(), "recv")
-                    try:
-                        self._mappings.add(number, payload.tobytes())
-                    except LinkError:
-                        self.close()
-                        raise
-                    continue
-                break
-            if length != target.numel():
-                self.close()
-                raise LinkError(f"a message of {length} bytes for a {target.numel()}-byte buffer")
-            if kind == ipc.INLINE:
-                self._post_all([target], deadline - time.monotonic(), "recv")
-            else:
-                try:
-                    source = self._mappings.source(number, offset, length)
-                except LinkError:
-                    self.close()
-                    raise
-                target.copy_(source, non_blocking=target.device.type == "cuda")
-                copied = target.device if target.device.type == "cuda" else copied
-        if copied is not None:
-            torch.cuda.current_stream(copied).synchronize()  # the bytes are ours once this returns
+        if self._mappings is not None:
+            return self._ipc_recv(bufs, timeout_s)
+        self._post_all(bufs, timeout_s, "recv")
 
-    def _post_all(self, bufs: list, timeout_s: float, what: str) -> None:
+    def _post_all(self, bufs: list, timeout_s: float, what: str, tag: int = _TAG) -> None:
         if self._closed:
             raise LinkError("link closed")
         deadline = time.monotonic() + timeout_s
         bufs = [as_byte_tensor(b) for b in bufs]
         try:
-            works = [getattr(self._group_for(b), what)([b], self._peer, _TAG) for b in bufs]
+            works = [getattr(self._group_for(b), what)([b], self._peer, tag) for b in bufs]
         except RuntimeError as exc:
             raise LinkError(f"{what} failed: {exc}") from exc
         for work in works:
             self._wait(work, deadline - time.monotonic(), what)
+
+    # ----- IPC (pd_runtime/kv_transfer/ipc.py): records on gloo, copies acknowledged on _ACK_TAG
+    def _ipc_send(self, bufs: list, timeout_s: float) -> None:
+        """Post the messages' records, then wait until the peer has copied every range sent so
+        far: until then it may still read them, so the send is not over (nor the lease)."""
+        if self._closed:
+            raise LinkError("link closed")
+        deadline = time.monotonic() + timeout_s
+        ipc.wait_for_device(bufs)
+        records = [m for b in bufs for m in self._exports.messages(as_byte_tensor(b))]
+        self._post_all(records, timeout_s, "send")
+        while self._copies_acked < self._exports.copies:
+            ack = numpy.zeros(1, dtype=numpy.int64)
+            self._post_all([ack.view(numpy.uint8)], deadline - time.monotonic(), "recv", _ACK_TAG)
+            self._copies_acked += int(ack[0])
+
+    def _ipc_recv(self, bufs: list, timeout_s: float) -> None:
+        """Read each message as its record says; copies are waited for (also when this raises:
+        no byte lands after it) and acknowledged once they are done."""
+        deadline = time.monotonic() + timeout_s
+        device, copies = None, 0
+        try:
+            for buf in bufs:
+                target = as_byte_tensor(buf)
+                kind, number, offset, length = self._next_record(deadline)
+                if length != target.numel():
+                    self.close()
+                    raise LinkError(f"a message of {length} bytes for a {target.numel()}-byte buffer")
+                if kind == ipc.INLINE:
+                    self._post_all([target], deadline - time.monotonic(), "recv")
+                    continue
+                source = self._mappings.source(number, offset, length)
+                target.copy_(source, non_blocking=target.device.type == "cuda")
+                device = target.device if target.device.type == "cuda" else device
+                copies += 1
+        except LinkError:
+            self.close()
+            raise
+        finally:
+            if device is not None:
+                torch.cuda.current_stream(device).synchronize()
+        if copies:
+            done = numpy.array([copies], dtype=numpy.int64)
+            self._post_all([done.view(numpy.uint8)], deadline - time.monotonic(), "send", _ACK_TAG)
+
+    def _next_record(self, deadline: float) -> tuple[int, int, int, int]:
+        """The next inline or copy record, mapping the storages announced before it."""
+        while True:
+            head = ipc.empty_record()
+            self._post_all([head], deadline - time.monotonic(), "recv")
+            kind, number, offset, length = ipc.read_record(head)
+            if kind != ipc.MAP:
+                return kind, number, offset, length
+            payload = numpy.empty(length, dtype=numpy.uint8)
+            self._post_all([payload], deadline - time.monotonic(), "recv")
+            self._mappings.add(number, payload.tobytes(), self._device)
 
     def close(self) -> None:
         if self._closed:
@@ -210,6 +234,7 @@ class TorchDistTransport(Transport):
                 self._accepted += 1
                 name = f"kvt/link/{self._accepted}"
                 try:
+                    self._store.wait([name + "/ipc"], datetime.timedelta(seconds=5))
                     use_ipc = self._store.get(name + "/ipc") == b"1"
                 except RuntimeError as exc:  # the connecting side died before deciding
                     raise LinkError(f"link {name}: {exc}") from exc

@@ -133,12 +133,19 @@ class PeerProcess:
 def _raw_send(conn, backend, overrides, num_bytes):
     from pd_runtime.kv_transfer.base import LinkError
 
-    transport = transport_and_caches(backend, overrides)[1]
+    payload = torch.full((num_bytes,), 7, dtype=torch.uint8)
+    if overrides.get("ipc_twin"):  # the payload goes as a copy range, as a cache's would
+        from pd_runtime.kv_transfer.torch_dist import TorchDistTransport
+
+        payload.share_memory_()
+        transport = TorchDistTransport("127.0.0.1", 0, torch.device("cpu"), use_ipc=True,
+                                       host_shared=[payload])
+    else:
+        transport = transport_and_caches(backend, overrides)[1]
     conn.send(transport.address())
     link = None
     while link is None:
         link = transport.accept(1.0)
-    payload = torch.full((num_bytes,), 7, dtype=torch.uint8)
     conn.recv()  # go
     try:
         link.send_bytes(payload, 30)
