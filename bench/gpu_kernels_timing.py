@@ -96,8 +96,9 @@ def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[in
                  compare_at: tuple[int, int] | None = None) -> list:
     """GB/s of each (batch, context) with the kernel's defaults; at shapes with context and
     batch at least `compare_at`, also with half and twice its split count (within the
-    kernel's cap), 32 and 64 keys per loop step in place of one cache block, and 2 and 8 warps
-    (whether the defaults sit near the best; `alternatives`: variant -> fraction of copy)."""
+    kernel's cap), 32 and 64 keys per loop step in place of one cache block, and 1, 2 and 8
+    warps (whether the defaults sit near the best; `alternatives`: variant -> fraction of
+    copy)."""
     combos = [(b, c) for b in batches for c in contexts if b * shape.kv_bytes(c) <= budget_bytes]
     skipped = [(b, c) for b in batches for c in contexts if (b, c) not in combos]
     if skipped:
@@ -147,7 +148,8 @@ def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[in
             variants = {f"{n} splits": dict(num_splits=n) for n in sorted(
                 {max(1, splits // 2), min(splits * 2, most)} - {splits})}
             variants.update({f"{n} keys/step": dict(keys_per_tile=n) for n in (32, 64) if n > bs})
-            variants.update({f"{n} warps": dict(num_warps=n) for n in (2, 8)
+            # (1 warp: no cross-warp reductions in the softmax; 168 registers at head_dim 128)
+            variants.update({f"{n} warp{'s' * (n > 1)}": dict(num_warps=n) for n in (1, 2, 8)
                              if n != launch.NUM_WARPS})
             for label, kwargs in variants.items():
                 other_calls = [lambda t=t, kw=kwargs: tp.decode_attention(
