@@ -104,30 +104,28 @@ def test_a_send_lasts_until_the_receiver_has_copied_its_ranges():
         _close(link_a, link_b, a, b)
 
 
+def _bad_records(src):
+    """(records a sender posts, the error the receiver raises): a range past the end of the
+    mapped storage; a message of another length than the buffer posted for it."""
+    payload = numpy.frombuffer(bytearray(ipc._export(src.untyped_storage())), dtype=numpy.uint8)
+    yield ([ipc.record(ipc.MAP, 0, 0, payload.size), payload, ipc.record(ipc.COPY, 0, 1000, 64)],
+           "out of range")
+    yield ([ipc.record(ipc.INLINE, 0, 0, 32), numpy.zeros(32, dtype=numpy.uint8)],
+           "32 bytes for a 64-byte buffer")
+
+
 def test_a_record_out_of_range_or_of_another_length_fails_the_link():
     src = _shared([1.0] * 256)
-    a, b, link_a, link_b = _pair(dict(use_ipc=True, host_shared=[src]), dict(use_ipc=True))
-    try:
-        # a range past the end of the mapped storage fails the link
-        payload = numpy.frombuffer(bytearray(ipc._export(src.untyped_storage())), dtype=numpy.uint8)
-        _post(link_a, [ipc.record(ipc.MAP, 0, 0, payload.size), payload,
-                       ipc.record(ipc.COPY, 0, 1000, 64)])
-        with pytest.raises(LinkError, match="out of range"):
-            link_b.recv_bytes(torch.zeros(64, dtype=torch.uint8), 10)
-        with pytest.raises(LinkError, match="closed"):
-            link_b.recv_bytes(torch.zeros(64, dtype=torch.uint8), 10)
-    finally:
-        _close(link_a, link_b, a, b)
-    # a message of another length than the buffer posted for it, too
-    a, b, link_a, link_b = _pair(dict(use_ipc=True, host_shared=[src]), dict(use_ipc=True))
-    try:
-        _post(link_a, [ipc.record(ipc.INLINE, 0, 0, 32), numpy.zeros(32, dtype=numpy.uint8)])
-        with pytest.raises(LinkError, match="32 bytes for a 64-byte buffer"):
-            link_b.recv_bytes(torch.zeros(64, dtype=torch.uint8), 10)
-        with pytest.raises(LinkError, match="closed"):
-            link_b.recv_bytes(torch.zeros(64, dtype=torch.uint8), 10)
-    finally:
-        _close(link_a, link_b, a, b)
+    for records, error in _bad_records(src):
+        a, b, link_a, link_b = _pair(dict(use_ipc=True, host_shared=[src]), dict(use_ipc=True))
+        try:
+            _post(link_a, records)
+            with pytest.raises(LinkError, match=error):
+                link_b.recv_bytes(torch.zeros(64, dtype=torch.uint8), 10)
+            with pytest.raises(LinkError, match="closed"):  # and the link is gone
+                link_b.recv_bytes(torch.zeros(64, dtype=torch.uint8), 10)
+        finally:
+            _close(link_a, link_b, a, b)
 
 
 @pytest.mark.parametrize("same_gpu", [True, False])
