@@ -32,8 +32,10 @@ def _env_rows(ctx: Context, run: StageRun) -> list[Row]:
 
 def _tests_command(ctx: Context) -> list[str]:
     limit = int(ctx.sizes["stage_s"]["tests"])
-    return [sys.executable, "-m", "pytest", "tests/test_gpu.py", "-q", "-rs",
-            "-p", "no:cacheprovider", f"--timeout={min(limit, 90)}"]
+    # with the KV transfers between two processes on one GPU (torch_dist by CUDA IPC, ucx)
+    return [sys.executable, "-m", "pytest", "tests/test_gpu.py",
+            "tests/test_kv_transfer_two_process.py", "-k", "not (two_process and not cuda)",
+            "-q", "-rs", "-p", "no:cacheprovider", f"--timeout={min(limit, 90)}"]
 
 
 def _tests_rows(ctx: Context, run: StageRun) -> list[Row]:

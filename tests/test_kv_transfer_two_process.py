@@ -1,6 +1,7 @@
-"""Two real processes on 127.0.0.1, for torch_dist (gloo) and ucx (tcp and shm): random block ids
-and contents arrive bit-exact in exactly the reserved blocks; per-layer and whole-request sends;
-a metadata mismatch is refused by name."""
+"""Two real processes on 127.0.0.1, for torch_dist (gloo, and IPC's CPU twin) and ucx (tcp and
+shm), and on a GPU for both (CUDA IPC, cuda_ipc): random block ids and contents arrive bit-exact
+in exactly the reserved blocks; per-layer and whole-request sends; a metadata mismatch is
+refused by name."""
 
 import random
 
@@ -25,8 +26,15 @@ def _local_agent(backend, overrides, engine_id, num_layers=3):
     return agent, big, caches
 
 
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# Both processes on one GPU (bench/gpu_check.py's tests stage runs these): torch_dist by CUDA
+# IPC, UCX by cuda_ipc.
+ON_ONE_GPU = [pytest.param("torch_dist", {"device": "cuda"}, marks=requires_cuda),
+              pytest.param("ucx", {"device": "cuda"}, marks=requires_cuda)]
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("backend,overrides", BACKENDS, ids=IDS)
+@pytest.mark.parametrize("backend,overrides", BACKENDS + ON_ONE_GPU, ids=IDS + ["ipc-cuda", "ucx-cuda"])
 def test_random_blocks_arrive_bit_exact_in_reserved_blocks_only(backend, overrides):
     rng = random.Random(11)
     receiver = PeerProcess(backend, "D", **overrides)
@@ -58,7 +66,7 @@ def test_random_blocks_arrive_bit_exact_in_reserved_blocks_only(backend, overrid
         assert {state for state, _ in got.values()} == {"done"}
         dst_big = receiver.call("cache")
         for src_ids, dst_ids in plans.values():
-            assert torch.equal(dst_big[:, :, dst_ids], src_big[:, :, src_ids])
+            assert torch.equal(dst_big[:, :, dst_ids], src_big.cpu()[:, :, src_ids])
         assert poison_untouched(dst_big, [b for _, d in plans.values() for b in d])
     finally:
         sender.close()

@@ -70,15 +70,20 @@ def config(backend, **overrides):
 def transport_and_caches(backend, overrides, num_layers=NUM_LAYERS):
     """(config, transport, big, per-layer caches) of one side. overrides["ipc_twin"]: torch_dist
     whose links move the cache's ranges as IPC records (pd_runtime/kv_transfer/ipc.py), the cache
-    in shared memory: the CPU twin of two workers on one GPU."""
+    in shared memory: the CPU twin of two workers on one GPU. overrides["device"]: the cache's
+    device ("cuda": both processes on one GPU, torch_dist then moves it by CUDA IPC)."""
     from pd_runtime.kv_transfer.registry import make_transport
     from pd_runtime.kv_transfer.torch_dist import TorchDistTransport
 
     overrides = dict(overrides)
     twin = overrides.pop("ipc_twin", False)
+    device = torch.device(overrides.pop("device", "cpu"))  # "cuda": the GPU tests' cases
     cfg = config(backend, **overrides)
     big, _ = make_caches(num_layers=num_layers)
-    if twin:
+    if device.type != "cpu":
+        big = big.to(device)
+        transport = make_transport(cfg, device)
+    elif twin:
         big.share_memory_()
         transport = TorchDistTransport(cfg.host, cfg.port, torch.device("cpu"), use_ipc=True,
                                        host_shared=[big])

@@ -43,7 +43,7 @@ def _serve(conn, backend, overrides, engine_id, num_layers):
             elif command == "poll":
                 result = [(s.request_id, s.state.value, s.reason.value if s.reason else None) for s in agent.poll()]
             elif command == "cache":
-                result = big.clone()
+                result = big.cpu().clone()
             elif command == "pending":  # transfers and reservations the agent still holds
                 result = len(agent._sending) + len(agent._receiving) + len(agent._reserved)
             elif command == "close":
