@@ -157,10 +157,9 @@ class Mappings:
         self._mapped.clear()
 
 
-def wait_for_device(bufs: list) -> Optional[torch.device]:
+def wait_for_device(bufs: list) -> None:
     """Wait for the device work queued before these messages (the writes of their bytes)."""
     for buf in bufs:
         if isinstance(buf, torch.Tensor) and buf.device.type == "cuda":
             torch.cuda.synchronize(buf.device)
-            return buf.device
-    return None
+            return

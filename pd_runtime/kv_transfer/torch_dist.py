@@ -135,8 +135,7 @@ class TorchDistLink(Link):
             for buf in bufs:
                 target = as_byte_tensor(buf)
                 kind, number, offset, length = self._next_record(deadline)
-                if length != target.numel():
-                    self.close()
+                if length != target.numel():  # (the link is closed below)
                     raise LinkError(f"a message of {length} bytes for a {target.numel()}-byte buffer")
                 if kind == ipc.INLINE:
                     self._post_all([target], deadline - time.monotonic(), "recv")
