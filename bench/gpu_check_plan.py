@@ -23,7 +23,7 @@ SIZES = {
         # transfers 30 each, tests 150 (Triton builds for ~60 kernel variants; 10 engine
         # models, 6 of them under CUDA graphs): ~440 of the 480
         stage_s=dict(env=30, kernels=170, model=75, engine_graphs=80, hf=60, engine_eager=70,
-                     transfer=50, transfer_ucx=50, tests=200),
+                     transfer=50, transfer_ucx=90, tests=200),
         kernels_args=[], transfer_args=[]),
     "cpu": dict(
         device="cpu", budget_s=240.0,

@@ -133,8 +133,13 @@ def _transfer_command(backend: str):
         script = REPO / "bench" / "gpu_transfer.py"
         if not script.exists():
             return "bench/gpu_transfer.py is not there"
+        # (stopping 15 s before the stage's limit: the sizes measured by then are reported;
+        # ucx also says which protocol and transport UCX picked, in the log)
+        name = "transfer" if backend == "torch_dist" else f"transfer_{backend}"
         return [sys.executable, str(script), "--device", ctx.sizes["device"],
-                "--backend", backend, *ctx.sizes["transfer_args"]]
+                "--backend", backend, *ctx.sizes["transfer_args"],
+                "--deadline-s", str(max(5, ctx.sizes["stage_s"][name] - 15)),
+                *(["--ucx-info"] if backend == "ucx" else [])]
     return command
 
 
@@ -150,6 +155,8 @@ def _transfer_rows(backend: str):
         if big.get("raw_gbs") is not None:
             figure += f"; bare link {big['raw_gbs']:.1f} GB/s"
         out = [Row(name, figure, "reported", "info")]
+        if (run.data or {}).get("stopped"):
+            out.append(Row(name, str(run.data["stopped"])[:90], "every size", "info"))
         if (run.data or {}).get("error"):
             out.append(Row(name, str(run.data["error"])[:90], "no error", "FAIL"))
         return out

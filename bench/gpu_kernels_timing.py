@@ -96,9 +96,9 @@ def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[in
                  compare_at: tuple[int, int] | None = None) -> list:
     """GB/s of each (batch, context) with the kernel's defaults; at shapes with context and
     batch at least `compare_at`, also with half and twice its split count (within the
-    kernel's cap), 32 and 64 keys per loop step in place of one cache block, and 1, 2 and 8
-    warps (whether the defaults sit near the best; `alternatives`: variant -> fraction of
-    copy)."""
+    kernel's cap), 32 and 64 keys per loop step in place of one cache block, and 1, 2, 4 and 8
+    warps other than the default (whether the defaults sit near the best; `alternatives`:
+    variant -> fraction of copy); at every shape, 4 warps where the default differs."""
     combos = [(b, c) for b in batches for c in contexts if b * shape.kv_bytes(c) <= budget_bytes]
     skipped = [(b, c) for b in batches for c in contexts if (b, c) not in combos]
     if skipped:
@@ -143,14 +143,17 @@ def decode_sweep(tp, shape: Shape, device, batches: list[int], contexts: list[in
                 if device.type == "cuda" else getattr(tp, "DEFAULT_SM_COUNT", 132)
             splits = tp.default_num_splits(batch, shape.kv_heads, tables[0].shape[1], sm)
         alternatives = {}
+        warps = launch.decode_num_warps(shape.head_dim)
+        # 4 warps (the earlier default) at every shape; the rest at long contexts only
+        variants = {"4 warps": dict(num_warps=4)} if warps != 4 else {}
         if splits and compare_at and context >= compare_at[0] and batch >= compare_at[1]:
             most = min(tables[0].shape[1], launch.MAX_SPLITS)
-            variants = {f"{n} splits": dict(num_splits=n) for n in sorted(
-                {max(1, splits // 2), min(splits * 2, most)} - {splits})}
+            variants.update({f"{n} splits": dict(num_splits=n) for n in sorted(
+                {max(1, splits // 2), min(splits * 2, most)} - {splits})})
             variants.update({f"{n} keys/step": dict(keys_per_tile=n) for n in (32, 64) if n > bs})
-            # (1 warp: no cross-warp reductions in the softmax; 168 registers at head_dim 128)
-            variants.update({f"{n} warp{'s' * (n > 1)}": dict(num_warps=n) for n in (1, 2, 8)
-                             if n != launch.NUM_WARPS})
+            variants.update({f"{n} warp{'s' * (n > 1)}": dict(num_warps=n) for n in (1, 2, 4, 8)
+                             if n != warps})
+        if splits:
             for label, kwargs in variants.items():
                 other_calls = [lambda t=t, kw=kwargs: tp.decode_attention(
                     q, kv, t, lens, shape.scale, out=out, **kw) for t in tables]

@@ -21,6 +21,7 @@ The last line printed is JSON: {"transfer": [{"tokens", "bytes", "gbs", "copy_gb
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -104,7 +105,10 @@ def _serve_raw(raw, active: Activity, buf: torch.Tensor):
             return link
 
 
-def _receiver(conn, backend: str, device: str, shape: Shape, num_blocks: int) -> None:
+def _receiver(conn, backend: str, device: str, shape: Shape, num_blocks: int,
+              stacks_after_s: float | None = None) -> None:
+    if stacks_after_s:  # a hang shows where each thread waits
+        faulthandler.dump_traceback_later(stacks_after_s, exit=False)
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -193,10 +197,21 @@ def _sig(value: float) -> float:
     return float(f"{value:.4g}")
 
 
+def _progress(message: str) -> None:
+    print(f"  [{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def run(device: str = "cuda", backend: str = "ucx", tokens_list=(2048, 8192, 32768), iters: int = 10,
-        shape: Shape = Shape()) -> dict:
+        shape: Shape = Shape(), deadline_s: float | None = None) -> dict:
     """The bench: returns {"device", "backend", "mode", "shape", "transfer": [...]} and, when a
-    transfer failed, "error" (rows measured before it are kept)."""
+    transfer failed, "error" (rows measured before it are kept). With `deadline_s`, no size is
+    started and no further repetition run after that many seconds ("stopped" says which sizes
+    went unmeasured; a size cut short has "reps" below its plan), and both processes print
+    every thread's stack at the deadline plus 5 s if still running (where a hang waits)."""
+    began = time.monotonic()
+    late = (lambda: time.monotonic() - began > deadline_s) if deadline_s else (lambda: False)
+    if deadline_s:
+        faulthandler.dump_traceback_later(deadline_s + 5, exit=False)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -207,7 +222,8 @@ def run(device: str = "cuda", backend: str = "ucx", tokens_list=(2048, 8192, 327
     result = {"device": str(device), "backend": backend, "shape": asdict(shape), "transfer": []}
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_receiver, args=(child_conn, backend, str(device), shape, num_blocks), daemon=True)
+    child = ctx.Process(target=_receiver, daemon=True, args=(
+        child_conn, backend, str(device), shape, num_blocks, deadline_s and deadline_s + 5))
     child.start()
     child_conn.close()  # ours: a receiver that dies then ends our reads with EOFError
     big, caches = _caches(shape, num_blocks, device)
@@ -215,21 +231,33 @@ def run(device: str = "cuda", backend: str = "ucx", tokens_list=(2048, 8192, 327
     payload = _zeros((big.numel() * big.element_size(),), torch.uint8, device)
     flat = big.view(-1).view(torch.uint8)
     try:
+        _progress(f"receiver started; {backend} connecting")
         sender = _Sender(conn, backend, device, caches)
         result["mode"] = getattr(sender.raw, "mode", None) or (
             "ipc" if getattr(sender.link, "_exports", None) is not None
             else "nccl" if device.type == "cuda" else "gloo")
+        _progress(f"{backend} ({result['mode']}) connected")
         for tokens in tokens_list:
+            if late():
+                result["stopped"] = f"deadline ({deadline_s:.0f} s) reached before {tokens} tokens"
+                _progress(result["stopped"])
+                break
             size, ids = tokens * shape.bytes_per_token(), list(range(tokens // shape.block))
             chunk = payload[:size]
+            start = time.perf_counter()
             sender.raw_once(chunk)  # warm-up of both paths; the agent's is checked byte for byte
+            _progress(f"{tokens} tokens: first raw transfer in {time.perf_counter() - start:.3f} s")
+            start = time.perf_counter()
             sender.agent_once(ids, "whole")
+            _progress(f"{tokens} tokens: first agent transfer in {time.perf_counter() - start:.3f} s")
             _sync(device)
             if sender.ask({"hash": len(ids)}) != _blocks_hash(big, len(ids)):
                 raise RuntimeError(f"{tokens} tokens: the receiver's blocks differ from the sender's")
             n = max(3, iters * 8192 // max(tokens, 8192))
             agent_s, raw_s = [], []
             for i in range(n):  # alternating, so a load change hits both alike
+                if i and late():
+                    break
                 for kind in (("raw", "agent") if i % 2 else ("agent", "raw")):
                     if kind == "raw":
                         raw_s.append(sender.raw_once(chunk))
@@ -240,8 +268,11 @@ def run(device: str = "cuda", backend: str = "ucx", tokens_list=(2048, 8192, 327
             result["transfer"].append({
                 "tokens": tokens, "bytes": size, "gbs": _sig(gbs), "copy_gbs": _sig(copy_gbs),
                 "ratio": _sig(gbs / copy_gbs), "raw_gbs": _sig(_summary(raw_s, size)[0]),
-                "p99_ms": _sig(p99_ms)})
+                "p99_ms": _sig(p99_ms), "reps": len(agent_s)})
+            _progress(f"{tokens} tokens: {len(agent_s)} agent transfers at {gbs:.2f} GB/s "
+                      f"(copy {copy_gbs:.1f} GB/s)")
         sender.close()
+        faulthandler.cancel_dump_traceback_later()
     except Exception as exc:  # reported in the JSON line: a checker collects failures too
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -263,9 +294,16 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=Shape.head_dim)
     parser.add_argument("--dtype", choices=list(DTYPES), default=Shape.dtype)
     parser.add_argument("--block", type=int, default=Shape.block)
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="start nothing after this many seconds; report what was measured")
+    parser.add_argument("--ucx-info", action="store_true",
+                        help="UCX prints the protocol and transport it picks for each kind of "
+                             "message (UCX_PROTO_INFO=y), in both processes")
     args = parser.parse_args()
+    if args.ucx_info:
+        os.environ["UCX_PROTO_INFO"] = "y"  # read when UCX starts, here and in the receiver
     shape = Shape(args.layers, args.kv_heads, args.head_dim, args.dtype, args.block)
-    result = run(args.device, args.backend, args.tokens, args.iters, shape)
+    result = run(args.device, args.backend, args.tokens, args.iters, shape, args.deadline_s)
     print(f"{result['backend']} ({result.get('mode')}) on {result['device']}, "
           f"{shape.bytes_per_token() // 1024} KiB per token")
     print("| tokens | MiB | transfer GB/s | p99 ms | raw GB/s | copy GB/s | transfer/copy |")
@@ -273,8 +311,9 @@ def main() -> int:
     for row in result["transfer"]:
         print(f"| {row['tokens']} | {row['bytes'] / 2**20:.0f} | {row['gbs']:.2f} | {row['p99_ms']:.1f} "
               f"| {row['raw_gbs']:.2f} | {row['copy_gbs']:.2f} | {row['ratio']:.1%} |")
-    if "error" in result:
-        print(f"error: {result['error']}")
+    for key in ("stopped", "error"):
+        if key in result:
+            print(f"{key}: {result[key]}")
     print(json.dumps(result), flush=True)
     return 1 if "error" in result else 0
 

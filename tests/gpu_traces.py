@@ -38,32 +38,38 @@ def compare_traces(a: list[Trace], b: list[Trace], tol: float, min_shared: float
     at that token, for greedy runs (`tie_at_divergence`), the other run's token must be in this
     run's top-n within `tol` of the chosen one, or the other way round. Over all sequences at
     least `min_shared` of the tokens come before any difference: a broken path parts early.
-    `excuse(sequence, step)` true: a logprob beyond `tol` there goes to `excused` instead, and
-    the steps after it are still compared; a difference over EXCUSED_MOST never is excused (a mixture of experts' router tie, router_margins);
-    `detail(sequence, step)` is appended to such a step's message."""
+    `excuse(sequence, step)` true (a mixture of experts' router tie, router_margins): a
+    difference there of at most EXCUSED_MOST, in the token's logprob or between the two runs'
+    tokens, goes to `excused` instead, and the sequence is compared no further (from that step
+    on the runs hold other KV, as after a parting at a near tie); it counts as shared up to
+    there. `detail(sequence, step)` is appended to such a step's message."""
     problems, shared, total = [], 0, 0
     excused = [] if excused is None else excused
+    suffix = (lambda i, t: detail(i, t)) if detail else (lambda i, t: "")
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         n = min(len(x.tokens), len(y.tokens))
         total += max(len(x.tokens), len(y.tokens))
         first = next((t for t in range(n) if x.tokens[t] != y.tokens[t]), n)
-        shared += first
+        end = first  # where this sequence stops being compared
         for t in range(first):
-            if abs(x.logprobs[t] - y.logprobs[t]) > tol:
+            gap = abs(x.logprobs[t] - y.logprobs[t])
+            if gap > tol:
                 found = (f"sequence {i} step {t}: token {x.tokens[t]} has logprob "
                          f"{x.logprobs[t]:.3f} in one run, {y.logprobs[t]:.3f} in the other"
-                         + (detail(i, t) if detail else ""))
-                if excuse is not None and excuse(i, t) \
-                        and abs(x.logprobs[t] - y.logprobs[t]) <= EXCUSED_MOST:
-                    excused.append(found)
-                    continue
-                problems.append(found)
+                         + suffix(i, t))
+                excusable = excuse is not None and excuse(i, t) and gap <= EXCUSED_MOST
+                (excused if excusable else problems).append(found)
+                end = t
                 break
-        if first < n and tie_at_divergence and not (_near_tie(x, y, first, tol)
-                                                    or _near_tie(y, x, first, tol)):
-            problems.append(f"sequence {i} parts at step {first} ({x.tokens[first]} vs "
-                            f"{y.tokens[first]}) where no run has the two within {tol} nats")
-        if first == n and len(x.tokens) != len(y.tokens):
+        shared += end
+        if end == first < n and tie_at_divergence and not (_near_tie(x, y, first, tol)
+                                                           or _near_tie(y, x, first, tol)):
+            found = (f"sequence {i} parts at step {first} ({x.tokens[first]} vs "
+                     f"{y.tokens[first]}) where no run has the two within {tol} nats")
+            excusable = excuse is not None and excuse(i, first) and (
+                _near_tie(x, y, first, EXCUSED_MOST) or _near_tie(y, x, first, EXCUSED_MOST))
+            (excused if excusable else problems).append(found + suffix(i, first))
+        if end == first == n and len(x.tokens) != len(y.tokens):
             problems.append(f"sequence {i}: {len(x.tokens)} tokens vs {len(y.tokens)}")
     if shared < min_shared * total:
         problems.append(f"only {shared} of {total} tokens before the runs part "
@@ -93,12 +99,14 @@ def logits_traces(tokens: list[list[int]], logits: list[torch.Tensor], top_n: in
     return traces
 
 
-def router_margins(hf, prompts: list[list[int]], tokens: list[list[int]]) -> list[list[float]]:
+def router_margins(hf, prompts: list[list[int]], tokens: list[list[int]],
+                   prompt_min: Optional[list[float]] = None) -> list[list[float]]:
     """Per sequence and generated step: the smallest gap, over the layers, between the last
     expert transformers' router picks and the first it passes over, at the position whose
     logits chose that step's token (one forward pass of prompt and tokens, router logits out).
     Router logits order the experts as their softmax does (Mixtral) or are what top-k reads
-    (gpt-oss), so the gap is in logits either way."""
+    (gpt-oss), so the gap is in logits either way. `prompt_min` (a list) gets each sequence's
+    smallest margin over the prompt's earlier positions (a tie there moves every step)."""
     k = hf.config.num_experts_per_tok
     margins = []
     device = next(hf.parameters()).device
@@ -110,5 +118,9 @@ def router_margins(hf, prompts: list[list[int]], tokens: list[list[int]]) -> lis
             for logits in out.router_logits:
                 top = logits.reshape(-1, logits.shape[-1]).float().topk(k + 1, dim=-1).values
                 gaps.append(top[:, k - 1] - top[:, k])
-            margins.append(torch.stack(gaps).amin(0)[len(prompt) - 1:].tolist())
+            per_position = torch.stack(gaps).amin(0)
+            margins.append(per_position[len(prompt) - 1:].tolist())
+            if prompt_min is not None:
+                earlier = per_position[:len(prompt) - 1]
+                prompt_min.append(earlier.min().item() if earlier.numel() else float("inf"))
     return margins

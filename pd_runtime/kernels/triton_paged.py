@@ -21,8 +21,8 @@ import triton.language as tl
 
 from pd_runtime.kernels.triton_launch import (DEFAULT_SM_COUNT, MIN_BLOCK_SIZE, MIN_GROUP_ROWS,
                                                NUM_WARPS, PREFILL_BLOCK_M, PREFILL_BLOCK_M_WIDE,
-                                               default_num_splits, prefill_keys_per_tile,
-                                               tile_keys)
+                                               decode_num_warps, default_num_splits,
+                                               prefill_keys_per_tile, tile_keys)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # 256: Gemma 3 1B-12B
@@ -289,7 +289,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
                      num_splits: int | None = None, window: int = 0,
                      softcap: float = 0.0, sinks: torch.Tensor | None = None,
                      keys_per_tile: int | None = None,
-                     num_warps: int = NUM_WARPS) -> torch.Tensor:
+                     num_warps: int | None = None) -> torch.Tensor:
     """One query token per sequence (its key already written): q `[B, heads, head_dim]` ->
     `[B, heads, head_dim]`; keys 0..context_lens[b]-1 visible (the last `window` of them, with
     a window; `sinks`: `[heads]` float32 sink logits); context_len 0 writes zeros.
@@ -325,7 +325,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
         NUM_SPLITS=num_splits, BLOCK_SIZE=block_size,
         KEYS=tile_keys(keys_per_tile, block_size), HEAD_DIM=head_dim,
         DOT_IN_F32=INTERPRETED, SOFTCAP=float(softcap), HAS_SINKS=sinks is not None,
-        num_warps=num_warps)
+        num_warps=num_warps or decode_num_warps(head_dim))
     if num_splits > 1:
         _decode_reduce_kernel[(batch, heads)](
             maxes, sums, parts, out if sinks is None else sinks, out, out.stride(0),
