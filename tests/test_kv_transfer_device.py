@@ -3,6 +3,7 @@ UCX mode and settings a CUDA cache gets, that host buffers keep the host path, d
 as ucxx sees them, the per-thread CUDA binding and the sync before a device send (against a
 recording stand-in for torch.cuda), and bench/gpu_transfer.py's plumbing on host memory."""
 
+import os
 import random
 import threading
 
@@ -17,7 +18,8 @@ from pd_runtime.kv_transfer.registry import create_agent, make_transport
 from pd_runtime.kv_transfer.ucx import UCXTransport
 from pd_runtime.kv_transfer.ucx_worker import (DIRECT_MIN_BYTES, DeviceBytes, Worker, as_bytes,
                                     check_cuda_transports, context_config, context_transports,
-                                    device_array, flat, resolve_mode, ucx_modules)
+                                    device_array, flat, prepare_environment, resolve_mode,
+                                    ucx_modules)
 from tests.kv_transfer_support.common import (collect, config, fill_random, make_caches,
                                               poison_untouched, wait_for)
 
@@ -72,6 +74,18 @@ def test_cuda_context_settings_and_ucx_takes_them():
     effective = ucx_api.UCXContext(config_dict=cfg).config
     assert effective["TLS"] == cfg["TLS"] and effective["RNDV_SCHEME"] == "get_zcopy"
     assert effective["RNDV_THRESH"] == "intra:4K,inter:4K"
+
+
+def test_cuda_mode_turns_on_get_over_cuda_ipc_unless_the_user_set_it(monkeypatch):
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    for mode in ("tcp", "shm"):
+        prepare_environment(mode)
+        assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in os.environ
+    prepare_environment("cuda")
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "auto")
+    prepare_environment("cuda")
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "auto"
 
 
 class _Context:

@@ -43,7 +43,8 @@ import torch
 from pd_runtime.kv_transfer.base import Activity, Link, LinkError, PostedSend, Transport
 from pd_runtime.kv_transfer.ucx_worker import (DIRECT_MIN_BYTES, DeviceBytes, Worker, abandon,
                                     check_cuda_transports, context_config, cuda_device, device_array,
-                                    flat, host_array, resolve_mode, ucx_modules, wait)
+                                    flat, host_array, prepare_environment, resolve_mode,
+                                    ucx_modules, wait)
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +283,7 @@ class UCXTransport(Transport):
                  device: Optional[torch.device] = None):
         ucx_api, _ = ucx_modules()
         self.mode = resolve_mode(ucx_mode, host, device)
+        prepare_environment(self.mode)
         try:
             self._context = ucx_api.UCXContext(config_dict=context_config(self.mode))
         except Exception:

@@ -7,6 +7,7 @@ device buffers as ucxx Arrays.
 from __future__ import annotations
 
 import ipaddress
+import os
 import logging
 import threading
 import time
@@ -45,9 +46,26 @@ _CONTEXT_CONFIG = {
 }
 
 
+# ... and, for cuda, cuda_ipc's own switch for get: UCX turns get over cuda_ipc off where it
+# finds no NVLink (a single GPU has none), and with the scheme held to get, device messages
+# then went eagerly through host shared memory instead (0.75 GB/s on the H200: the second
+# device run, docs/BENCHMARKS.md). Put is not the way round it: the sender's copy would write
+# the receiver's blocks, which no give-up on the receiving side could stop. An interface
+# setting, read from the environment when UCX opens the interface (a context's config_dict
+# refuses it where UCX's CUDA module is not loaded); a value the user set is kept.
+_MODE_ENVIRONMENT = {"cuda": {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}}
+
+
 def context_config(mode: str) -> dict:
     """The UCX settings (UCX_ prefix dropped) of a mode's context."""
     return dict(_CONTEXT_CONFIG[mode])
+
+
+def prepare_environment(mode: str) -> None:
+    """Set the mode's UCX interface settings in this process's environment, before its context
+    and workers are made (the user's own values win)."""
+    for name, value in _MODE_ENVIRONMENT.get(mode, {}).items():
+        os.environ.setdefault(name, value)
 
 
 def resolve_mode(requested: str, host: str, device: Optional[torch.device] = None) -> str:
