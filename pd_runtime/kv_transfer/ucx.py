@@ -21,8 +21,10 @@ Modes (KVTransferConfig.ucx_mode), chosen once per agent because a UCX context i
   here has a wakeup event), error handling off, receives in place. The get scheme matters
   more here: UCX's default for device-to-device over cuda_ipc is put (the sender's copy
   writes the receiver's blocks); with get the receiver's progress issues the copy out of the
-  sender's mapped memory. UCX_MEMTYPE_CACHE stays n, as importing ucxx sets it (a global
-  option a context cannot change): the cache can mistake device memory for host memory.
+  sender's mapped memory (UCX turns get over cuda_ipc off without NVLink; the mode turns it
+  back on: ucx_worker.prepare_environment). UCX_MEMTYPE_CACHE stays n, as importing ucxx
+  sets it (a global option a context cannot change): the cache can mistake device memory for
+  host memory.
 - auto: cuda for a CUDA cache; else shm when the agent listens on a loopback host (all peers
   share the machine) and a shared-memory context can be created; tcp otherwise.
 RDMA (rc/dc/ud) would be picked by UCX's own TLS=all on hardware that has it; not on this box.
