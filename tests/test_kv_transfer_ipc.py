@@ -104,6 +104,36 @@ def test_a_send_lasts_until_the_receiver_has_copied_its_ranges():
         _close(link_a, link_b, a, b)
 
 
+def test_a_chunks_copy_records_go_as_one_batch_taken_by_later_receives_in_turn():
+    """A chunk's regions go as one batch message after the header's inline frames; the
+    receiver takes its records one by one, also across receives (a discarded chunk is read
+    region by region), and copies each range as if its record had come alone."""
+    src = _shared([float(i) for i in range(4096)])
+    dst = _shared([0.0] * 4096)
+    a, b, link_a, link_b = _pair(dict(use_ipc=True, host_shared=[src]),
+                                 dict(use_ipc=True, host_shared=[dst]))
+    try:
+        regions = [src[i * 100:(i + 1) * 100].view(torch.uint8) for i in range(5)]
+        exports = ipc.Exports([src])  # (the messages a link would post, posted nowhere)
+        kinds = [ipc.read_record(m)[0] for m in exports.messages(regions[:1])
+                 if m.size == ipc.RECORD_BYTES]  # (the map payload is longer)
+        assert kinds == [ipc.MAP, ipc.COPY]  # one region: a plain copy record
+        messages = exports.messages(regions)  # the storage is mapped by now
+        assert len(messages) == 2 and ipc.read_record(messages[0])[:2] == (ipc.BATCH, 5)
+        sender = threading.Thread(target=link_a.send_many,
+                                  args=(frame_buffers(b"kv") + regions, 10))
+        sender.start()
+        assert link_b.recv_frame(10) == b"kv"
+        link_b.recv_many([dst[0:100].view(torch.uint8), dst[100:200].view(torch.uint8)], 10)
+        for i in range(2, 5):
+            link_b.recv_bytes(dst[i * 100:(i + 1) * 100].view(torch.uint8), 10)
+        sender.join(10)
+        assert not sender.is_alive() and link_a._copies_acked == 5
+        assert torch.equal(dst[:500], src[:500])
+    finally:
+        _close(link_a, link_b, a, b)
+
+
 def _bad_records(src):
     """(records a sender posts, the error the receiver raises): a range past the end of the
     mapped storage; a message of another length than the buffer posted for it."""
@@ -112,6 +142,12 @@ def _bad_records(src):
            "out of range")
     yield ([ipc.record(ipc.INLINE, 0, 0, 32), numpy.zeros(32, dtype=numpy.uint8)],
            "32 bytes for a 64-byte buffer")
+    # a batch whose count does not match its length, or that holds other than copy records
+    yield ([ipc.record(ipc.BATCH, 3, 0, 2 * ipc.RECORD_BYTES),
+            numpy.concatenate([ipc.record(ipc.COPY, 0, 0, 64)] * 2)], "a batch of 3 records")
+    yield ([ipc.record(ipc.BATCH, 2, 0, 2 * ipc.RECORD_BYTES),
+            numpy.concatenate([ipc.record(ipc.COPY, 0, 0, 64), ipc.record(ipc.INLINE, 0, 0, 64)])],
+           "copy records only")
 
 
 def test_a_record_out_of_range_or_of_another_length_fails_the_link():

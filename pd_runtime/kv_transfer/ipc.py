@@ -9,7 +9,11 @@ chunk is read into):
 - `map`: a storage exported to this link (torch's CUDA IPC handle), its description follows;
   once per storage (the KV cache is one), before its first range;
 - `copy` (device messages): storage number, byte offset, length; no bytes follow, the
-  receiver copies the range from the mapped storage.
+  receiver copies the range from the mapped storage;
+- `batch`: a run of copy records sent as one message (a chunk's regions: 64 for a whole
+  request of 32 layers), its count and byte length; the records follow as the next message and
+  are taken one by one by the buffers received next, as if sent singly. A gloo message costs
+  a round of its own on each side, which one per region made the link's main cost.
 Before posting, the sender waits for its device's queued work (the bytes must be written
 before the peer reads them). The receiver waits for its copies, also when it gives up (no byte
 lands after a receive raised), and then acknowledges them on a second tag; the sender's send is
@@ -33,8 +37,9 @@ import torch
 
 from pd_runtime.kv_transfer.base import LinkError
 
-INLINE, MAP, COPY = 0, 1, 2
-RECORD_INT64S = 4  # kind, storage number, byte offset, length in bytes
+INLINE, MAP, COPY, BATCH = 0, 1, 2, 3
+RECORD_INT64S = 4  # kind, storage number (a batch: its count), byte offset, length in bytes
+RECORD_BYTES = RECORD_INT64S * 8
 
 
 def record(kind: int, number: int, offset: int, length: int) -> numpy.ndarray:
@@ -42,7 +47,7 @@ def record(kind: int, number: int, offset: int, length: int) -> numpy.ndarray:
 
 
 def empty_record() -> numpy.ndarray:
-    return numpy.empty(RECORD_INT64S * 8, dtype=numpy.uint8)
+    return numpy.empty(RECORD_BYTES, dtype=numpy.uint8)
 
 
 def read_record(buf: numpy.ndarray) -> tuple[int, int, int, int]:
@@ -112,14 +117,27 @@ class Exports:
                 return storage
         return None
 
-    def messages(self, buf: torch.Tensor) -> list:
-        """What carries buf (a flat byte tensor): its `inline` record and itself; or a `map`
-        record and its payload the first time its storage is sent, then its `copy` record."""
+    def messages(self, bufs: list) -> list:
+        """What carries bufs (flat byte tensors), in order: for each, its `inline` record and
+        itself; or a `map` record and its payload the first time its storage is sent, then its
+        `copy` record; each run of two or more copy records goes as one `batch`."""
+        out, copies = [], []
+        for buf in bufs:
+            before, copy = self._parts(buf)
+            if before:  # (copies before it go first: the receiver reads in order)
+                out += _batched(copies) + before
+                copies = []
+            if copy is not None:
+                copies.append(copy)
+        return out + _batched(copies)
+
+    def _parts(self, buf: torch.Tensor) -> tuple[list, Optional[numpy.ndarray]]:
+        """(the messages before buf's copy record, that record or None: buf goes inline)."""
         length = buf.numel()
         storage = self._storage(buf)
         if storage is None:
-            return [record(INLINE, 0, 0, length), buf]
-        out = []
+            return [record(INLINE, 0, 0, length), buf], None
+        before = []
         number = self._numbers.get(storage.data_ptr())
         if number is None:
             try:
@@ -127,12 +145,28 @@ class Exports:
             except RuntimeError as exc:  # (e.g. CUDA memory torch cannot share)
                 raise LinkError(f"cannot share this memory with the peer: {exc}") from exc
             number = len(self._kept)
-            out += [record(MAP, number, 0, payload.size), payload]
+            before = [record(MAP, number, 0, payload.size), payload]
             self._numbers[storage.data_ptr()] = number
             self._kept.append(storage)
-        out.append(record(COPY, number, buf.data_ptr() - storage.data_ptr(), length))
         self.copies += 1
-        return out
+        return before, record(COPY, number, buf.data_ptr() - storage.data_ptr(), length)
+
+
+def _batched(copies: list) -> list:
+    if len(copies) < 2:
+        return copies
+    return [record(BATCH, len(copies), 0, len(copies) * RECORD_BYTES), numpy.concatenate(copies)]
+
+
+def batch_records(head: tuple[int, int, int, int], payload: numpy.ndarray) -> list:
+    """The copy records a `batch` record announced, read from the message that followed it."""
+    _, count, _, length = head
+    if count < 1 or length != count * RECORD_BYTES or payload.size != length:
+        raise LinkError(f"a batch of {count} records in {length} bytes")
+    records = [read_record(payload[i * RECORD_BYTES:(i + 1) * RECORD_BYTES]) for i in range(count)]
+    if any(kind != COPY for kind, _, _, _ in records):
+        raise LinkError("a batch holds copy records only")
+    return records
 
 
 class Mappings:

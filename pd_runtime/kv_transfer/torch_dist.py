@@ -9,6 +9,7 @@ under a fresh store prefix, and a dead link is simply replaced by a new one.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import time
 from typing import Optional
@@ -23,6 +24,9 @@ from pd_runtime.kv_transfer.base import Link, LinkError, LinkTimeoutError, Trans
 _COUNTER_KEY = "kvt/links"
 _TAG = 0  # one ordered stream per direction; direction is given by the two ranks
 _ACK_TAG = 1  # IPC links: the receiver's count of ranges copied, back to the sender
+# IPC links: the most a map or batch record may announce (an exported handle is ~100 bytes, a
+# batch 32 bytes per region); a corrupt length is refused before anything is allocated
+_MAX_RECORD_PAYLOAD = 1 << 30
 
 
 def _gloo_group(store, name: str, rank: int, host: str, timeout_s: float):
@@ -49,6 +53,7 @@ class TorchDistLink(Link):
         self._mappings = ipc.Mappings() if use_ipc else None
         self._device = device
         self._copies_acked = 0  # (IPC) ranges the peer says it has copied
+        self._batched: collections.deque = collections.deque()  # (IPC) copy records to take
 
     def _group_for(self, buf: torch.Tensor):
         """Device memory goes over the data group (NCCL for CUDA), host memory over gloo."""
@@ -119,8 +124,7 @@ class TorchDistLink(Link):
             raise LinkError("link closed")
         deadline = time.monotonic() + timeout_s
         ipc.wait_for_device(bufs)
-        records = [m for b in bufs for m in self._exports.messages(as_byte_tensor(b))]
-        self._post_all(records, timeout_s, "send")
+        self._post_all(self._exports.messages([as_byte_tensor(b) for b in bufs]), timeout_s, "send")
         while self._copies_acked < self._exports.copies:
             ack = numpy.zeros(1, dtype=numpy.int64)
             self._post_all([ack.view(numpy.uint8)], deadline - time.monotonic(), "recv", _ACK_TAG)
@@ -155,16 +159,24 @@ class TorchDistLink(Link):
             self._post_all([done.view(numpy.uint8)], deadline - time.monotonic(), "send", _ACK_TAG)
 
     def _next_record(self, deadline: float) -> tuple[int, int, int, int]:
-        """The next inline or copy record, mapping the storages announced before it."""
+        """The next inline or copy record (a batch's copy records are taken in turn, also by
+        the next receive), mapping the storages announced before it."""
         while True:
+            if self._batched:
+                return self._batched.popleft()
             head = ipc.empty_record()
             self._post_all([head], deadline - time.monotonic(), "recv")
             kind, number, offset, length = ipc.read_record(head)
-            if kind != ipc.MAP:
+            if kind not in (ipc.MAP, ipc.BATCH):
                 return kind, number, offset, length
+            if not 0 < length <= _MAX_RECORD_PAYLOAD:
+                raise LinkError(f"an IPC record announcing {length} bytes")
             payload = numpy.empty(length, dtype=numpy.uint8)
             self._post_all([payload], deadline - time.monotonic(), "recv")
-            self._mappings.add(number, payload.tobytes(), self._device)
+            if kind == ipc.BATCH:
+                self._batched.extend(ipc.batch_records((kind, number, offset, length), payload))
+            else:
+                self._mappings.add(number, payload.tobytes(), self._device)
 
     def close(self) -> None:
         if self._closed:
@@ -179,6 +191,7 @@ class TorchDistLink(Link):
                 pass
         if self._mappings is not None:
             self._mappings.clear()
+            self._batched.clear()
 
 
 def _gpu_uuid(device: torch.device) -> Optional[str]:
