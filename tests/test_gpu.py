@@ -1,8 +1,8 @@
 """The CUDA path on a GPU: the Triton kernels against the torch reference at real shapes, and the
 engine on CUDA (graphs on and off, batched and alone, against transformers, seeded sampling).
 
-Every GPU test skips without CUDA (bench/gpu_check.py runs this file on a lent GPU); the
-token-comparison helper's own tests run everywhere. bf16 on a GPU gives bits that depend on the
+Every test here skips without CUDA (bench/gpu_check.py runs this file on a lent GPU); the
+token-comparison helpers' own tests are tests/test_gpu_traces.py. bf16 on a GPU gives bits that depend on the
 batch (GEMM shapes differ), so greedy runs are compared as vLLM's tests do: equal token for
 token, with matching logprobs, up to a first difference that must be a near tie.
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bench import gpu_kernels as gk
-from tests.gpu_traces import (ROUTER_TIE, Trace, compare_traces, logits_traces, ours_traces,
+from tests.gpu_traces import (ROUTER_TIE, compare_traces, logits_traces, ours_traces,
                               router_margins)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -25,95 +25,6 @@ if torch.cuda.is_available():
     # tests/conftest.py turns the Triton interpreter on for the CPU suite (it is read when the
     # kernels are first imported); on a GPU these tests are about the compiled kernels.
     os.environ["TRITON_INTERPRET"] = "0"
-
-
-def _trace(tokens, top_gap=0.5, lp=-1.0):
-    return Trace(list(tokens), [lp] * len(tokens),
-                 [{tok: lp, 10_000 + tok: lp - top_gap} for tok in tokens])
-
-
-def test_compare_traces_accepts_equal_runs_and_near_ties():
-    a = [_trace([5, 6, 7, 8]), _trace([1, 2, 3])]
-    assert compare_traces(a, a, tol=0.1, min_shared=0.9) == []
-    tied = [_trace([5, 6, 7, 8], top_gap=0.05), _trace([1, 2, 3])]
-    parted = [_trace([5, 6, 10_007, 9]), _trace([1, 2, 3])]
-    assert compare_traces(tied, parted, tol=0.1, min_shared=0.5) == []
-
-
-def test_compare_traces_catches_far_divergence_drift_and_early_parting():
-    a = [_trace([5, 6, 7, 8], top_gap=2.0)]
-    far = [_trace([5, 6, 10_007, 9])]
-    assert "parts at step 2" in compare_traces(a, far, tol=0.1, min_shared=0.0)[0]
-    drift = [Trace([5, 6, 7, 8], [-1.0, -1.5, -1.0, -1.0], a[0].top)]
-    assert "step 1" in compare_traces(a, drift, tol=0.1, min_shared=0.0)[0]
-    early = [_trace([9, 6, 7, 8])]
-    assert any("before the runs part" in p for p in compare_traces(
-        a, early, tol=0.1, min_shared=0.5, tie_at_divergence=False))
-    assert compare_traces(a, [_trace([5, 6])], tol=0.1, min_shared=0.0) \
-        == ["sequence 0: 4 tokens vs 2"]
-
-
-def test_compare_traces_excuses_only_where_asked_then_stops_that_sequence():
-    a = [_trace([5, 6, 7, 8]), _trace([1, 2, 3, 4])]
-    # sequence 0: a tie at step 1, after which its KV differs (step 3 drifts, not a fault);
-    # sequence 1 is compared in full
-    one_off = [Trace([5, 6, 7, 8], [-1.0, -1.3, -1.0, -1.5], a[0].top), a[1]]
-    excused = []
-    assert compare_traces(a, one_off, 0.1, 0.0, excuse=lambda i, t: (i, t) == (0, 1),
-                          excused=excused, detail=lambda i, t: f" <{i},{t}>") == []
-    assert excused == ["sequence 0 step 1: token 6 has logprob -1.000 in one run, -1.300 in "
-                       "the other <0,1>"]
-    # ... and it counts as shared up to the tie: 1 + 4 of 8 tokens
-    assert "only 5 of 8" in compare_traces(a, one_off, 0.1, 0.7,
-                                           excuse=lambda i, t: (i, t) == (0, 1))[0]
-    # a tie asked about elsewhere excuses nothing
-    problems = compare_traces(a, one_off, 0.1, 0.0, excuse=lambda i, t: t == 2)
-    assert len(problems) == 1 and "sequence 0 step 1" in problems[0]
-    far_off = [Trace([5, 6, 7, 8], [-1.0, -3.0, -1.0, -1.0], a[0].top), a[1]]  # beyond any tie
-    problems = compare_traces(a, far_off, 0.1, 0.0, excuse=lambda i, t: t == 1)
-    assert len(problems) == 1 and "step 1" in problems[0]
-    # a parting at a router tie: excused when the other token is within EXCUSED_MOST
-    wide = [_trace([5, 6, 7, 8], top_gap=0.5)]
-    parted = [_trace([5, 6, 10_007, 9], top_gap=0.5)]
-    excused = []
-    assert compare_traces(wide, parted, 0.1, 0.0, excuse=lambda i, t: t == 2,
-                          excused=excused) == []
-    assert len(excused) == 1 and "parts at step 2" in excused[0]
-    assert "parts at step 2" in compare_traces(wide, parted, 0.1, 0.0,
-                                               excuse=lambda i, t: t == 1)[0]
-    far = [_trace([5, 6, 7, 8], top_gap=2.0)]
-    assert "parts at step 2" in compare_traces(far, [_trace([5, 6, 10_007, 9], top_gap=2.0)],
-                                               0.1, 0.0, excuse=lambda i, t: t == 2)[0]
-
-
-def test_router_margins_are_the_top_k_gap_of_transformers_router(tmp_path):
-    """On the CPU: one margin per generated step, each the smallest over layers of the gap
-    between the k-th and (k+1)-th router logit at the position that chose the step's token
-    (checked for the first step against a forward pass over the prompt alone)."""
-    from transformers import AutoModelForCausalLM
-
-    from pd_runtime.model.tiny import make_tiny_model
-
-    path = make_tiny_model(tmp_path / "m", preset="test", dtype="bfloat16", **MODELS["mixtral"])
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = _prompts(4, lens=[9, 3])
-    tokens = [[11, 12, 13], [14, 15]]
-    margins = router_margins(hf, prompts, tokens)
-    assert [len(m) for m in margins] == [3, 2] and min(min(m) for m in margins) >= 0
-    k = hf.config.num_experts_per_tok
-    with torch.inference_mode():
-        out = hf(torch.tensor([prompts[0]]), output_router_logits=True)
-    gaps = [logits.reshape(-1, logits.shape[-1])[-1].topk(k + 1).values for logits in
-            out.router_logits]
-    assert margins[0][0] == pytest.approx(min((g[k - 1] - g[k]).item() for g in gaps), abs=1e-5)
-
-
-def test_logits_traces_reads_greedy_scores():
-    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
-    (trace,) = logits_traces([[1, 0]], [logits], top_n=2)
-    assert trace.tokens == [1, 0]
-    assert trace.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
-    assert set(trace.top[0]) == {1, 2}
 
 
 # ---------------------------------------------------------------------------------- kernels
