@@ -272,10 +272,10 @@ def run(device: str = "cuda", backend: str = "ucx", tokens_list=(2048, 8192, 327
             _progress(f"{tokens} tokens: {len(agent_s)} agent transfers at {gbs:.2f} GB/s "
                       f"(copy {copy_gbs:.1f} GB/s)")
         sender.close()
-        faulthandler.cancel_dump_traceback_later()
     except Exception as exc:  # reported in the JSON line: a checker collects failures too
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
+        faulthandler.cancel_dump_traceback_later()
         child.join(10 if "error" not in result else 1)
         if child.is_alive():
             child.kill()

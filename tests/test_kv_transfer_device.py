@@ -77,7 +77,9 @@ def test_cuda_context_settings_and_ucx_takes_them():
 
 
 def test_cuda_mode_turns_on_get_over_cuda_ipc_unless_the_user_set_it(monkeypatch):
-    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    # (set, then deleted: monkeypatch restores the variable's absence, or its value, after)
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "x")
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
     for mode in ("tcp", "shm"):
         prepare_environment(mode)
         assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in os.environ

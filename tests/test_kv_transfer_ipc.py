@@ -144,7 +144,7 @@ def _bad_records(src):
            "32 bytes for a 64-byte buffer")
     # a batch whose count does not match its length, or that holds other than copy records
     yield ([ipc.record(ipc.BATCH, 3, 0, 2 * ipc.RECORD_BYTES),
-            numpy.concatenate([ipc.record(ipc.COPY, 0, 0, 64)] * 2)], "a batch of 3 records")
+            numpy.concatenate([ipc.record(ipc.COPY, 0, 0, 64)] * 2)], "64 bytes for 3 records")
     yield ([ipc.record(ipc.BATCH, 2, 0, 2 * ipc.RECORD_BYTES),
             numpy.concatenate([ipc.record(ipc.COPY, 0, 0, 64), ipc.record(ipc.INLINE, 0, 0, 64)])],
            "copy records only")

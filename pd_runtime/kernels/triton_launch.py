@@ -22,7 +22,7 @@ PREFILL_BLOCK_M_WIDE = 32    # ... at head_dim 256 (the float32 accumulator's ro
 PREFILL_KEYS_PER_TILE = 64
 PREFILL_KEYS_PER_TILE_WIDE = 32  # head_dim 256
 # Split-K for decode: at most PROGRAMS_PER_SM programs per SM (one wave at head_dim <= 128: a
-# one-warp program holds 79-202 registers there, so 10 or more are resident per SM and a few
+# one-warp program holds 79-202 registers there, so 9 or more are resident per SM and a few
 # past a full wave would cost a second wave as long as the first; at head_dim 256, 4 warps of
 # 82-113 registers, 4-7 fit and 8 per SM is about two waves), each split
 # reading at least MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits. On the H200 at

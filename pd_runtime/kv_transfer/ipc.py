@@ -14,6 +14,12 @@ chunk is read into):
   request of 32 layers), its count and byte length; the records follow as the next message and
   are taken one by one by the buffers received next, as if sent singly. A gloo message costs
   a round of its own on each side, which one per region made the link's main cost.
+  Limit: the sender reads acknowledgements only once every message of its send has been
+  taken, and a receiver's acknowledgement waits for the sender to read it. A send is
+  therefore taken by one receive (wire.py reads a chunk's regions with one recv_many, acked
+  once), or region by region (its discard path) only where nothing follows the batch: a
+  chunk whose copies a `map` splits (the first on a link, with a storage per layer) read
+  region by region waits until its deadline, and the link fails.
 Before posting, the sender waits for its device's queued work (the bytes must be written
 before the peer reads them). The receiver waits for its copies, also when it gives up (no byte
 lands after a receive raised), and then acknowledges them on a second tag; the sender's send is

@@ -25,7 +25,8 @@ _COUNTER_KEY = "kvt/links"
 _TAG = 0  # one ordered stream per direction; direction is given by the two ranks
 _ACK_TAG = 1  # IPC links: the receiver's count of ranges copied, back to the sender
 # IPC links: the most a map or batch record may announce (an exported handle is ~100 bytes, a
-# batch 32 bytes per region); a corrupt length is refused before anything is allocated
+# batch 32 bytes per region); a length past it, or a batch's not 32 per record, is refused
+# before its payload is allocated
 _MAX_RECORD_PAYLOAD = 1 << 30
 
 
@@ -124,7 +125,12 @@ class TorchDistLink(Link):
             raise LinkError("link closed")
         deadline = time.monotonic() + timeout_s
         ipc.wait_for_device(bufs)
-        self._post_all(self._exports.messages([as_byte_tensor(b) for b in bufs]), timeout_s, "send")
+        try:
+            messages = self._exports.messages([as_byte_tensor(b) for b in bufs])
+        except LinkError:  # (copies already counted for the buffers before it: the link goes)
+            self.close()
+            raise
+        self._post_all(messages, timeout_s, "send")
         while self._copies_acked < self._exports.copies:
             ack = numpy.zeros(1, dtype=numpy.int64)
             self._post_all([ack.view(numpy.uint8)], deadline - time.monotonic(), "recv", _ACK_TAG)
@@ -162,6 +168,8 @@ class TorchDistLink(Link):
         """The next inline or copy record (a batch's copy records are taken in turn, also by
         the next receive), mapping the storages announced before it."""
         while True:
+            if self._closed:  # (close() may come from another thread: take nothing after it)
+                raise LinkError("link closed")
             if self._batched:
                 return self._batched.popleft()
             head = ipc.empty_record()
@@ -169,8 +177,10 @@ class TorchDistLink(Link):
             kind, number, offset, length = ipc.read_record(head)
             if kind not in (ipc.MAP, ipc.BATCH):
                 return kind, number, offset, length
-            if not 0 < length <= _MAX_RECORD_PAYLOAD:
-                raise LinkError(f"an IPC record announcing {length} bytes")
+            if not 0 < length <= _MAX_RECORD_PAYLOAD or (
+                    kind == ipc.BATCH and length != number * ipc.RECORD_BYTES):
+                raise LinkError(f"an IPC record announcing {length} bytes"
+                                + (f" for {number} records" if kind == ipc.BATCH else ""))
             payload = numpy.empty(length, dtype=numpy.uint8)
             self._post_all([payload], deadline - time.monotonic(), "recv")
             if kind == ipc.BATCH:
@@ -182,6 +192,7 @@ class TorchDistLink(Link):
         if self._closed:
             return
         self._closed = True
+        self._batched.clear()
         for group in {id(self._control): self._control, id(self._data): self._data}.values():
             try:
                 # abort() fails pending work on both ends, so no thread stays blocked on a
@@ -191,7 +202,6 @@ class TorchDistLink(Link):
                 pass
         if self._mappings is not None:
             self._mappings.clear()
-            self._batched.clear()
 
 
 def _gpu_uuid(device: torch.device) -> Optional[str]:
