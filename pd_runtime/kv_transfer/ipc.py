@@ -17,9 +17,10 @@ chunk is read into):
   Limit: the sender reads acknowledgements only once every message of its send has been
   taken, and a receiver's acknowledgement waits for the sender to read it. A send is
   therefore taken by one receive (wire.py reads a chunk's regions with one recv_many, acked
-  once), or region by region (its discard path) only where nothing follows the batch: a
-  chunk whose copies a `map` splits (the first on a link, with a storage per layer) read
-  region by region waits until its deadline, and the link fails.
+  once), or region by region (its discard path) only where nothing follows the batch. A
+  chunk whose copies a `map` splits, read region by region, waits until its deadline and the
+  link fails: never with the engine's cache (one storage, mapped before the first batch), but
+  with caches of a storage each, or a fault that sends a chunk's messages twice.
 Before posting, the sender waits for its device's queued work (the bytes must be written
 before the peer reads them). The receiver waits for its copies, also when it gives up (no byte
 lands after a receive raised), and then acknowledges them on a second tag; the sender's send is
