@@ -128,17 +128,16 @@ def _engine_rows(label: str):
     return rows
 
 
-def _transfer_command(backend: str):
+def _transfer_command(backend: str, stage: str):
     def command(ctx: Context) -> list[str] | str:
         script = REPO / "bench" / "gpu_transfer.py"
         if not script.exists():
             return "bench/gpu_transfer.py is not there"
         # (stopping 15 s before the stage's limit: the sizes measured by then are reported;
         # ucx also says which protocol and transport UCX picked, in the log)
-        name = "transfer" if backend == "torch_dist" else f"transfer_{backend}"
         return [sys.executable, str(script), "--device", ctx.sizes["device"],
                 "--backend", backend, *ctx.sizes["transfer_args"],
-                "--deadline-s", str(max(5, ctx.sizes["stage_s"][name] - 15)),
+                "--deadline-s", str(max(5, ctx.sizes["stage_s"][stage] - 15)),
                 *(["--ucx-info"] if backend == "ucx" else [])]
     return command
 
@@ -175,8 +174,8 @@ STAGES = [
     Stage("engine_eager", lambda ctx: _self(ctx, "engine", "--graphs", "off"),
           _engine_rows("engine, CUDA graphs off"), needs=("model",)),
     # the default backend (on one GPU: CUDA IPC), then UCX (cuda_ipc)
-    Stage("transfer", _transfer_command("torch_dist"), _transfer_rows("torch_dist")),
-    Stage("transfer_ucx", _transfer_command("ucx"), _transfer_rows("ucx")),
+    Stage("transfer", _transfer_command("torch_dist", "transfer"), _transfer_rows("torch_dist")),
+    Stage("transfer_ucx", _transfer_command("ucx", "transfer_ucx"), _transfer_rows("ucx")),
     Stage("tests", _tests_command, _tests_rows),
 ]
 

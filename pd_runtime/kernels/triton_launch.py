@@ -16,18 +16,17 @@ PREFILL_BLOCK_M_WIDE = 32    # ... at head_dim 256 (the float32 accumulator's ro
 # matmul rate. The most that compile for sm_90 without spilling, as the engine launches them
 # (tests/sm90_compile.py, Triton 3.7): 64 at head_dim 64/128 (138/203 registers; 128 keys
 # spill at head_dim 128), 32 at 256 (64 keys spill). Decode reads one cache block per step.
-# Both loops' loads are pipelined: the next tile is copied
-# while one is computed (decode compiled with a deeper pipeline than Triton's default 3 stages
-# is the same code).
+# Both loops' loads are pipelined: the next tile is copied while one is computed (decode
+# compiled with a deeper pipeline than Triton's default 3 stages is the same code).
 PREFILL_KEYS_PER_TILE = 64
 PREFILL_KEYS_PER_TILE_WIDE = 32  # head_dim 256
 # Split-K for decode: at most PROGRAMS_PER_SM programs per SM (one wave at head_dim <= 128: a
 # one-warp program holds 79-202 registers there, so 9 or more are resident per SM and a few
 # past a full wave would cost a second wave as long as the first; at head_dim 256, 4 warps of
-# 82-113 registers, 4-7 fit and 8 per SM is about two waves), each split
-# reading at least MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits. On the H200 at
-# context >= 16k (docs/BENCHMARKS.md, the first device run) the share of copy bandwidth
-# followed the program count: 320 programs 36-49%, 512 60-69%, 1024 82-87%.
+# 82-113 registers, 4-7 fit and 8 per SM is about two waves), each split reading at least
+# MIN_BLOCKS_PER_SPLIT cache blocks, at most MAX_SPLITS splits. On the H200 at context >= 16k
+# (docs/BENCHMARKS.md, the first device run) the share of copy bandwidth followed the program
+# count: 320 programs 36-49%, 512 60-69%, 1024 82-87%.
 PROGRAMS_PER_SM = 8
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64

@@ -105,7 +105,7 @@ def share_host(tensors) -> tuple:
 
 class Exports:
     """The sender's half: which storages this link has exported, and the messages that carry
-    one buffer."""
+    a send's buffers."""
 
     def __init__(self, host_shared=()) -> None:
         self._numbers: dict[int, int] = {}  # storage data_ptr -> number on this link
@@ -132,11 +132,11 @@ class Exports:
         for buf in bufs:
             before, copy = self._parts(buf)
             if before:  # (copies before it go first: the receiver reads in order)
-                out += _batched(copies) + before
+                out += _as_batch(copies) + before
                 copies = []
             if copy is not None:
                 copies.append(copy)
-        return out + _batched(copies)
+        return out + _as_batch(copies)
 
     def _parts(self, buf: torch.Tensor) -> tuple[list, Optional[numpy.ndarray]]:
         """(the messages before buf's copy record, that record or None: buf goes inline)."""
@@ -159,7 +159,7 @@ class Exports:
         return before, record(COPY, number, buf.data_ptr() - storage.data_ptr(), length)
 
 
-def _batched(copies: list) -> list:
+def _as_batch(copies: list) -> list:
     if len(copies) < 2:
         return copies
     return [record(BATCH, len(copies), 0, len(copies) * RECORD_BYTES), numpy.concatenate(copies)]
@@ -170,10 +170,10 @@ def batch_records(head: tuple[int, int, int, int], payload: numpy.ndarray) -> li
     _, count, _, length = head
     if count < 1 or length != count * RECORD_BYTES or payload.size != length:
         raise LinkError(f"a batch of {count} records in {length} bytes")
-    records = [read_record(payload[i * RECORD_BYTES:(i + 1) * RECORD_BYTES]) for i in range(count)]
-    if any(kind != COPY for kind, _, _, _ in records):
+    rows = payload.view(numpy.int64).reshape(count, RECORD_INT64S)
+    if (rows[:, 0] != COPY).any():
         raise LinkError("a batch holds copy records only")
-    return records
+    return [tuple(int(x) for x in row) for row in rows]
 
 
 class Mappings:

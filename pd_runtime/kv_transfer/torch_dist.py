@@ -54,7 +54,7 @@ class TorchDistLink(Link):
         self._mappings = ipc.Mappings() if use_ipc else None
         self._device = device
         self._copies_acked = 0  # (IPC) ranges the peer says it has copied
-        self._batched: collections.deque = collections.deque()  # (IPC) copy records to take
+        self._queued: collections.deque = collections.deque()  # (IPC) a batch's records to take
 
     def _group_for(self, buf: torch.Tensor):
         """Device memory goes over the data group (NCCL for CUDA), host memory over gloo."""
@@ -170,8 +170,8 @@ class TorchDistLink(Link):
         while True:
             if self._closed:  # (close() may come from another thread: take nothing after it)
                 raise LinkError("link closed")
-            if self._batched:
-                return self._batched.popleft()
+            if self._queued:
+                return self._queued.popleft()
             head = ipc.empty_record()
             self._post_all([head], deadline - time.monotonic(), "recv")
             kind, number, offset, length = ipc.read_record(head)
@@ -184,7 +184,7 @@ class TorchDistLink(Link):
             payload = numpy.empty(length, dtype=numpy.uint8)
             self._post_all([payload], deadline - time.monotonic(), "recv")
             if kind == ipc.BATCH:
-                self._batched.extend(ipc.batch_records((kind, number, offset, length), payload))
+                self._queued.extend(ipc.batch_records((kind, number, offset, length), payload))
             else:
                 self._mappings.add(number, payload.tobytes(), self._device)
 
@@ -192,7 +192,7 @@ class TorchDistLink(Link):
         if self._closed:
             return
         self._closed = True
-        self._batched.clear()
+        self._queued.clear()
         for group in {id(self._control): self._control, id(self._data): self._data}.values():
             try:
                 # abort() fails pending work on both ends, so no thread stays blocked on a

@@ -7,8 +7,8 @@ device buffers as ucxx Arrays.
 from __future__ import annotations
 
 import ipaddress
-import os
 import logging
+import os
 import threading
 import time
 from typing import Optional
