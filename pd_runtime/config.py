@@ -46,6 +46,13 @@ class EnginePoolSettings(_Strict):
     # Steps a waiting request may be passed over before its priority is raised by one.
     priority_aging_steps: int = Field(64, ge=1)
     num_threads: Optional[int] = Field(None, ge=1, description="torch CPU threads.")
+    # A worker of degree t is t ranks, each holding 1/t of the attention heads, MLP columns and
+    # experts (pd_runtime/model/tensor_parallel.py), joined by all-reduces over
+    # torch.distributed (NCCL on GPUs, gloo on the CPU); the driver rank schedules and
+    # samples, the others follow its plan. On the CPU each rank takes 1/t of the cores unless
+    # num_threads says otherwise. The heads (and KV heads, or t a multiple of them), the MLP
+    # width and the experts must divide by t.
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
     # Decode keeps the running batch's K/V contiguous in a side buffer of up to this fraction
     # of the KV cache's bytes (appends instead of re-gathering blocks each step); 0 disables.
     decode_kv_buffer_fraction: float = Field(1.0, ge=0)
