@@ -141,7 +141,7 @@ def test_get_tokenizer_is_transformers_tokenizer_as_vllm_returns_it(llama_dir):
 
 
 @pytest.mark.parametrize("args, says", [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size: 2 is not supported"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ({"tokenizer": "/some/other/tokenizer"}, "tokenizer: '/some/other/tokenizer'"),
     ({"swap_space": -1}, "swap_space: -1 GiB is not a size"),
     ({"quantization": "awq"}, "quantization"),  # vLLM has it, we do not: named, not ignored

@@ -44,6 +44,7 @@ class DraftModel:
         engine = config.model_copy(update={
             "model": path, "num_kv_blocks": num_blocks, "enable_prefix_caching": False,
             "speculative_method": None, "speculative_model": None, "cuda_graphs": False,
+            "tensor_parallel_size": 1,
             "kv_cache_dtype": "auto", "gpu_memory_utilization": None})
         self.runner = ModelRunner(engine, max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, f"draft:{path}",

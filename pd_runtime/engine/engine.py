@@ -16,7 +16,7 @@ import torch
 from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, RequestTooLargeError,
                             SamplingParams, bad_word_spellings)
 from pd_runtime.config import EngineConfig
-from pd_runtime.engine import prompt_logprobs
+from pd_runtime.engine import prompt_logprobs, tp_ranks
 from pd_runtime.engine.block_manager import BlockManager
 from pd_runtime.engine.detokenizer import detokenize_step
 from pd_runtime.engine.grammar import GrammarMasks
@@ -36,10 +36,14 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp=None):
+        """`tp`: this engine's tensor-parallel group (driver rank), whose followers run
+        elsewhere (a worker's actors); None with tensor_parallel_size > 1 starts them here as
+        local processes (engine/tp_ranks.py)."""
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        threads = tp_ranks.threads_per_rank(config)
+        if threads:
+            torch.set_num_threads(threads)
         from pd_runtime.model.model_config import context_limit, load_model_config, served
 
         model_config = load_model_config(config.model)
@@ -48,7 +52,16 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model)
         # What a request that leaves a sampling field out gets (the router applies them).
         self.sampling_defaults = read_sampling_defaults(config.model)
-        self.runner = ModelRunner(config, self.max_model_len)
+        self._local_ranks = None
+        if tp is None and config.tensor_parallel_size > 1:
+            self._local_ranks = tp_ranks.LocalRanks(config, self.max_model_len)
+            tp = self._local_ranks.group
+        try:
+            self.runner = ModelRunner(config, self.max_model_len, tp)
+        except BaseException:
+            if self._local_ranks is not None:
+                self._local_ranks.close()
+            raise
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           self.model_config.identity,
                                           config.enable_prefix_caching)
@@ -422,6 +435,17 @@ class LLMEngine:
             prompt_logprobs=req.prompt_logprobs if len(req.output_token_ids) == 1 else None,
             queue_s=(req.first_scheduled_time - req.arrival_time)
             if reason is not None and req.first_scheduled_time is not None else None)
+
+    def rank_pids(self) -> list[int]:
+        """The processes of this engine's follower ranks started here (none at one rank)."""
+        return [p.pid for p in self._local_ranks.processes] if self._local_ranks else []
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers (nothing to do at one rank); the engine takes no
+        steps after."""
+        self.runner.stop_followers()
+        if self._local_ranks is not None:
+            self._local_ranks.close()
 
     def reset_prefix_cache(self) -> int:
         """Empty the prefix cache (block_manager.reset_prefix_cache); the blocks it forgot."""

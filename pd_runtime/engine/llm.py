@@ -88,7 +88,7 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str, **engine_args):
         """`engine_args`: EngineConfig's fields, and vLLM's names for what they share
-        (enforce_eager, swap_space in GiB, tensor_parallel_size 1, trust_remote_code;
+        (enforce_eager, swap_space in GiB, tensor_parallel_size, trust_remote_code;
         pd_runtime/serve_flags.py)."""
         from pd_runtime.serve_flags import engine_fields
 

@@ -4,6 +4,11 @@ model over the paged KV cache, and returns logits for the requests due a sample.
 With `batch_invariant` (EngineConfig), every token's attention goes through the fixed-order
 kernel (pd_runtime/kernels/fixed_order.py) and the model's matmuls are row-stable, so a request's logits
 do not depend on its company, its chunking or its prefix-cache hits.
+
+Tensor parallel (`tp`, a TensorParallelGroup): every rank has a runner over its part of the
+model and its part of the KV cache (its KV heads, the same block ids). The driver's `execute`
+sends the plan to the others first (`follow` runs them there), so every rank builds the same
+batch and runs the same collectives; only the driver computes logits.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ from pd_runtime.engine.memory_plan import (check_fits, decode_buffer_fraction, k
                                            plan_memory)
 from pd_runtime.engine.scheduler import SchedulerOutput
 from pd_runtime.model.loader import load_model
+from pd_runtime.model.parallel_comm import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, max_model_len: int,
+                 tp: TensorParallelGroup | None = None):
         self.config = config
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.block_size = config.block_size
         # Every tensor a step reads is on this device: built on the host and copied once
         # (`_put`), or built there. On CUDA, attention is the Triton kernels (pd_runtime/kernels/
@@ -38,7 +46,7 @@ class ModelRunner:
             log.warning("batch_invariant: the fixed-order paths are the host's; on %s results "
                         "can depend on the batch", config.device)
         self.model = load_model(config.model, config.dtype, config.device, max_model_len,
-                                config.batch_invariant and self.on_host)
+                                config.batch_invariant and self.on_host, self.tp)
         cfg = self.model.cfg
         self.dtype = self.model.dtype
         if self.dtype in (torch.bfloat16, torch.float32) and self.on_host:
@@ -88,6 +96,8 @@ class ModelRunner:
                     "sharing this GPU fit together")
         self.num_blocks = config.num_kv_blocks or max(1, kv_cache_budget(
             config, cfg, max_model_len, device_bytes, block_bytes) // block_bytes)
+        if self.tp is not None:  # one scheduler's block ids address every rank's cache
+            self.tp.agree(self.num_blocks, "the KV block count")
         # One allocation for all layers; per-layer views are what attention and transfers use.
         # Layout [layers, 2 (K, V), blocks, kv_heads, block_size, head_dim]: see pd_runtime/kernels/attention.
         # On the host it lives in huge pages (host_memory: transfers pull from it 2x faster).
@@ -117,7 +127,10 @@ class ModelRunner:
         # CUDA graphs of decode steps, captured now so that no request waits for them.
         self.graphs = None
         self.graph_capture_s: float | None = None
-        if self.triton is not None and config.cuda_graphs and cfg.num_experts:
+        if self.triton is not None and config.cuda_graphs and self.tp is not None:
+            log.info("cuda_graphs: off at tensor_parallel_size %d (decode runs eagerly)",
+                     self.tp.size)
+        elif self.triton is not None and config.cuda_graphs and cfg.num_experts:
             # The experts' loop runs the experts its tokens chose: shapes a graph cannot hold.
             log.info("cuda_graphs: off for a mixture-of-experts model (decode runs eagerly)")
         elif self.triton is not None and config.cuda_graphs:
@@ -138,6 +151,27 @@ class ModelRunner:
         `whole_chunks` (scheduled chunks, plan order): every row of their hidden states, before
         the vocabulary projection, is left in `whole_hidden` (prompt logprobs project them a
         slice at a time: a long chunk's logits at once could outgrow the memory plan)."""
+        if self.tp is not None:
+            self.tp.send_plan((plan, whole_chunks))
+        return self._execute(plan, on_layer, whole_chunks)
+
+    def follow(self) -> None:
+        """A follower rank: run the driver's plans until it stops or is gone."""
+        while (message := self.tp.recv_plan()) is not None:
+            plan, whole_chunks = message
+            self._execute(plan, None, whole_chunks)
+            self.whole_hidden = None
+
+    def stop_followers(self) -> None:
+        """The driver: end the followers' `follow`."""
+        if self.tp is not None and self.tp.rank == 0:
+            try:
+                self.tp.send_plan(None)
+            except RuntimeError:
+                pass  # a follower already gone
+            self.tp.close()
+
+    def _execute(self, plan: SchedulerOutput, on_layer, whole_chunks: tuple):
         self.whole_hidden = None
         self._on_layer = on_layer
         if plan.swap_out:
@@ -178,8 +212,8 @@ class ModelRunner:
         if len(rows) > num_sampled:
             self.whole_hidden = hidden[num_sampled:]
             hidden = hidden[:num_sampled]
-        if not num_sampled:
-            return None
+        if not num_sampled or (self.tp is not None and self.tp.rank):
+            return None  # (a follower: the driver samples)
         return self.model.compute_logits(hidden)
 
     def _put(self, t: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, NamedTuple
 
 from pd_runtime.kv_transfer.base import LayoutError
+from pd_runtime.model import tensor_parallel
 
 if TYPE_CHECKING:
     from pd_runtime.kv_transfer.layout import BlockRun
@@ -49,11 +50,7 @@ def kv_heads_of_rank(num_kv_heads: int, tp: int, rank: int) -> range:
     _check_split(num_kv_heads, tp)
     if not 0 <= rank < tp:
         raise HeadSplitError(f"rank {rank} outside a group of tensor_parallel_size={tp}")
-    if num_kv_heads >= tp:
-        per_rank = num_kv_heads // tp
-        return range(rank * per_rank, (rank + 1) * per_rank)
-    head = rank * num_kv_heads // tp
-    return range(head, head + 1)
+    return tensor_parallel.kv_heads_of_rank(num_kv_heads, tp, rank)  # the model's own split
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ the native kernel, pd_runtime/kernels/cpu_linear.c; bf16: oneDNN's layout).
 With `batch_invariant`, every row's result is independent of the rows batched with it: matmuls
 padded to a row count the library is stable from (pd_runtime/kernels/row_stable.py), the MLP activation
 and attention by fixed-order native kernels (the runner passes their metadata).
+With a tensor-parallel group (`tp`), this is one rank's part: its heads, MLP columns and
+experts (model/tensor_parallel.py), the row-parallel outputs all-reduced.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pd_runtime.kernels import native, row_stable
 from pd_runtime.kernels.attention import AttentionMetadata, paged_attention
 from pd_runtime.model.gpt_oss import clamped_swiglu
 from pd_runtime.model.model_config import ModelConfig
+from pd_runtime.model.parallel_comm import TensorParallelGroup
 from pd_runtime.model.rope import apply_rope, rope_tables
 
 
@@ -124,8 +127,11 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: str = "cpu", max_positions: int | None = None,
-                 batch_invariant: bool = False):
-        self.cfg = cfg
+                 batch_invariant: bool = False, tp: TensorParallelGroup | None = None):
+        self.cfg = cfg  # with tp: the rank's heads and MLP width (tensor_parallel.local_config)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        # The experts this rank holds are [expert_start, expert_start + len(its stack)).
+        self.expert_start = tp.rank * (cfg.num_experts // tp.size) if self.tp else 0
         self.dtype = dtype
         self.device = device
         self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None \
@@ -210,8 +216,17 @@ class LlamaModel:
         q, k = self.rotated_qk(layer, qkv, cos, sin)
         out = paged_attention(q, k, v.contiguous(), kv_layer, meta, self.scale)
         out = out.reshape(-1, self.q_size)
-        return linear(out if rows is None else out[rows], layer["o"], packed["o"],
-                      layer.get("o_bias"), self.min_rows["o"])
+        return self._row_parallel(out if rows is None else out[rows], layer, packed, "o")
+
+    def _row_parallel(self, x: torch.Tensor, layer: dict, packed: dict, name: str):
+        """A projection back to the hidden size: with tp, this rank's partial sum, all-reduced,
+        its bias added once after."""
+        bias = layer.get(name + "_bias")
+        if self.tp is None:
+            return linear(x, layer[name], packed[name], bias, self.min_rows[name])
+        out = self.tp.all_reduce(linear(x, layer[name], packed[name], None,
+                                        self.min_rows[name]))
+        return out if bias is None else out.add_(bias)
 
     def rotated_qk(self, layer: dict, qkv: torch.Tensor, cos, sin):
         """q `[T, heads, d]` and k `[T, kv_heads, d]` of a layer's qkv projection, normed where
@@ -247,8 +262,7 @@ class LlamaModel:
             return self._experts(layer, packed, x)
         gate_up = linear(x, layer["gate_up"], packed["gate_up"], layer.get("gate_up_bias"),
                          self.min_rows["gate_up"])
-        return linear(self._silu_mul(gate_up), layer["down"], packed["down"],
-                      layer.get("down_bias"), self.min_rows["down"])
+        return self._row_parallel(self._silu_mul(gate_up), layer, packed, "down")
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up: SiLU, or Gemma's tanh-approximated GELU; gpt-oss's clamped SwiGLU."""
@@ -283,23 +297,31 @@ class LlamaModel:
                 weights /= weights.sum(dim=-1, keepdim=True)
         if not cfg.router_weights_float32:
             weights = weights.to(logits.dtype)
-        # Mixtral's float32 weights make float32 products (rounded only after the sum).
-        weighted = torch.empty(*chosen.shape, x.shape[-1], device=x.device,
-                               dtype=torch.promote_types(x.dtype, weights.dtype))
+        # Mixtral's float32 weights make float32 products (rounded only after the sum). With
+        # tp, the slots of other ranks' experts stay zero and the all-reduce fills them.
+        weighted = (torch.zeros if self.tp else torch.empty)(
+            *chosen.shape, x.shape[-1], device=x.device,
+            dtype=torch.promote_types(x.dtype, weights.dtype))
+        local = range(self.expert_start, self.expert_start + len(layer["experts_gate_up"]))
         # gpt-oss's expert biases: added to the rounded products, as transformers adds them.
         up_bias, down_bias = layer.get("experts_gate_up_bias"), layer.get("experts_down_bias")
         for expert in torch.unique(chosen).tolist():
+            if expert not in local:
+                continue
             tokens, slot = torch.where(chosen == expert)
-            gate_up = linear(x[tokens], layer["experts_gate_up"][expert],
-                             packed["experts_gate_up"][expert], None,
+            e = expert - local.start
+            gate_up = linear(x[tokens], layer["experts_gate_up"][e],
+                             packed["experts_gate_up"][e], None,
                              self.min_rows["experts_gate_up"])
             if up_bias is not None:
-                gate_up += up_bias[expert]
-            down = linear(self._silu_mul(gate_up), layer["experts_down"][expert],
-                          packed["experts_down"][expert], None, self.min_rows["experts_down"])
+                gate_up += up_bias[e]
+            down = linear(self._silu_mul(gate_up), layer["experts_down"][e],
+                          packed["experts_down"][e], None, self.min_rows["experts_down"])
             if down_bias is not None:
-                down += down_bias[expert]
+                down += down_bias[e]
             weighted[tokens, slot] = down * weights[tokens, slot, None]
+        if self.tp is not None:  # each slot from one rank, zeros from the rest: exact
+            self.tp.all_reduce(weighted)
         out = weighted.sum(dim=1).to(x.dtype)
         if "shared_gate_up" in layer:  # Qwen2-MoE: every token's shared expert, gated
             gate_up = linear(x, layer["shared_gate_up"], packed["shared_gate_up"], None,

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pd_runtime.model import gpt_oss
+from pd_runtime.model import gpt_oss, tensor_parallel
 from pd_runtime.model.llama import LlamaModel
 from pd_runtime.model.model_config import ModelConfig, ModelLoadError, load_model_config, served
 
@@ -162,10 +162,17 @@ GEMMA_NORMS = ("in_norm", "post_norm", "pre_ff_norm", "post_ff_norm", "q_norm", 
 
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
-               max_positions: int | None = None, batch_invariant: bool = False) -> LlamaModel:
+               max_positions: int | None = None, batch_invariant: bool = False,
+               tp=None) -> LlamaModel:
+    """The model, or with `tp` (a TensorParallelGroup) that rank's part of it: each layer is
+    read whole and cut at once, so a rank holds at most one whole layer beside its part."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
     cfg = served(cfg, max_positions or cfg.max_position_embeddings)  # LongRoPE's factors
+    tp_size, tp_rank = (tp.size, tp.rank) if tp is not None else (1, 0)
+    reason = tensor_parallel.unsupported_reason(cfg, tp_size)
+    if reason is not None:
+        raise ModelLoadError(f"{model_dir}: tensor_parallel_size {tp_size}: {reason}")
     torch_dtype = resolve_dtype(dtype, cfg, device)
     reader = _TensorReader(_shard_files(model_dir), torch_dtype, device)
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -225,7 +232,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
             layer["post_ff_norm"] = norm(p + names["post_ff_norm"], h)
         if cfg.attn_sinks:  # float32, as the attention kernels read them
             layer["sinks"] = reader.get(p + "self_attn.sinks", (cfg.num_heads,)).float()
-        layers.append(layer)
+        layers.append(tensor_parallel.shard_layer(layer, cfg, tp_rank, tp_size))
+        del layer
     weights = {
         "embed": reader.get("model.embed_tokens.weight", (cfg.vocab_size, h)),
         "final_norm": norm("model.norm.weight", h),
@@ -245,9 +253,11 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
                 if name in layer:  # (Gemma 2 has no q/k norms)
                     layer[name] = 1.0 + layer[name].float()
     n_params = sum(t.numel() for t in reader_tensors(weights))
-    log.info("loaded %s (%s, %.1fM params, %s) from %s", cfg.family, cfg.identity,
-             n_params / 1e6, torch_dtype, model_dir)
-    return LlamaModel(cfg, weights, torch_dtype, device, max_positions, batch_invariant)
+    log.info("loaded %s (%s, %.1fM params%s, %s) from %s", cfg.family, cfg.identity,
+             n_params / 1e6, f" on rank {tp_rank} of {tp_size}" if tp_size > 1 else "",
+             torch_dtype, model_dir)
+    return LlamaModel(tensor_parallel.local_config(cfg, tp_size), weights, torch_dtype, device,
+                      max_positions, batch_invariant, tp)
 
 
 def _experts(reader: "_TensorReader", cfg: ModelConfig, prefix: str) -> dict:
