@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 from typing import Optional
 
 from pydantic import ValidationError
+
+log = logging.getLogger(__name__)
 
 # vLLM's parser names -> ours (router.tool_call_parser, router.reasoning_parser).
 TOOL_CALL_PARSERS = {"auto": "auto", "none": "none", "hermes": "hermes", "mistral": "mistral",
@@ -33,7 +36,7 @@ _ENGINE = {"max_model_len": "max_model_len", "dtype": "dtype", "seed": "seed",
            "enable_prefix_caching": "enable_prefix_caching", "max_num_seqs": "max_num_seqs",
            "max_num_batched_tokens": "max_num_batched_tokens", "block_size": "block_size",
            "kv_cache_dtype": "kv_cache_dtype", "gpu_memory_utilization": "gpu_memory_utilization",
-           "swap_space": "swap_space_bytes"}
+           "swap_space": "swap_space_bytes", "tensor_parallel_size": "tensor_parallel_size"}
 GIB = 1 << 30
 _ROUTER = {"served_model_name": "served_model_name", "chat_template": "chat_template",
            "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser",
@@ -101,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="engine.cuda_graphs: false, every pool")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
-                        help="only 1: a worker runs on one device (scale out with workers)")
+                        help="engine.tensor_parallel_size, every pool: ranks per worker")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM's command lines: no model code is ever run "
                              "from the model directory here")
@@ -118,9 +121,6 @@ def model_dir(args: argparse.Namespace) -> Optional[str]:
 def apply(cfg, args: argparse.Namespace):
     """`cfg` (a ClusterConfig) with the flags given applied, validated anew; an invalid value
     is a ValueError naming its flag."""
-    if getattr(args, "tensor_parallel_size", None) not in (None, 1):
-        raise ValueError(f"--tensor-parallel-size: {args.tensor_parallel_size} is not supported; "
-                         "each worker runs on one device (add workers to the pools instead)")
     data = cfg.model_dump()
     set_fields: dict[str, str] = {}  # field -> the flag that set it
     if getattr(args, "enforce_eager", None):
@@ -138,6 +138,13 @@ def apply(cfg, args: argparse.Namespace):
         for pool in _POOLS:
             data[pool]["engine"][field] = value
         set_fields[field] = _flag(dest)
+    if (getattr(args, "tensor_parallel_size", None) or 1) > 1 and not getattr(args, "config",
+                                                                                 None):
+        # The default deployment's prefill pool would ship KV between tensor-parallel
+        # workers, which is not supported yet: its workers serve colocated instead.
+        data["prefill"]["num_workers"] = 0
+        log.info("--tensor-parallel-size %d: the default deployment serves colocated (no "
+                 "prefill pool)", args.tensor_parallel_size)
     names = getattr(args, "served_model_name", None)
     if names is not None and len(names) > 1:
         raise ValueError(f"--served-model-name: one name is served here, got {len(names)}")
@@ -186,13 +193,10 @@ def engine_fields(model: str, args: dict) -> dict:
     """`LLM(model, **args)`'s arguments as EngineConfig's fields: vLLM's names for what they
     share are taken (enforce_eager, swap_space in GiB, a dtype alias or torch dtype), those
     with nothing to set here accepted when they ask for what happens anyway
-    (tensor_parallel_size 1, trust_remote_code, disable_log_stats, enable_chunked_prefill
+    (trust_remote_code, disable_log_stats, enable_chunked_prefill
     true, the model's own tokenizer); anything else is left for EngineConfig to refuse by
     name."""
     out = dict(args)
-    if out.get("tensor_parallel_size", 1) != 1:
-        raise ValueError(f"tensor_parallel_size: {out['tensor_parallel_size']} is not "
-                         "supported; an engine runs on one device")
     tokenizer = out.pop("tokenizer", None)
     if tokenizer is not None and os.path.realpath(os.fspath(tokenizer)) != \
             os.path.realpath(model):
@@ -201,8 +205,7 @@ def engine_fields(model: str, args: dict) -> dict:
     if out.get("enable_chunked_prefill", True) is not True:
         raise ValueError("enable_chunked_prefill: prompts are always chunked to "
                          "max_num_batched_tokens here")
-    for name in ("tensor_parallel_size", "trust_remote_code", "disable_log_stats",
-                 "enable_chunked_prefill"):
+    for name in ("trust_remote_code", "disable_log_stats", "enable_chunked_prefill"):
         out.pop(name, None)
     if "enforce_eager" in out:
         out["cuda_graphs"] = not out.pop("enforce_eager")

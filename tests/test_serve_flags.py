@@ -94,6 +94,24 @@ def test_a_bad_value_names_its_flag(argv, says):
     assert str(raised.value).startswith(says), raised.value
 
 
+def test_tensor_parallel_size_sets_every_pool_and_the_default_serves_colocated(tmp_path):
+    """`-tp 2` as vLLM spells it: every pool's workers are 2 ranks; without --config the
+    default deployment drops its prefill pool (KV transfer between tensor-parallel workers
+    is not supported yet), and a config that keeps one is refused at start, naming the field."""
+    from pd_runtime.workers.pool import check_tensor_parallel
+
+    cfg = applied("-tp", "2")
+    assert {p.engine.tensor_parallel_size for p in cfg.pools().values()} == {2}
+    assert cfg.prefill.num_workers == 0 and cfg.decode.num_workers == 1
+    check_tensor_parallel(cfg)
+    path = tmp_path / "c.yaml"
+    path.write_text("prefill: {num_workers: 1}\n")
+    kept = applied("--config", str(path), "-tp", "2", cfg=ClusterConfig())
+    assert kept.prefill.num_workers == 1
+    with pytest.raises(ValueError, match=r"prefill.engine.tensor_parallel_size: 2 with a prefill pool"):
+        check_tensor_parallel(kept)
+
+
 def test_conflicts_are_errors():
     args = build_parser().parse_args(["serve", "/a", "--model", "/b"])
     with pytest.raises(ValueError, match="given twice"):
@@ -104,8 +122,8 @@ def test_conflicts_are_errors():
         {"tenant_id": "t", "api_key": "k"}]}})
     with pytest.raises(ValueError, match="--api-key: the config already names its tenants"):
         applied("--api-key", "x", cfg=keyed)
-    with pytest.raises(ValueError, match="--tensor-parallel-size: 2 is not supported"):
-        applied("--tensor-parallel-size", "2")
+    with pytest.raises(ValueError, match="--tensor-parallel-size: "):
+        applied("--tensor-parallel-size", "0")
     # Several keys stay keys: the last is not taken for the model (and echoed in an error).
     args = build_parser().parse_args(["serve", "--api-key", "sk-a", "sk-b"])
     assert args.api_key == ["sk-a", "sk-b"] and args.model_path is None

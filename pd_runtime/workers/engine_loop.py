@@ -23,9 +23,11 @@ _REPORT_EVERY_S = 0.02  # how often the engine thread republishes its load repor
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
+                 on_step_failure: Optional[Callable[[Exception], None]] = None):
         self.engine = engine
         self.loop = loop
+        self._on_step_failure = on_step_failure  # before the thread ends
         self._commands: "queue.Queue[tuple[Callable, asyncio.Future | None]]" = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._tick_hooks: list[Callable[[LLMEngine], None]] = []
@@ -146,8 +148,10 @@ class EngineLoop:
             if engine.has_work():
                 try:
                     outputs = engine.step()
-                except Exception:
+                except Exception as exc:
                     log.exception("engine step failed")
+                    if self._on_step_failure is not None:
+                        self._on_step_failure(exc)
                     raise
                 self.steps += 1
                 if outputs:

@@ -131,8 +131,10 @@ class LocalPool(PoolClient):
     """The pools of a ClusterConfig as in-process workers (see the module doc)."""
 
     def __init__(self, cfg: ClusterConfig, model_dir: str):
+        from pd_runtime.workers.pool import check_tensor_parallel
         from pd_runtime.workers.worker import PDWorker
 
+        check_tensor_parallel(cfg)
         refs: dict[str, list[WorkerRef]] = {role: [] for role in cfg.pools()}
         for role, pool in cfg.pools().items():
             for i in range(pool.num_workers):

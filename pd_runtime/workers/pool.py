@@ -30,8 +30,12 @@ def start_worker(role: str, worker_id: str, engine_config: EngineConfig,
                  resources: Optional[dict] = None, memory: Optional[int] = None,
                  max_restarts: int = 3, recovery: Optional[RecoveryConfig] = None,
                  scheduling_strategy=None, namespace: Optional[str] = None) -> WorkerRef:
-    """Create one worker actor (not yet waited for)."""
-    options = dict(name=f"pd-{worker_id}", num_cpus=num_cpus, num_gpus=num_gpus,
+    """Create one worker actor (not yet waited for). The resources are one rank's: a worker
+    of tensor_parallel_size t reserves t times them, in one actor on one node, whose process
+    starts the other ranks (pd_runtime/engine/tp_ranks.py); each rank computes on num_cpus
+    threads unless engine.num_threads says otherwise."""
+    ranks = engine_config.tensor_parallel_size
+    options = dict(name=f"pd-{worker_id}", num_cpus=num_cpus * ranks, num_gpus=num_gpus * ranks,
                    resources=resources or {}, max_restarts=max_restarts,
                    # Requests are not retried by Ray: a lost stream is migrated by the client.
                    max_task_retries=0, max_concurrency=1000)
@@ -67,12 +71,26 @@ def wait_ready(workers: list[WorkerRef], timeout_s: float = 300.0) -> list[dict]
     return infos
 
 
+def check_tensor_parallel(cfg) -> None:
+    """Refuse tensor-parallel workers beside a prefill pool, naming the field: the transfer
+    agent ships the driver rank's KV heads only, as yet (per-rank links following
+    kv_transfer/reshard.py's plan are the next step)."""
+    sharded = [role for role, pool in cfg.pools().items()
+               if pool.num_workers and pool.engine.tensor_parallel_size > 1]
+    if sharded and cfg.prefill.num_workers:
+        raise ValueError(f"{sharded[0]}.engine.tensor_parallel_size: "
+                         f"{cfg.pools()[sharded[0]].engine.tensor_parallel_size} with a prefill "
+                         "pool: KV transfer between tensor-parallel workers is not supported "
+                         "yet; serve tensor-parallel workers colocated (prefill.num_workers: 0)")
+
+
 def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClient:
     """Start every pool of a ClusterConfig and return a client over them."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    check_tensor_parallel(cfg)
     pools = {role: [] for role in cfg.pools()}
     for role, pool in cfg.pools().items():
         if pool.num_workers == 0:
@@ -81,7 +99,10 @@ def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClie
         placement = cfg.placement_for(role)
         strategy_for = [None] * pool.num_workers
         if placement.enabled:
-            pg = placement_group([res.bundle() for _ in range(pool.num_workers)],
+            ranks = pool.engine.tensor_parallel_size
+            pg = placement_group([{name: amount * ranks if name in ("CPU", "GPU") else amount
+                                   for name, amount in res.bundle().items()}
+                                  for _ in range(pool.num_workers)],
                                  strategy=placement.strategy, name=f"pd-{role}")
             ray.get(pg.ready(), timeout=placement.ready_timeout_s)
             strategy_for = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)

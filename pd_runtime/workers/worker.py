@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 import time
 import uuid
 from typing import AsyncIterator, Optional
@@ -99,7 +100,7 @@ class PDWorker:
     def _engine_loop(self) -> EngineLoop:
         if self.loop is None:  # the actor's event loop exists only inside async methods
             aio = asyncio.get_running_loop()
-            self.loop = EngineLoop(self.engine, aio)
+            self.loop = EngineLoop(self.engine, aio, self._on_step_failure)
             self.loop.add_tick_hook(self.reservations.tick)
             self.deadlines = DeadlineWatch(self.loop.end_stream)
             self.loop.add_tick_hook(self.deadlines.tick)
@@ -163,6 +164,20 @@ class PDWorker:
             raise RuntimeError(f"worker {self.worker_id}: the engine thread has stopped")
         return True
 
+    def _on_step_failure(self, exc: Exception) -> None:
+        """A tensor-parallel rank lost is this worker lost: the process ends, so Ray restarts
+        the actor, which starts its ranks anew (the group restarts as one unit) while the
+        router migrates its streams. (Its other ranks end when their plan channel closes.)"""
+        from pd_runtime.model.parallel_comm import TensorParallelError
+
+        in_actor = "ray" in sys.modules and sys.modules["ray"].is_initialized() and \
+            sys.modules["ray"].get_runtime_context().get_actor_id() is not None
+        if isinstance(exc, TensorParallelError) and in_actor:  # (in-process: the worker ends)
+            log.error("worker %s: a tensor-parallel rank is lost (%s); restarting the worker",
+                      self.worker_id, exc)
+            logging.shutdown()
+            os._exit(1)
+
     async def kv_metadata(self) -> bytes:
         return self.agent.metadata()
 
@@ -176,7 +191,8 @@ class PDWorker:
         report["records"] = self._records()
         report.update(worker_id=self.worker_id, role=self.role, engine_id=self.engine_id,
                       kv_transfer=self.agent.metrics(), draining=self.draining,
-                      pid=os.getpid(), hedged_prefills=self.hedged_prefills,
+                      pid=os.getpid(), rank_pids=self.engine.rank_pids(),
+                      hedged_prefills=self.hedged_prefills,
                       kv_overlap=self.transfer_overlap.report(),
                       cuda_graph_capture_s=self.engine.runner.graph_capture_s,
                       host=socket.gethostname(), num_threads=self.num_threads,
