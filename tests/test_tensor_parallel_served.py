@@ -1,0 +1,133 @@
+"""Tensor-parallel workers served: a decode worker of two ranks on a local Ray (its second rank a
+process of the worker's actor, the actor reserving both ranks' CPUs) streams the offline
+engine's tokens, greedy and seeded; one rank killed mid-stream ends the worker, Ray restarts
+it whole (new ranks) and the stream continues there with the same tokens. Then the product
+itself: `pd-runtime serve -tp 2 --in-process`, through the official openai client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from pd_runtime import LLM, SamplingParams
+from pd_runtime.config import EngineConfig, KVTransferConfig
+from tests.chaos_support import processes
+from tests.chaos_support.product import free_port, stop_serve, wait_ready
+
+ray = pytest.importorskip("ray")
+
+from tests.workers_ray_support.cluster import collect, params, prompts, text_of, tokens_of  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def sharded(llama_dir):
+    from pd_runtime.workers.client import PoolClient
+    from pd_runtime.workers.pool import start_worker, wait_ready as workers_ready
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="pd-test-tp",
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    engine = EngineConfig(model=llama_dir, dtype="float32", num_kv_blocks=128, num_threads=1,
+                          tensor_parallel_size=2, warmup_tokens=16)
+    worker = start_worker("decode", "d0", engine, KVTransferConfig(backend="local"),
+                          num_cpus=1, max_restarts=3)
+    workers_ready([worker])
+    yield worker, PoolClient([], [worker], recovery_wait_s=120)
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=128)
+    ps = prompts()
+    return ps, {seeded: [o.token_ids for o in llm.generate(
+        ps, [SamplingParams(**params(i, seeded)) for i in range(len(ps))])]
+        for seeded in (False, True)}
+
+
+def test_a_two_rank_worker_streams_the_offline_tokens(sharded, reference):
+    worker, client = sharded
+    ps, ref = reference
+    load = ray.get(worker.handle.load.remote())
+    assert len(load["rank_pids"]) == 1  # the second rank, beside the actor's own process
+    for seeded in (False, True):
+        for i in (0, 2):
+            chunks = collect(client, f"tp-{seeded}-{i}", ps[i], params(i, seeded))
+            assert tokens_of(chunks) == ref[seeded][i], (seeded, i)
+
+
+def test_a_killed_rank_restarts_the_worker_whole_and_the_stream_goes_on(sharded, reference):
+    import asyncio
+
+    worker, client = sharded
+    ps, ref = reference
+    load = ray.get(worker.handle.load.remote())
+    rank_pid, actor_pid = load["rank_pids"][0], load["pid"]
+
+    async def run():
+        chunks = []
+        async for chunk in client.generate("tp-kill", ps[3], params(3, True)):
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                os.kill(rank_pid, signal.SIGKILL)
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert tokens_of(chunks) == ref[True][3]
+    assert chunks[-1]["migrations"] == 1
+    after = ray.get(worker.handle.load.remote())
+    assert after["pid"] != actor_pid and after["rank_pids"] and \
+        after["rank_pids"][0] != rank_pid  # a new incarnation with new ranks
+    _gone(rank_pid)
+
+
+def _gone(pid: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"process {pid} outlived its worker")
+
+
+def test_serve_with_tensor_parallel_flag_matches_offline(llama_dir, tmp_path):
+    """The product as a vLLM user starts it: `-tp 2` (the default deployment then serves
+    colocated), the openai client's completion equal to the offline engine's at t = 1."""
+    port = free_port()
+    exe = Path(sys.executable).with_name("pd-runtime")
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([str(exe), "serve", llama_dir, "--in-process", "-tp", "2",
+                             "--dtype", "float32", "--port", str(port)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, base, tmp_path / "serve.log")
+        ranks = [p for p in processes.tree(proc.pid, session=proc.pid)
+                 if "pd_runtime.engine.tp_ranks" in p.cmdline]
+        assert len(ranks) == 1, ranks  # the decode worker's second rank
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        prompt = [(5 * i) % 300 + 7 for i in range(40)]
+        want = LLM(llama_dir, dtype="float32").generate(
+            [prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+        got = client.completions.create(model=model, prompt=prompt, max_tokens=10,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want.text
+    finally:
+        assert stop_serve(proc) == 0
+        log.close()
+    time.sleep(1)
+    left = [p for p in processes.tree(proc.pid, session=proc.pid) if processes.alive(p)]
+    assert not left, f"left behind: {left}"
