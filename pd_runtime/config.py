@@ -126,7 +126,10 @@ class KVTransferConfig(_Strict):
     # In a cluster file, "auto" means each worker's own Ray node IP (see for_node).
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
-    ucx_mode: Literal["auto", "tcp", "shm"] = "auto"
+    # backend ucx only (docs/kv_transfer.md): "tcp", "shm" (host caches), "rdma" (InfiniBand or
+    # RoCE NICs, host or CUDA caches; refused at agent start where there is none), or "auto":
+    # cuda transports for a CUDA cache, else shm on a loopback host, else tcp; never rdma.
+    ucx_mode: Literal["auto", "tcp", "shm", "rdma"] = "auto"
     credit_window_bytes: int = Field(256 * 1024 * 1024, ge=1)
     max_queued_sends: int = Field(64, ge=1)
     handshake_timeout_s: float = Field(10.0, gt=0)
@@ -143,6 +146,13 @@ class KVTransferConfig(_Strict):
     # Testing only: wrap the transport so faults (drop, delay, corrupt, duplicate) can be
     # injected at the link at run time (PDWorker.set_fault_injection); off in production.
     fault_injection: bool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.ucx_mode != "auto" and self.backend != "ucx":
+            raise FieldValueError(("ucx_mode",), f"{self.ucx_mode!r} applies to backend 'ucx' only, "
+                                  f"and kv_transfer.backend is {self.backend!r}")
+        return self
 
     def for_node(self, node_ip: str) -> "KVTransferConfig":
         """The agent config of a worker on `node_ip`: host "auto" becomes that address."""
@@ -325,11 +335,11 @@ class ClusterConfig(_Strict):
                 raise FieldValueError(("prefill", "engine", name), f"{ours!r} differs from "
                                       f"decode.engine.{name} {theirs!r}; KV moves between them")
         if self.prefill.num_workers:
-            if self.kv_transfer.backend == "ucx" and self.kv_transfer.ucx_mode != "auto" \
-                    and _is_cuda(self.prefill.engine.device):
+            if self.kv_transfer.ucx_mode in ("tcp", "shm") and _is_cuda(self.prefill.engine.device):
                 raise FieldValueError(("kv_transfer", "ucx_mode"), f"{self.kv_transfer.ucx_mode!r} "
                                       "moves host memory only and the KV cache is on the GPU; "
-                                      "use 'auto' (a CUDA cache gets UCX's CUDA transports)")
+                                      "use 'auto' (a CUDA cache gets UCX's CUDA transports) or "
+                                      "'rdma'")
         if self.router.routing.mode == "always_disaggregated" and not self.prefill.num_workers:
             raise FieldValueError(("router", "routing", "mode"),
                                   "always_disaggregated needs prefill.num_workers >= 1")

@@ -25,9 +25,15 @@ Modes (KVTransferConfig.ucx_mode), chosen once per agent because a UCX context i
   back on: ucx_worker.prepare_environment). UCX_MEMTYPE_CACHE stays n, as importing ucxx
   sets it (a global option a context cannot change): the cache can mistake device memory for
   host memory.
+- rdma: only when configured, for host or CUDA caches on machines with InfiniBand or RoCE
+  NICs. UCX_TLS=rc,dc,sm,self (+cuda for a CUDA cache, so UCX registers the KV blocks with the
+  NIC: GPUDirect RDMA), set only where the user has not (ucx_worker.mode_environment). As cuda
+  otherwise (caller-driven progress, receives in place, the get scheme: the receiver's NIC
+  reads), but endpoint error handling on: without it UCX aborts the process on a transport
+  error, which is what a dead peer gives over RC. A machine without an RDMA device, or a UCX
+  that cannot use it, fails at agent start; never a fallback to tcp.
 - auto: cuda for a CUDA cache; else shm when the agent listens on a loopback host (all peers
-  share the machine) and a shared-memory context can be created; tcp otherwise.
-RDMA (rc/dc/ud) would be picked by UCX's own TLS=all on hardware that has it; not on this box.
+  share the machine) and a shared-memory context can be created; tcp otherwise. Never rdma.
 """
 
 from __future__ import annotations
@@ -44,17 +50,20 @@ import torch
 
 from pd_runtime.kv_transfer.base import Activity, Link, LinkError, PostedSend, Transport
 from pd_runtime.kv_transfer.ucx_worker import (DIRECT_MIN_BYTES, DeviceBytes, Worker, abandon,
-                                    check_cuda_transports, context_config, cuda_device, device_array,
-                                    flat, host_array, prepare_environment, resolve_mode,
+                                    check_cuda_transports, check_rdma_transports, context_config,
+                                    cuda_device, device_array, flat, host_array,
+                                    prepare_environment, require_rdma_devices, resolve_mode,
                                     ucx_modules, wait)
 
 logger = logging.getLogger(__name__)
 
 _ACCEPT_TAG = 1
 _HELLO_BYTES = 4096
-# How long a given-up shm receive is driven to its end (cancelled, or pulled whole) before the
-# worker is retired instead (see UCXLink._drain_receives).
+# How long a given-up receive is driven to its end (cancelled, or pulled whole) before the
+# worker is retired instead (see UCXLink._drain_receives). rdma: a read from a dead peer ends
+# when RC gives up, after UCX_RC_TIMEOUT x (UCX_RC_RETRY_COUNT + 1), ~8.6 s by default.
 _DRAIN_S = 2.0
+_RDMA_DRAIN_S = 15.0
 
 
 # tcp receives land in a link-owned staging buffer and are copied into the KV blocks only once
@@ -78,9 +87,11 @@ def _batches(bufs: list, cap: int) -> list:
 class UCXLink(Link):
     posts_async = True
 
-    def __init__(self, endpoint, send_tag: int, recv_tag: int, worker: "Worker"):
+    def __init__(self, endpoint, send_tag: int, recv_tag: int, worker: "Worker",
+                 drain_s: float = _DRAIN_S):
         self._ep = endpoint
         self._worker = worker
+        self._drain_s = drain_s
         self._device_ok = worker.device is not None  # device tensors travel as they are
         self.progress = worker.progress  # called while waiting: the worker's own, where no thread drives it
         self._active: Optional[Activity] = None
@@ -153,7 +164,7 @@ class UCXLink(Link):
     def recv_many(self, bufs: list, timeout_s: float) -> None:
         """Contract (base.Link): once this raised, no byte lands in bufs later.
 
-        shm, cuda (caller-driven worker): every message of 4 KiB or more, and every device
+        shm, cuda, rdma (caller-driven worker): every message of 4 KiB or more, and every device
         message, is received in place, all posted at once; smaller host ones (eager) go through
         staging. A give-up drives the receives to their end before raising (_drain_receives).
         tcp (progress thread): every message is received into staging, all posted at once so
@@ -187,19 +198,21 @@ class UCXLink(Link):
             numpy.copyto(view, self._staging[at:at + view.nbytes])
 
     def _drain_receives(self, arrays: list, requests: list) -> None:
-        """shm give-up. Closing the endpoint cancels the receives no message matched yet; a
-        matched one is a rendezvous this worker pulls itself (get scheme) or an eager message
-        copied out of the shared FIFO, both only inside this worker's progress. So driving
-        progress until every request has ended leaves nothing that could write the buffers
-        afterwards. If that takes longer than _DRAIN_S (not seen: a pull needs no help from
-        the sender), the worker is retired: nothing progresses it again, so nothing it was
-        asked to receive is ever written (a device copy already started is waited for)."""
+        """shm, cuda, rdma give-up. Closing the endpoint cancels the receives no message
+        matched yet; a matched one is a rendezvous this worker pulls itself (get scheme) or an
+        eager message copied out of UCX's own buffers, both started only inside this worker's
+        progress. So driving progress until every request has ended leaves nothing that could
+        write the buffers afterwards. If that takes longer than the link's drain limit (not
+        seen: a pull needs no help from the sender), the worker is retired: nothing progresses
+        it again, so nothing it was asked to receive is written later (a device copy already
+        started is waited for; an RDMA read the NIC already runs cannot be, hence rdma's
+        longer limit, past which RC has failed a read from a dead peer)."""
         self.close()
-        limit = time.monotonic() + _DRAIN_S
+        limit = time.monotonic() + self._drain_s
         while not all(r.completed for r in requests):
             if time.monotonic() > limit:
                 self._worker.retire(f"{sum(not r.completed for r in requests)} receive(s) still "
-                                    f"pending {_DRAIN_S}s after their link was given up")
+                                    f"pending {self._drain_s}s after their link was given up")
                 abandon(arrays, requests)
                 return
             try:
@@ -285,7 +298,9 @@ class UCXTransport(Transport):
                  device: Optional[torch.device] = None):
         ucx_api, _ = ucx_modules()
         self.mode = resolve_mode(ucx_mode, host, device)
-        prepare_environment(self.mode)
+        device = cuda_device(device)
+        rdma_devices = require_rdma_devices() if self.mode == "rdma" else []
+        prepare_environment(self.mode, device)
         try:
             self._context = ucx_api.UCXContext(config_dict=context_config(self.mode))
         except Exception:
@@ -293,14 +308,17 @@ class UCXTransport(Transport):
                 raise
             self.mode = "tcp"  # no shared-memory transport here; auto falls back to TCP
             self._context = ucx_api.UCXContext(config_dict=context_config(self.mode))
-        device = cuda_device(device)
+        if self.mode == "rdma":
+            check_rdma_transports(self._context, rdma_devices)
         if device is not None:
             check_cuda_transports(self._context, device)
-        # shm, cuda: no progress thread; the thread waiting on a request drives the worker itself.
+        # shm, cuda, rdma: no progress thread; the thread waiting on a request drives the worker.
         self._ucx_worker = Worker(self._context, caller_progress=self.mode != "tcp", device=device)
         self._worker = self._ucx_worker.handle
         self._progress = self._ucx_worker.progress
-        self._error_handling = self.mode == "tcp"
+        # shm, cuda: peer death is left to heartbeats (see the modes in the module docstring)
+        self._error_handling = self.mode in ("tcp", "rdma")
+        self._drain_s = _RDMA_DRAIN_S if self.mode == "rdma" else _DRAIN_S
         self._hello = torch.empty(_HELLO_BYTES, dtype=torch.uint8)
         self._hello_request = None
         self._links: list[UCXLink] = []
@@ -368,7 +386,7 @@ class UCXTransport(Transport):
         return self._track(self._link(endpoint, hello["to_connector"], hello["to_acceptor"]))
 
     def _link(self, endpoint, send_tag: int, recv_tag: int) -> UCXLink:
-        return UCXLink(endpoint, send_tag, recv_tag, self._ucx_worker)
+        return UCXLink(endpoint, send_tag, recv_tag, self._ucx_worker, self._drain_s)
 
     @property
     def retired(self) -> Optional[str]:

@@ -6,6 +6,7 @@ device buffers as ucxx Arrays.
 
 from __future__ import annotations
 
+import glob
 import ipaddress
 import logging
 import os
@@ -34,8 +35,12 @@ def ucx_modules():
     return _modules
 
 
-# shm and cuda receive messages of at least this size in place (and every device message);
-# their contexts send them by rendezvous with the receiver pulling (get), smaller ones eagerly.
+# shm, cuda and rdma receive messages of at least this size in place (and every device
+# message); their contexts send rendezvous messages with the receiver pulling (get), which
+# keeps every write into a given-up receive inside this worker's own progress (ucx.UCXLink).
+# shm and cuda also hold the rendezvous threshold to this size, so that every message received
+# in place is pulled; rdma keeps UCX's own, tuned for the fabric (an eager message lands in
+# UCX's own buffers and is copied out during progress, so a give-up is safe either way).
 # The modes themselves are described in pd_runtime/kv_transfer/ucx.py.
 DIRECT_MIN_BYTES = 4096
 _CONTEXT_CONFIG = {
@@ -43,17 +48,38 @@ _CONTEXT_CONFIG = {
     "shm": {"TLS": "sm,self", "RNDV_SCHEME": "get_zcopy", "RNDV_THRESH": str(DIRECT_MIN_BYTES)},
     "cuda": {"TLS": "cuda_ipc,cuda_copy,sm,tcp,self", "RNDV_SCHEME": "get_zcopy",
              "RNDV_THRESH": str(DIRECT_MIN_BYTES)},
+    # TLS comes from the environment (mode_environment), so that a site's own UCX_TLS wins.
+    "rdma": {"RNDV_SCHEME": "get_zcopy"},
 }
 
 
-# ... and, for cuda, cuda_ipc's own switch for get: UCX turns get over cuda_ipc off where it
-# finds no NVLink (a single GPU has none), and with the scheme held to get, device messages
-# then went eagerly through host shared memory instead (0.75 GB/s on the H200: the second
-# device run, docs/BENCHMARKS.md). Put is not the way round it: the sender's copy would write
-# the receiver's blocks, which no give-up on the receiving side could stop. An interface
-# setting, read from the environment when UCX opens the interface (a context's config_dict
-# refuses it where UCX's CUDA module is not loaded); a value the user set is kept.
-_MODE_ENVIRONMENT = {"cuda": {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}}
+# What a mode puts in the process environment before its context is made; a variable the user
+# set is kept (prepare_environment). These are read from the environment, not the context's
+# settings: an interface setting (config_dict refuses it where its transport's module is not
+# loaded), and rdma's UCX_TLS, which a site narrows or widens for its fabric.
+# - UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on (cuda, rdma with a CUDA cache): UCX turns get over
+#   cuda_ipc off where it finds no NVLink (a single GPU has none), and with the scheme held to
+#   get, device messages then went eagerly through host shared memory instead (0.75 GB/s on the
+#   H200: the second device run, docs/BENCHMARKS.md). Put is not the way round it: the sender's
+#   copy would write the receiver's blocks, which no give-up on the receiving side could stop.
+# - UCX_TLS (rdma): RC between peers (rc: rc_mlx5 or rc_verbs, with UD for wireup) and DC where
+#   the NIC has it (dc: dc_mlx5), shared memory and self for a peer in this process or on this
+#   host, and for a CUDA cache UCX's CUDA transports (cuda: cuda_copy, cuda_ipc, gdr_copy):
+#   with them UCX registers the KV blocks with the NIC itself (GPUDirect RDMA). No tcp: an
+#   agent that asked for RDMA fails (check_rdma_transports) rather than quietly use sockets.
+RDMA_TLS = "rc,dc,sm,self"
+_CUDA_GET_OVER_IPC = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+
+
+def mode_environment(mode: str, device: Optional[torch.device] = None) -> dict:
+    """The UCX variables a mode sets in its process for a KV cache on `device` (None: host)."""
+    if mode == "cuda":
+        return dict(_CUDA_GET_OVER_IPC)
+    if mode != "rdma":
+        return {}
+    if device is None or torch.device(device).type != "cuda":
+        return {"UCX_TLS": RDMA_TLS}
+    return {"UCX_TLS": RDMA_TLS + ",cuda", **_CUDA_GET_OVER_IPC}
 
 
 def context_config(mode: str) -> dict:
@@ -61,21 +87,24 @@ def context_config(mode: str) -> dict:
     return dict(_CONTEXT_CONFIG[mode])
 
 
-def prepare_environment(mode: str) -> None:
-    """Set the mode's UCX interface settings in this process's environment, before its context
-    and workers are made (the user's own values win)."""
-    for name, value in _MODE_ENVIRONMENT.get(mode, {}).items():
-        os.environ.setdefault(name, value)
+def prepare_environment(mode: str, device: Optional[torch.device] = None, environ=None) -> None:
+    """Set the mode's UCX variables (mode_environment) in `environ`, this process's environment
+    unless given, before its context and workers are made; the user's own values win."""
+    environ = os.environ if environ is None else environ
+    for name, value in mode_environment(mode, device).items():
+        environ.setdefault(name, value)
 
 
 def resolve_mode(requested: str, host: str, device: Optional[torch.device] = None) -> str:
     """The mode an agent's context gets, from the configured ucx_mode, the host it listens on
-    and its KV cache's device."""
+    and its KV cache's device. auto never picks rdma (see docs/kv_transfer.md)."""
+    if requested == "rdma":
+        return requested
     if device is not None and torch.device(device).type == "cuda":
         if requested not in ("auto", "cuda"):
             raise KVTransferError(f"kv_transfer.ucx_mode {requested!r} moves host memory only, and "
                                   f"this KV cache is on {device}; use 'auto' (a CUDA cache gets UCX's "
-                                  "CUDA transports)")
+                                  "CUDA transports) or 'rdma'")
         return "cuda"
     if requested != "auto":
         return requested
@@ -104,14 +133,69 @@ def context_transports(context) -> set:
 
 def check_cuda_transports(context, device: torch.device) -> None:
     """Refuse a context that cannot move device memory: UCX would take a device pointer for a
-    host one. Without cuda_ipc, device KV is staged through host memory: slow, but it works."""
+    host one. Without cuda_ipc, KV for another process on this node takes a slower path."""
     found = context_transports(context)
     if "cuda_copy" not in found:
         raise KVTransferError(f"UCX found no CUDA transport here (usable: {', '.join(sorted(found))}), "
                               f"so it cannot move a KV cache on {device}; kv_transfer.backend "
                               "'torch_dist' moves it with NCCL")
     if "cuda_ipc" not in found:
-        logger.warning("kv_transfer: UCX has no cuda_ipc here; KV on %s is staged through host memory", device)
+        logger.warning("kv_transfer: UCX has no cuda_ipc here; KV on %s goes to other processes of "
+                       "this node through host memory (cuda mode) or the NIC (rdma)", device)
+
+
+# rdma: where the kernel lists RDMA devices (InfiniBand and RoCE NICs alike); libibverbs, and
+# through it UCX, finds them there. And what UCX lists for the rc and dc of RDMA_TLS.
+RDMA_SYSFS = "/sys/class/infiniband"
+_RDMA_TRANSPORTS = ("rc_mlx5", "rc_verbs", "dc_mlx5")
+
+
+def require_rdma_devices(sysfs: str = RDMA_SYSFS) -> list:
+    """This machine's RDMA devices (mlx5_0, ...), checked before any UCX context is made: rdma
+    is refused where there is none."""
+    try:
+        devices = sorted(os.listdir(sysfs))
+    except OSError:  # absent: no RDMA driver loaded at all
+        devices = []
+    if not devices:
+        raise KVTransferError(f"kv_transfer.ucx_mode 'rdma' needs an RDMA NIC (InfiniBand or RoCE), "
+                              f"and this machine has none: {sysfs} is absent or empty (no such NIC, "
+                              "or its driver is not loaded); use 'auto' (tcp between nodes)")
+    return devices
+
+
+def check_rdma_transports(context, devices: list) -> None:
+    """Refuse an rdma context in which UCX found no rc or dc transport: the devices exist, but
+    this UCX cannot use them (built without verbs, no active port, or UCX_TLS / UCX_NET_DEVICES
+    leave them out)."""
+    found = context_transports(context)
+    if found & set(_RDMA_TRANSPORTS):
+        return
+    settings = context.config
+    modules = _ucx_module_dir()
+    if modules is not None and not glob.glob(os.path.join(modules, "libuct_ib.so*")):
+        why = (f"The UCX this process loaded ({os.path.dirname(modules)}) has no InfiniBand module "
+               "(libuct_ib.so): the pip libucx wheel is built without verbs; load a UCX built "
+               "with them (RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true, docs/kv_transfer.md)")
+    else:
+        why = (f"Check that a port is active (ibv_devinfo) and that UCX_TLS ({settings.get('TLS')}) "
+               f"and UCX_NET_DEVICES ({settings.get('NET_DEVICES')}) let UCX use them")
+    raise KVTransferError(f"kv_transfer.ucx_mode 'rdma': UCX found no rc or dc transport "
+                          f"({', '.join(_RDMA_TRANSPORTS)}) on this machine's RDMA devices "
+                          f"({', '.join(devices)}); usable: {', '.join(sorted(found))}. {why}")
+
+
+def _ucx_module_dir() -> Optional[str]:
+    """Where the UCX this process loaded keeps its transport modules: ucx/ beside libucs."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1]
+                if os.path.basename(path).startswith("libucs.so"):
+                    return os.path.join(os.path.dirname(path), "ucx")
+    except OSError:
+        pass
+    return None
 
 
 # Buffers of operations given up on, with their requests: UCX may still read or write them
@@ -247,8 +331,9 @@ def flat(bufs: list, device_ok: bool = False) -> list:
 
 class Worker:
     """A UCX worker and how it progresses: by its own thread (tcp), or by whichever agent
-    thread waits (shm, cuda: caller_progress). A caller-driven worker can be retired: from then
-    on nothing progresses it, so it writes no buffer again (ucx.UCXLink._drain_receives).
+    thread waits (shm, cuda, rdma: caller_progress). A caller-driven worker can be retired:
+    from then on nothing progresses it, so it starts no write into a buffer again
+    (ucx.UCXLink._drain_receives).
 
     With a CUDA `device` (the KV cache's), every thread that calls into UCX first makes the
     device's primary CUDA context current (bind_thread): UCX's CUDA transports work in the
