@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from pd_runtime.kv_transfer.base import (AgentMetadata, DuplicateRequestError, FailureReason, LinkState,
+from pd_runtime.kv_transfer.base import (AgentMetadata, BlockIdError, DuplicateRequestError, FailureReason, LinkState,
                               ReleaseCallback, Role, SendOutcome, Transport, TransferStatus,
                               UnknownPeerError)
 from pd_runtime.kv_transfer.faults import FaultInjectingTransport, FaultSettingsError, LinkFaults
@@ -47,7 +47,8 @@ class KVTransferAgent:
                  model_id: str, handshake_timeout_s: float, transfer_timeout_s: float,
                  lease_timeout_s: float, credit_window_bytes: int, max_queued_sends: int,
                  checksums: bool, on_release: Optional[ReleaseCallback] = None,
-                 heartbeat_interval_s: float = 0.5, peer_timeout_s: float = 5.0):
+                 heartbeat_interval_s: float = 0.5, peer_timeout_s: float = 5.0,
+                 extra: Optional[dict] = None):
         self.layout = KVLayout(kv_caches)
         self.transport = transport
         self.engine_id = engine_id
@@ -67,7 +68,7 @@ class KVTransferAgent:
             model_id=model_id, dtype=str(self.layout.dtype).replace("torch.", ""),
             block_size=self.layout.block_size, num_layers=self.layout.num_layers,
             num_kv_heads=self.layout.num_kv_heads, head_dim=self.layout.head_dim,
-            num_blocks=self.layout.num_blocks)
+            num_blocks=self.layout.num_blocks, extra=dict(extra or {}))
         self.peers = PeerTable(transport, self._metadata, lock=self._lock, closing=self._closing,
                                active=self.active, handshake_timeout_s=handshake_timeout_s,
                                heartbeat_interval_s=heartbeat_interval_s, peer_timeout_s=peer_timeout_s,
@@ -103,11 +104,20 @@ class KVTransferAgent:
         self.peers.sendable.add(listener)
 
     def send(self, peer_id: str, request_id: str, src_block_ids: Sequence[int],
-             dst_block_ids: Sequence[int], layers: Optional[Sequence[int]] = None) -> SendOutcome:
+             dst_block_ids: Sequence[int], layers: Optional[Sequence[int]] = None,
+             heads: Optional[tuple[range, range]] = None) -> SendOutcome:
         """Queue layers (default: all) of a request's blocks for the peer. The first ACCEPTED call
-        for a request id starts the lease on src_block_ids; later calls add layers (same ids)."""
+        for a request id starts the lease on src_block_ids; later calls add layers (same ids).
+        `heads` (source range of this cache's KV heads, destination range of the peer's, of one
+        width): only those heads move (between tensor-parallel ranks, kv_transfer/reshard.py);
+        the receiver must expect the same destination range."""
         layers = list(range(self.layout.num_layers)) if layers is None else [int(x) for x in layers]
         self.layout.check_layers(layers)
+        if heads is not None:
+            self.layout.check_heads(heads[0])
+            if len(heads[0]) != len(heads[1]):
+                raise BlockIdError(f"{len(heads[0])} source heads but {len(heads[1])} "
+                                   "destination heads")
         with self._lock:
             peer = self.peers.get(peer_id)
             if peer is None:
@@ -121,10 +131,12 @@ class KVTransferAgent:
                 runs = merge_runs(src_block_ids, dst_block_ids)
                 now = time.monotonic()
                 transfer = Transfer(request_id, peer_id, Role.SEND, runs, self.layout.num_layers,
-                                    self.layout.bytes_for(len(src_block_ids), 1),
+                                    self.layout.bytes_for(len(src_block_ids), 1,
+                                                          len(heads[0]) if heads else None),
                                     now + min(self.transfer_timeout_s, self.lease_timeout_s),
-                                    block_ids=block_ids)
-            elif transfer.peer_id != peer_id or transfer.block_ids != block_ids:
+                                    block_ids=block_ids, heads=heads)
+            elif transfer.peer_id != peer_id or transfer.block_ids != block_ids \
+                    or transfer.heads != heads:
                 raise DuplicateRequestError(f"request {request_id!r} already sending other blocks")
             if transfer.layers_submitted.intersection(layers):
                 raise DuplicateRequestError(f"request {request_id!r}: layers sent twice")
@@ -167,16 +179,22 @@ class KVTransferAgent:
         return SendOutcome.ACCEPTED
 
     # ----- receiver side -----
-    def expect(self, request_id: str, dst_block_ids: Sequence[int], peer_id: Optional[str] = None) -> None:
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], peer_id: Optional[str] = None,
+               heads: Optional[range] = None) -> None:
         """Announce reserved destination blocks; only a transfer naming exactly these blocks may
-        write them. Fails with TIMEOUT if nothing completes within transfer_timeout_s."""
+        write them. Fails with TIMEOUT if nothing completes within transfer_timeout_s.
+        `heads`: only this range of the cache's KV heads arrives (from the sender that names
+        it; tensor-parallel resharding)."""
         self.layout.check_block_ids(dst_block_ids, "destination")
+        self.layout.check_heads(heads)
         with self._lock:
             if request_id in self.book.receiving:
                 raise DuplicateRequestError(f"request {request_id!r} already expected")
             transfer = Transfer(request_id, peer_id or "", Role.RECV, [], self.layout.num_layers,
-                                self.layout.bytes_for(len(dst_block_ids), 1),
-                                time.monotonic() + self.transfer_timeout_s)
+                                self.layout.bytes_for(len(dst_block_ids), 1,
+                                                      len(heads) if heads else None),
+                                time.monotonic() + self.transfer_timeout_s,
+                                heads=None if heads is None else (None, heads))
             self.book.receiving[request_id] = transfer
             self.book.reserved[request_id] = sorted(int(b) for b in dst_block_ids)
             self.active.mark()

@@ -145,10 +145,18 @@ class AgentMetadata:
         return cls(**msgpack.unpackb(data, raw=False))
 
     def check_compatible(self, peer: "AgentMetadata") -> None:
-        """Raise MetadataMismatchError naming the first field that differs."""
+        """Raise MetadataMismatchError naming the first field that differs. Ranks of
+        tensor-parallel workers (`extra["model_kv_heads"]`: the model's KV heads, of which the
+        cache holds num_kv_heads) may hold different numbers of them; the model's must agree."""
         for name in _MATCHED_FIELDS:
-            if getattr(self, name) != getattr(peer, name):
-                raise MetadataMismatchError(name, getattr(self, name), getattr(peer, name))
+            ours, theirs = getattr(self, name), getattr(peer, name)
+            if name == "num_kv_heads" and ("model_kv_heads" in self.extra
+                                           or "model_kv_heads" in peer.extra):
+                name = "model_kv_heads"
+                ours = self.extra.get(name, self.num_kv_heads)
+                theirs = peer.extra.get(name, peer.num_kv_heads)
+            if ours != theirs:
+                raise MetadataMismatchError(name, ours, theirs)
 
 
 def pack_frame(message: dict) -> bytes:

@@ -42,6 +42,9 @@ class Transfer:
     pending_failure: Optional[FailureReason] = None
     started_at: float = field(default_factory=time.monotonic)
     block_ids: tuple = ()  # sender: (src ids, dst ids) as first sent, to check later layers
+    # A range of the KV heads only (tensor-parallel resharding): (source heads, destination
+    # heads) of the two caches, each a range; None: whole blocks. A receiver knows its own.
+    heads: Optional[tuple] = None
 
     @property
     def finished(self) -> bool:

@@ -5,7 +5,7 @@ and per-region checksums. Pure tensor bookkeeping, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy
 import torch
@@ -74,6 +74,7 @@ class KVLayout:
         self.device = first.device
         self.layout = KV_LAYOUT
         self.block_bytes = first[0, 0].numel() * first.element_size()
+        self.head_bytes = self.block_bytes // self.num_kv_heads  # one head's tokens in a block
         # Host caches: numpy byte views [2, num_blocks, block_bytes] per layer, so a region is
         # a numpy slice (sub-microsecond) rather than a chain of torch views (~10 us).
         self._host = ([t.view(torch.uint8).numpy().reshape(2, self.num_blocks, self.block_bytes)
@@ -99,16 +100,45 @@ class KVLayout:
             return self._host[layer][kv, start:start + length].reshape(-1)
         return self.kv_caches[layer][kv, start:start + length].reshape(-1).view(torch.uint8)
 
-    def regions(self, runs: Sequence[BlockRun], layers: Sequence[int], side: str) -> Iterator:
-        """Regions of the given layers in wire order (layer, K then V, run); side is src or dst."""
+    def check_heads(self, heads: Optional[range]) -> None:
+        if heads is not None and not (0 <= heads.start < heads.stop <= self.num_kv_heads):
+            raise BlockIdError(f"KV heads {heads.start}..{heads.stop} outside the "
+                               f"{self.num_kv_heads} this cache holds")
+
+    def regions(self, runs: Sequence[BlockRun], layers: Sequence[int], side: str,
+                heads: Optional[range] = None) -> Iterator:
+        """Regions of the given layers in wire order (layer, K then V, run); side is src or dst.
+        `heads`: a range of this cache's KV heads only (tensor-parallel resharding,
+        kv_transfer/reshard.py): one region per block then (both sides cut alike, whatever
+        the other cache's width), the range being contiguous inside a block only."""
         starts = [(run.src_start if side == "src" else run.dst_start, run.length) for run in runs]
         for layer in layers:
             for kv in (0, 1):
                 for start, length in starts:
-                    yield self.region(layer, kv, start, length)
+                    if heads is None:
+                        yield self.region(layer, kv, start, length)
+                    else:
+                        for block in range(start, start + length):
+                            yield self.head_region(layer, kv, block, heads)
 
-    def bytes_for(self, num_blocks: int, num_layers: int) -> int:
-        return 2 * num_blocks * num_layers * self.block_bytes
+    def head_region(self, layer: int, kv: int, block: int, heads: range):
+        """Flat byte view of `heads` of one block in K or V of a layer."""
+        if self._host is not None:
+            return self._host[layer][kv, block,
+                                     heads.start * self.head_bytes:heads.stop * self.head_bytes]
+        return self.kv_caches[layer][kv, block, heads.start:heads.stop].reshape(-1).view(
+            torch.uint8)
+
+    def region_sizes(self, runs: Sequence[BlockRun], num_heads: Optional[int] = None) -> list[int]:
+        """Bytes of each region of one layer's K or V half, in wire order (`num_heads`: a head
+        range's width; None: whole blocks)."""
+        if num_heads is None:
+            return [run.length * self.block_bytes for run in runs]
+        return [num_heads * self.head_bytes for run in runs for _ in range(run.length)]
+
+    def bytes_for(self, num_blocks: int, num_layers: int, num_heads: Optional[int] = None) -> int:
+        per_block = self.block_bytes if num_heads is None else num_heads * self.head_bytes
+        return 2 * num_blocks * num_layers * per_block
 
 
 def region_checksum(region) -> int:

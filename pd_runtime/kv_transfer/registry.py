@@ -41,9 +41,11 @@ def make_transport(config, device: torch.device) -> Transport:
 def create_agent(config, kv_caches: Sequence[torch.Tensor], *, engine_id: str, model_id: str,
                  on_release: Optional[ReleaseCallback] = None, transport: Optional[Transport] = None,
                  heartbeat_interval_s: Optional[float] = None,
-                 peer_timeout_s: Optional[float] = None) -> KVTransferAgent:
+                 peer_timeout_s: Optional[float] = None,
+                 extra: Optional[dict] = None) -> KVTransferAgent:
     """Build the agent for a worker from its KVTransferConfig (pd_runtime.config); the two
-    liveness keywords override the config for tests."""
+    liveness keywords override the config for tests; `extra` joins its handshake metadata
+    (a tensor-parallel rank's: the model's KV heads, its rank and degree)."""
     if heartbeat_interval_s is None:
         heartbeat_interval_s = config.heartbeat_interval_s
     if peer_timeout_s is None:
@@ -56,4 +58,4 @@ def create_agent(config, kv_caches: Sequence[torch.Tensor], *, engine_id: str, m
         handshake_timeout_s=config.handshake_timeout_s, transfer_timeout_s=config.transfer_timeout_s,
         lease_timeout_s=config.lease_timeout_s, credit_window_bytes=config.credit_window_bytes,
         max_queued_sends=config.max_queued_sends, checksums=config.checksums, on_release=on_release,
-        heartbeat_interval_s=heartbeat_interval_s, peer_timeout_s=peer_timeout_s)
+        heartbeat_interval_s=heartbeat_interval_s, peer_timeout_s=peer_timeout_s, extra=extra)

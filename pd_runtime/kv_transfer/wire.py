@@ -140,10 +140,12 @@ class Wire:
         receiver parses the header while the first region is already on its way. A post that
         raised comes back as a FailedPost."""
         try:
-            regions = list(self.layout.regions(transfer.runs, layers, "src"))
+            src_heads, dst_heads = transfer.heads or (None, None)
+            regions = list(self.layout.regions(transfer.runs, layers, "src", src_heads))
             sums = [region_checksum(r) for r in regions] if self.checksums else None
             header = {"t": "kv", "rid": transfer.request_id, "layers": layers,
-                      "runs": runs_to_wire(transfer.runs), "sums": sums}
+                      "runs": runs_to_wire(transfer.runs), "sums": sums,
+                      "heads": None if dst_heads is None else [dst_heads.start, dst_heads.stop]}
             return peer.link.post_many(frame_buffers(pack_frame(header)) + regions, self._remaining(transfer))
         except Exception as exc:  # any failure to post is the link's: the writer fails it
             return FailedPost(exc if isinstance(exc, LinkError) else LinkError(f"post failed: {exc!r}"))
@@ -239,10 +241,14 @@ class Wire:
         request_id, layers = frame["rid"], [int(x) for x in frame["layers"]]
         runs = runs_from_wire(frame["runs"])
         dst_ids = sorted(r.dst_start + i for r in runs for i in range(r.length))
+        named = frame.get("heads")  # the destination heads a resharding sender moves
+        heads = None if named is None else range(int(named[0]), int(named[1]))
         with self._lock:
             transfer = self.book.receiving.get(request_id)
+            expected = transfer.heads[1] if transfer is not None and transfer.heads else None
             usable = (transfer is not None and not transfer.pending_failure
                       and transfer.peer_id in ("", peer.peer_id)
+                      and heads == expected
                       and self.book.reserved.get(request_id) == dst_ids
                       and not transfer.layers_done.intersection(layers)
                       and all(0 <= x < self.layout.num_layers for x in layers))
@@ -255,14 +261,14 @@ class Wire:
         try:
             sums = frame.get("sums")
             if usable:
-                targets = list(self.layout.regions(runs, layers, "dst"))
+                targets = list(self.layout.regions(runs, layers, "dst", heads))
                 peer.link.recv_many(targets, self._remaining(transfer))
                 bad_sum = sums is not None and [region_checksum(t) for t in targets] != sums
-            else:
+            else:  # drained: the sender's regions, sized by what its header names
+                sizes = self.layout.region_sizes(runs, None if heads is None else len(heads))
                 for _ in layers:
                     for _kv in (0, 1):
-                        for run in runs:
-                            size = run.length * self.layout.block_bytes
+                        for size in sizes:
                             peer.link.recv_bytes(self._scratch.region(size), peer.peer_timeout_s)
         except LinkTimeoutError:
             failure = FailureReason.TIMEOUT
