@@ -315,7 +315,7 @@ def test_plan_ranks_splits_and_plots(tmp_path):
     assert parse_slo("ttft=2.5,tpot=100ms") == SLOTarget(ttft_s=2.5, tpot_s=0.1)
     with pytest.raises(ValueError, match="tpot"):
         parse_slo("ttft=2")
-    ranked, info = plan(costs(), Workload(), SLO, workers=4, rates=[2.0, 6.0, 12.0],
+    ranked, info = plan(costs(), Workload(), SLO, devices=4, rates=[2.0, 6.0, 12.0],
                         duration_s=20.0)
     peaks = [c.peak["goodput_rps"] for c in ranked]
     assert peaks == sorted(peaks, reverse=True) and info["candidates"] == len(ranked) >= 5
@@ -325,7 +325,7 @@ def test_plan_ranks_splits_and_plots(tmp_path):
     text = table(ranked)
     assert ranked[0].name in text.splitlines()[1]
     # Without rates: each configuration's SLO capacity, bracketed and bisected.
-    ranked, info = plan(costs(), Workload(), SLO, workers=2, duration_s=20.0)
+    ranked, info = plan(costs(), Workload(), SLO, devices=2, duration_s=20.0)
     assert info["rates"] is None and info["simulations"] > 3 * info["candidates"]
     for cand in ranked:
         passing = [p["rate"] for p in cand.points if p["attainment"] >= 0.9]
@@ -357,6 +357,10 @@ def test_profile_simulate_plan_commands(llama_dir, tmp_path, capsys):
     assert measured.decode.coefficients["prefill_token_s"] > 0
     assert measured.decode.num_kv_blocks == 512 and measured.kv_bytes_per_token > 0
     assert measured.transfer_exposed_s is not None and measured.rpc_s > 0
+    # For planning other degrees: the model's shape and the all-reduce timed over 2 ranks.
+    assert measured.model.num_kv_heads == 2 and measured.model.tensor_parallel_sizes[:2] == [1, 2]
+    assert measured.all_reduce[2].seconds(1) > 0 and "gloo" in measured.all_reduce[2].source
+    assert measured.decode.tensor_parallel_size == 1 and measured.decode.kv_blocks_set
     capsys.readouterr()
     assert main(["simulate", "--cost-model", str(cost_path), "--rates", "5", "20",
                  "--num-requests", "100", "--mode", "auto", "--threshold", "256"]) == 0
@@ -366,6 +370,10 @@ def test_profile_simulate_plan_commands(llama_dir, tmp_path, capsys):
                  "20", "--duration", "10", "--png", str(tmp_path / "p.png")]) == 0
     out = capsys.readouterr().out
     assert "recommended:" in out and (tmp_path / "p.png").exists()
+    assert main(["plan", "--cost-model", str(cost_path), "--devices", "2",
+                 "--tensor-parallel-sizes", "1,2", "--rates", "5", "--duration", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "0P+1D(tp2) always_colocated" in out and "measured: gloo, 2 ranks" in out
 
 
 def test_profile_through_a_running_routers_http_api(llama_dir):

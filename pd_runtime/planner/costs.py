@@ -36,7 +36,13 @@ class RoleCosts:
     # to the streams, commands, load reports (measured by `profile` as the batch-1 decode
     # period at the client minus the fitted step).
     step_overhead_s: float = 0.0
-    threads: int = 1  # the cores one worker's steps use (torch threads)
+    threads: int = 1  # the cores one worker's steps use (torch threads, all of its ranks')
+    # The worker's degree when measured: t ranks (engine.tensor_parallel_size). A pool planned
+    # at another degree takes its costs from pd_runtime/planner/tensor_parallel.py.
+    tensor_parallel_size: int = 1
+    # engine.num_kv_blocks was set: each rank holds that many blocks at any degree (else the
+    # blocks come from a byte budget per rank, and a rank's blocks shrink with its KV heads).
+    kv_blocks_set: bool = False
 
     def __post_init__(self):
         missing = [name for name in COEFFICIENTS if name not in self.coefficients]
@@ -72,13 +78,16 @@ class RoleCosts:
         coefficients = report.get("coefficients")
         if not coefficients:
             raise ValueError(f"worker {load.get('worker_id')} reports no step costs yet")
+        ranks = int(engine.get("tensor_parallel_size") or 1)
         return cls(coefficients={k: float(coefficients[k]) for k in COEFFICIENTS},
                    max_num_batched_tokens=int(load.get("max_num_batched_tokens", 2048)),
                    max_num_seqs=int(load.get("max_num_seqs", 128)),
                    num_kv_blocks=int(load.get("total_blocks", 4096)),
                    block_size=int(load.get("block_size", 16)),
                    step_time_target_s=engine.get("step_time_target_s"),
-                   threads=int(load.get("num_threads") or engine.get("num_threads") or 1),
+                   threads=ranks * int(load.get("num_threads") or engine.get("num_threads") or 1),
+                   tensor_parallel_size=ranks,
+                   kv_blocks_set=engine.get("num_kv_blocks") is not None,
                    max_model_len=int(load.get("max_model_len") or engine.get("max_model_len")
                                      or 4096))
 
@@ -116,6 +125,33 @@ class HostCosts:
 
 
 @dataclass
+class ModelShape:
+    """What splitting the model over t ranks changes, read from its config.json by `profile`
+    (pd_runtime/planner/profile_tp.py: model_shape)."""
+
+    num_layers: int
+    num_kv_heads: int
+    hidden_size: int
+    activation_bytes: int  # one value of the hidden state in the dtype the engines run
+    # The degrees its heads, MLP width and experts divide by (model/tensor_parallel.py's
+    # unsupported_reason), up to engine.tensor_parallel_size's limit.
+    tensor_parallel_sizes: list[int] = field(default_factory=lambda: [1])
+
+
+@dataclass
+class AllReduceCosts:
+    """One all-reduce of a step's hidden states over a worker's ranks:
+    latency_s + bytes / (gbps x 1e9), bytes = tokens x hidden_size x activation_bytes."""
+
+    latency_s: float
+    gbps: float
+    source: str = ""  # measured where and how, or which default
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / (self.gbps * 1e9)
+
+
+@dataclass
 class ClusterCosts:
     """Everything the simulator needs to know about the hardware and the runtime."""
 
@@ -137,6 +173,12 @@ class ClusterCosts:
     # The router's node, when the workers share it (None: the router has its own cores).
     host: Optional[HostCosts] = None
     source: dict = field(default_factory=dict)  # where and when it was measured
+    # Tensor parallelism (pd_runtime/planner/tensor_parallel.py): the model's shape, the
+    # all-reduce measured by `profile` per number of ranks, and role costs measured at other
+    # degrees (from other profiles: degree -> role -> costs).
+    model: Optional[ModelShape] = None
+    all_reduce: dict[int, AllReduceCosts] = field(default_factory=dict)
+    measured_tp: dict[int, dict[str, RoleCosts]] = field(default_factory=dict)
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / (self.transfer_gbps * 1e9)
@@ -175,6 +217,13 @@ class ClusterCosts:
                 fields[role] = RoleCosts(**fields[role])
             if fields.get("host") is not None:
                 fields["host"] = HostCosts(**fields["host"])
+            if fields.get("model") is not None:
+                fields["model"] = ModelShape(**fields["model"])
+            # JSON keys are strings: the degrees back to ints.
+            fields["all_reduce"] = {int(t): AllReduceCosts(**a)
+                                    for t, a in (fields.get("all_reduce") or {}).items()}
+            fields["measured_tp"] = {int(t): {role: RoleCosts(**r) for role, r in roles.items()}
+                                     for t, roles in (fields.get("measured_tp") or {}).items()}
             return cls(**fields)
         except TypeError as exc:
             raise ValueError(f"cost model: {exc}") from None

@@ -2,11 +2,14 @@
 threshold, that maximizes goodput for a workload under latency targets, by simulating each
 candidate (pd_runtime/planner/simulator.py) over a range of arrival rates.
 
-Candidates: every prefill share on a grid (0 prefill workers: all colocated), refined around
-the best; for each, the threshold modes that differ for this workload (`auto` at each distinct
-prompt length, and `always_disaggregated`). A candidate's score is its SLO capacity: the highest
-arrival rate at which at least 90% of requests meet both targets, found by bisection (or, with
---rates, its peak goodput over those rates); ties go to fewer prefill workers.
+Candidates: every prefill share of the devices on a grid (0 prefill workers: all colocated),
+refined around the best; for each, the threshold modes that differ for this workload (`auto`
+at each distinct prompt length, and `always_disaggregated`); and, given several degrees
+(--tensor-parallel-sizes), each pair of prefill and decode degrees, a worker of degree t taking
+t devices (pd_runtime/planner/tensor_parallel.py). A candidate's score is its SLO capacity:
+the highest arrival rate at which at least 90% of requests meet both targets, found by
+bisection (or, with --rates, its peak goodput over those rates); ties go to fewer devices,
+then fewer prefill workers.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Optional
 from pd_runtime.config import RoutingConfig, SLOTarget
 from pd_runtime.planner.costs import ClusterCosts
 from pd_runtime.planner.simulator import Topology, simulate
+from pd_runtime.planner.tensor_parallel import describe, role_costs
 from pd_runtime.planner.workload import Workload
 
 _SHARES = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75)
@@ -89,26 +93,42 @@ def thresholds(sample: list) -> list[int]:
     return sorted({max(0, n - 1) for n in lengths})
 
 
-def candidates(workers: int, sample: list, base: RoutingConfig) -> list[Topology]:
+def candidates(devices: int, sample: list, base: RoutingConfig,
+               degrees: tuple[tuple[int, int], ...] = ((1, 1),)) -> list[Topology]:
+    """Splits of `devices` for each (prefill, decode) pair of worker degrees."""
     out = []
-    for prefill in sorted({round(workers * s) for s in _SHARES} - {workers}):
-        out.extend(_modes(prefill, workers - prefill, sample, base))
+    for prefill_tp, decode_tp in degrees:
+        for prefill in sorted({round(devices * s / prefill_tp) for s in _SHARES}):
+            out.extend(_split(devices, prefill, sample, base, prefill_tp, decode_tp))
     return out
 
 
-def _modes(prefill: int, decode: int, sample: list, base: RoutingConfig) -> list[Topology]:
+def _split(devices: int, prefill: int, sample: list, base: RoutingConfig, prefill_tp: int,
+           decode_tp: int) -> list[Topology]:
+    """`prefill` workers of degree prefill_tp and as many decode workers of degree decode_tp
+    as the devices left hold (none: no candidate)."""
+    decode = (devices - prefill * prefill_tp) // decode_tp
+    if prefill < 0 or decode < 1:
+        return []
+    return _modes(prefill, decode, sample, base, prefill_tp, decode_tp)
+
+
+def _modes(prefill: int, decode: int, sample: list, base: RoutingConfig, prefill_tp: int = 1,
+           decode_tp: int = 1) -> list[Topology]:
+    degrees = {"prefill_tp": prefill_tp if prefill else 1, "decode_tp": decode_tp}
     if prefill == 0:
-        return [Topology(0, decode, base.model_copy(update={"mode": "always_colocated"}))]
+        return [Topology(0, decode, base.model_copy(update={"mode": "always_colocated"}),
+                         **degrees)]
     # max_prefill_queue_tokens bounds the whole prefill pool's queue (pd_runtime/router/policy.py): the
     # configured value is taken as one worker's share and scaled with the pool.
     pool = {"max_prefill_queue_tokens": base.max_prefill_queue_tokens * prefill}
     out = [Topology(prefill, decode, base.model_copy(
-        update={"mode": "always_disaggregated", **pool}))]
+        update={"mode": "always_disaggregated", **pool}), **degrees)]
     for t in thresholds(sample):
         if t >= max(r.prompt_len for r in sample):
             continue  # nothing would be disaggregated: the colocated candidate covers it
         out.append(Topology(prefill, decode, base.model_copy(
-            update={"mode": "auto", "max_local_prefill_tokens": t, **pool})))
+            update={"mode": "auto", "max_local_prefill_tokens": t, **pool}), **degrees))
     return out
 
 
@@ -170,20 +190,27 @@ def capacity(costs: ClusterCosts, topology: Topology, workload: Workload, slo: S
     return done(low)
 
 
-def plan(costs: ClusterCosts, workload: Workload, slo: SLOTarget, workers: int,
+def plan(costs: ClusterCosts, workload: Workload, slo: SLOTarget, devices: int,
          rates: Optional[list[float]] = None, duration_s: float = 60.0, seed: int = 0,
          base: Optional[RoutingConfig] = None, progress=None,
-         num_requests: Optional[int] = None) -> tuple[list[Candidate], dict]:
+         num_requests: Optional[int] = None,
+         tensor_parallel_sizes: Optional[list[int]] = None,
+         devices_per_node: Optional[int] = None) -> tuple[list[Candidate], dict]:
     """Every candidate evaluated, best first, and what the search cost. Each rate runs for
     duration_s simulated seconds, or num_requests requests when given (large pools at high
-    rates: the same statistics for less run time)."""
-    if workers < 1:
-        raise ValueError("--workers must be >= 1")
+    rates: the same statistics for less run time). `devices`: GPUs, or on the CPU per-rank CPU
+    sets (a pool's resources); at t=1 the workers. `tensor_parallel_sizes`: the worker degrees
+    to consider for either pool (each at most `devices_per_node`: a worker's ranks share a
+    node); None: the degrees the cost model's pools were measured at."""
+    if devices < 1:
+        raise ValueError("--devices must be >= 1")
+    prefill_degrees, decode_degrees = _degrees(costs, tensor_parallel_sizes,
+                                               devices_per_node or devices)
     started = time.monotonic()
     base = base or RoutingConfig()
     sample = workload.requests(rate=1.0, num_requests=2000, seed=seed) \
         if workload.arrival != "trace" else workload.requests(seed=seed)
-    guess = default_rates(costs, workload, workers, sample)[3]
+    guess = default_rates(costs, workload, devices, sample)[3]
     tried: dict[str, Candidate] = {}
 
     def run(tops: list[Topology]) -> None:
@@ -195,21 +222,50 @@ def plan(costs: ClusterCosts, workload: Workload, slo: SLOTarget, workers: int,
                 if progress is not None:
                     progress(top.name, tried[top.name])
 
-    run(candidates(workers, sample, base))
+    run(candidates(devices, sample, base,
+                   tuple((p, d) for p in prefill_degrees for d in decode_degrees)))
+    if not tried:
+        raise ValueError(f"no worker of degree {min(decode_degrees)} fits in {devices} devices")
     best = _ranked(tried)[0].topology
-    # Refine: the prefill counts next to the best one on the grid.
-    step = max(1, round(workers * 0.125) // 2)
-    near = {best.num_prefill + d for d in (-step, -1, 1, step)}
-    run([t for p in sorted(near) if 0 <= p < workers
-         for t in _modes(p, workers - p, sample, base)])
+    # Refine: the prefill counts next to the best one on the grid (at each prefill degree
+    # when the best has no prefill pool).
+    for prefill_tp in prefill_degrees if not best.num_prefill else (best.prefill_tp,):
+        step = max(1, round(devices * 0.125 / prefill_tp) // 2)
+        near = {best.num_prefill + d for d in (-step, -1, 1, step)}
+        run([t for p in sorted(near)
+             for t in _split(devices, p, sample, base, prefill_tp, best.decode_tp)])
     ranked = _ranked(tried)
     return ranked, {"candidates": len(tried), "rates": rates, "duration_s": duration_s,
                     "simulations": sum(len(c.points) for c in tried.values()),
-                    "num_requests": num_requests, "seconds": time.monotonic() - started}
+                    "num_requests": num_requests, "seconds": time.monotonic() - started,
+                    "degrees": {"prefill": prefill_degrees, "decode": decode_degrees},
+                    "sources": [describe(costs, role, t)
+                                for role, ts in (("prefill", prefill_degrees),
+                                                 ("decode", decode_degrees)) for t in ts]}
+
+
+def _degrees(costs: ClusterCosts, sizes: Optional[list[int]],
+             per_node: int) -> tuple[list[int], list[int]]:
+    """The prefill and decode degrees to consider, each checked now (its costs measured or
+    derivable, its ranks within a node) rather than mid-search."""
+    if sizes is None:
+        prefill, decode = [costs.prefill.tensor_parallel_size], \
+            [costs.decode.tensor_parallel_size]
+    else:
+        prefill = decode = sorted(set(sizes))
+    for t in sorted(set(prefill + decode)):
+        if t < 1 or t > per_node:
+            raise ValueError(f"--tensor-parallel-sizes: {t} is outside 1..{per_node} (a "
+                             "worker's ranks share one node: --devices-per-node)")
+    for role, ts in (("prefill", prefill), ("decode", decode)):
+        for t in ts:
+            role_costs(costs, role, t)  # raises, naming what is missing
+    return prefill, decode
 
 
 def _ranked(tried: dict[str, Candidate]) -> list[Candidate]:
-    return sorted(tried.values(), key=lambda c: (-c.score, c.topology.num_prefill, c.name))
+    return sorted(tried.values(), key=lambda c: (-c.score, c.topology.devices,
+                                                 c.topology.num_prefill, c.name))
 
 
 # ---------------------------------------------------------------------------------- output
@@ -220,14 +276,15 @@ def cell(x: Optional[float], scale: float = 1.0, digits: int = 2) -> str:
 
 def table(ranked: list[Candidate], top: int = 8) -> str:
     by_capacity = bool(ranked) and ranked[0].capacity is not None
-    lines = [f"{'rank':>4}  {'configuration':<26} "
+    width = max([26] + [len(c.name) for c in ranked[:top]])
+    lines = [f"{'rank':>4}  {'configuration':<{width}} "
              f"{'SLO cap/s' if by_capacity else 'peak good/s':>11} {'at rate':>8} "
              f"{'TTFT p50/p99 s':>15} {'TPOT p50/p99 ms':>16} {'refused':>7}  paths"]
     for i, cand in enumerate(ranked[:top], 1):
         p = cand.peak
         ttft, tpot, f = p["ttft_s"], p["tpot_s"], cell
         paths = " ".join(f"{k}:{v}" for k, v in sorted(p["paths"].items()))
-        lines.append(f"{i:>4}  {cand.name:<26} {cand.score:>11.2f} {p['rate']:>8.2f} "
+        lines.append(f"{i:>4}  {cand.name:<{width}} {cand.score:>11.2f} {p['rate']:>8.2f} "
                      f"{f(ttft['p50']):>7}/{f(ttft['p99']):<7} "
                      f"{f(tpot['p50'], 1e3, 1):>8}/{f(tpot['p99'], 1e3, 1):<7} "
                      f"{p['refused']:>7}  {paths}")

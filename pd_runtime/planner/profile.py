@@ -158,8 +158,11 @@ async def _rpc_s(client, samples: int = 20) -> float:
 
 
 async def calibrate(client, cfg, model_dir: str, quick: bool = False,
-                    progress: Optional[Progress] = None, seed: int = 0) -> ClusterCosts:
-    """Drive the pools through the sweep and return the cost model their workers fitted."""
+                    progress: Optional[Progress] = None, seed: int = 0,
+                    all_reduce_ranks: tuple[int, ...] = ()) -> ClusterCosts:
+    """Drive the pools through the sweep and return the cost model their workers fitted
+    (with the model's shape, and the all-reduce over each of `all_reduce_ranks` timed here:
+    pd_runtime/planner/profile_tp.py)."""
     if not client.prefill or not client.decode:
         raise ValueError("profile needs a prefill and a decode worker (prefill.num_workers and "
                          "decode.num_workers >= 1 in the config)")
@@ -188,7 +191,24 @@ async def calibrate(client, cfg, model_dir: str, quick: bool = False,
         note=f"pd-runtime profile{' --quick' if quick else ''}: {len(stages)} stages, "
              f"{cfg.kv_transfer.backend} transfers, model {Path(model_dir).name}")
     apply_overheads(costs, timings)
+    engine = pools["decode"].engine
+    add_tensor_parallel(costs, model_dir, engine.dtype, engine.device, all_reduce_ranks,
+                        engine.max_num_batched_tokens)
     return costs
+
+
+def add_tensor_parallel(costs: ClusterCosts, model_dir: Optional[str], dtype: str, device: str,
+                        all_reduce_ranks, max_tokens: int) -> None:
+    """The model's shape and the all-reduce timings, for planning other degrees."""
+    if model_dir is None:
+        costs.source["model"] = "not recorded (profile --url without --model): the plan " \
+                                "derives no other tensor_parallel_size"
+        return
+    from pd_runtime.planner.profile_tp import measure, model_shape
+
+    costs.model = model_shape(model_dir, dtype, device)
+    costs.all_reduce = measure(list(all_reduce_ranks), costs.model, device, max_tokens,
+                               costs.source)
 
 
 # ---------------------------------------------------------------------------------- over HTTP
@@ -251,11 +271,12 @@ def _steadied(snapshots: list[dict]) -> tuple[dict, dict]:
 
 async def calibrate_http(base_url: str, api_key: Optional[str] = None, quick: bool = False,
                          progress: Optional[Progress] = None, seed: int = 0,
-                         repeats: int = 1) -> ClusterCosts:
+                         repeats: int = 1, tensor_parallel_size: int = 1) -> ClusterCosts:
     """The sweep through a running deployment's router (`repeats` times: the cost model takes
     each coefficient's median over the fits after each sweep, and keeps their spread); the
     paths are the router's to choose (long prompts disaggregated in its default modes), so
-    each stage is attributed to the path the router's routing settings give it."""
+    each stage is attributed to the path the router's routing settings give it. The load
+    reports do not say the workers' degree: `tensor_parallel_size` does."""
     if repeats < 1:
         raise ValueError("--repeats must be >= 1")
     import httpx
@@ -295,8 +316,9 @@ async def calibrate_http(base_url: str, api_key: Optional[str] = None, quick: bo
     # Without a prefill pool (all colocated), the prefill role's costs are the decode side's:
     # the same engine.
     prefill = by_role.get("prefill") or decode
+    degree = {"tensor_parallel_size": tensor_parallel_size}
     costs = ClusterCosts.from_loads(
-        prefill, decode, prefill_engine={}, decode_engine={},
+        prefill, decode, prefill_engine=degree, decode_engine=degree,
         num_layers=1, stream_layers=True, rpc_s=0.0, router_overhead_s=0.0,
         max_model_len=int(card.get("max_model_len") or 4096),
         note=f"pd-runtime profile --url{' --quick' if quick else ''}: {len(stages)} stages x "

@@ -30,6 +30,7 @@ from pd_runtime.planner.costs import ClusterCosts
 from pd_runtime.planner.engine_model import Seq, SimEngine
 from pd_runtime.planner.host import NodeCores, load_cores
 from pd_runtime.planner.stats import percentile
+from pd_runtime.planner.tensor_parallel import role_costs
 from pd_runtime.planner.workload import SimRequest
 from pd_runtime.router.cost_model import CostModel
 from pd_runtime.router.ledger import Ledgers
@@ -40,7 +41,8 @@ _QUEUE_RETRY_S = 0.02  # pd_runtime/router/core.py: an `overload: queue` request
 
 @dataclass
 class Topology:
-    """A deployment to simulate: the pools' sizes and the router's settings."""
+    """A deployment to simulate: the pools' sizes, their workers' degrees (engine.
+    tensor_parallel_size) and the router's settings."""
 
     num_prefill: int
     num_decode: int
@@ -49,12 +51,26 @@ class Topology:
     # The clients run on the router's node too (a load generator on the machine it measures):
     # their CPU counts against the workers' cores where those share the node.
     clients_on_host: bool = False
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    @property
+    def devices(self) -> int:
+        """GPUs (or on the CPU, per-rank CPU sets): a worker of degree t takes t."""
+        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
 
     @property
     def name(self) -> str:
         r = self.routing
         mode = r.mode if r.mode != "auto" else f"auto@{r.max_local_prefill_tokens}"
-        return f"{self.num_prefill}P+{self.num_decode}D {mode}"
+        prefill_tp = self.prefill_tp if self.num_prefill else 1
+        return f"{_pool(self.num_prefill, 'P', prefill_tp)}+" \
+               f"{_pool(self.num_decode, 'D', self.decode_tp)} {mode}"
+
+
+def _pool(workers: int, role: str, t: int) -> str:
+    """"3D", or "3D(tp2)" for workers of degree 2."""
+    return f"{workers}{role}" + (f"(tp{t})" if t > 1 else "")
 
 
 @dataclass(slots=True)
@@ -97,9 +113,12 @@ class ClusterSim:
         self._order = itertools.count()
         self.rng = random.Random(seed)
         self.cores = NodeCores(self, costs.host, host_load) if host_load is not None else None
-        self.prefill = [SimEngine(self, f"prefill-{i}", "prefill", costs.prefill)
+        prefill_costs = role_costs(costs, "prefill", topology.prefill_tp) \
+            if topology.num_prefill else costs.prefill
+        decode_costs = role_costs(costs, "decode", topology.decode_tp)
+        self.prefill = [SimEngine(self, f"prefill-{i}", "prefill", prefill_costs)
                         for i in range(topology.num_prefill)]
-        self.decode = [SimEngine(self, f"decode-{i}", "decode", costs.decode)
+        self.decode = [SimEngine(self, f"decode-{i}", "decode", decode_costs)
                        for i in range(topology.num_decode)]
         self.engines = {e.worker_id: e for e in self.prefill + self.decode}
         self.states = {wid: WorkerState(wid, e.role) for wid, e in self.engines.items()}
@@ -292,8 +311,12 @@ def shares_host(costs: ClusterCosts, topology: Topology) -> bool:
     """The router's node (measured by `profile`) holds the whole deployment's workers: their
     steps compete with the router's CPU. A deployment larger than that node runs elsewhere."""
     host = costs.host
-    return host is not None and host.cores > 0 and topology.num_prefill * costs.prefill.threads \
-        + topology.num_decode * costs.decode.threads <= host.cores
+    if host is None or host.cores <= 0:
+        return False
+    threads = topology.num_decode * role_costs(costs, "decode", topology.decode_tp).threads
+    if topology.num_prefill:
+        threads += topology.num_prefill * role_costs(costs, "prefill", topology.prefill_tp).threads
+    return threads <= host.cores
 
 
 def simulate(costs: ClusterCosts, topology: Topology, requests: list[SimRequest],
