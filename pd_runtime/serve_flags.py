@@ -138,13 +138,14 @@ def apply(cfg, args: argparse.Namespace):
         for pool in _POOLS:
             data[pool]["engine"][field] = value
         set_fields[field] = _flag(dest)
-    if (getattr(args, "tensor_parallel_size", None) or 1) > 1 and not getattr(args, "config",
-                                                                                 None):
-        # The default deployment's prefill pool would ship KV between tensor-parallel
-        # workers, which is not supported yet: its workers serve colocated instead.
+    if (getattr(args, "tensor_parallel_size", None) or 1) > 1 and getattr(args, "in_process",
+                                                                             False) \
+            and not getattr(args, "config", None):
+        # In one process the workers' KV moves over in-process links, which cannot reach a
+        # tensor-parallel worker's other ranks: the default deployment serves colocated there.
         data["prefill"]["num_workers"] = 0
-        log.info("--tensor-parallel-size %d: the default deployment serves colocated (no "
-                 "prefill pool)", args.tensor_parallel_size)
+        log.info("--tensor-parallel-size %d --in-process: the default deployment serves "
+                 "colocated (no prefill pool)", args.tensor_parallel_size)
     names = getattr(args, "served_model_name", None)
     if names is not None and len(names) > 1:
         raise ValueError(f"--served-model-name: one name is served here, got {len(names)}")

@@ -94,21 +94,26 @@ def test_a_bad_value_names_its_flag(argv, says):
     assert str(raised.value).startswith(says), raised.value
 
 
-def test_tensor_parallel_size_sets_every_pool_and_the_default_serves_colocated(tmp_path):
-    """`-tp 2` as vLLM spells it: every pool's workers are 2 ranks; without --config the
-    default deployment drops its prefill pool (KV transfer between tensor-parallel workers
-    is not supported yet), and a config that keeps one is refused at start, naming the field."""
+def test_tensor_parallel_size_sets_every_pool(tmp_path):
+    """`-tp 2` as vLLM spells it: every pool's workers are 2 ranks. In one process
+    (--in-process: KV over in-process links, which cannot reach a worker's other ranks) the
+    default deployment drops its prefill pool, and a config that keeps one is refused at
+    start, naming the field."""
     from pd_runtime.workers.pool import check_tensor_parallel
 
     cfg = applied("-tp", "2")
     assert {p.engine.tensor_parallel_size for p in cfg.pools().values()} == {2}
-    assert cfg.prefill.num_workers == 0 and cfg.decode.num_workers == 1
+    assert cfg.prefill.num_workers == 1  # on Ray every rank pair is linked
     check_tensor_parallel(cfg)
+    alone = applied("-tp", "2", "--in-process")
+    assert alone.prefill.num_workers == 0 and alone.decode.num_workers == 1
     path = tmp_path / "c.yaml"
-    path.write_text("prefill: {num_workers: 1}\n")
-    kept = applied("--config", str(path), "-tp", "2", cfg=ClusterConfig())
+    path.write_text("prefill: {num_workers: 1}\nkv_transfer: {backend: local}\n")
+    kept = applied("--config", str(path), "-tp", "2", "--in-process", cfg=ClusterConfig(
+        kv_transfer={"backend": "local"}))
     assert kept.prefill.num_workers == 1
-    with pytest.raises(ValueError, match=r"prefill.engine.tensor_parallel_size: 2 with a prefill pool"):
+    with pytest.raises(ValueError, match=r"prefill.engine.tensor_parallel_size: 2 with a prefill "
+                                         r"pool over kv_transfer.backend 'local'"):
         check_tensor_parallel(kept)
 
 

@@ -31,17 +31,22 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def sharded(llama_dir):
+    """A decode worker of two ranks (d2) and one of one (d1), prefill workers likewise (p2,
+    p1): every rank pair linked over gloo."""
     from pd_runtime.workers.client import PoolClient
     from pd_runtime.workers.pool import start_worker, wait_ready as workers_ready
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="pd-test-tp",
+    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="pd-test-tp",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    engine = EngineConfig(model=llama_dir, dtype="float32", num_kv_blocks=128, num_threads=1,
-                          tensor_parallel_size=2, warmup_tokens=16)
-    worker = start_worker("decode", "d0", engine, KVTransferConfig(backend="local"),
-                          num_cpus=1, max_restarts=3)
-    workers_ready([worker])
-    yield worker, PoolClient([], [worker], recovery_wait_s=120)
+    kv = KVTransferConfig(backend="torch_dist", transfer_timeout_s=10.0, lease_timeout_s=10.0)
+    workers = {}
+    for role, name, degree in (("decode", "d2", 2), ("decode", "d1", 1),
+                               ("prefill", "p2", 2), ("prefill", "p1", 1)):
+        engine = EngineConfig(model=llama_dir, dtype="float32", num_kv_blocks=128,
+                              num_threads=1, tensor_parallel_size=degree, warmup_tokens=16)
+        workers[name] = start_worker(role, name, engine, kv, num_cpus=1, max_restarts=3)
+    workers_ready(list(workers.values()))
+    yield workers, PoolClient([], [workers["d2"]], recovery_wait_s=120)
     ray.shutdown()
 
 
@@ -55,7 +60,8 @@ def reference(llama_dir):
 
 
 def test_a_two_rank_worker_streams_the_offline_tokens(sharded, reference):
-    worker, client = sharded
+    workers, client = sharded
+    worker = workers["d2"]
     ps, ref = reference
     load = ray.get(worker.handle.load.remote())
     assert len(load["rank_pids"]) == 1  # the second rank, beside the actor's own process
@@ -68,7 +74,8 @@ def test_a_two_rank_worker_streams_the_offline_tokens(sharded, reference):
 def test_a_killed_rank_restarts_the_worker_whole_and_the_stream_goes_on(sharded, reference):
     import asyncio
 
-    worker, client = sharded
+    workers, client = sharded
+    worker = workers["d2"]
     ps, ref = reference
     load = ray.get(worker.handle.load.remote())
     rank_pid, actor_pid = load["rank_pids"][0], load["pid"]
@@ -88,6 +95,48 @@ def test_a_killed_rank_restarts_the_worker_whole_and_the_stream_goes_on(sharded,
     assert after["pid"] != actor_pid and after["rank_pids"] and \
         after["rank_pids"][0] != rank_pid  # a new incarnation with new ranks
     _gone(rank_pid)
+
+
+def _rank_bytes(worker) -> list[dict]:
+    return ray.get(worker.handle.load.remote())["kv_transfer"]["ranks"]
+
+
+@pytest.mark.parametrize("prefill, decode", [("p2", "d1"), ("p1", "d2"), ("p2", "d2")])
+def test_disaggregated_between_degrees_is_exact_and_each_rank_gets_its_heads(
+        sharded, reference, prefill, decode):
+    """Prefill at one degree, decode at another: the colocated single-rank tokens, and the
+    bytes say each decode rank received its own KV head (the test model has two, one a rank
+    at degree 2) and nothing else: equal shares, summing to what the prefill ranks sent."""
+    from pd_runtime.workers.client import PoolClient
+
+    workers, _ = sharded
+    p, d = workers[prefill], workers[decode]
+    client = PoolClient([p], [d], recovery_wait_s=30)
+    ps, ref = reference
+    for seeded in (False, True):
+        for i in (1, 3):
+            sent_before, got_before = _rank_bytes(p), _rank_bytes(d)
+            chunks = collect(client, f"dis-{prefill}-{decode}-{seeded}-{i}", ps[i],
+                             params(i, seeded), disaggregate=True)
+            assert {c["path"] for c in chunks} == {"disaggregated"}
+            assert tokens_of(chunks) == ref[seeded][i], (prefill, decode, seeded, i)
+            sent = [a["bytes_sent"] - b["bytes_sent"] for a, b in zip(_wait_sent(p, sent_before),
+                                                                     sent_before)]
+            got = [a["bytes_received"] - b["bytes_received"]
+                   for a, b in zip(_rank_bytes(d), got_before)]
+            assert sum(sent) == sum(got) > 0, (sent, got)
+            assert len(set(got)) == 1 and len(set(sent)) == 1, (sent, got)  # equal shares
+
+
+def _wait_sent(worker, before, timeout_s: float = 10.0) -> list[dict]:
+    """The prefill ranks' byte counts once the send ended (counted as each chunk leaves)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = _rank_bytes(worker)
+        if all(a["bytes_sent"] > b["bytes_sent"] for a, b in zip(now, before)) \
+                or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
 
 
 def _gone(pid: int, timeout_s: float = 20.0) -> None:
@@ -115,7 +164,7 @@ def test_serve_with_tensor_parallel_flag_matches_offline(llama_dir, tmp_path):
     try:
         wait_ready(proc, base, tmp_path / "serve.log")
         ranks = [p for p in processes.tree(proc.pid, session=proc.pid)
-                 if "pd_runtime.engine.tp_ranks" in p.cmdline]
+                 if "pd_runtime.workers.tp_rank" in p.cmdline]
         assert len(ranks) == 1, ranks  # the decode worker's second rank
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id

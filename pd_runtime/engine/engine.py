@@ -36,10 +36,10 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tp=None):
+    def __init__(self, config: EngineConfig, tp=None, rank_entry: Optional[str] = None):
         """`tp`: this engine's tensor-parallel group (driver rank), whose followers run
-        elsewhere (a worker's actors); None with tensor_parallel_size > 1 starts them here as
-        local processes (engine/tp_ranks.py)."""
+        elsewhere; None with tensor_parallel_size > 1 starts them here as local processes
+        (engine/tp_ranks.py), running module `rank_entry`'s main (default tp_ranks's)."""
         self.config = config
         threads = tp_ranks.threads_per_rank(config)
         if threads:
@@ -54,7 +54,8 @@ class LLMEngine:
         self.sampling_defaults = read_sampling_defaults(config.model)
         self._local_ranks = None
         if tp is None and config.tensor_parallel_size > 1:
-            self._local_ranks = tp_ranks.LocalRanks(config, self.max_model_len)
+            self._local_ranks = tp_ranks.LocalRanks(
+                config, self.max_model_len, entry=rank_entry or tp_ranks.__name__)
             tp = self._local_ranks.group
         try:
             self.runner = ModelRunner(config, self.max_model_len, tp)

@@ -40,15 +40,17 @@ def rank_device(config: EngineConfig, rank: int) -> str:
 
 
 class LocalRanks:
-    """The driver's group, with ranks 1..t-1 started here as processes."""
+    """The driver's group, with ranks 1..t-1 started here as processes running `entry`'s
+    main (this module's by default; a worker's adds its transfer agent)."""
 
-    def __init__(self, config: EngineConfig, max_model_len: int, timeout_s: float = 120.0):
+    def __init__(self, config: EngineConfig, max_model_len: int, timeout_s: float = 120.0,
+                 entry: str = __name__):
         size = config.tensor_parallel_size
         store = TensorParallelGroup.create_store(HOST, size, timeout_s)
         args = [json.dumps({"config": config.model_dump(mode="json"),
                             "max_model_len": max_model_len, "port": store.port,
                             "timeout_s": timeout_s})]
-        self.processes = [subprocess.Popen([sys.executable, "-m", __name__, str(rank), *args],
+        self.processes = [subprocess.Popen([sys.executable, "-m", entry, str(rank), *args],
                                            stdin=subprocess.DEVNULL)
                           for rank in range(1, size)]
         self.group = None
@@ -81,28 +83,28 @@ def _reap(processes: list[subprocess.Popen], groups: list) -> None:
             process.wait()
 
 
-def follow_plans(config: EngineConfig, rank: int, port: int, max_model_len: int,
-                 timeout_s: float) -> None:
-    """A follower rank's life: join the group, load its part of the model, run plans."""
+def join(argv: list[str]):
+    """A follower rank's start, from its command line: join the group, load its part of the
+    model; returns (group, runner), for `runner.follow()`."""
     from pd_runtime.engine.model_runner import ModelRunner
 
+    rank, spec = int(argv[0]), json.loads(argv[1])
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"tp rank {rank}: %(levelname)s %(name)s: %(message)s")
+    config = EngineConfig(**spec["config"])
     config = config.model_copy(update={"device": rank_device(config, rank)})
     threads = threads_per_rank(config)
     if threads:
         torch.set_num_threads(threads)
-    group = TensorParallelGroup(rank, config.tensor_parallel_size, HOST, port,
-                                torch.device(config.device), timeout_s)
-    runner = ModelRunner(config, max_model_len, group)
-    runner.follow()
-    group.close()
+    group = TensorParallelGroup(rank, config.tensor_parallel_size, HOST, spec["port"],
+                                torch.device(config.device), spec["timeout_s"])
+    return group, ModelRunner(config, spec["max_model_len"], group)
 
 
 def main(argv: list[str]) -> None:
-    rank, spec = int(argv[0]), json.loads(argv[1])
-    logging.basicConfig(level=logging.WARNING,
-                        format=f"tp rank {rank}: %(levelname)s %(name)s: %(message)s")
-    follow_plans(EngineConfig(**spec["config"]), rank, spec["port"], spec["max_model_len"],
-                 spec["timeout_s"])
+    group, runner = join(argv)
+    runner.follow()
+    group.close()
 
 
 if __name__ == "__main__":

@@ -205,7 +205,9 @@ class PoolClient:
                 gen = d.handle.generate.remote(request, resume_output_ids=list(streamed),
                                                resume_text_len=text_len)
             elif p is not None:
-                gen = d.handle.generate_disaggregated.remote(request, p.handle)
+                # (its degree, when its load report says: how our ranks cut their receives)
+                gen = d.handle.generate_disaggregated.remote(
+                    request, p.handle, p.load.get("tensor_parallel_size"))
             else:
                 gen = d.handle.generate.remote(request)
             finished = False

@@ -281,7 +281,8 @@ async def run_remote_prefill(worker, request: GenerationRequest,
 async def _remote_prefill(worker, loop, record: RemotePrefill, request: GenerationRequest,
                           prefill_worker, res) -> AsyncIterator[dict]:
     request_id = record.request_id
-    worker.agent.expect(request_id, res.missing_block_ids)
+    worker.agent.expect(request_id, res.missing_block_ids,
+                        peer_degree=await worker.prefill_degree(prefill_worker))
     skip = res.num_cached_tokens // res.block_size
     uncached = res.num_prompt_tokens - res.num_cached_tokens
     hedge_s = worker.prefill_rate.hedge_after_s(

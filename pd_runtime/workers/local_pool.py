@@ -134,7 +134,8 @@ class LocalPool(PoolClient):
         from pd_runtime.workers.pool import check_tensor_parallel
         from pd_runtime.workers.worker import PDWorker
 
-        check_tensor_parallel(cfg)
+        check_tensor_parallel(cfg.model_copy(update={"kv_transfer": cfg.kv_transfer.model_copy(
+            update={"backend": "local"})}))
         refs: dict[str, list[WorkerRef]] = {role: [] for role in cfg.pools()}
         for role, pool in cfg.pools().items():
             for i in range(pool.num_workers):

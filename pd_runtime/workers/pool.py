@@ -72,16 +72,17 @@ def wait_ready(workers: list[WorkerRef], timeout_s: float = 300.0) -> list[dict]
 
 
 def check_tensor_parallel(cfg) -> None:
-    """Refuse tensor-parallel workers beside a prefill pool, naming the field: the transfer
-    agent ships the driver rank's KV heads only, as yet (per-rank links following
-    kv_transfer/reshard.py's plan are the next step)."""
+    """Refuse tensor-parallel workers beside a prefill pool over the in-process transfer
+    backend (`local`), naming the field: a worker's other ranks are processes of their own,
+    which in-process links cannot reach (torch_dist and ucx link every rank pair)."""
     sharded = [role for role, pool in cfg.pools().items()
                if pool.num_workers and pool.engine.tensor_parallel_size > 1]
-    if sharded and cfg.prefill.num_workers:
+    if sharded and cfg.prefill.num_workers and cfg.kv_transfer.backend == "local":
         raise ValueError(f"{sharded[0]}.engine.tensor_parallel_size: "
                          f"{cfg.pools()[sharded[0]].engine.tensor_parallel_size} with a prefill "
-                         "pool: KV transfer between tensor-parallel workers is not supported "
-                         "yet; serve tensor-parallel workers colocated (prefill.num_workers: 0)")
+                         "pool over kv_transfer.backend 'local' (in-process links cannot reach "
+                         "a worker's other ranks): use torch_dist or ucx on Ray, or serve "
+                         "colocated (prefill.num_workers: 0)")
 
 
 def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClient:

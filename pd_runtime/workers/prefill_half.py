@@ -198,9 +198,10 @@ async def ship_kv(worker, request_id: str, peer_id: str, dst_block_ids: list[int
 
 def _peer_for(worker, metadata: bytes) -> str:
     """The agent's link to the decode worker that sent `metadata`: made once, again if failed."""
-    from pd_runtime.kv_transfer.base import AgentMetadata, LinkState
+    from pd_runtime.kv_transfer.base import LinkState
+    from pd_runtime.kv_transfer.group import peer_engine_id
 
-    engine_id = AgentMetadata.decode(metadata).engine_id
+    engine_id = peer_engine_id(metadata)
     peer_id = worker._peers.get(engine_id)
     if peer_id is None or worker.agent.peer_state(peer_id)[0] is LinkState.FAILED:
         peer_id = worker.agent.connect(metadata)

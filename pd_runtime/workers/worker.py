@@ -39,7 +39,6 @@ class PDWorker:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         import torch
 
-        from pd_runtime.kv_transfer.registry import create_agent
         from pd_runtime.engine.engine import LLMEngine
 
         self.role = role
@@ -50,7 +49,8 @@ class PDWorker:
         if self.engine_config.num_threads:
             torch.set_num_threads(self.engine_config.num_threads)
         self.num_threads = torch.get_num_threads()  # the cores its steps use
-        self.engine = LLMEngine(self.engine_config)
+        # Its other tensor-parallel ranks (if any) each run a transfer agent of their own.
+        self.engine = LLMEngine(self.engine_config, rank_entry="pd_runtime.workers.tp_rank")
         warm_s = self.engine.warm_up(self.engine_config.warmup_tokens)
         # A restarted actor is a new incarnation: peers must not mistake it for the old one.
         self.engine_id = f"{worker_id}-{uuid.uuid4().hex[:8]}"
@@ -65,10 +65,8 @@ class PDWorker:
             import ray
 
             kv = kv.for_node(ray.util.get_node_ip_address())
-        self.agent = create_agent(kv, self.engine.runner.kv_caches,
-                                  engine_id=self.engine_id,
-                                  model_id=self.engine.model_config.identity,
-                                  on_release=self._on_release)
+        self.agent = self._group_agent(kv)
+        self._prefill_degrees: dict[int, int] = {}  # id(prefill worker handle) -> its ranks
         self._peers: dict[str, str] = {}  # peer engine_id -> agent peer id
         # Decode side: each disaggregated request from its reservation to its last chunk.
         self.remote_prefills: dict[str, RemotePrefill] = {}
@@ -164,6 +162,47 @@ class PDWorker:
             raise RuntimeError(f"worker {self.worker_id}: the engine thread has stopped")
         return True
 
+    def _group_agent(self, kv: KVTransferConfig):
+        """One transfer agent per rank over that rank's cache, the others' in their processes
+        (pd_runtime/workers/tp_rank.py), behind one agent interface (kv_transfer/group.py)."""
+        from pd_runtime.engine.tp_ranks import HOST
+        from pd_runtime.kv_transfer.group import GroupAgent, released_by
+        from pd_runtime.kv_transfer.rank_rpc import RemoteRankAgent
+        from pd_runtime.kv_transfer.registry import create_agent
+        from pd_runtime.workers.tp_rank import AGENT_PORT_KEY
+
+        model = self.engine.model_config
+        degree = self.engine_config.tensor_parallel_size
+        group = GroupAgent([], model.num_kv_heads, on_release=self._on_release)
+
+        def extra(rank: int) -> dict:
+            return {"model_kv_heads": model.num_kv_heads, "tp_rank": rank, "tp_size": degree}
+
+        ranks = [create_agent(kv, self.engine.runner.kv_caches, engine_id=self.engine_id,
+                              model_id=model.identity, on_release=released_by(group, 0),
+                              extra=extra(0))]
+        for rank in range(1, degree):
+            port = int(self.engine.runner.tp.store.get(AGENT_PORT_KEY.format(rank=rank)))
+            ranks.append(RemoteRankAgent(HOST, port, released_by(group, rank),
+                                         kv.model_dump(), f"{self.engine_id}/r{rank}",
+                                         model.identity, extra(rank)))
+        group.ranks, group.degree = ranks, degree
+        return group
+
+    async def prefill_degree(self, prefill_worker) -> int:
+        """How many ranks a prefill worker has (what our ranks' receives are cut by): asked
+        once per worker (a restart keeps its pool's degree)."""
+        from pd_runtime.kv_transfer.group import rank_metadata
+
+        key = id(prefill_worker)
+        if key not in self._prefill_degrees:
+            try:
+                metadata = await asyncio.wait_for(prefill_worker.kv_metadata.remote(), 10.0)
+            except Exception:  # unreachable: its prefill call fails too, and we prefill here
+                return 1
+            self._prefill_degrees[key] = len(rank_metadata(metadata))
+        return self._prefill_degrees[key]
+
     def _on_step_failure(self, exc: Exception) -> None:
         """A tensor-parallel rank lost is this worker lost: the process ends, so Ray restarts
         the actor, which starts its ranks anew (the group restarts as one unit) while the
@@ -192,6 +231,7 @@ class PDWorker:
         report.update(worker_id=self.worker_id, role=self.role, engine_id=self.engine_id,
                       kv_transfer=self.agent.metrics(), draining=self.draining,
                       pid=os.getpid(), rank_pids=self.engine.rank_pids(),
+                      tensor_parallel_size=self.engine_config.tensor_parallel_size,
                       hedged_prefills=self.hedged_prefills,
                       kv_overlap=self.transfer_overlap.report(),
                       cuda_graph_capture_s=self.engine.runner.graph_capture_s,
@@ -325,9 +365,13 @@ class PDWorker:
                 await self._abort_unfinished(request_id)
 
     # -- disaggregated: decode side ----------------------------------------------------------
-    async def generate_disaggregated(self, request: GenerationRequest,
-                                     prefill_worker) -> AsyncIterator[dict]:
-        """The request's chunks, its prompt prefilled by `prefill_worker` (decode_half.py)."""
+    async def generate_disaggregated(self, request: GenerationRequest, prefill_worker,
+                                     prefill_degree: Optional[int] = None
+                                     ) -> AsyncIterator[dict]:
+        """The request's chunks, its prompt prefilled by `prefill_worker` (decode_half.py),
+        whose tensor-parallel degree the caller may know (else it is asked)."""
+        if prefill_degree:
+            self._prefill_degrees[id(prefill_worker)] = prefill_degree
         request_id = request.request_id
         loop = self._engine_loop()
         q = loop.open_stream(request_id)
@@ -376,6 +420,7 @@ class PDWorker:
         if self.loop is not None:
             self.loop.stop()
         self.agent.close()
+        self.engine.close()
 
 
 def _ray_node_id() -> Optional[str]:
