@@ -53,6 +53,11 @@ class EnginePoolSettings(_Strict):
     # num_threads says otherwise. The heads (and KV heads, or t a multiple of them), the MLP
     # width and the experts must divide by t.
     tensor_parallel_size: int = Field(1, ge=1, le=64)
+    # The most memory one rank's plan may take (pd_runtime/engine/memory_plan.py: its weights,
+    # KV cache, side buffers and largest step's activations): a plan over it is refused
+    # before the model loads, naming this field. None: unchecked on a CPU; a GPU is always
+    # checked against its own memory (and against this too, when set).
+    memory_budget_bytes: Optional[int] = Field(None, ge=1)
     # Decode keeps the running batch's K/V contiguous in a side buffer of up to this fraction
     # of the KV cache's bytes (appends instead of re-gathering blocks each step); 0 disables.
     decode_kv_buffer_fraction: float = Field(1.0, ge=0)

@@ -110,7 +110,7 @@ def test_engine_config_unchanged():
         "enable_prefix_caching": True, "preemption_mode": "recompute",
         "swap_space_bytes": 256 * 1024 * 1024, "max_waiting_requests": 4096,
         "max_waiting_tokens": 1 << 22, "priority_aging_steps": 64, "num_threads": None,
-        "tensor_parallel_size": 1,
+        "tensor_parallel_size": 1, "memory_budget_bytes": None,
         "decode_kv_buffer_fraction": 1.0, "batch_invariant": True, "warmup_tokens": 1024,
         "step_time_target_s": None, "cuda_graphs": True, "cuda_graph_max_batch_size": 256,
         "kv_cache_dtype": "auto", "speculative_method": None, "speculative_model": None, "speculative_tokens": 4, "speculative_ngram_max": 4,

@@ -186,3 +186,31 @@ def test_threads_are_shared_out_among_the_ranks():
     assert threads_per_rank(EngineConfig(model="m", tensor_parallel_size=2, num_threads=3)) == 3
     assert threads_per_rank(EngineConfig(model="m")) is None
     assert math.isfinite(cores)
+
+
+def test_a_model_over_one_ranks_budget_is_refused_at_one_rank_and_serves_at_two(model_factory):
+    """engine.memory_budget_bytes between what one rank of two and a whole engine plan: the
+    whole model is refused before it loads, naming the field; split over two ranks it loads
+    and gives the single-rank engine's tokens."""
+    from pd_runtime.config import EngineConfig
+    from pd_runtime.engine.memory_plan import plan_memory
+    from pd_runtime.model.model_config import served
+
+    model_dir = model_factory("llama", intermediate_size=2048)  # weights dominate the plan
+    settings = dict(dtype="float32", num_kv_blocks=16, max_num_batched_tokens=64,
+                    max_num_seqs=8)
+    cfg = served(load_model_config(model_dir), 2048)
+    whole, half = (plan_memory(EngineConfig(model=model_dir, tensor_parallel_size=t,
+                                            **settings), cfg, 2048).total for t in (1, 2))
+    assert half < 0.8 * whole
+    budget = (whole + half) // 2
+    with pytest.raises(ValueError, match="engine.memory_budget_bytes: this engine needs"):
+        LLM(model_dir, num_threads=1, memory_budget_bytes=budget, **settings)
+    reference = LLM(model_dir, num_threads=1, **settings).generate(PROMPTS[:2], GREEDY)
+    llm = LLM(model_dir, tensor_parallel_size=2, num_threads=1, memory_budget_bytes=budget,
+              **settings)
+    try:
+        got = llm.generate(PROMPTS[:2], GREEDY)
+        assert [r.token_ids for r in got] == [r.token_ids for r in reference]
+    finally:
+        llm.engine.close()

@@ -72,7 +72,10 @@ def decode_buffer_fraction(engine: EngineConfig) -> float:
     return engine.decode_kv_buffer_fraction if torch.device(engine.device).type == "cpu" else 0.0
 
 
-def weight_bytes(cfg: ModelConfig, elem: int) -> int:
+def weight_bytes(cfg: ModelConfig, elem: int, experts: Optional[int] = None) -> int:
+    """The weights of `cfg`'s layers (a tensor-parallel rank's: tensor_parallel.local_config,
+    and `experts` of them held whole; None: all)."""
+    experts = cfg.num_experts if experts is None else experts
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h, inter = cfg.hidden_size, cfg.intermediate_size
     per_layer = h * (q + 2 * kv) + q * h + (h if cfg.block_norms == "parallel" else 2 * h)
@@ -83,10 +86,10 @@ def weight_bytes(cfg: ModelConfig, elem: int) -> int:
     per_layer += 2 * h if cfg.block_norms == "sandwich" else 0  # (Gemma 2/3's MLP norms)
     per_layer += cfg.num_heads if cfg.attn_sinks else 0  # (gpt-oss's sink logits)
     dense = 3 * h * inter + (2 * inter + h if cfg.mlp_bias else 0)
-    sparse = cfg.num_experts * (3 * h * cfg.moe_intermediate_size + h)  # experts and router
+    sparse = experts * 3 * h * cfg.moe_intermediate_size + cfg.num_experts * h  # and router
     sparse += 3 * h * cfg.shared_expert_size + (h if cfg.shared_expert_size else 0)
     if cfg.expert_bias:  # gpt-oss's: the experts' (dequantized MXFP4: the weights as above)
-        sparse += cfg.num_experts * (2 * cfg.moe_intermediate_size + h + 1)
+        sparse += experts * (2 * cfg.moe_intermediate_size + h) + cfg.num_experts
     mlps = (cfg.num_layers - len(cfg.sparse_layers)) * dense + len(cfg.sparse_layers) * sparse
     embed = cfg.vocab_size * h
     return elem * (cfg.num_layers * per_layer + mlps
@@ -119,10 +122,15 @@ def step_activation_bytes(cfg: ModelConfig, elem: int, tokens: int, rows: int) -
 
 def plan_memory(engine: EngineConfig, cfg: ModelConfig, max_model_len: int,
                 device_bytes: Optional[int] = None) -> MemoryPlan:
-    """The plan of one engine; `max_model_len` as the engine resolves it. `device_bytes`: the
-    GPU's memory, which `gpu_memory_utilization` takes its share of (see kv_cache_budget)."""
+    """The plan of one engine (of each rank, at tensor_parallel_size t: its part of the
+    weights and its KV heads; `cfg` is the whole model's); `max_model_len` as the engine
+    resolves it. `device_bytes`: the GPU's memory, which `gpu_memory_utilization` takes its
+    share of (see kv_cache_budget)."""
     from pd_runtime.model.loader import resolve_dtype
+    from pd_runtime.model.tensor_parallel import local_config
 
+    ranks = engine.tensor_parallel_size
+    whole, cfg = cfg, local_config(cfg, ranks)
     dtype = resolve_dtype(engine.dtype, cfg, engine.device)
     elem = torch.tensor([], dtype=dtype).element_size()
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
@@ -139,7 +147,8 @@ def plan_memory(engine: EngineConfig, cfg: ModelConfig, max_model_len: int,
         batch = min(engine.cuda_graph_max_batch_size, engine.max_num_seqs)
         graphs = step_activation_bytes(cfg, elem, batch, batch) \
             + batch * (-(-max_model_len // engine.block_size) * 4 + 64)  # static buffers
-    weights = weight_bytes(cfg, elem) + rope_table_bytes(cfg, elem, max_model_len)
+    weights = weight_bytes(cfg, elem, whole.num_experts // ranks) \
+        + rope_table_bytes(cfg, elem, max_model_len)
     return MemoryPlan(weights=weights, kv_cache=kv, side_buffers=side,
                       activations=eager, cuda_graphs=graphs,
                       allocator=int(eager * ALLOCATOR_SLACK) if on_gpu else 0,
@@ -157,7 +166,9 @@ def kv_cache_budget(engine: EngineConfig, cfg: ModelConfig, max_model_len: int,
     if device_bytes is None:
         raise ValueError("engine.gpu_memory_utilization: the GPU's memory is needed to plan it")
     rest = plan_memory(engine.model_copy(update={"gpu_memory_utilization": None,
-                                                 "num_kv_blocks": 1}), cfg, max_model_len)
+                                                 "num_kv_blocks": 1,
+                                                 "tensor_parallel_size": 1}), cfg,
+                       max_model_len)
     rest_bytes = rest.total - rest.kv_cache
     draft_rest, draft_block = _draft_bytes(engine, max_model_len)
     budget = int(device_bytes * share) - rest_bytes - draft_rest
@@ -189,13 +200,15 @@ def _draft_bytes(engine: EngineConfig, max_model_len: int) -> tuple[int, int]:
     return plan.total - plan.kv_cache - plan.runtime, plan.kv_cache  # one CUDA context
 
 
-def check_fits(plan: MemoryPlan, device_bytes: int, where: str) -> None:
-    """Raise a ValueError naming the settings to change when the plan exceeds the device."""
+def check_fits(plan: MemoryPlan, device_bytes: int, where: str, what: str = "GPU memory",
+               has: str = "the device has") -> None:
+    """Raise a ValueError naming the settings to change when the plan exceeds the device (or
+    a budget: `what` and `has` word it)."""
     if plan.total <= device_bytes:
         return
     over = plan.total - device_bytes
     raise ValueError(
-        f"{where}: this engine needs {plan.total / GIB:.1f} GiB of GPU memory and the device "
-        f"has {device_bytes / GIB:.1f} GiB ({over / GIB:.1f} GiB over); lower "
+        f"{where}: this engine needs {plan.total / GIB:.3f} GiB of {what} and {has} "
+        f"{device_bytes / GIB:.3f} GiB ({over / GIB:.3f} GiB over); lower "
         f"engine.kv_cache_memory_bytes (or num_kv_blocks), max_num_batched_tokens, "
         f"max_num_seqs or cuda_graph_max_batch_size:\n{plan.table()}")

@@ -25,6 +25,7 @@ from pd_runtime.engine.memory_plan import (check_fits, decode_buffer_fraction, k
                                            plan_memory)
 from pd_runtime.engine.scheduler import SchedulerOutput
 from pd_runtime.model.loader import load_model
+from pd_runtime.model.model_config import load_model_config, served
 from pd_runtime.model.parallel_comm import TensorParallelGroup
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,14 @@ class ModelRunner:
         if config.batch_invariant and not self.on_host:
             log.warning("batch_invariant: the fixed-order paths are the host's; on %s results "
                         "can depend on the batch", config.device)
+        # The whole model's config (the model holds its rank's part): what the memory plan
+        # counts from.
+        self.whole_config = served(load_model_config(config.model), max_model_len)
+        if config.memory_budget_bytes is not None:  # refused before anything loads
+            check_fits(plan_memory(config, self.whole_config, max_model_len),
+                       config.memory_budget_bytes, "engine.memory_budget_bytes",
+                       "memory" + (f" per rank (of {config.tensor_parallel_size})"
+                                   if self.tp is not None else ""), "the budget is")
         self.model = load_model(config.model, config.dtype, config.device, max_model_len,
                                 config.batch_invariant and self.on_host, self.tp)
         cfg = self.model.cfg
@@ -102,7 +111,7 @@ class ModelRunner:
         # Layout [layers, 2 (K, V), blocks, kv_heads, block_size, head_dim]: see pd_runtime/kernels/attention.
         # On the host it lives in huge pages (host_memory: transfers pull from it 2x faster).
         if self.device.type == "cuda":  # fail here, naming the settings, not at a long prompt
-            plan = plan_memory(config, cfg, max_model_len, device_bytes)
+            plan = plan_memory(config, self.whole_config, max_model_len, device_bytes)
             check_fits(plan, device_bytes, f"engine.device {config.device!r}")
             self.memory_plan = plan  # bench/gpu_check.py sets it beside the measured peak
             log.info("GPU memory plan (%d KV blocks):\n%s", self.num_blocks, plan.table())
