@@ -31,16 +31,17 @@ def _run(model_dir: str, size: int, **engine) -> list:
         llm.engine.close()
 
 
-@pytest.mark.parametrize("family, overrides, sizes", [
-    ("llama", {}, (2, 4)),                               # 2 KV heads: replicated at t = 4
-    ("mistral", {"sliding_window": 24}, (2,)),           # prompts of 42 tokens pass the window
-    ("mixtral", {"num_local_experts": 4}, (2, 4)),       # experts split 2 and 1 per rank
+@pytest.mark.parametrize("family, overrides, sizes, engine", [
+    ("llama", {}, (2, 4), {}),                           # 2 KV heads: replicated at t = 4
+    ("mistral", {"sliding_window": 24}, (2,), {}),       # prompts of 42 tokens pass the window
+    ("mixtral", {"num_local_experts": 4}, (2, 4), {}),   # experts split 2 and 1 per rank
+    ("llama", {}, (2,), {"kv_cache_dtype": "int8"}),     # each rank quantizes its own heads
 ])
-def test_greedy_tokens_match_one_rank(model_factory, family, overrides, sizes):
+def test_greedy_tokens_match_one_rank(model_factory, family, overrides, sizes, engine):
     model_dir = model_factory(family, **overrides)
-    reference = _run(model_dir, 1)
+    reference = _run(model_dir, 1, **engine)
     for size in sizes:
-        got = _run(model_dir, size)
+        got = _run(model_dir, size, **engine)
         assert [tokens for tokens, _ in got] == [tokens for tokens, _ in reference], size
         # The row-parallel sums add partials in another order than one matmul: logprobs
         # agree to float32 rounding, not bit for bit (docs/architecture.md).

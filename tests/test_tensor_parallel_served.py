@@ -128,6 +128,29 @@ def test_disaggregated_between_degrees_is_exact_and_each_rank_gets_its_heads(
             assert len(set(got)) == 1 and len(set(sent)) == 1, (sent, got)  # equal shares
 
 
+def test_a_prefix_cached_on_the_decode_side_is_not_shipped_across_degrees(sharded, llama_dir):
+    """Two prompts sharing 64 tokens, prefilled by two ranks, decoded by one: the second finds
+    the shared blocks in the decode worker's prefix cache, and only the rest is shipped
+    (fewer bytes); both give the single-rank engine's tokens."""
+    from pd_runtime.workers.client import PoolClient
+
+    workers, _ = sharded
+    p, d = workers["p2"], workers["d1"]
+    client = PoolClient([p], [d], recovery_wait_s=30)
+    shared = [(11 * i) % 450 + 20 for i in range(64)]
+    prompts = [shared + [5, 6, 7, 8, 9], shared + [300, 301, 302, 303, 304, 305, 306]]
+    greedy = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(llama_dir, dtype="float32", num_kv_blocks=128).generate(
+        prompts, SamplingParams(**greedy))]
+    shipped = []
+    for i, prompt in enumerate(prompts):
+        before = sum(r["bytes_received"] for r in _rank_bytes(d))
+        chunks = collect(client, f"prefix-{i}", prompt, greedy, disaggregate=True)
+        assert tokens_of(chunks) == want[i]
+        shipped.append(sum(r["bytes_received"] for r in _rank_bytes(d)) - before)
+    assert 0 < shipped[1] < shipped[0] / 2, shipped  # 4 of 5 blocks cached, 1 shipped
+
+
 def _wait_sent(worker, before, timeout_s: float = 10.0) -> list[dict]:
     """The prefill ranks' byte counts once the send ended (counted as each chunk leaves)."""
     deadline = time.monotonic() + timeout_s
@@ -150,9 +173,14 @@ def _gone(pid: int, timeout_s: float = 20.0) -> None:
     raise AssertionError(f"process {pid} outlived its worker")
 
 
-def test_serve_with_tensor_parallel_flag_matches_offline(llama_dir, tmp_path):
-    """The product as a vLLM user starts it: `-tp 2` (the default deployment then serves
-    colocated), the openai client's completion equal to the offline engine's at t = 1."""
+@pytest.mark.parametrize("family, overrides", [
+    ("llama", {}), ("mixtral", {"num_local_experts": 4}), ("mistral", {"sliding_window": 24})])
+def test_serve_with_tensor_parallel_flag_matches_offline(model_factory, tmp_path, family,
+                                                         overrides):
+    """The product as a vLLM user starts it: `-tp 2` (in one process the default deployment
+    serves colocated), the openai client's completion equal to the offline engine's at t = 1,
+    for a GQA model, a mixture of experts and a sliding window (prompt past it)."""
+    llama_dir = model_factory(family, **overrides)
     port = free_port()
     exe = Path(sys.executable).with_name("pd-runtime")
     log = open(tmp_path / "serve.log", "wb")
