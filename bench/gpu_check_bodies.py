@@ -86,6 +86,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def engine_kwargs(sizes: dict, **overrides) -> dict:
+    """Our engine as the bench runs it at this mode's sizes (the engine and tensor_parallel
+    stages)."""
+    return {"device": sizes["device"], "dtype": "bfloat16", "batch_invariant": False,
+            "max_num_seqs": sizes["num_prompts"],
+            "max_num_batched_tokens": sizes["max_num_batched_tokens"],
+            "kv_cache_memory_bytes": int(sizes["kv_cache_gib"] * 2**30),
+            "enable_prefix_caching": False, **overrides}
+
+
 def body_engine(args) -> dict:
     """Our engine over the batch: one warm-up pass of the same shape (kernel builds, the batch
     sizes a ramp-up goes through), then the timed generate, prefill included."""
@@ -98,11 +108,7 @@ def body_engine(args) -> dict:
     sizes = SIZES[args.mode]
     device = sizes["device"]
     graphs = args.graphs == "on"
-    kwargs = dict(device=device, dtype="bfloat16", batch_invariant=False,
-                  max_num_seqs=sizes["num_prompts"],
-                  max_num_batched_tokens=sizes["max_num_batched_tokens"],
-                  kv_cache_memory_bytes=int(sizes["kv_cache_gib"] * 2**30),
-                  enable_prefix_caching=False)
+    kwargs = engine_kwargs(sizes)
     if "cuda_graphs" in EngineConfig.model_fields:
         kwargs["cuda_graphs"] = graphs
     elif graphs and device == "cuda":
@@ -184,6 +190,3 @@ def body_hf(args) -> dict:
             "output_tokens": produced, "elapsed_s": elapsed,
             "attn_implementation": getattr(model.config, "_attn_implementation", None),
             "first_tokens": out[0, -n:][:8].tolist()}
-
-
-BODIES = {"env": body_env, "model": body_model, "engine": body_engine, "hf": body_hf}

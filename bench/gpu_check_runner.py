@@ -10,8 +10,8 @@ import subprocess
 import time
 from typing import Callable, Optional
 
-from bench.gpu_check_plan import (MIN_STAGE_S, REPO, STAGE_MISSING, Context, Row, Stage,
-                                  StageRun, _failed_rows)
+from bench.gpu_check_plan import (MIN_STAGE_S, REPO, STAGE_MISSING, STAGE_SKIPPED, Context,
+                                  Row, Stage, StageRun, _failed_rows)
 from bench.gpu_check_stages import ratio_rows
 
 
@@ -95,6 +95,9 @@ def run_all(ctx: Context, stages: list[Stage], budget_s: float, log) -> list[Row
                 run.status, run.note = "timeout", f"timed out after {limit:.0f} s"
             elif code == STAGE_MISSING or (run.data or {}).get("missing"):
                 run.status, run.note = "missing", str((run.data or {}).get("missing", "missing"))
+            elif code == STAGE_SKIPPED:  # this device cannot run it: one row saying why
+                run.status = "skipped"
+                run.note = f"skipped: {(run.data or {}).get('skipped', 'not for this device')}"
             elif code != 0:
                 run.status = "failed"
                 run.note = str((run.data or {}).get("error") or _last_line(output)

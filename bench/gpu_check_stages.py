@@ -3,6 +3,7 @@ run) and how its output becomes rows of the summary table, then the ours-over-HF
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 
@@ -162,8 +163,57 @@ def _transfer_rows(backend: str):
     return rows
 
 
+def _tensor_parallel_rows(ctx: Context, run: StageRun) -> list[Row]:
+    """t=2 against t=1 on two devices: the greedy tokens (a verdict on the GPU and in the
+    twin: the split sums move bf16 bits, not tokens but at near ties), the step times, the bare
+    all-reduce and the cross-device KV transfer (figures)."""
+    d = run.data or {}
+    if not any(key in d for key in ("tokens", "decode", "allreduce", "transfer")):
+        return _failed_rows("tensor parallel", run)
+    rows = []
+    tokens = d.get("tokens")
+    if tokens:
+        figure = f"{tokens['identical']}/{tokens['prompts']} prompts identical " \
+                 f"({tokens['tokens_each']} tokens each)"
+        first = tokens.get("first_divergence")
+        if first:
+            figure += f"; first divergence at token {first['token']} (prompt {first['prompt']})"
+        if tokens["problems"]:
+            figure += f"; {tokens['problems'][0]}"
+        rows.append(Row("tensor parallel: greedy t=2 vs t=1", figure,
+                        "same, or parting at a near tie", "FAIL" if tokens["problems"] else "pass"))
+    if d.get("decode"):
+        rows.append(Row("tensor parallel: decode step t=2/t=1", ", ".join(
+            f"b={r['batch']} {r['t2_ms']:.2f}/{r['t1_ms']:.2f} ms = {r['t2_ms'] / r['t1_ms']:.2f}x"
+            for r in d["decode"]), "reported (graphs off at both)", "info"))
+    reduce = d.get("allreduce")
+    if reduce:
+        us = reduce["us"]
+        widest = max(us, key=int)
+        per_step_ms = 2 * reduce["layers"] * us[widest] / 1e3  # two row-parallel layers a layer
+        rows.append(Row(f"tensor parallel: {reduce['backend']} all-reduce",
+                        f"[b, {reduce['hidden']}] bf16: " + ", ".join(
+                            f"b={b} {v:.0f} us" for b, v in us.items())
+                        + f"; x{2 * reduce['layers']} a step at b={widest}: {per_step_ms:.2f} ms",
+                        "reported", "info"))
+    transfer = d.get("transfer")
+    if transfer is not None:
+        label = f"P->D transfer {' to '.join(d.get('devices', ['?', '?']))} " \
+                f"({transfer.get('mode') or 'torch_dist'})"
+        if transfer.get("transfer"):
+            rows += [dataclasses.replace(r, stage=label) for r in _transfer_rows("torch_dist")(
+                ctx, StageRun(run.name, "ok", data=transfer))]
+        else:
+            rows.append(Row(label, str(transfer.get("error", "no size measured"))[:90],
+                            "runs", "FAIL"))
+    if d.get("error"):
+        rows.append(Row("tensor parallel", str(d["error"])[:90], "no error", "FAIL"))
+    return rows
+
+
 # The issue's headline figures first (kernels, engine vs HF), the GPU tests last: a first GPU
-# run that hangs in them then costs no figure, only the time left.
+# run that hangs in them then costs no figure, only the time left. tensor_parallel last: on one
+# GPU it skips in seconds; on two it takes what the others left (there: --budget-s 540).
 STAGES = [
     Stage("env", lambda ctx: _self(ctx, "env"), _env_rows),
     Stage("kernels", _kernels_command, _kernels_rows),
@@ -177,6 +227,8 @@ STAGES = [
     Stage("transfer", _transfer_command("torch_dist", "transfer"), _transfer_rows("torch_dist")),
     Stage("transfer_ucx", _transfer_command("ucx", "transfer_ucx"), _transfer_rows("ucx")),
     Stage("tests", _tests_command, _tests_rows),
+    Stage("tensor_parallel", lambda ctx: _self(ctx, "tensor_parallel"), _tensor_parallel_rows,
+          needs=("model",)),
 ]
 
 

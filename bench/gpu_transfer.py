@@ -13,7 +13,9 @@ message of the same bytes) from its first send to the receiver's ack. The copy i
 dst.copy_(src) of those bytes on the device, synchronized. The first transfer of each size is
 checked byte for byte (xxh3 of the blocks on both ends). On cpu the caches are host memory
 (ucx picks shm on loopback, torch_dist gloo); on cuda ucx picks its cuda mode (cuda_ipc) and
-torch_dist, both ends on one GPU (where NCCL refuses two ranks), CUDA IPC (kv_transfer/ipc.py).
+torch_dist, both ends on one GPU (where NCCL refuses two ranks), CUDA IPC (kv_transfer/ipc.py);
+with --peer-device cuda:1 the receiver holds its cache on that GPU and torch_dist moves the KV
+over NCCL (the gpu_check tensor_parallel stage, on a device with two GPUs).
 The last line printed is JSON: {"transfer": [{"tokens", "bytes", "gbs", "copy_gbs", "ratio",
 "raw_gbs", "p99_ms"}, ...], ...}, with "error" set when a run failed.
 """
@@ -202,8 +204,10 @@ def _progress(message: str) -> None:
 
 
 def run(device: str = "cuda", backend: str = "ucx", tokens_list=(2048, 8192, 32768), iters: int = 10,
-        shape: Shape = Shape(), deadline_s: float | None = None) -> dict:
-    """The bench: returns {"device", "backend", "mode", "shape", "transfer": [...]} and, when a
+        shape: Shape = Shape(), deadline_s: float | None = None,
+        peer_device: str | None = None) -> dict:
+    """The bench: returns {"device", "peer_device", "backend", "mode", "shape", "transfer": [...]}
+    (the receiver's cache on `peer_device`, by default `device`) and, when a
     transfer failed, "error" (rows measured before it are kept). With `deadline_s`, no size is
     started and no further repetition run after that many seconds ("stopped" says which sizes
     went unmeasured; a size cut short has "reps" below its plan), and both processes print
@@ -219,11 +223,13 @@ def run(device: str = "cuda", backend: str = "ucx", tokens_list=(2048, 8192, 327
         if tokens % shape.block:
             raise ValueError(f"--tokens {tokens} is not a multiple of the block size {shape.block}")
     num_blocks = max(tokens_list) // shape.block
-    result = {"device": str(device), "backend": backend, "shape": asdict(shape), "transfer": []}
+    peer_device = peer_device or str(device)
+    result = {"device": str(device), "peer_device": peer_device, "backend": backend,
+              "shape": asdict(shape), "transfer": []}
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=_receiver, daemon=True, args=(
-        child_conn, backend, str(device), shape, num_blocks, deadline_s and deadline_s + 5))
+        child_conn, backend, peer_device, shape, num_blocks, deadline_s and deadline_s + 5))
     child.start()
     child_conn.close()  # ours: a receiver that dies then ends our reads with EOFError
     big, caches = _caches(shape, num_blocks, device)
@@ -285,7 +291,11 @@ def run(device: str = "cuda", backend: str = "ucx", tokens_list=(2048, 8192, 327
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu; both processes use it")
+    parser.add_argument("--device", default="cuda",
+                        help="cuda, cuda:N or cpu; both processes use it unless --peer-device "
+                             "names another")
+    parser.add_argument("--peer-device", default=None,
+                        help="the receiver's device instead (cuda:1: a transfer between two GPUs)")
     parser.add_argument("--backend", choices=["ucx", "torch_dist"], default="ucx")
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--iters", type=int, default=10, help="transfers per size up to 8192 tokens; fewer above")
@@ -303,9 +313,10 @@ def main() -> int:
     if args.ucx_info:
         os.environ["UCX_PROTO_INFO"] = "y"  # read when UCX starts, here and in the receiver
     shape = Shape(args.layers, args.kv_heads, args.head_dim, args.dtype, args.block)
-    result = run(args.device, args.backend, args.tokens, args.iters, shape, args.deadline_s)
-    print(f"{result['backend']} ({result.get('mode')}) on {result['device']}, "
-          f"{shape.bytes_per_token() // 1024} KiB per token")
+    result = run(args.device, args.backend, args.tokens, args.iters, shape, args.deadline_s,
+                 args.peer_device)
+    print(f"{result['backend']} ({result.get('mode')}) on {result['device']} -> "
+          f"{result['peer_device']}, {shape.bytes_per_token() // 1024} KiB per token")
     print("| tokens | MiB | transfer GB/s | p99 ms | raw GB/s | copy GB/s | transfer/copy |")
     print("|---|---|---|---|---|---|---|")
     for row in result["transfer"]:

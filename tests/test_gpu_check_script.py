@@ -1,9 +1,11 @@
 """bench/gpu_check.py, the prepared GPU run, proven on CPU: its CPU twin runs every stage at toy
-sizes and reports a figure for each; a stage that hangs, fails or finds nothing to run is
-reported and the next one still runs."""
+sizes and reports a figure for each (tensor_parallel at t=2 on device cpu over gloo); a stage
+that hangs, fails or finds nothing to run is reported and the next one still runs; one that
+this device cannot run (one GPU for the two-GPU stage) is reported skipped, not failed."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -34,7 +36,9 @@ def test_cpu_twin_reports_every_stage_with_a_figure(tmp_path):
                    "device ceilings", "decode attn", "prefill attn, prompt",
                    "prefill attn, chunk", "bench model", "engine, CUDA graphs on",
                    "engine, CUDA graphs off", "HF generate", "P->D transfer",
-                   "ours (graphs on) / HF generate", "ours (graphs off) / HF generate"):
+                   "ours (graphs on) / HF generate", "ours (graphs off) / HF generate",
+                   "tensor parallel: greedy t=2 vs t=1", "tensor parallel: decode step",
+                   "tensor parallel: gloo all-reduce", "P->D transfer cpu to cpu (gloo)"):
         matching = [r for name, r in rows.items() if name.startswith(prefix)]
         assert matching, f"no row for {prefix}: {sorted(rows)}"
         assert all(r["figure"] and r["result"] in ("pass", "info") for r in matching), matching
@@ -43,6 +47,16 @@ def test_cpu_twin_reports_every_stage_with_a_figure(tmp_path):
     assert kernels["checks"] and all(c["ok"] for c in kernels["checks"])
     assert stages["engine_graphs"]["data"]["output_tokens"] == \
         stages["hf"]["data"]["output_tokens"] > 0
+    # t=2 on the CPU: the same greedy tokens as t=1, every batch timed at both, the all-reduce
+    # and the transfer between the two ranks' devices measured
+    tp = stages["tensor_parallel"]["data"]
+    assert tp["tokens"]["problems"] == [] and tp["tokens"]["prompts"] > 0
+    assert [r["batch"] for r in tp["decode"]] == \
+        gpu_check.SIZES["cpu"]["tensor_parallel"]["batches"]
+    assert all(r["t1_ms"] > 0 and r["t2_ms"] > 0 for r in tp["decode"])
+    assert tp["allreduce"]["backend"] == "gloo"
+    assert all(v > 0 for v in tp["allreduce"]["us"].values())
+    assert tp["transfer"]["peer_device"] == "cpu" and tp["transfer"]["transfer"]
     assert summary["table"] in proc.stdout  # the one table, printed last
     log = (tmp_path / "gpu_check.log").read_text()
     assert all(f"===== {s.name}: ok" in log for s in gpu_check.STAGES)
@@ -92,6 +106,76 @@ def test_a_hung_failed_or_missing_stage_does_not_stop_the_others(tmp_path):
     time.sleep(0.5)
     assert not Path(f"/proc/{child}").exists() or \
         Path(f"/proc/{child}/stat").read_text().split()[2] == "Z", "the hung stage's child lives"
+
+
+def test_a_stage_this_device_cannot_run_is_skipped_not_failed(tmp_path):
+    """The two-GPU stage on one GPU: one row saying why, and the run still passes; a stage
+    left unstarted (the budget spent) fails it."""
+    skip = (f"import json, sys; print(json.dumps({{'skipped': 'needs 2 GPUs, this device "
+            f"has 1'}})); sys.exit({gpu_check.STAGE_SKIPPED})")
+    stages = [_fake_stage("two_gpus", skip), _fake_stage("fine", "print('{}')")]
+    ctx = _context(tmp_path, {"two_gpus": 30, "fine": 30})
+    rows = gpu_check.run_all(ctx, stages, budget_s=60, log=(tmp_path / "log").open("w"))
+    assert ctx.runs["two_gpus"].status == "skipped"
+    (row,) = [r for r in rows if r.stage == "two_gpus"]
+    assert row.figure == "skipped: needs 2 GPUs, this device has 1" and row.result == "skipped"
+    assert gpu_check.run_passed(rows, ctx.runs)
+
+    late = [_fake_stage("slow", "import time; time.sleep(1.5); print('{}')"),
+            _fake_stage("late", "print('{}')")]
+    ctx = _context(tmp_path, {"slow": 30, "late": 30})
+    rows = gpu_check.run_all(ctx, late, budget_s=gpu_check.MIN_STAGE_S + 1.0,
+                             log=(tmp_path / "log2").open("w"))
+    assert not gpu_check.run_passed(rows, ctx.runs)
+
+
+def test_the_tensor_parallel_body_skips_on_one_gpu(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = argparse.Namespace(mode="gpu", model_dir=str(tmp_path / "model"))
+    assert gpu_check.BODIES["tensor_parallel"](args) == {
+        "skipped": "needs 2 GPUs, this device has 1", "gpus": 1}
+    assert not (tmp_path / "model").exists()  # nothing written before the skip
+
+
+def test_tensor_parallel_rows_on_the_gpu(tmp_path):
+    """bf16 at t=2 may part from t=1 at a near tie (a pass, with where it parted); a parting
+    elsewhere fails; a failed part is a FAIL row beside the figures of the others."""
+    from bench.gpu_check_stages import _tensor_parallel_rows
+
+    ctx = _context(tmp_path, {})
+    ctx.mode = "gpu"
+    data = {"devices": ["cuda:0", "cuda:1"],
+            "tokens": {"prompts": 16, "identical": 15, "tokens_each": 64,
+                       "first_divergence": {"prompt": 4, "token": 37}, "problems": []},
+            "decode": [{"batch": 1, "t1_ms": 8.0, "t2_ms": 6.0},
+                       {"batch": 64, "t1_ms": 12.0, "t2_ms": 9.0}],
+            "allreduce": {"backend": "nccl", "hidden": 2048, "dtype": "bfloat16", "calls": 100,
+                          "layers": 16, "us": {"1": 20.0, "64": 30.0}},
+            "transfer": {"device": "cuda:0", "peer_device": "cuda:1", "mode": "nccl",
+                         "transfer": [{"tokens": 2048, "bytes": 2**28, "gbs": 90.0,
+                                       "copy_gbs": 1800.0, "ratio": 0.05, "raw_gbs": 100.0}]}}
+    rows = {r.stage: r for r in _tensor_parallel_rows(ctx, gpu_check.StageRun(
+        "tensor_parallel", "ok", returncode=0, data=data))}
+    tokens = rows["tensor parallel: greedy t=2 vs t=1"]
+    assert tokens.result == "pass" and "15/16 prompts identical" in tokens.figure \
+        and "token 37 (prompt 4)" in tokens.figure
+    assert "b=64 9.00/12.00 ms = 0.75x" in rows["tensor parallel: decode step t=2/t=1"].figure
+    assert "x32 a step at b=64: 0.96 ms" in rows["tensor parallel: nccl all-reduce"].figure
+    assert rows["P->D transfer cuda:0 to cuda:1 (nccl)"].figure.startswith("90.0 GB/s")
+
+    data["tokens"]["problems"] = ["sequence 4 parts at step 37 (5 vs 9) where no run has ..."]
+    data["transfer"] = {"device": "cuda:0", "peer_device": "cuda:1", "transfer": [],
+                        "error": "RuntimeError: NCCL error"}
+    data["error"] = "transfer: ..."
+    rows = _tensor_parallel_rows(ctx, gpu_check.StageRun("tensor_parallel", "failed",
+                                                         returncode=1, data=data))
+    results = {r.stage: r.result for r in rows}
+    assert results["tensor parallel: greedy t=2 vs t=1"] == "FAIL"
+    assert results["P->D transfer cuda:0 to cuda:1 (torch_dist)"] == "FAIL"
+    assert results["tensor parallel"] == "FAIL"
+    assert results["tensor parallel: decode step t=2/t=1"] == "info"
 
 
 def test_stages_past_the_global_budget_are_not_started(tmp_path):
