@@ -283,3 +283,40 @@ def test_the_rope_tables_are_counted_as_the_model_holds_them(tmp_path, overrides
     model = load_model(path, "bfloat16", "cpu", 300)
     tables = [model.cos, model.sin, *(model.local_rope or ())]
     assert rope_table_bytes(model.cfg, 2, 300) == sum(t.nbytes for t in tables)
+
+
+# Mixtral-8x7B-Instruct-v0.1/config.json, the fields the plan reads.
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
+    "rope_theta": 1e6, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_a_rank_plans_its_part_of_the_weights_experts_included(ranks, llama_8b, tmp_path):
+    """At tensor_parallel_size t each rank holds 1/t of the layers' weights (a mixture of
+    experts: E/t experts whole) beside the whole embedding and LM head, and the KV cache of
+    gpu_memory_utilization is what that rank's plan leaves: Mixtral-8x7B (93 GiB of bf16
+    weights) cannot start on one H100 and can on two or four."""
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    mixtral = load_model_config(tmp_path)
+    device = GPU_MEMORY_BYTES["H100"]
+    engine = EngineConfig(model="/m", device="cuda", dtype="bfloat16", max_model_len=8192,
+                          gpu_memory_utilization=0.9, tensor_parallel_size=ranks)
+    embed_and_head = 2 * 2 * 32000 * 4096
+    layers = weight_bytes(mixtral, 2) - embed_and_head
+    if ranks == 1:
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            plan_memory(engine, mixtral, 8192, device)
+        return
+    plan = plan_memory(engine, mixtral, 8192, device)
+    rope = plan.weights - embed_and_head - layers // ranks
+    assert 0 <= rope < 64 * 2**20, plan.table()  # the rest is the rope tables
+    assert 0 <= 0.9 * device - plan.total < 2 * 32 * (8 // ranks) * 128 * 2 * 16
+    dense = plan_memory(engine.model_copy(update={"tensor_parallel_size": 1}), llama_8b,
+                        8192, device)
+    assert plan_memory(engine, llama_8b, 8192, device).kv_cache > dense.kv_cache

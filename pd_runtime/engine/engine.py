@@ -276,6 +276,8 @@ class LLMEngine:
             self.speculator.plan_step(self.step_costs.coefficients(), self.scheduler.running)
         plan = self.scheduler.schedule(self._prompt_budget(),
                                        self._draft if self.speculator else None)
+        if self._local_ranks is not None and (plan.scheduled or plan.swap_out):
+            self._local_ranks.check_alive()  # a lost rank fails the step before it starts
         if not plan.scheduled:
             if plan.swap_out:
                 self.runner.execute(plan)

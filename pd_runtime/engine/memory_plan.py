@@ -136,7 +136,7 @@ def plan_memory(engine: EngineConfig, cfg: ModelConfig, max_model_len: int,
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
     block_bytes = kv_per_token * engine.block_size
     num_blocks = engine.num_kv_blocks or max(1, kv_cache_budget(
-        engine, cfg, max_model_len, device_bytes, block_bytes) // block_bytes)
+        engine, whole, max_model_len, device_bytes, block_bytes) // block_bytes)
     kv = num_blocks * block_bytes
     on_gpu = torch.device(engine.device).type == "cuda"
     side = int(kv * decode_buffer_fraction(engine))
@@ -157,18 +157,17 @@ def plan_memory(engine: EngineConfig, cfg: ModelConfig, max_model_len: int,
 
 def kv_cache_budget(engine: EngineConfig, cfg: ModelConfig, max_model_len: int,
                     device_bytes: Optional[int], block_bytes: int) -> int:
-    """The KV cache's bytes: `kv_cache_memory_bytes`, or on a GPU with `gpu_memory_utilization`
-    what that share of `device_bytes` leaves after the rest of the plan (a ValueError naming
-    the field when it leaves less than one block of `block_bytes`)."""
+    """The KV cache's bytes (of one rank, `cfg` being the whole model's):
+    `kv_cache_memory_bytes`, or on a GPU with `gpu_memory_utilization` what that share of
+    `device_bytes` leaves after the rest of the plan (a ValueError naming the field when it
+    leaves less than one block of `block_bytes`)."""
     share = engine.gpu_memory_utilization
     if share is None or torch.device(engine.device).type != "cuda":
         return engine.kv_cache_memory_bytes
     if device_bytes is None:
         raise ValueError("engine.gpu_memory_utilization: the GPU's memory is needed to plan it")
     rest = plan_memory(engine.model_copy(update={"gpu_memory_utilization": None,
-                                                 "num_kv_blocks": 1,
-                                                 "tensor_parallel_size": 1}), cfg,
-                       max_model_len)
+                                                 "num_kv_blocks": 1}), cfg, max_model_len)
     rest_bytes = rest.total - rest.kv_cache
     draft_rest, draft_block = _draft_bytes(engine, max_model_len)
     budget = int(device_bytes * share) - rest_bytes - draft_rest
@@ -192,8 +191,9 @@ def _draft_bytes(engine: EngineConfig, max_model_len: int) -> tuple[int, int]:
         return 0, 0
     from pd_runtime.model.model_config import load_model_config
 
-    draft = engine.model_copy(update={
+    draft = engine.model_copy(update={  # whole, on the driver rank (draft_model.py)
         "model": engine.speculative_model, "num_kv_blocks": 1, "cuda_graphs": False,
+        "tensor_parallel_size": 1,
         "gpu_memory_utilization": None, "speculative_method": None,
         "speculative_model": None, "kv_cache_dtype": "auto"})
     plan = plan_memory(draft, load_model_config(engine.speculative_model), max_model_len)

@@ -104,7 +104,7 @@ class ModelRunner:
                     "free (another process holds the rest); lower it so that the engines "
                     "sharing this GPU fit together")
         self.num_blocks = config.num_kv_blocks or max(1, kv_cache_budget(
-            config, cfg, max_model_len, device_bytes, block_bytes) // block_bytes)
+            config, self.whole_config, max_model_len, device_bytes, block_bytes) // block_bytes)
         if self.tp is not None:  # one scheduler's block ids address every rank's cache
             self.tp.agree(self.num_blocks, "the KV block count")
         # One allocation for all layers; per-layer views are what attention and transfers use.

@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from pd_runtime.config import EngineConfig
-from pd_runtime.model.parallel_comm import TensorParallelGroup
+from pd_runtime.model.parallel_comm import TensorParallelError, TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,14 @@ class LocalRanks:
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _reap, self.processes, [self.group])
 
+    def check_alive(self) -> None:
+        """Raise TensorParallelError when a rank's process has ended (a collective with it
+        would fail, or on NCCL wait for the watchdog)."""
+        for rank, process in enumerate(self.processes, start=1):
+            if process.poll() is not None:
+                raise TensorParallelError(f"tensor-parallel rank {rank} (pid {process.pid}) "
+                                          f"ended with code {process.returncode}")
+
     def close(self) -> None:
         """Close the plan channel (a follower's stop) and wait for the followers to end,
         killing the stragglers; also at garbage collection and interpreter exit."""
@@ -93,6 +101,8 @@ def join(argv: list[str]):
                         format=f"tp rank {rank}: %(levelname)s %(name)s: %(message)s")
     config = EngineConfig(**spec["config"])
     config = config.model_copy(update={"device": rank_device(config, rank)})
+    if config.device.startswith("cuda"):  # Triton and bare synchronize() use the current one
+        torch.cuda.set_device(config.device)
     threads = threads_per_rank(config)
     if threads:
         torch.set_num_threads(threads)

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import msgpack
 
-from pd_runtime.kv_transfer.base import (AgentMetadata, FailureReason, LinkState, Role,
+from pd_runtime.kv_transfer.base import (AgentMetadata, DuplicateRequestError, FailureReason,
+                                         LinkState, Role,
                                          SendOutcome, TransferState, TransferStatus)
 from pd_runtime.kv_transfer.reshard import plan_reshard
 
@@ -55,7 +57,9 @@ class _Piece:
     heads: Optional[tuple]  # (source heads, destination heads), None: whole caches
     peer_rank: int
     started: bool = False   # sender: a send of it was accepted (its agent will release it)
-    layers: set = field(default_factory=set)  # sender: layers accepted
+    in_flight: bool = False  # sender: a send of it is being handed to its rank right now
+    layers: set = field(default_factory=set)   # sender: layers accepted
+    backlog: set = field(default_factory=set)  # sender: layers asked for, not yet accepted
     status: Optional[TransferStatus] = None
 
 
@@ -67,6 +71,8 @@ class _Request:
     pieces: dict          # sub_id@rank -> _Piece
     failure: Optional[FailureReason] = None
     reported: bool = False
+    blocks: tuple = ()    # sender: (source ids, destination ids)
+    created: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -77,7 +83,14 @@ class _PeerGroup:
 
 class GroupAgent:
     """The agent of a worker of len(ranks) ranks; `ranks[r]` is rank r's agent (the driver's
-    own KVTransferAgent at 0, proxies of the others' beyond, kv_transfer/rank_rpc.py)."""
+    own KVTransferAgent at 0, proxies of the others' beyond, kv_transfer/rank_rpc.py).
+
+    The worker's contract is a plain agent's: a send that is not ACCEPTED holds nothing here
+    (no piece started: no record kept), one that is ACCEPTED ends once in `on_release`. When
+    some pieces are accepted and others wait for room on their links, the send is ACCEPTED
+    and the waiting layers are handed on by a thread of this agent as room comes (or the
+    request fails at its deadline); a piece refused outright fails the request, the started
+    pieces cancelled."""
 
     def __init__(self, ranks: Sequence, model_kv_heads: int,
                  on_release: Optional[Callable[[TransferStatus], None]] = None):
@@ -89,6 +102,9 @@ class GroupAgent:
         self._requests: dict[tuple[str, Role], _Request] = {}
         self._by_sub: dict[tuple[int, str, Role], tuple[str, Role]] = {}
         self._peers: dict[str, _PeerGroup] = {}
+        self._room = threading.Event()  # a rank's link has room: retry waiting layers
+        self._closing = threading.Event()
+        self._retrier: Optional[threading.Thread] = None
 
     # -- plumbing ---------------------------------------------------------------------------
     def rank_released(self, rank: int, status: TransferStatus) -> None:
@@ -98,53 +114,57 @@ class GroupAgent:
             request = self._requests.get(key) if key else None
             if request is None:
                 return
-            piece = request.pieces[f"{status.request_id}@{rank}"]
-            piece.status = status
-            cancel = []
+            request.pieces[f"{status.request_id}@{rank}"].status = status
             if status.state is not TransferState.DONE and request.failure is None:
                 request.failure = status.reason or FailureReason.CANCELLED
-                cancel = [p for p in request.pieces.values() if p.status is None]
+        self._end_if_failed_or_done(request)
+
+    def _end_if_failed_or_done(self, request: _Request) -> None:
+        """Cancel what still runs of a failed request; report the request once it ended."""
+        with self._lock:
+            cancel = [p for p in request.pieces.values() if p.status is None and (
+                p.started or request.role is Role.RECV)] if request.failure else []
             report = self._settle(request)
-        for other in cancel:  # the request failed: end its other pieces now, not at deadlines
-            if other.started or request.role is Role.RECV:
-                self.ranks[other.rank].cancel(other.sub_id)
+        for piece in cancel:  # failed: end its other pieces now, not at their deadlines
+            self.ranks[piece.rank].cancel(piece.sub_id)
         if report is not None and self.on_release is not None:
             self.on_release(report)
 
     def _settle(self, request: _Request) -> Optional[TransferStatus]:
-        """The request's end once every piece this side started has ended (caller holds the
-        lock); pieces a sender never started end with the request's failure."""
+        """The request's end once no piece this side holds can still move (caller holds the
+        lock): a sender's pieces never started end with the request's failure."""
         if request.reported:
             return None
-        pending = [p for p in request.pieces.values() if p.status is None
-                   and (p.started or request.role is Role.RECV or request.failure is None)]
-        if pending:
-            return None
-        request.reported = True
-        del self._requests[(request.request_id, request.role)]
         for piece in request.pieces.values():
-            self._by_sub.pop((piece.rank, piece.sub_id, request.role), None)
+            if piece.status is None and (piece.started or piece.in_flight
+                                         or request.role is Role.RECV
+                                         or request.failure is None):
+                return None
+        request.reported = True
+        self._unregister(request)
         done = [p.status for p in request.pieces.values() if p.status is not None]
         state = TransferState.DONE if request.failure is None else TransferState.FAILED
         return TransferStatus(request.request_id, request.peer_id, request.role, state,
                               request.failure, sum(s.num_bytes for s in done),
                               min((s.layers_done for s in done), default=0))
 
-    def _register(self, request_id: str, role: Role, peer_id: str,
-                  pieces: list[_Piece]) -> _Request:
-        request = _Request(request_id, role, peer_id,
-                           {f"{p.sub_id}@{p.rank}": p for p in pieces})
-        self._requests[(request_id, role)] = request
-        for piece in pieces:
-            self._by_sub[(piece.rank, piece.sub_id, role)] = (request_id, role)
-        return request
+    def _register(self, request: _Request) -> None:
+        self._requests[(request.request_id, request.role)] = request
+        for piece in request.pieces.values():
+            self._by_sub[(piece.rank, piece.sub_id, request.role)] = \
+                (request.request_id, request.role)
 
-    def _pieces(self, request_id: str, senders: int, receivers: int, side: str) -> list[_Piece]:
+    def _unregister(self, request: _Request) -> None:
+        self._requests.pop((request.request_id, request.role), None)
+        for piece in request.pieces.values():
+            self._by_sub.pop((piece.rank, piece.sub_id, request.role), None)
+
+    def _pieces(self, request_id: str, senders: int, receivers: int, side: str) -> dict:
         """This side's pieces of a request between a group of `senders` ranks and one of
-        `receivers`; `side` is "send" or "recv"."""
+        `receivers` (`side` "send" or "recv"), by sub_id@rank."""
         plan = plan_reshard(self.model_kv_heads, senders, receivers)
         whole = senders == receivers
-        out = []
+        out = {}
         for dst_rank, pieces in enumerate(plan.pieces):
             for piece in pieces:
                 sub_id = request_id if whole else \
@@ -152,7 +172,7 @@ class GroupAgent:
                 heads = None if whole else (piece.src_heads, piece.dst_heads)
                 rank, peer_rank = (piece.src_rank, dst_rank) if side == "send" \
                     else (dst_rank, piece.src_rank)
-                out.append(_Piece(rank, sub_id, heads, peer_rank))
+                out[f"{sub_id}@{rank}"] = _Piece(rank, sub_id, heads, peer_rank)
         return out
 
     # -- handshake --------------------------------------------------------------------------
@@ -200,34 +220,102 @@ class GroupAgent:
     # -- sender side ------------------------------------------------------------------------
     def send(self, peer_id: str, request_id: str, src_block_ids: Sequence[int],
              dst_block_ids: Sequence[int], layers: Optional[Sequence[int]] = None) -> SendOutcome:
-        """Every piece of our ranks' takes `layers` (those it has not taken already): ACCEPTED
-        once all have, else the first refusal (WOULD_BLOCK: call again with the same layers)."""
+        """Every piece of our ranks' is asked for `layers` (default all; those it has taken
+        already are skipped). See the class doc for what the outcome promises."""
         peer = self._peers[peer_id]
-        wanted = None if layers is None else set(int(x) for x in layers)
+        wanted = set(range(self._num_layers())) if layers is None else {int(x) for x in layers}
         with self._lock:
             request = self._requests.get((request_id, Role.SEND))
             if request is None:
-                request = self._register(request_id, Role.SEND, peer_id, self._pieces(
-                    request_id, self.degree, peer.degree, "send"))
-            pieces = list(request.pieces.values())
-        for piece in pieces:
-            todo = None if wanted is None and not piece.layers else \
-                sorted((wanted if wanted is not None else set(range(self._num_layers())))
-                       - piece.layers)
-            if todo == []:
-                continue
-            outcome = self.ranks[piece.rank].send(
-                peer.links[(piece.rank, piece.peer_rank)], piece.sub_id, src_block_ids,
-                dst_block_ids, todo, heads=piece.heads)
-            if outcome is not SendOutcome.ACCEPTED:
-                return outcome
-            with self._lock:
-                piece.started = True
-                piece.layers.update(range(self._num_layers()) if todo is None else todo)
+                request = _Request(request_id, Role.SEND, peer_id, self._pieces(
+                    request_id, self.degree, peer.degree, "send"),
+                    blocks=(list(src_block_ids), list(dst_block_ids)))
+                self._register(request)
+            for piece in request.pieces.values():
+                piece.backlog |= wanted - piece.layers
+        refusal = self._push(request)
+        with self._lock:
+            if not any(p.started or p.in_flight for p in request.pieces.values()) \
+                    and request.failure is None:
+                self._unregister(request)  # nothing leased: nothing kept, as a plain agent
+                return refusal or SendOutcome.PEER_UNAVAILABLE
+            if refusal is not None and refusal is not SendOutcome.WOULD_BLOCK \
+                    and request.failure is None:
+                request.failure = FailureReason.PEER_LOST
+            waiting = request.failure is None and any(p.backlog for p in request.pieces.values())
+        if waiting:
+            self._wake_retrier()
+        self._end_if_failed_or_done(request)
         return SendOutcome.ACCEPTED
+
+    def _push(self, request: _Request) -> Optional[SendOutcome]:
+        """Hand each piece's waiting layers to its rank; the first refusal, or None."""
+        refusal = None
+        src, dst = request.blocks
+        links = self._peers[request.peer_id].links
+        for piece in list(request.pieces.values()):
+            with self._lock:
+                if not piece.backlog or piece.in_flight or piece.status is not None \
+                        or request.failure is not None:
+                    continue
+                piece.in_flight = True
+                todo = sorted(piece.backlog)
+            try:
+                outcome = self.ranks[piece.rank].send(
+                    links[(piece.rank, piece.peer_rank)], piece.sub_id, src, dst, todo,
+                    heads=piece.heads)
+            except Exception as exc:  # a refused send, as the plain agent's caller sees it
+                log.warning("KV send of %s on rank %d refused: %s", piece.sub_id, piece.rank,
+                            exc)
+                outcome = SendOutcome.PEER_UNAVAILABLE
+            with self._lock:
+                piece.in_flight = False
+                if outcome is SendOutcome.ACCEPTED:
+                    piece.started = True
+                    piece.layers.update(todo)
+                    piece.backlog.difference_update(todo)
+                elif refusal is None:
+                    refusal = outcome
+                late = outcome is SendOutcome.ACCEPTED and request.failure is not None
+            if late:  # the request failed while this piece was being handed over
+                self.ranks[piece.rank].cancel(piece.sub_id)
+        return refusal
 
     def _num_layers(self) -> int:
         return self.ranks[0].layout.num_layers
+
+    def _wake_retrier(self) -> None:
+        with self._lock:
+            if self._retrier is None:
+                for rank in self.ranks:
+                    rank.add_sendable_listener(self._room.set)
+                self._retrier = threading.Thread(target=self._retry_loop,
+                                                 name="kvt-group-retry", daemon=True)
+                self._retrier.start()
+        self._room.set()
+
+    def _retry_loop(self) -> None:
+        """Layers of accepted requests that waited for room, handed on as room comes; a
+        request still waiting at its deadline fails."""
+        while not self._closing.is_set():
+            self._room.wait(0.05)
+            self._room.clear()
+            with self._lock:
+                waiting = [r for r in self._requests.values() if r.role is Role.SEND
+                           and r.failure is None and any(p.backlog for p in r.pieces.values())]
+            for request in waiting:
+                if time.monotonic() - request.created > self.transfer_timeout_s:
+                    refusal = SendOutcome.WOULD_BLOCK
+                    reason = FailureReason.TIMEOUT
+                else:
+                    refusal = self._push(request)
+                    reason = FailureReason.PEER_LOST
+                if refusal is None or (refusal is SendOutcome.WOULD_BLOCK
+                                       and reason is not FailureReason.TIMEOUT):
+                    continue
+                with self._lock:
+                    request.failure = request.failure or reason
+                self._end_if_failed_or_done(request)
 
     def cancel_at_peer(self, peer_id: str, request_id: str) -> bool:
         """A send that never started here: each peer rank's receive of its pieces ends now."""
@@ -235,7 +323,7 @@ class GroupAgent:
         if peer is None:
             return self.ranks[0].cancel_at_peer(peer_id, request_id)
         told = True
-        for piece in self._pieces(request_id, self.degree, peer.degree, "send"):
+        for piece in self._pieces(request_id, self.degree, peer.degree, "send").values():
             told &= self.ranks[piece.rank].cancel_at_peer(
                 peer.links[(piece.rank, piece.peer_rank)], piece.sub_id)
         return told
@@ -243,13 +331,28 @@ class GroupAgent:
     # -- receiver side ----------------------------------------------------------------------
     def expect(self, request_id: str, dst_block_ids: Sequence[int],
                peer_id: Optional[str] = None, peer_degree: int = 1) -> None:
-        """Each of our ranks expects its pieces from a group of `peer_degree` ranks."""
-        pieces = self._pieces(request_id, peer_degree, self.degree, "recv")
+        """Each of our ranks expects its pieces from a group of `peer_degree` ranks. Raises as
+        a plain agent does (nothing expected then: the ranks that did are cancelled)."""
+        request = _Request(request_id, Role.RECV, peer_id or "",
+                           self._pieces(request_id, peer_degree, self.degree, "recv"))
         with self._lock:
-            self._register(request_id, Role.RECV, peer_id or "", pieces)
-        for piece in pieces:
-            self.ranks[piece.rank].expect(piece.sub_id, dst_block_ids,
-                                          heads=None if piece.heads is None else piece.heads[1])
+            if (request_id, Role.RECV) in self._requests:
+                raise DuplicateRequestError(f"request {request_id!r} already expected")
+            self._register(request)
+        expected = []
+        try:
+            for piece in request.pieces.values():
+                self.ranks[piece.rank].expect(
+                    piece.sub_id, dst_block_ids,
+                    heads=None if piece.heads is None else piece.heads[1])
+                expected.append(piece)
+        except Exception:
+            with self._lock:
+                request.reported = True  # never reported: the caller gets the exception
+                self._unregister(request)
+            for piece in expected:
+                self.ranks[piece.rank].cancel(piece.sub_id)
+            raise
 
     # -- both sides -------------------------------------------------------------------------
     def cancel(self, request_id: str) -> None:
@@ -259,17 +362,11 @@ class GroupAgent:
             requests = [r for (rid, _), r in self._requests.items() if rid == request_id]
             for request in requests:
                 request.failure = request.failure or FailureReason.CANCELLED
-            live = [p for r in requests for p in r.pieces.values()
-                    if p.status is None and (p.started or r.role is Role.RECV)]
-            reports = [self._settle(r) for r in requests]
-        for piece in live:
-            self.ranks[piece.rank].cancel(piece.sub_id)
+        for request in requests:
+            self._end_if_failed_or_done(request)
         if not requests:  # unknown here (ended already): as a plain agent would
             for rank in self.ranks:
                 rank.cancel(request_id)
-        for report in reports:
-            if report is not None and self.on_release is not None:
-                self.on_release(report)
 
     def status(self, request_id: str, role: Role) -> Optional[TransferStatus]:
         return self.ranks[0].status(request_id, role)
@@ -301,6 +398,7 @@ class GroupAgent:
             rank.set_link_faults(**faults)
 
     def close(self) -> None:
+        self._closing.set()
         for rank in self.ranks:
             try:
                 rank.close()

@@ -44,13 +44,24 @@ class TensorParallelGroup:
             options._timeout = timeout
             prefix = dist.PrefixStore("tp", self.store)
             self.cpu_group = dist.ProcessGroupGloo(prefix, rank, size, options)
-            self.data_group = dist.ProcessGroupNCCL(dist.PrefixStore("tp/nccl", self.store),
-                                                    rank, size) \
+            self.data_group = self._nccl(rank, size, timeout) \
                 if self.device.type == "cuda" else self.cpu_group
         except (RuntimeError, dist.DistStoreError) as exc:
             raise TensorParallelError(f"rank {rank} of {size} could not join its group at "
                                       f"{host}:{port}: {exc}") from exc
         self._plan_sockets = self._connect_plans(host)
+
+    def _nccl(self, rank: int, size: int, timeout: datetime.timedelta):
+        """NCCL with the group's timeout: its watchdog ends a process whose collective waits
+        longer (a lost peer: NCCL's wait() returns before the GPU work does, so only the
+        watchdog, or the driver's check of its ranks' processes, notices)."""
+        store = dist.PrefixStore("tp/nccl", self.store)
+        try:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+        except (AttributeError, TypeError):  # a torch without the option: NCCL's default
+            return dist.ProcessGroupNCCL(store, rank, size)
+        return dist.ProcessGroupNCCL(store, rank, size, options)
 
     @staticmethod
     def create_store(host: str, size: int, timeout_s: float = 120.0) -> dist.TCPStore:

@@ -66,7 +66,7 @@ class PDWorker:
 
             kv = kv.for_node(ray.util.get_node_ip_address())
         self.agent = self._group_agent(kv)
-        self._prefill_degrees: dict[int, int] = {}  # id(prefill worker handle) -> its ranks
+        self._prefill_degrees: dict = {}  # a prefill worker (_handle_key) -> its ranks
         self._peers: dict[str, str] = {}  # peer engine_id -> agent peer id
         # Decode side: each disaggregated request from its reservation to its last chunk.
         self.remote_prefills: dict[str, RemotePrefill] = {}
@@ -183,8 +183,10 @@ class PDWorker:
                               extra=extra(0))]
         for rank in range(1, degree):
             port = int(self.engine.runner.tp.store.get(AGENT_PORT_KEY.format(rank=rank)))
+            # (port 0: a configured port is the driver's, and the ranks share its node)
             ranks.append(RemoteRankAgent(HOST, port, released_by(group, rank),
-                                         kv.model_dump(), f"{self.engine_id}/r{rank}",
+                                         kv.model_copy(update={"port": 0}).model_dump(),
+                                         f"{self.engine_id}/r{rank}",
                                          model.identity, extra(rank)))
         group.ranks, group.degree = ranks, degree
         return group
@@ -194,7 +196,7 @@ class PDWorker:
         once per worker (a restart keeps its pool's degree)."""
         from pd_runtime.kv_transfer.group import rank_metadata
 
-        key = id(prefill_worker)
+        key = _handle_key(prefill_worker)
         if key not in self._prefill_degrees:
             try:
                 metadata = await asyncio.wait_for(prefill_worker.kv_metadata.remote(), 10.0)
@@ -371,7 +373,7 @@ class PDWorker:
         """The request's chunks, its prompt prefilled by `prefill_worker` (decode_half.py),
         whose tensor-parallel degree the caller may know (else it is asked)."""
         if prefill_degree:
-            self._prefill_degrees[id(prefill_worker)] = prefill_degree
+            self._prefill_degrees[_handle_key(prefill_worker)] = prefill_degree
         request_id = request.request_id
         loop = self._engine_loop()
         q = loop.open_stream(request_id)
@@ -421,6 +423,12 @@ class PDWorker:
             self.loop.stop()
         self.agent.close()
         self.engine.close()
+
+
+def _handle_key(handle):
+    """A worker handle's identity across calls (a Ray handle arrives deserialized anew each
+    time; its actor id stays)."""
+    return getattr(handle, "_actor_id", None) or id(handle)
 
 
 def _ray_node_id() -> Optional[str]:
