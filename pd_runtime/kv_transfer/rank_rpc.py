@@ -16,15 +16,14 @@ import logging
 import pickle
 import queue
 import socket
-import struct
 import threading
 from typing import Callable, Optional
 
 from pd_runtime.kv_transfer.base import KVTransferError, LinkState, SendOutcome
+from pd_runtime.model.parallel_comm import pickle_frame, read_pickle_frame
 
 log = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("!Q")
 _CALL_TIMEOUT_S = 30.0
 
 
@@ -33,25 +32,9 @@ class RankGoneError(KVTransferError):
 
 
 def _send_frame(conn: socket.socket, lock: threading.Lock, message) -> None:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    frame = pickle_frame(message)
     with lock:
-        conn.sendall(_HEADER.pack(len(payload)) + payload)
-
-
-def _read_frame(conn: socket.socket):
-    header = _read_exactly(conn, _HEADER.size)
-    return pickle.loads(_read_exactly(conn, _HEADER.unpack(header)[0]))
-
-
-def _read_exactly(conn: socket.socket, n: int) -> bytes:
-    chunks, left = [], n
-    while left:
-        chunk = conn.recv(min(left, 1 << 20))
-        if not chunk:
-            raise EOFError("closed")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+        conn.sendall(frame)
 
 
 class RankAgentServer:
@@ -89,7 +72,7 @@ class RankAgentServer:
         self._conn = conn
         while True:
             try:
-                call_id, method, args, kwargs = _read_frame(conn)
+                call_id, method, args, kwargs = read_pickle_frame(conn)
             except (OSError, EOFError):
                 break
             try:
@@ -142,7 +125,7 @@ class RemoteRankAgent:
     def _read(self) -> None:
         while True:
             try:
-                message = _read_frame(self._conn)
+                message = read_pickle_frame(self._conn)
             except (OSError, EOFError, pickle.UnpicklingError):
                 break
             if message[0] == "event":

@@ -144,8 +144,7 @@ class TensorParallelGroup:
 
     def send_plan(self, plan) -> None:
         """Driver: the step's plan to every follower (None: stop)."""
-        payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
-        frame = _HEADER.pack(len(payload)) + payload
+        frame = pickle_frame(plan)
         try:
             for conn in self._plan_sockets:
                 conn.sendall(frame)
@@ -157,8 +156,7 @@ class TensorParallelGroup:
         driver sent its stop or is gone."""
         conn = self._plan_sockets[0]
         try:
-            header = _read_exactly(conn, _HEADER.size)
-            return pickle.loads(_read_exactly(conn, _HEADER.unpack(header)[0]))
+            return read_pickle_frame(conn)
         except (OSError, EOFError):
             return None
 
@@ -171,12 +169,24 @@ class TensorParallelGroup:
         self._plan_sockets = []
 
 
+def pickle_frame(message) -> bytes:
+    """One message as a length-prefixed pickle (the plan channel's frames, and the rank
+    agents' calls, kv_transfer/rank_rpc.py)."""
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(payload)) + payload
+
+
+def read_pickle_frame(conn: socket.socket):
+    """The next message of `pickle_frame`s on `conn` (EOFError: the peer closed it)."""
+    return pickle.loads(_read_exactly(conn, _HEADER.unpack(_read_exactly(conn, _HEADER.size))[0]))
+
+
 def _read_exactly(conn: socket.socket, n: int) -> bytes:
     chunks, left = [], n
     while left:
         chunk = conn.recv(min(left, 1 << 20))
         if not chunk:
-            raise EOFError("the peer closed the plan channel")
+            raise EOFError("the peer closed the channel")
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
