@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -128,6 +129,46 @@ def test_disaggregated_between_degrees_is_exact_and_each_rank_gets_its_heads(
             assert len(set(got)) == 1 and len(set(sent)) == 1, (sent, got)  # equal shares
 
 
+@pytest.mark.parametrize("prefill, decode", [("p2", "d1"), ("p1", "d2")])
+def test_through_the_router_disaggregated_across_degrees(sharded, llama_dir, prefill, decode):
+    """The router over HTTP (the official openai client), every request disaggregated between
+    workers of different degrees: the colocated single-rank engine's completions."""
+    from pd_runtime.config import ClusterConfig
+    from pd_runtime.router.core import PoolBackend
+    from pd_runtime.workers.client import PoolClient
+    from tests.router_support.serving import serving
+
+    workers, _ = sharded
+    cfg = ClusterConfig.model_validate({"model": llama_dir, "router": {
+        "routing": {"mode": "always_disaggregated"}}})
+    backend = PoolBackend(PoolClient([workers[prefill]], [workers[decode]],
+                                     recovery_wait_s=30), cfg, llama_dir)
+    backend.start()
+    offline = LLM(llama_dir, dtype="float32", num_kv_blocks=128)
+    try:
+        with serving(backend, cfg.router) as (_, port):
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                                   max_retries=0)
+            model = client.models.list().data[0].id
+            for i in range(3):
+                prompt = [(13 * i + 7 * j) % 400 + 9 for j in range(30 + 17 * i)]
+                want = offline.generate([prompt], SamplingParams(
+                    max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+                got = client.completions.create(model=model, prompt=prompt,
+                                                max_tokens=10, temperature=0,
+                                                extra_body={"ignore_eos": True})
+                assert got.choices[0].text == want.text, (prefill, decode, i)
+            decisions = {}  # path -> requests routed there
+            for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines():
+                if line.startswith("pd_routing_decisions_total{"):
+                    path = line.split('path="')[1].split('"')[0]
+                    decisions[path] = decisions.get(path, 0) + float(line.split()[-1])
+            assert decisions.get("disaggregated") == 3 and not decisions.get("colocated"), \
+                decisions
+    finally:
+        backend.stop()
+
+
 def test_a_prefix_cached_on_the_decode_side_is_not_shipped_across_degrees(sharded, llama_dir):
     """Two prompts sharing 64 tokens, prefilled by two ranks, decoded by one: the second finds
     the shared blocks in the decode worker's prefix cache, and only the rest is shipped
@@ -173,10 +214,11 @@ def _gone(pid: int, timeout_s: float = 20.0) -> None:
     raise AssertionError(f"process {pid} outlived its worker")
 
 
-@pytest.mark.parametrize("family, overrides", [
-    ("llama", {}), ("mixtral", {"num_local_experts": 4}), ("mistral", {"sliding_window": 24})])
+@pytest.mark.parametrize("family, overrides, ranks", [
+    ("llama", {}, 4),                                    # 2 KV heads over 4 ranks: replicated
+    ("mixtral", {"num_local_experts": 4}, 2), ("mistral", {"sliding_window": 24}, 2)])
 def test_serve_with_tensor_parallel_flag_matches_offline(model_factory, tmp_path, family,
-                                                         overrides):
+                                                         overrides, ranks):
     """The product as a vLLM user starts it: `-tp 2` (in one process the default deployment
     serves colocated), the openai client's completion equal to the offline engine's at t = 1,
     for a GQA model, a mixture of experts and a sliding window (prompt past it)."""
@@ -184,16 +226,16 @@ def test_serve_with_tensor_parallel_flag_matches_offline(model_factory, tmp_path
     port = free_port()
     exe = Path(sys.executable).with_name("pd-runtime")
     log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([str(exe), "serve", llama_dir, "--in-process", "-tp", "2",
+    proc = subprocess.Popen([str(exe), "serve", llama_dir, "--in-process", "-tp", str(ranks),
                              "--dtype", "float32", "--port", str(port)],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, base, tmp_path / "serve.log")
-        ranks = [p for p in processes.tree(proc.pid, session=proc.pid)
+        followers = [p for p in processes.tree(proc.pid, session=proc.pid)
                  if "pd_runtime.workers.tp_rank" in p.cmdline]
-        assert len(ranks) == 1, ranks  # the decode worker's second rank
+        assert len(followers) == ranks - 1, followers  # the decode worker's other ranks
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         prompt = [(5 * i) % 300 + 7 for i in range(40)]
