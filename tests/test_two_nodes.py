@@ -51,9 +51,10 @@ def test_prefill_and_decode_pools_on_two_nodes(llama_dir):
         assert infos["decode-0"]["node_id"] == decode_node.node_id
         assert infos["prefill-0"]["node_id"] != decode_node.node_id  # the head: pd_prefill_node
         from pd_runtime.kv_transfer.base import AgentMetadata
+        from pd_runtime.kv_transfer.group import rank_metadata
 
         for info in infos.values():  # host "auto" became the node's address
-            address = AgentMetadata.decode(info["kv_metadata"]).address
+            address = AgentMetadata.decode(rank_metadata(info["kv_metadata"])[0]).address
             assert "auto" not in str(address) and ray.util.get_node_ip_address() in str(address)
 
         backend = PoolBackend(client, cfg, llama_dir)
