@@ -13,8 +13,8 @@ from typing import Optional, Union
 
 import torch
 
-from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, RequestTooLargeError,
-                            SamplingParams, bad_word_spellings)
+from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, ModelLoadError,
+                            RequestTooLargeError, SamplingParams, bad_word_spellings)
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine import prompt_logprobs, tp_ranks
 from pd_runtime.engine.block_manager import BlockManager
@@ -53,6 +53,12 @@ class LLMEngine:
         # What a request that leaves a sampling field out gets (the router applies them).
         self.sampling_defaults = read_sampling_defaults(config.model)
         self._local_ranks = None
+        from pd_runtime.model.tensor_parallel import unsupported_reason
+
+        reason = unsupported_reason(self.model_config, config.tensor_parallel_size)
+        if reason is not None:  # before any rank starts
+            raise ModelLoadError(f"{config.model}: tensor_parallel_size "
+                                 f"{config.tensor_parallel_size}: {reason}")
         if tp is None and config.tensor_parallel_size > 1:
             self._local_ranks = tp_ranks.LocalRanks(
                 config, self.max_model_len, entry=rank_entry or tp_ranks.__name__)
