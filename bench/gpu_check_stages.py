@@ -74,8 +74,10 @@ def _kernels_rows(ctx: Context, run: StageRun) -> list[Row]:
                 f"{s['max_rel_err']:.1e}" if checks else "no checks ran",
                 "rel err < 1e-2, no NaN, write_kv exact", "pass" if s["checks_ok"] else "FAIL")]
     if "copy_gbs" in d:
+        dtype = d.get("shape", {}).get("dtype", "bfloat16")  # the kernels' and the matmul's
         rows.append(Row("device ceilings", f"copy {d['copy_gbs']:.0f} GB/s (r+w), read "
-                        f"{d['read_gbs']:.0f} GB/s, bf16 matmul {d['matmul_tflops']:.0f} TFLOP/s",
+                        f"{d['read_gbs']:.0f} GB/s, {dtype} matmul "
+                        f"{d['matmul_tflops']:.0f} TFLOP/s",
                         "measured", "info"))
     long = s.get("decode_long")
     if long:

@@ -1,7 +1,7 @@
 """Benchmark of the Triton paged-attention kernels (pd_runtime/kernels/triton_paged.py) on one device:
-decode GB/s against the device's copy bandwidth and prefill TFLOP/s against its bf16 matmul
-rate, both ceilings measured in the same run, after every kernel is checked against the torch
-reference (pd_runtime/kernels/attention.py) on the device.
+decode GB/s against the device's copy bandwidth and prefill TFLOP/s against its matmul rate
+in the kernels' dtype, both ceilings measured in the same run, after every kernel is checked
+against the torch reference (pd_runtime/kernels/attention.py) on the device.
 
     python bench/gpu_kernels.py [--device cuda|cpu] [--memory-budget-gib 24] [--dtype bfloat16]
         [--heads 32 --kv-heads 8 --head-dim 128 --block-size 16] [--no-check]
@@ -127,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     decode, prefill = [], []
     if not args.no_bench:
         copy_gbs, read_gbs = copy_bandwidth(device, args.copy_mib << 20, args.rounds)
-        matmul = matmul_tflops(device, args.matmul_n, args.rounds)
+        matmul = matmul_tflops(device, args.matmul_n, args.rounds, shape.dtype)
         print(f"  ceilings: copy {copy_gbs:.1f} GB/s (read + write), read {read_gbs:.1f} GB/s, "
-              f"bf16 matmul {args.matmul_n}^3 {matmul:.1f} TFLOP/s", flush=True)
+              f"{args.dtype} matmul {args.matmul_n}^3 {matmul:.1f} TFLOP/s", flush=True)
         result.update(copy_gbs=copy_gbs, read_gbs=read_gbs, matmul_tflops=matmul)
         l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) \
             if device.type == "cuda" else 0

@@ -76,10 +76,11 @@ def copy_bandwidth(device: torch.device, num_bytes: int, rounds: int) -> tuple[f
     return 2 * num_bytes / copy_s / 1e9, num_bytes / read_s / 1e9
 
 
-def matmul_tflops(device: torch.device, n: int, rounds: int) -> float:
-    """bf16 n x n x n on random data (zeros run faster than real data would)."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+def matmul_tflops(device: torch.device, n: int, rounds: int, dtype: torch.dtype) -> float:
+    """n x n x n in `dtype` (the kernels' own: the prefill attention it bounds runs in it) on
+    random data (zeros run faster than real data would)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     seconds = time_median(lambda: torch.matmul(a, b), device, rounds)
     return 2 * n ** 3 / seconds / 1e12
 

@@ -2,7 +2,7 @@
 prompts, same model directory, one run; plus the decode-step and prefill physical bounds.
 
     python bench/offline_throughput.py [--model DIR] [--threads 2] [--no-hf] [--no-vllm] [--rounds N]
-        [--batch-invariant on|off|compare] [--dtype bfloat16|float32]
+        [--batch-invariant on|off|compare] [--dtype bfloat16|float32|auto]
 
 `--batch-invariant compare` runs our engine with the mode off and on in every round (in
 alternating order: the box drifts) and reports the on/off throughput ratio of each round.
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import (bench_model, bf16_matmul_gflops, copy_bandwidth_gbs,  # noqa: E402
-                          machine_line, random_prompts, read_bandwidth_gbs)
+from bench.common import (bench_model, copy_bandwidth_gbs, linear_weight_value_bytes,  # noqa: E402
+                          machine_line, matmul_gflops, random_prompts, read_bandwidth_gbs)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -122,8 +122,12 @@ def main() -> None:
                          "round's ratio (a shared box drifts between runs)")
     ap.add_argument("--batch-invariant", choices=["on", "off", "compare"], default="on",
                     help="our engine's batch_invariant mode; compare: both, every round")
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                    help="our engine's dtype (peers run the model's bf16)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32", "auto"], default="bfloat16",
+                    help="our engine's dtype (peers run the model's bf16); the bounds are "
+                         "measured in it")
+    ap.add_argument("--bound-timing-s", type=float, default=1.0,
+                    help="seconds of timings of each bandwidth and matmul shape of the "
+                         "bounds (the best counts: longer finds a quiet moment on a shared box)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = bench_model(args.model)
@@ -170,44 +174,100 @@ def main() -> None:
         print(f"{r['engine']:<40} {r['output_tokens_per_s']:>10.1f} {r['elapsed_s']:>10.2f} "
               f"{ratio:>10.2f}")
 
-    # Physical bounds, measured in the same run.
+    print_bounds(model, ours, args)
+
+
+def step_linears(cfg, prefill: bool) -> list[tuple[int, int, int, float]]:
+    """(calls, k, n, rows per call as a fraction of the step's tokens) of the linears a step
+    runs, `[rows, k] x [k, n]` each. A sparse layer's experts are `num_experts` calls sharing
+    the tokens' `experts_per_token` choices (a decode batch reads most experts). Prefill: the
+    last layer runs its output projection and MLP, like the LM head, for the sampled rows
+    only (one per prompt), so only its qkv (every token's K/V) counts."""
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    linears = []
+    for layer in range(layers):
+        linears.append((1, h, q + 2 * kv, 1.0))
+        if prefill and layer == layers - 1:
+            break
+        linears.append((1, q, h, 1.0))
+        if layer in cfg.sparse_layers:
+            mi, experts = cfg.moe_intermediate_size, cfg.num_experts
+            share = cfg.experts_per_token / experts
+            linears += [(1, h, experts, 1.0), (experts, h, 2 * mi, share),
+                        (experts, mi, h, share)]
+            if cfg.shared_expert_size:
+                linears += [(1, h, 2 * cfg.shared_expert_size, 1.0),
+                            (1, cfg.shared_expert_size, h, 1.0)]
+        else:
+            linears += [(1, h, 2 * inter, 1.0), (1, inter, h, 1.0)]
+    if not prefill:
+        linears.append((1, h, cfg.vocab_size, 1.0))
+    return linears
+
+
+def matmul_bound(linears, tokens: int, dtype, checkpoint_dtype,
+                 budget_s: float) -> tuple[float, float]:
+    """(FLOPs, seconds) of `linears` for `tokens` tokens, each linear at the rate this box's
+    engine kernel reaches for its own shape in `dtype` on the run's threads (a rate measured
+    at one square shape says little about a [64, 512] x [512, 1024] call). Assumes the step's
+    linears cannot run faster than each does alone with its weight in the caches; everything
+    else a step does (attention, norms, sampling, Python) is left out, so it is a lower bound."""
+    rates: dict[tuple[int, int, int], float] = {}
+    flops = seconds = 0.0
+    for calls, k, n, share in linears:
+        rows = max(1, round(tokens * share))
+        if (rows, k, n) not in rates:
+            rates[rows, k, n] = matmul_gflops(dtype, rows, k, n, torch.get_num_threads(),
+                                              checkpoint_dtype, budget_s) * 1e9
+        flops += calls * 2 * rows * k * n
+        seconds += calls * 2 * rows * k * n / rates[rows, k, n]
+    return flops, seconds
+
+
+def print_bounds(model: str, ours: dict, args) -> None:
+    """The decode-step and prefill physical bounds of our run, measured now in the dtype our
+    engine ran (`auto` resolved as the engine resolves it) with its linear kernels."""
+    from pd_runtime.model.loader import resolve_dtype
     from pd_runtime.model.model_config import load_model_config
 
     cfg = load_model_config(model)
-    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    q_kv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    attention = h * q_kv + cfg.num_heads * cfg.head_dim * h
-    # A layer's MLP parameters a token multiplies by, and those stored (a mixture of experts
-    # runs its chosen experts and the router, and a decode batch reads most experts).
-    sparse = len(cfg.sparse_layers)
-    mlp_used = (layers - sparse) * 3 * h * inter + sparse * (
-        cfg.experts_per_token * 3 * h * cfg.moe_intermediate_size + cfg.num_experts * h)
-    mlp_stored = (layers - sparse) * 3 * h * inter + sparse * cfg.num_experts * (
-        3 * h * cfg.moe_intermediate_size + h)
-    linear_params = layers * attention + mlp_used + cfg.vocab_size * h
-    weight_bytes = 2 * (layers * attention + mlp_stored + cfg.vocab_size * h)
+    dtype = resolve_dtype(args.dtype, cfg, "cpu")
+    checkpoint_dtype = resolve_dtype(cfg.torch_dtype, cfg, "cpu")
+    name = str(dtype).removeprefix("torch.")
+    decode = step_linears(cfg, prefill=False)
+    # What a decode step reads: every linear's weight once, in the layout the kernel reads
+    # (a bf16 checkpoint run in float32 keeps its values in bf16 panels), and each sequence's
+    # K and V in the run's dtype at the mean context.
+    weight_bytes = linear_weight_value_bytes(dtype, checkpoint_dtype) * sum(
+        calls * k * n for calls, k, n, _ in decode)
     ctx = args.input_len + args.output_len / 2
-    kv_bytes = args.num_prompts * ctx * 2 * layers * cfg.num_kv_heads * cfg.head_dim * 2
-    read_bw, copy_bw, mm = read_bandwidth_gbs(), copy_bandwidth_gbs(), bf16_matmul_gflops()
-    step_flops = 2 * linear_params * args.num_prompts
-    print(f"\nmemory read {read_bw:.1f} GB/s, copy {copy_bw:.1f} GB/s, bf16 matmul "
-          f"{mm:.0f} GFLOP/s ({args.threads} threads)")
+    kv_bytes = args.num_prompts * ctx * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim \
+        * dtype.itemsize
+    read_bw = read_bandwidth_gbs(budget_s=args.bound_timing_s)
+    copy_bw = copy_bandwidth_gbs(budget_s=args.bound_timing_s)
+    print(f"\nbounds in {name} (our engine's dtype), {torch.get_num_threads()} threads, load "
+          f"{os.getloadavg()[0]:.2f}: memory read {read_bw:.1f} GB/s, copy {copy_bw:.1f} GB/s; "
+          f"weights read per step {weight_bytes / 1e6:.1f} MB")
     if ours["decode_step_ms"]:
+        step_flops, step_s = matmul_bound(decode, args.num_prompts, dtype, checkpoint_dtype,
+                                           args.bound_timing_s)
         bound_w = weight_bytes / (read_bw * 1e9) * 1e3
         bound_kv = (weight_bytes + kv_bytes) / (read_bw * 1e9) * 1e3
-        bound_mm = step_flops / (mm * 1e9) * 1e3
+        bound_mm = step_s * 1e3
         print(f"decode step (batch {args.num_prompts}, ~{ctx:.0f} ctx): "
               f"{ours['decode_step_ms']:.1f} ms; weights-read bound {bound_w:.1f} ms, "
-              f"weights+KV read bound {bound_kv:.1f} ms, matmul bound {bound_mm:.1f} ms "
+              f"weights+KV read bound {bound_kv:.1f} ms, {name} matmul bound {bound_mm:.1f} ms "
+              f"({step_flops / step_s / 1e9:.0f} GFLOP/s at the step's shapes) "
               f"-> {max(bound_kv, bound_mm) / ours['decode_step_ms']:.0%} of the tighter bound")
     if ours["prefill_tokens_per_s"]:
-        # Linear work actually done per prefill token: every layer's but the last one's, whose
-        # output projection and MLP run for the sampled rows only (one per prompt), like the
-        # LM head; the last layer computes qkv (the token's K/V) for every token.
-        prefill_params = (layers - 1) * attention + mlp_used * (layers - 1) / layers + h * q_kv
-        achieved = ours["prefill_tokens_per_s"] * 2 * prefill_params / 1e9
+        chunk = min(args.max_num_batched_tokens, args.num_prompts * args.input_len)
+        flops, seconds = matmul_bound(step_linears(cfg, prefill=True), chunk, dtype,
+                                      checkpoint_dtype, args.bound_timing_s)
+        achieved = ours["prefill_tokens_per_s"] * flops / chunk / 1e9
         print(f"prefill: {ours['prefill_tokens_per_s']:.0f} tok/s = {achieved:.0f} GFLOP/s "
-              f"in linear layers, {achieved / mm:.0%} of the measured bf16 matmul rate")
+              f"in linear layers, {achieved / (flops / seconds / 1e9):.0%} of the {name} "
+              f"matmul rate at its shapes ({flops / seconds / 1e9:.0f} GFLOP/s, {chunk} rows)")
 
 
 if __name__ == "__main__":
