@@ -2,7 +2,10 @@
 prompts, same model directory, one run; plus the decode-step and prefill physical bounds.
 
     python bench/offline_throughput.py [--model DIR] [--threads 2] [--no-hf] [--no-vllm] [--rounds N]
-        [--batch-invariant on|off|compare] [--dtype bfloat16|float32|auto]
+        [--batch-invariant on|off|compare] [--dtype auto|bfloat16|float32]
+
+Every engine runs the dtype `LLM(model)` picks on this machine (`--dtype auto`, the default)
+unless `--dtype` names one; the header line says which.
 
 `--batch-invariant compare` runs our engine with the mode off and on in every round (in
 alternating order: the box drifts) and reports the on/off throughput ratio of each round.
@@ -63,10 +66,20 @@ def run_ours(model: str, prompts, output_len: int, args, batch_invariant: bool) 
             "prefill_tokens_per_s": prefill_tokens / prefill_time if prefill_time else None}
 
 
-def run_hf(model: str, prompts, output_len: int) -> dict:
+def engine_dtype(model: str, args) -> str:
+    """The dtype our engine runs (`auto` resolved as the engine resolves it): what the peers
+    run too, so every engine computes in the same precision."""
+    from pd_runtime.model.loader import resolve_dtype
+    from pd_runtime.model.model_config import load_model_config
+
+    return str(resolve_dtype(args.dtype, load_model_config(model), "cpu")).removeprefix(
+        "torch.")
+
+
+def run_hf(model: str, prompts, output_len: int, dtype: str = "bfloat16") -> dict:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     hf.generation_config.eos_token_id = None  # same as ignore_eos
     hf.generation_config.pad_token_id = 0
     ids = torch.tensor(prompts)
@@ -90,7 +103,8 @@ def run_vllm(python: str, model: str, args) -> dict | None:
         return None
     cmd = [python, str(script), "--model", model, "--num-prompts", str(args.num_prompts),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-           "--seed", str(args.seed), "--threads", str(args.threads)]
+           "--seed", str(args.seed), "--threads", str(args.threads),
+           "--dtype", engine_dtype(model, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         print(f"[vllm] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
@@ -122,8 +136,10 @@ def main() -> None:
                          "round's ratio (a shared box drifts between runs)")
     ap.add_argument("--batch-invariant", choices=["on", "off", "compare"], default="on",
                     help="our engine's batch_invariant mode; compare: both, every round")
-    ap.add_argument("--dtype", choices=["bfloat16", "float32", "auto"], default="bfloat16",
-                    help="our engine's dtype (peers run the model's bf16); the bounds are "
+    ap.add_argument("--dtype", choices=["bfloat16", "float32", "auto"], default="auto",
+                    help="the engines' dtype (default: what `LLM(model)` picks here: the "
+                         "checkpoint's bf16 where the CPU multiplies bf16 natively, float32 "
+                         "where it emulates it); the peers run the same, and the bounds are "
                          "measured in it")
     ap.add_argument("--bound-timing-s", type=float, default=1.0,
                     help="seconds of timings of each bandwidth and matmul shape of the "
@@ -134,7 +150,7 @@ def main() -> None:
     prompts = random_prompts(model, args.num_prompts, args.input_len, args.seed)
     print(f"# {machine_line()}, load average {os.getloadavg()[0]:.2f} (others' jobs skew it)")
     print(f"# {args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, "
-          f"{args.dtype}, model {model}")
+          f"dtype {engine_dtype(model, args)} (--dtype {args.dtype}), model {model}")
 
     modes = {"on": [True], "off": [False], "compare": [False, True]}[args.batch_invariant]
     results, rounds, by_mode = [], [], {mode: [] for mode in modes}
@@ -151,7 +167,7 @@ def main() -> None:
         results.append(_median_run(by_mode[mode]))
     ours = results[-1]  # the mode on when compared
     if not args.no_hf:
-        results.append(run_hf(model, prompts, args.output_len))
+        results.append(run_hf(model, prompts, args.output_len, engine_dtype(model, args)))
 
     if args.rounds > 1:
         print(f"\n{args.rounds} rounds, medians below; ours/vLLM per round: " + ", ".join(

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=8,
         help="max_tokens of the small warm-up generate (0 disables warm-up)",
     )
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the dtype vLLM runs the model in (the caller's engine's, to compare "
+                        "like for like)")
     return p.parse_args(argv)
 
 
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(
         model=args.model,
         tokenizer=args.model,
-        dtype="bfloat16",
+        dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
         enforce_eager=args.enforce_eager,
