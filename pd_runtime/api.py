@@ -10,34 +10,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
-
-# ---------------------------------------------------------------------------------- errors
-class InvalidRequestError(ValueError):
-    """Bad input from the user (maps to HTTP 400); `param` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class RequestTooLargeError(InvalidRequestError):
-    """The request can never fit (prompt longer than max_model_len, or beyond the KV cache)."""
-
-
-class ModelLoadError(ValueError):
-    """A model directory we cannot serve; the message names the file and the field or tensor."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Admission refused: the waiting queue is full (maps to HTTP 429 with Retry-After)."""
-
-    def __init__(self, message: str, retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class DeadlineExceededError(RuntimeError):
-    """The request's deadline passed before it finished (maps to HTTP 504)."""
+from pd_runtime import structured
+from pd_runtime.errors import DeadlineExceededError, EngineOverloadedError, InvalidRequestError
+# The rest of the contract's errors, imported from here: they live in errors.py so that
+# structured.py, which SamplingParams validates with, raises them without importing this module.
+from pd_runtime.errors import ModelLoadError, RequestTooLargeError  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------- sampling
@@ -174,8 +151,6 @@ class SamplingParams:
             bad("repetition_penalty", f"must be a finite number > 0, got "
                 f"{self.repetition_penalty!r}")
         if self.structured_outputs is not None:
-            from pd_runtime import structured
-
             structured.check(self.structured_outputs)  # compiled once per spec (cached)
             if self.min_tokens:
                 # The grammar decides where the output ends; a floor on its length would

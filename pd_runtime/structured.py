@@ -15,7 +15,7 @@ import json
 import threading
 from typing import Any
 
-from pd_runtime.api import InvalidRequestError
+from pd_runtime.errors import InvalidRequestError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # disable_fallback names a choice between backends; there is one here, so it changes nothing.

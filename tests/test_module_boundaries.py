@@ -1,10 +1,12 @@
 """The dependency directions docs/architecture.md promises, checked on the source:
 
-- the router (the HTTP package) imports from the runtime only the contract (pd_runtime.api,
-  the tokenizer and chat template it shares with the workers, the config models), block
-  hashing and beam search's algorithm (torch-free, shared with the offline LLM): no engine, model, worker or transfer module, and no torch, at import time or lazily
-  inside a function;
-- kv_transfer's modules import each other without a cycle.
+- the router (the HTTP package) imports from the runtime only the contract (pd_runtime.api and
+  the errors it exports, the tokenizer and chat template it shares with the workers, the config
+  models), block hashing and beam search's algorithm (torch-free, shared with the offline LLM):
+  no engine, model, worker or transfer module, and no torch, at import time or lazily inside a
+  function;
+- no modules of pd_runtime import each other in a circle, whether at the top of a file or
+  inside a function.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 ROUTER = REPO / "pd_runtime" / "router"
 PLANNER = REPO / "pd_runtime" / "planner"
-ROUTER_MAY_IMPORT = {"pd_runtime", "pd_runtime.api", "pd_runtime.tokenizer",
+ROUTER_MAY_IMPORT = {"pd_runtime", "pd_runtime.api", "pd_runtime.errors", "pd_runtime.tokenizer",
                      "pd_runtime.chat_template", "pd_runtime.config", "pd_runtime.structured",
                      "pd_runtime.config_loading", "pd_runtime.engine.block_hash",
                      "pd_runtime.beam_search"}
@@ -71,28 +73,94 @@ def test_importing_the_router_loads_no_engine_and_no_torch():
     assert not wrong, f"importing the router loaded {wrong}"
 
 
-def test_kv_transfer_modules_import_no_cycle():
-    package = REPO / "pd_runtime" / "kv_transfer"
-    names = {p.stem for p in package.glob("*.py")}
-    graph = {stem: {m.split(".")[2] for m in imports(package / f"{stem}.py")
-                    if m.startswith("pd_runtime.kv_transfer.")
-                    and m.split(".")[2] in names} - {stem}
-             for stem in names}
-    assert graph["agent"], "the graph is empty: the check would pass on anything"
-    state: dict[str, str] = {}
+def package_modules(package: Path) -> dict[str, Path]:
+    """Every module under `package` by its dotted name (an __init__.py by its package's)."""
+    out = {}
+    for path in sorted(package.rglob("*.py")):
+        name = ".".join(path.relative_to(package.parent).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
 
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = "open"
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == "open":
-                raise AssertionError(f"import cycle: {' -> '.join(path + [node, nxt])}")
-            if nxt not in state:
-                visit(nxt, path + [node])
-        state[node] = "done"
 
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [])
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the modules of `package` it imports, at the top or inside functions. `import a.b`
+    names a.b; `from a import b` names a and a.b (b may be a module); a relative import counts
+    from the module's package; a name that is no module stands for the nearest module above it.
+    A module's own packages are left out: importing it has imported them already."""
+    modules = package_modules(package)
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        graph[module] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    package_name = module if path.name == "__init__.py" else \
+                        module.rpartition(".")[0]
+                    parts = package_name.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                while name and name not in modules:
+                    name = name.rpartition(".")[0]
+                if name and name != module and not module.startswith(name + "."):
+                    graph[module].add(name)
+    return graph
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each set of modules that import one another (through any others), as one circle through
+    its first module."""
+    reach = {module: reachable(graph, module) for module in graph}
+    circles, placed = [], set()
+    for module in sorted(graph):
+        if module in reach[module] and module not in placed:
+            placed |= {other for other in reach[module] if module in reach[other]}
+            circles.append(circle_through(graph, module))
+    return circles
+
+
+def circle_through(graph: dict[str, set[str]], module: str) -> list[str]:
+    """A shortest way from `module` through its imports back to itself (breadth first)."""
+    came_from: dict[str, str] = {}
+    frontier = [module]
+    while frontier:
+        later = []
+        for at in frontier:
+            for nxt in sorted(graph[at]):
+                if nxt == module:
+                    path = [at]
+                    while path[0] != module:
+                        path.insert(0, came_from[path[0]])
+                    return path + [module]
+                if nxt not in came_from:
+                    came_from[nxt] = at
+                    later.append(nxt)
+        frontier = later
+    raise ValueError(f"{module} does not import itself")
+
+
+def test_the_package_imports_without_a_cycle():
+    graph = import_graph(REPO / "pd_runtime")
+    assert "pd_runtime.api" in graph["pd_runtime.router.core"], \
+        "the graph misses a known import: the check would pass on anything"
+    circles = import_cycles(graph)
+    assert not circles, "import cycles (a shared base module both import breaks one):\n" + \
+        "\n".join(" -> ".join(circle) for circle in circles)
 
 
 def test_the_simulator_runs_the_routers_policy_without_the_runtime():

@@ -83,9 +83,9 @@ def add_commands(sub) -> None:
 
 
 def _cmd_profile(args) -> int:
-    from pd_runtime.cli import ensure_default_model
     from pd_runtime.config import ClusterConfig
     from pd_runtime.config_loading import load_cluster_config
+    from pd_runtime.default_model import ensure_default_model
     from pd_runtime.planner.profile import calibrate, calibrate_http
 
     ranks = _int_list(args.all_reduce_ranks, "--all-reduce-ranks")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-SPACE = " \t\r\n"
+from pd_runtime.router.tool_calls_base import SPACE
+
 _ARGUMENTS = ("arguments", "parameters")
 
 

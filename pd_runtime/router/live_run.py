@@ -87,12 +87,22 @@ def end_as_cut(live: LiveRun, reason: BackendError, emit: Callable[[object], obj
         emit(reason.body())
         emit("[DONE]")
         return
-    from pd_runtime.router.responses_events import failed_events  # the Responses API's stream
-
     created = event_data(live.events[0])
     response = created.get("response") if isinstance(created, dict) else None
     for payload in failed_events(len(live.events), response or {"id": live.id}, reason):
         emit(payload)
+
+
+def failed_events(seq: int, response: dict, error: BackendError) -> list[dict]:
+    """A Responses stream's close when it fails: an error event, then response.failed
+    (`response` as it stood), numbered from `seq`. Here, below responses_events.py (whose
+    builder closes its own streams with it), so that end_as_cut can close any run's."""
+    # The response's error code is one of OpenAI's (the event's says which error it was).
+    code = "rate_limit_exceeded" if error.status == 429 else "server_error"
+    response = dict(response, status="failed", error={"code": code, "message": error.message})
+    return [{"type": "error", "sequence_number": seq, "code": error.code or error.type,
+             "message": error.message, "param": error.param},
+            {"type": "response.failed", "sequence_number": seq + 1, "response": response}]
 
 
 def stream_closed(live: LiveRun) -> bool:

@@ -13,7 +13,8 @@ from typing import Any, Optional
 from pd_runtime.router.protocol import PreparedRequest
 from pd_runtime.router.harmony import HarmonyStream
 from pd_runtime.router.reasoning import ThinkStream
-from pd_runtime.router.tool_calls import HARMONY_FORMAT, CallReader, call_id, read_calls, reader
+from pd_runtime.router.tool_calls import HARMONY_FORMAT, CallReader, read_calls, reader
+from pd_runtime.router.tool_calls_base import call_id
 
 
 @dataclass

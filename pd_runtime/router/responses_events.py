@@ -17,7 +17,7 @@ import time
 from typing import Any, Optional
 
 from pd_runtime.router.backend import BackendError
-from pd_runtime.router.live_run import event_data, split_events
+from pd_runtime.router.live_run import event_data, failed_events, split_events
 from pd_runtime.router.protocol import PreparedRequest
 from pd_runtime.router.responses import ResponseBuilder
 from pd_runtime.router.responses_api import ResponsesRequest
@@ -314,16 +314,6 @@ def latest_response(events: list[bytes]) -> Optional[dict]:
             if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
                 return payload["response"]
     return None
-
-
-def failed_events(seq: int, response: dict, error: BackendError) -> list[dict]:
-    """An error event, then response.failed (`response` as it stood), numbered from `seq`."""
-    # The response's error code is one of OpenAI's (the event's says which error it was).
-    code = "rate_limit_exceeded" if error.status == 429 else "server_error"
-    response = dict(response, status="failed", error={"code": code, "message": error.message})
-    return [{"type": "error", "sequence_number": seq, "code": error.code or error.type,
-             "message": error.message, "param": error.param},
-            {"type": "response.failed", "sequence_number": seq + 1, "response": response}]
 
 
 def _part(kind: str, text: str) -> dict:

@@ -32,17 +32,20 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from pd_runtime.router.call_object import SPACE as _SPACE
+from pd_runtime.router import tool_calls_base
 from pd_runtime.router.call_object import CallObject
 from pd_runtime.router.text_checks import partial_tag_len
+from pd_runtime.router.tool_calls_base import FUNCTION_NAME, call_id
+from pd_runtime.router.tool_calls_base import SPACE as _SPACE
+from pd_runtime.router.tool_calls_harmony import HarmonyCallReader
+from pd_runtime.router.tool_calls_pythonic import PythonicCallReader
+from pd_runtime.router.tool_calls_xml import XmlCallReader
 
 _STRING_STOP = re.compile(r'["\\]')  # what inside a JSON string changes how it is read
 _ARGS_TAG = "[ARGS]"  # Mistral's newer form: [TOOL_CALLS]name[ARGS]{...}
-FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # what a tool may be called
 _NAME_START = re.compile(r"[A-Za-z0-9_]")
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_.:-]*")
 
@@ -70,12 +73,6 @@ _DS_CALL, _DS_SEP, _DS_END, _DS_CALLS_END = \
 _DS_FENCE = "```json"
 
 
-def call_id(short: bool = False) -> str:
-    """A new call's id. `short`: 9 letters and digits, the only ids Mistral's templates take
-    back (theirs raise on any other)."""
-    return uuid.uuid4().hex[:9] if short else f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
-
-
 @dataclass
 class _Call:
     id: str
@@ -89,6 +86,9 @@ class CallReader:
     """A choice's calls under "auto" or "required", fed its output as it grows: the content to
     send now and the calls' deltas (OpenAI's streamed tool_calls: a call's id and name first,
     then its arguments in pieces)."""
+
+    whole = tool_calls_base.whole
+    _show = tool_calls_base.show
 
     def __init__(self, plan):
         self.fmt = FORMATS["required" if plan.mode == "required" else plan.parser]
@@ -118,18 +118,6 @@ class CallReader:
         if self.plain:
             return self._show(text, len(text)), []
         return self._show(text, self.visible), self._deltas(text, finished)
-
-    def whole(self, text: str) -> tuple[Optional[str], list[dict]]:
-        """A finished output read at once: (content, calls), as a whole response gives them;
-        the whole text as content when it holds no call."""
-        content, deltas = self.feed(text, True)
-        if not self.calls:
-            return text, []
-        calls = {}
-        for delta in deltas:
-            if "id" in delta:
-                calls[delta["index"]] = {k: delta[k] for k in ("id", "type", "function")}
-        return content or None, [calls[i] for i in range(len(calls))]
 
     # -- where the calls begin -----------------------------------------------------------------
     def _begin(self, text: str) -> None:
@@ -335,11 +323,6 @@ class CallReader:
         call.sent = obj.args_end - obj.args if obj.args_end is not None else len(raw)
         return raw
 
-    def _show(self, text: str, upto: int) -> str:
-        out = text[self.shown:upto] if upto > self.shown else ""
-        self.shown = max(self.shown, upto)
-        return out
-
 
 def _sent(call: _Call, text: str) -> str:
     call.sent = len(text)
@@ -349,15 +332,13 @@ def _sent(call: _Call, text: str) -> str:
 def reader(plan):
     """A reader for a plan's calls: CallReader, or for Qwen3-Coder's XML form
     pd_runtime/router/tool_calls_xml.py's, for the pythonic one pd_runtime/router/tool_calls_pythonic.py's (which
-    build on this module)."""
+    build on pd_runtime/router/tool_calls_base.py), for gpt-oss's harmony form
+    pd_runtime/router/tool_calls_harmony.py's."""
     if plan.mode == "auto" and plan.parser == XML_FORMAT:
-        from pd_runtime.router.tool_calls_xml import XmlCallReader
         return XmlCallReader(plan)
     if plan.mode == "auto" and plan.parser == PYTHONIC_FORMAT:
-        from pd_runtime.router.tool_calls_pythonic import PythonicCallReader
         return PythonicCallReader(plan)
     if plan.mode == "auto" and plan.parser == HARMONY_FORMAT:
-        from pd_runtime.router.tool_calls_harmony import HarmonyCallReader
         return HarmonyCallReader(plan)
     return CallReader(plan)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pd_runtime.router import harmony
-from pd_runtime.router.tool_calls import CallReader, call_id
+from pd_runtime.router import harmony, tool_calls_base
+from pd_runtime.router.tool_calls_base import call_id
 
 
 @dataclass
@@ -24,7 +24,7 @@ class _HarmonyCall:
 
 
 class HarmonyCallReader:
-    whole = CallReader.whole
+    whole = tool_calls_base.whole
 
     def __init__(self, plan):
         self.short_ids = plan.short_ids

@@ -27,11 +27,12 @@ import json
 import re
 from typing import Any, Optional
 
+from pd_runtime.router import tool_calls_base
 from pd_runtime.router.python_literals import decode_string, literal_json, string_scan
-from pd_runtime.router.tool_calls import FUNCTION_NAME, CallReader, call_id
+from pd_runtime.router.tool_calls_base import FUNCTION_NAME, call_id
+from pd_runtime.router.tool_calls_base import SPACE as _SPACE
 from pd_runtime.router.tool_calls_xml import XmlCallReader, _Call
 
-_SPACE = " \t\r\n"
 _PREFIXES = ("<|python_start|>", "<|python_tag|>")
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_.:-]*")
 _NAME_START = re.compile(r"[A-Za-z_]")
@@ -49,8 +50,8 @@ class PythonicCallReader:
     The bookkeeping (calls as JSON parts, their deltas, a broken or closed call) is
     XmlCallReader's; the states are this format's."""
 
-    whole = CallReader.whole
-    _show = CallReader._show
+    whole = tool_calls_base.whole
+    _show = tool_calls_base.show
     feed = XmlCallReader.feed
     _read = XmlCallReader._read
     _begin_call = XmlCallReader._begin_call

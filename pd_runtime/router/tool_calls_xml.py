@@ -36,10 +36,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pd_runtime.router import tool_calls_base
 from pd_runtime.router.text_checks import partial_tag_len, refuse_json_constant
-from pd_runtime.router.tool_calls import FUNCTION_NAME, CallReader, call_id
+from pd_runtime.router.tool_calls_base import FUNCTION_NAME, call_id
+from pd_runtime.router.tool_calls_base import SPACE as _SPACE
 
-_SPACE = " \t\r\n"
 _OPENERS = ("<tool_call>", "<function=")
 _FUNCTION = "<function="
 _PARAM, _PARAM_END, _FUNCTION_END, _CALL_END = \
@@ -71,8 +72,8 @@ class _Call:
 class XmlCallReader:
     """A choice's calls under "auto", fed its output as it grows (CallReader's interface)."""
 
-    whole = CallReader.whole
-    _show = CallReader._show
+    whole = tool_calls_base.whole
+    _show = tool_calls_base.show
 
     def __init__(self, plan):
         self.tools = plan.params or {}

@@ -25,7 +25,8 @@ from pd_runtime import structured
 from pd_runtime.api import InvalidRequestError
 from pd_runtime.router.schema import InvalidRequest
 from pd_runtime.router.text_checks import refuse_json_constant
-from pd_runtime.router.tool_calls import FUNCTION_NAME, PARSERS
+from pd_runtime.router.tool_calls import PARSERS
+from pd_runtime.router.tool_calls_base import FUNCTION_NAME
 
 MAX_TOOLS = 128
 
