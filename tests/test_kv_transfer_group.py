@@ -57,7 +57,9 @@ def test_a_refused_first_send_keeps_nothing(p, d):
     sender, receiver, peer, sent, _, _, _ = _pair(p, d)
     try:  # the receiving worker gone: every rank's link fails, every piece is refused
         receiver.close()
-        wait_for(lambda: sender.peer_state(peer)[0] is LinkState.FAILED)
+        links = sender._peers[peer].links  # every rank's link seen down, not only the first
+        wait_for(lambda: all(sender.ranks[rank].peer_state(link)[0] is LinkState.FAILED
+                             for (rank, _), link in links.items()))
         assert sender.send(peer, "r", [1, 2], [3, 4]) is SendOutcome.PEER_UNAVAILABLE
         assert sender.table_sizes()["group_requests"] == 0 and not sent.seen
     finally:

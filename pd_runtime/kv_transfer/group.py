@@ -249,7 +249,8 @@ class GroupAgent:
         return SendOutcome.ACCEPTED
 
     def _push(self, request: _Request) -> Optional[SendOutcome]:
-        """Hand each piece's waiting layers to its rank; the first refusal, or None."""
+        """Hand each piece's waiting layers to its rank; the first refusal, or None. A piece
+        refused outright (not for room) dooms the request: no further piece is started."""
         refusal = None
         src, dst = request.blocks
         links = self._peers[request.peer_id].links
@@ -279,6 +280,8 @@ class GroupAgent:
                 late = outcome is SendOutcome.ACCEPTED and request.failure is not None
             if late:  # the request failed while this piece was being handed over
                 self.ranks[piece.rank].cancel(piece.sub_id)
+            if refusal not in (None, SendOutcome.WOULD_BLOCK):
+                break
         return refusal
 
     def _num_layers(self) -> int:
