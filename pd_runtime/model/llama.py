@@ -162,7 +162,10 @@ class LlamaModel:
             for name in EXPERT_LINEARS:
                 if name in layer:
                     packed[name] = [prepack_weight(w) for w in layer[name]]
-        self.lm_head_packed = prepack_weight(self.lm_head)
+        # Only the driver rank computes logits: a follower keeps no LM head of its own (the
+        # loader reads none; the embedding stands in, unused) and packs none.
+        self.lm_head_packed = prepack_weight(self.lm_head) if not (self.tp and tp.rank) \
+            else None
         self.batch_invariant = batch_invariant
         # Rows each matmul is padded to (1: as called); the activation in one native pass.
         self.min_rows = {name: 1 for name in (*LINEARS, *EXPERT_LINEARS, "lm_head")}

@@ -241,7 +241,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
     }
     if not cfg.tie_word_embeddings:
         if reader.head in reader.files:
-            weights["lm_head"] = reader.get("lm_head.weight", (cfg.vocab_size, h))
+            if tp_rank == 0:  # only the driver rank computes logits
+                weights["lm_head"] = reader.get("lm_head.weight", (cfg.vocab_size, h))
         else:
             raise ModelLoadError(f"{model_dir}: config.json says tie_word_embeddings=false but "
                                  "tensor 'lm_head.weight' is missing")
