@@ -215,3 +215,16 @@ def test_a_model_over_one_ranks_budget_is_refused_at_one_rank_and_serves_at_two(
         assert [r.token_ids for r in got] == [r.token_ids for r in reference]
     finally:
         llm.engine.close()
+
+
+def test_each_local_rank_takes_its_own_gpu_from_the_configured_one():
+    from pd_runtime.config import EngineConfig
+    from pd_runtime.engine.tp_ranks import rank_device
+
+    def devices(device):
+        config = EngineConfig(model="m", device=device, tensor_parallel_size=2)
+        return [rank_device(config, rank) for rank in range(2)]
+
+    assert devices("cuda") == ["cuda:0", "cuda:1"]
+    assert devices("cuda:2") == ["cuda:2", "cuda:3"]
+    assert devices("cpu") == ["cpu", "cpu"]

@@ -35,8 +35,12 @@ def threads_per_rank(config: EngineConfig) -> int | None:
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
-    """A local rank's device: `cuda` names one GPU a rank (rank r takes cuda:r)."""
-    return f"cuda:{rank}" if config.device == "cuda" else config.device
+    """A local rank's device: on CUDA one GPU a rank, from the configured one on (`cuda` or
+    `cuda:0`: rank r takes cuda:r; `cuda:2`: cuda:2 + r); any other device as configured."""
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return config.device
+    return f"cuda:{(device.index or 0) + rank}"
 
 
 class LocalRanks:
