@@ -13,8 +13,8 @@ from typing import Optional, Union
 
 import torch
 
-from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, ModelLoadError,
-                            RequestTooLargeError, SamplingParams, bad_word_spellings)
+from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, RequestTooLargeError,
+                            SamplingParams, bad_word_spellings)
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine import prompt_logprobs, tp_ranks
 from pd_runtime.engine.block_manager import BlockManager
@@ -52,16 +52,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model)
         # What a request that leaves a sampling field out gets (the router applies them).
         self.sampling_defaults = read_sampling_defaults(config.model)
-        self._local_ranks = None
-        from pd_runtime.model.tensor_parallel import unsupported_reason
-
-        reason = unsupported_reason(self.model_config, config.tensor_parallel_size)
-        if reason is not None:  # before any rank starts
-            raise ModelLoadError(f"{config.model}: tensor_parallel_size "
-                                 f"{config.tensor_parallel_size}: {reason}")
-        if tp is None and config.tensor_parallel_size > 1:
-            self._local_ranks = tp_ranks.LocalRanks(
-                config, self.max_model_len, entry=rank_entry or tp_ranks.__name__)
+        self._local_ranks = tp_ranks.start(config, self.model_config, self.max_model_len,
+                                           rank_entry) if tp is None else None
+        if self._local_ranks is not None:
             tp = self._local_ranks.group
         try:
             self.runner = ModelRunner(config, self.max_model_len, tp)

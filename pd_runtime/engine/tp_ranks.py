@@ -83,6 +83,22 @@ class LocalRanks:
         self._finalizer()
 
 
+def start(config: EngineConfig, model_config, max_model_len: int,
+          entry: str | None = None) -> "LocalRanks | None":
+    """The follower ranks of an engine of `config` (None at one rank); a model that cannot
+    split over them is refused (ModelLoadError naming why) before any starts."""
+    from pd_runtime.api import ModelLoadError
+    from pd_runtime.model.tensor_parallel import unsupported_reason
+
+    reason = unsupported_reason(model_config, config.tensor_parallel_size)
+    if reason is not None:
+        raise ModelLoadError(f"{config.model}: tensor_parallel_size "
+                             f"{config.tensor_parallel_size}: {reason}")
+    if config.tensor_parallel_size == 1:
+        return None
+    return LocalRanks(config, max_model_len, entry=entry or __name__)
+
+
 def _reap(processes: list[subprocess.Popen], groups: list) -> None:
     for group in groups:
         group.close()
