@@ -158,7 +158,7 @@ def test_a_lost_rank_fails_the_step_promptly(model_factory):
     llm = LLM(model_factory("llama"), tensor_parallel_size=2, num_threads=1)
     try:
         llm.generate(PROMPTS[:1], GREEDY)
-        follower = llm.engine._local_ranks.processes[0]
+        follower = llm.engine._local_ranks.followers.processes[0]
         follower.kill()
         follower.wait()
         started = time.monotonic()
@@ -171,7 +171,7 @@ def test_a_lost_rank_fails_the_step_promptly(model_factory):
 
 def test_followers_stop_with_the_engine(model_factory):
     llm = LLM(model_factory("llama"), tensor_parallel_size=2, num_threads=1)
-    processes = list(llm.engine._local_ranks.processes)
+    processes = list(llm.engine._local_ranks.followers.processes)
     llm.engine.close()
     assert all(p.poll() is not None for p in processes)
 

@@ -1,6 +1,6 @@
-"""Tensor-parallel workers served: a decode worker of two ranks on a local Ray (its second rank a
-process of the worker's actor, the actor reserving both ranks' CPUs) streams the offline
-engine's tokens, greedy and seeded; one rank killed mid-stream ends the worker, Ray restarts
+"""Tensor-parallel workers served: a decode worker of two ranks on a local Ray (two actors in a
+STRICT_PACK placement group of two bundles: the worker's, rank 0, and its second rank's, which
+it started) streams the offline engine's tokens, greedy and seeded; one rank killed mid-stream ends the worker, Ray restarts
 it whole (new ranks) and the stream continues there with the same tokens. Then the product
 itself: `pd-runtime serve -tp 2 --in-process`, through the official openai client."""
 
@@ -66,6 +66,13 @@ def test_a_two_rank_worker_streams_the_offline_tokens(sharded, reference):
     ps, ref = reference
     load = ray.get(worker.handle.load.remote())
     assert len(load["rank_pids"]) == 1  # the second rank, beside the actor's own process
+    title = Path(f"/proc/{load['rank_pids'][0]}/cmdline").read_bytes()
+    assert b"ray::TensorParallelRank" in title, title  # a Ray actor of its own
+    group = [g for g in ray.util.placement_group_table().values()
+             if g["name"] == "pd-d2-ranks"]
+    assert len(group) == 1 and group[0]["strategy"] == "STRICT_PACK" and \
+        group[0]["state"] == "CREATED", group
+    assert [b.get("CPU") for b in group[0]["bundles"].values()] == [1.0, 1.0], group
     for seeded in (False, True):
         for i in (0, 2):
             chunks = collect(client, f"tp-{seeded}-{i}", ps[i], params(i, seeded))
@@ -96,6 +103,38 @@ def test_a_killed_rank_restarts_the_worker_whole_and_the_stream_goes_on(sharded,
     assert after["pid"] != actor_pid and after["rank_pids"] and \
         after["rank_pids"][0] != rank_pid  # a new incarnation with new ranks
     _gone(rank_pid)
+
+
+def test_build_pools_places_each_tensor_parallel_worker_in_a_group_of_its_ranks(
+        sharded, llama_dir, reference):
+    """From YAML-shaped config: a colocated pool of one worker at tensor_parallel_size 2 gets a
+    STRICT_PACK placement group of two one-rank bundles, its second rank an actor there, and
+    serves the single-rank tokens."""
+    from pd_runtime.config import ClusterConfig
+    from pd_runtime.workers.pool import build_pools
+
+    cfg = ClusterConfig.model_validate({
+        "model": llama_dir, "prefill": {"num_workers": 0}, "decode": {"num_workers": 0},
+        "colocated": {"num_workers": 1, "resources": {"num_cpus": 1},
+                      "engine": {"tensor_parallel_size": 2, "dtype": "float32",
+                                 "num_kv_blocks": 128, "warmup_tokens": 16}}})
+    client = build_pools(cfg, llama_dir)
+    worker = client.decode[0]
+    try:
+        group = [g for g in ray.util.placement_group_table().values()
+                 if g["name"] == f"pd-{worker.worker_id}-ranks"]
+        assert len(group) == 1 and group[0]["strategy"] == "STRICT_PACK", group
+        assert [b.get("CPU") for b in group[0]["bundles"].values()] == [1.0, 1.0], group
+        load = ray.get(worker.handle.load.remote())
+        assert load["tensor_parallel_size"] == 2 and len(load["rank_pids"]) == 1
+        assert b"ray::TensorParallelRank" in \
+            Path(f"/proc/{load['rank_pids'][0]}/cmdline").read_bytes()
+        ps, ref = reference
+        chunks = collect(client, "pools-tp", ps[0], params(0, False))
+        assert tokens_of(chunks) == ref[False][0]
+    finally:
+        ray.kill(worker.handle)
+    _gone(load["rank_pids"][0])  # the rank ends with its worker
 
 
 def _rank_bytes(worker) -> list[dict]:

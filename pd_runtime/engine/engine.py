@@ -36,10 +36,10 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tp=None, rank_entry: Optional[str] = None):
+    def __init__(self, config: EngineConfig, tp=None, launch_ranks=None):
         """`tp`: this engine's tensor-parallel group (driver rank), whose followers run
-        elsewhere; None with tensor_parallel_size > 1 starts them here as local processes
-        (engine/tp_ranks.py), running module `rank_entry`'s main (default tp_ranks's)."""
+        elsewhere; None with tensor_parallel_size > 1 starts them with `launch_ranks`
+        (engine/tp_ranks.py; default: local processes)."""
         self.config = config
         threads = tp_ranks.threads_per_rank(config)
         if threads:
@@ -53,7 +53,7 @@ class LLMEngine:
         # What a request that leaves a sampling field out gets (the router applies them).
         self.sampling_defaults = read_sampling_defaults(config.model)
         self._local_ranks = tp_ranks.start(config, self.model_config, self.max_model_len,
-                                           rank_entry) if tp is None else None
+                                           launch_ranks) if tp is None else None
         if self._local_ranks is not None:
             tp = self._local_ranks.group
         try:
@@ -440,7 +440,7 @@ class LLMEngine:
 
     def rank_pids(self) -> list[int]:
         """The processes of this engine's follower ranks started here (none at one rank)."""
-        return [p.pid for p in self._local_ranks.processes] if self._local_ranks else []
+        return self._local_ranks.pids if self._local_ranks else []
 
     def close(self) -> None:
         """Stop the tensor-parallel followers (nothing to do at one rank); the engine takes no

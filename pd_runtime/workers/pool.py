@@ -29,13 +29,17 @@ def start_worker(role: str, worker_id: str, engine_config: EngineConfig,
                  kv_config: KVTransferConfig, *, num_cpus: float = 1, num_gpus: float = 0,
                  resources: Optional[dict] = None, memory: Optional[int] = None,
                  max_restarts: int = 3, recovery: Optional[RecoveryConfig] = None,
-                 scheduling_strategy=None, namespace: Optional[str] = None) -> WorkerRef:
-    """Create one worker actor (not yet waited for). The resources are one rank's: a worker
-    of tensor_parallel_size t reserves t times them, in one actor on one node, whose process
-    starts the other ranks (pd_runtime/engine/tp_ranks.py); each rank computes on num_cpus
-    threads unless engine.num_threads says otherwise."""
+                 scheduling_strategy=None, namespace: Optional[str] = None,
+                 placement_timeout_s: float = 120.0,
+                 accelerator_type: Optional[str] = None) -> WorkerRef:
+    """Create one worker actor (not yet waited for). The resources are one rank's: a worker of
+    tensor_parallel_size t > 1 gets a STRICT_PACK placement group of its own with t such
+    bundles (the custom resources and memory in the first only), its actor in bundle 0 and its
+    other ranks' actors, which it starts, in the others (workers/tp_rank.py); the group's
+    `scheduling_strategy` is then not used. Each rank computes on num_cpus threads unless
+    engine.num_threads says otherwise."""
     ranks = engine_config.tensor_parallel_size
-    options = dict(name=f"pd-{worker_id}", num_cpus=num_cpus * ranks, num_gpus=num_gpus * ranks,
+    options = dict(name=f"pd-{worker_id}", num_cpus=num_cpus, num_gpus=num_gpus,
                    resources=resources or {}, max_restarts=max_restarts,
                    # Requests are not retried by Ray: a lost stream is migrated by the client.
                    max_task_retries=0, max_concurrency=1000)
@@ -43,6 +47,14 @@ def start_worker(role: str, worker_id: str, engine_config: EngineConfig,
         options["memory"] = memory
     if namespace:
         options["namespace"] = namespace
+    if accelerator_type:
+        options["accelerator_type"] = accelerator_type
+    rank_resources = None
+    if ranks > 1:
+        scheduling_strategy = _rank_group(worker_id, ranks, options, placement_timeout_s)
+        rank_resources = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+        if accelerator_type:
+            rank_resources["accelerator_type"] = accelerator_type
     if scheduling_strategy is not None:
         options["scheduling_strategy"] = scheduling_strategy
     if engine_config.num_threads is None:
@@ -50,8 +62,35 @@ def start_worker(role: str, worker_id: str, engine_config: EngineConfig,
             update={"num_threads": max(1, int(num_cpus or 1))})
     handle = worker_actor_class().options(**options).remote(
         role, worker_id, engine_config.model_dump(), kv_config.model_dump(),
-        (recovery or RecoveryConfig()).model_dump())
+        (recovery or RecoveryConfig()).model_dump(), rank_resources)
     return WorkerRef(worker_id, role, handle)
+
+
+def _rank_group(worker_id: str, ranks: int, options: dict, timeout_s: float):
+    """A tensor-parallel worker's placement group, ready: `ranks` bundles on one node."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    first = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], **options["resources"]}
+    if options.get("memory"):
+        first["memory"] = options["memory"]
+    rank = {"CPU": options["num_cpus"], "GPU": options["num_gpus"]}
+    if options.get("accelerator_type"):  # how Ray spells the constraint in a bundle
+        first[f"accelerator_type:{options['accelerator_type']}"] = 0.001
+        rank = {**rank, f"accelerator_type:{options['accelerator_type']}": 0.001}
+    bundles = [{k: v for k, v in b.items() if v} or {"CPU": 0.001} for b in
+               [first] + [rank] * (ranks - 1)]
+    pg = placement_group(bundles, strategy="STRICT_PACK", name=f"pd-{worker_id}-ranks")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(f"worker {worker_id}: no node fits its {ranks} tensor-parallel ranks "
+                           f"({bundles}) within {timeout_s:g} s; a worker's ranks share one "
+                           "node (STRICT_PACK)") from None
+    return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
+                                            placement_group_capture_child_tasks=False)
 
 
 def wait_ready(workers: list[WorkerRef], timeout_s: float = 300.0) -> list[dict]:
@@ -99,11 +138,9 @@ def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClie
         res = pool.resources
         placement = cfg.placement_for(role)
         strategy_for = [None] * pool.num_workers
-        if placement.enabled:
-            ranks = pool.engine.tensor_parallel_size
-            pg = placement_group([{name: amount * ranks if name in ("CPU", "GPU") else amount
-                                   for name, amount in res.bundle().items()}
-                                  for _ in range(pool.num_workers)],
+        # (a tensor-parallel worker gets a placement group of its own: start_worker)
+        if placement.enabled and pool.engine.tensor_parallel_size == 1:
+            pg = placement_group([res.bundle() for _ in range(pool.num_workers)],
                                  strategy=placement.strategy, name=f"pd-{role}")
             ray.get(pg.ready(), timeout=placement.ready_timeout_s)
             strategy_for = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
@@ -114,7 +151,9 @@ def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClie
                 num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=res.custom,
                 memory=res.memory_bytes, max_restarts=cfg.recovery.max_restarts,
                 recovery=cfg.recovery,
-                scheduling_strategy=strategy_for[i], namespace=cfg.ray.namespace))
+                scheduling_strategy=strategy_for[i], namespace=cfg.ray.namespace,
+                placement_timeout_s=placement.ready_timeout_s,
+                accelerator_type=res.accelerator_type))
     infos = wait_ready([w for ws in pools.values() for w in ws], ready_timeout_s)
     # Colocated-role workers serve whole requests exactly like decode workers.
     return PoolClient(pools["prefill"], pools["decode"] + pools["colocated"],

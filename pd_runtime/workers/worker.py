@@ -21,6 +21,7 @@ from typing import AsyncIterator, Optional
 from pd_runtime.api import (EngineOverloadedError, GenerationRequest, InvalidRequestError,
                             ModelCard, error_chunk, merge_chunks, output_chunk)
 from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
+from pd_runtime.workers import tp_rank
 from pd_runtime.workers.deadlines import DeadlineWatch
 from pd_runtime.workers.decode_half import (PrefillRate, RemotePrefill, ReservationQueue, Stage,
                                             cancel_receive, run_remote_prefill)
@@ -34,7 +35,10 @@ ROLES = ("prefill", "decode", "colocated")
 
 class PDWorker:
     def __init__(self, role: str, worker_id: str, engine_config: dict, kv_config: dict,
-                 recovery: Optional[dict] = None):
+                 recovery: Optional[dict] = None, rank_resources: Optional[dict] = None):
+        """`rank_resources` (num_cpus, num_gpus of one rank): this is a Ray actor in its
+        placement group, and its other tensor-parallel ranks are actors there too
+        (workers/tp_rank.py); None: they are local processes (an in-process server)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         import torch
@@ -50,7 +54,8 @@ class PDWorker:
             torch.set_num_threads(self.engine_config.num_threads)
         self.num_threads = torch.get_num_threads()  # the cores its steps use
         # Its other tensor-parallel ranks (if any) each run a transfer agent of their own.
-        self.engine = LLMEngine(self.engine_config, rank_entry="pd_runtime.workers.tp_rank")
+        self.engine = LLMEngine(self.engine_config,
+                                launch_ranks=tp_rank.launcher(rank_resources))
         warm_s = self.engine.warm_up(self.engine_config.warmup_tokens)
         # A restarted actor is a new incarnation: peers must not mistake it for the old one.
         self.engine_id = f"{worker_id}-{uuid.uuid4().hex[:8]}"
@@ -163,13 +168,12 @@ class PDWorker:
         return True
 
     def _group_agent(self, kv: KVTransferConfig):
-        """One transfer agent per rank over that rank's cache, the others' in their processes
-        (pd_runtime/workers/tp_rank.py), behind one agent interface (kv_transfer/group.py)."""
+        """One transfer agent per rank over that rank's cache, the others' in their rank's
+        process (pd_runtime/workers/tp_rank.py), behind one agent interface (kv_transfer/group.py)."""
         from pd_runtime.engine.tp_ranks import HOST
         from pd_runtime.kv_transfer.group import GroupAgent, released_by
         from pd_runtime.kv_transfer.rank_rpc import RemoteRankAgent
         from pd_runtime.kv_transfer.registry import create_agent
-        from pd_runtime.workers.tp_rank import AGENT_PORT_KEY
 
         model = self.engine.model_config
         degree = self.engine_config.tensor_parallel_size
@@ -182,7 +186,7 @@ class PDWorker:
                               model_id=model.identity, on_release=released_by(group, 0),
                               extra=extra(0))]
         for rank in range(1, degree):
-            port = int(self.engine.runner.tp.store.get(AGENT_PORT_KEY.format(rank=rank)))
+            port = int(self.engine.runner.tp.store.get(tp_rank.AGENT_PORT_KEY.format(rank=rank)))
             # (port 0: a configured port is the driver's, and the ranks share its node)
             ranks.append(RemoteRankAgent(HOST, port, released_by(group, rank),
                                          kv.model_copy(update={"port": 0}).model_dump(),
@@ -208,7 +212,8 @@ class PDWorker:
     def _on_step_failure(self, exc: Exception) -> None:
         """A tensor-parallel rank lost is this worker lost: the process ends, so Ray restarts
         the actor, which starts its ranks anew (the group restarts as one unit) while the
-        router migrates its streams. (Its other ranks end when their plan channel closes.)"""
+        router migrates its streams. (Its other ranks end with it: Ray ends the actors a dead
+        actor owned, and a local process's plan channel closes.)"""
         from pd_runtime.model.parallel_comm import TensorParallelError
 
         in_actor = "ray" in sys.modules and sys.modules["ray"].is_initialized() and \
