@@ -27,8 +27,8 @@ git-ignored .whl/ with pydantic's wheels and ucxx-cu12 installed for CPython 3.1
 -xJf .whl/ucxx-site-cp312.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site || exit;
 PYTHONUNBUFFERED=1 python3 bench/gpu_check.py`. Without ucxx (the `tar` step left out of that
 call) the transfer_ucx stage reports it missing and the others run. tensor_parallel runs last:
-on one GPU it skips in seconds; on a device with two, give the call `--budget-s 540` (timeout
-600): the other stages take ~440 s and it ~70 (run alone on a fresh machine, where it builds
+on one GPU it skips in seconds; on a device with two, give the call `--budget-s 570` (timeout
+600): the other stages take ~440 s and it ~100 (run alone on a fresh machine, where it builds
 the Triton kernels itself: `--only model,tensor_parallel --stage-s tensor_parallel=180`).
 """
 

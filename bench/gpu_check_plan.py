@@ -25,9 +25,10 @@ SIZES = {
         # expected on an H200: env 10, kernels 80, model 30, engines 40 each, hf 25,
         # transfers 30 each, tests 150 (Triton builds for ~60 kernel variants; 10 engine
         # models, 6 of them under CUDA graphs): ~440 of the 480; tensor_parallel, last, skips
-        # in seconds on one GPU and takes ~70 on two (there: --budget-s 540)
+        # in seconds on one GPU and takes ~100 on two with its t=2 graphs run (there:
+        # --budget-s 570)
         stage_s=dict(env=30, kernels=170, model=75, engine_graphs=80, hf=60, engine_eager=70,
-                     transfer=50, transfer_ucx=90, tests=200, tensor_parallel=90),
+                     transfer=50, transfer_ucx=90, tests=200, tensor_parallel=120),
         kernels_args=[], transfer_args=[],
         # t=1 against t=2: greedy tokens of `num_prompts`, decode steps at `batches` (prompts of
         # `context` tokens), the bare all-reduce at `allreduce_batches`, a KV transfer

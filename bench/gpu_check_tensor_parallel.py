@@ -3,8 +3,9 @@ the bench model offline at t=1 and t=2, a bare all-reduce between two ranks, a K
 from one device to the other. Needs two GPUs; the CPU twin runs it on device cpu over gloo.
 
 One part after the other, on the devices the t=2 engine uses (cuda:0 and cuda:1):
-1. t=1, then t=2 (CUDA graphs off at both: t>1 has none, so the step times compare alike):
-   greedy tokens with logprobs, then decode steps at a few batch sizes, timed.
+1. t=1, then t=2 (CUDA graphs off at both, so the step times compare alike): greedy tokens
+   with logprobs, then decode steps at a few batch sizes, timed; then t=2 with CUDA graphs
+   (NCCL all-reduces inside them), its tokens against eager t=2's and its decode steps timed.
 2. The runtime's own all-reduce (TensorParallelGroup: NCCL, on the CPU gloo) of [batch,
    hidden] between this process and a spawned peer, as the row-parallel layers call it.
 3. bench/gpu_transfer.py with the receiver on the other device: torch_dist over NCCL.
@@ -71,7 +72,7 @@ def decode_step_ms(engine, prompts: list[list[int]], steps: int, tag: str) -> fl
     return 1e3 * statistics.median(times)
 
 
-def run_engine(args, size: int) -> tuple[list, dict[int, float]]:
+def run_engine(args, size: int, graphs: bool = False) -> tuple[list, dict[int, float]]:
     """Degree `size`: the greedy traces of the stage's prompts, decode step ms per batch."""
     import gc
 
@@ -84,7 +85,7 @@ def run_engine(args, size: int) -> tuple[list, dict[int, float]]:
     sizes = SIZES[args.mode]
     tp = sizes["tensor_parallel"]
     llm = LLM(args.model_dir, **engine_kwargs(
-        sizes, tensor_parallel_size=size, cuda_graphs=False,
+        sizes, tensor_parallel_size=size, cuda_graphs=graphs,
         max_num_seqs=max(tp["batches"] + [tp["num_prompts"]])))
     try:
         warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -100,7 +101,10 @@ def run_engine(args, size: int) -> tuple[list, dict[int, float]]:
                                                prompt_len=tp["context"]), seed=100 + batch)
             steps[batch] = decode_step_ms(llm.engine, batch_prompts, tp["steps"],
                                           f"t{size}-b{batch}")
-            _say(f"t={size} batch {batch}: {steps[batch]:.2f} ms a decode step")
+            _say(f"t={size}{' graphs' if graphs else ''} batch {batch}: "
+                 f"{steps[batch]:.2f} ms a decode step")
+        if graphs and not llm.engine.runner.graphs.replays:
+            raise RuntimeError("cuda_graphs on, but no decode step replayed a graph")
     finally:
         llm.engine.close()  # the follower ranks stop; their GPU is free for the next part
     del llm
@@ -233,13 +237,18 @@ def body_tensor_parallel(args) -> dict:
             _say(errors[-1])
         out.setdefault("seconds", {})[name] = time.perf_counter() - start
 
-    runs: dict[int, tuple] = {}
+    runs: dict = {}  # degree (or "2g": t=2 with graphs) -> (traces, step ms)
     for size in (1, 2):
         part(f"engine t={size}", lambda size=size: runs.__setitem__(size, run_engine(args, size)))
-    if len(runs) == 2:
+    if SIZES[args.mode]["device"] == "cuda":
+        part("engine t=2 graphs", lambda: runs.__setitem__("2g", run_engine(args, 2, True)))
+    if 1 in runs and 2 in runs:
         out["tokens"] = compare_tokens(runs[1][0], runs[2][0])
-        out["decode"] = [{"batch": b, "t1_ms": runs[1][1][b], "t2_ms": runs[2][1][b]}
+        out["decode"] = [{"batch": b, "t1_ms": runs[1][1][b], "t2_ms": runs[2][1][b],
+                          **({"t2_graphs_ms": runs["2g"][1][b]} if "2g" in runs else {})}
                          for b in runs[1][1]]
+    if 2 in runs and "2g" in runs:  # the same kernels replayed: expected identical
+        out["tokens_graphs_vs_eager_t2"] = compare_tokens(runs[2][0], runs["2g"][0])
     part("all-reduce", lambda: out.__setitem__("allreduce", time_allreduce(args)))
     part("transfer", lambda: out.__setitem__("transfer", transfer_between_devices(args)))
     if errors:

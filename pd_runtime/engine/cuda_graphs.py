@@ -9,6 +9,11 @@ and replays. Block tables are captured at the widest a sequence can need
 static width, is the same for every step; a step writes only its own columns, and a row reads
 only the blocks its length covers. Batches beyond the largest bucket, and steps with prompt
 tokens, run eagerly (ModelRunner).
+
+At tensor_parallel_size t > 1 every rank holds the same buckets' graphs, each with its layers'
+NCCL all-reduces inside: the ranks capture together at start (a capture's warm-up run is a
+collective) and each step every rank replays the same bucket (they run the same plan). A
+follower's graph ends at the hidden state; the driver's computes the logits.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ class DecodeGraphs:
         self.lens[:batch].copy_(self.lens64[:batch])
         hidden = model.forward(self.ids[:batch], self.pos[:batch], self.runner.kv_caches,
                                self._meta(batch))
+        if self.runner.tp is not None and self.runner.tp.rank:
+            return hidden  # a tensor-parallel follower has no LM head: its graph ends here
         return model.compute_logits(hidden)
 
     def capture(self) -> float:

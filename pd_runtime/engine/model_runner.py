@@ -136,13 +136,13 @@ class ModelRunner:
         # CUDA graphs of decode steps, captured now so that no request waits for them.
         self.graphs = None
         self.graph_capture_s: float | None = None
-        if self.triton is not None and config.cuda_graphs and self.tp is not None:
-            log.info("cuda_graphs: off at tensor_parallel_size %d (decode runs eagerly)",
-                     self.tp.size)
-        elif self.triton is not None and config.cuda_graphs and cfg.num_experts:
+        if self.triton is not None and config.cuda_graphs and cfg.num_experts:
             # The experts' loop runs the experts its tokens chose: shapes a graph cannot hold.
             log.info("cuda_graphs: off for a mixture-of-experts model (decode runs eagerly)")
         elif self.triton is not None and config.cuda_graphs:
+            # At t > 1 the all-reduces are NCCL kernels, which a graph holds: every rank
+            # captures the same buckets in the same order (the warm-up runs before each capture
+            # are collectives of all ranks) and replays the one its plan's batch names.
             from pd_runtime.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, min(config.cuda_graph_max_batch_size,
@@ -211,6 +211,8 @@ class ModelRunner:
                                 row_of[s.request_id] + 1)]
         if self.graphs is not None and not prefills and not whole_chunks:
             logits = self.graphs.run(decodes)
+            if logits is not None and self.tp is not None and self.tp.rank:
+                return None  # (a follower replayed its part; the driver samples)
             if logits is not None:  # rows in plan order (every decode row is sampled)
                 return logits if rows == list(range(len(rows))) \
                     else logits[torch.tensor(rows, device=self.device)]
