@@ -2,12 +2,19 @@
 burst) of token-id prompts streamed from any OpenAI-compatible /v1/completions endpoint.
 
     .venv/bin/python bench/goodput.py --rates 1 2 4 8 | --sweep 1 8 1 | --concurrency 4 16 |
-        --burst 192  [--base-url http://127.0.0.1:8000] [--workload bimodal|fixed|multiturn|file]
-        [--num-requests 96] [--duration S] [--burstiness 1] [--slo-ttft 2.5] [--slo-tpot 0.1]
+        --burst 192 | --search 0.5 16  [--base-url http://127.0.0.1:8000]
+        [--workload bimodal|fixed|multiturn|file] [--num-requests 96] [--duration S]
+        [--burstiness 1] [--slo-ttft 2.5] [--slo-tpot 0.1] [--attainment 0.9] [--bound]
         [--label NAME] [--json OUT] [--seed 0]
 
-A request is good when it completes with TTFT <= --slo-ttft and TPOT <= --slo-tpot; goodput is
-good requests per second from the point's first scheduled send to its last end. Times are
+A request is good when it completes with TTFT <= --slo-ttft and TPOT <= --slo-tpot (a refused
+or failed one is a miss); a point's attainment is good / sent, per prompt class as well, and
+its goodput rate good requests per second from its first scheduled send to its last end.
+`--search LOW HIGH` finds goodput as DistServe defines it: the highest offered rate whose
+attainment is >= --attainment (rates doubled from LOW until one misses or HIGH passes, then
+--search-steps bisections between the last that passed and the first that missed). `--bound`
+(implied by --search) measures the box's physical bound for the workload here
+(bench/goodput_bound.py) and reports goodput as a fraction of it. Times are
 taken from the actual send; the client's own lag (actual - scheduled send) is reported apart.
 Prompts are unique per point and seed, so the same seed twice against a running server hits its
 prefix cache: restart it or change --seed. Plots: bench/goodput_plot.py.
@@ -31,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # The parts: goodput_workload (arrivals, prompts), goodput_client (one timed request),
 # goodput_load (a point's load, the idle wait), goodput_summary (the arithmetic, the table).
+from bench import goodput_bound  # noqa: E402
 from bench.goodput_load import PointPlan, run_point, wait_idle  # noqa: E402
 from bench.goodput_summary import TABLE_HEADER, summarize, table_row  # noqa: E402
 from bench.goodput_workload import arrival_offsets, requests  # noqa: E402
@@ -52,9 +60,7 @@ def plans(args) -> list[PointPlan]:
     if args.sweep:
         start, stop, step = args.sweep
         rates = [start + i * step for i in range(int((stop - start) / step + 1e-9) + 1)]
-    return [PointPlan(f"{rate:g}/s", rate, arrival_offsets(
-        rate, random.Random(f"{args.seed}:arrivals:{i}"), num, args.duration, args.burstiness))
-        for i, rate in enumerate(rates)]
+    return [open_loop(args, rate, i) for i, rate in enumerate(rates)]
 
 
 def vocab_size(args) -> int:
@@ -64,6 +70,40 @@ def vocab_size(args) -> int:
 
     return json.loads((Path(bench_model(args.model_dir)) / "config.json").read_text())[
         "vocab_size"]
+
+
+def open_loop(args, rate: float, index: int) -> PointPlan:
+    num = args.num_requests if args.num_requests or args.duration else 96
+    return PointPlan(f"{rate:g}/s", rate, arrival_offsets(
+        rate, random.Random(f"{args.seed}:arrivals:{index}"), num, args.duration,
+        args.burstiness))
+
+
+async def search_rates(measure, low: float, high: float, steps: int) -> tuple[float, list]:
+    """The highest rate in [low, high] for which `await measure(rate)` is true, assuming it
+    holds below some rate and not above: rates double from `low` until one fails (or `high`
+    passes), then `steps` bisections between the last pass and the first fail. Returns (that
+    rate, or 0.0 when `low` fails; [(rate, passed)] in the order tried)."""
+    tried = []
+    passed, failed, rate = None, None, low
+    while True:
+        ok = await measure(rate)
+        tried.append((rate, ok))
+        if not ok:
+            failed = rate
+            break
+        passed = rate
+        if rate >= high:
+            break
+        rate = min(high, rate * 2)
+    if passed is None:
+        return 0.0, tried
+    for _ in range(steps if failed is not None else 0):
+        rate = (passed + failed) / 2
+        ok = await measure(rate)
+        tried.append((rate, ok))
+        passed, failed = (rate, failed) if ok else (passed, rate)
+    return passed, tried
 
 
 async def run(args) -> dict:
@@ -85,7 +125,10 @@ async def run(args) -> dict:
         print(f"# {doc['label']}: {model} at {base}, {args.workload}, SLO TTFT "
               f"{args.slo_ttft:g}s TPOT {args.slo_tpot * 1e3:g}ms, seed {args.seed}")
         print(TABLE_HEADER, flush=True)
-        for i, plan in enumerate(plans(args)):
+        points = iter(range(10**6))
+
+        async def point(plan: PointPlan) -> dict:
+            i = next(points)
             await wait_idle(client, base, args.settle_s, args.idle_timeout_s)
             specs = requests(args, vocab, random.Random(f"{args.seed}:prompts:{i}"))
             cpu_before = time.process_time()
@@ -95,6 +138,10 @@ async def run(args) -> dict:
             # This load generator's own CPU over the point (it may share the server's cores).
             summary["client_cpu_s"] = time.process_time() - cpu_before
             print(table_row(summary), flush=True)
+            if "by_kind" in summary:
+                print("#   " + "; ".join(
+                    f"{k}: {v['attainment']:.0%} good, {v['refused']} of {v['sent']} refused"
+                    for k, v in summary["by_kind"].items()), flush=True)
             if summary["first_error"]:
                 print(f"#   {summary['failed']} failed, first: {summary['first_error']}",
                       file=sys.stderr)
@@ -102,7 +149,40 @@ async def run(args) -> dict:
                                   "requests": [asdict(r) for r in records]})
             if args.json:
                 Path(args.json).write_text(json.dumps(doc))
+            return summary
+
+        if args.search:
+            async def passes(rate: float) -> bool:
+                summary = await point(open_loop(args, rate, len(doc["points"])))
+                return summary["attainment"] >= args.attainment
+
+            best, tried = await search_rates(passes, *args.search, args.search_steps)
+            doc["goodput"] = {"rate": best, "attainment": args.attainment, "tried": tried}
+        else:
+            for plan in plans(args):
+                await point(plan)
+    if args.bound or args.search:
+        doc["bound"] = measure_bound(args, vocab).as_dict()
+        print(goodput_bound.line(goodput_bound.Bound(**doc["bound"])))
+    if args.search:
+        bound = doc.get("bound", {}).get("rps")
+        share = f", {best / bound:.0%} of the box's bound" if bound else ""
+        print(f"# goodput (DistServe): {best:g} req/s with >= {args.attainment:.0%} of requests "
+              f"within both targets{share}; tried " +
+              ", ".join(f"{r:g}{'+' if ok else '-'}" for r, ok in tried))
+        if args.json:
+            Path(args.json).write_text(json.dumps(doc))
     return doc
+
+
+def measure_bound(args, vocab: int) -> goodput_bound.Bound:
+    """The box's bound for this workload's requests (the first point's prompts and outputs)."""
+    from bench.common import bench_model
+
+    specs = requests(args, vocab, random.Random(f"{args.seed}:prompts:0"))
+    num = args.num_requests or 96
+    lengths = [(len(s.prompt), s.output_len) for s, _ in zip(specs, range(num))]
+    return goodput_bound.measure(bench_model(args.model_dir), lengths, args.bound_dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--sweep", type=float, nargs=3, metavar=("START", "STOP", "STEP"))
     load.add_argument("--concurrency", type=int, nargs="+", help="closed-loop clients")
     load.add_argument("--burst", type=int, help="this many requests all at once")
+    load.add_argument("--search", type=float, nargs=2, metavar=("LOW", "HIGH"),
+                      help="goodput: the highest open-loop rate meeting --attainment")
+    ap.add_argument("--attainment", type=float, default=0.9,
+                    help="--search: the share of requests that must meet both targets")
+    ap.add_argument("--search-steps", type=int, default=3, help="--search: bisections")
+    ap.add_argument("--bound", action="store_true",
+                    help="measure the box's bound for the workload (bench/goodput_bound.py)")
+    ap.add_argument("--bound-dtype", default="auto",
+                    help="the server's dtype, for the bound (auto: as serve resolves it here)")
     ap.add_argument("--num-requests", type=int, help="per point (default 96 without --duration)")
     ap.add_argument("--duration", type=float, help="per point, seconds of arrivals")
     ap.add_argument("--burstiness", type=float, default=1.0,

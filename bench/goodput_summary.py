@@ -1,5 +1,6 @@
 """bench/goodput.py's arithmetic on finished requests: percentiles, the SLO test, a point's
-summary (throughput, goodput, latency percentiles, client lag, refusal time) and its table row.
+summary (throughput, goodput, attainment overall and per prompt class, latency percentiles,
+client lag, refusal time) and its table row.
 """
 
 from __future__ import annotations
@@ -51,17 +52,23 @@ def summarize(plan: PointPlan, records: list[RequestRecord], slo_ttft: float,
            "refusal_s": {**stats([r.e2e_s for r in refused], (50,)),
                          "max": max((r.e2e_s for r in refused), default=None)}}
     out["goodput_rps"] = per_s(out["good"])
+    out["attainment"] = out["good"] / len(records) if records else 0.0
     kinds = sorted({r.kind for r in records})
     if len(kinds) > 1:
-        out["by_kind"] = {k: latency_stats([r for r in records if r.kind == k], slo_ttft,
-                                           slo_tpot) for k in kinds}
+        out["by_kind"] = {}
+        for k in kinds:
+            mine = [r for r in records if r.kind == k]
+            stats_k = latency_stats(mine, slo_ttft, slo_tpot)
+            out["by_kind"][k] = {**stats_k, "sent": len(mine),
+                                 "refused": sum(r.outcome == "refused" for r in mine),
+                                 "attainment": stats_k["good"] / len(mine)}
     errors = [r.error for r in records if r.outcome == "failed"]
     out["first_error"] = errors[0] if errors else None
     return out
 
 
 TABLE_HEADER = (f"{'point':>10} {'sent':>5} {'done':>5} {'refus':>5} {'fail':>4} {'dur_s':>6} "
-                f"{'req/s':>6} {'tok/s':>7} {'good/s':>6}  {'TTFT p50/p99 s':>13}  "
+                f"{'req/s':>6} {'tok/s':>7} {'good/s':>6} {'attain':>6}  {'TTFT p50/p99 s':>13}  "
                 f"{'TPOT p50/p99 ms':>15} {'ITL p99':>7} {'e2e p99':>7} {'lag p99':>7}")
 
 
@@ -71,7 +78,7 @@ def table_row(s: dict) -> str:
 
     return (f"{s['name']:>10} {s['sent']:>5} {s['completed']:>5} {s['refused']:>5} "
             f"{s['failed']:>4} {s['duration_s']:>6.1f} {s['throughput_rps']:>6.2f} "
-            f"{s['output_tok_s']:>7.1f} {s['goodput_rps']:>6.2f}  "
+            f"{s['output_tok_s']:>7.1f} {s['goodput_rps']:>6.2f} {s['attainment']:>6.0%}  "
             f"{f(s['ttft_s']['p50']):>6}/{f(s['ttft_s']['p99']):<6}  "
             f"{f(s['tpot_s']['p50'], 1e3, 1):>7}/{f(s['tpot_s']['p99'], 1e3, 1):<7} "
             f"{f(s['itl_s']['p99'], 1e3, 1):>7} {f(s['e2e_s']['p99']):>7} "

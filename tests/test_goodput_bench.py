@@ -312,3 +312,75 @@ def test_plots_of_a_rate_run(stub, tmp_path, capsys):
                        "--cdf-out", str(cdf_png), "--cdf-rate", "20"])
     assert plot_png.read_bytes()[:4] == cdf_png.read_bytes()[:4] == b"\x89PNG"
     assert "stub ok: knee " in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ goodput search
+def test_search_finds_the_highest_rate_that_passes():
+    """Passing below 5.3 req/s: doubling 1, 2, 4 pass, 8 fails, then three bisections."""
+    async def measure(rate):
+        return rate <= 5.3
+
+    best, tried = asyncio.run(goodput.search_rates(measure, 1, 32, 3))
+    assert tried == [(1, True), (2, True), (4, True), (8, False), (6, False), (5, True),
+                     (5.5, False)]
+    assert best == 5
+
+
+def test_search_stops_at_high_and_reports_zero_when_low_fails():
+    async def always(rate):
+        return True
+
+    async def never(rate):
+        return False
+
+    assert asyncio.run(goodput.search_rates(always, 1, 3, 3)) == (3, [(1, True), (2, True),
+                                                                      (3, True)])
+    assert asyncio.run(goodput.search_rates(never, 1, 3, 3)) == (0.0, [(1, False)])
+
+
+def test_stub_search_counts_refusals_as_misses(stub, tmp_path):
+    ok = _run(stub[0], "ok", tmp_path, "--search", "10", "20", "--num-requests", "4",
+              "--slo-ttft", "5", "--slo-tpot", "1")
+    assert ok["goodput"]["rate"] == 20 and [r for r, _ in ok["goodput"]["tried"]] == [10, 20]
+    assert all(p["summary"]["attainment"] == 1.0 for p in ok["points"])
+    refused = _run(stub[0], "refuse", tmp_path, "--search", "10", "20", "--num-requests", "4")
+    assert refused["goodput"]["rate"] == 0.0 and refused["points"][0]["summary"]["attainment"] == 0
+    bound = refused["bound"]  # the box's bound for 16 in / 8 out on the bench model
+    assert bound["rps"] > 0 and bound["flops_per_request"] > 0 and bound["dtype"]
+
+
+def test_per_class_attainment_counts_refusals():
+    from bench.goodput_client import RequestRecord
+    from bench.goodput_load import PointPlan
+
+    def rec(kind, outcome, ttft):
+        done = outcome == "completed"
+        return RequestRecord(index=0, kind=kind, input_len=1, output_len=2, scheduled_s=0.0,
+                             sent_s=0.0, outcome=outcome, ttft_s=ttft,
+                             tpot_s=0.01 if done else None, e2e_s=(ttft or 0) + 0.1,
+                             end_s=(ttft or 0) + 0.1, output_tokens=2 if done else 0)
+
+    records = [rec("short", "completed", 0.1), rec("short", "completed", 0.2),
+               rec("long", "completed", 0.3), rec("long", "refused", None),
+               rec("long", "completed", 9.0)]
+    s = goodput_summary.summarize(PointPlan("1/s", 1.0, [0.0] * 5), records, 2.5, 0.1)
+    assert s["attainment"] == pytest.approx(3 / 5)
+    assert s["by_kind"]["short"]["attainment"] == 1.0 and s["by_kind"]["short"]["refused"] == 0
+    assert s["by_kind"]["long"]["attainment"] == pytest.approx(1 / 3)
+    assert (s["by_kind"]["long"]["refused"], s["by_kind"]["long"]["sent"]) == (1, 3)
+
+
+def test_the_bound_counts_a_requests_linears_and_attention():
+    """On a tiny config: the FLOPs of one request by hand."""
+    from types import SimpleNamespace
+
+    from bench.goodput_bound import request_cost
+
+    cfg = SimpleNamespace(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2,
+                          num_heads=2, num_kv_heads=1, head_dim=4, sparse_layers=())
+    per_layer = 2 * 8 * (8 + 2 * 4) + 2 * 8 * 8 + 2 * 8 * 32 + 2 * 16 * 8
+    head = 2 * 8 * 100
+    flops, kv = request_cost(cfg, prompt_len=3, output_len=2, kv_elem_bytes=4)
+    attention = 4 * 8 * 2 * (1 + 2 + 3 + 4)  # q width 8, 2 layers, positions 1..4
+    assert flops == 3 * 2 * per_layer + head + 1 * (2 * per_layer + head) + attention
+    assert kv == 2 * 2 * 1 * 4 * 4 * (3 + 1)  # one decode step reads 4 positions
