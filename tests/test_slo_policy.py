@@ -156,32 +156,57 @@ def test_refuses_when_the_decode_worker_would_miss_tpot():
     assert c.decide(128, target=slo_target(cfg, "batch", 128), cfg=cfg).path != "none"
 
 
-def test_a_prompt_no_idle_worker_could_serve_in_time_is_served_when_one_is_free():
+def test_a_prompt_no_idle_worker_could_serve_in_time_is_served_late_with_a_bounded_wait():
     # 10,000 tokens at 5,000/s: 2 s of prefill, over a 1 s TTFT target even on idle workers.
-    # Refusing would refuse it for ever; it is served, one at a time per worker, and never on
-    # a decode worker whose streams its prefill would stall.
+    # Refusing would refuse it for ever; it is served where no more than its own prefill is
+    # queued (TTFT at most twice the idle one), never on a decode worker whose streams its
+    # prefill would stall.
     c = Cluster()
     target = SLOTarget(ttft_s=1.0, tpot_s=0.1)
     first = c.decide(10_000, target=target)
     assert (first.path, first.reason) == ("disaggregated", "slo_best_effort")
     c.run(first, "huge-1")
-    # p0 is busy; d0 computes nothing yet but carries huge-1's stream: come back later.
+    # p0 has 2 s queued, its own 2 s: the second waits behind it (d0 carries huge-1's stream).
     second = c.decide(10_000, target=target)
-    assert second.path == "none" and second.retry_after_s > 0.5
-    assert second.refusal.startswith("no worker could meet the latency targets for this "
-                                     "request even idle: TTFT")
+    assert (second.path, second.reason) == ("disaggregated", "slo_best_effort")
+    assert second.predicted_ttft_s == pytest.approx(4.0, abs=0.1)
+    c.run(second, "huge-2")
+    # 4 s queued now: come back when it is down to 2 s.
+    third = c.decide(10_000, target=target)
+    assert third.path == "none" and third.retry_after_s == pytest.approx(2.0, abs=0.1)
+    assert third.refusal.startswith("no worker could meet the latency targets for this "
+                                    "request even idle: TTFT")
+    assert "served late once a worker has no more than its own prefill queued" in \
+        third.refusal
     # Both queues' work is now ahead of a short prompt on p0, but d0 can take it at once.
     assert c.decide(128, target=target).path == "colocated"
 
     # A decode worker with no stream takes one itself while the prefill worker is busy.
     c = Cluster()
-    c.ledgers["p0"].add_prefill("other", 2.0, c.now)
+    c.ledgers["p0"].add_prefill("other", 2.5, c.now)
     alone = c.decide(10_000, target=target)
     assert (alone.path, alone.reason) == ("colocated", "slo_best_effort")
     c.run(alone, "huge-2")
     third = c.decide(10_000, target=target)
-    assert third.path == "none" and third.retry_after_s > 0.5  # both busy
+    assert third.path == "none" and third.retry_after_s >= 0.5  # both busy
     assert c.decide(128, target=target).path == "none"  # 2 s queued on each: over 1 s
+
+
+def test_a_long_prompt_only_a_streaming_decode_worker_could_serve_in_time_is_not_refused():
+    """The prefill worker is too slow for this prompt even idle, the decode worker fast enough
+    but running streams it would stall: the prefill worker serves it late, not 'busy'."""
+    slow = dict(FAST, prefill_token_s=1.3e-3)  # 2048 tokens: 2.67 s, over the 2.5 s target
+    c = Cluster(p0=slow)
+    c.ledgers["d0"].start("stream", 300)
+    d = c.decide(2048)
+    assert (d.path, d.reason) == ("disaggregated", "slo_best_effort")
+    c.run(d, "long-1")
+    c.run(c.decide(2048), "long-2")  # 2.67 s queued: its own, it waits
+    refused = c.decide(2048)
+    assert refused.path == "none" and "busy" not in refused.refusal
+    assert refused.refusal.startswith("no worker could meet the latency targets for this "
+                                      "request even idle")
+    assert refused.retry_after_s == pytest.approx(2.67, abs=0.1)
 
 
 def test_time_held_at_the_router_counts_against_the_ttft_target():

@@ -297,13 +297,16 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         return Decision(best.path, reason, best.decode_worker, best.prefill_worker, prompt_len,
                         hits.get(best.decode_worker, 0), best.ttft_s, best.tpot_s,
                         best.prefill_s)
-    if not any(o.idle_meets for o in options):
-        # No worker could meet these targets even idle (a prompt too long for this TTFT on this
-        # hardware): waiting would not help, so refusing would refuse it for ever. Serve it
-        # when a worker has nothing queued, one such request at a time per worker, and a long
-        # one not on a decode worker's streams (measured at 8 req/s: one such 2048-token
-        # prefill there pushed every short request's TPOT to 140-190 ms).
-        free = [o for o in options if not o.queued and spares_streams(o)]
+    # No worker that may take it could meet these targets even idle (a prompt too long for
+    # this TTFT on this hardware; or a long one whose only idle fit is a decode worker with
+    # streams): waiting would not help, so refusing would refuse it for ever. Serve it late
+    # where the wait is bounded: on a worker whose queued prefill is no more than its own
+    # (TTFT at most twice the idle one), and a long one not on a decode worker's streams
+    # (measured at 8 req/s: one such 2048-token prefill there pushed every short request's
+    # TPOT to 140-190 ms).
+    never = not any(o.idle_meets for o in options if spares_streams(o))
+    if never:
+        free = [o for o in options if o.backlog_s <= o.prefill_s + 1e-3 and spares_streams(o)]
         if free:
             best = min(free, key=lambda o: (o.pressure(target), rng.random()))
             return Decision(best.path, "slo_best_effort", best.decode_worker,
@@ -324,12 +327,13 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
     if met:  # would stall the decode worker's streams: when the prefill worker catches up
         best = min((o for o in options if o.path == "disaggregated"), key=lambda o: o.ttft_s)
         retry = max(0.0, best.ttft_s - target.ttft_s)
-    elif not any(o.idle_meets for o in options):  # served once a worker is free
-        retry = min((o.backlog_s for o in options if spares_streams(o)), default=1.0)
+    if never:  # served once a worker's queue is down to its own prefill
+        retry = min((o.backlog_s - o.prefill_s for o in options if spares_streams(o)),
+                    default=1.0)
     return Decision("none", reason, None, None, prompt_len, 0, best.ttft_s, best.tpot_s,
                     best.prefill_s, retry_after_s=min(60.0, max(0.5, retry)),
                     refusal=_refusal(reason, best, prompt_len, target, cfg.slo_margin,
-                                     any(o.idle_meets for o in options)))
+                                     not never))
 
 
 def _refusal(reason: str, best: Option, prompt_len: int, admit: SLOTarget, margin: float,
@@ -340,15 +344,15 @@ def _refusal(reason: str, best: Option, prompt_len: int, admit: SLOTarget, margi
     tpot = f"TPOT {best.tpot_s * 1000:.0f}ms predicted (admitted up to " \
         f"{admit.tpot_s * 1000:.0f}ms"
     limits = f": the targets x slo_margin {margin:g})"
+    if not idle_meets:
+        miss = f"{ttft}{limits}" if best.ttft_s > admit.ttft_s else f"{tpot}{limits}"
+        return (f"no worker could meet the latency targets for this request even idle: {miss}; "
+                "it is served late once a worker has no more than its own prefill queued")
     if reason == "slo_would_stall":  # `best`: the prefill worker's option, which misses
         busy = ttft if best.ttft_s > admit.ttft_s else tpot
         return (f"the prefill workers are busy ({busy}{limits}), and prefilling this "
                 f"{prompt_len}-token prompt on a decode worker would stall the streams it is "
                 "running")
-    if not idle_meets:
-        miss = f"{ttft}{limits}" if reason == "slo_ttft_unmet" else f"{tpot}{limits}"
-        return (f"no worker could meet the latency targets for this request even idle: {miss}; "
-                "it is served when a worker has nothing queued")
     if reason == "slo_ttft_unmet":
         return f"no worker can meet the latency targets now: {ttft}{limits}"
     return (f"no worker can meet the latency targets now: {tpot}{limits}; the decode workers' "
