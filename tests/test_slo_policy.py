@@ -192,6 +192,27 @@ def test_a_prompt_no_idle_worker_could_serve_in_time_is_served_late_with_a_bound
     assert c.decide(128, target=target).path == "none"  # 2 s queued on each: over 1 s
 
 
+def test_a_prompt_late_only_by_one_request_ahead_is_served_late_not_refused():
+    """The prefill worker meets the TTFT target idle (2.05 s of 2.5) but has one such prompt
+    queued: the next is served late (slo_late, ~4.1 s), as a client would rather have it; with
+    two queued it is refused (the worker is saturated), and never moved onto the decode
+    worker's streams."""
+    slow = dict(FAST, prefill_token_s=1e-3)
+    c = Cluster(p0=slow)
+    c.ledgers["d0"].start("stream", 300)
+    first = c.decide(2048)
+    assert (first.path, first.reason) == ("disaggregated", "slo_remote")
+    c.run(first, "long-1")
+    second = c.decide(2048)
+    assert (second.path, second.reason) == ("disaggregated", "slo_late")
+    assert second.predicted_ttft_s == pytest.approx(4.1, abs=0.05)
+    c.run(second, "long-2")
+    third = c.decide(2048)
+    assert third.path == "none" and third.retry_after_s >= 0.5
+    # A short prompt still goes to the decode worker at once.
+    assert c.decide(128).reason == "slo_local"
+
+
 def test_a_long_prompt_only_a_streaming_decode_worker_could_serve_in_time_is_not_refused():
     """The prefill worker is too slow for this prompt even idle, the decode worker fast enough
     but running streams it would stall: the prefill worker serves it late, not 'busy'."""

@@ -88,10 +88,12 @@ class EngineLoop:
         """Called on the engine thread once per loop iteration (poll transfers, deadlines)."""
         self._tick_hooks.append(hook)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """End the engine thread after its current step; whether it ended within `timeout_s`."""
         self._stopped.set()
         self._commands.put((lambda e: None, None))
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
 
     # -- the engine thread -------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:

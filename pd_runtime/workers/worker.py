@@ -424,8 +424,13 @@ class PDWorker:
                                    not_after)
 
     async def shutdown(self) -> None:
-        if self.loop is not None:
-            self.loop.stop()
+        # The engine closes (its tensor-parallel ranks stop) only once no step runs: a step
+        # still running would send its plan to ranks already gone.
+        if self.loop is not None and not self.loop.stop(timeout_s=60.0):
+            log.warning("worker %s: the engine's step outlived 60 s at shutdown; its engine "
+                        "is left open", self.worker_id)
+            self.agent.close()
+            return
         self.agent.close()
         self.engine.close()
 
