@@ -228,3 +228,18 @@ def test_each_local_rank_takes_its_own_gpu_from_the_configured_one():
     assert devices("cuda") == ["cuda:0", "cuda:1"]
     assert devices("cuda:2") == ["cuda:2", "cuda:3"]
     assert devices("cpu") == ["cpu", "cpu"]
+
+
+def test_a_follower_that_ends_before_the_group_forms_fails_the_start_at_once(model_factory):
+    """Followers that cannot start (here: their entry module does not exist, so each process
+    exits at once): the driver says so within seconds, not at the rendezvous timeout."""
+    from pd_runtime.config import EngineConfig
+    from pd_runtime.engine import tp_ranks
+    from pd_runtime.engine.engine import LLMEngine
+
+    config = EngineConfig(model=model_factory("llama"), tensor_parallel_size=2, num_threads=1)
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match="before the group formed: tensor-parallel "
+                                                  "rank 1 .* ended with code 1"):
+        LLMEngine(config, launch_ranks=tp_ranks.local_processes("pd_runtime.no_such_entry"))
+    assert time.monotonic() - started < 20

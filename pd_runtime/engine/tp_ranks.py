@@ -16,6 +16,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import weakref
 from typing import Callable, Protocol
 
@@ -103,14 +104,40 @@ class Ranks:
         self.group = None
         self._finalizer = weakref.finalize(self, _reap, self.followers, [])
         try:
-            self.group = TensorParallelGroup(0, size, HOST, store.port,
-                                             torch.device(rank_device(config, 0)), timeout_s,
-                                             store=store)
+            self.group = self._join(size, store, torch.device(rank_device(config, 0)),
+                                    timeout_s)
         except Exception:
             self.close()
             raise
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _reap, self.followers, [self.group])
+
+    def _join(self, size: int, store, device: torch.device,
+              timeout_s: float) -> TensorParallelGroup:
+        """Rank 0's membership, formed in a thread while this one watches the followers: one
+        that ends before the group forms (a load error, a bad device) fails the start at once,
+        not when the rendezvous times out."""
+        done: dict = {}
+
+        def form():
+            try:
+                done["group"] = TensorParallelGroup(0, size, HOST, store.port, device,
+                                                    timeout_s, store=store)
+            except BaseException as exc:  # (re-raised in the caller's thread)
+                done["error"] = exc
+
+        thread = threading.Thread(target=form, name="tp-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.5)
+            if thread.is_alive():
+                try:
+                    self.followers.check_alive()
+                except TensorParallelError as exc:
+                    raise TensorParallelError(f"before the group formed: {exc}") from None
+        if "error" in done:
+            raise done["error"]
+        return done["group"]
 
     @property
     def pids(self) -> list[int]:
