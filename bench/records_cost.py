@@ -86,7 +86,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from bench.common import bench_model, machine_line
-    from pd_runtime.router.server import settle_heap, start_in_thread
+    from pd_runtime.entrypoints.openai.server import settle_heap, start_in_thread
 
     model = bench_model(args.model)
     stacks = {m: build_stack(model, 1, 2, runs=m == "on") for m in MODES}

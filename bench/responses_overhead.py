@@ -1,6 +1,8 @@
 """What a streamed token costs the router on the Responses API against chat completions, in the
-same run: the time to turn one worker chunk into its SSE bytes (pd_runtime/router/responses.py's builder
-for chat; pd_runtime/router/responses_events.py's over it for /v1/responses), and the bytes sent per token.
+same run: the time to turn one worker chunk into its SSE bytes
+(pd_runtime/entrypoints/openai/responses.py's builder for chat;
+pd_runtime/entrypoints/openai/responses_events.py's over it for /v1/responses), and the bytes sent
+per token.
 
     .venv/bin/python bench/responses_overhead.py [--tokens 4000] [--repeats 5] [--json FILE]
 
@@ -22,12 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import bench_model, machine_line  # noqa: E402
+from pd_runtime.entrypoints.openai.protocol import prepare_chat  # noqa: E402
+from pd_runtime.entrypoints.openai.responses import ResponseBuilder  # noqa: E402
+from pd_runtime.entrypoints.openai.responses_api import chat_body  # noqa: E402
+from pd_runtime.entrypoints.openai.responses_events import ResponsesBuilder  # noqa: E402
+from pd_runtime.gateway.live_run import sse  # noqa: E402
 from pd_runtime.tokenizer import Tokenizer  # noqa: E402
-from pd_runtime.router.protocol import prepare_chat  # noqa: E402
-from pd_runtime.router.responses import ResponseBuilder  # noqa: E402
-from pd_runtime.router.responses_api import chat_body  # noqa: E402
-from pd_runtime.router.responses_events import ResponsesBuilder  # noqa: E402
-from pd_runtime.router.streaming import sse  # noqa: E402
 
 
 def builders(tokenizer, kind: str):

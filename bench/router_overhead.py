@@ -85,7 +85,7 @@ def main() -> None:
         return client_main(args.client_role)
 
     from bench.common import bench_model, machine_line
-    from pd_runtime.router.server import start_in_thread
+    from pd_runtime.entrypoints.openai.server import start_in_thread
 
     logging.basicConfig(level=args.log_level.upper(), stream=open(os.devnull, "w"))
     model = bench_model(args.model)

@@ -10,7 +10,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from pd_runtime.router.cpu_time import cpu_s, read_stat
+from pd_runtime.cpu_time import cpu_s, read_stat
 
 ECHO_PATH = "/bench/echo"
 
@@ -34,7 +34,7 @@ def build_stack(model_dir: str, num_prefill: int, num_decode: int, runs: bool = 
     from pd_runtime.config import ClusterConfig, PoolConfig
     from pd_runtime.model.model_config import context_limit, load_model_config
     from pd_runtime.tokenizer import Tokenizer, read_tokenizer_files
-    from pd_runtime.router.app import create_app
+    from pd_runtime.entrypoints.openai.app import create_app
     from pd_runtime.router.core import PoolBackend
 
     cfg = ClusterConfig(model=model_dir, prefill=PoolConfig(num_workers=num_prefill),
@@ -94,9 +94,9 @@ async def asgi_call(app, method: str, path: str, body: bytes = b"") -> bytes:
 async def stage_timings(backend, app, prompt: str, iterations: int) -> list[tuple[str, list]]:
     """(stage, per-call µs samples) for each piece of a completion request, then the whole."""
     from pd_runtime.router.policy import decide
-    from pd_runtime.router.protocol import parse_json, prepare_completion
-    from pd_runtime.router.responses import ResponseBuilder
-    from pd_runtime.router.streaming import until_disconnect
+    from pd_runtime.entrypoints.openai.protocol import parse_json, prepare_completion
+    from pd_runtime.entrypoints.openai.responses import ResponseBuilder
+    from pd_runtime.entrypoints.openai.streaming import until_disconnect
 
     tok, name, limit = backend.tokenizer, backend.model_name, backend.max_model_len
     raw = completion_body(name, prompt, 1, False)

@@ -1,7 +1,7 @@
-"""The router's chat stream loop per token (pd_runtime/router/chunk_events.py `sse_events`: the chat builder
-and SSE encoding over one-token chunks of the bench model's tokenizer), for the source tree
-given: run it on two trees (a `git worktree` of the commit before a change, and this one),
-alternately, to see what the change costs the streaming path.
+"""The router's chat stream loop per token (pd_runtime/entrypoints/openai/chunk_events.py
+`sse_events`: the chat builder and SSE encoding over one-token chunks of the bench model's
+tokenizer), for the source tree given: run it on two trees (a `git worktree` of the commit
+before a change, and this one), alternately, to see what the change costs the streaming path.
 
     .venv/bin/python bench/stream_loop_cost.py [--tree DIR] [--tokens 4000] [--repeats 7]
 """
@@ -26,11 +26,16 @@ def main() -> None:
     from bench.common import bench_model
     from pd_runtime.tokenizer import Tokenizer
     try:
-        from pd_runtime.router.chunk_events import sse_events
-    except ImportError:  # a tree from before pd_runtime/router/chunk_events.py
-        from pd_runtime.router.generation import _sse_events as sse_events
-    from pd_runtime.router.protocol import prepare_chat
-    from pd_runtime.router.responses import ResponseBuilder
+        from pd_runtime.entrypoints.openai.chunk_events import sse_events
+        from pd_runtime.entrypoints.openai.protocol import prepare_chat
+        from pd_runtime.entrypoints.openai.responses import ResponseBuilder
+    except ImportError:  # a tree from before the HTTP layer left pd_runtime/router/
+        try:
+            from pd_runtime.router.chunk_events import sse_events
+        except ImportError:  # a tree from before pd_runtime/router/chunk_events.py
+            from pd_runtime.router.generation import _sse_events as sse_events
+        from pd_runtime.router.protocol import prepare_chat
+        from pd_runtime.router.responses import ResponseBuilder
 
     tokenizer = Tokenizer(bench_model(None))
     rng = random.Random(0)

@@ -42,8 +42,12 @@ def main() -> None:
     sys.path.insert(0, args.tree)
     from bench.common import bench_model, machine_line
     from pd_runtime.tokenizer import Tokenizer
-    from pd_runtime.router.protocol import prepare_chat
-    from pd_runtime.router.responses import ResponseBuilder
+    try:
+        from pd_runtime.entrypoints.openai.protocol import prepare_chat
+        from pd_runtime.entrypoints.openai.responses import ResponseBuilder
+    except ImportError:  # a tree from before the HTTP layer left pd_runtime/router/
+        from pd_runtime.router.protocol import prepare_chat
+        from pd_runtime.router.responses import ResponseBuilder
 
     tokenizer = Tokenizer(bench_model(None))
     tokenizer.chat_template, tokenizer._template = TEMPLATE, None

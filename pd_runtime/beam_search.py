@@ -1,6 +1,6 @@
 """Beam search's one algorithm, stepped by whoever computes the next tokens: the router over
-one-token requests (pd_runtime/router/beam_search.py, vLLM's `use_beam_search`), the offline LLM over its
-engine (`LLM.beam_search`). Torch-free.
+one-token requests (pd_runtime/entrypoints/openai/beam_search.py, vLLM's `use_beam_search`), the
+offline LLM over its engine (`LLM.beam_search`). Torch-free.
 
 Each step asks every live beam's top next tokens (2 x width, raw log-probabilities), keeps the
 `width` best extensions by score, sets aside a beam that ends in EOS, and after `max_tokens`

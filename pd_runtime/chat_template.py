@@ -84,16 +84,17 @@ _PYTHONIC_PROMPT = re.compile(r"\[func_name1\(params?_name1=params?_value1")
 
 
 def tool_call_format(template: Optional[str]) -> Optional[str]:
-    """The tool-call format a chat template teaches its model (pd_runtime/router/tools.py reads calls in
-    it): "qwen3_coder" (<function=NAME><parameter=KEY> calls in <tool_call> blocks:
-    Qwen3-Coder and the later Qwen models), "hermes" (JSON in <tool_call> blocks: Qwen2.5,
-    Qwen3, Hermes), "mistral" ([TOOL_CALLS], in either form), "llama3_json" (Llama 3.1-3.3's
-    JSON calls, and Llama 4's), "deepseek_v3" (<｜tool▁calls▁begin｜>: DeepSeek-V3, R1 and its
-    distills), "pythonic" (the [func_name1(params_name1=params_value1, ...)] prompt: Llama 3.2
-    and Llama 4's pythonic templates, ToolACE), "granite" (<|tool_call|> and a JSON list:
-    Granite 3.x), "harmony" (gpt-oss's messages to=functions.NAME), or None: also for another
-    format that looks like one of these (a <function= call without <parameter= tags), so that
-    tool_choice auto is a clear 400 rather than calls returned as text."""
+    """The tool-call format a chat template teaches its model
+    (pd_runtime/entrypoints/openai/tools.py reads calls in it): "qwen3_coder"
+    (<function=NAME><parameter=KEY> calls in <tool_call> blocks: Qwen3-Coder and the later Qwen
+    models), "hermes" (JSON in <tool_call> blocks: Qwen2.5, Qwen3, Hermes), "mistral" ([TOOL_CALLS],
+    in either form), "llama3_json" (Llama 3.1-3.3's JSON calls, and Llama 4's), "deepseek_v3"
+    (<｜tool▁calls▁begin｜>: DeepSeek-V3, R1 and its distills), "pythonic" (the
+    [func_name1(params_name1=params_value1, ...)] prompt: Llama 3.2 and Llama 4's pythonic
+    templates, ToolACE), "granite" (<|tool_call|> and a JSON list: Granite 3.x), "harmony"
+    (gpt-oss's messages to=functions.NAME), or None: also for another format that looks like one of
+    these (a <function= call without <parameter= tags), so that tool_choice auto is a clear 400
+    rather than calls returned as text."""
     if not template:
         return None
     if "<|channel|>" in template:
@@ -118,8 +119,9 @@ def tool_call_format(template: Optional[str]) -> Optional[str]:
 
 def reasoning_format(template: Optional[str]) -> Optional[str]:
     """"think" when a chat template knows <think>...</think> blocks (Qwen3, QwQ, DeepSeek-R1
-    and its distills): its model's thinking is split from its answer (pd_runtime/router/reasoning.py);
-    "harmony" when it writes harmony's channels (gpt-oss: pd_runtime/router/harmony.py)."""
+    and its distills): its model's thinking is split from its answer
+    (pd_runtime/parsers/reasoning.py); "harmony" when it writes harmony's channels (gpt-oss:
+    pd_runtime/parsers/harmony.py)."""
     if template and "<|channel|>" in template:
         return "harmony"
     return "think" if template and ("</think>" in template or "<think>" in template) else None

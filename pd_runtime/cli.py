@@ -77,9 +77,9 @@ def _cmd_serve(args) -> int:
             close()
         return 0
     from pd_runtime.workers.router_replicas import start_replicas
-    from pd_runtime.router.replicas import build_router
-    from pd_runtime.router.run_records import owner_name
-    from pd_runtime.router.server import serve_http
+    from pd_runtime.entrypoints.openai.replicas import build_router
+    from pd_runtime.entrypoints.openai.server import serve_http
+    from pd_runtime.gateway.run_records import owner_name
 
     host = args.host or cfg.router.host
     port = cfg.router.port if args.port is None else args.port

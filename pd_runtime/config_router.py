@@ -173,17 +173,17 @@ class RouterConfig(_Strict):
     # model's generation_config.json (as vLLM does), else OpenAI's; "openai", always OpenAI's.
     sampling_defaults: Literal["model", "openai"] = "model"
     # How the model writes tool calls, for chat requests with tool_choice "auto"
-    # (pd_runtime/router/tool_calls.py): "auto", the format its chat template shows (<function=...> calls in
-    # <tool_call> blocks: qwen3_coder; JSON in them: hermes; [TOOL_CALLS]: mistral;
+    # (pd_runtime/parsers/tool_calls.py): "auto", the format its chat template shows (<function=...>
+    # calls in <tool_call> blocks: qwen3_coder; JSON in them: hermes; [TOOL_CALLS]: mistral;
     # <|python_tag|>: llama3_json; <｜tool▁calls▁begin｜>: deepseek_v3; the
     # [func_name1(params_name1=...)] prompt: pythonic; <|tool_call|>: granite; harmony's
     # <|channel|>: harmony, gpt-oss's), else none; "none": auto tool choice refused.
     tool_call_parser: Literal["auto", "hermes", "mistral", "llama3_json", "qwen3_coder",
                               "deepseek_v3", "pythonic", "granite", "harmony",
                               "none"] = "auto"
-    # A reasoning model's thinking on chat completions (pd_runtime/router/reasoning.py): "auto", split
-    # into `reasoning` when its chat template knows <think> blocks (or writes harmony's
-    # channels: gpt-oss, pd_runtime/router/harmony.py); "think" or "harmony", always; "none",
+    # A reasoning model's thinking on chat completions (pd_runtime/parsers/reasoning.py): "auto",
+    # split into `reasoning` when its chat template knows <think> blocks (or writes harmony's
+    # channels: gpt-oss, pd_runtime/parsers/harmony.py); "think" or "harmony", always; "none",
     # left in the content.
     reasoning_parser: Literal["auto", "think", "harmony", "none"] = "auto"
     # The chat template chat requests are rendered with instead of the model's own (vLLM's

@@ -96,9 +96,11 @@ class Tokenizer:
         self._tok.no_padding()
         self._tok.no_truncation()
         self.chat_template: Optional[str] = files.get("chat_template")
-        # How its model writes tool calls (pd_runtime/router/tools.py; router.tool_call_parser overrides).
+        # How its model writes tool calls (pd_runtime/entrypoints/openai/tools.py;
+        # router.tool_call_parser overrides).
         self.tool_call_format = tool_call_format(self.chat_template)
-        # Whether its thinking is split out (pd_runtime/router/reasoning.py; router.reasoning_parser).
+        # Whether its thinking is split out (pd_runtime/parsers/reasoning.py;
+        # router.reasoning_parser).
         self.reasoning_format = reasoning_format(self.chat_template)
         self.bos_token = files.get("bos_token")
         self.eos_token = files.get("eos_token")

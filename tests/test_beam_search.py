@@ -1,6 +1,6 @@
-"""Beam search (pd_runtime/beam_search.py; pd_runtime/router/beam_search.py, vLLM's use_beam_search): the
-search on a table model (EOS set aside, the length penalty, the width), and over HTTP with the
-official `openai` client and offline (LLM.beam_search) against transformers'
+"""Beam search (pd_runtime/beam_search.py; pd_runtime/entrypoints/openai/beam_search.py, vLLM's
+use_beam_search): the search on a table model (EOS set aside, the length penalty, the width), and
+over HTTP with the official `openai` client and offline (LLM.beam_search) against transformers'
 `generate(num_beams=...)` on the same weights; fields it would ignore are 400s naming them."""
 
 from __future__ import annotations

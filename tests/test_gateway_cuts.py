@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from pd_runtime.config import RouterConfig, TenantConfig
-from pd_runtime.tokenizer import Tokenizer
-from pd_runtime.router.app import create_app
+from pd_runtime.entrypoints.openai.app import create_app
 from pd_runtime.router.tenants import Tenants
+from pd_runtime.tokenizer import Tokenizer
 from tests.router_support.scripted_backend import ScriptedBackend, token_chunk
 from tests.router_support.serving import APPS, serving
 
@@ -74,7 +74,7 @@ def test_a_backend_connection_error_before_any_token_is_a_failed_run(llama_dir, 
 
 def test_a_defect_mid_stream_is_a_failed_run_and_its_replay_says_so(llama_dir, tmp_path,
                                                                      monkeypatch):
-    from pd_runtime.router import responses
+    from pd_runtime.entrypoints.openai import responses
 
     def broken(self):
         raise RuntimeError("a defect in the usage event")

@@ -85,7 +85,7 @@ def test_a_stream_resumed_on_another_replica_flows_while_the_run_goes_on(llama_d
 def _recorders(tmp_path):
     """owner -> a run recorder of that replica, all on one SQLite store."""
     from pd_runtime.gateway.sqlite import SqliteRunStore
-    from pd_runtime.router.run_records import RunRecorder
+    from pd_runtime.gateway.run_records import RunRecorder
 
     path = tmp_path / "runs.sqlite3"
     return lambda owner: RunRecorder(SqliteRunStore(path), f"sqlite://{path}", owner)
@@ -103,7 +103,7 @@ def test_a_followed_stream_whose_producer_stops_ends_saying_so(tmp_path):
     """Replica B passes on the events replica A published; A stops mid-run (its restart fails
     the run). B's client gets the error and [DONE] after the events it had, not a stream
     that ends as if whole; the published events are gone with the run's end."""
-    from pd_runtime.router.streaming import sse
+    from pd_runtime.gateway.live_run import sse
 
     recorder = _recorders(tmp_path)
 
@@ -149,7 +149,7 @@ def test_a_stub_left_by_its_only_follower_is_followed_again_by_the_next(tmp_path
     outcome). The first follower leaving before the second joins stops B's polling of the
     store; the second has it followed again and gets the run's end, not a wait that never
     ends."""
-    from pd_runtime.router.streaming import sse
+    from pd_runtime.gateway.live_run import sse
 
     recorder = _recorders(tmp_path)
 

@@ -1,9 +1,9 @@
-"""Tool calling over HTTP with the official `openai` client (pd_runtime/router/tools.py), against the test
-model given a chat template in the Hermes tool format (tools in the system turn, calls as
-<tool_call> blocks): a named function, "required", "auto" read back by the template's format
-(the random model made to call through a regex), streamed (each call's arguments as they are
-written: pd_runtime/router/tool_calls.py) or not; earlier calls and their
-results rendered into the prompt; bad tools and choices 400s naming the field."""
+"""Tool calling over HTTP with the official `openai` client
+(pd_runtime/entrypoints/openai/tools.py), against the test model given a chat template in the Hermes
+tool format (tools in the system turn, calls as <tool_call> blocks): a named function, "required",
+"auto" read back by the template's format (the random model made to call through a regex), streamed
+(each call's arguments as they are written: pd_runtime/parsers/tool_calls.py) or not; earlier calls
+and their results rendered into the prompt; bad tools and choices 400s naming the field."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import jsonschema
 import openai
 import pytest
 
-from pd_runtime.router.text_checks import refuse_json_constant
-from pd_runtime.router.tool_calls import CallReader, read_calls
-from pd_runtime.router.tools import ToolPlan
+from pd_runtime.entrypoints.openai.tools import ToolPlan
+from pd_runtime.parsers.registry import read_calls
+from pd_runtime.parsers.text import refuse_json_constant
+from pd_runtime.parsers.tool_calls import CallReader
 from tests.router_support.serving import local
 from tests.router_support.tool_serving import assembled, with_template
 
@@ -297,7 +298,7 @@ def test_required_with_nested_models_and_mistral_ids(served):
     schema; and Mistral's format, whose templates take back only 9-character ids."""
     import pydantic
 
-    from pd_runtime.router.tools import prepare
+    from pd_runtime.entrypoints.openai.tools import prepare
 
     class City(pydantic.BaseModel):
         name: str = pydantic.Field(json_schema_extra={"enum": ["paris", "oslo"]})
@@ -387,7 +388,7 @@ def test_each_format_is_known_from_its_template():
 def test_a_lone_surrogate_in_a_call_is_escaped_not_a_500():
     """A JSON-string argument decoded with a lone \\ud83d escape in it: the body is ASCII JSON
     (UTF-8 cannot encode the character), the client reads the escape back."""
-    from pd_runtime.router.streaming import json_body
+    from pd_runtime.entrypoints.openai.streaming import json_body
 
     content, calls = read_calls(ToolPlan("auto", parser="hermes"),
                                 '<tool_call>{"name": "f", "arguments": "{\\"q\\": \\"\\ud83d\\"}"}'
@@ -404,7 +405,7 @@ def test_earlier_calls_reach_a_template_that_joins_their_arguments_as_text(llama
     `'...' + tool['function']['arguments']`: the JSON text the client sent, while a template
     that writes them with tojson or walks them with |items gets the object."""
     from pd_runtime.tokenizer import Tokenizer
-    from pd_runtime.router.protocol import prepare_chat
+    from pd_runtime.entrypoints.openai.protocol import prepare_chat
 
     tokenizer = Tokenizer(llama_dir)
     tokenizer.chat_template = (

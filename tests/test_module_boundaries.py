@@ -1,10 +1,11 @@
 """The dependency directions docs/architecture.md promises, checked on the source:
 
-- the router (the HTTP package) imports from the runtime only the contract (pd_runtime.api and
-  the errors it exports, the tokenizer and chat template it shares with the workers, the config
-  models), block hashing and beam search's algorithm (torch-free, shared with the offline LLM):
-  no engine, model, worker or transfer module, and no torch, at import time or lazily inside a
-  function;
+- each package in its table "Who may import what" imports, of pd_runtime, only itself and what
+  its row names (a row's package or module, and anything inside it), at the top of a file or
+  lazily inside a function, and none of them imports torch, transformers, Ray or Triton;
+- importing every module of the serving packages (entrypoints, router, parsers, gateway) in a
+  fresh interpreter loads no torch and no engine, model, kernel, worker or transfer module (block
+  hashing aside: torch-free, shared by the router's prefix index and the engine);
 - no modules of pd_runtime import each other in a circle, whether at the top of a file or
   inside a function.
 """
@@ -12,30 +13,41 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ROUTER = REPO / "pd_runtime" / "router"
-PLANNER = REPO / "pd_runtime" / "planner"
-ROUTER_MAY_IMPORT = {"pd_runtime", "pd_runtime.api", "pd_runtime.errors", "pd_runtime.tokenizer",
-                     "pd_runtime.chat_template", "pd_runtime.config", "pd_runtime.structured",
-                     "pd_runtime.config_loading", "pd_runtime.engine.block_hash",
-                     "pd_runtime.beam_search"}
+PACKAGE = REPO / "pd_runtime"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+TABLE_HEADING = "### Who may import what"
 FOREIGN = ("torch", "transformers", "ray", "triton")
-# The router's own package, the run-record store beside it, and (for the planner) the router.
-ROUTER_SIDE = ("pd_runtime.router", "pd_runtime.gateway", "pd_runtime.planner")
+SERVING = ("pd_runtime.entrypoints", "pd_runtime.router", "pd_runtime.parsers",
+           "pd_runtime.gateway")
+# What the serving packages may not load, even through what they import (of the engine, only
+# block hashing and, with it, the engine package's __init__).
+BELOW = ("pd_runtime.engine", "pd_runtime.model", "pd_runtime.kernels", "pd_runtime.workers",
+         "pd_runtime.kv_transfer")
+BELOW_BUT = ("pd_runtime.engine", "pd_runtime.engine.block_hash")
 
 
-def beyond_the_contract(module: str) -> bool:
-    """Whether the router (or the planner's simulator) may not import `module`."""
-    if module.split(".")[0] in FOREIGN:
-        return True
-    if module in ROUTER_MAY_IMPORT or module.startswith(tuple(p + "." for p in ROUTER_SIDE)) \
-            or module in ROUTER_SIDE:
-        return False
-    return module.startswith("pd_runtime")
+def import_table() -> dict[str, tuple[set[str], set[str]]]:
+    """docs/architecture.md's table: package -> (what it may import, its modules exempt)."""
+    text = ARCHITECTURE.read_text()
+    assert TABLE_HEADING in text, f"docs/architecture.md lost its table ({TABLE_HEADING!r})"
+    table = {}
+    for line in text.split(TABLE_HEADING, 1)[1].splitlines():
+        if table and not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or not cells[0].startswith("`pd_runtime"):
+            continue
+        package = cells[0].strip("`")
+        allowed = set(re.findall(r"`(pd_runtime[\w.]*)`", cells[1]))
+        exempt = set(re.findall(r"`(\w+)\.py`", cells[2])) if len(cells) > 2 else set()
+        table[package] = (allowed, exempt)
+    return table
 
 
 def imports(path: Path) -> set[str]:
@@ -49,28 +61,51 @@ def imports(path: Path) -> set[str]:
     return out
 
 
-def test_the_router_imports_only_the_contract_and_block_hashing():
+def inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_table_names_every_serving_package_and_only_real_modules():
+    table = import_table()
+    modules = package_modules(PACKAGE)
+    assert set(SERVING) | {"pd_runtime.planner"} <= set(table), sorted(table)
+    for package, (allowed, exempt) in table.items():
+        assert package in modules, f"the table names {package}, which is no package"
+        for name in allowed:
+            assert name in modules, f"{package}'s row names {name}, which is no module"
+        for stem in exempt:
+            assert f"{package}.{stem}" in modules, f"{package}'s row exempts {stem}.py, not there"
+
+
+def test_each_package_imports_only_what_the_table_allows():
+    table = import_table()
+    modules = package_modules(PACKAGE)
+    graph = import_graph(PACKAGE)
     bad = {}
-    for path in sorted((ROUTER).glob("*.py")):
-        wrong = sorted(m for m in imports(path) if beyond_the_contract(m))
-        if wrong:
-            bad[path.name] = wrong
-    assert not bad, f"router modules importing beyond the contract: {bad}"
+    for package, (allowed, exempt) in table.items():
+        for module in sorted(m for m in graph if inside(m, package)):
+            if module.rpartition(".")[2] in exempt:
+                continue
+            # A package's __init__ comes with any module inside it: allowed too.
+            wrong = sorted(dep for dep in graph[module] if not inside(dep, package) and not any(
+                inside(dep, ok) or inside(ok, dep) for ok in allowed))
+            wrong += sorted(m for m in imports(modules[module]) if m.split(".")[0] in FOREIGN)
+            if wrong:
+                bad[module] = wrong
+    assert not bad, f"imports beyond docs/architecture.md's table: {bad}"
 
 
-def test_importing_the_router_loads_no_engine_and_no_torch():
-    modules = [f"pd_runtime.router.{p.stem}" for p in sorted((ROUTER).glob("*.py"))
-               if p.stem != "__init__"]
+def test_importing_the_serving_packages_loads_no_torch_and_nothing_below_the_router():
+    modules = [m for m in package_modules(PACKAGE)
+               if any(inside(m, package) for package in SERVING)]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
             + "print('\\n'.join(sorted(sys.modules)))")
     loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True,
                             capture_output=True, text=True).stdout.split()
     assert "pd_runtime.router.core" in loaded and "pd_runtime.engine.block_hash" in loaded
-    wrong = [m for m in loaded if m.split(".")[0] in ("torch", "transformers")
-             or (beyond_the_contract(m)
-                 and m not in ("pd_runtime.engine", "pd_runtime.config_base",
-                               "pd_runtime.config_router"))]
-    assert not wrong, f"importing the router loaded {wrong}"
+    wrong = [m for m in loaded if m.split(".")[0] in FOREIGN
+             or (any(inside(m, below) for below in BELOW) and m not in BELOW_BUT)]
+    assert not wrong, f"importing the serving packages loaded {wrong}"
 
 
 def package_modules(package: Path) -> dict[str, Path]:
@@ -165,19 +200,11 @@ def test_the_package_imports_without_a_cycle():
 
 def test_the_simulator_runs_the_routers_policy_without_the_runtime():
     """The planner's simulator imports the router's policy code (not a copy of it) and, like the
-    router, nothing of the engine, the workers, the transfers or torch; only `profile.py`
-    (which drives real pools), `profile_tp.py` (which reads the model's config and times the
-    runtime's own all-reduce) and the command line reach the runtime."""
-    sim = imports(PLANNER / "simulator.py")
-    assert {"pd_runtime.router.policy", "pd_runtime.router.ledger", "pd_runtime.router.cost_model"} <= sim
-    bad = {}
-    for path in sorted((PLANNER).glob("*.py")):
-        if path.stem in ("profile", "profile_tp", "cli"):
-            continue
-        wrong = sorted(m for m in imports(path) if beyond_the_contract(m))
-        if wrong:
-            bad[path.name] = wrong
-    assert not bad, f"planner modules importing the runtime: {bad}"
+    router, nothing of the engine, the workers, the transfers or torch (the table's planner row);
+    planning loads none of them."""
+    sim = imports(PACKAGE / "planner" / "simulator.py")
+    assert {"pd_runtime.router.policy", "pd_runtime.router.ledger",
+            "pd_runtime.router.cost_model"} <= sim
     code = "import sys, pd_runtime.planner.plan\nprint('\\n'.join(sorted(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True,
                             capture_output=True, text=True).stdout.split()

@@ -1,5 +1,5 @@
-"""A reasoning model's thinking split from its answer (pd_runtime/router/reasoning.py): the split itself,
-the stream of deltas against the whole answer through the router's ResponseBuilder (with and
+"""A reasoning model's thinking split from its answer (pd_runtime/parsers/reasoning.py): the split
+itself, the stream of deltas against the whole answer through the router's ResponseBuilder (with and
 without tools), and over HTTP with templates that open the think block in the output (Qwen3's
 way) or in the prompt (DeepSeek-R1's)."""
 
@@ -12,11 +12,11 @@ import openai
 import pytest
 
 from pd_runtime import LLM, SamplingParams
+from pd_runtime.entrypoints.openai.responses import ResponseBuilder
+from pd_runtime.entrypoints.openai.schema import ChoiceSpec, InvalidRequest, PreparedRequest
+from pd_runtime.entrypoints.openai.tools import ToolPlan
+from pd_runtime.parsers.reasoning import opens_in_prompt, split
 from pd_runtime.tokenizer import Tokenizer
-from pd_runtime.router.reasoning import opens_in_prompt, split
-from pd_runtime.router.responses import ResponseBuilder
-from pd_runtime.router.schema import ChoiceSpec, InvalidRequest, PreparedRequest
-from pd_runtime.router.tools import ToolPlan
 from tests.router_support.serving import ENGINE, local
 
 
@@ -143,7 +143,7 @@ def test_a_structured_output_holds_the_answer_after_the_thinking(llama_dir, tmp_
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
-    from pd_runtime.router.protocol import prepare_chat
+    from pd_runtime.entrypoints.openai.protocol import prepare_chat
 
     model = tmp_path / "model"
     shutil.copytree(llama_dir, model)

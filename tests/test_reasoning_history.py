@@ -1,8 +1,9 @@
-"""Earlier thinking sent back (pd_runtime/router/chat_prompt.py, pd_runtime/router/responses_api.py): an assistant
-message's `reasoning` or `reasoning_content` reaches the chat template (Qwen3's writes it back
-into the turns of a tool loop), a Responses reasoning item goes with the assistant turn after
-it, and a stored response's conversation keeps its thinking, so `previous_response_id` renders
-what a chat client sending the thinking back gets."""
+"""Earlier thinking sent back (pd_runtime/entrypoints/openai/chat_prompt.py,
+pd_runtime/entrypoints/openai/responses_api.py): an assistant message's `reasoning` or
+`reasoning_content` reaches the chat template (Qwen3's writes it back into the turns of a tool
+loop), a Responses reasoning item goes with the assistant turn after it, and a stored response's
+conversation keeps its thinking, so `previous_response_id` renders what a chat client sending the
+thinking back gets."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import shutil
 import openai
 import pytest
 
+from pd_runtime.entrypoints.openai.protocol import prepare_chat
+from pd_runtime.entrypoints.openai.responses_api import chat_body
+from pd_runtime.entrypoints.openai.schema import InvalidRequest
 from pd_runtime.tokenizer import Tokenizer
-from pd_runtime.router.protocol import prepare_chat
-from pd_runtime.router.responses_api import chat_body
-from pd_runtime.router.schema import InvalidRequest
 from tests.router_support.serving import local
 
 # Writes an assistant turn's thinking back, as Qwen3's template does after the last user

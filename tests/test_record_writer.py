@@ -1,4 +1,4 @@
-"""The router's run record writer (pd_runtime/router/record_writer.py) against a real store: the
+"""The router's run record writer (pd_runtime/gateway/record_writer.py) against a real store: the
 replica's keep-alive and lease from its writer process, the rounds' hand-over between the
 serving loop and the writer thread (a run's end before its start, a run caught between its
 final state and its hand-over), and a round that could not be written (retried, backing off,
@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from pd_runtime.gateway.live_run import LiveRun
 from pd_runtime.gateway.open import open_store
+from pd_runtime.gateway.record_writer import RunWriter
 from pd_runtime.gateway.runs import Runs
-from pd_runtime.router.record_writer import RunWriter
-from pd_runtime.router.live_run import LiveRun
 
 
 def test_the_record_writer_process_keeps_its_replica_alive_and_fails_lapsed_runs(store_url):
@@ -146,7 +146,7 @@ def test_rows_waiting_for_a_failing_store_are_bounded_and_written_when_it_return
     """While the store fails, ended runs wait as their rows (not their whole LiveRun), the
     oldest outputs let go past the byte bound and the oldest rows past the run bound, each
     counted; when the store returns, the backlog is written a bounded number of rows a round."""
-    import pd_runtime.router.record_writer as record_writer
+    import pd_runtime.gateway.record_writer as record_writer
 
     output_bytes = len(_live_run("run-00", "completed", True).kept_output[1])
     monkeypatch.setattr(record_writer, "WAITING_RUNS", 8)

@@ -1,7 +1,7 @@
-"""The Responses API's stream events (pd_runtime/router/responses_events.py) fed through the official
-`openai` client's own accumulator (ResponseStreamState, what `client.responses.stream` uses):
-whatever the chunking, the snapshot it builds from the deltas and the response.completed event
-hold the JSON body's output: a reasoning item, the message, the function calls."""
+"""The Responses API's stream events (pd_runtime/entrypoints/openai/responses_events.py) fed through
+the official `openai` client's own accumulator (ResponseStreamState, what `client.responses.stream`
+uses): whatever the chunking, the snapshot it builds from the deltas and the response.completed
+event hold the JSON body's output: a reasoning item, the message, the function calls."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
 from pd_runtime.api import SamplingParams
+from pd_runtime.entrypoints.openai.responses_api import chat_body
+from pd_runtime.entrypoints.openai.responses_events import ResponsesBuilder
+from pd_runtime.entrypoints.openai.schema import ChoiceSpec, PreparedRequest
+from pd_runtime.entrypoints.openai.tools import ToolPlan
 from pd_runtime.tokenizer import Tokenizer
-from pd_runtime.router.schema import ChoiceSpec, PreparedRequest
-from pd_runtime.router.responses_api import chat_body
-from pd_runtime.router.responses_events import ResponsesBuilder
-from pd_runtime.router.tools import ToolPlan
 
 
 @pytest.fixture(scope="module")

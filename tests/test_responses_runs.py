@@ -1,7 +1,8 @@
-"""Responses API runs under run records (pd_runtime/router/generation.py, pd_runtime/router/live_run.py): a retried
-POST with its Idempotency-Key and a Last-Event-ID resume replay the typed events; a stream
-that fails or passes its deadline after its first event ends with an error event and
-response.failed (never [DONE]), in the client's response and in what a replay gives."""
+"""Responses API runs under run records (pd_runtime/entrypoints/openai/generation.py,
+pd_runtime/gateway/live_run.py): a retried POST with its Idempotency-Key and a Last-Event-ID resume
+replay the typed events; a stream that fails or passes its deadline after its first event ends with
+an error event and response.failed (never [DONE]), in the client's response and in what a replay
+gives."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import time
 
 import httpx
 
-from pd_runtime.gateway.open import open_store
 from pd_runtime.config import RouterConfig, TenantConfig
-from pd_runtime.tokenizer import Tokenizer
+from pd_runtime.gateway.open import open_store
 from pd_runtime.router.tenants import Tenants
+from pd_runtime.tokenizer import Tokenizer
 from tests.router_support.scripted_backend import ScriptedBackend, error, token_chunk
 from tests.router_support.serving import APPS, serving
 
@@ -225,7 +226,7 @@ def test_a_run_ending_before_its_waiter_starts_still_wakes_it():
     in between must still wake it (it was lost: a 404 after 2 s, 1 in 60 in CI)."""
     import asyncio
 
-    from pd_runtime.router.live_run import LiveRun
+    from pd_runtime.gateway.live_run import LiveRun
 
     async def main() -> float:
         live = LiveRun("resp_x", "t", True)

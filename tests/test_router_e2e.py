@@ -43,9 +43,9 @@ def write_config(path, model_dir, **routing):
 def product(llama_dir, tmp_path_factory):
     from pd_runtime.config_loading import load_cluster_config
     from pd_runtime.workers.pool import build_pools
-    from pd_runtime.router.app import create_app
+    from pd_runtime.entrypoints.openai.app import create_app
     from pd_runtime.router.core import PoolBackend
-    from pd_runtime.router.server import start_in_thread
+    from pd_runtime.entrypoints.openai.server import start_in_thread
 
     path = tmp_path_factory.mktemp("cfg") / "cluster.yaml"
     write_config(path, llama_dir, max_local_prefill_tokens=64)

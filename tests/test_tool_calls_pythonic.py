@@ -1,5 +1,5 @@
-"""Tool calls as a Python list of calls (pd_runtime/router/tool_calls_pythonic.py): read whole and as
-streamed in any chunking, values decoded from Python's literals, fuzzed against calls written
+"""Tool calls as a Python list of calls (pd_runtime/parsers/tool_calls_pythonic.py): read whole and
+as streamed in any chunking, values decoded from Python's literals, fuzzed against calls written
 with Python's own repr; and over HTTP with the official `openai` client, the test model given a
 pythonic template and made to call through a regex."""
 
@@ -11,8 +11,8 @@ import random
 import pytest
 
 from pd_runtime.chat_template import tool_call_format
-from pd_runtime.router.tool_calls import read_calls, reader
-from pd_runtime.router.tools import ToolPlan
+from pd_runtime.entrypoints.openai.tools import ToolPlan
+from pd_runtime.parsers.registry import read_calls, reader
 from tests.router_support.tool_serving import assembled, streamed, with_template
 
 NAMES = ("get_weather", "get_time", "noop")

@@ -1,5 +1,5 @@
-"""Qwen3-Coder's XML tool calls (pd_runtime/router/tool_calls_xml.py): read whole and as streamed in any
-chunking, typed from the tools' schemas (the template writes every value as text), fuzzed
+"""Qwen3-Coder's XML tool calls (pd_runtime/parsers/tool_calls_xml.py): read whole and as streamed
+in any chunking, typed from the tools' schemas (the template writes every value as text), fuzzed
 against a renderer written as the template writes calls; and over HTTP with the official
 `openai` client, the test model given a template in this format and made to call through a
 regex."""
@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from pd_runtime.chat_template import tool_call_format
-from pd_runtime.router.tool_calls import read_calls, reader
-from pd_runtime.router.tools import ToolPlan
+from pd_runtime.entrypoints.openai.tools import ToolPlan
+from pd_runtime.parsers.registry import read_calls, reader
 from tests.router_support.tool_serving import assembled, streamed, with_template
 
 PARAMS = {"get_weather": {"type": "object", "properties": {

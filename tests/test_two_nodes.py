@@ -26,9 +26,9 @@ def test_prefill_and_decode_pools_on_two_nodes(llama_dir):
 
     from pd_runtime.config import ClusterConfig
     from pd_runtime.workers.launch import launch
-    from pd_runtime.router.app import create_app
+    from pd_runtime.entrypoints.openai.app import create_app
     from pd_runtime.router.core import PoolBackend
-    from pd_runtime.router.server import start_in_thread
+    from pd_runtime.entrypoints.openai.server import start_in_thread
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"pd_prefill_node": 1}, "include_dashboard": False})

@@ -1,7 +1,7 @@
-"""The child process that writes run records for the router (pd_runtime/router/run_records.py RunWriter):
-it opens the run store once, then records each round of runs' changes it is sent over its pipe
-and answers with what could not be recorded; between rounds it keeps the replica's lease alive
-and deletes what is past its keep (pd_runtime/gateway/retention.py).
+"""The child process that writes run records for the router (pd_runtime/gateway/record_writer.py
+RunWriter): it opens the run store once, then records each round of runs' changes it is sent over
+its pipe and answers with what could not be recorded; between rounds it keeps the replica's lease
+alive and deletes what is past its keep (pd_runtime/gateway/retention.py).
 
 A thread of the router's own would do the same work, but the sqlite3 module lets go of the
 interpreter lock on every row it steps, and with the serving loop busy each handover waits: a
@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 
 # A run counts as followed from another replica when a follower marked it this recently (they
-# mark it every second: pd_runtime/router/run_records.py FOLLOW_MARK_S); generous, as the mark is the
-# follower's clock and the look-up this one's.
+# mark it every second: pd_runtime/gateway/run_records.py FOLLOW_MARK_S); generous, as the mark is
+# the follower's clock and the look-up this one's.
 FOLLOWED_S = 30.0
 
 

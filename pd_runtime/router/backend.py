@@ -1,4 +1,5 @@
-"""What the HTTP layer (pd_runtime/router/app.py) needs from whatever serves the requests behind it.
+"""What the HTTP layer (pd_runtime/entrypoints/openai/app.py) needs from whatever serves the
+requests behind it.
 
 One implementation: pd_runtime/router/core.py (`PoolBackend`), over the Ray pools or over the same workers
 in this process (pd_runtime/workers/local_pool.py, for tests and single-process runs).

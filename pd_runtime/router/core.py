@@ -18,9 +18,8 @@ from typing import AsyncIterator, Optional
 
 from pd_runtime.api import SamplingParams, error_chunk
 from pd_runtime.config import ClusterConfig, TenantConfig
-from pd_runtime.tokenizer import Tokenizer
+from pd_runtime.cpu_time import cpu_s, read_stat
 from pd_runtime.router.cost_model import CostModel
-from pd_runtime.router.cpu_time import cpu_s, read_stat
 from pd_runtime.router.ledger import Ledgers
 from pd_runtime.router.metrics import RouterMetrics
 from pd_runtime.router.metrics_vllm import VllmNames
@@ -28,6 +27,7 @@ from pd_runtime.router.policy import Decision, WorkerState, decide, decide_slo, 
 from pd_runtime.router.prefix_index import PrefixIndex
 from pd_runtime.router.reload import RoutingReloader
 from pd_runtime.router.tenants import Tenants
+from pd_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

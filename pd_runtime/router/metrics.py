@@ -5,7 +5,7 @@ transfer, preemptions, admission refusals by tenant, migrations. One registry pe
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -188,32 +188,6 @@ class RouterMetrics:
         self.prefill_rate.labels(worker_id).set(prefill_tokens_per_s)
         if transfer_gbps:
             self.transfer_gbps.labels(worker_id).set(transfer_gbps)
-
-    def text(self) -> bytes:
-        return generate_latest(self.registry)
-
-
-class RunRecordMetrics:
-    """The run record writer's health (pd_runtime/router/record_writer.py), read when scraped: rounds the
-    store refused, ended runs' rows waiting for it, and what was let go while it failed."""
-
-    def __init__(self, writer):
-        self.writer = writer
-        self.registry = CollectorRegistry()
-        self.registry.register(self)
-
-    def collect(self):
-        w = self.writer
-        yield CounterMetricFamily("pd_run_records_failures", "Rounds (or rows of one) of run "
-                                  "records the store did not take", value=w.failures)
-        yield GaugeMetricFamily("pd_run_records_waiting", "Ended runs' rows waiting for the "
-                                "store", value=w.waiting)
-        dropped = CounterMetricFamily("pd_run_records_dropped", "Waiting run records let go "
-                                      "while the store failed (runs: unrecorded; outputs: not "
-                                      "kept for replay)", labels=["what"])
-        dropped.add_metric(["runs"], w.runs_dropped)
-        dropped.add_metric(["outputs"], w.outputs_dropped)
-        yield dropped
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

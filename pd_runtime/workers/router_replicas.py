@@ -1,5 +1,5 @@
-"""The Ray side of router replicas (pd_runtime/router/replicas.py): replicas 1..N-1 as Ray actors on the
-serving node, each a router over the same worker actors, serving the shared port.
+"""The Ray side of router replicas (pd_runtime/entrypoints/openai/replicas.py): replicas 1..N-1 as
+Ray actors on the serving node, each a router over the same worker actors, serving the shared port.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ class RouterReplica:
                  log_level: str = "warning"):
         from pd_runtime.api import ModelCard
         from pd_runtime.workers.client import PoolClient, WorkerRef
-        from pd_runtime.router.replicas import build_router
-        from pd_runtime.router.run_records import owner_name
-        from pd_runtime.router.server import BackgroundServer
+        from pd_runtime.entrypoints.openai.replicas import build_router
+        from pd_runtime.entrypoints.openai.server import BackgroundServer
+        from pd_runtime.gateway.run_records import owner_name
 
         logging.basicConfig(level=logging.INFO)
         cfg = ClusterConfig.model_validate_json(cfg_json)

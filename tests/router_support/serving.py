@@ -11,8 +11,8 @@ import os
 import httpx
 
 from pd_runtime.config import ClusterConfig, RouterConfig
-from pd_runtime.router.app import create_app
-from pd_runtime.router.server import start_in_thread
+from pd_runtime.entrypoints.openai.app import create_app
+from pd_runtime.entrypoints.openai.server import start_in_thread
 
 ENGINE = dict(dtype="float32", num_kv_blocks=256, num_threads=1)
 ERROR_KEYS = {"message", "type", "param", "code"}

@@ -8,7 +8,7 @@ import shutil
 
 import openai
 
-from pd_runtime.router.tool_calls import reader
+from pd_runtime.parsers.registry import reader
 from tests.router_support.serving import local
 
 
