@@ -2,7 +2,8 @@
 "required"; a named function's output is its arguments: pd_runtime/entrypoints/openai/responses.py).
 The content before the first call streams as it comes, a call goes out once its name is read and its
 arguments have begun, and its arguments as the model writes them. A finished output is read the same
-way (`read_calls`), so a streamed choice and a whole one have the same content and the same calls.
+way (pd_runtime/parsers/registry.py `read_calls`), so a streamed choice and a whole one have the
+same content and the same calls.
 
 The formats (the one a chat template teaches, or router.tool_call_parser; each one's reader
 is named in pd_runtime/parsers/registry.py: CallReader, here, for FORMATS, the JSON ones):
