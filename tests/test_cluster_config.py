@@ -399,3 +399,23 @@ def test_a_run_store_url_of_an_unknown_kind_is_refused_naming_the_field(tmp_path
     for good in ("postgresql://user@/db?host=/tmp", "sqlite:///var/runs.sqlite3", "runs.db"):
         path.write_text(f"router:\n  runs:\n    store: {good!r}\n")
         assert load_cluster_config(path).router.runs.store == good
+
+
+def test_a_local_prefill_worker_borrows_the_machines_cores_by_default():
+    """engine.num_threads null: on a local cluster a CPU prefill worker takes the machine's
+    cores shared among its pool (at least num_cpus); decode workers, a set num_threads, a
+    remote cluster, a GPU or a tensor-parallel worker keep what start_worker gives (None)."""
+    from pd_runtime.workers.pool import default_threads
+
+    cfg = ClusterConfig()
+    assert default_threads(cfg, "prefill", cfg.prefill, machine_cores=2) == 2
+    assert default_threads(cfg, "prefill", cfg.prefill, machine_cores=16) == 16
+    assert default_threads(cfg, "decode", cfg.decode, machine_cores=16) is None
+    two = ClusterConfig.model_validate({"prefill": {"num_workers": 2,
+                                                    "resources": {"num_cpus": 3}}})
+    assert default_threads(two, "prefill", two.prefill, machine_cores=16) == 8
+    assert default_threads(two, "prefill", two.prefill, machine_cores=4) == 3  # its num_cpus
+    for override in ({"prefill": {"engine": {"num_threads": 1}}}, {"ray": {"address": "auto"}},
+                     {"prefill": {"engine": {"tensor_parallel_size": 2}}}):
+        other = ClusterConfig.model_validate(override)
+        assert default_threads(other, "prefill", other.prefill, machine_cores=16) is None
