@@ -132,7 +132,7 @@ def default_threads(cfg, role: str, pool, machine_cores: Optional[int] = None) -
     Prefill is compute-bound and comes in bursts; the decode workers' steps leave most of their
     cores idle at the loads their TPOT target allows, and a long prompt's prefill borrows them
     (measured on the 2-core box, bimodal 128/2048-token load: goodput at 90% within TTFT 2.5 s /
-    TPOT 100 ms from 0.5 to 2.5 req/s, decode TPOT p99 19-67 ms; docs/BENCHMARKS.md). On a
+    TPOT 100 ms from 0.5 to 1.5-2.5 req/s, decode TPOT p99 19-67 ms; docs/BENCHMARKS.md). On a
     remote cluster the nodes' cores are not known here: num_cpus."""
     if role != "prefill" or pool.engine.num_threads is not None or cfg.ray.address \
             or pool.engine.device != "cpu" or pool.engine.tensor_parallel_size > 1:
