@@ -447,3 +447,20 @@ def test_without_a_prefill_worker_long_prompts_still_run_on_a_busy_decode_worker
     assert (d.path, d.decode_worker) == ("colocated", "d0")
     huge = c.decide(10_000, target=SLOTarget(ttft_s=1.0, tpot_s=0.1))
     assert (huge.path, huge.reason) == ("colocated", "slo_best_effort")
+
+
+def test_a_first_token_delayed_by_a_lost_decode_worker_does_not_teach_the_prefill_worker():
+    """A disaggregated request whose decode worker died before its first token comes back
+    late (migrated, or prefilled by the decode worker after all): the prefill worker was not
+    slow, so its queue and its learned slowdown stay as they were; a measured late one
+    teaches both."""
+    c = Cluster()
+    c.ledgers["p0"].add_prefill("a", 0.4, c.now)
+    c.ledgers["p0"].add_prefill("b", 0.4, c.now)
+    c.ledgers["p0"].prefill_done("a", c.now + 10.0, measured=False)
+    ledger = c.ledgers["p0"]
+    assert ledger.current_slowdown(c.now + 10.0) == 1.0
+    assert ledger.prefills["b"].finish_at == pytest.approx(c.now + 0.8)
+    c.ledgers["p0"].add_prefill("c", 0.4, c.now)
+    c.ledgers["p0"].prefill_done("c", c.now + 10.0)  # measured: 10 s against ~1.2 s
+    assert ledger.current_slowdown(c.now + 10.0) > 1.4

@@ -301,7 +301,9 @@ class PoolBackend:
                     if first is None:
                         first = now
                         self.served["prompt_tokens"] += len(prompt_ids)
-                        self.ledgers[runner].prefill_done(request_id, now)
+                        self.ledgers[runner].prefill_done(
+                            request_id, now, measured=not chunk.get("migrations")
+                            and not chunk.get("prefill_fallback"))
                         self.metrics.ttft.labels(path).observe(now - arrival)
                         if decision.predicted_ttft_s is not None:
                             self.metrics.ttft_error.labels(path).observe(

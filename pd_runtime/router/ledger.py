@@ -55,12 +55,19 @@ class WorkerLedger:
         self.prefills[request_id] = _Prefill(seconds, self.free_at, now, self.free_at - now)
         return self.free_at
 
-    def prefill_done(self, request_id: str, now: float, ran: bool = True) -> None:
+    def prefill_done(self, request_id: str, now: float, ran: bool = True,
+                     measured: bool = True) -> None:
+        """Its first token came (`ran`) or it ended before (refused, failed). `measured`: the
+        first token measures this worker (not one that came after a lost decode worker's
+        recovery, or from a decode worker that prefilled it after all: their delays are not
+        this worker's, and learning them would refuse its next prompts as if it were slow)."""
         p = self.prefills.pop(request_id, None)
         if p is None:
             return
-        # Ran: the ones behind it move by its error; did not: they move up by what it had left.
-        error = now - p.finish_at if ran else -min(p.seconds, max(0.0, p.finish_at - now))
+        # Ran: the ones behind it move by its error (unless the delay was not this worker's);
+        # did not: they move up by what it had left.
+        error = (now - p.finish_at if measured else 0.0) if ran else \
+            -min(p.seconds, max(0.0, p.finish_at - now))
         for other in self.prefills.values():
             if other.finish_at > p.finish_at:
                 other.finish_at += error
@@ -70,7 +77,7 @@ class WorkerLedger:
             self.done_before.append(self.done_total)
             self.done_total += p.seconds
             self._forget_old(now)
-            if p.predicted_s >= 0.05:  # short ones are mostly fixed costs: not informative
+            if measured and p.predicted_s >= 0.05:  # short ones: mostly fixed costs
                 # The prediction had the slowdown in it already: what is left scales it.
                 ratio = (now - p.booked_at) / p.predicted_s
                 self.slowdown = min(4.0, max(0.5, self.current_slowdown(now) * ratio ** 0.2))

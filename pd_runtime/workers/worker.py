@@ -391,8 +391,12 @@ class PDWorker:
                 finished = chunk["finished"]
                 yield chunk
             if not finished:
+                record = self.remote_prefills.get(request_id)
+                fell_back = record is not None and record.stage is Stage.FALLBACK
                 async for chunk in self._stream(request_id, q, "disaggregated"):
                     finished = chunk["finished"]
+                    if fell_back:  # its first token is ours, not the prefill worker's
+                        chunk["prefill_fallback"], fell_back = True, False
                     yield chunk
         finally:
             if finished:
