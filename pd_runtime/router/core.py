@@ -19,6 +19,7 @@ from typing import AsyncIterator, Optional
 from pd_runtime.api import SamplingParams, error_chunk
 from pd_runtime.config import ClusterConfig, TenantConfig
 from pd_runtime.cpu_time import cpu_s, read_stat
+from pd_runtime.router.capacity import CapacityChanged
 from pd_runtime.router.cost_model import CostModel
 from pd_runtime.router.ledger import Ledgers
 from pd_runtime.router.metrics import RouterMetrics
@@ -92,6 +93,7 @@ class PoolBackend:
         self.metrics.registry.register(VllmNames(self.metrics, self.model_name, self.served))
         self._health_thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
+        self.capacity = CapacityChanged()  # wakes requests held by `overload: queue`
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -135,6 +137,7 @@ class PoolBackend:
                                        self.costs.transfer_gbps.get(w.worker_id, 0.0))
             # The report now counts what we routed there; count afresh from here.
             self.inflight[w.worker_id] = 0
+        self.capacity.notify()
 
     # -- the Backend interface ---------------------------------------------------------------
     def authenticate(self, api_key: Optional[str]) -> Optional[TenantConfig]:
@@ -304,6 +307,7 @@ class PoolBackend:
                         self.ledgers[runner].prefill_done(
                             request_id, now, measured=not chunk.get("migrations")
                             and not chunk.get("prefill_fallback"))
+                        self.capacity.notify()
                         self.metrics.ttft.labels(path).observe(now - arrival)
                         if decision.predicted_ttft_s is not None:
                             self.metrics.ttft_error.labels(path).observe(
@@ -326,6 +330,7 @@ class PoolBackend:
             now = time.monotonic()
             self.ledgers[runner].finish(request_id, now)
             decode_ledger.finish(request_id, now)
+            self.capacity.notify()
             self.metrics.requests.labels(path, status).inc()
             if status == "ok":
                 self.metrics.e2e.labels(path).observe(time.monotonic() - arrival)
@@ -359,9 +364,12 @@ class PoolBackend:
                 decision = self._decide(prompt_ids, params, hits, tenant_id, flex=flex)
         while decision.retry_after_s is not None:
             cfg = self.reloader.current
-            if cfg.overload != "queue" or time.monotonic() - arrival >= cfg.max_queue_s:
+            held = time.monotonic() - arrival
+            if cfg.overload != "queue" or held >= cfg.max_queue_s:
                 break
-            await asyncio.sleep(0.02)
+            # Re-decided when capacity may have freed, or when its decision said it would
+            # have to wait (the ledgers' queues drain by the clock).
+            await self.capacity.wait(min(decision.retry_after_s, cfg.max_queue_s - held))
             decision = self._decide(prompt_ids, params, hits, tenant_id,
                                     time.monotonic() - arrival, flex)
         return decision
