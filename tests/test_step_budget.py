@@ -70,3 +70,18 @@ def test_the_warm_up_seeds_the_step_cost_fit_but_not_the_recent_step_time(llama_
                                                            ignore_eos=True))
     report = costs.report()
     assert report["steps"] >= 3 and 0 < report["step_s_ewma"] <= report["busy_s"]
+
+
+def test_a_step_of_prompts_only_is_not_a_step_streams_see(llama_dir):
+    """The first request on an idle worker: its prompt's step, with no stream running, does
+    not seed the step-time average the router reads as what running requests see; its decode
+    steps do."""
+    llm = LLM(llama_dir, dtype="float32", num_kv_blocks=256, warmup_tokens=0)
+    costs = llm.engine.step_costs
+    llm.generate([[5 + i for i in range(64)]], SamplingParams(max_tokens=1, temperature=0.0))
+    report = costs.report()
+    assert report["steps"] == 1 and report["prefill_tokens"] == 64
+    assert report["step_s_ewma"] == 0.0  # a prefill alone
+    llm.generate([[7 + i for i in range(64)]], SamplingParams(max_tokens=4, temperature=0.0,
+                                                            ignore_eos=True))
+    assert 0 < costs.report()["step_s_ewma"]

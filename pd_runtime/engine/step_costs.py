@@ -93,6 +93,10 @@ class StepCostModel:
         self.prefill_tokens += work.prefill_tokens
         self.decode_tokens += work.decode_seqs
         self.step_counts[bisect.bisect_left(STEP_BUCKETS_S, seconds)] += 1
+        if not work.decode_seqs:
+            # A step of prompts only (the first request on an idle worker) is waited through
+            # by no running stream: not part of the step time streams see.
+            return
         a = 0.05
         self._ewma_step_s = seconds if self._ewma_step_s is None else \
             (1 - a) * self._ewma_step_s + a * seconds
