@@ -186,6 +186,9 @@ class Option:
     idle_meets: bool = True  # whether it would meet the targets with every queue empty
     harm_s: float = 0.0      # TPOT it adds to the decode worker's running requests, summed
 
+    def waits_at_most_its_own(self) -> bool:
+        """Queued prefill ahead of it no more than its own (one request's worth)."""
+        return self.backlog_s <= self.prefill_s + 1e-3
 
     def meets(self, target: SLOTarget) -> bool:
         return self.ttft_s <= target.ttft_s and self.tpot_s <= target.tpot_s
@@ -303,7 +306,7 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
     # less to a first token a little late than to a 429 (measured on the 2-core box at 2 req/s:
     # the long prompts refused there were predicted 2.6-3.0 s against 2.5 s).
     late = [o for o in options if spares_streams(o) and o.tpot_s <= target.tpot_s
-            and o.backlog_s <= o.prefill_s + 1e-3 and o.idle_meets]
+            and o.waits_at_most_its_own() and o.idle_meets]
     if late:
         best = min(late, key=lambda o: (o.ttft_s, rng.random()))
         return Decision(best.path, "slo_late", best.decode_worker, best.prefill_worker,
@@ -318,7 +321,7 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
     # TPOT to 140-190 ms).
     never = not any(o.idle_meets for o in options if spares_streams(o))
     if never:
-        free = [o for o in options if o.backlog_s <= o.prefill_s + 1e-3 and spares_streams(o)]
+        free = [o for o in options if o.waits_at_most_its_own() and spares_streams(o)]
         if free:
             best = min(free, key=lambda o: (o.pressure(target), rng.random()))
             return Decision(best.path, "slo_best_effort", best.decode_worker,

@@ -169,7 +169,7 @@ class PDWorker:
 
     def _group_agent(self, kv: KVTransferConfig):
         """One transfer agent per rank over that rank's cache, the others' in their rank's
-        process (pd_runtime/workers/tp_rank.py), behind one agent interface (kv_transfer/group.py)."""
+        process (workers/tp_rank.py), behind one agent interface (kv_transfer/group.py)."""
         from pd_runtime.engine.tp_ranks import HOST
         from pd_runtime.kv_transfer.group import GroupAgent, released_by
         from pd_runtime.kv_transfer.rank_rpc import RemoteRankAgent
@@ -186,7 +186,8 @@ class PDWorker:
                               model_id=model.identity, on_release=released_by(group, 0),
                               extra=extra(0))]
         for rank in range(1, degree):
-            port = int(self.engine.runner.tp.store.get(tp_rank.AGENT_PORT_KEY.format(rank=rank)))
+            port = int(self.engine.runner.tp.store.get(
+                tp_rank.AGENT_PORT_KEY.format(rank=rank)))
             # (port 0: a configured port is the driver's, and the ranks share its node)
             ranks.append(RemoteRankAgent(HOST, port, released_by(group, rank),
                                          kv.model_copy(update={"port": 0}).model_dump(),
@@ -430,13 +431,13 @@ class PDWorker:
     async def shutdown(self) -> None:
         # The engine closes (its tensor-parallel ranks stop) only once no step runs: a step
         # still running would send its plan to ranks already gone.
-        if self.loop is not None and not self.loop.stop(timeout_s=60.0):
+        stopped = self.loop is None or self.loop.stop(timeout_s=60.0)
+        self.agent.close()
+        if stopped:
+            self.engine.close()
+        else:
             log.warning("worker %s: the engine's step outlived 60 s at shutdown; its engine "
                         "is left open", self.worker_id)
-            self.agent.close()
-            return
-        self.agent.close()
-        self.engine.close()
 
 
 def _handle_key(handle):
