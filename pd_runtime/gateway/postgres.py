@@ -17,8 +17,10 @@ import psycopg
 from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict
 
+from pd_runtime.gateway import postgres_notify
 from pd_runtime.gateway.sql_store import SqlRunStore, _first_line
 from pd_runtime.gateway.store import StoreUnavailable
+from pd_runtime.gateway.wakeups import RECONNECT_POLL_S, Wakeups
 
 # SQLSTATEs of a server that cannot answer now (a later try may succeed): connection
 # exceptions, insufficient resources (disk full, too many connections), transaction rollbacks
@@ -45,7 +47,27 @@ class PostgresRunStore(SqlRunStore):
         self._local = threading.local()
         self._all: list[psycopg.Connection] = []
         self._lock = threading.Lock()
+        # Readers hear the server's NOTIFY of each commit on a connection of their own, opened
+        # by the first watch (a store that is only written, the record writer's, opens none).
+        self.wakeups = Wakeups(poll_s=RECONNECT_POLL_S, on_first_watch=self._listen)
+        self._listener: Optional[postgres_notify.Listener] = None
         self.schema_version = self._migrate()
+
+    def _listen(self) -> None:
+        self._listener = postgres_notify.Listener(self._params, self.wakeups)
+        self._listener.start()
+
+    def _touched(self, db, run_ids) -> None:
+        # NOTIFY in the writing transaction: heard by every process's listener if it commits.
+        postgres_notify.notify(db, run_ids)
+
+    def committed(self, run_ids) -> None:
+        """Nothing: the server tells every listener, this process's included."""
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.stop()
+        super().close()
 
     def _db(self) -> psycopg.Connection:
         db = getattr(self._local, "db", None)

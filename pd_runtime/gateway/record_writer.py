@@ -74,6 +74,9 @@ class RunWriter:
         # Called (on the writer thread) with an open run whose cancel another replica asked
         # for, every ASK_FOLLOWED_S until it ends.
         self.on_cancel_asked: Optional[Callable[["LiveRun"], None]] = None
+        # Called (on the writer thread) with the ids of the runs a round wrote, once it has
+        # committed: their readers in this process wake (RunStore.committed).
+        self.on_recorded: Optional[Callable[[list[str]], None]] = None
         # Filled by the serving loop (an append is atomic), swapped out by the writer thread.
         self._begun: list["LiveRun"] = []
         self._ended: list["LiveRun"] = []
@@ -132,6 +135,9 @@ class RunWriter:
                     if ask:
                         self._next_ask = time.monotonic() + ASK_FOLLOWED_S
                     problems, followed, cancels = self._record(rows, events, ask)
+                    if self.on_recorded is not None and (rows or events):
+                        self.on_recorded([row["run_id"] for row in rows] +
+                                         [run_id for run_id, _, _ in events])
                     for problem in problems:
                         self.failures += 1
                         log.warning("run record: %s", problem)

@@ -29,9 +29,9 @@ from pd_runtime.router.backend import BackendError
 
 log = logging.getLogger(__name__)
 
-# How often a run another process owns is looked up while a client waits for it to finish,
-# and how often that wait is written down (the owner does not cancel a run followed lately).
-POLL_S = 0.05
+# How often a client's wait for a run another process owns is written down (the owner does not
+# cancel a run followed lately). The run itself is read again when a write of it commits
+# (pd_runtime/gateway/wakeups.py).
 FOLLOW_MARK_S = 1.0
 # Finished runs kept in memory hold at most this much output (older ones: from the store).
 KEEP_FINISHED_BYTES = 64 << 20
@@ -62,6 +62,7 @@ class RunRecorder:
         self.writer = RunWriter(store_url, owner, owner_lease_s=owner_lease_s,
                                 keep_outputs_s=keep_outputs_s, keep_runs_s=keep_runs_s)
         self.writer.on_cancel_asked = self._cancel_asked
+        self.writer.on_recorded = store.committed
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the serving loop, once known
         self.live: dict[str, LiveRun] = {}
         self._by_key: dict[tuple[str, str], str] = {}
@@ -293,25 +294,26 @@ class RunRecorder:
             live.settling = asyncio.ensure_future(self._follow_remote(live))
 
     async def _follow_remote(self, live: LiveRun) -> None:
-        """Poll the run's record until it is over, then take its output; meanwhile mark it
-        followed, which has its producer publish its events (a stream's), and pass them on
-        as they come."""
+        """Read the run's record, again after each write of it, until it is over, then take
+        its output; meanwhile mark it followed, which has its producer publish its events (a
+        stream's), and pass them on as they come."""
         marked = 0.0
         try:
-            while True:
-                record = await asyncio.to_thread(self.runs.get, live.id)
-                if record is None or not TRANSITIONS.get(record["state"]):
-                    break
-                if time.monotonic() - marked >= FOLLOW_MARK_S:  # keep its producer going
-                    marked = time.monotonic()
-                    await asyncio.to_thread(self.store.mark_followed, live.id, time.time())
-                fresh = await asyncio.to_thread(self.store.events_after, live.id,
-                                                len(live.events) - 1)
-                if fresh:
-                    live.events.extend(fresh)
-                    live.started = True
-                    live.notify()
-                await asyncio.sleep(POLL_S)
+            with self.store.watch(live.id) as watch:  # before the first read: no write missed
+                while True:
+                    record = await asyncio.to_thread(self.runs.get, live.id)
+                    if record is None or not TRANSITIONS.get(record["state"]):
+                        break
+                    if time.monotonic() - marked >= FOLLOW_MARK_S:  # keep its producer going
+                        marked = time.monotonic()
+                        await asyncio.to_thread(self.store.mark_followed, live.id, time.time())
+                    fresh = await asyncio.to_thread(self.store.events_after, live.id,
+                                                    len(live.events) - 1)
+                    if fresh:
+                        live.events.extend(fresh)
+                        live.started = True
+                        live.notify()
+                    await watch.wait(marked + FOLLOW_MARK_S - time.monotonic())
             output = await asyncio.to_thread(self.store.get_output, live.id) if record else None
             self._load_finished(live, record, output)
         except Exception as exc:  # the store failed us: the followers end with it

@@ -23,8 +23,9 @@ DELETED = "deleted"  # run_outputs.kind of an output deleted by its client
 class SqlRunStore:
     """The RunStore operations in SQL, written once for every database: a subclass supplies a
     connection per thread (`_db`), a write transaction (`_transaction`), which of its driver's
-    errors mean no answer (`_unavailable`) and its placeholder style (`_sql`, from the `?`
-    written here)."""
+    errors mean no answer (`_unavailable`), its placeholder style (`_sql`, from the `?`
+    written here) and the `wakeups` its readers wait on (pd_runtime/gateway/wakeups.py):
+    each write below names the runs it wrote (`_touched`)."""
 
     schema_version = 0
 
@@ -53,7 +54,12 @@ class SqlRunStore:
     @contextmanager
     def _tx(self):
         """A write transaction (a savepoint inside one already open); the driver's errors that
-        mean the store did not answer, at BEGIN or COMMIT too, raised as StoreUnavailable."""
+        mean the store did not answer, at BEGIN or COMMIT too, raised as StoreUnavailable.
+        Once the outermost one commits, the readers of the runs it wrote are woken."""
+        outermost = getattr(self._local, "touched", None) is None
+        if outermost:
+            self._local.touched = set()
+        touched = None
         try:
             with self._transaction() as db:
                 yield db
@@ -63,6 +69,24 @@ class SqlRunStore:
             if self._unavailable(exc):
                 raise StoreUnavailable(_first_line(exc)) from exc
             raise
+        finally:
+            if outermost:
+                touched, self._local.touched = self._local.touched, None
+        if touched:
+            self.committed(touched)
+
+    def _touched(self, db, run_ids) -> None:
+        """The transaction open on `db` wrote these runs (their readers wait for it)."""
+        self._local.touched.update(run_ids)
+
+    def committed(self, run_ids) -> None:
+        """Writes of these runs committed, in this process or in its record writer process:
+        their readers here are woken."""
+        self.wakeups.notify(run_ids)
+
+    def watch(self, run_id: str):
+        """What a reader of the run waits on (pd_runtime/gateway/wakeups.py Wakeups.watch)."""
+        return self.wakeups.watch(run_id)
 
     def _migrate(self) -> int:
         with self._tx() as db:
@@ -109,6 +133,7 @@ class SqlRunStore:
                     return dict(held)
             self._exec(db, f"INSERT INTO runs ({', '.join(columns)}) VALUES "
                        f"({', '.join('?' for _ in columns)})", [run[c] for c in columns])
+            self._touched(db, [run["id"]])
         return None
 
     def get_run(self, run_id: str) -> Optional[dict]:
@@ -137,6 +162,7 @@ class SqlRunStore:
                            (run_id, usage["tenant"], usage["input_tokens"],
                             usage["cached_tokens"], usage["output_tokens"],
                             usage["duration_s"], at))
+            self._touched(db, [run_id])
             return was
 
     def record(self, items: list[dict], events: list[tuple[str, int, bytes]] = ()
@@ -171,6 +197,8 @@ class SqlRunStore:
                     log.exception("run record of %s failed", item["run_id"])
                     results.append(False)
             self._add_events(db, events)
+            self._touched(db, [item["run_id"] for item in items] +
+                          [run_id for run_id, _, _ in events])
             return results
 
     def _record_new(self, db, items: list[dict]) -> None:
@@ -264,15 +292,18 @@ class SqlRunStore:
             # Events published for followers go with the run's end, as at a final row.
             self._exec(db, f"DELETE FROM run_events WHERE run_id IN (SELECT id FROM runs WHERE "
                        f"{where})", params)
-            return self._exec(db, f"UPDATE runs SET state = 'failed', error = ?, "
-                              f"updated_at = ?, ended_at = ? WHERE {where}",
-                              [error, at, at, *params]).rowcount
+            failed = [_first(row) for row in self._exec(
+                db, f"UPDATE runs SET state = 'failed', error = ?, updated_at = ?, ended_at = ? "
+                f"WHERE {where} RETURNING id", [error, at, at, *params]).fetchall()]
+            self._touched(db, failed)
+            return len(failed)
 
     def save_output(self, run_id: str, kind: str, body: bytes) -> None:
         with self._tx() as db:
             self._exec(db, "INSERT INTO run_outputs (run_id, kind, body, created_at) "
                        "SELECT ?, ?, ?, created_at FROM runs WHERE id = ? "
                        "ON CONFLICT (run_id) DO NOTHING", (run_id, kind, body, run_id))
+            self._touched(db, [run_id])
 
     def mark_followed(self, run_id: str, at: float) -> None:
         with self._tx() as db:
@@ -308,6 +339,7 @@ class SqlRunStore:
                        "created_at) VALUES (?, ?, ?, NULL, ?) ON CONFLICT (run_id) DO UPDATE "
                        "SET kind = excluded.kind, body = excluded.body, conversation = NULL",
                        (run_id, DELETED, b"", at))
+            self._touched(db, [run_id])
 
     def output_deleted(self, run_id: str) -> bool:
         row = self._exec(self._db(), "SELECT kind FROM run_outputs WHERE run_id = ?",
@@ -359,6 +391,7 @@ class SqlRunStore:
     def add_events(self, events: list[tuple[str, int, bytes]]) -> None:
         with self._tx() as db:
             self._add_events(db, events)
+            self._touched(db, [run_id for run_id, _, _ in events])
 
     def _add_events(self, db, events) -> None:
         """Each event once, and none of a run no longer there (deleted or never written: its

@@ -13,6 +13,20 @@ import threading
 from pathlib import Path
 
 from pd_runtime.gateway.sql_store import SqlRunStore
+from pd_runtime.gateway.wakeups import OTHER_PROCESS_POLL_S, Wakeups
+
+# One Wakeups per file in a process, shared by every store opened on it (router replicas of one
+# process, tests' replicas, the router's store and its record writer's notice of a round).
+_WAKEUPS: dict[str, Wakeups] = {}
+_WAKEUPS_LOCK = threading.Lock()
+
+
+def wakeups_of(path: os.PathLike) -> Wakeups:
+    """The readers of this SQLite file in this process; another process's writes to it are not
+    heard here, so they read every OTHER_PROCESS_POLL_S as well."""
+    key = os.path.realpath(path)
+    with _WAKEUPS_LOCK:
+        return _WAKEUPS.setdefault(key, Wakeups(poll_s=OTHER_PROCESS_POLL_S))
 
 
 def default_path() -> Path:
@@ -34,6 +48,7 @@ class SqliteRunStore(SqlRunStore):
         self._busy_ms = int(busy_timeout_s * 1000)
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        self.wakeups = wakeups_of(self.path)
         self.schema_version = self._migrate()
 
     def _db(self) -> sqlite3.Connection:

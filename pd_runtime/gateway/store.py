@@ -131,4 +131,12 @@ class RunStore(Protocol):
         their usage rows added to the per-day totals first (in the same transaction, each row
         once whichever process deletes it); how many."""
 
+    def watch(self, run_id: str):
+        """A context manager giving what a reader of the run waits on for its next write,
+        opened before the read it follows (pd_runtime/gateway/wakeups.py Watch)."""
+
+    def committed(self, run_ids) -> None:
+        """Writes of these runs committed in another process that this one heard of (its record
+        writer's round): wake their readers here, where the store does not itself."""
+
     def close(self) -> None: ...

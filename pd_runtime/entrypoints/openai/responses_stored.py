@@ -20,8 +20,9 @@ from pd_runtime.entrypoints.openai.responses_events import latest_response, stor
 from pd_runtime.entrypoints.openai.schema import InvalidRequest
 from pd_runtime.entrypoints.openai.streaming import SSEResponse, json_body, until_disconnect
 from pd_runtime.gateway.live_run import is_response_id, stream_closed
-from pd_runtime.gateway.run_records import POLL_S, RunRecorder, output_of
+from pd_runtime.gateway.run_records import RunRecorder, output_of
 from pd_runtime.gateway.runs import TRANSITIONS
+from pd_runtime.gateway.wakeups import read_until
 from pd_runtime.router.backend import BackendError
 
 # How long a stored response is waited for when its run has sent everything but its end is
@@ -176,26 +177,23 @@ async def _cancel_elsewhere(recorder: RunRecorder, tenant: str, live):
     runs are background ones the store says (their opening event, written with their first
     rows: waited for up to UNKNOWN_WAIT_S); for another run, 409 response_elsewhere as before
     (a foreground response, or one of a replica too old to be asked)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + UNKNOWN_WAIT_S
-    while await asyncio.to_thread(recorder.store.get_opening, live.id) is None:
-        if loop.time() >= deadline:
-            raise BackendError(409, f"response {live.id!r} runs on another router replica, "
-                               "which cannot be asked to cancel it (a foreground response, "
-                               "or a replica of an older version)", param="response_id",
-                               code="response_elsewhere")
-        await asyncio.sleep(POLL_S)
-    await asyncio.to_thread(recorder.store.ask_cancel, live.id, time.time())
-    deadline = loop.time() + CANCEL_WAIT_S
-    while True:
-        now = await recorder.find(live.id, tenant)
-        if now is None or _ended(now):
-            return now or live
-        if loop.time() >= deadline:
-            raise BackendError(409, f"response {live.id!r} runs on another router replica, "
-                               "asked to cancel it; it has not ended yet (GET it to see)",
-                               param="response_id", code="response_elsewhere")
-        await asyncio.sleep(POLL_S * 2)
+    store = recorder.store
+    opening = await read_until(store, live.id,
+                               lambda: asyncio.to_thread(store.get_opening, live.id),
+                               lambda opening: opening is not None, UNKNOWN_WAIT_S)
+    if opening is None:
+        raise BackendError(409, f"response {live.id!r} runs on another router replica, "
+                           "which cannot be asked to cancel it (a foreground response, "
+                           "or a replica of an older version)", param="response_id",
+                           code="response_elsewhere")
+    await asyncio.to_thread(store.ask_cancel, live.id, time.time())
+    now = await read_until(store, live.id, lambda: recorder.find(live.id, tenant),
+                           lambda now: now is None or _ended(now), CANCEL_WAIT_S)
+    if now is None or _ended(now):
+        return now or live
+    raise BackendError(409, f"response {live.id!r} runs on another router replica, "
+                       "asked to cancel it; it has not ended yet (GET it to see)",
+                       param="response_id", code="response_elsewhere")
 
 
 async def as_it_stands(recorder: RunRecorder, tenant: str, response_id: str
@@ -241,12 +239,9 @@ async def _find(recorder: RunRecorder, tenant: str, response_id: str, wait_s: fl
     for again up to `wait_s` (another replica writes a new run's row in its next round)."""
     if not response_id.startswith("resp_"):
         return None
-    live = await recorder.find(response_id, tenant)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait_s
-    while live is None and loop.time() < deadline:
-        await asyncio.sleep(POLL_S)
-        live = await recorder.find(response_id, tenant)
+    live = await read_until(recorder.store, response_id,
+                            lambda: recorder.find(response_id, tenant),
+                            lambda live: live is not None, wait_s)
     if live is None or live.unstored:
         return None
     if not live.remote and live.done and await deleted(recorder, live):
@@ -322,40 +317,39 @@ async def stored(recorder: RunRecorder, run_id: str, tenant: str, with_output: b
     GET, input_items): from memory while its run is kept there, else from the store. A run
     that sent its last event but is not yet marked ended, and one whose end another replica
     has not yet written (its rows go in rounds), are waited for up to `wait_s` (one with no
-    row yet up to UNKNOWN_WAIT_S), the store read less and less often. None when the caller
-    has no such run, it was not stored (or was deleted), or it still runs."""
+    row yet up to UNKNOWN_WAIT_S), the store read again after each write of the run. None when
+    the caller has no such run, it was not stored (or was deleted), or it still runs."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (wait_s if is_response_id(run_id) else 0.0)
     unknown_deadline = loop.time() + min(wait_s, UNKNOWN_WAIT_S)
-    pause = POLL_S
-    while True:
-        live = recorder.live.get(run_id)
-        if live is not None and not live.remote:
-            if live.tenant != tenant:
+    with recorder.store.watch(run_id) as watch:  # before the first read: no write missed
+        while True:
+            live = recorder.live.get(run_id)
+            if live is not None and not live.remote:
+                if live.tenant != tenant:
+                    return None
+                if live.done:
+                    if live.conversation is None or await deleted(recorder, live):
+                        return None
+                    return live.conversation, output_of(live) if with_output else None
+                if not (stream_closed(live) or live.body is not None):
+                    return None  # it is still producing its output
+                try:  # its end is being recorded
+                    await asyncio.wait_for(live.changed(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    if not live.done:
+                        return None
+                continue
+            record = await asyncio.to_thread(recorder.runs.get, run_id, tenant)
+            if record is not None and not TRANSITIONS.get(record["state"]):
+                conversation = await asyncio.to_thread(recorder.store.get_conversation, run_id)
+                if conversation is None or not with_output:
+                    return None if conversation is None else (conversation, None)
+                return conversation, await asyncio.to_thread(recorder.store.get_output, run_id)
+            until = deadline if record is not None else min(deadline, unknown_deadline)
+            if loop.time() >= until:
                 return None
-            if live.done:
-                if live.conversation is None or await deleted(recorder, live):
-                    return None
-                return live.conversation, output_of(live) if with_output else None
-            if not (stream_closed(live) or live.body is not None):
-                return None  # it is still producing its output
-            try:  # its end is being recorded
-                await asyncio.wait_for(live.changed(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                if not live.done:
-                    return None
-            continue
-        record = await asyncio.to_thread(recorder.runs.get, run_id, tenant)
-        if record is not None and not TRANSITIONS.get(record["state"]):
-            conversation = await asyncio.to_thread(recorder.store.get_conversation, run_id)
-            if conversation is None or not with_output:
-                return None if conversation is None else (conversation, None)
-            return conversation, await asyncio.to_thread(recorder.store.get_output, run_id)
-        until = deadline if record is not None else min(deadline, unknown_deadline)
-        if loop.time() >= until:
-            return None
-        await asyncio.sleep(min(pause, until - loop.time()))
-        pause *= 2
+            await watch.wait(until - loop.time())
 
 
 async def deleted(recorder: RunRecorder, live) -> bool:
