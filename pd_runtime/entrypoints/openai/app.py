@@ -70,6 +70,21 @@ def create_app(backend: Backend, router_config: RouterConfig,
     owner = owner or owner_name(router_config.host, router_config.port)
     if recorder is None:
         recorder = open_recorder(router_config, owner)
+    app = _new_app(intake, recorder)
+    _add_middleware(app, backend, router_config)
+    _install_error_handlers(app)
+    timeout_s = router_config.request_timeout_s
+    _add_generation_routes(app, backend, intake, recorder, timeout_s)
+    _add_stored_response_routes(app, backend, recorder, timeout_s)
+    _add_run_routes(app, backend, recorder, timeout_s)
+    _add_model_routes(app, backend, intake)
+    _add_router_routes(app, backend, router_config)
+    _add_health_routes(app, backend, recorder, owner)
+    return app
+
+
+def _new_app(intake: Intake, recorder: Optional[RunRecorder]) -> FastAPI:
+    """The app, whose shutdown closes the body parser and drains the run records."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -84,6 +99,11 @@ def create_app(backend: Backend, router_config: RouterConfig,
                   lifespan=lifespan)
     app.state.intake = intake  # for servers that run the app without its lifespan
     app.state.recorder = recorder
+    return app
+
+
+def _add_middleware(app: FastAPI, backend: Backend, router_config: RouterConfig) -> None:
+    """Request ids and logs around every request; CORS, when configured, around that."""
     app.add_middleware(RequestLogMiddleware, backend=backend,
                        log_requests=router_config.log_requests)
     cors = router_config.cors
@@ -92,8 +112,11 @@ def create_app(backend: Backend, router_config: RouterConfig,
                            allow_credentials=cors.allow_credentials,
                            allow_methods=cors.allowed_methods,
                            allow_headers=cors.allowed_headers)
-    _install_error_handlers(app)
-    timeout_s = router_config.request_timeout_s
+
+
+def _add_generation_routes(app: FastAPI, backend: Backend, intake: Intake,
+                           recorder: Optional[RunRecorder], timeout_s: float) -> None:
+    """OpenAI completions, chat completions and responses: each request a run."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -106,6 +129,11 @@ def create_app(backend: Backend, router_config: RouterConfig,
     @app.post("/v1/responses")
     async def responses(request: Request):
         return await generation(request, backend, intake, "responses", timeout_s, recorder)
+
+
+def _add_stored_response_routes(app: FastAPI, backend: Backend,
+                                recorder: Optional[RunRecorder], timeout_s: float) -> None:
+    """A stored response after its request (pd_runtime/entrypoints/openai/responses_stored.py)."""
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(request: Request, response_id: str):
@@ -131,6 +159,11 @@ def create_app(backend: Backend, router_config: RouterConfig,
     async def delete_response(request: Request, response_id: str):
         tenant = tenant_name(backend.authenticate(bearer_key(request)))
         return await responses_stored.delete(_records(recorder), tenant, response_id)
+
+
+def _add_run_routes(app: FastAPI, backend: Backend, recorder: Optional[RunRecorder],
+                    timeout_s: float) -> None:
+    """The caller's runs (their records and streams again) and usage ledger."""
 
     @app.get("/v1/runs/{run_id}")
     async def run_record(request: Request, run_id: str):
@@ -171,6 +204,10 @@ def create_app(backend: Backend, router_config: RouterConfig,
         return {"object": "usage", "tenant": tenant, "start_time": start, "end_time": end,
                 **totals}
 
+
+def _add_model_routes(app: FastAPI, backend: Backend, intake: Intake) -> None:
+    """The served model (OpenAI's /v1/models) and vLLM's tokenizer endpoints."""
+
     @app.get("/v1/models")
     async def models(request: Request):
         backend.authenticate(bearer_key(request))
@@ -199,6 +236,11 @@ def create_app(backend: Backend, router_config: RouterConfig,
         backend.authenticate(bearer_key(request))
         return tokenize_api.tokenizer_info(backend)
 
+
+def _add_router_routes(app: FastAPI, backend: Backend, router_config: RouterConfig) -> None:
+    """The router's active config and its workers' reports; the development endpoints when
+    asked for."""
+
     @app.get("/v1/router/config")
     async def router_config_view(request: Request):
         backend.authenticate(bearer_key(request))
@@ -212,18 +254,27 @@ def create_app(backend: Backend, router_config: RouterConfig,
         return {"workers": backend.worker_reports(), "router": backend.host_report()}
 
     if router_config.dev_endpoints or os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
-        log.warning("development endpoints are on: any client the router admits can empty "
-                    "every worker's prefix cache (POST /reset_prefix_cache)")
+        _add_dev_routes(app, backend)
 
-        @app.post("/reset_prefix_cache")
-        async def reset_prefix_cache(request: Request):
-            """vLLM's development endpoint (load generators' cold start): every worker's prefix
-            cache emptied; answers each worker's forgotten blocks (null: it did not answer)."""
-            backend.authenticate(bearer_key(request))
-            workers = await backend.reset_prefix_cache()
-            if not any(n is not None for n in workers.values()):
-                raise BackendError(503, "no worker answered", code="not_ready")
-            return {"workers": workers}
+
+def _add_dev_routes(app: FastAPI, backend: Backend) -> None:
+    log.warning("development endpoints are on: any client the router admits can empty "
+                "every worker's prefix cache (POST /reset_prefix_cache)")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        """vLLM's development endpoint (load generators' cold start): every worker's prefix
+        cache emptied; answers each worker's forgotten blocks (null: it did not answer)."""
+        backend.authenticate(bearer_key(request))
+        workers = await backend.reset_prefix_cache()
+        if not any(n is not None for n in workers.values()):
+            raise BackendError(503, "no worker answered", code="not_ready")
+        return {"workers": workers}
+
+
+def _add_health_routes(app: FastAPI, backend: Backend, recorder: Optional[RunRecorder],
+                       owner: str) -> None:
+    """Health, version, readiness and Prometheus metrics (the router's, the run records')."""
 
     @app.get("/health")
     async def health():
@@ -247,8 +298,6 @@ def create_app(backend: Backend, router_config: RouterConfig,
 
         text = backend.metrics_text() + (records.text() if records is not None else b"")
         return Response(text, media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 def _model_card(backend: Backend) -> dict:
