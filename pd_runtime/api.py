@@ -1,7 +1,8 @@
 """What crosses the router <-> worker boundary, torch-free (the router imports this, never the
 engine): the typed errors a request can end with, the sampling parameters (validated here,
-before anything is allocated), and the plain dicts a worker streams per engine step, errors
-travelling as data so the router can map them to HTTP statuses.
+before anything is allocated), and the StreamChunk a worker streams per engine step (one
+typed, versioned shape from the worker to the OpenAI layer), errors travelling as data so the
+router can map them to HTTP statuses.
 """
 
 from __future__ import annotations
@@ -234,62 +235,123 @@ def _token_keys(bias) -> Optional[dict]:
 
 
 # ---------------------------------------------------------------------------------- stream chunks
-def output_chunk(out, path: str) -> dict:
-    """A chunk from an engine RequestOutput (duck-typed: this module stays torch-free)."""
-    return {
-        "request_id": out.request_id,
-        "token_ids": list(out.new_token_ids),
-        "text": out.new_text,
-        "finished": out.finished,
-        "finish_reason": out.finish_reason,
-        "stop_reason": getattr(out, "stop_reason", None),
-        "logprobs": out.new_logprobs,
-        "prompt_logprobs": getattr(out, "prompt_logprobs", None),
-        "num_prompt_tokens": out.num_prompt_tokens,
-        "num_cached_tokens": out.num_cached_tokens,
-        "path": path,
-        "queue_s": getattr(out, "queue_s", None),
-    }
+# The chunk's shape: raised when a field is added, renamed or changes meaning, so a router and
+# a worker of different versions (a rolling restart) notice instead of misreading each other.
+STREAM_CHUNK_VERSION = 1
 
 
-def merge_chunks(into: dict, later: dict) -> dict:
-    """`into` followed by `later`, as one chunk (consecutive outputs of one request)."""
-    into["token_ids"] = into["token_ids"] + later["token_ids"]
-    into["text"] = (into["text"] or "") + (later["text"] or "")
-    if into["logprobs"] is not None or later["logprobs"] is not None:
-        into["logprobs"] = (into["logprobs"] or []) + (later["logprobs"] or [])
-    if into.get("prompt_logprobs") is None:
-        into["prompt_logprobs"] = later.get("prompt_logprobs")
-    for key in ("finished", "finish_reason", "stop_reason", "queue_s"):
-        into[key] = later.get(key)
-    return into
+@dataclass(slots=True)
+class ChunkError:
+    """Why a stream ended without finishing its request: `type` names the kind (overloaded,
+    timeout, invalid_request_error, unavailable, or the router's refusal kinds), `status` the
+    HTTP status it is answered with."""
+
+    type: str
+    message: str
+    status: int
+    retry_after_s: Optional[float] = None
+    param: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        """The fields set, as BackendError.from_chunk_error reads them."""
+        out = {"type": self.type, "message": self.message, "status": self.status}
+        if self.retry_after_s is not None:
+            out["retry_after_s"] = self.retry_after_s
+        if self.param is not None:
+            out["param"] = self.param
+        return out
 
 
-def error_chunk(exc: Exception, status: Optional[int] = None,
-                retry_after_s: Optional[float] = None) -> dict:
-    if isinstance(exc, EngineOverloadedError):
-        kind, code = "overloaded", status or 429
-        extra = {"retry_after_s": exc.retry_after_s}
-    elif isinstance(exc, DeadlineExceededError):
-        kind, code = "timeout", status or 504
-        extra = {}
-    elif isinstance(exc, InvalidRequestError):
-        kind, code = "invalid_request_error", status or 400
-        extra = {"param": exc.param}
-    else:
-        kind, code = "unavailable", status or 503
-        extra = {} if retry_after_s is None else {"retry_after_s": retry_after_s}
-    return {"finished": True, "finish_reason": "error", "token_ids": [], "text": "",
-            "error": {"type": kind, "message": str(exc), "status": code, **extra}}
+@dataclass(slots=True)
+class StreamChunk:
+    """What a request's stream carries, one per engine step or several steps merged: the
+    worker makes it (`from_output`, `from_error`), and each layer it passes through fills only
+    its own fields, named below: worker -> pool client (workers/client.py) -> router
+    (router/core.py) -> the OpenAI layer, which reads it and adds nothing. Slotted: a field
+    no layer declared cannot be added on the way."""
 
+    # -- the worker's, from the engine's RequestOutput ----------------------------------------
+    request_id: Optional[str] = None  # the engine's id; the pool client's own after it
+    token_ids: list[int] = field(default_factory=list)  # new since the last chunk
+    text: str = ""  # new since the last chunk
+    finished: bool = False
+    finish_reason: Optional[str] = None  # "error" on an error chunk
+    stop_reason: Union[int, str, None] = None
+    # Per new token: (logprob, {token_id: logprob} of the top-n, rank); None when not asked.
+    logprobs: Optional[list] = None
+    prompt_logprobs: Optional[list] = None  # on the first chunk of a request that asked
+    num_prompt_tokens: Optional[int] = None
+    num_cached_tokens: Optional[int] = None
+    path: Optional[str] = None  # "colocated" or "disaggregated": where the prompt was computed
+    queue_s: Optional[float] = None  # arrival to first scheduled; on the finishing chunk
+    error: Optional[ChunkError] = None  # set: the stream's last chunk, and no tokens
+    # -- the decode worker's, on a disaggregated request's finishing chunk --------------------
+    kv_transfer_s: Optional[float] = None  # first token to the KV landed
+    kv_arrived: Optional[bool] = None  # False: the transfer failed, the prompt recomputed
+    remote_prefill_s: Optional[float] = None
+    prefill_fallback: bool = False  # its first token is the decode worker's own, not P's
+    # -- the pool client's ---------------------------------------------------------------------
+    worker_id: Optional[str] = None  # the decode worker that produced it
+    migrations: int = 0  # decode workers lost so far during the request
+    # -- the router's --------------------------------------------------------------------------
+    route_reason: Optional[str] = None  # the policy's reason label
+    workers: Optional[list[str]] = None  # the workers chosen: decode, then prefill
+    version: int = STREAM_CHUNK_VERSION
 
-class WorkerError(RuntimeError):
-    """An error chunk turned back into an exception on the caller's side."""
+    @classmethod
+    def from_output(cls, out, path: str) -> "StreamChunk":
+        """A chunk from an engine RequestOutput (duck-typed: this module stays torch-free)."""
+        return cls(request_id=out.request_id, token_ids=list(out.new_token_ids),
+                   text=out.new_text, finished=out.finished, finish_reason=out.finish_reason,
+                   stop_reason=out.stop_reason, logprobs=out.new_logprobs,
+                   prompt_logprobs=out.prompt_logprobs, num_prompt_tokens=out.num_prompt_tokens,
+                   num_cached_tokens=out.num_cached_tokens, path=path, queue_s=out.queue_s)
 
-    def __init__(self, error: dict):
-        super().__init__(error.get("message", "worker error"))
-        self.error = error
-        self.status = error.get("status", 503)
+    @classmethod
+    def from_error(cls, exc: Exception, status: Optional[int] = None,
+                   retry_after_s: Optional[float] = None) -> "StreamChunk":
+        """The chunk that ends a stream with `exc`: its kind and status from its type (an
+        explicit `status` wins), as the router maps them to HTTP."""
+        param = None
+        if isinstance(exc, EngineOverloadedError):
+            kind, code, retry_after_s = "overloaded", status or 429, exc.retry_after_s
+        elif isinstance(exc, DeadlineExceededError):
+            kind, code, retry_after_s = "timeout", status or 504, None
+        elif isinstance(exc, InvalidRequestError):
+            kind, code, retry_after_s, param = "invalid_request_error", status or 400, None, \
+                exc.param
+        else:
+            kind, code = "unavailable", status or 503
+        return cls(finished=True, finish_reason="error",
+                   error=ChunkError(kind, str(exc), code, retry_after_s, param))
+
+    @classmethod
+    def of(cls, value: "StreamChunk | dict") -> "StreamChunk":
+        """A chunk as given; a dict (a stand-in worker or pool that still builds chunks as
+        dicts, as bench/'s do) read once into one, its error too."""
+        if isinstance(value, cls):
+            return value
+        fields = dict(value)
+        if isinstance(fields.get("error"), dict):
+            error = fields["error"]
+            fields["error"] = ChunkError(error.get("type", "unavailable"),
+                                         str(error.get("message", "")),
+                                         error.get("status", 503), error.get("retry_after_s"),
+                                         error.get("param"))
+        return cls(**fields)
+
+    def absorb(self, later: "StreamChunk") -> "StreamChunk":
+        """This chunk followed by `later` of the same request, as one (outputs that queued up
+        while the caller read the last chunk)."""
+        self.token_ids = self.token_ids + later.token_ids
+        self.text = (self.text or "") + (later.text or "")
+        if self.logprobs is not None or later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + (later.logprobs or [])
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished, self.finish_reason = later.finished, later.finish_reason
+        self.stop_reason, self.queue_s = later.stop_reason, later.queue_s
+        return self
 
 
 # ---------------------------------------------------------------------------------- model card

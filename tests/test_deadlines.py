@@ -98,17 +98,17 @@ def test_worker_ends_a_request_past_its_deadline(pool, disaggregate):
     chunks = asyncio.run(_collect(pool, f"past-{disaggregate}", prompt, disaggregate,
                                   time.time() - 1))
     last = chunks[-1]
-    assert last["finished"] and last["error"]["status"] == 504, last
-    assert last["error"]["type"] == "timeout"
+    assert last.finished and last.error.status == 504, last
+    assert last.error.type == "timeout"
     # With a deadline far off, the same request on the same workers runs to its end.
     chunks = asyncio.run(_collect(pool, f"future-{disaggregate}", prompt, disaggregate,
                                   time.time() + 600))
-    assert "error" not in chunks[-1], chunks[-1]["error"]
-    assert chunks[-1]["finish_reason"] == "length"
-    assert sum(len(c["token_ids"]) for c in chunks) == LONG.max_tokens
+    assert chunks[-1].error is None, chunks[-1].error
+    assert chunks[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in chunks) == LONG.max_tokens
     for role in ("decode-0", "prefill-0"):
         engine = pool.worker(role).engine
         assert _settled(engine), (role, engine.requests, engine.block_manager.num_free_blocks)
     if disaggregate:
-        assert chunks[-1]["path"] == "disaggregated"
+        assert chunks[-1].path == "disaggregated"
     assert pool.worker("decode-0").deadlines.expired >= 1

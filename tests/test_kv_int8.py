@@ -59,8 +59,8 @@ def _bytes_and_tokens(model: str, kv_cache_dtype: str, prompts) -> tuple:
         tokens = []
         async for chunk in pool.generate(f"r{i}-{disaggregate}", prompt, params,
                                          disaggregate=disaggregate):
-            assert "error" not in chunk, chunk["error"]
-            tokens += chunk["token_ids"]
+            assert chunk.error is None, chunk.error
+            tokens += chunk.token_ids
         return tokens
 
     async def run():

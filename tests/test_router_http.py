@@ -282,7 +282,7 @@ def tokenizer(llama_dir):
 
 @pytest.mark.parametrize("chunk, status", [
     (error(429, retry_after_s=2.5), 429), (error(503), 503), (error(400, param="prompt"), 400),
-    ({"error": "not a dict", "finished": True}, 503)])
+    (error(200, "not an error status"), 503)])
 def test_error_before_first_token_sets_the_status(tokenizer, chunk, status):
     with serving(ScriptedBackend(tokenizer, [chunk])) as (_, port):
         for stream in (False, True):

@@ -98,7 +98,7 @@ def test_a_killed_rank_restarts_the_worker_whole_and_the_stream_goes_on(sharded,
 
     chunks = asyncio.run(run())
     assert tokens_of(chunks) == ref[True][3]
-    assert chunks[-1]["migrations"] == 1
+    assert chunks[-1].migrations == 1
     after = ray.get(worker.handle.load.remote())
     assert after["pid"] != actor_pid and after["rank_pids"] and \
         after["rank_pids"][0] != rank_pid  # a new incarnation with new ranks
@@ -158,7 +158,7 @@ def test_disaggregated_between_degrees_is_exact_and_each_rank_gets_its_heads(
             sent_before, got_before = _rank_bytes(p), _rank_bytes(d)
             chunks = collect(client, f"dis-{prefill}-{decode}-{seeded}-{i}", ps[i],
                              params(i, seeded), disaggregate=True)
-            assert {c["path"] for c in chunks} == {"disaggregated"}
+            assert {c.path for c in chunks} == {"disaggregated"}
             assert tokens_of(chunks) == ref[seeded][i], (prefill, decode, seeded, i)
             sent = [a["bytes_sent"] - b["bytes_sent"] for a, b in zip(_wait_sent(p, sent_before),
                                                                      sent_before)]

@@ -48,7 +48,7 @@ def test_prefill_worker_killed_during_transfer(cluster, reference):
                              lambda: ray.kill(p0, no_restart=False),
                              disaggregate=True, decode_worker="d0")
     assert tokens_of(chunks) == ref[True][2]
-    assert chunks[0]["path"] == "disaggregated" and chunks[-1]["kv_arrived"] is False
+    assert chunks[0].path == "disaggregated" and chunks[-1].kv_arrived is False
     wait_alive(cluster)
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
@@ -79,7 +79,7 @@ def test_decode_worker_killed_migrates_stream(cluster, reference, fault_at):
                              decode_worker="d0", disaggregate=fault_at == 3)
     assert tokens_of(chunks) == ref[True][3]  # one stream: nothing lost, nothing repeated
     assert text_of(chunks) == ref["text"][True][3]
-    assert chunks[-1]["worker_id"] == "d1" and chunks[-1]["migrations"] == 1
+    assert chunks[-1].worker_id == "d1" and chunks[-1].migrations == 1
     wait_alive(cluster)
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
@@ -102,7 +102,7 @@ def test_cancel_mid_transfer_releases_both_sides(cluster, reference):
         first, load = asyncio.run(run())
     finally:
         ray.get(p0.set_fault_injection.remote(delay_kv_send_s=0.0))
-    assert first["token_ids"]
+    assert first.token_ids
     assert load["held_blocks"] > 0, "the cancel must land while blocks are leased"
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
@@ -114,8 +114,8 @@ def test_no_decode_worker_left_ends_with_clear_error(cluster, reference):
     dead = WorkerRef("gone", "decode", cluster.decode[0].handle, healthy=False)
     chunks = collect(PoolClient([], [dead], recovery_wait_s=0), "orphan", ps[0],
                      params(0, False))
-    assert chunks[-1]["finished"] and chunks[-1]["error"]["status"] == 503
-    assert "no decode worker" in chunks[-1]["error"]["message"]
+    assert chunks[-1].finished and chunks[-1].error.status == 503
+    assert "no decode worker" in chunks[-1].error.message
 
 
 def test_abort_from_elsewhere_ends_the_stream_and_frees(cluster, reference):
@@ -135,7 +135,7 @@ def test_abort_from_elsewhere_ends_the_stream_and_frees(cluster, reference):
         return chunks
 
     chunks = asyncio.run(asyncio.wait_for(run(), timeout=30))
-    assert 2 <= len(chunks) < 500 and not chunks[-1]["finished"]
+    assert 2 <= len(chunks) < 500 and not chunks[-1].finished
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
 
@@ -150,7 +150,7 @@ def test_cancel_before_prefill_releases_the_prefill_side(cluster, reference):
                                                              params(1, False)),
                                       meta, [0, 1, 2], 0), timeout=30)
     # Refused before anything is computed: a hedged request is not prefilled twice.
-    assert not first["token_ids"] and first["error"]["status"] == 499
+    assert not first.token_ids and first.error.status == 499
     assert ray.get(p0.load.remote())["num_steps"] == steps
     assert ray.get(p0.load.remote())["records"]["ship_tasks"] == 0  # nothing is sent
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
@@ -174,7 +174,7 @@ def test_only_decode_worker_killed_continues_on_its_restart(cluster, reference):
                              lambda: os.kill(pid, signal.SIGKILL), fault_at=3)
     assert tokens_of(chunks) == ref[True][3]
     assert text_of(chunks) == ref["text"][True][3]
-    assert chunks[-1]["worker_id"] == "d0" and chunks[-1]["migrations"] == 1
+    assert chunks[-1].worker_id == "d0" and chunks[-1].migrations == 1
     wait_alive(cluster)
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
@@ -235,5 +235,5 @@ def test_health_reports_a_worker_gone_for_good(cluster, llama_dir):
     assert not backend.ready()
     started = time.monotonic()
     chunks = collect(client, "to-the-dead", [5, 6, 7], params(0, False))
-    assert chunks[-1]["error"]["status"] == 503 and chunks[-1]["error"]["retry_after_s"] > 0
+    assert chunks[-1].error.status == 503 and chunks[-1].error.retry_after_s > 0
     assert time.monotonic() - started < 10, "a dead pool must not make requests wait it out"

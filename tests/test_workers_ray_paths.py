@@ -31,9 +31,9 @@ def test_colocated_and_disaggregated_tokens_identical(cluster, reference, seeded
         assert tokens_of(colo) == ref[seeded][i]
         assert tokens_of(dis) == ref[seeded][i]
         assert text_of(colo) == text_of(dis) == ref["text"][seeded][i]
-        assert {c["path"] for c in colo} == {"colocated"}
-        assert {c["path"] for c in dis} == {"disaggregated"}
-        assert dis[-1]["kv_transfer_s"] > 0 and dis[-1]["kv_arrived"] is True
+        assert {c.path for c in colo} == {"colocated"}
+        assert {c.path for c in dis} == {"disaggregated"}
+        assert dis[-1].kv_transfer_s > 0 and dis[-1].kv_arrived is True
     wait_free(cluster, start)
 
 
@@ -66,9 +66,9 @@ def test_many_transfers_leave_no_per_request_state(cluster):
     p0 = cluster.prefill[0].handle
     sent_before = ray.get(p0.load.remote())["kv_transfer"]["transfers_done"]
     results = asyncio.run(run())
-    finished = [c for c in results if c and c[-1].get("finished")]
+    finished = [c for c in results if c and c[-1].finished]
     assert len(finished) >= total - total // 7 - 1
-    assert all("error" not in c[-1] for c in finished)
+    assert all(c[-1].error is None for c in finished)
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")}, timeout_s=30.0)
     # The KV really moved for most of them (not every request fell back to a local prefill).
     sent = ray.get(p0.load.remote())["kv_transfer"]["transfers_done"] - sent_before
@@ -125,7 +125,7 @@ def test_draining_worker_gets_nothing_new(cluster, reference):
         asyncio.run(cluster.refresh())
         assert d0.load["draining"] is True
         chunks = [collect(cluster, f"drain-{i}", ps[0], params(0, False)) for i in range(4)]
-        assert {c[-1]["worker_id"] for c in chunks} == {"d1"}
+        assert {c[-1].worker_id for c in chunks} == {"d1"}
         assert all(tokens_of(c) == ref[False][0] for c in chunks)
     finally:
         ray.get(d0.handle.set_draining.remote(False))

@@ -7,82 +7,17 @@ import itertools
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional, Sequence, Union
 
 from pd_runtime.api import SamplingParams
 from pd_runtime.beam_search import MAX_WIDTH, BeamSpec, Search
 from pd_runtime.config import EngineConfig
-from pd_runtime.engine.engine import LLMEngine, RequestOutput as StepOutput
+from pd_runtime.engine.engine import LLMEngine
+# The offline result is the engine's RequestOutput gathered (outputs.py): one shape for both.
+from pd_runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: F401
 
 Prompt = Union[str, list[int]]
-
-
-@dataclass
-class Logprob:
-    """A token's log-probability, as vLLM's Logprob: with its rank (1: the likeliest, under the
-    model's raw logits) and its text."""
-
-    logprob: float
-    rank: Optional[int] = None
-    decoded_token: Optional[str] = None
-
-
-# Per position: the token there first, then the top-n, by token id (vLLM's SampleLogprobs).
-Logprobs = list[dict[int, Logprob]]
-
-
-@dataclass
-class CompletionOutput:
-    """One generated sequence, as vLLM's CompletionOutput."""
-
-    index: int = 0
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    # One entry per generated token when logprobs were asked.
-    logprobs: Optional[Logprobs] = None
-    # The stop string or stop token that ended it; None for EOS or a length limit (as vLLM's).
-    stop_reason: Union[int, str, None] = None
-
-    @property
-    def cumulative_logprob(self) -> Optional[float]:
-        """The sum of the generated tokens' logprobs (None when logprobs were not asked)."""
-        if self.logprobs is None:
-            return None
-        return sum(entry[token].logprob for token, entry in zip(self.token_ids, self.logprobs))
-
-
-@dataclass
-class RequestOutput:
-    """One prompt's result, as vLLM's RequestOutput (`outputs[0].text`); `text`, `token_ids`,
-    `finish_reason` and `logprobs` read its first output."""
-
-    request_id: str
-    prompt: Optional[str]
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = False
-    num_cached_tokens: int = 0
-    # With prompt_logprobs: per prompt position (None for the first, which nothing precedes),
-    # as `logprobs` is per generated token.
-    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> Optional[str]:
-        return self.outputs[0].finish_reason
-
-    @property
-    def logprobs(self):
-        return self.outputs[0].logprobs
 
 
 class LLM:
@@ -195,11 +130,15 @@ class LLM:
                     rid = f"offline-{next(self._ids)}"
                     req = engine.add_request(rid, prompt, own)
                     if result is None:
-                        result = RequestOutput(rid, prompt if isinstance(prompt, str) else None,
-                                               req.prompt_token_ids, [])
+                        result = RequestOutput(
+                            rid, prompt=prompt if isinstance(prompt, str) else None,
+                            prompt_token_ids=req.prompt_token_ids,
+                            num_prompt_tokens=len(req.prompt_token_ids))
                         results.append(result)
                     completion = CompletionOutput(
                         index, logprobs=[] if params.logprobs is not None else None)
+                    if not result.outputs:  # the result's own fields are its first output's
+                        result.token_ids = completion.token_ids
                     result.outputs.append(completion)
                     running[rid] = (result, completion)
         except Exception:
@@ -218,7 +157,8 @@ class LLM:
         return results
 
     def _collect(self, result: RequestOutput, completion: CompletionOutput,
-                 out: StepOutput) -> int:
+                 out: RequestOutput) -> int:
+        """A step's output `out` of one sequence, added to the prompt's result."""
         text = self.tokenizer.token_text
         if out.prompt_logprobs is not None and completion.index == 0:
             result.prompt_logprobs = [
@@ -230,10 +170,12 @@ class LLM:
                                        in zip(out.new_token_ids, out.new_logprobs))
         completion.text = out.text
         if completion.index == 0:
-            result.num_cached_tokens = out.num_cached_tokens
+            result.num_cached_tokens, result.text = out.num_cached_tokens, out.text
         if out.finished:
             completion.finish_reason = out.finish_reason
             completion.stop_reason = out.stop_reason
+            if completion.index == 0:
+                result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
             result.finished = all(c.finish_reason is not None for c in result.outputs)
             return 1
         return 0

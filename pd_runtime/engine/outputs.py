@@ -1,5 +1,6 @@
-"""What a step gives each request that progressed: its new tokens and text (RequestOutput),
-with the stop-string cut and the merge of several tokens kept in one step (speculation)."""
+"""A request's output (RequestOutput), one shape for the engine and the offline LLM: what a
+step gives each request that progressed, with the stop-string cut and the merge of several
+tokens kept in one step (speculation); and, gathered, vLLM's offline result."""
 
 from __future__ import annotations
 
@@ -10,13 +11,55 @@ from pd_runtime.engine.sequence import Request
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability, as vLLM's Logprob: with its rank (1: the likeliest, under the
+    model's raw logits) and its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# Per position: the token there first, then the top-n, by token id (vLLM's SampleLogprobs).
+Logprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence, as vLLM's CompletionOutput."""
+
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    # One entry per generated token when logprobs were asked.
+    logprobs: Optional[Logprobs] = None
+    # The stop string or stop token that ended it; None for EOS or a length limit (as vLLM's).
+    stop_reason: Union[int, str, None] = None
+
+    @property
+    def cumulative_logprob(self) -> Optional[float]:
+        """The sum of the generated tokens' logprobs (None when logprobs were not asked)."""
+        if self.logprobs is None:
+            return None
+        return sum(entry[token].logprob for token, entry in zip(self.token_ids, self.logprobs))
+
+
+@dataclass
 class RequestOutput:
+    """A request's output. The engine gives one per step (`LLMEngine.step`): what the step
+    added (`new_token_ids`, `new_text`, `new_logprobs`) and the request so far (`token_ids`,
+    `text`). The offline LLM returns one per prompt, as vLLM's RequestOutput: `prompt`,
+    `outputs` (a CompletionOutput per sequence), `prompt_logprobs` as Logprob dicts; there
+    `text`, `token_ids`, `finish_reason` and `stop_reason` are its first output's, and
+    `logprobs` reads the first output's (the new_ fields stay empty)."""
+
     request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    token_ids: list[int]
-    text: str
-    finished: bool
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
     finish_reason: Optional[str] = None
     # What stopped a finished request, as vLLM reports it: the stop string it matched, or the
     # token of stop_token_ids it sampled; None for EOS, a length limit or an abort.
@@ -28,8 +71,17 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)
     queue_s: Optional[float] = None  # arrival to first scheduled; on the final output only
-    # On the first output of a request that asked for them (prompt_logprobs.PromptLogprobs).
+    # The engine's: on the first output of a request that asked for them
+    # (prompt_logprobs.PromptLogprobs); the offline result's: per prompt position (None for
+    # the first, which nothing precedes), as `logprobs` is per generated token.
     prompt_logprobs: Optional[list] = None
+    # -- the offline result's -----------------------------------------------------------------
+    prompt: Optional[str] = None  # the prompt as given, when it was text
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    @property
+    def logprobs(self) -> Optional[Logprobs]:
+        return self.outputs[0].logprobs if self.outputs else None
 
 
 def apply_stop_strings(req: Request, text_before: int) -> Optional[str]:

@@ -81,9 +81,9 @@ async def _run_stage(client, stage_no: int, path: str, prompt_len: int, max_toke
         start, times = time.monotonic(), []
         async for chunk in client.generate(f"profile-{stage_no}-{i}", prompt, params,
                                            disaggregate=path == "disaggregated"):
-            if "error" in chunk:
-                raise RuntimeError(f"calibration request failed: {chunk['error']['message']}")
-            times.extend([time.monotonic()] * len(chunk["token_ids"]))
+            if chunk.error is not None:
+                raise RuntimeError(f"calibration request failed: {chunk.error.message}")
+            times.extend([time.monotonic()] * len(chunk.token_ids))
         return {"path": path, "prompt_len": prompt_len, "concurrent": concurrent,
                 "ttft_s": times[0] - start, "tokens": len(times),
                 "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None}

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import AsyncIterator, Optional
 
-from pd_runtime.api import SamplingParams, error_chunk
+from pd_runtime.api import SamplingParams, StreamChunk
 from pd_runtime.config import ClusterConfig, TenantConfig
 from pd_runtime.cpu_time import cpu_s, read_stat
 from pd_runtime.router.capacity import CapacityChanged
@@ -33,9 +33,9 @@ from pd_runtime.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-def _refusal(status: int, kind: str, message: str, retry_after_s: float = 1.0) -> dict:
-    chunk = error_chunk(RuntimeError(message), status)
-    chunk["error"].update(type=kind, retry_after_s=retry_after_s)
+def _refusal(status: int, kind: str, message: str, retry_after_s: float = 1.0) -> StreamChunk:
+    chunk = StreamChunk.from_error(RuntimeError(message), status)
+    chunk.error.type, chunk.error.retry_after_s = kind, retry_after_s
     return chunk
 
 
@@ -211,7 +211,8 @@ class PoolBackend:
         return [WorkerState(w.worker_id, w.role, w.healthy, bool(w.load.get("draining")),
                             w.load, self.inflight.get(w.worker_id, 0)) for w in workers]
 
-    async def admit_tenant(self, tenant: Optional[TenantConfig], tokens: int) -> Optional[dict]:
+    async def admit_tenant(self, tenant: Optional[TenantConfig],
+                           tokens: int) -> Optional[StreamChunk]:
         """A request of `tokens` (prompt + most output) against the tenant's rate limits: None
         when admitted (and charged), else the 429 chunk to answer with."""
         limit, wait = await self.tenants.admit_async(tenant, tokens)
@@ -226,7 +227,7 @@ class PoolBackend:
                        priority: int = 0, tenant: Optional[TenantConfig] = None,
                        deadline: Optional[float] = None, flex: bool = False,
                        cache_salt: Optional[str] = None,
-                       prepaid: bool = False) -> AsyncIterator[dict]:
+                       prepaid: bool = False) -> AsyncIterator[StreamChunk]:
         """`flex` (service_tier "flex"): not held to the latency targets. Routed by load as
         `mode: auto` routes, never refused for a target, and scheduled after the default tier
         (FLEX_PRIORITY later), so it waits rather than getting a 429. `cache_salt`: the
@@ -292,21 +293,22 @@ class PoolBackend:
                     request_id, prompt_ids, params, disaggregate=path == "disaggregated",
                     priority=priority, cache_salt=salt, decode_worker=decision.decode_worker,
                     prefill_worker=decision.prefill_worker, deadline=deadline):
+                chunk = StreamChunk.of(chunk)
                 now = time.monotonic()
-                if "error" in chunk:
-                    if chunk["error"].get("status") == 429:
+                if chunk.error is not None:
+                    if chunk.error.status == 429:
                         self.metrics.refusals.labels(tenant_id, "worker_queue_full").inc()
                     yield chunk
                     return
-                if chunk["token_ids"]:
-                    self.served["output_tokens"] += len(chunk["token_ids"])
-                    decode_ledger.grow(request_id, len(chunk["token_ids"]))
+                if chunk.token_ids:
+                    self.served["output_tokens"] += len(chunk.token_ids)
+                    decode_ledger.grow(request_id, len(chunk.token_ids))
                     if first is None:
                         first = now
                         self.served["prompt_tokens"] += len(prompt_ids)
                         self.ledgers[runner].prefill_done(
-                            request_id, now, measured=not chunk.get("migrations")
-                            and not chunk.get("prefill_fallback"))
+                            request_id, now, measured=not chunk.migrations
+                            and not chunk.prefill_fallback)
                         self.capacity.notify()
                         self.metrics.ttft.labels(path).observe(now - arrival)
                         if decision.predicted_ttft_s is not None:
@@ -317,9 +319,8 @@ class PoolBackend:
                     else:
                         self.metrics.itl.labels(path).observe(now - last)
                     last = now
-                chunk["route_reason"] = decision.reason
-                chunk["workers"] = chosen
-                if chunk.get("finished"):
+                chunk.route_reason, chunk.workers = decision.reason, chosen
+                if chunk.finished:
                     status = "ok"
                     self._observe_final(path, chunk)
                 yield chunk
@@ -374,15 +375,15 @@ class PoolBackend:
                                     time.monotonic() - arrival, flex)
         return decision
 
-    def _observe_final(self, path: str, chunk: dict) -> None:
-        if chunk.get("queue_s") is not None:
-            self.metrics.queue.labels(path).observe(chunk["queue_s"])
-        if chunk.get("kv_transfer_s") is not None:
-            self.metrics.kv_transfer.observe(chunk["kv_transfer_s"])
-            if chunk.get("kv_arrived") is False:
+    def _observe_final(self, path: str, chunk: StreamChunk) -> None:
+        if chunk.queue_s is not None:
+            self.metrics.queue.labels(path).observe(chunk.queue_s)
+        if chunk.kv_transfer_s is not None:
+            self.metrics.kv_transfer.observe(chunk.kv_transfer_s)
+            if chunk.kv_arrived is False:
                 self.metrics.kv_fallbacks.inc()
-        if chunk.get("migrations"):
-            self.metrics.migrations.inc(chunk["migrations"])
+        if chunk.migrations:
+            self.metrics.migrations.inc(chunk.migrations)
 
 
 def process_cpu_s() -> float:

@@ -15,9 +15,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from pd_runtime.api import GenerationRequest, ModelCard, error_chunk
+from pd_runtime.api import STREAM_CHUNK_VERSION, GenerationRequest, ModelCard, StreamChunk
 
 log = logging.getLogger(__name__)
+
+
+def _version_mismatch(worker_id: str, chunk) -> StreamChunk:
+    """The answer when a worker streams another version's chunks (a rolling restart's mix)."""
+    return StreamChunk.from_error(RuntimeError(
+        f"worker {worker_id} streams chunks of version {getattr(chunk, 'version', None)}; "
+        f"this router reads version {STREAM_CHUNK_VERSION}"))
 
 
 def _actor_lost(exc: BaseException) -> bool:
@@ -169,7 +176,7 @@ class PoolClient:
                        cache_salt: Optional[str] = None,
                        decode_worker: Optional[str] = None,
                        prefill_worker: Optional[str] = None,
-                       deadline: Optional[float] = None) -> AsyncIterator[dict]:
+                       deadline: Optional[float] = None) -> AsyncIterator[StreamChunk]:
         """Chunks of the request, in order, each with `token_ids`, `text`, `finished`; an error
         chunk (with `error`) ends the stream when the request cannot be served.
 
@@ -189,7 +196,7 @@ class PoolClient:
             if d is None or not d.healthy:
                 d = await self.wait_for_decode(lost, recover_by)
             if d is None:
-                yield error_chunk(RuntimeError(
+                yield StreamChunk.from_error(RuntimeError(
                     "no decode worker is available to serve this request"
                     + (f" (lost {len(lost)} during it)" if lost else "")
                     + f"; waited {self.recovery_wait_s:.0f}s"), retry_after_s=1.0)
@@ -214,15 +221,17 @@ class PoolClient:
             try:
                 async for ref in _stream_items(gen, d.handle, self.stall_check_s):
                     chunk = await ref
-                    if "error" in chunk:  # a refusal or bad input: the answer, not a loss
+                    if getattr(chunk, "version", None) != STREAM_CHUNK_VERSION:
+                        yield _version_mismatch(d.worker_id, chunk)
+                        return
+                    if chunk.error is not None:  # a refusal or bad input: the answer, not a loss
                         yield chunk
                         return
-                    streamed.extend(chunk.get("token_ids", []))
-                    text_len += len(chunk.get("text") or "")
-                    chunk["request_id"] = request_id
-                    chunk["worker_id"] = d.worker_id
-                    chunk["migrations"] = migrations
-                    finished = chunk.get("finished", False)
+                    streamed.extend(chunk.token_ids)
+                    text_len += len(chunk.text or "")
+                    chunk.request_id, chunk.worker_id = request_id, d.worker_id
+                    chunk.migrations = migrations
+                    finished = chunk.finished
                     yield chunk
                     if finished:
                         return
@@ -248,6 +257,7 @@ class PoolClient:
                 self.migrations += 1
                 recover_by = time.monotonic() + self.recovery_wait_s
                 if migrations > self.max_migrations:
-                    yield error_chunk(RuntimeError(f"request {request_id} lost {migrations} "
-                                                   "workers; giving up"), retry_after_s=1.0)
+                    yield StreamChunk.from_error(RuntimeError(
+                        f"request {request_id} lost {migrations} workers; giving up"),
+                        retry_after_s=1.0)
                     return

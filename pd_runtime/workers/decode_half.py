@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from pd_runtime.api import (DeadlineExceededError, EngineOverloadedError, GenerationRequest,
-                            InvalidRequestError, error_chunk, output_chunk)
+                            InvalidRequestError, StreamChunk)
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ _ALIVE_CHECK_AFTER_S = 0.4
 _ALIVE_TIMEOUT_S = 0.3
 
 
-async def _first_token(prefill_worker, call, hedge_s: float) -> dict:
+async def _first_token(prefill_worker, call, hedge_s: float) -> StreamChunk:
     """The prefill call's answer; asyncio.TimeoutError at hedge_s, or sooner when the prefill
     worker stops answering (stopped, hung, or its node gone)."""
     task = asyncio.ensure_future(call)
@@ -251,22 +251,22 @@ async def _first_token(prefill_worker, call, hedge_s: float) -> dict:
 
 
 async def run_remote_prefill(worker, request: GenerationRequest,
-                             prefill_worker) -> AsyncIterator[dict]:
+                             prefill_worker) -> AsyncIterator[StreamChunk]:
     """Yields the first token's chunk (or an error chunk); the rest streams from the engine.
     The request's record (RemotePrefill, in worker.remote_prefills) is the caller's to drop
     once the stream ended."""
     request_id = request.request_id
     loop = worker._engine_loop()
     if request.deadline is not None and time.time() > request.deadline:
-        yield error_chunk(DeadlineExceededError(f"request {request_id} arrived after its "
-                                                "deadline"))
+        yield StreamChunk.from_error(DeadlineExceededError(
+            f"request {request_id} arrived after its deadline"))
         return
     record = worker.remote_prefills[request_id] = RemotePrefill(request_id)
     try:
         res = await _reserve(worker, request_id, request.prompt, request.params,
                              request.priority, request.cache_salt)
     except (InvalidRequestError, EngineOverloadedError) as exc:
-        yield error_chunk(exc)
+        yield StreamChunk.from_error(exc)
         return
     loop.post(lambda e: worker._watch(request))  # reserved: the request is in the engine
     # Resolved by the agent's on_release when the receive ends (PDWorker._on_release).
@@ -279,7 +279,7 @@ async def run_remote_prefill(worker, request: GenerationRequest,
 
 
 async def _remote_prefill(worker, loop, record: RemotePrefill, request: GenerationRequest,
-                          prefill_worker, res) -> AsyncIterator[dict]:
+                          prefill_worker, res) -> AsyncIterator[StreamChunk]:
     request_id = record.request_id
     worker.agent.expect(request_id, res.missing_block_ids,
                         peer_degree=await worker.prefill_degree(prefill_worker))
@@ -295,8 +295,8 @@ async def _remote_prefill(worker, loop, record: RemotePrefill, request: Generati
         first = await _first_token(prefill_worker, prefill_worker.prefill.remote(
             request, worker.agent.metadata(), res.missing_block_ids, skip,
             not_after=time.time() + start_by), hedge_s)
-        if first.get("error"):
-            raise RuntimeError(first["error"]["message"])
+        if first.error is not None:
+            raise RuntimeError(first.error.message)
     except Exception as exc:  # lost, late or refused: prefill here, into our reservation
         late = isinstance(exc, asyncio.TimeoutError)
         log.warning("remote prefill of %s %s; prefilling locally", request_id,
@@ -316,17 +316,17 @@ async def _remote_prefill(worker, loop, record: RemotePrefill, request: Generati
         return
     record.prefill_s = time.monotonic() - started
     worker.prefill_rate.observe(uncached, record.prefill_s)
-    token = first["token_ids"][0]
-    logprob = first["logprobs"][0] if first.get("logprobs") else None
+    token = first.token_ids[0]
+    logprob = first.logprobs[0] if first.logprobs else None
     # Our engine decides what the token means (text, stop strings, the end of the request).
     out = await loop.call(lambda e: record.take_first_token(e, token, logprob))
     if out.finished:  # the token ends the request: free the reservation before telling
         # The sender's send fails on our cancel; our blocks are ours once the receive ended.
         await cancel_receive(worker, request_id)
         await loop.call(lambda e: record.receive_ended(e, False))
-        yield output_chunk(out, "disaggregated")
+        yield StreamChunk.from_output(out, "disaggregated")
         return
-    yield output_chunk(out, "disaggregated")
+    yield StreamChunk.from_output(out, "disaggregated")
     # The engine loop moves the request on when the receive ends (on_release); this wait is
     # for the log and a backstop for a receive the agent never ended.
     arrived = await _await_transfer(worker, request_id)

@@ -59,11 +59,11 @@ def run_demo(client: PoolClient, prompts: Optional[list[str]] = None,
         async for chunk in client.generate(f"demo-{i}-{int(disaggregate)}", prompt,
                                            dict(max_tokens=max_tokens, temperature=0.0),
                                            disaggregate=disaggregate):
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
+            if chunk.error is not None:
+                raise RuntimeError(chunk.error.message)
             first = first or time.monotonic()
-            text += chunk["text"]
-            tokens += len(chunk["token_ids"])
+            text += chunk.text
+            tokens += len(chunk.token_ids)
         return dict(prompt=prompt, text=text, tokens=tokens,
                     path="disaggregated" if disaggregate else "colocated",
                     ttft_s=first - start, total_s=time.monotonic() - start)

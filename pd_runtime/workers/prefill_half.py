@@ -16,7 +16,7 @@ import time
 from typing import Optional
 
 from pd_runtime.api import (EngineOverloadedError, GenerationRequest, InvalidRequestError,
-                            error_chunk, output_chunk)
+                            StreamChunk)
 
 log = logging.getLogger(__name__)
 
@@ -211,14 +211,15 @@ def _peer_for(worker, metadata: bytes) -> str:
 
 async def serve_prefill(worker, request: GenerationRequest, decode_metadata: bytes,
                         dst_block_ids: list[int], skip_blocks: int,
-                        not_after: Optional[float]) -> dict:
+                        not_after: Optional[float]) -> StreamChunk:
     """PDWorker.prefill: the first token's chunk (or an error chunk); ship_kv runs on."""
     request_id = request.request_id
     loop = worker._engine_loop()
     late = not_after is not None and time.time() > not_after
     if worker.cancelled.pop(request_id, None) is not None or late:
-        return error_chunk(RuntimeError(f"request {request_id} was cancelled"
-                                        + (" (started after its hedge)" if late else "")), 499)
+        return StreamChunk.from_error(RuntimeError(
+            f"request {request_id} was cancelled" + (" (started after its hedge)" if late else "")),
+            499)
     peer_id = _peer_for(worker, decode_metadata)
     first_params = request.params.first_token_only()
     streamer = LayerStreamer(worker, request_id, peer_id, dst_block_ids, skip_blocks,
@@ -236,15 +237,15 @@ async def serve_prefill(worker, request: GenerationRequest, decode_metadata: byt
     except (InvalidRequestError, EngineOverloadedError) as exc:
         loop.close_stream(request_id)
         worker.shipments.pop(request_id, None)
-        return error_chunk(exc)
+        return StreamChunk.from_error(exc)
     out = await q.get()
     if out is None or isinstance(out, Exception):  # aborted while prefilling (abort() already
         worker.cancelled.pop(request_id, None)      # freed its blocks), or past its deadline
         worker.shipments.pop(request_id, None)
-        return error_chunk(out) if out is not None else \
-            error_chunk(RuntimeError(f"request {request_id} was cancelled"), 499)
+        return StreamChunk.from_error(out) if out is not None else \
+            StreamChunk.from_error(RuntimeError(f"request {request_id} was cancelled"), 499)
     task = asyncio.ensure_future(ship_kv(worker, request_id, peer_id, dst_block_ids,
                                          skip_blocks, streamer))
     worker.ship_tasks[request_id] = task  # the decode side learns the outcome on the link
     task.add_done_callback(lambda _: worker.ship_tasks.pop(request_id, None))
-    return output_chunk(out, "disaggregated")
+    return StreamChunk.from_output(out, "disaggregated")

@@ -19,7 +19,7 @@ import uuid
 from typing import AsyncIterator, Optional
 
 from pd_runtime.api import (EngineOverloadedError, GenerationRequest, InvalidRequestError,
-                            ModelCard, error_chunk, merge_chunks, output_chunk)
+                            ModelCard, StreamChunk)
 from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
 from pd_runtime.workers import tp_rank
 from pd_runtime.workers.deadlines import DeadlineWatch
@@ -306,16 +306,17 @@ class PDWorker:
         loop.close_stream(request_id)  # wake whoever still waits on its output
         return aborted
 
-    async def _stream(self, request_id: str, q: asyncio.Queue, path: str) -> AsyncIterator[dict]:
+    async def _stream(self, request_id: str, q: asyncio.Queue,
+                      path: str) -> AsyncIterator[StreamChunk]:
         while True:
             out = await q.get()
             if out is None:  # aborted from elsewhere: nothing more will come
                 return
             if isinstance(out, Exception):  # ended in the engine loop (its deadline passed)
                 self.remote_prefills.pop(request_id, None)
-                yield error_chunk(out)
+                yield StreamChunk.from_error(out)
                 return
-            chunk = output_chunk(out, path)
+            chunk = StreamChunk.from_output(out, path)
             # Outputs that queued up while the caller read the last chunk leave as one: a Ray
             # object per chunk is the streaming path's main cost when the router falls behind.
             while not out.finished and not q.empty():
@@ -324,11 +325,11 @@ class PDWorker:
                     q.put_nowait(later)  # the next turn ends the stream
                     break
                 out = later
-                merge_chunks(chunk, output_chunk(out, path))
+                chunk.absorb(StreamChunk.from_output(out, path))
             record = self.remote_prefills.pop(request_id, None) if out.finished else None
             if record is not None and record.transfer_s is not None:
-                chunk.update(kv_transfer_s=record.transfer_s, kv_arrived=record.kv_arrived,
-                             remote_prefill_s=record.prefill_s)
+                chunk.kv_transfer_s, chunk.kv_arrived = record.transfer_s, record.kv_arrived
+                chunk.remote_prefill_s = record.prefill_s
             yield chunk
             if out.finished:
                 return
@@ -348,7 +349,7 @@ class PDWorker:
     # -- whole requests (colocated, or resumed after a lost worker) ---------------------------
     async def generate(self, request: GenerationRequest,
                        resume_output_ids: Optional[list[int]] = None,
-                       resume_text_len: Optional[int] = None) -> AsyncIterator[dict]:
+                       resume_text_len: Optional[int] = None) -> AsyncIterator[StreamChunk]:
         """The request's chunks, prefilled and decoded here (colocated), or continued after
         the `resume_output_ids` a lost worker streamed."""
         request_id = request.request_id
@@ -363,10 +364,10 @@ class PDWorker:
                     resume_text_len=resume_text_len), self._watch(request)))
             except (InvalidRequestError, EngineOverloadedError) as exc:
                 finished = True
-                yield error_chunk(exc)
+                yield StreamChunk.from_error(exc)
                 return
             async for chunk in self._stream(request_id, q, "colocated"):
-                finished = chunk["finished"]
+                finished = chunk.finished
                 yield chunk
         finally:
             if not finished:  # the caller went away or the stream broke: release everything
@@ -375,7 +376,7 @@ class PDWorker:
     # -- disaggregated: decode side ----------------------------------------------------------
     async def generate_disaggregated(self, request: GenerationRequest, prefill_worker,
                                      prefill_degree: Optional[int] = None
-                                     ) -> AsyncIterator[dict]:
+                                     ) -> AsyncIterator[StreamChunk]:
         """The request's chunks, its prompt prefilled by `prefill_worker` (decode_half.py),
         whose tensor-parallel degree the caller may know (else it is asked)."""
         if prefill_degree:
@@ -389,15 +390,15 @@ class PDWorker:
             # (run_remote_prefill): nothing is left to do after a yield that ends the request,
             # which a consumer that stops reading there never resumes.
             async for chunk in run_remote_prefill(self, request, prefill_worker):
-                finished = chunk["finished"]
+                finished = chunk.finished
                 yield chunk
             if not finished:
                 record = self.remote_prefills.get(request_id)
                 fell_back = record is not None and record.stage is Stage.FALLBACK
                 async for chunk in self._stream(request_id, q, "disaggregated"):
-                    finished = chunk["finished"]
+                    finished = chunk.finished
                     if fell_back:  # its first token is ours, not the prefill worker's
-                        chunk["prefill_fallback"], fell_back = True, False
+                        chunk.prefill_fallback, fell_back = True, False
                     yield chunk
         finally:
             if finished:
@@ -417,7 +418,7 @@ class PDWorker:
     # -- disaggregated: prefill side ---------------------------------------------------------
     async def prefill(self, request: GenerationRequest, decode_metadata: bytes,
                       dst_block_ids: list[int], skip_blocks: int,
-                      not_after: Optional[float] = None) -> dict:
+                      not_after: Optional[float] = None) -> StreamChunk:
         """Compute the prompt's KV and first token, return the token at once, and ship the
         blocks after `skip_blocks` into the decode worker's `dst_block_ids` in the background
         (the blocks stay held until the transfer's lease ends); a send that cannot start is

@@ -5,24 +5,26 @@ layer maps chunks and errors to responses without an engine behind it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any, AsyncIterator, Optional
 
+from pd_runtime.api import ChunkError, StreamChunk
 from pd_runtime.config import TenantConfig
 
 
-def token_chunk(text: str, token_id: int = 1, finished: bool = False) -> dict:
-    return {"token_ids": [token_id], "text": text, "finished": finished,
-            "finish_reason": "length" if finished else None, "logprobs": None,
-            "num_prompt_tokens": 1, "num_cached_tokens": 0, "path": "scripted"}
+def token_chunk(text: str, token_id: int = 1, finished: bool = False) -> StreamChunk:
+    return StreamChunk(token_ids=[token_id], text=text, finished=finished,
+                       finish_reason="length" if finished else None, num_prompt_tokens=1,
+                       num_cached_tokens=0, path="scripted")
 
 
-def error(status: int, message: str = "scripted failure", **extra) -> dict:
-    return {"finished": True, "finish_reason": "error", "token_ids": [], "text": "",
-            "error": {"type": "scripted", "message": message, "status": status, **extra}}
+def error(status: int, message: str = "scripted failure", **extra) -> StreamChunk:
+    return StreamChunk(finished=True, finish_reason="error",
+                       error=ChunkError("scripted", message, status, **extra))
 
 
 class ScriptedBackend:
-    def __init__(self, tokenizer, script: list[dict], is_ready: bool = True,
+    def __init__(self, tokenizer, script: list[StreamChunk], is_ready: bool = True,
                  step_s: float = 0.0):
         self.model_name = "scripted"
         self.max_model_len = 128
@@ -39,13 +41,13 @@ class ScriptedBackend:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params, *,
                        priority: int = 0, tenant=None, deadline=None,
-                       flex: bool = False, cache_salt=None) -> AsyncIterator[dict]:
+                       flex: bool = False, cache_salt=None) -> AsyncIterator[StreamChunk]:
         done = False
         try:
             for chunk in self.script:
                 await asyncio.sleep(self.step_s)
-                done = bool(chunk.get("finished"))
-                yield dict(chunk)
+                done = chunk.finished
+                yield dataclasses.replace(chunk)
         finally:
             if not done:
                 self.closed.append(request_id)

@@ -59,9 +59,9 @@ def collect(client, rid, prompt, p, **kw):
 
 
 def tokens_of(chunks):
-    assert chunks and chunks[-1]["finished"], chunks[-1:]
-    assert "error" not in chunks[-1], chunks[-1]
-    return [t for c in chunks for t in c["token_ids"]]
+    assert chunks and chunks[-1].finished, chunks[-1:]
+    assert chunks[-1].error is None, chunks[-1]
+    return [t for c in chunks for t in c.token_ids]
 
 
 def free_blocks(client):
@@ -115,5 +115,5 @@ def reference(llama_dir):
 
 
 def text_of(chunks):
-    return "".join(c["text"] for c in chunks)
+    return "".join(c.text for c in chunks)
 

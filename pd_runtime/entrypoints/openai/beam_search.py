@@ -15,7 +15,7 @@ import math
 import time
 from typing import AsyncIterator, Optional
 
-from pd_runtime.api import SamplingParams
+from pd_runtime.api import SamplingParams, StreamChunk
 from pd_runtime.beam_search import MAX_WIDTH, Beam, BeamSpec, search
 from pd_runtime.entrypoints.openai.schema import InvalidRequest
 
@@ -76,15 +76,15 @@ class _Search:
         self.open = 0
         self.task: Optional[asyncio.Task] = None
         self.steps = 0
-        self.first: Optional[dict] = None  # the first step's chunk: the prompt's token counts
+        self.first: Optional[StreamChunk] = None  # the first step's: the prompt's token counts
 
-    async def stream(self, rank: int) -> AsyncIterator[dict]:
+    async def stream(self, rank: int) -> AsyncIterator[StreamChunk]:
         if self.task is None:
             self.task = asyncio.ensure_future(self._run())
         self.open += 1
         try:
             result = await asyncio.shield(self.task)
-            yield result if isinstance(result, dict) else self._chunk(result, rank)
+            yield result if isinstance(result, StreamChunk) else self._chunk(result, rank)
         finally:
             self.open -= 1
             if not self.open and not self.task.done():
@@ -118,31 +118,31 @@ class _Search:
                 request_id, prompt, params, priority=self.prepared.priority, tenant=self.tenant,
                 deadline=time.time() + self.timeout_s, cache_salt=self.prepared.cache_salt,
                 flex=self.prepared.service_tier == "flex", prepaid=True):
-            if "error" in chunk:
+            if chunk.error is not None:
                 raise _StepError(chunk)
             if self.first is None:
                 self.first = chunk
-            for entry in chunk.get("logprobs") or ():
+            for entry in chunk.logprobs or ():
                 top = dict(entry[1])
         return top
 
-    def _chunk(self, beams: list[Beam], rank: int) -> dict:
+    def _chunk(self, beams: list[Beam], rank: int) -> StreamChunk:
         """Choice `rank`'s output as one finished chunk, as a worker's would read."""
         beam = beams[min(rank, len(beams) - 1)]  # (fewer beams than choices: a tiny vocabulary)
         tokens = beam.tokens + ([beam.eos] if beam.eos is not None and
                                 self.prepared.beam.include_stop else [])
         text = self.backend.tokenizer.decode(tokens, self.params.skip_special_tokens)
-        first = self.first or {}
-        return {"request_id": self.request_id, "token_ids": tokens, "text": text,
-                "finished": True, "finish_reason": "stop" if beam.eos is not None else "length",
-                "logprobs": None, "prompt_logprobs": None,
-                "num_prompt_tokens": first.get("num_prompt_tokens", len(self.prompt)),
-                "num_cached_tokens": first.get("num_cached_tokens", 0),
-                "path": first.get("path"), "queue_s": first.get("queue_s")}
+        first = self.first
+        return StreamChunk(
+            request_id=self.request_id, token_ids=tokens, text=text, finished=True,
+            finish_reason="stop" if beam.eos is not None else "length",
+            num_prompt_tokens=first.num_prompt_tokens if first else len(self.prompt),
+            num_cached_tokens=first.num_cached_tokens if first else 0,
+            path=first.path if first else None, queue_s=first.queue_s if first else None)
 
 
 class _StepError(Exception):
-    def __init__(self, chunk: dict):
-        super().__init__(chunk.get("error"))
+    def __init__(self, chunk: StreamChunk):
+        super().__init__(chunk.error)
         self.chunk = chunk
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from pd_runtime.api import StreamChunk
 from pd_runtime.entrypoints.openai.responses import ResponseBuilder
 from pd_runtime.gateway.live_run import sse
 from pd_runtime.router.backend import BackendError
@@ -17,6 +18,7 @@ log = logging.getLogger("router.http")
 
 async def collect(builder: ResponseBuilder, merged, on_first=None) -> None:
     async for index, chunk in merged:
+        chunk = StreamChunk.of(chunk)
         raise_for_error(chunk)
         if on_first is not None:
             on_first(chunk)
@@ -24,7 +26,8 @@ async def collect(builder: ResponseBuilder, merged, on_first=None) -> None:
         builder.add(index, chunk)
 
 
-async def first_chunks(merged, num_choices: int, on_first=None) -> list[tuple[int, dict]]:
+async def first_chunks(merged, num_choices: int,
+                       on_first=None) -> list[tuple[int, StreamChunk]]:
     seen: set[int] = set()
     first: list[tuple[int, dict]] = []
     while len(seen) < num_choices:
@@ -32,6 +35,7 @@ async def first_chunks(merged, num_choices: int, on_first=None) -> list[tuple[in
             index, chunk = await merged.__anext__()
         except StopAsyncIteration:
             break
+        chunk = StreamChunk.of(chunk)
         raise_for_error(chunk)
         if on_first is not None:
             on_first(chunk)
@@ -54,6 +58,7 @@ async def sse_events(builder: ResponseBuilder, first: list, merged, outcome: dic
                 yield event(payload)
         try:
             async for index, chunk in merged:
+                chunk = StreamChunk.of(chunk)
                 raise_for_error(chunk)
                 for payload in builder.events(index, chunk):
                     outcome["sent"] += 1
@@ -76,8 +81,6 @@ async def sse_events(builder: ResponseBuilder, first: list, merged, outcome: dic
         await merged.aclose()
 
 
-def raise_for_error(chunk: dict) -> None:
-    error = chunk.get("error")
-    if error is not None:
-        raise BackendError.from_chunk_error(error if isinstance(error, dict) else
-                                            {"message": str(error)})
+def raise_for_error(chunk: StreamChunk) -> None:
+    if chunk.error is not None:
+        raise BackendError.from_chunk_error(chunk.error.as_dict())

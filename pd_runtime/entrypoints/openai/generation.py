@@ -16,6 +16,7 @@ from typing import Optional
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pd_runtime.api import StreamChunk
 from pd_runtime.entrypoints.openai import beam_search
 from pd_runtime.entrypoints.openai.chunk_events import collect, first_chunks, sse_events
 from pd_runtime.entrypoints.openai.intake import INLINE_MAX_BYTES, Intake
@@ -180,10 +181,10 @@ async def _recorded_body(request: Request, recorder: RunRecorder, live: LiveRun,
 
 
 def _on_first_chunk(recorder: RunRecorder, live: LiveRun):
-    def first_chunk(chunk: dict) -> None:
-        workers = chunk.get("workers")
-        recorder.advance(live, "streaming", path=chunk.get("path"),
-                         route_reason=chunk.get("route_reason"),
+    def first_chunk(chunk: StreamChunk) -> None:
+        workers = chunk.workers
+        recorder.advance(live, "streaming", path=chunk.path,
+                         route_reason=chunk.route_reason,
                          workers=list(workers) if workers else None)
     return first_chunk
 

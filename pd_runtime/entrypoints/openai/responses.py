@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pd_runtime.api import StreamChunk
 from pd_runtime.entrypoints.openai.protocol import PreparedRequest
 from pd_runtime.parsers.harmony import HarmonyStream
 from pd_runtime.parsers.reasoning import ThinkStream
@@ -60,13 +61,14 @@ class ResponseBuilder:
         self._shown = _as_token_id if prepared.tokens_as_ids else self._token_text
 
     # -- accumulation and streaming ----------------------------------------------------------
-    def add(self, index: int, chunk: dict) -> Optional[dict]:
+    def add(self, index: int, chunk: StreamChunk) -> Optional[dict]:
         """Record a worker chunk of choice `index`; returns the stream event it makes (None when
         it carries nothing a client would see, e.g. bytes held back by the detokenizer)."""
+        chunk = StreamChunk.of(chunk)
         choice = self.choices[index]
-        token_ids = list(chunk.get("token_ids") or [])
-        text = chunk.get("text") or ""
-        entries = list(chunk.get("logprobs") or []) if self.prepared.logprobs is not None else []
+        token_ids = list(chunk.token_ids or [])
+        text = chunk.text or ""
+        entries = list(chunk.logprobs or []) if self.prepared.logprobs is not None else []
         offset = len(choice.text)
         prefix = ""
         if not choice.started and self.prepared.echo_texts is not None:
@@ -77,12 +79,12 @@ class ResponseBuilder:
         choice.token_ids.extend(token_ids)
         choice.logprobs.extend(entries)
         choice.num_cached_tokens = max(choice.num_cached_tokens,
-                                       int(chunk.get("num_cached_tokens") or 0))
-        if choice.prompt_logprobs is None and chunk.get("prompt_logprobs") is not None:
-            choice.prompt_logprobs = list(chunk["prompt_logprobs"])
-        if chunk.get("finished"):
-            choice.finish_reason = chunk.get("finish_reason") or "stop"
-            choice.stop_reason = chunk.get("stop_reason")
+                                       int(chunk.num_cached_tokens or 0))
+        if choice.prompt_logprobs is None and chunk.prompt_logprobs is not None:
+            choice.prompt_logprobs = list(chunk.prompt_logprobs)
+        if chunk.finished:
+            choice.finish_reason = chunk.finish_reason or "stop"
+            choice.stop_reason = chunk.stop_reason
         first = not choice.started
         choice.started = True
         if not (prefix or text or entries or choice.finish_reason or first):
@@ -113,7 +115,7 @@ class ResponseBuilder:
             choice.ids_sent = len(choice.token_ids)
         return body
 
-    def events(self, index: int, chunk: dict) -> tuple:
+    def events(self, index: int, chunk: StreamChunk) -> tuple:
         """The stream events a worker chunk makes (pd_runtime/entrypoints/openai/generation.py's
         stream loop)."""
         payload = self.add(index, chunk)

@@ -16,6 +16,7 @@ import secrets
 import time
 from typing import Any, Optional
 
+from pd_runtime.api import StreamChunk
 from pd_runtime.entrypoints.openai.protocol import PreparedRequest
 from pd_runtime.entrypoints.openai.responses import ResponseBuilder
 from pd_runtime.entrypoints.openai.responses_api import ResponsesRequest
@@ -53,10 +54,10 @@ class ResponsesBuilder:
         self.progressed = False  # response.in_progress is sent
 
     # -- the events --------------------------------------------------------------------------
-    def add(self, index: int, chunk: dict) -> None:
+    def add(self, index: int, chunk: StreamChunk) -> None:
         self.events(index, chunk)
 
-    def events(self, index: int, chunk: dict) -> list[dict]:
+    def events(self, index: int, chunk: StreamChunk) -> list[dict]:
         out = self.opening()
         before = len(self.chat.choices[index].text)
         payload = self.chat.add(index, chunk)

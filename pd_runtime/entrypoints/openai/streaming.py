@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from pd_runtime.api import StreamChunk
 from pd_runtime.gateway.live_run import sse
 from pd_runtime.router.backend import BackendError
 
@@ -26,7 +27,8 @@ class ClientDisconnected(Exception):
     """The client went away before its response was complete."""
 
 
-async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+async def merge_streams(streams: list[AsyncIterator[StreamChunk]]
+                        ) -> AsyncIterator[tuple[int, StreamChunk]]:
     """(index, chunk) from every stream as chunks arrive; closing this closes them all."""
     if len(streams) == 1:  # the common case, without a task per token
         async with aclosing(streams[0]) as stream:
@@ -45,7 +47,7 @@ async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tup
                     chunk = future.result()
                 except StopAsyncIteration:
                     continue
-                if not chunk.get("finished"):
+                if not chunk.finished:
                     pending[asyncio.ensure_future(streams[index].__anext__())] = index
                 yield index, chunk
     finally:
