@@ -14,7 +14,8 @@ import resource
 import socket
 import threading
 import time
-from typing import AsyncIterator, Optional
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
 
 from pd_runtime.api import SamplingParams, StreamChunk
 from pd_runtime.config import ClusterConfig, TenantConfig
@@ -37,6 +38,37 @@ def _refusal(status: int, kind: str, message: str, retry_after_s: float = 1.0) -
     chunk = StreamChunk.from_error(RuntimeError(message), status)
     chunk.error.type, chunk.error.retry_after_s = kind, retry_after_s
     return chunk
+
+
+def _tenant_id(tenant: Optional[TenantConfig]) -> str:
+    return tenant.tenant_id if tenant else "anonymous"
+
+
+@dataclass
+class _Routed:
+    """A routed request while it streams: where it went and what its chunks are measured
+    against (`first`, `last`: when its first and latest tokens came back)."""
+
+    request_id: str
+    decision: Decision
+    chosen: list[str]  # the decode worker, then the prefill worker if any
+    prompt_len: int
+    tenant_id: str
+    arrival: float
+    dispatched: float
+    decode_ledger: Any
+    first: Optional[float] = None
+    last: Optional[float] = None
+    status: str = "error"  # "ok" once finished, "cancelled" when the client went away
+
+    @property
+    def path(self) -> str:
+        return self.decision.path
+
+    @property
+    def runner(self) -> str:
+        """The worker that computes the prompt."""
+        return self.decision.prefill_worker or self.decision.decode_worker
 
 
 # The parts of a worker's load report that describe what its work costs (GET
@@ -218,7 +250,7 @@ class PoolBackend:
         limit, wait = await self.tenants.admit_async(tenant, tokens)
         if not limit:
             return None
-        tenant_id = tenant.tenant_id if tenant else "anonymous"
+        tenant_id = _tenant_id(tenant)
         self.metrics.refusals.labels(tenant_id, limit).inc()
         return _refusal(429, "rate_limit_exceeded", f"tenant {tenant_id} is over its {limit} "
                         f"limit", retry_after_s=wait if math.isfinite(wait) else 60)
@@ -236,24 +268,57 @@ class PoolBackend:
         `admit_tenant` once for them all)."""
         arrival = time.monotonic()
         self.served["requests"] += 1
-        tenant_id = tenant.tenant_id if tenant else "anonymous"
-        if not prepaid:
-            refusal = await self.admit_tenant(tenant, len(prompt_ids) + params.max_tokens)
-            if refusal is not None:
-                yield refusal
-                return
+        refusal = None if prepaid else \
+            await self.admit_tenant(tenant, len(prompt_ids) + params.max_tokens)
+        if refusal is not None:
+            yield refusal
+            return
         salt = self.tenants.cache_salt(tenant, cache_salt)
         hashes = self.index.hashes(prompt_ids, salt)
-        workers = self.client.prefill + self.client.decode
-        # A scored prompt (prompt logprobs) is computed whole, under a salt of its own: it
-        # neither hits nor leaves blocks that the index could count.
-        scored = params.prompt_logprobs is not None
-        hits = {} if scored else {
-            w.worker_id: self.index.expected_hit_tokens(w.worker_id, hashes, len(prompt_ids))
-            for w in workers}
-        if flex:
-            priority += FLEX_PRIORITY
-        decision = await self._route(prompt_ids, params, hits, tenant_id, arrival, flex)
+        decision = await self._route(prompt_ids, params, self._expected_hits(
+            prompt_ids, params, hashes), _tenant_id(tenant), arrival, flex)
+        refusal = await self._refusal_for(decision, request_id, prompt_ids, params, tenant,
+                                          prepaid)
+        if refusal is not None:
+            yield refusal
+            return
+        run = self._dispatch(request_id, prompt_ids, params, decision, hashes, tenant, arrival,
+                             flex)
+        try:
+            async for chunk in self.client.generate(
+                    request_id, prompt_ids, params, disaggregate=run.path == "disaggregated",
+                    priority=priority + (FLEX_PRIORITY if flex else 0), cache_salt=salt,
+                    decode_worker=decision.decode_worker,
+                    prefill_worker=decision.prefill_worker, deadline=deadline):
+                chunk = StreamChunk.of(chunk)
+                self._observe_chunk(run, chunk, time.monotonic())
+                yield chunk
+                if chunk.error is not None:
+                    return
+        except (GeneratorExit, asyncio.CancelledError):
+            run.status = "cancelled"  # the client went away: not an error of ours
+            raise
+        finally:
+            self._end(run)
+
+    def _expected_hits(self, prompt_ids: list[int], params: SamplingParams,
+                       hashes: list) -> dict[str, int]:
+        """Worker id -> the prompt tokens its prefix cache is expected to hold. A scored prompt
+        (prompt logprobs) is computed whole, under a salt of its own: it neither hits nor
+        leaves blocks that the index could count."""
+        if params.prompt_logprobs is not None:
+            return {}
+        return {w.worker_id: self.index.expected_hit_tokens(w.worker_id, hashes,
+                                                            len(prompt_ids))
+                for w in self.client.prefill + self.client.decode}
+
+    async def _refusal_for(self, decision: Decision, request_id: str, prompt_ids: list[int],
+                           params: SamplingParams, tenant: Optional[TenantConfig],
+                           prepaid: bool) -> Optional[StreamChunk]:
+        """The decision counted (and logged); the chunk to answer with when it serves nothing:
+        a 429 when the policy refused (the tenant's charge refunded), a 503 without a decode
+        worker."""
+        tenant_id = _tenant_id(tenant)
         self.metrics.decisions.labels(decision.path, decision.reason).inc()
         if decision.predicted_ttft_s is not None:
             log.debug("route %s (%d tokens): %s %s decode=%s prefill=%s predicted ttft %.3fs "
@@ -264,77 +329,80 @@ class PoolBackend:
             self.metrics.refusals.labels(tenant_id, decision.reason).inc()
             if not prepaid:
                 await self.tenants.refund_async(tenant, len(prompt_ids) + params.max_tokens)
-            yield _refusal(429, "overloaded", decision.refusal,
-                           retry_after_s=decision.retry_after_s)
-            return
+            return _refusal(429, "overloaded", decision.refusal,
+                            retry_after_s=decision.retry_after_s)
         if decision.decode_worker is None:
             self.metrics.refusals.labels(tenant_id, "no_worker").inc()
-            yield _refusal(503, "unavailable", "no decode worker is available"
-                           + (f" (waited {self.client.recovery_wait_s:.0f}s)"
-                              if self.client.decode else ""), retry_after_s=2.0)
-            return
+            return _refusal(503, "unavailable", "no decode worker is available"
+                            + (f" (waited {self.client.recovery_wait_s:.0f}s)"
+                               if self.client.decode else ""), retry_after_s=2.0)
+        return None
+
+    def _dispatch(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  decision: Decision, hashes: list, tenant: Optional[TenantConfig],
+                  arrival: float, flex: bool) -> "_Routed":
+        """The request counted where the decision sends it: in flight on its workers, its
+        blocks in their prefix index, its prefill queued in the ledger of the worker that
+        computes the prompt (flex prefills wait behind the default tier's: not in its queue)
+        and its tokens in the decode worker's."""
         chosen = [w for w in (decision.decode_worker, decision.prefill_worker) if w]
         for w in chosen:
             self.inflight[w] = self.inflight.get(w, 0) + 1
-            if not scored:
+            if params.prompt_logprobs is None:
                 self.index.record(w, hashes)
-        path = decision.path
-        runner = decision.prefill_worker or decision.decode_worker  # who computes the prompt
-        dispatched = time.monotonic()
-        if not flex:  # flex prefills wait behind the default tier's: not in its queue
-            self.ledgers[runner].add_prefill(request_id, decision.prefill_s or self._prefill_s(
-                runner, len(prompt_ids) - decision.expected_hit_tokens), dispatched)
-        decode_ledger = self.ledgers[decision.decode_worker]
-        decode_ledger.start(request_id, len(prompt_ids))
-        first = last = None
-        status = "error"
-        try:
-            async for chunk in self.client.generate(
-                    request_id, prompt_ids, params, disaggregate=path == "disaggregated",
-                    priority=priority, cache_salt=salt, decode_worker=decision.decode_worker,
-                    prefill_worker=decision.prefill_worker, deadline=deadline):
-                chunk = StreamChunk.of(chunk)
-                now = time.monotonic()
-                if chunk.error is not None:
-                    if chunk.error.status == 429:
-                        self.metrics.refusals.labels(tenant_id, "worker_queue_full").inc()
-                    yield chunk
-                    return
-                if chunk.token_ids:
-                    self.served["output_tokens"] += len(chunk.token_ids)
-                    decode_ledger.grow(request_id, len(chunk.token_ids))
-                    if first is None:
-                        first = now
-                        self.served["prompt_tokens"] += len(prompt_ids)
-                        self.ledgers[runner].prefill_done(
-                            request_id, now, measured=not chunk.migrations
-                            and not chunk.prefill_fallback)
-                        self.capacity.notify()
-                        self.metrics.ttft.labels(path).observe(now - arrival)
-                        if decision.predicted_ttft_s is not None:
-                            self.metrics.ttft_error.labels(path).observe(
-                                now - dispatched - decision.predicted_ttft_s)
-                            log.debug("first token %s: ttft %.3fs from dispatch", request_id,
-                                      now - dispatched)
-                    else:
-                        self.metrics.itl.labels(path).observe(now - last)
-                    last = now
-                chunk.route_reason, chunk.workers = decision.reason, chosen
-                if chunk.finished:
-                    status = "ok"
-                    self._observe_final(path, chunk)
-                yield chunk
-        except (GeneratorExit, asyncio.CancelledError):
-            status = "cancelled"  # the client went away: not an error of ours
-            raise
-        finally:
-            now = time.monotonic()
-            self.ledgers[runner].finish(request_id, now)
-            decode_ledger.finish(request_id, now)
-            self.capacity.notify()
-            self.metrics.requests.labels(path, status).inc()
-            if status == "ok":
-                self.metrics.e2e.labels(path).observe(time.monotonic() - arrival)
+        run = _Routed(request_id, decision, chosen, len(prompt_ids), _tenant_id(tenant), arrival,
+                      time.monotonic(), self.ledgers[decision.decode_worker])
+        if not flex:
+            self.ledgers[run.runner].add_prefill(request_id, decision.prefill_s or self._prefill_s(
+                run.runner, len(prompt_ids) - decision.expected_hit_tokens), run.dispatched)
+        run.decode_ledger.start(request_id, len(prompt_ids))
+        return run
+
+    def _observe_chunk(self, run: "_Routed", chunk: StreamChunk, now: float) -> None:
+        """A chunk on its way out: its tokens in the ledgers and latency metrics, the route
+        on it; a refusal by the worker's queue counted."""
+        if chunk.error is not None:
+            if chunk.error.status == 429:
+                self.metrics.refusals.labels(run.tenant_id, "worker_queue_full").inc()
+            return
+        if chunk.token_ids:
+            self.served["output_tokens"] += len(chunk.token_ids)
+            run.decode_ledger.grow(run.request_id, len(chunk.token_ids))
+            if run.first is None:
+                self._observe_first_token(run, chunk, now)
+            else:
+                self.metrics.itl.labels(run.path).observe(now - run.last)
+            run.last = now
+        chunk.route_reason, chunk.workers = run.decision.reason, run.chosen
+        if chunk.finished:
+            run.status = "ok"
+            self._observe_final(run.path, chunk)
+
+    def _observe_first_token(self, run: "_Routed", chunk: StreamChunk, now: float) -> None:
+        """The prompt computed: its prefill leaves the runner's queue (a measured one teaches
+        the ledger its pace, unless a lost worker or a fallback delayed it), TTFT observed."""
+        run.first = now
+        self.served["prompt_tokens"] += run.prompt_len
+        self.ledgers[run.runner].prefill_done(
+            run.request_id, now, measured=not chunk.migrations and not chunk.prefill_fallback)
+        self.capacity.notify()
+        self.metrics.ttft.labels(run.path).observe(now - run.arrival)
+        if run.decision.predicted_ttft_s is not None:
+            self.metrics.ttft_error.labels(run.path).observe(
+                now - run.dispatched - run.decision.predicted_ttft_s)
+            log.debug("first token %s: ttft %.3fs from dispatch", run.request_id,
+                      now - run.dispatched)
+
+    def _end(self, run: "_Routed") -> None:
+        """The request's stream is over (finished, failed or abandoned): out of the ledgers,
+        counted by its status."""
+        now = time.monotonic()
+        self.ledgers[run.runner].finish(run.request_id, now)
+        run.decode_ledger.finish(run.request_id, now)
+        self.capacity.notify()
+        self.metrics.requests.labels(run.path, run.status).inc()
+        if run.status == "ok":
+            self.metrics.e2e.labels(run.path).observe(time.monotonic() - run.arrival)
 
     def _prefill_s(self, worker_id: str, uncached: int) -> float:
         return self.costs.costs(worker_id).prefill_s(uncached)

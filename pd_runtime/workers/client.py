@@ -34,6 +34,31 @@ def _actor_lost(exc: BaseException) -> bool:
 
 
 @dataclass
+class _Progress:
+    """One request's progress across its decode workers: the tokens (and characters of text)
+    the caller already has, the workers lost during it, and until when a worker may still come
+    back for it."""
+
+    recover_by: float
+    streamed: list[int] = field(default_factory=list)
+    text_len: int = 0
+    lost: set[str] = field(default_factory=set)
+    migrations: int = 0
+
+
+def _no_decode_worker(run: _Progress, waited_s: float) -> StreamChunk:
+    return StreamChunk.from_error(RuntimeError(
+        "no decode worker is available to serve this request"
+        + (f" (lost {len(run.lost)} during it)" if run.lost else "")
+        + f"; waited {waited_s:.0f}s"), retry_after_s=1.0)
+
+
+def _gave_up(request_id: str, run: _Progress) -> StreamChunk:
+    return StreamChunk.from_error(RuntimeError(
+        f"request {request_id} lost {run.migrations} workers; giving up"), retry_after_s=1.0)
+
+
+@dataclass
 class WorkerRef:
     worker_id: str
     role: str
@@ -185,52 +210,23 @@ class PoolClient:
         the exact text) already streamed, for up to `recovery_wait_s` without a worker.
         `deadline` (time.time()): the workers end the request there (a 504 error chunk).
         """
-        streamed: list[int] = []
-        text_len = 0  # characters of text the caller already has
-        lost: set[str] = set()
-        migrations = 0
-        recover_by = time.monotonic() + self.recovery_wait_s
+        run = _Progress(recover_by=time.monotonic() + self.recovery_wait_s)
         while True:
-            d = next((w for w in self.decode if w.worker_id == decode_worker), None) \
-                if decode_worker and not lost else None
-            if d is None or not d.healthy:
-                d = await self.wait_for_decode(lost, recover_by)
+            d = await self._decode_for(decode_worker, run)
             if d is None:
-                yield StreamChunk.from_error(RuntimeError(
-                    "no decode worker is available to serve this request"
-                    + (f" (lost {len(lost)} during it)" if lost else "")
-                    + f"; waited {self.recovery_wait_s:.0f}s"), retry_after_s=1.0)
+                yield _no_decode_worker(run, self.recovery_wait_s)
                 return
             # A retry is a new request on its worker; the old one may linger there a moment.
-            rid = request_id if not migrations else f"{request_id}~{migrations}"
-            p = None
-            if disaggregate and not streamed:
-                p = next((w for w in self.prefill if w.worker_id == prefill_worker
-                          and w.healthy), None) or self._pick(self.prefill, set())
+            rid = request_id if not run.migrations else f"{request_id}~{run.migrations}"
             request = GenerationRequest.make(rid, prompt, params, priority, cache_salt, deadline)
-            if streamed:
-                gen = d.handle.generate.remote(request, resume_output_ids=list(streamed),
-                                               resume_text_len=text_len)
-            elif p is not None:
-                # (its degree, when its load report says: how our ranks cut their receives)
-                gen = d.handle.generate_disaggregated.remote(
-                    request, p.handle, p.load.get("tensor_parallel_size"))
-            else:
-                gen = d.handle.generate.remote(request)
+            gen = self._call(d, request, run, disaggregate, prefill_worker)
             finished = False
             try:
                 async for ref in _stream_items(gen, d.handle, self.stall_check_s):
-                    chunk = await ref
-                    if getattr(chunk, "version", None) != STREAM_CHUNK_VERSION:
-                        yield _version_mismatch(d.worker_id, chunk)
-                        return
+                    chunk = self._received(await ref, request_id, d, run)
                     if chunk.error is not None:  # a refusal or bad input: the answer, not a loss
                         yield chunk
                         return
-                    streamed.extend(chunk.token_ids)
-                    text_len += len(chunk.text or "")
-                    chunk.request_id, chunk.worker_id = request_id, d.worker_id
-                    chunk.migrations = migrations
                     finished = chunk.finished
                     yield chunk
                     if finished:
@@ -245,19 +241,63 @@ class PoolClient:
                     raise
                 if not (_actor_lost(exc) or isinstance(exc, RuntimeError)):
                     raise
-                log.warning("decode worker %s lost during %s (%s); migrating with %d tokens",
-                            d.worker_id, request_id, type(exc).__name__, len(streamed))
-                d.healthy = False
-                lost.add(d.worker_id)
-                try:
-                    d.handle.abort.remote(rid)  # if it still lives, free what it holds
-                except Exception:
-                    pass
-                migrations += 1
-                self.migrations += 1
-                recover_by = time.monotonic() + self.recovery_wait_s
-                if migrations > self.max_migrations:
-                    yield StreamChunk.from_error(RuntimeError(
-                        f"request {request_id} lost {migrations} workers; giving up"),
-                        retry_after_s=1.0)
+                self._lose(d, rid, request_id, exc, run)
+                if run.migrations > self.max_migrations:
+                    yield _gave_up(request_id, run)
                     return
+
+    async def _decode_for(self, decode_worker: Optional[str],
+                          run: "_Progress") -> Optional[WorkerRef]:
+        """The decode worker the router chose, while it is up and none was lost; else the
+        first one up before `run.recover_by` (None: none came)."""
+        d = next((w for w in self.decode if w.worker_id == decode_worker), None) \
+            if decode_worker and not run.lost else None
+        if d is None or not d.healthy:
+            d = await self.wait_for_decode(run.lost, run.recover_by)
+        return d
+
+    def _call(self, d: WorkerRef, request: GenerationRequest, run: "_Progress",
+              disaggregate: bool, prefill_worker: Optional[str]):
+        """The stream of `request` on `d`: resumed after the tokens streamed so far, or with
+        its prompt computed by a prefill worker (the chosen one if up, else any), or here."""
+        if run.streamed:
+            return d.handle.generate.remote(request, resume_output_ids=list(run.streamed),
+                                            resume_text_len=run.text_len)
+        p = (next((w for w in self.prefill if w.worker_id == prefill_worker and w.healthy),
+                  None) or self._pick(self.prefill, set())) if disaggregate else None
+        if p is not None:
+            # (its degree, when its load report says: how our ranks cut their receives)
+            return d.handle.generate_disaggregated.remote(
+                request, p.handle, p.load.get("tensor_parallel_size"))
+        return d.handle.generate.remote(request)
+
+    @staticmethod
+    def _received(chunk: StreamChunk, request_id: str, d: WorkerRef,
+                  run: "_Progress") -> StreamChunk:
+        """A worker's chunk as the caller gets it: what it streamed remembered (for a
+        migration), stamped with the caller's request id, the worker and the migrations; a
+        chunk of another version becomes an error chunk."""
+        if getattr(chunk, "version", None) != STREAM_CHUNK_VERSION:
+            return _version_mismatch(d.worker_id, chunk)
+        if chunk.error is None:
+            run.streamed.extend(chunk.token_ids)
+            run.text_len += len(chunk.text or "")
+            chunk.request_id, chunk.worker_id = request_id, d.worker_id
+            chunk.migrations = run.migrations
+        return chunk
+
+    def _lose(self, d: WorkerRef, rid: str, request_id: str, exc: BaseException,
+              run: "_Progress") -> None:
+        """`d` lost during the request: marked down, told to drop it if it still lives, and
+        the request's next attempt given a fresh recovery wait."""
+        log.warning("decode worker %s lost during %s (%s); migrating with %d tokens",
+                    d.worker_id, request_id, type(exc).__name__, len(run.streamed))
+        d.healthy = False
+        run.lost.add(d.worker_id)
+        try:
+            d.handle.abort.remote(rid)  # if it still lives, free what it holds
+        except Exception:
+            pass
+        run.migrations += 1
+        self.migrations += 1
+        run.recover_by = time.monotonic() + self.recovery_wait_s
