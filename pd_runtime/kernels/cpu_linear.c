@@ -170,12 +170,16 @@ int linear_f32(const float *x, int64_t xs, const void *w, int64_t bf16, const fl
     }
     if (threads > np)
         threads = np;
-#pragma omp parallel num_threads(threads)
-    {
-        extern int omp_get_thread_num(void);
-        const int64_t t = omp_get_thread_num();
-        panels(x, xs, w, (int)bf16, bias, y, n_padded, rows, k, np * t / threads,
-               np * (t + 1) / threads);
+    /* Runs of PB panels handed out as threads come free, not a fixed share each: a thread
+       whose core another process also runs on (a decode worker's steps beside a prefill
+       worker that borrows every core) then does less of the work instead of holding the
+       others at the join. Each panel is still computed whole, in the same order, by one
+       thread: the bits do not depend on the split. */
+    const int64_t runs = (np + PB - 1) / PB;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t r = 0; r < runs; r++) {
+        const int64_t p0 = r * PB, p1 = p0 + PB < np ? p0 + PB : np;
+        panels(x, xs, w, (int)bf16, bias, y, n_padded, rows, k, p0, p1);
     }
     return 0;
 }
