@@ -1,7 +1,10 @@
 # Two entry points for a fresh machine: `make serve` and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?= -q
+# Two processes, a test file each at a time (a file's Ray cluster and servers stay in one):
+# most of a test's time is waiting on Ray, servers and subprocesses, not computing, so on the
+# CI's two cores two processes overlap those waits.
+PYTEST_ARGS ?= -q -n 2 --dist loadfile
 
 .PHONY: install serve test bench clean
 
