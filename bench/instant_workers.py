@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Optional
 
+from pd_runtime.api import StreamChunk
 from pd_runtime.workers.client import WorkerRef
 
 
@@ -46,16 +47,15 @@ class InstantPool:
                        disaggregate: bool = False, priority: int = 0,
                        cache_salt: Optional[str] = None, decode_worker: Optional[str] = None,
                        prefill_worker: Optional[str] = None,
-                       deadline: Optional[float] = None) -> AsyncIterator[dict]:
+                       deadline: Optional[float] = None) -> AsyncIterator[StreamChunk]:
         """`max_tokens` chunks of one token each, as a worker streams them, without waiting."""
         self.num_requests += 1
         path = "disaggregated" if disaggregate else "colocated"
         count = max(1, params.max_tokens)
         for i in range(count):
             finished = i == count - 1
-            yield {"request_id": request_id, "token_ids": [self.token_id],
-                   "text": self.token_text, "finished": finished,
-                   "finish_reason": "length" if finished else None, "logprobs": None,
-                   "num_prompt_tokens": len(prompt), "num_cached_tokens": 0, "path": path,
-                   "queue_s": 0.0 if finished else None, "worker_id": decode_worker,
-                   "migrations": 0}
+            yield StreamChunk(request_id=request_id, token_ids=[self.token_id],
+                              text=self.token_text, finished=finished,
+                              finish_reason="length" if finished else None,
+                              num_prompt_tokens=len(prompt), num_cached_tokens=0, path=path,
+                              queue_s=0.0 if finished else None, worker_id=decode_worker)

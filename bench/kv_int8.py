@@ -69,7 +69,7 @@ def shipped_bytes(model: str, kv: str, prompt_len: int) -> dict:
     async def run():
         for i, prompt in enumerate(prompts):
             async for chunk in pool.generate(f"b{i}", prompt, params, disaggregate=True):
-                assert "error" not in chunk, chunk["error"]
+                assert chunk.error is None, chunk.error
 
     try:
         asyncio.run(run())

@@ -56,13 +56,14 @@ async def run_mode(client, mode: str, items, args) -> dict:
         kv_s = None
         async for chunk in client.generate(f"{mode}-{rid}", prompt, params, disaggregate=disagg):
             now = time.perf_counter()
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            if chunk["token_ids"]:
+            if chunk.error is not None:
+                raise RuntimeError(f"{chunk.error.type}: {chunk.error.message}")
+            if chunk.token_ids:
                 first = first or now
                 last = now
-                n += len(chunk["token_ids"])
-            kv_s = chunk.get("kv_transfer_s", kv_s)
+                n += len(chunk.token_ids)
+            if chunk.kv_transfer_s is not None:
+                kv_s = chunk.kv_transfer_s
         records.append(dict(ttft=first - start, tpot=(last - first) / max(1, n - 1), tokens=n,
                             prompt=len(prompt), disagg=disagg, kv_s=kv_s))
 

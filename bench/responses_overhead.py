@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import bench_model, machine_line  # noqa: E402
+from pd_runtime.api import StreamChunk  # noqa: E402
 from pd_runtime.entrypoints.openai.protocol import prepare_chat  # noqa: E402
 from pd_runtime.entrypoints.openai.responses import ResponseBuilder  # noqa: E402
 from pd_runtime.entrypoints.openai.responses_api import chat_body  # noqa: E402
@@ -42,7 +43,7 @@ def builders(tokenizer, kind: str):
     return lambda: ResponsesBuilder(prepared, "resp_x", tokenizer, request)
 
 
-def one_pass(make, chunks: list[dict]) -> tuple[float, int]:
+def one_pass(make, chunks: list[StreamChunk]) -> tuple[float, int]:
     builder = make()
     sent = 0
     start = time.perf_counter()
@@ -64,8 +65,9 @@ def main() -> None:
     tokenizer = Tokenizer(bench_model(args.model))
     rng = random.Random(0)
     ids = [rng.randrange(3, tokenizer.vocab_size) for _ in range(args.tokens)]
-    chunks = [{"text": tokenizer.decode([t]), "token_ids": [t], "finished": i == len(ids) - 1,
-               "finish_reason": "length" if i == len(ids) - 1 else None}
+    chunks = [StreamChunk(text=tokenizer.decode([t]), token_ids=[t],
+                          finished=i == len(ids) - 1,
+                          finish_reason="length" if i == len(ids) - 1 else None)
               for i, t in enumerate(ids)]
     results = {}
     for kind in ("chat", "responses"):

@@ -93,6 +93,7 @@ async def asgi_call(app, method: str, path: str, body: bytes = b"") -> bytes:
 
 async def stage_timings(backend, app, prompt: str, iterations: int) -> list[tuple[str, list]]:
     """(stage, per-call µs samples) for each piece of a completion request, then the whole."""
+    from pd_runtime.api import StreamChunk
     from pd_runtime.router.policy import decide
     from pd_runtime.entrypoints.openai.protocol import parse_json, prepare_completion
     from pd_runtime.entrypoints.openai.responses import ResponseBuilder
@@ -112,8 +113,8 @@ async def stage_timings(backend, app, prompt: str, iterations: int) -> list[tupl
 
     def build_response():
         builder = ResponseBuilder(prepared, "cmpl-bench", tok)
-        builder.add(0, {"token_ids": [7], "text": " the", "finished": True,
-                        "finish_reason": "length", "logprobs": None, "num_cached_tokens": 0})
+        builder.add(0, StreamChunk(token_ids=[7], text=" the", finished=True,
+                                   finish_reason="length", num_cached_tokens=0))
         return JSONResponse(builder.final_body()).body
 
     def metric_updates():  # what PoolBackend.generate records for one finished request

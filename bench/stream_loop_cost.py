@@ -36,12 +36,17 @@ def main() -> None:
             from pd_runtime.router.generation import _sse_events as sse_events
         from pd_runtime.router.protocol import prepare_chat
         from pd_runtime.router.responses import ResponseBuilder
+    try:
+        from pd_runtime.api import StreamChunk
+    except ImportError:  # a tree from before the typed chunk: its builder reads dicts
+        StreamChunk = dict
 
     tokenizer = Tokenizer(bench_model(None))
     rng = random.Random(0)
     ids = [rng.randrange(3, tokenizer.vocab_size) for _ in range(args.tokens)]
-    chunks = [{"text": tokenizer.decode([t]), "token_ids": [t], "finished": i == len(ids) - 1,
-               "finish_reason": "length" if i == len(ids) - 1 else None}
+    chunks = [StreamChunk(text=tokenizer.decode([t]), token_ids=[t],
+                          finished=i == len(ids) - 1,
+                          finish_reason="length" if i == len(ids) - 1 else None)
               for i, t in enumerate(ids)]
     prepared = prepare_chat({"messages": [{"role": "user", "content": "hi"}], "stream": True,
                              "stream_options": {"include_usage": True}}, tokenizer, "m", 1 << 20)

@@ -48,6 +48,10 @@ def main() -> None:
     except ImportError:  # a tree from before the HTTP layer left pd_runtime/router/
         from pd_runtime.router.protocol import prepare_chat
         from pd_runtime.router.responses import ResponseBuilder
+    try:
+        from pd_runtime.api import StreamChunk
+    except ImportError:  # a tree from before the typed chunk: its builder reads dicts
+        StreamChunk = dict
 
     tokenizer = Tokenizer(bench_model(None))
     tokenizer.chat_template, tokenizer._template = TEMPLATE, None
@@ -64,8 +68,8 @@ def main() -> None:
                 "</function>\n</tool_call>")
     ids = tokenizer.encode(text, add_special_tokens=False)
     pieces = [tokenizer.decode(ids[:i + 1]) for i in range(len(ids))]
-    chunks = [{"text": b[len(a):], "token_ids": [t], "finished": i == len(ids) - 1,
-               "finish_reason": "stop" if i == len(ids) - 1 else None}
+    chunks = [StreamChunk(text=b[len(a):], token_ids=[t], finished=i == len(ids) - 1,
+                          finish_reason="stop" if i == len(ids) - 1 else None)
               for i, (a, b, t) in enumerate(zip([""] + pieces, pieces, ids))]
     messages = [{"role": "user", "content": "Save my notes."}]
 

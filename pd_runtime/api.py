@@ -252,15 +252,6 @@ class ChunkError:
     retry_after_s: Optional[float] = None
     param: Optional[str] = None
 
-    def as_dict(self) -> dict:
-        """The fields set, as BackendError.from_chunk_error reads them."""
-        out = {"type": self.type, "message": self.message, "status": self.status}
-        if self.retry_after_s is not None:
-            out["retry_after_s"] = self.retry_after_s
-        if self.param is not None:
-            out["param"] = self.param
-        return out
-
 
 @dataclass(slots=True)
 class StreamChunk:
@@ -324,21 +315,6 @@ class StreamChunk:
             kind, code = "unavailable", status or 503
         return cls(finished=True, finish_reason="error",
                    error=ChunkError(kind, str(exc), code, retry_after_s, param))
-
-    @classmethod
-    def of(cls, value: "StreamChunk | dict") -> "StreamChunk":
-        """A chunk as given; a dict (a stand-in worker or pool that still builds chunks as
-        dicts, as bench/'s do) read once into one, its error too."""
-        if isinstance(value, cls):
-            return value
-        fields = dict(value)
-        if isinstance(fields.get("error"), dict):
-            error = fields["error"]
-            fields["error"] = ChunkError(error.get("type", "unavailable"),
-                                         str(error.get("message", "")),
-                                         error.get("status", 503), error.get("retry_after_s"),
-                                         error.get("param"))
-        return cls(**fields)
 
     def absorb(self, later: "StreamChunk") -> "StreamChunk":
         """This chunk followed by `later` of the same request, as one (outputs that queued up

@@ -266,7 +266,7 @@ def test_reasoning_tokens_count_only_thinking(harmony_model):
 
 def _run_ids(tokenizer, text, ids):
     """A Responses builder fed `text` with its real token ids, in one chunk."""
-    from pd_runtime.api import SamplingParams
+    from pd_runtime.api import SamplingParams, StreamChunk
     from pd_runtime.entrypoints.openai.responses_api import chat_body
     from pd_runtime.entrypoints.openai.responses_events import ResponsesBuilder
     from pd_runtime.entrypoints.openai.schema import ChoiceSpec, PreparedRequest
@@ -275,7 +275,7 @@ def _run_ids(tokenizer, text, ids):
         max_tokens=100, skip_special_tokens=False))], False, False, 0, None,
         reasoning="harmony")
     builder = ResponsesBuilder(prepared, "resp_x", tokenizer, chat_body({"input": "hi"})[1])
-    builder.add(0, {"text": text, "token_ids": ids, "finished": True, "finish_reason": "stop"})
+    builder.add(0, StreamChunk(text=text, token_ids=ids, finished=True, finish_reason="stop"))
     return None, builder.final_body()
 
 

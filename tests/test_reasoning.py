@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from pd_runtime import LLM, SamplingParams
+from pd_runtime.api import StreamChunk
 from pd_runtime.entrypoints.openai.responses import ResponseBuilder
 from pd_runtime.entrypoints.openai.schema import ChoiceSpec, InvalidRequest, PreparedRequest
 from pd_runtime.entrypoints.openai.tools import ToolPlan
@@ -55,8 +56,8 @@ def _built(tokenizer, text: str, open_at_start: bool, tools=None, pieces=3):
     cuts = sorted({0, len(text), *range(0, len(text), pieces)})
     events = []
     for a, b in zip(cuts, cuts[1:]):
-        event = builder.add(0, {"text": text[a:b], "token_ids": [7],
-                                "finished": b == len(text), "finish_reason": "stop"})
+        event = builder.add(0, StreamChunk(text=text[a:b], token_ids=[7],
+                                           finished=b == len(text), finish_reason="stop"))
         if event is not None:
             events.append(event["choices"][0])
     return events, builder.final_body()["choices"][0]

@@ -13,7 +13,7 @@ from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
-from pd_runtime.api import SamplingParams
+from pd_runtime.api import SamplingParams, StreamChunk
 from pd_runtime.entrypoints.openai.responses_api import chat_body
 from pd_runtime.entrypoints.openai.responses_events import ResponsesBuilder
 from pd_runtime.entrypoints.openai.schema import ChoiceSpec, PreparedRequest
@@ -38,8 +38,8 @@ def _run(tokenizer, text: str, pieces: int, reason="stop", **kw):
     cuts = sorted({0, len(text), *range(0, len(text), pieces)}) if text else [0, 0]
     events = []
     for a, b in zip(cuts, cuts[1:]):
-        chunk = {"text": text[a:b], "token_ids": [7], "finished": b == len(text),
-                 "finish_reason": reason}
+        chunk = StreamChunk(text=text[a:b], token_ids=[7], finished=b == len(text),
+                            finish_reason=reason)
         events += streamed.events(0, chunk)
         whole.add(0, chunk)
     return events + streamed.closing(), whole.final_body()
@@ -128,9 +128,10 @@ def _logprob_run(tokenizer, pieces: list[str], stream: bool):
     builder = ResponsesBuilder(prepared, "resp_x", tokenizer, request)
     events = []
     for i, piece in enumerate(pieces):
-        events += builder.events(0, {"text": piece, "token_ids": [10 + i],
-                                     "logprobs": [(-(i + 1.0), {})],
-                                     "finished": i == len(pieces) - 1, "finish_reason": "stop"})
+        events += builder.events(0, StreamChunk(text=piece, token_ids=[10 + i],
+                                                logprobs=[(-(i + 1.0), {})],
+                                                finished=i == len(pieces) - 1,
+                                                finish_reason="stop"))
     events += builder.closing()
     return events, builder.final_body()
 
@@ -170,7 +171,7 @@ def test_a_stream_with_no_chunk_still_opens_and_a_failure_keeps_the_items(tokeni
     assert [e["type"] for e in builder.closing()] == [
         "response.created", "response.in_progress", "response.completed"]
     builder = _builder(tokenizer)
-    events = builder.events(0, {"text": "so far", "token_ids": [7], "finished": False})
+    events = builder.events(0, StreamChunk(text="so far", token_ids=[7]))
     from pd_runtime.router.backend import BackendError
     failed = builder.failed(BackendError(503, "gone"))
     assert [e["type"] for e in failed] == ["error", "response.failed"]

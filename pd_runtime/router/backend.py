@@ -6,13 +6,14 @@ in this process (pd_runtime/workers/local_pool.py, for tests and single-process 
 
 The contract, written once here:
 - `generate(request_id, prompt_ids, params, priority=, tenant=, cache_salt=)` (the request's
-  prefix-cache salt, beside its tenant's) is an async generator of worker
-  chunk dicts (pd_runtime/api.py): `token_ids`, `text`, `finished`, `finish_reason`,
-  `stop_reason`, `logprobs` (per new token `(logprob, {token_id: logprob}, rank)`, or None),
-  `num_prompt_tokens`, `num_cached_tokens`, `path`. The last chunk has `finished: True`. A failure is one chunk with
-  `error: {"type", "message", "status", "param"?, "retry_after_s"?}` and `finished: True`, after
-  which the generator ends; `status` is the HTTP status the router answers with (400 bad input,
-  429 refused by admission (with retry_after_s), 503 no worker can serve, 500 a bug).
+  prefix-cache salt, beside its tenant's) is an async generator of `StreamChunk`s
+  (pd_runtime/api.py, where each field is written): `token_ids`, `text`, `finished`,
+  `finish_reason`, `stop_reason`, `logprobs` (per new token
+  `(logprob, {token_id: logprob}, rank)`, or None), `num_prompt_tokens`, `num_cached_tokens`,
+  `path`. The last chunk has `finished` set. A failure is one chunk with `error` (a
+  `ChunkError`: type, message, status, param, retry_after_s) and `finished` set, after which
+  the generator ends; `status` is the HTTP status the router answers with (400 bad input, 429
+  refused by admission (with retry_after_s), 503 no worker can serve, 500 a bug).
   `params` are SamplingParams keyword fields, already validated by the router.
 - Ownership: if the consumer stops early (`aclose()`, or cancellation while it awaits a chunk),
   the backend cancels the request everywhere and frees its blocks; it never raises for that.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Optional, Protocol, runtime_checkable
 
+from pd_runtime.api import ChunkError, StreamChunk
 from pd_runtime.config import TenantConfig
 from pd_runtime.tokenizer import Tokenizer
 
@@ -62,16 +64,17 @@ class BackendError(Exception):
         self.retry_after_s = retry_after_s
 
     @classmethod
-    def from_chunk_error(cls, error: dict) -> "BackendError":
-        """The exception form of a chunk's `error` dict (workers name their own kinds)."""
-        status = _as_status(error.get("status"))
-        kind = error.get("type")
-        code = error.get("code") or (kind if kind and kind != ERROR_TYPES.get(status) else None)
-        retry = error.get("retry_after_s")
+    def from_chunk_error(cls, error: ChunkError) -> "BackendError":
+        """The exception form of a chunk's `error`: a kind of the worker's own that is not the
+        status's OpenAI type is kept as the `code`."""
+        status = _as_status(error.status)
+        kind = error.type
+        code = kind if kind and kind != ERROR_TYPES.get(status) else None
+        retry = error.retry_after_s
         if status == 429 and retry is None:
             retry = 1.0
-        return cls(status, str(error.get("message") or "request failed"), param=error.get("param"),
-                   code=code, retry_after_s=retry)
+        return cls(status, error.message or "request failed", param=error.param, code=code,
+                   retry_after_s=retry)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -95,10 +98,10 @@ class Backend(Protocol):
     def generate(self, request_id: str, prompt_ids: list[int], params: dict, *, priority: int,
                  tenant: Optional[TenantConfig], deadline: Optional[float] = None,
                  flex: bool = False, cache_salt: Optional[str] = None, prepaid: bool = False
-                 ) -> AsyncIterator[dict]: ...
+                 ) -> AsyncIterator[StreamChunk]: ...
 
     async def admit_tenant(self, tenant: Optional[TenantConfig], tokens: int
-                           ) -> Optional[dict]: ...
+                           ) -> Optional[StreamChunk]: ...
 
     def health(self) -> dict: ...
 

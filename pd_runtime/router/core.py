@@ -290,7 +290,6 @@ class PoolBackend:
                     priority=priority + (FLEX_PRIORITY if flex else 0), cache_salt=salt,
                     decode_worker=decision.decode_worker,
                     prefill_worker=decision.prefill_worker, deadline=deadline):
-                chunk = StreamChunk.of(chunk)
                 self._observe_chunk(run, chunk, time.monotonic())
                 yield chunk
                 if chunk.error is not None:

@@ -18,7 +18,6 @@ log = logging.getLogger("router.http")
 
 async def collect(builder: ResponseBuilder, merged, on_first=None) -> None:
     async for index, chunk in merged:
-        chunk = StreamChunk.of(chunk)
         raise_for_error(chunk)
         if on_first is not None:
             on_first(chunk)
@@ -35,7 +34,6 @@ async def first_chunks(merged, num_choices: int,
             index, chunk = await merged.__anext__()
         except StopAsyncIteration:
             break
-        chunk = StreamChunk.of(chunk)
         raise_for_error(chunk)
         if on_first is not None:
             on_first(chunk)
@@ -58,7 +56,6 @@ async def sse_events(builder: ResponseBuilder, first: list, merged, outcome: dic
                 yield event(payload)
         try:
             async for index, chunk in merged:
-                chunk = StreamChunk.of(chunk)
                 raise_for_error(chunk)
                 for payload in builder.events(index, chunk):
                     outcome["sent"] += 1
@@ -83,4 +80,4 @@ async def sse_events(builder: ResponseBuilder, first: list, merged, outcome: dic
 
 def raise_for_error(chunk: StreamChunk) -> None:
     if chunk.error is not None:
-        raise BackendError.from_chunk_error(chunk.error.as_dict())
+        raise BackendError.from_chunk_error(chunk.error)

@@ -64,7 +64,6 @@ class ResponseBuilder:
     def add(self, index: int, chunk: StreamChunk) -> Optional[dict]:
         """Record a worker chunk of choice `index`; returns the stream event it makes (None when
         it carries nothing a client would see, e.g. bytes held back by the detokenizer)."""
-        chunk = StreamChunk.of(chunk)
         choice = self.choices[index]
         token_ids = list(chunk.token_ids or [])
         text = chunk.text or ""
