@@ -112,7 +112,8 @@ def test_engine_config_unchanged():
         "max_waiting_tokens": 1 << 22, "priority_aging_steps": 64, "num_threads": None,
         "tensor_parallel_size": 1, "memory_budget_bytes": None,
         "decode_kv_buffer_fraction": 1.0, "batch_invariant": True, "warmup_tokens": 1024,
-        "step_time_target_s": None, "cuda_graphs": True, "cuda_graph_max_batch_size": 256,
+        "step_time_target_s": None, "min_step_interval_s": None, "cuda_graphs": True,
+        "cuda_graph_max_batch_size": 256,
         "kv_cache_dtype": "auto", "speculative_method": None, "speculative_model": None, "speculative_tokens": 4, "speculative_ngram_max": 4,
         "speculative_ngram_min": 2}
     assert set(EngineConfig.model_fields) == set(EnginePoolSettings.model_fields) | {"model"}
@@ -419,3 +420,22 @@ def test_a_local_prefill_worker_borrows_the_machines_cores_by_default():
                      {"prefill": {"engine": {"tensor_parallel_size": 2}}}):
         other = ClusterConfig.model_validate(override)
         assert default_threads(other, "prefill", other.prefill, machine_cores=16) is None
+
+
+def test_a_local_decode_worker_beside_a_prefill_pool_paces_its_steps_by_default():
+    """engine.min_step_interval_s null: half the router's TPOT target for a CPU decode worker
+    of a local cluster with a prefill pool; 0 without one, on a remote cluster or a GPU, and
+    for prefill workers; a set value stays (None: nothing to fill in)."""
+    from pd_runtime.workers.pool import default_step_interval
+
+    cfg = ClusterConfig()
+    assert default_step_interval(cfg, "decode", cfg.decode) == pytest.approx(0.05)
+    assert default_step_interval(cfg, "prefill", cfg.prefill) == 0.0
+    tight = ClusterConfig.model_validate({"router": {"routing": {"slo": {"tpot_s": 0.04}}}})
+    assert default_step_interval(tight, "decode", tight.decode) == pytest.approx(0.02)
+    for override in ({"prefill": {"num_workers": 0}}, {"ray": {"address": "auto"}},
+                     {"decode": {"engine": {"device": "cuda"}, "resources": {"num_gpus": 1}}}):
+        other = ClusterConfig.model_validate(override)
+        assert default_step_interval(other, "decode", other.decode) == 0.0
+    fixed = ClusterConfig.model_validate({"decode": {"engine": {"min_step_interval_s": 0}}})
+    assert default_step_interval(fixed, "decode", fixed.decode) is None

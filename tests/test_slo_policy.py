@@ -479,3 +479,17 @@ def test_a_first_token_delayed_by_a_lost_decode_worker_does_not_teach_the_prefil
     c.ledgers["p0"].add_prefill("c", 0.4, c.now)
     c.ledgers["p0"].prefill_done("c", c.now + 10.0)  # measured: 10 s against ~1.2 s
     assert ledger.current_slowdown(c.now + 10.0) > 1.4
+
+
+def test_a_decode_worker_that_paces_its_steps_is_predicted_at_its_interval():
+    """A worker that may pace its steps (engine.min_step_interval_s, in its load report) is
+    predicted to step no faster than that, on both paths."""
+    c = Cluster()
+    c.report("d0", min_step_interval_s=0.05)
+    options = {o.path: o for o in slo_options(100, 64, c.decode, c.prefill, {}, c.costs,
+                                              c.ledgers, c.now, SLOTarget())}
+    assert options["colocated"].tpot_s >= 0.05 and options["disaggregated"].tpot_s >= 0.05
+    c.report("d0", min_step_interval_s=0.0)
+    options = {o.path: o for o in slo_options(100, 64, c.decode, c.prefill, {}, c.costs,
+                                              c.ledgers, c.now, SLOTarget())}
+    assert options["colocated"].tpot_s < 0.01

@@ -26,6 +26,7 @@ class WorkerCosts:
     max_batched_tokens: int = 2048
     step_s_ewma: float = 0.0     # measured: the mean step lately, prefill chunks included
     steps: int = 0
+    min_step_s: float = 0.0      # engine.min_step_interval_s: steps may be paced to it
 
     @classmethod
     def from_report(cls, load: dict) -> "WorkerCosts":
@@ -38,7 +39,8 @@ class WorkerCosts:
                    decode_seq_s=c.get("decode_seq_s", base.decode_seq_s),
                    decode_context_s=c.get("decode_context_s", base.decode_context_s),
                    max_batched_tokens=load.get("max_num_batched_tokens", base.max_batched_tokens),
-                   step_s_ewma=report.get("step_s_ewma", 0.0), steps=report.get("steps", 0))
+                   step_s_ewma=report.get("step_s_ewma", 0.0), steps=report.get("steps", 0),
+                   min_step_s=load.get("min_step_interval_s") or 0.0)
 
     def prefill_s(self, tokens: int, context: int = 0) -> float:
         """Compute time of `tokens` prompt tokens after `context` cached or earlier ones, in

@@ -232,6 +232,7 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
             # requests are still paying for it) besides what is queued.
             step = cd.decode_step_s(batch + 1, context + prompt_len)
             shared = backlog + ld.recent_prefill_s(now, horizon * step)
+        step = max(step, cd.min_step_s)  # its steps may be paced to that (workers/engine_loop.py)
         hit_d = hits.get(d.worker_id, 0)
         own = cd.prefill_s(prompt_len - hit_d, hit_d) * ld.current_slowdown(now)
         chunks = -(-(prompt_len - hit_d) // max(1, cd.max_batched_tokens))

@@ -141,6 +141,17 @@ def default_threads(cfg, role: str, pool, machine_cores: Optional[int] = None) -
     return max(1, int(pool.resources.num_cpus or 1), cores // max(1, pool.num_workers))
 
 
+def default_step_interval(cfg, role: str, pool) -> Optional[float]:
+    """A worker's engine.min_step_interval_s when it is null: half the router's TPOT target for
+    a decode worker on the CPU of a local cluster that has a prefill pool (its steps then leave
+    the cores that pool borrows what its streams do not need), else 0."""
+    if pool.engine.min_step_interval_s is not None:
+        return None
+    shares_cores = role == "decode" and not cfg.ray.address and pool.engine.device == "cpu" \
+        and cfg.prefill.num_workers > 0
+    return cfg.router.routing.slo.tpot_s / 2 if shares_cores else 0.0
+
+
 def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClient:
     """Start every pool of a ClusterConfig and return a client over them."""
     import ray
@@ -168,6 +179,9 @@ def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClie
             engine = engine.model_copy(update={"num_threads": threads})
             log.info("%s workers: %d threads each (engine.num_threads null: this machine's "
                      "cores shared among them)", role, threads)
+        interval = default_step_interval(cfg, role, pool)
+        if interval is not None:
+            engine = engine.model_copy(update={"min_step_interval_s": interval})
         for i in range(pool.num_workers):
             pools[role].append(start_worker(
                 role, f"{role}-{i}", engine, cfg.kv_transfer,
