@@ -1,17 +1,26 @@
 """Run-record readers wake when a write of their run commits (pd_runtime/gateway/wakeups.py):
-SQLite's in this process by the committing store, PostgreSQL's by the server's NOTIFY, heard on
-a LISTEN connection that comes back when it is lost; a write between a read and its wait is not
-missed."""
+SQLite's in this process by the committing store and in other processes by its datagram to their
+socket beside the file (falling back to a poll where there can be none), PostgreSQL's by the
+server's NOTIFY, heard on a LISTEN connection that comes back when it is lost; a write between a
+read and its wait is not missed."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import socket
+import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from pd_runtime.gateway.open import open_store
 from pd_runtime.gateway.runs import Runs
+from pd_runtime.gateway.wakeups import OTHER_PROCESS_POLL_S, SAFETY_POLL_S
 
 WOKEN_WITHIN_S = 5.0  # far under the test's poll interval, far over a loaded machine's wake
 
@@ -22,12 +31,18 @@ def _quiet(store) -> None:
     store.wakeups.poll_s = 60.0
 
 
-async def _listening(store) -> None:
-    """PostgreSQL: until the store's LISTEN connection is up (SQLite: at once)."""
+async def _listening(store, watch=None) -> None:
+    """PostgreSQL: until the store's LISTEN connection is up, then `watch`'s wake by its coming
+    up (every watch reads again, just after it stops polling) taken (SQLite: at once)."""
     deadline = time.monotonic() + 10
-    while getattr(store, "_listener", None) is not None and store.wakeups.poll_s is not None:
+    if getattr(store, "_listener", None) is None:
+        return
+    while store.wakeups.poll_s is not None:
         assert time.monotonic() < deadline, "the store never listened"
         await asyncio.sleep(0.02)
+    if watch is not None:
+        await asyncio.sleep(0.1)
+        await watch.wait(0.0)
 
 
 def test_a_reader_wakes_when_another_store_commits_its_run(store_url):
@@ -35,7 +50,7 @@ def test_a_reader_wakes_when_another_store_commits_its_run(store_url):
 
     async def scenario():
         with reader.watch("run-a") as watch:
-            await _listening(reader)
+            await _listening(reader, watch)
             if reader.wakeups.poll_s is not None:
                 _quiet(reader)
             assert await asyncio.to_thread(reader.get_run, "run-a") is None
@@ -127,3 +142,98 @@ def test_postgres_readers_poll_while_the_listener_is_lost_and_listen_again(store
     finally:
         reader.close()
         writer.close()
+
+
+# Another router replica: a process of its own on the same SQLite file, creating the runs it is
+# sent on stdin and answering with the monotonic time of each commit (system-wide on Linux).
+_OTHER_REPLICA = """
+import sys, time
+from pd_runtime.gateway.open import open_store
+from pd_runtime.gateway.runs import Runs
+store = open_store(sys.argv[1])
+print("ready", flush=True)
+for line in sys.stdin:
+    Runs(store).create("t", None, None, line.strip())
+    print(time.monotonic(), flush=True)
+store.close()
+"""
+
+
+def test_sqlite_readers_hear_another_process_commit_before_the_safety_poll(tmp_path):
+    """Router replicas as processes of their own on one SQLite file: a commit in one wakes the
+    readers of the other at once (its datagram to their socket in `<file>.wake/`), not at the
+    safety poll; the socket goes when the last store of the file here closes."""
+    path = tmp_path / "runs.sqlite3"
+    reader = open_store(str(path))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    other = subprocess.Popen([sys.executable, "-c", _OTHER_REPLICA, str(path)], text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+
+    def create(run_id: str) -> float:
+        other.stdin.write(run_id + "\n")
+        other.stdin.flush()
+        return float(other.stdout.readline())
+
+    async def scenario() -> list[float]:
+        woken = []
+        for n in range(7):
+            run_id = f"run-{n}"
+            with reader.watch(run_id) as watch:
+                assert await asyncio.to_thread(reader.get_run, run_id) is None
+                assert reader.wakeups.poll_s == SAFETY_POLL_S  # listening
+                committed = asyncio.ensure_future(asyncio.to_thread(create, run_id))
+                await watch.wait(WOKEN_WITHIN_S)
+                seen = time.monotonic()
+                woken.append(seen - await committed)
+                assert (await asyncio.to_thread(reader.get_run, run_id))["state"] == "queued"
+        return woken
+
+    try:
+        assert other.stdout.readline().strip() == "ready"
+        woken = asyncio.run(scenario())
+        # Each wait would last the whole safety poll if the commit went unheard.
+        assert statistics.median(woken) < SAFETY_POLL_S / 3, woken
+    finally:
+        other.stdin.close()
+        other.wait(30)
+        reader.close()
+    assert not list((tmp_path / "runs.sqlite3.wake").glob(f"{os.getpid()}-*"))
+
+
+def test_a_dead_process_socket_is_removed_by_the_next_commit(tmp_path, monkeypatch):
+    store = open_store(str(tmp_path / "runs.sqlite3"))
+    wake = tmp_path / "runs.sqlite3.wake"
+    wake.mkdir()
+    monkeypatch.chdir(wake)  # a short path to bind (tmp_path may not fit a socket's)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    dead.bind("999999-gone.sock")
+    dead.close()  # bound by nobody now: as a killed process leaves it
+    try:
+        Runs(store).create("t", None, None, "run-a")
+        assert not (wake / "999999-gone.sock").exists()
+    finally:
+        store.close()
+
+
+def test_readers_poll_where_no_socket_can_be_bound_beside_the_file(tmp_path, caplog):
+    """`<file>.wake` not a directory we can use (read-only, or as here, a file): readers read
+    every OTHER_PROCESS_POLL_S for other processes' writes, said once; commits go on."""
+    (tmp_path / "runs.sqlite3.wake").write_text("")
+    store = open_store(str(tmp_path / "runs.sqlite3"))
+
+    async def scenario():
+        with store.watch("run-a"):
+            assert store.wakeups.poll_s == OTHER_PROCESS_POLL_S
+        with store.watch("run-a") as watch:
+            Runs(store).create("t", None, None, "run-a")
+            began = time.monotonic()
+            await watch.wait(60.0)  # this process's own commits still wake at once
+            assert time.monotonic() - began < WOKEN_WITHIN_S
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="pd_runtime.gateway.sqlite_notify"):
+            asyncio.run(scenario())
+    finally:
+        store.close()
+    assert len([r for r in caplog.records if "cannot listen" in r.getMessage()]) == 1

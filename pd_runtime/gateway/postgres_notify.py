@@ -15,7 +15,7 @@ from typing import Iterable
 
 import psycopg
 
-from pd_runtime.gateway.wakeups import RECONNECT_POLL_S, Wakeups
+from pd_runtime.gateway.wakeups import RECONNECT_POLL_S, Wakeups, id_payloads
 
 log = logging.getLogger(__name__)
 
@@ -29,21 +29,8 @@ RECONNECT_MAX_S = 5.0
 
 def notify(db, run_ids: Iterable[str]) -> None:
     """Inside the writing transaction: its listeners hear `run_ids` when (and if) it commits."""
-    for payload in _payloads(run_ids):
+    for payload in id_payloads(run_ids, PAYLOAD_MAX_BYTES):
         db.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
-
-
-def _payloads(run_ids: Iterable[str]) -> list[str]:
-    payloads, batch, size = [], [], 0
-    for run_id in sorted(set(run_ids)):
-        if batch and size + len(run_id) + 1 > PAYLOAD_MAX_BYTES:
-            payloads.append("\n".join(batch))
-            batch, size = [], 0
-        batch.append(run_id)
-        size += len(run_id.encode()) + 1
-    if batch:
-        payloads.append("\n".join(batch))
-    return payloads
 
 
 class Listener:

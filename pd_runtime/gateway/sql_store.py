@@ -73,15 +73,20 @@ class SqlRunStore:
             if outermost:
                 touched, self._local.touched = self._local.touched, None
         if touched:
-            self.committed(touched)
+            self._after_commit(touched)
 
     def _touched(self, db, run_ids) -> None:
         """The transaction open on `db` wrote these runs (their readers wait for it)."""
         self._local.touched.update(run_ids)
 
+    def _after_commit(self, run_ids) -> None:
+        """A transaction of this store that wrote these runs committed: their readers are
+        woken (here; a subclass tells other processes' too, where its database does not)."""
+        self.committed(run_ids)
+
     def committed(self, run_ids) -> None:
-        """Writes of these runs committed, in this process or in its record writer process:
-        their readers here are woken."""
+        """Writes of these runs committed, in this process or in one whose commits this one
+        hears of: their readers here are woken."""
         self.wakeups.notify(run_ids)
 
     def watch(self, run_id: str):

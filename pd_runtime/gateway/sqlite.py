@@ -12,21 +12,8 @@ import sqlite3
 import threading
 from pathlib import Path
 
+from pd_runtime.gateway import sqlite_notify
 from pd_runtime.gateway.sql_store import SqlRunStore
-from pd_runtime.gateway.wakeups import OTHER_PROCESS_POLL_S, Wakeups
-
-# One Wakeups per file in a process, shared by every store opened on it (router replicas of one
-# process, tests' replicas, the router's store and its record writer's notice of a round).
-_WAKEUPS: dict[str, Wakeups] = {}
-_WAKEUPS_LOCK = threading.Lock()
-
-
-def wakeups_of(path: os.PathLike) -> Wakeups:
-    """The readers of this SQLite file in this process; another process's writes to it are not
-    heard here, so they read every OTHER_PROCESS_POLL_S as well."""
-    key = os.path.realpath(path)
-    with _WAKEUPS_LOCK:
-        return _WAKEUPS.setdefault(key, Wakeups(poll_s=OTHER_PROCESS_POLL_S))
 
 
 def default_path() -> Path:
@@ -48,7 +35,13 @@ class SqliteRunStore(SqlRunStore):
         self._busy_ms = int(busy_timeout_s * 1000)
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
-        self.wakeups = wakeups_of(self.path)
+        # Readers of the file in this process, and the other processes' told of our commits
+        # (pd_runtime/gateway/sqlite_notify.py): one of each per file in a process, shared by
+        # every store opened on it (router replicas of one process, the router's store and its
+        # record writer's notice of a round).
+        self.bell = sqlite_notify.bell_of(self.path)
+        self.wakeups = self.bell.wakeups
+        self._bell_held = True
         self.schema_version = self._migrate()
 
     def _db(self) -> sqlite3.Connection:
@@ -64,6 +57,16 @@ class SqliteRunStore(SqlRunStore):
             with self._lock:
                 self._all.append(db)
         return db
+
+    def _after_commit(self, run_ids) -> None:
+        super()._after_commit(run_ids)
+        self.bell.ring(run_ids)
+
+    def close(self) -> None:
+        if self._bell_held:  # a store used after close() rings no other process
+            self._bell_held = False
+            sqlite_notify.release(self.bell)
+        super().close()
 
     def _transaction(self):
         return _Transaction(self._db())

@@ -3,14 +3,15 @@ store has one `Wakeups` in a process, told the run ids of every commit it learns
 
 A reader opens `watch(run_id)` before it reads, then reads, then waits on the watch: a write that
 commits between its read and its wait has already marked the watch, so none is missed. Who tells
-the store of a commit: with SQLite, the process that committed (its own transactions, and its
-record writer process's rounds once that process has answered, pd_runtime/gateway/record_writer.py);
-a write by another process on the same file (another router replica) is not heard, so a watch
-of SQLite reads again every `OTHER_PROCESS_POLL_S` for those alone. With PostgreSQL, the server:
-every writing transaction NOTIFYs the ids it wrote and one LISTEN connection per store hears
-them (pd_runtime/gateway/postgres.py); no poll, except while that connection is down (lost, or
-not yet listening), when watches read every `RECONNECT_POLL_S` and all read again once it is
-back.
+the store of a commit: with SQLite, the process that committed: its own readers directly (its
+router's too, for a record writer process's round, once that process has answered:
+pd_runtime/gateway/record_writer.py), every other process's by a datagram to the socket that
+process keeps beside the file (pd_runtime/gateway/sqlite_notify.py); a watch of SQLite still
+reads every `SAFETY_POLL_S`, for a datagram that never came, or every `OTHER_PROCESS_POLL_S`
+where its process cannot keep a socket there. With PostgreSQL, the server: every
+writing transaction NOTIFYs the ids it wrote and one LISTEN connection per store hears them
+(pd_runtime/gateway/postgres.py); no poll, except while that connection is down (lost, or not
+yet listening), when watches read every `RECONNECT_POLL_S` and all read again once it is back.
 """
 
 from __future__ import annotations
@@ -20,8 +21,13 @@ import threading
 from contextlib import contextmanager
 from typing import Awaitable, Callable, Iterable, Iterator, Optional, TypeVar
 
-# SQLite: how often a watch reads again for a write by another process (it is not told of it).
+# SQLite, where this process cannot listen for other processes' writes: how often a watch reads
+# again for them (it is not told of them).
 OTHER_PROCESS_POLL_S = 0.5
+# SQLite, listening: how often a watch reads again anyway. A safety net only, for a write whose
+# datagram never came (its process could not reach the wake directory, or died between its
+# commit and its datagram); every write that is heard wakes its readers at once.
+SAFETY_POLL_S = 1.0
 # PostgreSQL: how often a watch reads again while the store's LISTEN connection is down.
 RECONNECT_POLL_S = 0.5
 
@@ -103,6 +109,21 @@ class Wakeups:
             marked = [w for watches in self._watches.values() for w in watches]
         for watch in marked:
             watch.mark()
+
+
+def id_payloads(run_ids: Iterable[str], max_bytes: int) -> list[str]:
+    """Run ids joined by newlines, as few payloads as hold them in `max_bytes` each (a NOTIFY's,
+    a datagram's)."""
+    payloads, batch, size = [], [], 0
+    for run_id in sorted(set(run_ids)):
+        if batch and size + len(run_id.encode()) + 1 > max_bytes:
+            payloads.append("\n".join(batch))
+            batch, size = [], 0
+        batch.append(run_id)
+        size += len(run_id.encode()) + 1
+    if batch:
+        payloads.append("\n".join(batch))
+    return payloads
 
 
 async def read_until(store, run_id: str, read: Callable[[], Awaitable[T]],
