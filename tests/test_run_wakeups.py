@@ -16,11 +16,13 @@ import sys
 import time
 from pathlib import Path
 
+import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from pd_runtime.gateway.open import open_store
 from pd_runtime.gateway.runs import Runs
-from pd_runtime.gateway.wakeups import OTHER_PROCESS_POLL_S, SAFETY_POLL_S
+from pd_runtime.gateway.wakeups import OTHER_PROCESS_POLL_S, RECONNECT_POLL_S, SAFETY_POLL_S
 
 WOKEN_WITHIN_S = 5.0  # far under the test's poll interval, far over a loaded machine's wake
 
@@ -31,17 +33,18 @@ def _quiet(store) -> None:
     store.wakeups.poll_s = 60.0
 
 
-async def _listening(store, watch=None) -> None:
-    """PostgreSQL: until the store's LISTEN connection is up, then `watch`'s wake by its coming
-    up (every watch reads again, just after it stops polling) taken (SQLite: at once)."""
+async def _listening(store, watch=None, times: int = 1) -> None:
+    """PostgreSQL: until the store's LISTEN connection has come up `times` times (and is up),
+    then `watch`'s wake by its coming up (every watch reads again) taken (SQLite: at once)."""
     deadline = time.monotonic() + 10
-    if getattr(store, "_listener", None) is None:
+    listener = getattr(store, "_listener", None)
+    if listener is None:
         return
-    while store.wakeups.poll_s is not None:
+    while listener.num_listens < times or store.wakeups.poll_s is not None:
         assert time.monotonic() < deadline, "the store never listened"
         await asyncio.sleep(0.02)
     if watch is not None:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0)  # the wake, sent before the count, is set on this loop first
         await watch.wait(0.0)
 
 
@@ -113,25 +116,45 @@ def test_a_round_of_the_record_writer_wakes_this_process_readers(tmp_path):
 
 
 @pytest.mark.parametrize("store_url", ["postgresql"], indirect=True)
-def test_postgres_readers_poll_while_the_listener_is_lost_and_listen_again(store_url):
-    """The LISTEN connection killed by the server: every watch reads again (writes may have
-    gone unheard), readers poll until it is back, then a commit wakes them again."""
+def test_postgres_readers_poll_while_the_listener_is_lost_and_listen_again(store_url,
+                                                                          postgres_server):
+    """The LISTEN connection killed by the server, and refused while the database takes no
+    connections: every watch reads again (writes may have gone unheard) and readers poll until
+    it is back; then it stays up, and a commit wakes them again."""
     reader, writer = open_store(store_url), open_store(store_url)
+    database = conninfo_to_dict(store_url)["dbname"]
+    # From another database: a connection cannot close its own to new ones.
+    admin = psycopg.connect(postgres_server.url("postgres"), autocommit=True)
+
+    def take_connections(allowed: bool) -> None:
+        admin.execute(f"ALTER DATABASE {database} ALLOW_CONNECTIONS {allowed}")
+
+    def kill_listener() -> list:
+        return admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE "
+            "'LISTEN%%' AND datname = %s", (database,)).fetchall()
 
     async def scenario():
         with reader.watch("run-a") as watch:
-            await _listening(reader)
-            killed = await asyncio.to_thread(lambda: writer._db().execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE "
-                "'LISTEN%' AND pid <> pg_backend_pid()").fetchall())
-            assert killed, "no LISTEN connection to kill"
-            began = time.monotonic()
-            await watch.wait(60.0)  # woken by the loss itself
-            assert time.monotonic() - began < WOKEN_WITHIN_S
-            await _listening(reader)  # back, and no poll
+            await _listening(reader, watch)
+            await asyncio.to_thread(take_connections, False)
+            try:
+                assert await asyncio.to_thread(kill_listener), "no LISTEN connection to kill"
+                began = time.monotonic()
+                await watch.wait(60.0)  # woken by the loss itself
+                assert time.monotonic() - began < WOKEN_WITHIN_S
+                # It cannot reconnect yet: readers poll.
+                assert reader.wakeups.poll_s == RECONNECT_POLL_S
+                began = time.monotonic()
+                await watch.wait(60.0)
+                assert RECONNECT_POLL_S / 2 < time.monotonic() - began < WOKEN_WITHIN_S
+            finally:
+                await asyncio.to_thread(take_connections, True)
+            await _listening(reader, watch, times=2)  # back, no poll, its wake taken
+            # And it stays up: neither lost again (the poll back) nor reconnected meanwhile.
+            await asyncio.sleep(1.0)
             assert reader.wakeups.poll_s is None
-            await asyncio.sleep(0.1)
-            await watch.wait(0.0)  # the wake of its return
+            assert reader._listener.num_listens == 2
             began = time.monotonic()
             await asyncio.to_thread(Runs(writer).create, "t", None, None, "run-a")
             await watch.wait(60.0)
@@ -140,6 +163,7 @@ def test_postgres_readers_poll_while_the_listener_is_lost_and_listen_again(store
     try:
         asyncio.run(scenario())
     finally:
+        admin.close()
         reader.close()
         writer.close()
 

@@ -40,6 +40,10 @@ class Listener:
     def __init__(self, params: dict, wakeups: Wakeups):
         self.params = params
         self.wakeups = wakeups
+        # Times its connection has come up listening (1 + reconnects), counted once the
+        # readers have been told: a change of it is a loss the readers have heard of.
+        self.num_listens = 0
+        self._up = False  # the store's readers start polling (Wakeups.poll_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="run-store-listen", daemon=True)
 
@@ -58,6 +62,7 @@ class Listener:
                 with psycopg.connect(**self.params, autocommit=True) as db:
                     db.execute(f"LISTEN {CHANNEL}")
                     self._listening(True)
+                    self.num_listens += 1
                     backoff_s = 0.1
                     while not self._stop.is_set():
                         for note in db.notifies(timeout=LOOK_UP_S):
@@ -73,6 +78,9 @@ class Listener:
 
     def _listening(self, up: bool) -> None:
         """Poll while down; either way every watch reads again (writes may have gone
-        unheard while it changed)."""
+        unheard while it changed). A failed reconnect changes nothing: they already poll."""
+        if up == self._up:
+            return
+        self._up = up
         self.wakeups.poll_s = None if up else RECONNECT_POLL_S
         self.wakeups.notify_all()
