@@ -11,7 +11,8 @@ import time
 import pytest
 
 from pd_runtime.kv_transfer import transfers
-from pd_runtime.kv_transfer.base import FailureReason, LinkState, SendOutcome, TransferState
+from pd_runtime.kv_transfer.base import (FailureReason, LinkError, LinkState, SendOutcome,
+                                         TransferState)
 from pd_runtime.kv_transfer.registry import create_agent
 from tests.kv_transfer_support.common import config, fill_random, make_caches, wait_for
 
@@ -221,3 +222,47 @@ def test_a_send_that_never_starts_ends_the_receive_at_once():
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("seen_first_by", ["writer", "reader"])
+def test_a_peer_lost_mid_transfer_leaves_its_link_queue_empty(seen_first_by):
+    """The peer dies with a receive pending: the receive fails peer_lost, and the failed link
+    (kept in the table, so a send to it answers PEER_UNAVAILABLE) holds nothing for its writer,
+    whichever of the link's threads saw the death first, nor takes a frame sent after it (a
+    reader's late ack, an abort). A writer whose own heartbeat failed used to exit leaving its
+    stop signal queued: the decode worker of a killed prefill worker kept one for good."""
+    ends = (Ends(), Ends())
+    sender, receiver, peer = _pair(ends)
+    try:
+        receiver.expect("orphan", [3, 4, 5], peer_id="P")
+        link = receiver.peers.get("P")
+        if seen_first_by == "writer":  # its next heartbeat fails; the reader learns from the close
+            def gone(*_args, **_kwargs):
+                raise LinkError("peer gone")
+            link.link.send_frame = gone
+        else:  # the reader reads the peer's goodbye while the writer waits for work
+            sender.close()
+        wait_for(lambda: ends[1].count == 1)
+        assert ends[1].statuses[0].reason is FailureReason.PEER_LOST
+        assert receiver.peer_state("P")[0] is LinkState.FAILED
+        link.send_control({"t": "ack", "rid": "orphan", "layers": [0], "done": False})
+        assert not receiver.cancel_at_peer("P", "orphan")
+        _assert_empty(receiver)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_link_that_never_came_up_leaves_nothing_queued():
+    """A connect to a peer that is gone fails in the handshake, before the link has a writer:
+    nothing is left queued for one."""
+    sender, receiver, peer = _pair((None, None))
+    metadata = receiver.metadata()
+    receiver.close()
+    try:
+        wait_for(lambda: sender.peer_state(peer)[0] is LinkState.FAILED)
+        again = sender.connect(metadata)  # the listener is gone: the handshake fails
+        wait_for(lambda: "no local agent" in (sender.peer_state(again)[1] or ""))
+        assert sender.table_sizes()["link_queues"] == 0
+    finally:
+        sender.close()

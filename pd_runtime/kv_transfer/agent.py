@@ -215,11 +215,8 @@ class KVTransferAgent:
         its receive then)."""
         with self._lock:
             peer = self.peers.get(peer_id)
-            if peer is None or peer.state is LinkState.FAILED:
-                return False
-            peer.out_queue.put(("ctl", {"t": "abort", "rid": request_id,
-                                        "reason": FailureReason.CANCELLED.value}))
-            return True
+            return peer is not None and peer.enqueue(("ctl", {
+                "t": "abort", "rid": request_id, "reason": FailureReason.CANCELLED.value}))
 
     def status(self, request_id: str, role: Role) -> Optional[TransferStatus]:
         """The transfer's status while it is pending, and for a while after it finished (the

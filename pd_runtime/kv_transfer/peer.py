@@ -26,7 +26,13 @@ _SENT_POLL_S = 0.005
 
 
 class PeerLink:
-    """Agent-side state of the link to one peer; replaced by a new one on reconnect."""
+    """Agent-side state of the link to one peer; replaced by a new one on reconnect.
+
+    Its out queue is the writer thread's work (frames, chunks to post, posted chunks to
+    watch); a failed link stays in the table (sends to it answer PEER_UNAVAILABLE), so its
+    queue must end empty: the failure closes it (closing takes what waits, and nothing is
+    queued after), and the stop signal it leaves for a running writer is dropped when that
+    writer exits, whichever thread saw the link die first."""
 
     def __init__(self, peer_id: str, credits: CreditWindow, peer_timeout_s: float):
         self.peer_id = peer_id
@@ -36,6 +42,9 @@ class PeerLink:
         self.address: Optional[dict] = None
         self.credits = credits
         self.out_queue: "queue.Queue" = queue.Queue()
+        self._queue_lock = threading.Lock()  # innermost: held only around the queue itself
+        self._queue_closed = False
+        self._writer_running = False
         self.peer_timeout_s = peer_timeout_s
         # Held for each group of messages that must stay together on the wire (a frame, or a
         # chunk's header and regions), so the reader may send acks itself between groups.
@@ -54,7 +63,45 @@ class PeerLink:
             finally:
                 self.send_lock.release()
         else:
-            self.out_queue.put(("ctl", message))
+            self.enqueue(("ctl", message))
+
+    def enqueue(self, item: tuple) -> bool:
+        """Hand an item to the writer; False (nothing queued) once the link failed."""
+        with self._queue_lock:
+            if self._queue_closed:
+                return False
+            self.out_queue.put(item)
+            return True
+
+    def writer_started(self) -> None:
+        with self._queue_lock:
+            self._writer_running = True
+
+    def close_queue(self) -> list:
+        """Queue nothing more; returns what waited. A running writer is told to stop."""
+        with self._queue_lock:
+            self._queue_closed = True
+            items = _drain(self.out_queue)
+            if self._writer_running:
+                self.out_queue.put(None)
+        return items
+
+    def writer_stopped(self) -> None:
+        """The writer exited. On a closed queue only its stop signal can be left (a writer
+        that saw the link die itself exits without reading it): dropped."""
+        with self._queue_lock:
+            self._writer_running = False
+            if self._queue_closed:
+                _drain(self.out_queue)
+
+
+def _drain(items: "queue.Queue") -> list:
+    out = []
+    while True:
+        try:
+            out.append(items.get_nowait())
+        except queue.Empty:
+            return out
 
 
 class LinkHandler(Protocol):
@@ -188,6 +235,7 @@ class PeerTable:
             if peer.state is LinkState.FAILED:
                 return
             peer.state = LinkState.READY
+            peer.writer_started()
             self.sendable.fire()
         link.set_activity(self._active)
         threading.Thread(target=self._write_loop, args=(peer, link), daemon=True, name=f"kvt-w-{peer.peer_id}").start()
@@ -234,6 +282,7 @@ class PeerTable:
         except LinkError as exc:
             self._fail(peer, exc)
         finally:
+            peer.writer_stopped()
             # The link is gone: what is still posted is given up with it. A chunk whose own
             # post failed (or that left meanwhile) ends as its wire says: a send that timed
             # out is the transfer's timeout, not a lost peer.
@@ -264,18 +313,13 @@ class PeerTable:
             peer.state, peer.reason = LinkState.FAILED, peer.reason or str(exc)
             if first:
                 self.sendable.fire()
-            if first:
+                # Closed as the state flips: from here on nothing is queued for this link.
+                waiting = peer.close_queue()
                 if isinstance(exc, LinkTimeoutError):
                     reason = FailureReason.PEER_LOST
                 self._handler.peer_lost(peer, reason)
-                while True:  # queued chunks hold no lease any more; drop them
-                    try:
-                        item = peer.out_queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item:
-                        self._drop_queued(peer, item)
-                peer.out_queue.put(None)
+                for item in waiting:  # queued chunks hold no lease any more
+                    self._drop_queued(peer, item)
         if first and peer.link is not None:
             peer.link.close()
 
@@ -292,7 +336,7 @@ class PeerTable:
     def close_all(self) -> None:
         for peer in self.all():
             if peer.state is LinkState.READY:
-                peer.out_queue.put(("ctl", {"t": "bye"}))
+                peer.enqueue(("ctl", {"t": "bye"}))
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline and any(not p.out_queue.empty() for p in self.all() if p.state is LinkState.READY):
             time.sleep(0.01)

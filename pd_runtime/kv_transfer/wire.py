@@ -65,9 +65,9 @@ class Wire:
             return
         self.finish(transfer, TransferState.FAILED, reason)
         peer = self.peers.get(transfer.peer_id)
-        if notify_peer and peer is not None and peer.state is not LinkState.FAILED:
+        if notify_peer and peer is not None:  # (a failed link queues nothing)
             kind = "abort" if transfer.role is Role.SEND else "nack"
-            peer.out_queue.put(("ctl", {"t": kind, "rid": transfer.request_id, "reason": reason.value}))
+            peer.enqueue(("ctl", {"t": kind, "rid": transfer.request_id, "reason": reason.value}))
 
     def peer_lost(self, peer: PeerLink, reason: FailureReason) -> None:
         """Called by the peer table when a link dies: every transfer on it fails."""
@@ -92,8 +92,7 @@ class Wire:
 
     def kick_writer(self, peer: PeerLink, transfer: Transfer) -> None:
         if not transfer.kicked:
-            transfer.kicked = True
-            peer.out_queue.put(("kv", transfer))
+            transfer.kicked = peer.enqueue(("kv", transfer))
 
     def post_taken(self, peer: PeerLink, transfer: Transfer, layers: list[int]) -> None:
         """Post taken layers from this thread, which holds the peer's send lock (not the agent
@@ -119,8 +118,7 @@ class Wire:
         cannot leave a chunk unwatched: on a failed link it is given up here."""
         chunks, transfer.unwatched = transfer.unwatched, []
         for peer, layers, posted in chunks:
-            if peer.state is not LinkState.FAILED:
-                peer.out_queue.put(("posted", transfer, layers, posted))
+            if peer.enqueue(("posted", transfer, layers, posted)):
                 continue
             try:  # a chunk that left before the link failed ends as sent
                 left = posted.done()
@@ -292,7 +290,7 @@ class Wire:
                 if stale is not None:  # expected, but with other blocks or a duplicate layer
                     self.fail(stale, FailureReason.REJECTED, notify_peer=False)
                 reason = recent.reason if recent and recent.reason else FailureReason.REJECTED
-                peer.out_queue.put(("ctl", {"t": "nack", "rid": request_id, "reason": reason.value}))
+                peer.enqueue(("ctl", {"t": "nack", "rid": request_id, "reason": reason.value}))
             return None
         transfer.wire_ops -= 1
         reason = failure or (FailureReason.CHECKSUM_MISMATCH if bad_sum else None) or transfer.pending_failure
