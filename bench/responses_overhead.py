@@ -1,6 +1,6 @@
 """What a streamed token costs the router on the Responses API against chat completions, in the
 same run: the time to turn one worker chunk into its SSE bytes
-(pd_runtime/entrypoints/openai/responses.py's builder for chat;
+(pd_runtime/entrypoints/openai/completion_bodies.py's builder for chat;
 pd_runtime/entrypoints/openai/responses_events.py's over it for /v1/responses), and the bytes sent
 per token.
 
@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 from bench.common import bench_model, machine_line  # noqa: E402
 from pd_runtime.api import StreamChunk  # noqa: E402
 from pd_runtime.entrypoints.openai.protocol import prepare_chat  # noqa: E402
-from pd_runtime.entrypoints.openai.responses import ResponseBuilder  # noqa: E402
-from pd_runtime.entrypoints.openai.responses_api import chat_body  # noqa: E402
+from pd_runtime.entrypoints.openai.completion_bodies import ResponseBuilder  # noqa: E402
+from pd_runtime.entrypoints.openai.responses_request import chat_body  # noqa: E402
 from pd_runtime.entrypoints.openai.responses_events import ResponsesBuilder  # noqa: E402
 from pd_runtime.gateway.live_run import sse  # noqa: E402
 from pd_runtime.tokenizer import Tokenizer  # noqa: E402

@@ -96,7 +96,7 @@ async def stage_timings(backend, app, prompt: str, iterations: int) -> list[tupl
     from pd_runtime.api import StreamChunk
     from pd_runtime.router.policy import decide
     from pd_runtime.entrypoints.openai.protocol import parse_json, prepare_completion
-    from pd_runtime.entrypoints.openai.responses import ResponseBuilder
+    from pd_runtime.entrypoints.openai.completion_bodies import ResponseBuilder
     from pd_runtime.entrypoints.openai.streaming import until_disconnect
 
     tok, name, limit = backend.tokenizer, backend.model_name, backend.max_model_len

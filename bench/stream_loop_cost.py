@@ -28,7 +28,7 @@ def main() -> None:
     try:
         from pd_runtime.entrypoints.openai.chunk_events import sse_events
         from pd_runtime.entrypoints.openai.protocol import prepare_chat
-        from pd_runtime.entrypoints.openai.responses import ResponseBuilder
+        from pd_runtime.entrypoints.openai.completion_bodies import ResponseBuilder
     except ImportError:  # a tree from before the HTTP layer left pd_runtime/router/
         try:
             from pd_runtime.router.chunk_events import sse_events

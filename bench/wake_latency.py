@@ -44,7 +44,7 @@ TENANT = "bench"
 # --------------------------------------------------------------------------- (a) run records
 def _end_item(run_id: str, created_at: float) -> dict:
     """The final row of a run as the record writer writes it: completed, with its output."""
-    from pd_runtime.gateway.runs import record_item
+    from pd_runtime.gateway.run_state import record_item
     from pd_runtime.gateway.store import IN_FLIGHT
 
     now = time.time()
@@ -85,7 +85,7 @@ class _Writer:
 
 
 def _write(store, what: str, run_id: str) -> float:
-    from pd_runtime.gateway.runs import Runs
+    from pd_runtime.gateway.run_state import Runs
 
     if what == "create":
         Runs(store).create(TENANT, None, None, run_id, owner="bench-producer")
@@ -132,7 +132,7 @@ async def _one_wait(recorder, writer: _Writer, reader: str) -> float:
 
 def bench_records(url: str, samples: int, other_process: bool, reader: str) -> dict:
     from pd_runtime.gateway.open import open_store
-    from pd_runtime.gateway.run_records import RunRecorder
+    from pd_runtime.gateway.recorder import RunRecorder
 
     recorder = RunRecorder(open_store(url), url, f"bench-reader-{os.getpid()}")
     writer = _Writer(url, other_process)

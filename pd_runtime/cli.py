@@ -79,7 +79,7 @@ def _cmd_serve(args) -> int:
     from pd_runtime.workers.router_replicas import start_replicas
     from pd_runtime.entrypoints.openai.replicas import build_router
     from pd_runtime.entrypoints.openai.server import serve_http
-    from pd_runtime.gateway.run_records import owner_name
+    from pd_runtime.gateway.recorder import owner_name
 
     host = args.host or cfg.router.host
     port = cfg.router.port if args.port is None else args.port

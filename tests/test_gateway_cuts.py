@@ -74,12 +74,12 @@ def test_a_backend_connection_error_before_any_token_is_a_failed_run(llama_dir, 
 
 def test_a_defect_mid_stream_is_a_failed_run_and_its_replay_says_so(llama_dir, tmp_path,
                                                                      monkeypatch):
-    from pd_runtime.entrypoints.openai import responses
+    from pd_runtime.entrypoints.openai import completion_bodies
 
     def broken(self):
         raise RuntimeError("a defect in the usage event")
 
-    monkeypatch.setattr(responses.ResponseBuilder, "usage_event", broken)
+    monkeypatch.setattr(completion_bodies.ResponseBuilder, "usage_event", broken)
     backend = _Failing(Tokenizer(llama_dir))
     with serving(backend, _config(tmp_path)) as (_, port):
         with pytest.raises(httpx.HTTPError):  # the stream breaks off, as with records off

@@ -317,7 +317,7 @@ def test_runs_still_going_at_shutdown_are_recorded_cancelled(llama_dir, tmp_path
 
 def test_a_claim_cancelled_during_its_store_write_frees_the_key(tmp_path):
     from pd_runtime.gateway.sqlite import SqliteRunStore
-    from pd_runtime.gateway.run_records import RunRecorder
+    from pd_runtime.gateway.recorder import RunRecorder
 
     path = tmp_path / "runs.sqlite3"
     recorder = RunRecorder(SqliteRunStore(path), str(path), "owner-0")

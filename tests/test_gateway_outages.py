@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pd_runtime.gateway.open import open_store
-from pd_runtime.gateway.runs import Runs
+from pd_runtime.gateway.run_state import Runs
 
 
 def test_a_postgres_store_answers_the_first_call_after_its_server_restarts():

@@ -21,7 +21,7 @@ import pytest
 from pd_runtime.gateway.migrations import MIGRATIONS
 from pd_runtime.gateway.open import open_store
 from pd_runtime.gateway.postgres import PostgresRunStore
-from pd_runtime.gateway.runs import IdempotencyConflict, InvalidTransition, Runs
+from pd_runtime.gateway.run_state import IdempotencyConflict, InvalidTransition, Runs
 from pd_runtime.gateway.sqlite import SqliteRunStore, default_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,7 +109,7 @@ _CRASHING_ROUTER = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
 from pd_runtime.gateway.open import open_store
-from pd_runtime.gateway.runs import Runs
+from pd_runtime.gateway.run_state import Runs
 runs = Runs(open_store({url!r}))
 done, _ = runs.create("acme")
 for state in ("prefilling", "streaming"):
@@ -354,7 +354,7 @@ def test_recorded_outputs_owners_and_shared_rate_buckets(runs):
 
 
 def test_a_round_records_every_run_it_can_and_names_the_others(runs):
-    from pd_runtime.gateway.runs import IN_FLIGHT, record_item
+    from pd_runtime.gateway.run_state import IN_FLIGHT, record_item
 
     def row(run_id: str, state: str, **fields) -> dict:
         return {**Runs.new_run("acme", run_id, "router-0", now=100.0), "state": state,
@@ -384,7 +384,7 @@ def test_a_background_responses_opening_is_kept_apart_from_its_output(runs):
     """A background response's created event goes to the store with its first rows (what a
     poll reads should its router stop): once, apart from its output (which routers of an older
     version read), kept past its output's retention, deleted with its run."""
-    from pd_runtime.gateway.runs import IN_FLIGHT, record_item
+    from pd_runtime.gateway.run_state import IN_FLIGHT, record_item
 
     def write(run_id: str, state: str, output=None, opening=None, insert=False) -> None:
         row = {**Runs.new_run("acme", run_id, "router-0", now=100.0), "state": state,
@@ -450,7 +450,7 @@ def test_a_followed_runs_events_are_published_until_its_end(runs):
     and followed lately, their events after a sequence number (each written once however
     often sent), gone with the run's final row, and with the run when retention deletes it."""
     from pd_runtime.gateway.retention import Retention
-    from pd_runtime.gateway.runs import IN_FLIGHT, record_item
+    from pd_runtime.gateway.run_state import IN_FLIGHT, record_item
 
     store = runs.store
     run, _ = runs.create("acme", owner="a:8000/0")

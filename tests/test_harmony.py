@@ -267,7 +267,7 @@ def test_reasoning_tokens_count_only_thinking(harmony_model):
 def _run_ids(tokenizer, text, ids):
     """A Responses builder fed `text` with its real token ids, in one chunk."""
     from pd_runtime.api import SamplingParams, StreamChunk
-    from pd_runtime.entrypoints.openai.responses_api import chat_body
+    from pd_runtime.entrypoints.openai.responses_request import chat_body
     from pd_runtime.entrypoints.openai.responses_events import ResponsesBuilder
     from pd_runtime.entrypoints.openai.schema import ChoiceSpec, PreparedRequest
 

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (`POST /v1/responses`, pd_runtime/entrypoints/openai/responses_api.py and
+"""OpenAI's Responses API (`POST /v1/responses`, pd_runtime/entrypoints/openai/responses_request.py and
 pd_runtime/entrypoints/openai/responses_events.py) with the official `openai` client: the same
 tokens as the chat endpoint for the same conversation, streamed events the client's own stream
 helper accumulates into the JSON body's response, max_output_tokens ending incomplete, function

@@ -13,7 +13,7 @@ import pytest
 
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.api import StreamChunk
-from pd_runtime.entrypoints.openai.responses import ResponseBuilder
+from pd_runtime.entrypoints.openai.completion_bodies import ResponseBuilder
 from pd_runtime.entrypoints.openai.schema import ChoiceSpec, InvalidRequest, PreparedRequest
 from pd_runtime.entrypoints.openai.tools import ToolPlan
 from pd_runtime.parsers.reasoning import opens_in_prompt, split

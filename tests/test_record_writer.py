@@ -14,7 +14,7 @@ import pytest
 from pd_runtime.gateway.live_run import LiveRun
 from pd_runtime.gateway.open import open_store
 from pd_runtime.gateway.record_writer import RunWriter
-from pd_runtime.gateway.runs import Runs
+from pd_runtime.gateway.run_state import Runs
 
 
 def test_the_record_writer_process_keeps_its_replica_alive_and_fails_lapsed_runs(store_url):

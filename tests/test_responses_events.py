@@ -14,7 +14,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
 from pd_runtime.api import SamplingParams, StreamChunk
-from pd_runtime.entrypoints.openai.responses_api import chat_body
+from pd_runtime.entrypoints.openai.responses_request import chat_body
 from pd_runtime.entrypoints.openai.responses_events import ResponsesBuilder
 from pd_runtime.entrypoints.openai.schema import ChoiceSpec, PreparedRequest
 from pd_runtime.entrypoints.openai.tools import ToolPlan

@@ -103,7 +103,7 @@ def test_another_replica_deletes_it_through_the_store(store_url):
     from pd_runtime.gateway.open import open_store
     from pd_runtime.entrypoints.openai import responses_stored
     from pd_runtime.router.backend import BackendError
-    from pd_runtime.gateway.run_records import RunRecorder
+    from pd_runtime.gateway.recorder import RunRecorder
 
     def recorder(owner):
         return RunRecorder(open_store(store_url), store_url, owner)
@@ -228,7 +228,7 @@ def test_truncation_never_keeps_an_output_whose_call_it_dropped(llama_dir):
     """Parallel calls each after its own reasoning come as several assistant messages before
     their outputs: no cut falls between a call and its output, at any context length."""
     from pd_runtime.tokenizer import Tokenizer
-    from pd_runtime.entrypoints.openai.responses_api import prepare_responses
+    from pd_runtime.entrypoints.openai.responses_request import prepare_responses
 
     tokenizer = Tokenizer(llama_dir)
     thought = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hmm"}]}

@@ -15,7 +15,7 @@ import pytest
 from pd_runtime.gateway.migrations import MIGRATIONS
 from pd_runtime.gateway.open import open_store
 from pd_runtime.gateway.retention import Retention
-from pd_runtime.gateway.runs import IN_FLIGHT, Runs, record_item
+from pd_runtime.gateway.run_state import IN_FLIGHT, Runs, record_item
 from pd_runtime.gateway.store import DAY_S
 from pd_runtime.config import RouterConfig, TenantConfig
 from tests.router_support.serving import assert_error_body, local

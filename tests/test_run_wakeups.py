@@ -21,7 +21,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from pd_runtime.gateway.open import open_store
-from pd_runtime.gateway.runs import Runs
+from pd_runtime.gateway.run_state import Runs
 from pd_runtime.gateway.wakeups import OTHER_PROCESS_POLL_S, RECONNECT_POLL_S, SAFETY_POLL_S
 
 WOKEN_WITHIN_S = 5.0  # far under the test's poll interval, far over a loaded machine's wake
@@ -173,7 +173,7 @@ def test_postgres_readers_poll_while_the_listener_is_lost_and_listen_again(store
 _OTHER_REPLICA = """
 import sys, time
 from pd_runtime.gateway.open import open_store
-from pd_runtime.gateway.runs import Runs
+from pd_runtime.gateway.run_state import Runs
 store = open_store(sys.argv[1])
 print("ready", flush=True)
 for line in sys.stdin:

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 # A run counts as followed from another replica when a follower marked it this recently (they
-# mark it every second: pd_runtime/gateway/run_records.py FOLLOW_MARK_S); generous, as the mark is
+# mark it every second: pd_runtime/gateway/recorder.py FOLLOW_MARK_S); generous, as the mark is
 # the follower's clock and the look-up this one's.
 FOLLOWED_S = 30.0
 
@@ -30,18 +30,17 @@ def serve(conn, store_url: Optional[str], owner: Optional[str] = None,
           lease_s: float = 30.0, keep_outputs_s: Optional[float] = None,
           keep_runs_s: Optional[float] = None) -> None:
     """Until the pipe closes or an empty message comes: a round in, pickled (its runs' rows as
-    pd_runtime/gateway/runs.py `record_item` makes them, the new events of runs followed from other
-    replicas, whether to say which runs are followed), and pickled out (the problems, one line
-    each; this owner's runs in flight followed from elsewhere, and those whose cancel another
-    replica asked for), or one string when nothing of
-    the round could be written. With an
-    `owner`, every lease_s / 3 between rounds: the owner is alive, and runs of replicas not
-    seen for `lease_s` are failed (a replica that stopped for good leaves none in flight).
-    Outputs and runs past `keep_outputs_s` / `keep_runs_s` are deleted a batch at a time, a
-    round that comes in meanwhile served first."""
+    pd_runtime/gateway/run_state.py `record_item` makes them, the new events of runs followed
+    from other replicas, whether to say which runs are followed), and pickled out (the
+    problems, one line each; this owner's runs in flight followed from elsewhere, and those
+    whose cancel another replica asked for), or one string when nothing of the round could be
+    written. With an `owner`, every lease_s / 3 between rounds: the owner is alive, and runs of
+    replicas not seen for `lease_s` are failed (a replica that stopped for good leaves none in
+    flight). Outputs and runs past `keep_outputs_s` / `keep_runs_s` are deleted a batch at a
+    time, a round that comes in meanwhile served first."""
     from pd_runtime.gateway.open import open_store
     from pd_runtime.gateway.retention import Retention
-    from pd_runtime.gateway.runs import Runs
+    from pd_runtime.gateway.run_state import Runs
 
     # Ctrl-C reaches the terminal's whole process group: the router drains, sends its last
     # round, then closes the pipe, which ends this process. (SIGTERM still ends it at once: a

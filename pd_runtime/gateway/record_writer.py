@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pd_runtime.cpu_time import cpu_s, read_stat
 from pd_runtime.gateway import record_process
-from pd_runtime.gateway.runs import IN_FLIGHT, record_item
+from pd_runtime.gateway.run_state import IN_FLIGHT, record_item
 from pd_runtime.gateway.store import ENDED, RUN_FIELDS
 
 if TYPE_CHECKING:

@@ -1,7 +1,8 @@
-"""Where run records live: one small interface (`RunStore`, the operations pd_runtime/gateway/runs.py
-needs, each one transaction), written once in SQL for every database (pd_runtime/gateway/sql_store.py;
-pd_runtime/gateway/sqlite.py, the embedded default; pd_runtime/gateway/postgres.py). Every method opens no
-transaction the caller must close: each is atomic on its own.
+"""Where run records live: one small interface (`RunStore`, the operations
+pd_runtime/gateway/run_state.py needs, each one transaction), written once in SQL for every
+database (pd_runtime/gateway/sql_store.py; pd_runtime/gateway/sqlite.py, the embedded default;
+pd_runtime/gateway/postgres.py). Every method opens no transaction the caller must close: each is
+atomic on its own.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def content_start(text: str) -> Optional[int]:
 
 
 class HarmonyStream:
-    """One choice's thinking and answer, as pd_runtime/entrypoints/openai/responses.py asks
+    """One choice's thinking and answer, as pd_runtime/entrypoints/openai/completion_bodies.py asks
     them of a reasoning format."""
 
     def __init__(self):

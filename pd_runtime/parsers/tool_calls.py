@@ -1,5 +1,5 @@
 """A model's tool calls read out of its output as it is written (tool_choice "auto" and
-"required"; a named function's output is its arguments: pd_runtime/entrypoints/openai/responses.py).
+"required"; a named function's output is its arguments: pd_runtime/entrypoints/openai/completion_bodies.py).
 The content before the first call streams as it comes, a call goes out once its name is read and its
 arguments have begun, and its arguments as the model writes them. A finished output is read the same
 way (pd_runtime/parsers/registry.py `read_calls`), so a streamed choice and a whole one have the

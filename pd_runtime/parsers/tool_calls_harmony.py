@@ -2,7 +2,7 @@
 `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS`
 (or with the recipient before the channel), which the `<|call|>` stop token ends. This reader
 (CallReader's interface, pd_runtime/parsers/tool_calls.py) is fed the whole output, markers and
-thinking included (pd_runtime/entrypoints/openai/responses.py), and reads it as
+thinking included (pd_runtime/entrypoints/openai/completion_bodies.py), and reads it as
 pd_runtime/parsers/harmony.py does: a call per such message, its name once the header is whole, its
 arguments as they are written; the content is the final channel's, as harmony.split gives it. An
 output not in the format is all content.

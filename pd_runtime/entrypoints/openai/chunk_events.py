@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from pd_runtime.api import StreamChunk
-from pd_runtime.entrypoints.openai.responses import ResponseBuilder
+from pd_runtime.entrypoints.openai.completion_bodies import ResponseBuilder
 from pd_runtime.gateway.live_run import sse
 from pd_runtime.router.backend import BackendError
 

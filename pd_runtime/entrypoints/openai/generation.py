@@ -21,15 +21,15 @@ from pd_runtime.entrypoints.openai import beam_search
 from pd_runtime.entrypoints.openai.chunk_events import collect, first_chunks, sse_events
 from pd_runtime.entrypoints.openai.intake import INLINE_MAX_BYTES, Intake
 from pd_runtime.entrypoints.openai.protocol import InvalidRequest, parse_json
-from pd_runtime.entrypoints.openai.responses import ResponseBuilder
-from pd_runtime.entrypoints.openai.responses_api import NeedsHistory
+from pd_runtime.entrypoints.openai.completion_bodies import ResponseBuilder
+from pd_runtime.entrypoints.openai.responses_request import NeedsHistory
 from pd_runtime.entrypoints.openai.responses_events import ResponsesBuilder
 from pd_runtime.entrypoints.openai.responses_stored import as_it_stands, stored as stored_response
 from pd_runtime.entrypoints.openai.streaming import (ClientDisconnected, SSEResponse, json_body,
                                                      merge_streams, until_disconnect)
 from pd_runtime.gateway.live_run import LiveRun, end_as_cut, parse_event_id, stream_closed
-from pd_runtime.gateway.run_records import RunRecorder
-from pd_runtime.gateway.runs import IdempotencyConflict, body_hash
+from pd_runtime.gateway.recorder import RunRecorder
+from pd_runtime.gateway.run_state import IdempotencyConflict, body_hash
 from pd_runtime.router.backend import Backend, BackendError
 
 log = logging.getLogger("router.http")

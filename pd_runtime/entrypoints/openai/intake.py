@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 from pd_runtime.entrypoints.openai import parser_process
 from pd_runtime.entrypoints.openai.protocol import (PreparedRequest, is_token_ids, parse_json,
                                                     prepare_chat, prepare_completion)
-from pd_runtime.entrypoints.openai.responses_api import NeedsHistory, prepare_responses
+from pd_runtime.entrypoints.openai.responses_request import NeedsHistory, prepare_responses
 from pd_runtime.entrypoints.openai.schema import InvalidRequest
 from pd_runtime.entrypoints.openai.streaming import ClientDisconnected
 from pd_runtime.router.backend import Backend, BackendError

@@ -34,7 +34,7 @@ def prepare(kind: str, body_path: str, model_name: str, max_model_len: int, defa
     stored response whose conversation was not given."""
     from pd_runtime.router.backend import BackendError
     from pd_runtime.entrypoints.openai.protocol import parse_json, prepare_chat, prepare_completion
-    from pd_runtime.entrypoints.openai.responses_api import NeedsHistory, prepare_responses
+    from pd_runtime.entrypoints.openai.responses_request import NeedsHistory, prepare_responses
 
     with open(body_path, "rb") as file:
         raw = file.read()

@@ -5,7 +5,7 @@ Typed fields are validated strictly (no "1" for 1, no true for 1); unknown field
 ignored, as OpenAI clients send extras, but OpenAI fields this server does not implement are
 refused unless they hold their "off" value. The body schemas live in
 pd_runtime/entrypoints/openai/schema.py, the response bodies in
-pd_runtime/entrypoints/openai/responses.py.
+pd_runtime/entrypoints/openai/completion_bodies.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A stored response after its request (pd_runtime/entrypoints/openai/app.py's /v1/responses/{id}
 routes): retrieve it whole or stream its events again (`stream=true&starting_after=N`), list the
 input items it was made from, delete it. A response is stored when sent with `store: true` (the
-default); its output and conversation live in its run's record (pd_runtime/gateway/run_records.py)
+default); its output and conversation live in its run's record (pd_runtime/gateway/recorder.py)
 for router.runs.keep_outputs_s.
 """
 
@@ -20,8 +20,8 @@ from pd_runtime.entrypoints.openai.responses_events import latest_response, stor
 from pd_runtime.entrypoints.openai.schema import InvalidRequest
 from pd_runtime.entrypoints.openai.streaming import SSEResponse, json_body, until_disconnect
 from pd_runtime.gateway.live_run import is_response_id, stream_closed
-from pd_runtime.gateway.run_records import RunRecorder, output_of
-from pd_runtime.gateway.runs import TRANSITIONS
+from pd_runtime.gateway.recorder import RunRecorder, output_of
+from pd_runtime.gateway.run_state import TRANSITIONS
 from pd_runtime.gateway.wakeups import read_until
 from pd_runtime.router.backend import BackendError
 

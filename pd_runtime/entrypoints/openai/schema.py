@@ -134,7 +134,8 @@ class PreparedRequest:
     # thinking is split out; pd_runtime/parsers/reasoning.py), or "harmony" (gpt-oss's channels,
     # pd_runtime/parsers/harmony.py)
     reasoning: Optional[bool | str] = None
-    responses: Any = None  # a Responses API request's: pd_runtime/entrypoints/openai/responses_api.ResponsesRequest
+    # a Responses API request's: pd_runtime/entrypoints/openai/responses_request.py ResponsesRequest
+    responses: Any = None
     token_ids: bool = False  # return_token_ids: prompt_token_ids and each choice's token_ids
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:N"
     prompt_logprobs: Optional[int] = None  # top-n of each prompt token, asked for as such

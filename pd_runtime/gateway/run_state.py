@@ -1,4 +1,4 @@
-"""Run records: every generation request a run with an id and a validated state machine
+"""The run state machine: every generation request a run with an id and validated transitions
 
     queued -> prefilling -> streaming -> completed | failed | cancelled
     (queued and prefilling may also end failed or cancelled)

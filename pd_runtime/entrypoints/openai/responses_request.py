@@ -1,7 +1,8 @@
-"""OpenAI's Responses API (`POST /v1/responses`) as a chat request: its input items, instructions,
-function tools, text format and sampling fields become a chat completions body, which the chat
-path validates, renders and runs; pd_runtime/entrypoints/openai/responses_events.py turns the chat
-output back into a response object and its stream events.
+"""OpenAI's Responses API (`POST /v1/responses`) as a chat request: its input items
+(pd_runtime/entrypoints/openai/responses_input.py), instructions, function tools, text format and
+sampling fields become a chat completions body, which the chat path validates, renders and runs;
+pd_runtime/entrypoints/openai/responses_events.py turns the chat output back into a response
+object and its stream events.
 
 A field this server cannot honour is refused naming it (hosted tools, images and files), as
 on the chat path; unknown fields are ignored. A chat
@@ -17,6 +18,7 @@ from typing import Any, Optional
 
 from pd_runtime.entrypoints.openai.chat_prompt import EFFORTS
 from pd_runtime.entrypoints.openai.protocol import prepare_chat
+from pd_runtime.entrypoints.openai.responses_input import input_messages
 from pd_runtime.entrypoints.openai.schema import InvalidRequest, PreparedRequest
 from pd_runtime.router.backend import BackendError
 
@@ -38,7 +40,6 @@ _OFF_VALUES: dict[str, tuple] = {
     "context_management": (None,),
 }
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
-_TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_METADATA_KEYS = 16  # OpenAI's limits
 _INCLUDE_LOGPROBS = "message.output_text.logprobs"
 # Asked by clients that keep no state on the server (store false) so they can send a reasoning
@@ -181,7 +182,7 @@ def chat_body(data: dict, history: Optional[list] = None) -> tuple[dict, Respons
         if not isinstance(instructions, str):
             raise InvalidRequest("instructions must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
-    conversation = (history or []) + _input_messages(data.get("input"))
+    conversation = (history or []) + input_messages(data.get("input"))
     # A developer message is the template's system message (the conversation keeps its role).
     chat["messages"] = messages + [dict(m, role="system") if m["role"] == "developer" else m
                                    for m in conversation]
@@ -244,106 +245,6 @@ def responses_param(param: Optional[str]) -> Optional[str]:
     if param is None:
         return None
     return _PARAMS.get(re.split(r"[.\[]", param, maxsplit=1)[0], param)
-
-
-# -- input items -------------------------------------------------------------------------------
-def _input_messages(items: Any) -> list[dict]:
-    """`input` (a string, or a list of message, function_call and function_call_output items)
-    as chat messages; a model's calls join the assistant message before them."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise InvalidRequest("input must be a string or a non-empty list of items",
-                             param="input")
-    messages: list[dict] = []
-    thinking = None  # a reasoning item's text, for the assistant turn it comes before
-    for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise InvalidRequest(f"input[{i}] must be an object", param=f"input[{i}]")
-        kind = item.get("type", "message")
-        if kind == "message":
-            messages.append(_message(item, i))
-            if messages[-1]["role"] == "assistant" and thinking is not None:
-                messages[-1]["reasoning"] = thinking
-            thinking = None
-        elif kind == "function_call":
-            call = _history_call(item, i)
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and thinking is None:
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                if thinking is not None:
-                    messages[-1]["reasoning"] = thinking
-            thinking = None
-        elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
-                             "content": _text(item.get("output"), f"input[{i}].output")})
-            thinking = None
-        elif kind == "reasoning":
-            thinking = _reasoning_text(item, i)
-        else:
-            raise InvalidRequest(f"input[{i}]: items of type {kind!r} are not supported by "
-                                 f"this server (message, function_call, function_call_output, "
-                                 f"reasoning)", param=f"input[{i}].type",
-                                 code="unsupported_parameter")
-    return messages
-
-
-def _reasoning_text(item: dict, i: int) -> Optional[str]:
-    """A reasoning item's thinking (its `reasoning_text` parts; a summary is not the thinking),
-    which the next assistant turn carries to the template as chat's `reasoning` does."""
-    parts = item.get("content")
-    if parts is None:
-        return None
-    if not isinstance(parts, list) or not all(
-            isinstance(p, dict) and p.get("type") == "reasoning_text"
-            and isinstance(p.get("text"), str) for p in parts):
-        raise InvalidRequest(f"input[{i}].content must be a list of reasoning_text parts",
-                             param=f"input[{i}].content")
-    return "\n".join(p["text"] for p in parts) if parts else None
-
-
-def _message(item: dict, i: int) -> dict:
-    role = item.get("role")
-    if role not in ("user", "system", "developer", "assistant"):
-        raise InvalidRequest(f"input[{i}].role must be user, system, developer or assistant",
-                             param=f"input[{i}].role")
-    return {"role": role, "content": _text(item.get("content"), f"input[{i}].content")}
-
-
-def _text(content: Any, where: str) -> str:
-    """A string, or a list of text parts joined with newlines (as chat joins them)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{where} must be a string or a list of text parts", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise InvalidRequest(f"{where}[{j}]: only text parts are supported (input_text, "
-                                 f"output_text; got {kind!r})", param=f"{where}[{j}].type",
-                                 code="unsupported_parameter")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _history_call(item: dict, i: int) -> dict:
-    arguments = item.get("arguments", "")
-    if not isinstance(arguments, str):
-        raise InvalidRequest(f"input[{i}].arguments must be a string (JSON)",
-                             param=f"input[{i}].arguments")
-    return {"id": _string(item, "call_id", i), "type": "function",
-            "function": {"name": _string(item, "name", i), "arguments": arguments}}
-
-
-def _string(item: dict, key: str, i: int) -> str:
-    value = item.get(key)
-    if not isinstance(value, str) or not value:
-        raise InvalidRequest(f"input[{i}].{key} must be a non-empty string",
-                             param=f"input[{i}].{key}")
-    return value
 
 
 # -- tools, text format, reasoning, include, metadata ------------------------------------------
