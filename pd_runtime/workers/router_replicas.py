@@ -23,7 +23,7 @@ class RouterReplica:
         from pd_runtime.workers.client import PoolClient, WorkerRef
         from pd_runtime.entrypoints.openai.replicas import build_router
         from pd_runtime.entrypoints.openai.server import BackgroundServer
-        from pd_runtime.gateway.run_records import owner_name
+        from pd_runtime.gateway.recorder import owner_name
 
         logging.basicConfig(level=logging.INFO)
         cfg = ClusterConfig.model_validate_json(cfg_json)
