@@ -279,25 +279,23 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
     met = [o for o in options if o.meets(target)]
     # Each path does what it is for while it can: uncached prompts longer than
     # max_local_prefill_tokens to a prefill worker, shorter ones on the decode worker; the other
-    # path when the usual one cannot meet the targets. A long prefill on a decode worker stalls
-    # every stream there for its length: such an option meets the TPOT target only if that stall,
-    # spread over the output (its tpot_s), keeps within it. (Measured at 2 req/s on the 2-core
-    # box: streams ran at ~16-20 ms against 100 ms while a second long prompt waited behind the
-    # first on the prefill worker and missed its TTFT; at saturation the prediction is over the
-    # target and the stall is not taken.)
+    # path when the usual one cannot meet the targets. A long prefill falls back to a decode
+    # worker only where no stream runs (or where no prefill worker is up to take it): the stall
+    # would land on every one of them and on every request arriving meanwhile (measured: at
+    # saturation such fallbacks pushed the decode worker's TPOT p50 from ~40 to ~100 ms and cut
+    # goodput by half).
     def long(o: Option) -> bool:
         return prompt_len - o.hit_tokens > cfg.max_local_prefill_tokens
 
     prefill_up = any(o.path == "disaggregated" for o in options)
 
     def spares_streams(o: Option) -> bool:
-        """Not a long prefill stalling a decode worker's streams past the TPOT target."""
-        return (o.path == "disaggregated" or not long(o) or o.harm_s == 0.0 or not prefill_up
-                or o.tpot_s <= target.tpot_s)
+        return o.path == "disaggregated" or not long(o) or o.harm_s == 0.0 or not prefill_up
 
-    if met:
-        usual = [o for o in met if (o.path == "disaggregated") == long(o)]
-        best = min(usual or met, key=lambda o: (o.pressure(target), rng.random()))
+    usual = [o for o in met if (o.path == "disaggregated") == long(o)]
+    fallback = [o for o in met if spares_streams(o)]
+    if usual or fallback:
+        best = min(usual or fallback, key=lambda o: (o.pressure(target), rng.random()))
         reason = "slo_" + ("local" if best.path == "colocated" else "remote") \
             + ("" if usual else "_fallback")
         return Decision(best.path, reason, best.decode_worker, best.prefill_worker, prompt_len,
@@ -305,23 +303,23 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                         best.prefill_s)
     # Late, not refused: an option that misses only the TTFT target, behind no more queued
     # prefill than its own (one request's worth: the machine has headroom; a saturated
-    # worker's queue is longer), within the TPOT target. A client loses less to a first token
-    # a little late than to a 429 (measured on the 2-core box at 2 req/s: the long prompts
-    # refused there were predicted 2.6-3.0 s against 2.5 s).
-    late = [o for o in options if o.tpot_s <= target.tpot_s and o.waits_at_most_its_own()
-            and o.idle_meets]
+    # worker's queue is longer), without stalling a decode worker's streams. A client loses
+    # less to a first token a little late than to a 429 (measured on the 2-core box at 2 req/s:
+    # the long prompts refused there were predicted 2.6-3.0 s against 2.5 s).
+    late = [o for o in options if spares_streams(o) and o.tpot_s <= target.tpot_s
+            and o.waits_at_most_its_own() and o.idle_meets]
     if late:
         best = min(late, key=lambda o: (o.ttft_s, rng.random()))
         return Decision(best.path, "slo_late", best.decode_worker, best.prefill_worker,
                         prompt_len, hits.get(best.decode_worker, 0), best.ttft_s, best.tpot_s,
                         best.prefill_s)
     # No worker that may take it could meet these targets even idle (a prompt too long for
-    # this TTFT on this hardware; or a long one whose only idle fit is a decode worker whose
-    # streams it would stall past their TPOT): waiting would not help, so refusing would refuse
-    # it for ever. Serve it late where the wait is bounded: on a worker whose queued prefill is
-    # no more than its own (TTFT at most twice the idle one), and a long one not on a decode
-    # worker's streams past their TPOT (measured at 8 req/s: one such 2048-token prefill there
-    # pushed every short request's TPOT to 140-190 ms).
+    # this TTFT on this hardware; or a long one whose only idle fit is a decode worker with
+    # streams): waiting would not help, so refusing would refuse it for ever. Serve it late
+    # where the wait is bounded: on a worker whose queued prefill is no more than its own
+    # (TTFT at most twice the idle one), and a long one not on a decode worker's streams
+    # (measured at 8 req/s: one such 2048-token prefill there pushed every short request's
+    # TPOT to 140-190 ms).
     never = not any(o.idle_meets for o in options if spares_streams(o))
     if never:
         free = [o for o in options if o.waits_at_most_its_own() and spares_streams(o)]
@@ -339,8 +337,12 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         return late_ttft + late_tpot
 
     best = min(options, key=wait)
-    reason = "slo_ttft_unmet" if best.ttft_s > target.ttft_s else "slo_tpot_unmet"
+    reason = "slo_would_stall" if met else \
+        "slo_ttft_unmet" if best.ttft_s > target.ttft_s else "slo_tpot_unmet"
     retry = wait(best)
+    if met:  # would stall the decode worker's streams: when the prefill worker catches up
+        best = min((o for o in options if o.path == "disaggregated"), key=lambda o: o.ttft_s)
+        retry = max(0.0, best.ttft_s - target.ttft_s)
     if never:  # served once a worker's queue is down to its own prefill
         retry = min((o.backlog_s - o.prefill_s for o in options if spares_streams(o)),
                     default=1.0)
@@ -362,6 +364,11 @@ def _refusal(reason: str, best: Option, prompt_len: int, admit: SLOTarget, margi
         miss = f"{ttft}{limits}" if best.ttft_s > admit.ttft_s else f"{tpot}{limits}"
         return (f"no worker could meet the latency targets for this request even idle: {miss}; "
                 "it is served late once a worker has no more than its own prefill queued")
+    if reason == "slo_would_stall":  # `best`: the prefill worker's option, which misses
+        busy = ttft if best.ttft_s > admit.ttft_s else tpot
+        return (f"the prefill workers are busy ({busy}{limits}), and prefilling this "
+                f"{prompt_len}-token prompt on a decode worker would stall the streams it is "
+                "running")
     if reason == "slo_ttft_unmet":
         return f"no worker can meet the latency targets now: {ttft}{limits}"
     return (f"no worker can meet the latency targets now: {tpot}{limits}; the decode workers' "
