@@ -168,9 +168,19 @@ def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClie
         strategy_for = [None] * pool.num_workers
         # (a tensor-parallel worker gets a placement group of its own: start_worker)
         if placement.enabled and pool.engine.tensor_parallel_size == 1:
-            pg = placement_group([res.bundle() for _ in range(pool.num_workers)],
-                                 strategy=placement.strategy, name=f"pd-{role}")
-            ray.get(pg.ready(), timeout=placement.ready_timeout_s)
+            bundles = [res.bundle() for _ in range(pool.num_workers)]
+            pg = placement_group(bundles, strategy=placement.strategy, name=f"pd-{role}")
+            try:
+                ray.get(pg.ready(), timeout=placement.ready_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                ray.util.remove_placement_group(pg)
+                raise RuntimeError(
+                    f"the {role} pool's {pool.num_workers} workers ({bundles[0]} each, "
+                    f"{placement.strategy}) could not be placed within "
+                    f"{placement.ready_timeout_s:g} s: the cluster has "
+                    f"{ray.available_resources()} free (all: {ray.cluster_resources()}); "
+                    f"lower {role}.resources or num_workers, or give a local Ray more with "
+                    "ray.num_cpus") from None
             strategy_for = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
                             for i in range(pool.num_workers)]
         engine = pool.engine_config(model_dir)

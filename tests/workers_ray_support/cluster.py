@@ -38,7 +38,11 @@ def cluster(llama_dir):
                           num_threads=1)
     kv = KVTransferConfig(backend="torch_dist", transfer_timeout_s=8.0, lease_timeout_s=8.0,
                           heartbeat_interval_s=0.2, peer_timeout_s=2.0)
-    recovery = RecoveryConfig(remote_prefill_timeout_s=10.0, reservation_timeout_s=5.0)
+    # hedge_min_s 3 s: a first prefill slowed past the default 1.2 s hedge on a loaded box was
+    # hedged locally, and a test that needs the transfer saw none (the hedge test's own deadline
+    # is 8 s).
+    recovery = RecoveryConfig(remote_prefill_timeout_s=10.0, reservation_timeout_s=5.0,
+                              hedge_min_s=3.0)
     workers = [start_worker(role, wid, engine, kv, num_cpus=1, max_restarts=5,
                             recovery=recovery)
                for role, wid in (("prefill", "p0"), ("decode", "d0"), ("decode", "d1"))]
