@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -63,6 +64,39 @@ def build_plans(args, vocab: int) -> list[plans.PhasePlan]:
     if args.phases:
         out = [p for p in out if p.name in args.phases or p.name == "fault-free"]
     return out
+
+
+def deployment_overrides(args) -> dict:
+    """What the run changes in chaos_config's deployment (one prefill and one decode worker,
+    routing by prompt length, a thread each)."""
+    engine = {"max_waiting_requests": args.max_waiting_requests,
+              "num_threads": None if args.engine_threads == "default"
+              else int(args.engine_threads)}
+    routing = {"mode": args.routing_mode}
+    if args.routing_mode == "slo":
+        routing["slo"] = {"ttft_s": args.slo_ttft_s, "tpot_s": args.slo_tpot_s}
+    # Ray's logical CPUs: one per worker at least (two decode workers and a prefill worker on a
+    # 2-core box would otherwise never be placed).
+    cpus = max(os.cpu_count() or 1, 1 + args.decode_workers)
+    return {"prefill": {"engine": engine},
+            "decode": {"engine": dict(engine), "num_workers": args.decode_workers},
+            "recovery": {"max_restarts": -1}, "router": {"routing": routing},
+            "ray": {"num_cpus": cpus}}
+
+
+def refusals(phase) -> dict[str, tuple[int, int]]:
+    """Prompt class -> (refused with 429, sent)."""
+    out: dict[str, tuple[int, int]] = {}
+    for r in phase.results:
+        refused, sent = out.get(r.spec.kind, (0, 0))
+        out[r.spec.kind] = (refused + (r.status == 429), sent + 1)
+    return out
+
+
+def refusal_line(phase) -> str:
+    return f"{phase.plan.name}: refused " + ", ".join(
+        f"{kind} {n} of {sent} ({n / sent:.0%})"
+        for kind, (n, sent) in sorted(refusals(phase).items()))
 
 
 def targets(phases, ttft_free) -> list[str]:
@@ -120,6 +154,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the offline reference (two lose on a busy box)")
     ap.add_argument("--phases", nargs="*", help="run only these (fault-free always runs)")
+    ap.add_argument("--routing-mode", choices=["auto", "slo"], default="auto",
+                    help="auto: by prompt length (the chaos default); slo: the product's "
+                    "default, by predicted TTFT/TPOT against --slo-ttft-s/--slo-tpot-s")
+    ap.add_argument("--slo-ttft-s", type=float, default=2.5)
+    ap.add_argument("--slo-tpot-s", type=float, default=0.1)
+    ap.add_argument("--decode-workers", type=int, default=1)
+    ap.add_argument("--engine-threads", default="1",
+                    help="each worker's engine.num_threads; 'default': the product's (null)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every request's record here")
     args = ap.parse_args()
@@ -152,10 +194,8 @@ def main() -> int:
     ambiguous = ambiguous_token_strings(model)
     settings = RunSettings(hung_bound_s=args.hung_s, back_timeout_s=180.0,
                            quiesce_timeout_s=120.0, trigger_timeout_s=args.phase_s + 60)
-    limits = {"max_waiting_requests": args.max_waiting_requests}
     config = chaos_config(model, free_port(), args.dtype, None, args.max_local_prefill_tokens,
-                          {"prefill": {"engine": limits}, "decode": {"engine": limits},
-                           "recovery": {"max_restarts": -1}})
+                          deployment_overrides(args))
     product = ServedProduct(config, Path(tempfile.mkdtemp(prefix="pd-chaos-")))
     done = []
     try:
@@ -180,6 +220,8 @@ def main() -> int:
     print(report.details(done))
     for line in targets(done, free.ttft_p99() if free else None):
         print(line)
+    for phase in done:
+        print(refusal_line(phase))
     print(f"processes left after stop: {len(left)}; serve log {product.log_path}")
     if args.json:
         Path(args.json).write_text(json.dumps([{
