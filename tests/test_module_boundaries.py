@@ -18,6 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The import walker is shared with the generator of docs/architecture.md's dependency block.
+from tools.architecture_graph import import_graph, package_modules
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "pd_runtime"
 ARCHITECTURE = REPO / "docs" / "architecture.md"
@@ -106,45 +109,6 @@ def test_importing_the_serving_packages_loads_no_torch_and_nothing_below_the_rou
     wrong = [m for m in loaded if m.split(".")[0] in FOREIGN
              or (any(inside(m, below) for below in BELOW) and m not in BELOW_BUT)]
     assert not wrong, f"importing the serving packages loaded {wrong}"
-
-
-def package_modules(package: Path) -> dict[str, Path]:
-    """Every module under `package` by its dotted name (an __init__.py by its package's)."""
-    out = {}
-    for path in sorted(package.rglob("*.py")):
-        name = ".".join(path.relative_to(package.parent).with_suffix("").parts)
-        out[name.removesuffix(".__init__")] = path
-    return out
-
-
-def import_graph(package: Path) -> dict[str, set[str]]:
-    """Module -> the modules of `package` it imports, at the top or inside functions. `import a.b`
-    names a.b; `from a import b` names a and a.b (b may be a module); a relative import counts
-    from the module's package; a name that is no module stands for the nearest module above it.
-    A module's own packages are left out: importing it has imported them already."""
-    modules = package_modules(package)
-    graph: dict[str, set[str]] = {}
-    for module, path in modules.items():
-        graph[module] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    package_name = module if path.name == "__init__.py" else \
-                        module.rpartition(".")[0]
-                    parts = package_name.split(".")
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
-                names = [base] + [f"{base}.{alias.name}" for alias in node.names]
-            else:
-                continue
-            for name in names:
-                while name and name not in modules:
-                    name = name.rpartition(".")[0]
-                if name and name != module and not module.startswith(name + "."):
-                    graph[module].add(name)
-    return graph
 
 
 def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
