@@ -5,8 +5,10 @@ leaves no process of ours behind (Ray included).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import random
 import re
 import signal
 import socket
@@ -26,7 +28,24 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a server a subprocess binds seconds later: drawn below the kernel's
+    ephemeral range (32768 up by default), where no bind(0) or outgoing connection of another
+    process (Ray's, another test process's) lands in between; bind(0)'s own port was taken so
+    once under two test processes."""
+    low, high = 20000, 32000
+    with contextlib.suppress(OSError, ValueError):
+        low_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        high = min(high, low_ephemeral)
+    rng = random.Random()
+    for _ in range(200 if high - low >= 100 else 0):
+        port = rng.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is crowded: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
