@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.chaos_support.product import free_port
+
 pytestmark = pytest.mark.timeout(300)
 
 _STARTED = "will now block forever"  # what `ray start --block` prints once the node is up
@@ -25,7 +27,13 @@ def _start_head(ray_cli: str, env: dict, port: str, log: Path) -> subprocess.Pop
     processes and no others (`ray stop` would kill every Ray process of the user on the box,
     other test runs' included)."""
     with open(log, "w") as out:
-        head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--num-cpus=4",
+        # Ports of its own, not Ray's fixed defaults (GCS 6379, the dashboard agent's 52365,
+        # ...): another test process may be running a Ray of its own, whose agent would hold
+        # them ("No available agent to submit job").
+        ports = [f"--{name}={free_port()}" for name in (
+            "port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+            "runtime-env-agent-port", "metrics-export-port")]
+        head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--num-cpus=4", *ports,
                                  "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                                  f"--dashboard-port={port}", "--disable-usage-stats"],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -71,7 +79,7 @@ def test_serve_under_ray_job_submit(llama_dir, tmp_path):
         cfg[pool]["engine"].update(dtype="float32", num_kv_blocks=64, num_threads=1)
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    port = "8365"
+    port = str(free_port())
     head = _start_head(ray_cli, env, port, tmp_path / "ray_start.log")
     try:
         job = subprocess.run([ray_cli, "job", "submit", "--address", f"http://127.0.0.1:{port}",

@@ -152,6 +152,31 @@ def default_step_interval(cfg, role: str, pool) -> Optional[float]:
     return cfg.router.routing.slo.tpot_s / 2 if shares_cores else 0.0
 
 
+def check_local_fit(cfg, have: dict) -> None:
+    """On a local Ray the cluster is this machine and will not grow: pools whose workers need
+    more CPUs or GPUs than it has fail the start now, not after placement.ready_timeout_s.
+    `have`: the cluster's resources (ray.cluster_resources())."""
+    if cfg.ray.address:
+        return
+    want: dict[str, float] = {}
+    for pool in cfg.pools().values():
+        bundle = pool.resources.bundle()
+        for name in ("CPU", "GPU"):
+            want[name] = want.get(name, 0.0) + bundle.get(name, 0.0) * pool.num_workers \
+                * pool.engine.tensor_parallel_size
+    short = {name: amount for name, amount in want.items() if amount > have.get(name, 0.0) + 1e-9}
+    if short:
+        asks = ", ".join(f"{role}: {pool.num_workers} x {pool.resources.bundle()}"
+                         + (f" x {pool.engine.tensor_parallel_size} ranks"
+                            if pool.engine.tensor_parallel_size > 1 else "")
+                         for role, pool in cfg.pools().items() if pool.num_workers)
+        raise RuntimeError(
+            f"the pools need {short} of this local Ray's "
+            f"{ {n: have.get(n, 0.0) for n in short} } ({asks}): lower a pool's num_workers or "
+            "resources.num_cpus / num_gpus, or give the local Ray more CPUs with ray.num_cpus "
+            "(its GPUs are the machine's)")
+
+
 def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClient:
     """Start every pool of a ClusterConfig and return a client over them."""
     import ray
@@ -159,6 +184,7 @@ def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClie
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     check_tensor_parallel(cfg)
+    check_local_fit(cfg, ray.cluster_resources())
     pools = {role: [] for role in cfg.pools()}
     for role, pool in cfg.pools().items():
         if pool.num_workers == 0:
