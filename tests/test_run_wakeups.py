@@ -27,6 +27,13 @@ from pd_runtime.gateway.wakeups import OTHER_PROCESS_POLL_S, RECONNECT_POLL_S, S
 WOKEN_WITHIN_S = 5.0  # far under the test's poll interval, far over a loaded machine's wake
 
 
+async def waited(watch, timeout_s: float = 60.0) -> float:
+    """Seconds until `watch` wakes (or `timeout_s`)."""
+    began = time.monotonic()
+    await watch.wait(timeout_s)
+    return time.monotonic() - began
+
+
 def _quiet(store) -> None:
     """No fallback reads: only a notification wakes a watch (set back by `_restore`)."""
     store._poll_was = store.wakeups.poll_s
@@ -65,9 +72,7 @@ def test_a_reader_wakes_when_another_store_commits_its_run(store_url):
             assert (await asyncio.to_thread(reader.get_run, "run-a"))["state"] == "queued"
             # Another run's write does not wake this watch.
             await asyncio.to_thread(Runs(writer).create, "t", None, None, "run-b")
-            began = time.monotonic()
-            await watch.wait(0.3)
-            assert time.monotonic() - began >= 0.25
+            assert await waited(watch, 0.3) >= 0.25
 
     try:
         asyncio.run(scenario())
@@ -85,9 +90,7 @@ def test_a_write_between_the_read_and_the_wait_is_not_missed(tmp_path):
         with store.watch("run-a") as watch:
             assert store.get_run("run-a") is None  # the read ...
             Runs(store).create("t", None, None, "run-a")  # ... a commit before the wait
-            began = time.monotonic()
-            await watch.wait(60.0)
-            assert time.monotonic() - began < WOKEN_WITHIN_S
+            assert await waited(watch) < WOKEN_WITHIN_S
 
     try:
         asyncio.run(scenario())
@@ -105,9 +108,7 @@ def test_a_round_of_the_record_writer_wakes_this_process_readers(tmp_path):
         with store.watch("run-x") as watch:
             loop = asyncio.get_running_loop()
             loop.call_later(0.05, store.committed, ["run-x"])
-            began = time.monotonic()
-            await watch.wait(60.0)
-            assert time.monotonic() - began < WOKEN_WITHIN_S
+            assert await waited(watch) < WOKEN_WITHIN_S
 
     try:
         asyncio.run(scenario())
@@ -140,14 +141,10 @@ def test_postgres_readers_poll_while_the_listener_is_lost_and_listen_again(store
             await asyncio.to_thread(take_connections, False)
             try:
                 assert await asyncio.to_thread(kill_listener), "no LISTEN connection to kill"
-                began = time.monotonic()
-                await watch.wait(60.0)  # woken by the loss itself
-                assert time.monotonic() - began < WOKEN_WITHIN_S
+                assert await waited(watch) < WOKEN_WITHIN_S  # woken by the loss itself
                 # It cannot reconnect yet: readers poll.
                 assert reader.wakeups.poll_s == RECONNECT_POLL_S
-                began = time.monotonic()
-                await watch.wait(60.0)
-                assert RECONNECT_POLL_S / 2 < time.monotonic() - began < WOKEN_WITHIN_S
+                assert RECONNECT_POLL_S / 2 < await waited(watch) < WOKEN_WITHIN_S
             finally:
                 await asyncio.to_thread(take_connections, True)
             await _listening(reader, watch, times=2)  # back, no poll, its wake taken
@@ -251,9 +248,8 @@ def test_readers_poll_where_no_socket_can_be_bound_beside_the_file(tmp_path, cap
             assert store.wakeups.poll_s == OTHER_PROCESS_POLL_S
         with store.watch("run-a") as watch:
             Runs(store).create("t", None, None, "run-a")
-            began = time.monotonic()
-            await watch.wait(60.0)  # this process's own commits still wake at once
-            assert time.monotonic() - began < WOKEN_WITHIN_S
+            # this process's own commits still wake at once
+            assert await waited(watch) < WOKEN_WITHIN_S
 
     try:
         with caplog.at_level(logging.WARNING, logger="pd_runtime.gateway.sqlite_notify"):
