@@ -184,6 +184,8 @@ def _fold(a: Any, b: Any, key: str = "") -> Any:
         return out
     if isinstance(a, str) and isinstance(b, str) and key in _DELTA_TEXT:
         return a + b
+    if key == "sequence_number":  # a Responses event's place: renumbered after folding
+        return a
     if isinstance(a, list) and isinstance(b, list):
         if all(isinstance(x, dict) and "index" in x for x in a + b):
             merged = {x["index"]: x for x in a}
