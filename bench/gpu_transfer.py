@@ -13,7 +13,7 @@ message of the same bytes) from its first send to the receiver's ack. The copy i
 dst.copy_(src) of those bytes on the device, synchronized. The first transfer of each size is
 checked byte for byte (xxh3 of the blocks on both ends). On cpu the caches are host memory
 (ucx picks shm on loopback, torch_dist gloo); on cuda ucx picks its cuda mode (cuda_ipc) and
-torch_dist, both ends on one GPU (where NCCL refuses two ranks), CUDA IPC (kv_transfer/ipc.py);
+torch_dist, both ends on one GPU (where NCCL refuses two ranks), CUDA IPC (kv_transfer/backends/ipc.py);
 with --peer-device cuda:1 the receiver holds its cache on that GPU and torch_dist moves the KV
 over NCCL (the gpu_check tensor_parallel stage, on a device with two GPUs).
 The last line printed is JSON: {"transfer": [{"tokens", "bytes", "gbs", "copy_gbs", "ratio",
@@ -42,7 +42,7 @@ from bench.kv_transfer import _Sender as HostBenchSender, _summary  # noqa: E402
 from pd_runtime.kv_transfer.base import Activity, LinkState  # noqa: E402
 from pd_runtime.kv_transfer.registry import create_agent, make_transport  # noqa: E402
 from pd_runtime.config import KVTransferConfig  # noqa: E402
-from pd_runtime.engine.host_memory import host_zeros  # noqa: E402
+from pd_runtime.engine.kv_cache.host_memory import host_zeros  # noqa: E402
 
 TIMEOUT_S = 60.0
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

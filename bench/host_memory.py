@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from pd_runtime.engine.host_memory import host_zeros  # noqa: E402
+from pd_runtime.engine.kv_cache.host_memory import host_zeros  # noqa: E402
 
 
 class _IOVec(ctypes.Structure):

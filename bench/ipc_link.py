@@ -1,4 +1,4 @@
-"""The torch_dist IPC link's cost per chunk (pd_runtime/kv_transfer/ipc.py), on its CPU twin:
+"""The torch_dist IPC link's cost per chunk (pd_runtime/kv_transfer/backends/ipc.py), on its CPU twin:
 host caches in shared memory, moved by the same records, copies and acknowledgement as device
 KV on one GPU. One chunk is what the agent posts for a request sent whole: a header frame and
 the K and V regions of every layer (64 at 32 layers), each a run of blocks; the receiver reads
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from pd_runtime.kv_transfer.base import frame_buffers  # noqa: E402
-from pd_runtime.kv_transfer.torch_dist import TorchDistTransport  # noqa: E402
+from pd_runtime.kv_transfer.backends.torch_dist import TorchDistTransport  # noqa: E402
 
 CPU = torch.device("cpu")
 

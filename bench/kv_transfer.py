@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from pd_runtime.kv_transfer.base import Activity, LinkState, TransferState  # noqa: E402
 from pd_runtime.kv_transfer.registry import create_agent, make_transport  # noqa: E402
 from pd_runtime.config import KVTransferConfig  # noqa: E402
-from pd_runtime.engine.host_memory import host_zeros  # noqa: E402
+from pd_runtime.engine.kv_cache.host_memory import host_zeros  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
 MODES = {"gloo": ("torch_dist", "auto"), "ucx-tcp": ("ucx", "tcp"), "ucx-shm": ("ucx", "shm")}
@@ -51,7 +51,7 @@ def _raw_op(link, buf, what):
     """A plain send or receive of buf as one message, the figure the agent is held to. (UCX
     links split regions into pieces and stage receives so a given-up one cannot write late;
     the raw figure is a bare tag_send/tag_recv of the whole buffer.)"""
-    from pd_runtime.kv_transfer import ucx, ucx_worker
+    from pd_runtime.kv_transfer.backends import ucx, ucx_worker
     if not isinstance(link, ucx.UCXLink):
         (link.send_bytes if what == "send" else link.recv_bytes)(buf, TIMEOUT_S)
         return

@@ -1,7 +1,7 @@
 """What a streamed token costs the router on the Responses API against chat completions, in the
 same run: the time to turn one worker chunk into its SSE bytes
 (pd_runtime/entrypoints/openai/completion_bodies.py's builder for chat;
-pd_runtime/entrypoints/openai/responses_events.py's over it for /v1/responses), and the bytes sent
+pd_runtime/entrypoints/openai/responses/events.py's over it for /v1/responses), and the bytes sent
 per token.
 
     .venv/bin/python bench/responses_overhead.py [--tokens 4000] [--repeats 5] [--json FILE]
@@ -25,10 +25,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import bench_model, machine_line  # noqa: E402
 from pd_runtime.api import StreamChunk  # noqa: E402
-from pd_runtime.entrypoints.openai.protocol import prepare_chat  # noqa: E402
+from pd_runtime.entrypoints.openai.request_parsing.protocol import prepare_chat  # noqa: E402
 from pd_runtime.entrypoints.openai.completion_bodies import ResponseBuilder  # noqa: E402
-from pd_runtime.entrypoints.openai.responses_request import chat_body  # noqa: E402
-from pd_runtime.entrypoints.openai.responses_events import ResponsesBuilder  # noqa: E402
+from pd_runtime.entrypoints.openai.responses.request import chat_body  # noqa: E402
+from pd_runtime.entrypoints.openai.responses.events import ResponsesBuilder  # noqa: E402
 from pd_runtime.gateway.live_run import sse  # noqa: E402
 from pd_runtime.tokenizer import Tokenizer  # noqa: E402
 

@@ -95,7 +95,7 @@ async def stage_timings(backend, app, prompt: str, iterations: int) -> list[tupl
     """(stage, per-call µs samples) for each piece of a completion request, then the whole."""
     from pd_runtime.api import StreamChunk
     from pd_runtime.router.policy import decide
-    from pd_runtime.entrypoints.openai.protocol import parse_json, prepare_completion
+    from pd_runtime.entrypoints.openai.request_parsing.protocol import parse_json, prepare_completion
     from pd_runtime.entrypoints.openai.completion_bodies import ResponseBuilder
     from pd_runtime.entrypoints.openai.streaming import until_disconnect
 

@@ -29,10 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pd_runtime.gateway.migrations import MIGRATIONS  # noqa: E402
+from pd_runtime.gateway.stores.migrations import MIGRATIONS  # noqa: E402
 from pd_runtime.gateway.retention import BATCH, Retention  # noqa: E402
 from pd_runtime.gateway.run_state import IN_FLIGHT, Runs, record_item  # noqa: E402
-from pd_runtime.gateway.sqlite import SqliteRunStore  # noqa: E402
+from pd_runtime.gateway.stores.sqlite import SqliteRunStore  # noqa: E402
 from pd_runtime.gateway.store import DAY_S  # noqa: E402
 
 OUTPUT = b"data: " + b"x" * 2040 + b"\n\n"

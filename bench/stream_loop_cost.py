@@ -27,7 +27,7 @@ def main() -> None:
     from pd_runtime.tokenizer import Tokenizer
     try:
         from pd_runtime.entrypoints.openai.chunk_events import sse_events
-        from pd_runtime.entrypoints.openai.protocol import prepare_chat
+        from pd_runtime.entrypoints.openai.request_parsing.protocol import prepare_chat
         from pd_runtime.entrypoints.openai.completion_bodies import ResponseBuilder
     except ImportError:  # a tree from before the HTTP layer left pd_runtime/router/
         try:

@@ -43,7 +43,7 @@ def main() -> None:
     from bench.common import bench_model, machine_line
     from pd_runtime.tokenizer import Tokenizer
     try:
-        from pd_runtime.entrypoints.openai.protocol import prepare_chat
+        from pd_runtime.entrypoints.openai.request_parsing.protocol import prepare_chat
         from pd_runtime.entrypoints.openai.completion_bodies import ResponseBuilder
     except ImportError:  # a tree from before the HTTP layer left pd_runtime/router/
         from pd_runtime.router.protocol import prepare_chat

@@ -108,7 +108,7 @@ async def _one_wait(recorder, writer: _Writer, reader: str) -> float:
     """One run created, a reader waiting for its end, its end written after a random pause
     (so the reader is caught at every phase of any poll): seconds from the commit to the
     reader seeing it."""
-    from pd_runtime.entrypoints.openai import responses_stored
+    from pd_runtime.entrypoints.openai.responses import stored as responses_stored
 
     run_id = f"resp_{uuid.uuid4().hex}"
     await asyncio.to_thread(writer.call, "create", run_id)

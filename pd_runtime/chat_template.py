@@ -85,7 +85,7 @@ _PYTHONIC_PROMPT = re.compile(r"\[func_name1\(params?_name1=params?_value1")
 
 def tool_call_format(template: Optional[str]) -> Optional[str]:
     """The tool-call format a chat template teaches its model
-    (pd_runtime/entrypoints/openai/tools.py reads calls in it): "qwen3_coder"
+    (pd_runtime/entrypoints/openai/request_parsing/tools.py reads calls in it): "qwen3_coder"
     (<function=NAME><parameter=KEY> calls in <tool_call> blocks: Qwen3-Coder and the later Qwen
     models), "hermes" (JSON in <tool_call> blocks: Qwen2.5, Qwen3, Hermes), "mistral" ([TOOL_CALLS],
     in either form), "llama3_json" (Llama 3.1-3.3's JSON calls, and Llama 4's), "deepseek_v3"

@@ -33,7 +33,7 @@ class EnginePoolSettings(_Strict):
     kv_cache_memory_bytes: int = Field(512 * 1024 * 1024, ge=1)
     # CUDA only (vLLM's --gpu-memory-utilization): the fraction of the GPU's memory this
     # engine takes in all; the KV cache gets what the weights, activations, CUDA graphs and
-    # runtime leave of it (pd_runtime/engine/memory_plan.py), in place of
+    # runtime leave of it (pd_runtime/engine/kv_cache/memory_plan.py), in place of
     # kv_cache_memory_bytes. Engines sharing a GPU each need their own share. No effect on
     # a CPU. num_kv_blocks still wins.
     gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1)
@@ -53,7 +53,7 @@ class EnginePoolSettings(_Strict):
     # num_threads says otherwise. The heads (and KV heads, or t a multiple of them), the MLP
     # width and the experts must divide by t.
     tensor_parallel_size: int = Field(1, ge=1, le=64)
-    # The most memory one rank's plan may take (pd_runtime/engine/memory_plan.py: its weights,
+    # The most memory one rank's plan may take (pd_runtime/engine/kv_cache/memory_plan.py: its weights,
     # KV cache, side buffers and largest step's activations): a plan over it is refused
     # before the model loads, naming this field. None: unchecked on a CPU; a GPU is always
     # checked against its own memory (and against this too, when set).
@@ -88,7 +88,7 @@ class EnginePoolSettings(_Strict):
     # Speculative decoding: "ngram" guesses up to speculative_tokens next tokens per step from
     # the request's own context (prompt lookup, n-grams of speculative_ngram_min..max tokens)
     # and verifies them in one forward; outputs follow the model exactly (greedy: the same
-    # tokens). None: off. (pd_runtime/engine/speculative.py)
+    # tokens). None: off. (pd_runtime/engine/spec_decode/speculative.py)
     # The KV cache's storage: "auto" the model's dtype; "int8": 8 bits per value with a float32
     # scale per token and KV head (pd_runtime/kernels/kv_quant.py), about half the bytes per token held
     # and shipped; attention dequantizes inside the kernel. CPU, batch_invariant only for now;
@@ -185,7 +185,7 @@ class ResourcesConfig(_Strict):
     memory_bytes: Optional[int] = Field(None, ge=1)
     # The GPU model each worker must get, by Ray's name for it ("H100", "A100-80G", ...): Ray
     # places the worker only on nodes that have one, and the memory arithmetic of the pool
-    # (pd_runtime/engine/memory_plan.py) is checked against it.
+    # (pd_runtime/engine/kv_cache/memory_plan.py) is checked against it.
     accelerator_type: Optional[str] = None
 
     @model_validator(mode="after")

@@ -4,7 +4,7 @@ of choices or a grammar (vLLM's `structured_outputs` fields, OpenAI's `response_
 The spec travels in `SamplingParams.structured_outputs` as plain data, a dict with exactly one
 of KINDS and any of OPTIONS; it is compiled here into an llguidance grammar, judged once where
 the parameters are made (a bad schema, regex or grammar is a 400 naming the field), and each
-engine enforces it token by token (engine/grammar.py). Torch-free: the router imports it.
+engine enforces it token by token (engine/sampling/grammar.py). Torch-free: the router imports it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
 # Set by the router for a reasoning model (not a client's field): the grammar holds only the
 # answer after the model's think block, which the prompt opened ("open") or the output may open
-# ("optional"), as vLLM starts a grammar after the reasoning (engine/grammar.py: the tags are
+# ("optional"), as vLLM starts a grammar after the reasoning (engine/sampling/grammar.py: the tags are
 # found by their token ids, never put in the grammar: tokenizers make them added tokens); or,
 # for gpt-oss ("harmony"), the final channel's message, after its header's tokens.
 THINK = "think"

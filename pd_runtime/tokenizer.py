@@ -96,7 +96,7 @@ class Tokenizer:
         self._tok.no_padding()
         self._tok.no_truncation()
         self.chat_template: Optional[str] = files.get("chat_template")
-        # How its model writes tool calls (pd_runtime/entrypoints/openai/tools.py;
+        # How its model writes tool calls (pd_runtime/entrypoints/openai/request_parsing/tools.py;
         # router.tool_call_parser overrides).
         self.tool_call_format = tool_call_format(self.chat_template)
         # Whether its thinking is split out (pd_runtime/parsers/reasoning.py;

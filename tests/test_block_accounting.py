@@ -86,7 +86,7 @@ def run_workload(llm, requests):
 def test_full_blocks_are_published_once_each_and_again_after_a_free():
     """cache_full_blocks offers a block to the prefix cache when it fills (skipping the ones
     offered before), and a request whose blocks were freed (preempted) starts over."""
-    from pd_runtime.engine.block_manager import BlockManager
+    from pd_runtime.engine.kv_cache.block_manager import BlockManager
     from pd_runtime.engine.sequence import Request
 
     bm = BlockManager(num_blocks=16, block_size=4, model_identity="m")

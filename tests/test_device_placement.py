@@ -11,7 +11,7 @@ import torch
 
 from pd_runtime.config import EngineConfig
 from pd_runtime.engine.model_runner import ModelRunner
-from pd_runtime.engine.sampler import Sampler
+from pd_runtime.engine.sampling.sampler import Sampler
 from pd_runtime.api import SamplingParams
 from pd_runtime.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pd_runtime.model.tiny import make_tiny_model

@@ -295,7 +295,7 @@ def test_a_keyed_run_cut_by_its_grace_replays_as_cut_and_one_cut_before_output_r
 
 
 def test_runs_still_going_at_shutdown_are_recorded_cancelled(llama_dir, tmp_path):
-    from pd_runtime.gateway.sqlite import SqliteRunStore
+    from pd_runtime.gateway.stores.sqlite import SqliteRunStore
 
     store = tmp_path / "runs.sqlite3"
     script = _words(100)
@@ -316,7 +316,7 @@ def test_runs_still_going_at_shutdown_are_recorded_cancelled(llama_dir, tmp_path
 
 
 def test_a_claim_cancelled_during_its_store_write_frees_the_key(tmp_path):
-    from pd_runtime.gateway.sqlite import SqliteRunStore
+    from pd_runtime.gateway.stores.sqlite import SqliteRunStore
     from pd_runtime.gateway.recorder import RunRecorder
 
     path = tmp_path / "runs.sqlite3"

@@ -84,7 +84,7 @@ def test_a_stream_resumed_on_another_replica_flows_while_the_run_goes_on(llama_d
 
 def _recorders(tmp_path):
     """owner -> a run recorder of that replica, all on one SQLite store."""
-    from pd_runtime.gateway.sqlite import SqliteRunStore
+    from pd_runtime.gateway.stores.sqlite import SqliteRunStore
     from pd_runtime.gateway.recorder import RunRecorder
 
     path = tmp_path / "runs.sqlite3"

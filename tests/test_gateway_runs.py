@@ -18,11 +18,11 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 
-from pd_runtime.gateway.migrations import MIGRATIONS
+from pd_runtime.gateway.stores.migrations import MIGRATIONS
 from pd_runtime.gateway.open import open_store
-from pd_runtime.gateway.postgres import PostgresRunStore
+from pd_runtime.gateway.stores.postgres import PostgresRunStore
 from pd_runtime.gateway.run_state import IdempotencyConflict, InvalidTransition, Runs
-from pd_runtime.gateway.sqlite import SqliteRunStore, default_path
+from pd_runtime.gateway.stores.sqlite import SqliteRunStore, default_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -158,7 +158,7 @@ def test_migrations_are_versioned_and_applied_once(store_url):
 def test_a_store_of_schema_4_keeps_its_runs_transition_times(store_url, monkeypatch):
     """Migration 5 moves run_transitions into columns of runs: a store written by the code of
     schema 4 reads the same states and times after it."""
-    from pd_runtime.gateway import sql_store
+    from pd_runtime.gateway.stores import sql_store
 
     monkeypatch.setattr(sql_store, "MIGRATIONS", MIGRATIONS[:4])
     old = open_store(store_url)

@@ -12,7 +12,7 @@ import pytest
 
 from pd_runtime.config import EngineConfig, ResourcesConfig
 from pd_runtime.config_loading import load_cluster_config
-from pd_runtime.engine.memory_plan import (GIB, GPU_MEMORY_BYTES, check_fits, plan_memory,
+from pd_runtime.engine.kv_cache.memory_plan import (GIB, GPU_MEMORY_BYTES, check_fits, plan_memory,
                                            weight_bytes)
 from pd_runtime.model.model_config import load_model_config
 
@@ -112,7 +112,7 @@ def test_gpu_memory_utilization_gives_the_kv_cache_what_the_share_leaves(llama_8
 def test_a_draft_model_takes_its_part_of_the_share(llama_8b, tmp_path):
     """Speculative decoding with a draft model builds a second model, with as many KV blocks
     as the target's, in the same process: the share covers both (a 1B-shaped draft)."""
-    from pd_runtime.engine.memory_plan import _draft_bytes
+    from pd_runtime.engine.kv_cache.memory_plan import _draft_bytes
 
     draft_dir = _written(tmp_path / "draft", {
         **LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -240,7 +240,7 @@ def test_the_activation_term_covers_a_measured_step(tmp_path):
 
     from pd_runtime.api import SamplingParams
     from pd_runtime.engine.llm import LLM
-    from pd_runtime.engine.memory_plan import step_activation_bytes
+    from pd_runtime.engine.kv_cache.memory_plan import step_activation_bytes
     from pd_runtime.model.tiny import make_tiny_model
 
     tokens, rows = 512, 4
@@ -273,7 +273,7 @@ def test_the_activation_term_covers_a_measured_step(tmp_path):
     {"architecture": "glm4", "head_dim": 64},  # rope over half of each head
 ])
 def test_the_rope_tables_are_counted_as_the_model_holds_them(tmp_path, overrides):
-    from pd_runtime.engine.memory_plan import rope_table_bytes
+    from pd_runtime.engine.kv_cache.memory_plan import rope_table_bytes
     from pd_runtime.model.loader import load_model
     from pd_runtime.model.tiny import make_tiny_model
 

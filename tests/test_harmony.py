@@ -141,7 +141,7 @@ def test_over_http(harmony_model):
 
 
 def test_a_harmony_request_keeps_the_markers_in_its_text(harmony_model):
-    from pd_runtime.entrypoints.openai.protocol import prepare_chat
+    from pd_runtime.entrypoints.openai.request_parsing.protocol import prepare_chat
 
     tokenizer = Tokenizer(str(harmony_model))
     prepared = prepare_chat({"messages": [{"role": "user", "content": "hi"}]}, tokenizer, "m",
@@ -163,7 +163,7 @@ CALL = ("<|start|>assistant<|channel|>commentary to=functions.get_time <|constra
 def test_a_call_to_a_function_is_a_tool_call(tokenizer, pieces):
     """Thinking, a preamble, then a call (the <|call|> stop token ends it, its text left out):
     the reasoning, no content, the call with its arguments as written, streamed or whole."""
-    from pd_runtime.entrypoints.openai.tools import ToolPlan
+    from pd_runtime.entrypoints.openai.request_parsing.tools import ToolPlan
 
     text = THINK + PREAMBLE + CALL
     plan = ToolPlan("auto", parser="harmony", names=("get_time",))
@@ -185,7 +185,7 @@ def test_a_call_to_a_function_is_a_tool_call(tokenizer, pieces):
 
 
 def test_responses_give_the_call_as_a_function_call_item(tokenizer):
-    from pd_runtime.entrypoints.openai.tools import ToolPlan
+    from pd_runtime.entrypoints.openai.request_parsing.tools import ToolPlan
 
     plan = ToolPlan("auto", parser="harmony", names=("get_time",))
     events, body = _run(tokenizer, THINK + CALL, 4, reasoning="harmony", tools=plan)
@@ -204,7 +204,7 @@ def test_the_template_names_the_format(harmony_model):
 def test_thinking_sent_back_reaches_the_template_as_gpt_oss_reads_it(harmony_model):
     """An earlier answer's `reasoning` (what this server returned) is the message's
     `thinking` for a harmony template, as gpt-oss's reads it."""
-    from pd_runtime.entrypoints.openai.protocol import prepare_chat
+    from pd_runtime.entrypoints.openai.request_parsing.protocol import prepare_chat
 
     tokenizer = Tokenizer(str(harmony_model))
     messages = [{"role": "user", "content": "2 + 2?"},
@@ -220,7 +220,7 @@ def test_thinking_sent_back_reaches_the_template_as_gpt_oss_reads_it(harmony_mod
 def test_a_first_message_with_its_recipient_before_the_channel_is_a_call(tokenizer, pieces):
     """The recipient may come in the role part of the header (gpt-oss's template writes calls
     so): the output then starts with it, right after the prompt's <|start|>assistant."""
-    from pd_runtime.entrypoints.openai.tools import ToolPlan
+    from pd_runtime.entrypoints.openai.request_parsing.tools import ToolPlan
 
     text = ' to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC"}'
     assert split(text) == ("", "")
@@ -236,7 +236,7 @@ def test_a_first_message_with_its_recipient_before_the_channel_is_a_call(tokeniz
 def test_an_answer_and_a_call_in_one_output_each_keep_their_own(tokenizer):
     """Past a stop token (ignore_eos, or stop ids cleared): an answer, then a call, or a call
     ended by <|end|> and then an answer; neither runs into the other."""
-    from pd_runtime.entrypoints.openai.tools import ToolPlan
+    from pd_runtime.entrypoints.openai.request_parsing.tools import ToolPlan
 
     plan = ToolPlan("auto", parser="harmony", names=("get_time",))
     for text in (THINK + ANSWER + "<|end|>" + CALL, THINK + CALL + "<|end|>" + ANSWER):
@@ -267,9 +267,9 @@ def test_reasoning_tokens_count_only_thinking(harmony_model):
 def _run_ids(tokenizer, text, ids):
     """A Responses builder fed `text` with its real token ids, in one chunk."""
     from pd_runtime.api import SamplingParams, StreamChunk
-    from pd_runtime.entrypoints.openai.responses_request import chat_body
-    from pd_runtime.entrypoints.openai.responses_events import ResponsesBuilder
-    from pd_runtime.entrypoints.openai.schema import ChoiceSpec, PreparedRequest
+    from pd_runtime.entrypoints.openai.responses.request import chat_body
+    from pd_runtime.entrypoints.openai.responses.events import ResponsesBuilder
+    from pd_runtime.entrypoints.openai.request_parsing.schema import ChoiceSpec, PreparedRequest
 
     prepared = PreparedRequest("chat", "m", [[1]], [ChoiceSpec(0, 0, SamplingParams(
         max_tokens=100, skip_special_tokens=False))], False, False, 0, None,
@@ -289,8 +289,8 @@ def test_a_grammar_holds_only_the_final_channel(harmony_model, header):
     import functools
     from types import SimpleNamespace
 
-    from pd_runtime.engine.grammar import GrammarMasks
-    from pd_runtime.entrypoints.openai.protocol import prepare_chat
+    from pd_runtime.engine.sampling.grammar import GrammarMasks
+    from pd_runtime.entrypoints.openai.request_parsing.protocol import prepare_chat
     from tests.test_structured_outputs import allowed_tokens
 
     tokenizer = Tokenizer(str(harmony_model))

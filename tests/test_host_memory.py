@@ -1,4 +1,4 @@
-"""The KV cache's host allocation (pd_runtime/engine/host_memory.py)."""
+"""The KV cache's host allocation (pd_runtime/engine/kv_cache/host_memory.py)."""
 
 import gc
 import mmap
@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from pd_runtime.engine.host_memory import HUGE_PAGE_BYTES, host_zeros
+from pd_runtime.engine.kv_cache.host_memory import HUGE_PAGE_BYTES, host_zeros
 
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pd_runtime.entrypoints.openai.intake import INLINE_MAX_BYTES
+from pd_runtime.entrypoints.openai.request_parsing.intake import INLINE_MAX_BYTES
 from tests.router_support.serving import APPS, assert_error_body, local
 
 CONTEXT = 32  # bounds the work of any request the fuzzer makes valid

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.config import RouterConfig
-from pd_runtime.entrypoints.openai.intake import INLINE_MAX_BYTES, Intake
-from pd_runtime.entrypoints.openai.text_checks import lone_surrogate_field, min_tokens
+from pd_runtime.entrypoints.openai.request_parsing.intake import INLINE_MAX_BYTES, Intake
+from pd_runtime.entrypoints.openai.request_parsing.text_checks import lone_surrogate_field, min_tokens
 from pd_runtime.tokenizer import Tokenizer
 from tests.router_support.scripted_backend import ScriptedBackend, token_chunk
 from tests.router_support.served_model import server  # noqa: F401  (a fixture)

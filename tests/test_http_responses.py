@@ -1,5 +1,5 @@
-"""OpenAI's Responses API (`POST /v1/responses`, pd_runtime/entrypoints/openai/responses_request.py and
-pd_runtime/entrypoints/openai/responses_events.py) with the official `openai` client: the same
+"""OpenAI's Responses API (`POST /v1/responses`, pd_runtime/entrypoints/openai/responses/request.py and
+pd_runtime/entrypoints/openai/responses/events.py) with the official `openai` client: the same
 tokens as the chat endpoint for the same conversation, streamed events the client's own stream
 helper accumulates into the JSON body's response, max_output_tokens ending incomplete, function
 calls and their results as items, text.format held by the grammar, logprobs, and what the
@@ -196,7 +196,7 @@ def test_a_large_body_is_prepared_by_the_parser_process_with_its_history(  # noq
         server, client):  # noqa: F811
     """Past the inline limit the parser process prepares the body; a previous_response_id
     found there comes back for its conversation, and the answer is the small body's."""
-    from pd_runtime.entrypoints.openai.intake import INLINE_MAX_BYTES
+    from pd_runtime.entrypoints.openai.request_parsing.intake import INLINE_MAX_BYTES
     from tests.router_support.serving import APPS
 
     _, port = server

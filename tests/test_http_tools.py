@@ -1,5 +1,5 @@
 """Tool calling over HTTP with the official `openai` client
-(pd_runtime/entrypoints/openai/tools.py), against the test model given a chat template in the Hermes
+(pd_runtime/entrypoints/openai/request_parsing/tools.py), against the test model given a chat template in the Hermes
 tool format (tools in the system turn, calls as <tool_call> blocks): a named function, "required",
 "auto" read back by the template's format (the random model made to call through a regex), streamed
 (each call's arguments as they are written: pd_runtime/parsers/tool_calls.py) or not; earlier calls
@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from pd_runtime.entrypoints.openai.tools import ToolPlan
+from pd_runtime.entrypoints.openai.request_parsing.tools import ToolPlan
 from pd_runtime.parsers.registry import read_calls
 from pd_runtime.parsers.text import refuse_json_constant
 from pd_runtime.parsers.tool_calls import CallReader
@@ -298,7 +298,7 @@ def test_required_with_nested_models_and_mistral_ids(served):
     schema; and Mistral's format, whose templates take back only 9-character ids."""
     import pydantic
 
-    from pd_runtime.entrypoints.openai.tools import prepare
+    from pd_runtime.entrypoints.openai.request_parsing.tools import prepare
 
     class City(pydantic.BaseModel):
         name: str = pydantic.Field(json_schema_extra={"enum": ["paris", "oslo"]})
@@ -405,7 +405,7 @@ def test_earlier_calls_reach_a_template_that_joins_their_arguments_as_text(llama
     `'...' + tool['function']['arguments']`: the JSON text the client sent, while a template
     that writes them with tojson or walks them with |items gets the object."""
     from pd_runtime.tokenizer import Tokenizer
-    from pd_runtime.entrypoints.openai.protocol import prepare_chat
+    from pd_runtime.entrypoints.openai.request_parsing.protocol import prepare_chat
 
     tokenizer = Tokenizer(llama_dir)
     tokenizer.chat_template = (

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from bench.gpu_transfer import Shape, run
-from pd_runtime.kv_transfer import ucx as ucx_module, ucx_worker
+from pd_runtime.kv_transfer.backends import ucx as ucx_module, ucx_worker
 from pd_runtime.kv_transfer.base import KVTransferError, LinkError, LinkState, SendOutcome, TransferState
 from pd_runtime.kv_transfer.registry import create_agent, make_transport
-from pd_runtime.kv_transfer.ucx import UCXTransport
-from pd_runtime.kv_transfer.ucx_worker import (DIRECT_MIN_BYTES, DeviceBytes, Worker, as_bytes,
+from pd_runtime.kv_transfer.backends.ucx import UCXTransport
+from pd_runtime.kv_transfer.backends.ucx_worker import (DIRECT_MIN_BYTES, DeviceBytes, Worker, as_bytes,
                                     check_cuda_transports, context_config, context_transports,
                                     device_array, flat, prepare_environment, resolve_mode,
                                     ucx_modules)

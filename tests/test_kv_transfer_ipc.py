@@ -1,4 +1,4 @@
-"""torch_dist's IPC links (pd_runtime/kv_transfer/ipc.py), the path of two workers on one GPU,
+"""torch_dist's IPC links (pd_runtime/kv_transfer/backends/ipc.py), the path of two workers on one GPU,
 checked on their CPU twin: host caches in shared memory moved by the same records and copies.
 Two transports of one process on 127.0.0.1 (real gloo groups, real shared-memory mappings); the
 two-process transfer and fault suites run the twin too (ipc-twin in
@@ -10,9 +10,9 @@ import numpy
 import pytest
 import torch
 
-from pd_runtime.kv_transfer import ipc
+from pd_runtime.kv_transfer.backends import ipc
 from pd_runtime.kv_transfer.base import LinkError, frame_buffers
-from pd_runtime.kv_transfer.torch_dist import TorchDistTransport
+from pd_runtime.kv_transfer.backends.torch_dist import TorchDistTransport
 
 pytestmark = pytest.mark.timeout(60)
 CPU = torch.device("cpu")

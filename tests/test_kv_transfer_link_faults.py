@@ -9,7 +9,7 @@ import torch
 
 from pd_runtime.kv_transfer.base import FailureReason, LinkState, TransferState
 from pd_runtime.kv_transfer.faults import FaultInjectingTransport, FaultSettingsError, LinkFaults
-from pd_runtime.kv_transfer.local import LocalTransport
+from pd_runtime.kv_transfer.backends.local import LocalTransport
 from pd_runtime.kv_transfer.registry import create_agent
 from tests.kv_transfer_support.common import POISON, collect, config, make_caches, poison_untouched
 from tests.kv_transfer_support.peer_proc import PeerProcess
@@ -234,7 +234,7 @@ def test_discarded_bytes_are_read_on_the_group_they_were_sent_on():
     from types import SimpleNamespace
 
     from pd_runtime.kv_transfer.layout import KVLayout
-    from pd_runtime.kv_transfer.torch_dist import TorchDistLink
+    from pd_runtime.kv_transfer.backends.torch_dist import TorchDistLink
     from pd_runtime.kv_transfer.wire import ScratchBuffer
 
     link = SimpleNamespace(_data="nccl group", _control="gloo group")

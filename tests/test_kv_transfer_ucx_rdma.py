@@ -14,10 +14,10 @@ from pydantic import ValidationError
 
 from pd_runtime.config import KVTransferConfig
 from pd_runtime.config_loading import ConfigError, parse_cluster_config
-from pd_runtime.kv_transfer import ucx as ucx_module, ucx_worker
+from pd_runtime.kv_transfer.backends import ucx as ucx_module, ucx_worker
 from pd_runtime.kv_transfer.base import KVTransferError
 from pd_runtime.kv_transfer.registry import create_agent, make_transport
-from pd_runtime.kv_transfer.ucx_worker import (check_rdma_transports, context_config,
+from pd_runtime.kv_transfer.backends.ucx_worker import (check_rdma_transports, context_config,
                                                mode_environment, prepare_environment,
                                                require_rdma_devices, resolve_mode)
 from tests.kv_transfer_support.common import config

@@ -154,7 +154,7 @@ def test_vllm_arguments_that_ask_for_more_are_refused_by_name(llama_dir, args, s
 
 def test_n_sequences_per_prompt_as_the_server_draws_them(llama_dir):
     """SamplingParams(n=3, seed=s): three outputs per prompt, choice i drawn with seed s + i,
-    as the server's n draws them (pd_runtime/entrypoints/openai/protocol.py); unseeded, three
+    as the server's n draws them (pd_runtime/entrypoints/openai/request_parsing/protocol.py); unseeded, three
     draws."""
     llm = LLM(llama_dir, dtype="float32", num_kv_blocks=128)
     prompts = ["Once upon a time", "The weather today"]

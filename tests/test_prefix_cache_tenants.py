@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pd_runtime import LLM, SamplingParams
-from pd_runtime.engine import block_hash
+from pd_runtime.engine.kv_cache import block_hash
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

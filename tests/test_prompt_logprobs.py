@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.api import InvalidRequestError
-from pd_runtime.engine import prompt_logprobs
+from pd_runtime.engine.sampling import prompt_logprobs
 
 PROMPT = [5 + (13 * i) % 400 for i in range(70)]
 

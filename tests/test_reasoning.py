@@ -14,8 +14,8 @@ import pytest
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.api import StreamChunk
 from pd_runtime.entrypoints.openai.completion_bodies import ResponseBuilder
-from pd_runtime.entrypoints.openai.schema import ChoiceSpec, InvalidRequest, PreparedRequest
-from pd_runtime.entrypoints.openai.tools import ToolPlan
+from pd_runtime.entrypoints.openai.request_parsing.schema import ChoiceSpec, InvalidRequest, PreparedRequest
+from pd_runtime.entrypoints.openai.request_parsing.tools import ToolPlan
 from pd_runtime.parsers.reasoning import opens_in_prompt, split
 from pd_runtime.tokenizer import Tokenizer
 from tests.router_support.serving import ENGINE, local
@@ -144,7 +144,7 @@ def test_a_structured_output_holds_the_answer_after_the_thinking(llama_dir, tmp_
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
-    from pd_runtime.entrypoints.openai.protocol import prepare_chat
+    from pd_runtime.entrypoints.openai.request_parsing.protocol import prepare_chat
 
     model = tmp_path / "model"
     shutil.copytree(llama_dir, model)

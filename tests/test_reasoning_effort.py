@@ -1,5 +1,5 @@
 """OpenAI's `reasoning_effort` (chat) and `reasoning.effort` / `.summary` (Responses) on open
-models (pd_runtime/entrypoints/openai/chat_prompt.py): the template's `reasoning_effort` variable,
+models (pd_runtime/entrypoints/openai/request_parsing/chat_prompt.py): the template's `reasoning_effort` variable,
 its `enable_thinking` switch (off for "none", on for a level), and a 400 naming the field where the
 model cannot honour it (no thinking at all, or no switch to turn it off)."""
 
@@ -10,8 +10,8 @@ import shutil
 import openai
 import pytest
 
-from pd_runtime.entrypoints.openai.protocol import prepare_chat, prepare_completion
-from pd_runtime.entrypoints.openai.schema import InvalidRequest
+from pd_runtime.entrypoints.openai.request_parsing.protocol import prepare_chat, prepare_completion
+from pd_runtime.entrypoints.openai.request_parsing.schema import InvalidRequest
 from pd_runtime.tokenizer import Tokenizer
 from tests.router_support.serving import local
 from tests.test_reasoning import QWEN3_TEMPLATE, R1_TEMPLATE

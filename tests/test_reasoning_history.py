@@ -1,5 +1,5 @@
-"""Earlier thinking sent back (pd_runtime/entrypoints/openai/chat_prompt.py,
-pd_runtime/entrypoints/openai/responses_request.py): an assistant message's `reasoning` or
+"""Earlier thinking sent back (pd_runtime/entrypoints/openai/request_parsing/chat_prompt.py,
+pd_runtime/entrypoints/openai/responses/request.py): an assistant message's `reasoning` or
 `reasoning_content` reaches the chat template (Qwen3's writes it back into the turns of a tool
 loop), a Responses reasoning item goes with the assistant turn after it, and a stored response's
 conversation keeps its thinking, so `previous_response_id` renders what a chat client sending the
@@ -12,9 +12,9 @@ import shutil
 import openai
 import pytest
 
-from pd_runtime.entrypoints.openai.protocol import prepare_chat
-from pd_runtime.entrypoints.openai.responses_request import chat_body
-from pd_runtime.entrypoints.openai.schema import InvalidRequest
+from pd_runtime.entrypoints.openai.request_parsing.protocol import prepare_chat
+from pd_runtime.entrypoints.openai.responses.request import chat_body
+from pd_runtime.entrypoints.openai.request_parsing.schema import InvalidRequest
 from pd_runtime.tokenizer import Tokenizer
 from tests.router_support.serving import local
 

@@ -10,7 +10,7 @@ import pytest
 
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.config import RouterConfig
-from pd_runtime.engine.block_manager import BlockManager
+from pd_runtime.engine.kv_cache.block_manager import BlockManager
 from pd_runtime.engine.sequence import Request
 from tests.router_support.serving import assert_error_body, local
 

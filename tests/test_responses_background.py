@@ -1,6 +1,6 @@
 """Background responses with the official `openai` client
 (pd_runtime/entrypoints/openai/generation.py `_background`,
-pd_runtime/entrypoints/openai/responses_stored.py): queued at once and polled to the answer the same
+pd_runtime/entrypoints/openai/responses/stored.py): queued at once and polled to the answer the same
 request gives in the foreground; a background stream its client leaves goes on and is streamed again
 from where it was left; cancelled while it runs, it stops and says so."""
 

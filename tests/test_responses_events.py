@@ -1,4 +1,4 @@
-"""The Responses API's stream events (pd_runtime/entrypoints/openai/responses_events.py) fed through
+"""The Responses API's stream events (pd_runtime/entrypoints/openai/responses/events.py) fed through
 the official `openai` client's own accumulator (ResponseStreamState, what `client.responses.stream`
 uses): whatever the chunking, the snapshot it builds from the deltas and the response.completed
 event hold the JSON body's output: a reasoning item, the message, the function calls."""
@@ -14,10 +14,10 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
 from pd_runtime.api import SamplingParams, StreamChunk
-from pd_runtime.entrypoints.openai.responses_request import chat_body
-from pd_runtime.entrypoints.openai.responses_events import ResponsesBuilder
-from pd_runtime.entrypoints.openai.schema import ChoiceSpec, PreparedRequest
-from pd_runtime.entrypoints.openai.tools import ToolPlan
+from pd_runtime.entrypoints.openai.responses.request import chat_body
+from pd_runtime.entrypoints.openai.responses.events import ResponsesBuilder
+from pd_runtime.entrypoints.openai.request_parsing.schema import ChoiceSpec, PreparedRequest
+from pd_runtime.entrypoints.openai.request_parsing.tools import ToolPlan
 from pd_runtime.tokenizer import Tokenizer
 
 

@@ -1,5 +1,5 @@
 """A stored response after its request, with the official `openai` client
-(pd_runtime/entrypoints/openai/responses_stored.py): its events streamed again from a sequence
+(pd_runtime/entrypoints/openai/responses/stored.py): its events streamed again from a sequence
 number, the input items it was made from (a previous_response_id chain's included) in pages, and
 deleting it."""
 
@@ -101,7 +101,7 @@ def test_another_replica_deletes_it_through_the_store(store_url):
     import asyncio
 
     from pd_runtime.gateway.open import open_store
-    from pd_runtime.entrypoints.openai import responses_stored
+    from pd_runtime.entrypoints.openai.responses import stored as responses_stored
     from pd_runtime.router.backend import BackendError
     from pd_runtime.gateway.recorder import RunRecorder
 
@@ -228,7 +228,7 @@ def test_truncation_never_keeps_an_output_whose_call_it_dropped(llama_dir):
     """Parallel calls each after its own reasoning come as several assistant messages before
     their outputs: no cut falls between a call and its output, at any context length."""
     from pd_runtime.tokenizer import Tokenizer
-    from pd_runtime.entrypoints.openai.responses_request import prepare_responses
+    from pd_runtime.entrypoints.openai.responses.request import prepare_responses
 
     tokenizer = Tokenizer(llama_dir)
     thought = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hmm"}]}
@@ -260,7 +260,7 @@ def test_an_unknown_response_is_a_404_without_the_wait_for_an_end(client):  # no
     as a previous_response_id too."""
     import time
 
-    from pd_runtime.entrypoints.openai.responses_stored import STORED_WAIT_S, UNKNOWN_WAIT_S
+    from pd_runtime.entrypoints.openai.responses.stored import STORED_WAIT_S, UNKNOWN_WAIT_S
 
     assert UNKNOWN_WAIT_S < STORED_WAIT_S
     model = client.models.list().data[0].id

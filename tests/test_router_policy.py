@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pd_runtime.config import RoutingConfig, TenantConfig
-from pd_runtime.engine.block_hash import block_hashes, root_hash
+from pd_runtime.engine.kv_cache.block_hash import block_hashes, root_hash
 from pd_runtime.router.policy import WorkerState, decide
 from pd_runtime.router.prefix_index import PrefixIndex
 from pd_runtime.router.reload import RoutingReloader

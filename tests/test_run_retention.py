@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from pd_runtime.gateway.migrations import MIGRATIONS
+from pd_runtime.gateway.stores.migrations import MIGRATIONS
 from pd_runtime.gateway.open import open_store
 from pd_runtime.gateway.retention import Retention
 from pd_runtime.gateway.run_state import IN_FLIGHT, Runs, record_item
@@ -119,7 +119,7 @@ def test_processes_trimming_one_store_at_once_count_each_deleted_run_once(store_
 def test_a_store_of_schema_6_keeps_its_outputs_ages(store_url, monkeypatch):
     """Migration 7 copies each kept output's run creation time onto it: an old output goes
     at the first pass after the upgrade, a recent one stays."""
-    from pd_runtime.gateway import sql_store
+    from pd_runtime.gateway.stores import sql_store
 
     monkeypatch.setattr(sql_store, "MIGRATIONS", MIGRATIONS[:6])
     previous = open_store(store_url)

@@ -252,7 +252,7 @@ def test_readers_poll_where_no_socket_can_be_bound_beside_the_file(tmp_path, cap
             assert await waited(watch) < WOKEN_WITHIN_S
 
     try:
-        with caplog.at_level(logging.WARNING, logger="pd_runtime.gateway.sqlite_notify"):
+        with caplog.at_level(logging.WARNING, logger="pd_runtime.gateway.stores.sqlite_notify"):
             asyncio.run(scenario())
     finally:
         store.close()

@@ -13,7 +13,7 @@ import torch
 
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.api import InvalidRequestError
-from pd_runtime.engine.sampler import Sampler
+from pd_runtime.engine.sampling.sampler import Sampler
 
 
 @pytest.fixture(scope="module")

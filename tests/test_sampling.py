@@ -9,7 +9,7 @@ import torch
 
 from pd_runtime import LLM, SamplingParams
 from pd_runtime.api import InvalidRequestError, RequestTooLargeError
-from pd_runtime.engine.sampler import Sampler
+from pd_runtime.engine.sampling.sampler import Sampler
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Speculative decoding by prompt lookup (pd_runtime/engine/speculative.py): the drafter, and
+"""Speculative decoding by prompt lookup (pd_runtime/engine/spec_decode/speculative.py): the drafter, and
 outputs that equal plain decoding (greedy, and seeded sampling token for token), alone, batched
 and disaggregated; the acceptance rule keeps the target distribution (chi-square)."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pd_runtime import LLM, SamplingParams
-from pd_runtime.engine.sampler import Sampler
-from pd_runtime.engine.speculative import LookupState, PromptLookup, accepted_count
+from pd_runtime.engine.sampling.sampler import Sampler
+from pd_runtime.engine.spec_decode.speculative import LookupState, PromptLookup, accepted_count
 from tests.test_disaggregated_engine import disaggregated
 
 ENGINE = dict(dtype="float32", num_kv_blocks=256, warmup_tokens=0, num_threads=1)
@@ -241,7 +241,7 @@ def test_the_acceptance_rule_keeps_the_target_distribution(sampling):
     leaves a token from p0 without it."""
     from types import SimpleNamespace
 
-    from pd_runtime.engine.speculative import Speculator
+    from pd_runtime.engine.spec_decode.speculative import Speculator
 
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.2, -0.5, 0.0], [0.1, 1.2, 0.3, 2.0, -1.0, 0.8]])

@@ -1,4 +1,4 @@
-"""Structured outputs in the engine (pd_runtime/engine/grammar.py): each kind of spec holds the
+"""Structured outputs in the engine (pd_runtime/engine/sampling/grammar.py): each kind of spec holds the
 output to it, and a constrained request gives the same tokens alone or batched, colocated or
 disaggregated, resumed after a lost worker, with speculation on or off."""
 
@@ -222,7 +222,7 @@ def test_both_ways_of_unpacking_the_masks_agree():
     import numpy as np
     import torch
 
-    from pd_runtime.engine.grammar import ruled_out_of
+    from pd_runtime.engine.sampling.grammar import ruled_out_of
 
     bits = np.random.default_rng(0).integers(-(1 << 31), 1 << 31, size=(5, 9), dtype=np.int64)
     bits = bits.astype(np.int32)
@@ -274,7 +274,7 @@ def test_a_grammar_holds_only_the_answer_after_the_thinking(thinking_tokenizer, 
     Under "optional" the first token is the answer's or the block's start."""
     from types import SimpleNamespace
 
-    from pd_runtime.engine.grammar import GrammarMasks
+    from pd_runtime.engine.sampling.grammar import GrammarMasks
 
     tokenizer = thinking_tokenizer
     encode = functools.partial(tokenizer.encode, add_special_tokens=False)

@@ -194,7 +194,7 @@ def test_a_model_over_one_ranks_budget_is_refused_at_one_rank_and_serves_at_two(
     whole model is refused before it loads, naming the field; split over two ranks it loads
     and gives the single-rank engine's tokens."""
     from pd_runtime.config import EngineConfig
-    from pd_runtime.engine.memory_plan import plan_memory
+    from pd_runtime.engine.kv_cache.memory_plan import plan_memory
     from pd_runtime.model.model_config import served
 
     model_dir = model_factory("llama", intermediate_size=2048)  # weights dominate the plan

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from pd_runtime.chat_template import tool_call_format
-from pd_runtime.entrypoints.openai.tools import ToolPlan
+from pd_runtime.entrypoints.openai.request_parsing.tools import ToolPlan
 from pd_runtime.parsers.registry import read_calls, reader
 from tests.router_support.tool_serving import assembled, streamed, with_template
 

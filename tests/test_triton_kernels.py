@@ -330,7 +330,7 @@ def test_the_memory_plan_bounds_the_decode_splits_the_kernel_chooses():
     """memory_plan.py sizes the decode kernel's float32 partials from its launch shapes
     (pd_runtime/kernels/triton_launch.py): at most MAX_SPLITS splits, and whenever the kernel
     splits, fewer than 2 x PROGRAMS_PER_SM x SMs / kv heads (sequence, split) pairs."""
-    from pd_runtime.engine.memory_plan import MAX_SMS
+    from pd_runtime.engine.kv_cache.memory_plan import MAX_SMS
 
     split = triton_launch.default_num_splits
     assert split(1, 1, 1 << 20, sm_count=1000) == triton_launch.MAX_SPLITS

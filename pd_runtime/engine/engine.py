@@ -16,19 +16,20 @@ import torch
 from pd_runtime.api import (EngineOverloadedError, InvalidRequestError, RequestTooLargeError,
                             SamplingParams, bad_word_spellings)
 from pd_runtime.config import EngineConfig
-from pd_runtime.engine import prompt_logprobs, tp_ranks
-from pd_runtime.engine.block_manager import BlockManager
+from pd_runtime.engine import tp_ranks
+from pd_runtime.engine.sampling import prompt_logprobs
+from pd_runtime.engine.kv_cache.block_manager import BlockManager
 from pd_runtime.engine.detokenizer import detokenize_step
-from pd_runtime.engine.grammar import GrammarMasks
+from pd_runtime.engine.sampling.grammar import GrammarMasks
 from pd_runtime.engine.model_runner import ModelRunner
 from pd_runtime.engine.outputs import RequestOutput, apply_stop_strings, merged  # noqa: F401
 from pd_runtime.engine.remote_kv import RemoteKV
-from pd_runtime.engine.sampler import SampleResult, Sampler
+from pd_runtime.engine.sampling.sampler import SampleResult, Sampler
 from pd_runtime.engine.scheduler import Scheduler
 from pd_runtime.engine.step_costs import StepCostModel, StepWork
 from pd_runtime.engine.sequence import FinishReason, Request, RequestStatus
-from pd_runtime.engine.speculative import Speculator
-from pd_runtime.engine.swap_space import SwapSpace
+from pd_runtime.engine.spec_decode.speculative import Speculator
+from pd_runtime.engine.kv_cache.swap_space import SwapSpace
 from pd_runtime.sampling_defaults import read_sampling_defaults
 from pd_runtime.tokenizer import Tokenizer
 
@@ -80,7 +81,7 @@ class LLMEngine:
         if config.speculative_method == "ngram":
             self.speculator = Speculator(config)
         elif config.speculative_method == "draft":
-            from pd_runtime.engine.draft_model import DraftModel
+            from pd_runtime.engine.spec_decode.draft_model import DraftModel
 
             self.speculator = Speculator(config, DraftModel(
                 config, self.tokenizer, self.model_config.vocab_size, self.max_model_len,

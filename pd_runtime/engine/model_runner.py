@@ -20,8 +20,8 @@ import torch
 from pd_runtime.kernels import fixed_order, kv_quant, native
 from pd_runtime.kernels.attention import AttentionMetadata, DecodeKVBuffer, DeviceAttention, PrefillSegment
 from pd_runtime.config import EngineConfig
-from pd_runtime.engine.host_memory import host_zeros
-from pd_runtime.engine.memory_plan import (check_fits, decode_buffer_fraction, kv_cache_budget,
+from pd_runtime.engine.kv_cache.host_memory import host_zeros
+from pd_runtime.engine.kv_cache.memory_plan import (check_fits, decode_buffer_fraction, kv_cache_budget,
                                            plan_memory)
 from pd_runtime.engine.scheduler import SchedulerOutput
 from pd_runtime.model.loader import load_model

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from pd_runtime.api import SamplingParams
-from pd_runtime.engine.sampler import Sampler
+from pd_runtime.engine.sampling.sampler import Sampler
 from pd_runtime.engine.sequence import Request, RequestStatus
 
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from pd_runtime.engine.block_manager import BlockManager
+from pd_runtime.engine.kv_cache.block_manager import BlockManager
 from pd_runtime.engine.sequence import Request, RequestStatus
-from pd_runtime.engine.swap_space import SwapSpace
+from pd_runtime.engine.kv_cache.swap_space import SwapSpace
 
 
 @dataclass

@@ -95,7 +95,7 @@ def end_as_cut(live: LiveRun, reason: BackendError, emit: Callable[[object], obj
 def failed_events(seq: int, response: dict, error: BackendError) -> list[dict]:
     """A Responses stream's close when it fails: an error event, then response.failed
     (`response` as it stood), numbered from `seq`. Here, below
-    pd_runtime/entrypoints/openai/responses_events.py (whose builder closes its own streams
+    pd_runtime/entrypoints/openai/responses/events.py (whose builder closes its own streams
     with it), so that end_as_cut can close any run's."""
     # The response's error code is one of OpenAI's (the event's says which error it was).
     code = "rate_limit_exceeded" if error.status == 429 else "server_error"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 from urllib.parse import unquote, urlsplit
 
-from pd_runtime.gateway.sqlite import SqliteRunStore
+from pd_runtime.gateway.stores.sqlite import SqliteRunStore
 from pd_runtime.gateway.store import RunStore
 
 POSTGRES_SCHEMES = ("postgresql", "postgres")  # libpq accepts both
@@ -29,7 +29,7 @@ def open_store(url: Optional[str]) -> RunStore:
         return SqliteRunStore(unquote(parts.path))
     if scheme in POSTGRES_SCHEMES:
         # Imported here: psycopg loads libpq, which the embedded default never needs.
-        from pd_runtime.gateway.postgres import PostgresRunStore
+        from pd_runtime.gateway.stores.postgres import PostgresRunStore
         return PostgresRunStore(url)
     # The scheme only: the rest of a URL may hold a password.
     raise ValueError(f"unknown run store scheme {scheme!r}: use sqlite:///path, a bare path, "

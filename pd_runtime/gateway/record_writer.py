@@ -76,7 +76,7 @@ class RunWriter:
         self.on_cancel_asked: Optional[Callable[["LiveRun"], None]] = None
         # Called (on the writer thread) with the ids of the runs a round wrote, once it has
         # committed: their readers in this process wake (RunStore.committed). With SQLite the
-        # writer process rings this one as well (pd_runtime/gateway/sqlite_notify.py): this
+        # writer process rings this one as well (pd_runtime/gateway/stores/sqlite_notify.py): this
         # still wakes them where this process cannot listen for it.
         self.on_recorded: Optional[Callable[[list[str]], None]] = None
         # Filled by the serving loop (an append is atomic), swapped out by the writer thread.

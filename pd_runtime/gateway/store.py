@@ -1,7 +1,7 @@
 """Where run records live: one small interface (`RunStore`, the operations
 pd_runtime/gateway/run_state.py needs, each one transaction), written once in SQL for every
-database (pd_runtime/gateway/sql_store.py; pd_runtime/gateway/sqlite.py, the embedded default;
-pd_runtime/gateway/postgres.py). Every method opens no transaction the caller must close: each is
+database (pd_runtime/gateway/stores/sql_store.py; pd_runtime/gateway/stores/sqlite.py, the embedded default;
+pd_runtime/gateway/stores/postgres.py). Every method opens no transaction the caller must close: each is
 atomic on its own.
 """
 

@@ -6,11 +6,11 @@ commits between its read and its wait has already marked the watch, so none is m
 the store of a commit: with SQLite, the process that committed: its own readers directly (its
 router's too, for a record writer process's round, once that process has answered:
 pd_runtime/gateway/record_writer.py), every other process's by a datagram to the socket that
-process keeps beside the file (pd_runtime/gateway/sqlite_notify.py); a watch of SQLite still
+process keeps beside the file (pd_runtime/gateway/stores/sqlite_notify.py); a watch of SQLite still
 reads every `SAFETY_POLL_S`, for a datagram that never came, or every `OTHER_PROCESS_POLL_S`
 where its process cannot keep a socket there. With PostgreSQL, the server: every
 writing transaction NOTIFYs the ids it wrote and one LISTEN connection per store hears them
-(pd_runtime/gateway/postgres.py); no poll, except while that connection is down (lost, or not
+(pd_runtime/gateway/stores/postgres.py); no poll, except while that connection is down (lost, or not
 yet listening), when watches read every `RECONNECT_POLL_S` and all read again once it is back.
 """
 

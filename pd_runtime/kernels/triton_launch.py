@@ -1,6 +1,6 @@
 """The launch shapes of the Triton paged-attention kernels (pd_runtime/kernels/triton_paged.py):
 tile sizes, warps and decode's split-K count, chosen from static shapes only. Kept apart from
-the kernels (no triton import) so the GPU memory plan (pd_runtime/engine/memory_plan.py) reads
+the kernels (no triton import) so the GPU memory plan (pd_runtime/engine/kv_cache/memory_plan.py) reads
 the same numbers.
 """
 

@@ -1,4 +1,5 @@
-"""Moving paged KV blocks between workers (torch.distributed, UCX, local), nothing else."""
+"""Moving paged KV blocks between workers, nothing else: the agent, its peer links and flow
+control here, the transports (torch.distributed, UCX, in-process) in backends/."""
 
 from pd_runtime.kv_transfer.base import (AgentMetadata, FailureReason, KVTransferError, LinkState,
                               MetadataMismatchError, Role, SendOutcome, TransferState,

@@ -22,13 +22,13 @@ def register_backend(name: str, factory: Callable[..., Transport]) -> None:
 def _builtin(name: str) -> Callable[..., Transport]:
     # Imported lazily: ucxx pulls in a large native stack that torch_dist users never need.
     if name == "local":
-        from pd_runtime.kv_transfer.local import LocalTransport
+        from pd_runtime.kv_transfer.backends.local import LocalTransport
         return lambda config, device: LocalTransport()
     if name == "torch_dist":
-        from pd_runtime.kv_transfer.torch_dist import TorchDistTransport
+        from pd_runtime.kv_transfer.backends.torch_dist import TorchDistTransport
         return lambda config, device: TorchDistTransport(config.host, config.port, device)
     if name == "ucx":
-        from pd_runtime.kv_transfer.ucx import UCXTransport
+        from pd_runtime.kv_transfer.backends.ucx import UCXTransport
         return lambda config, device: UCXTransport(config.host, config.port, config.ucx_mode, device)
     raise KVTransferError(f"unknown kv_transfer backend {name!r}; known: local, torch_dist, ucx, {sorted(_BACKENDS)}")
 

@@ -11,7 +11,7 @@ first opened by `<|start|>assistant` again (the recipient may come before the ch
 first message's too: ` to=functions.NAME<|channel|>commentary json<|message|>...`); the last
 one ends with a stop token (`<|return|>`, `<|call|>`), whose text is left out. The markers are
 special tokens, which such a request keeps in its text (skip_special_tokens false,
-pd_runtime/entrypoints/openai/protocol.py). An output that does not start with a header is all
+pd_runtime/entrypoints/openai/request_parsing/protocol.py). An output that does not start with a header is all
 answer, as without this format.
 """
 

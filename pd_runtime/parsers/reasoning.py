@@ -8,7 +8,7 @@ whose generation prompt ends inside an open block (DeepSeek-R1's) leaves the out
 the thinking. An output that ends before "</think>" is all reasoning; one that does not start
 with a block (Qwen3 with enable_thinking false: its template closes an empty block in the
 prompt) is all content. Tool calls are read from the content alone
-(pd_runtime/entrypoints/openai/tools.py).
+(pd_runtime/entrypoints/openai/request_parsing/tools.py).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ REASONING_PARSERS = {"think": ThinkStream, HARMONY: HarmonyStream}
 
 
 def reader(plan):
-    """The reader of a plan's calls (pd_runtime/entrypoints/openai/tools.py ToolPlan: its
+    """The reader of a plan's calls (pd_runtime/entrypoints/openai/request_parsing/tools.py ToolPlan: its
     `mode` and, under "auto", its `parser`), fed the output as it grows."""
     if plan.mode == "auto":
         return TOOL_CALL_READERS[plan.parser](plan)

@@ -1,6 +1,6 @@
 """The router's estimate of which worker caches which prompt prefixes.
 
-Built from the same chained block hashes the engine uses (pd_runtime.engine.block_hash): every
+Built from the same chained block hashes the engine uses (pd_runtime.engine.kv_cache.block_hash): every
 prompt routed to a worker records its full-block hashes there, newest last; each worker's
 record is capped at its KV block count, the most it can hold, oldest forgotten first. An
 estimate, not a mirror: a worker may have evicted what the router remembers.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
-from pd_runtime.engine.block_hash import block_hashes, root_hash
+from pd_runtime.engine.kv_cache.block_hash import block_hashes, root_hash
 
 
 class PrefixIndex:

@@ -69,11 +69,11 @@ def config(backend, **overrides):
 
 def transport_and_caches(backend, overrides, num_layers=NUM_LAYERS):
     """(config, transport, big, per-layer caches) of one side. overrides["ipc_twin"]: torch_dist
-    whose links move the cache's ranges as IPC records (pd_runtime/kv_transfer/ipc.py), the cache
+    whose links move the cache's ranges as IPC records (pd_runtime/kv_transfer/backends/ipc.py), the cache
     in shared memory: the CPU twin of two workers on one GPU. overrides["device"]: the cache's
     device ("cuda": both processes on one GPU, torch_dist then moves it by CUDA IPC)."""
     from pd_runtime.kv_transfer.registry import make_transport
-    from pd_runtime.kv_transfer.torch_dist import TorchDistTransport
+    from pd_runtime.kv_transfer.backends.torch_dist import TorchDistTransport
 
     overrides = dict(overrides)
     twin = overrides.pop("ipc_twin", False)

@@ -135,7 +135,7 @@ def _raw_send(conn, backend, overrides, num_bytes):
 
     payload = torch.full((num_bytes,), 7, dtype=torch.uint8)
     if overrides.get("ipc_twin"):  # the payload goes as a copy range, as a cache's would
-        from pd_runtime.kv_transfer.torch_dist import TorchDistTransport
+        from pd_runtime.kv_transfer.backends.torch_dist import TorchDistTransport
 
         payload.share_memory_()
         transport = TorchDistTransport("127.0.0.1", 0, torch.device("cpu"), use_ipc=True,

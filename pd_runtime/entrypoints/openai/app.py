@@ -5,7 +5,7 @@ metrics, the active router config and vLLM's tokenizer endpoints
 
 Every response carries X-Request-Id and every error an OpenAI error body
 (pd_runtime/entrypoints/openai/middleware.py); user input never yields a 500. Request flow: auth -> read (size limit) -> parse and validate
-(pd_runtime/entrypoints/openai/intake.py, off the event loop for large bodies) -> n backend streams
+(pd_runtime/entrypoints/openai/request_parsing/intake.py, off the event loop for large bodies) -> n backend streams
 -> SSE or JSON (pd_runtime/entrypoints/openai/generation.py); the run endpoints read
 pd_runtime/gateway/recorder.py.
 """
@@ -25,12 +25,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pd_runtime.config import RouterConfig
-from pd_runtime.entrypoints.openai import responses_stored, tokenize_api
+from pd_runtime.entrypoints.openai import tokenize_api
+from pd_runtime.entrypoints.openai.responses import stored as responses_stored
 from pd_runtime.entrypoints.openai.generation import (bearer_key, generation, no_run, respond,
                                                       tenant_name)
-from pd_runtime.entrypoints.openai.intake import Intake, int_param
+from pd_runtime.entrypoints.openai.request_parsing.intake import Intake, int_param
 from pd_runtime.entrypoints.openai.middleware import add_middleware, install_error_handlers
-from pd_runtime.entrypoints.openai.protocol import InvalidRequest
+from pd_runtime.entrypoints.openai.request_parsing.protocol import InvalidRequest
 from pd_runtime.gateway.live_run import parse_event_id
 from pd_runtime.gateway.record_writer import RunRecordMetrics
 from pd_runtime.gateway.recorder import RunRecorder, owner_name
@@ -112,7 +113,7 @@ def _add_generation_routes(app: FastAPI, backend: Backend, intake: Intake,
 
 def _add_stored_response_routes(app: FastAPI, backend: Backend,
                                 recorder: Optional[RunRecorder], timeout_s: float) -> None:
-    """A stored response after its request (pd_runtime/entrypoints/openai/responses_stored.py)."""
+    """A stored response after its request (pd_runtime/entrypoints/openai/responses/stored.py)."""
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(request: Request, response_id: str):

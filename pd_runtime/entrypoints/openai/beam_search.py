@@ -17,7 +17,7 @@ from typing import AsyncIterator, Optional
 
 from pd_runtime.api import SamplingParams, StreamChunk
 from pd_runtime.beam_search import MAX_WIDTH, Beam, BeamSpec, search
-from pd_runtime.entrypoints.openai.schema import InvalidRequest
+from pd_runtime.entrypoints.openai.request_parsing.schema import InvalidRequest
 
 # Fields that would change a sampled output but not a beam's: refused rather than ignored.
 # name -> the values that mean "not asked".

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pd_runtime.api import StreamChunk
-from pd_runtime.entrypoints.openai.protocol import PreparedRequest
+from pd_runtime.entrypoints.openai.request_parsing.protocol import PreparedRequest
 from pd_runtime.parsers.harmony import HarmonyStream
 from pd_runtime.parsers.reasoning import ThinkStream
 from pd_runtime.parsers.registry import HARMONY, read_calls, reader, reasoning_splitter

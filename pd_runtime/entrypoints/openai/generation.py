@@ -19,12 +19,12 @@ from starlette.responses import Response
 from pd_runtime.api import StreamChunk
 from pd_runtime.entrypoints.openai import beam_search
 from pd_runtime.entrypoints.openai.chunk_events import collect, first_chunks, sse_events
-from pd_runtime.entrypoints.openai.intake import INLINE_MAX_BYTES, Intake
-from pd_runtime.entrypoints.openai.protocol import InvalidRequest, parse_json
+from pd_runtime.entrypoints.openai.request_parsing.intake import INLINE_MAX_BYTES, Intake
+from pd_runtime.entrypoints.openai.request_parsing.protocol import InvalidRequest, parse_json
 from pd_runtime.entrypoints.openai.completion_bodies import ResponseBuilder
-from pd_runtime.entrypoints.openai.responses_request import NeedsHistory
-from pd_runtime.entrypoints.openai.responses_events import ResponsesBuilder
-from pd_runtime.entrypoints.openai.responses_stored import as_it_stands, stored as stored_response
+from pd_runtime.entrypoints.openai.responses.request import NeedsHistory
+from pd_runtime.entrypoints.openai.responses.events import ResponsesBuilder
+from pd_runtime.entrypoints.openai.responses.stored import as_it_stands, stored as stored_response
 from pd_runtime.entrypoints.openai.streaming import (ClientDisconnected, SSEResponse, json_body,
                                                      merge_streams, until_disconnect)
 from pd_runtime.gateway.live_run import LiveRun, end_as_cut, parse_event_id, stream_closed

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pd_runtime.config import RouterConfig
-from pd_runtime.entrypoints.openai.protocol import InvalidRequest
+from pd_runtime.entrypoints.openai.request_parsing.protocol import InvalidRequest
 from pd_runtime.entrypoints.openai.streaming import ClientDisconnected
 from pd_runtime.gateway.store import StoreUnavailable
 from pd_runtime.router.backend import Backend, BackendError

@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
-from pd_runtime.entrypoints.openai.chat_prompt import chat_text
-from pd_runtime.entrypoints.openai.protocol import INT64_MAX, _check_model, _validate, parse_json
-from pd_runtime.entrypoints.openai.schema import (Body, ChatCompletionRequest, ChatMessage,
+from pd_runtime.entrypoints.openai.request_parsing.chat_prompt import chat_text
+from pd_runtime.entrypoints.openai.request_parsing.protocol import INT64_MAX, _check_model, _validate, parse_json
+from pd_runtime.entrypoints.openai.request_parsing.schema import (Body, ChatCompletionRequest, ChatMessage,
                                                   InvalidRequest)
 
 

@@ -11,7 +11,7 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pd_runtime.engine.block_hash import block_hashes, root_hash
+from pd_runtime.engine.kv_cache.block_hash import block_hashes, root_hash
 from pd_runtime.engine.sequence import Request
 
 

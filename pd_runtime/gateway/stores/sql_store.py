@@ -1,5 +1,5 @@
 """The RunStore operations (pd_runtime/gateway/store.py) in SQL, written once for every database: the
-embedded SQLite file (pd_runtime/gateway/sqlite.py) and PostgreSQL (pd_runtime/gateway/postgres.py) supply a connection,
+embedded SQLite file (pd_runtime/gateway/stores/sqlite.py) and PostgreSQL (pd_runtime/gateway/stores/postgres.py) supply a connection,
 a transaction, their placeholder style and which of their driver's errors mean no answer.
 """
 
@@ -11,7 +11,7 @@ import time
 from contextlib import contextmanager
 from typing import Optional
 
-from pd_runtime.gateway.migrations import MIGRATIONS
+from pd_runtime.gateway.stores.migrations import MIGRATIONS
 from pd_runtime.gateway.store import (DAY_S, ENDED, IN_FLIGHT, RUN_FIELDS, STATE_TIME, UPDATABLE,
                            StoreUnavailable)
 

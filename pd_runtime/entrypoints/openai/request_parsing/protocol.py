@@ -4,7 +4,7 @@ token ids, SamplingParams fields and one entry per choice, validated with errors
 Typed fields are validated strictly (no "1" for 1, no true for 1); unknown fields are allowed and
 ignored, as OpenAI clients send extras, but OpenAI fields this server does not implement are
 refused unless they hold their "off" value. The body schemas live in
-pd_runtime/entrypoints/openai/schema.py, the response bodies in
+pd_runtime/entrypoints/openai/request_parsing/schema.py, the response bodies in
 pd_runtime/entrypoints/openai/completion_bodies.py.
 """
 
@@ -18,14 +18,14 @@ from pydantic import ValidationError
 
 from pd_runtime.api import InvalidRequestError, SamplingParams, bad_word_spellings, check_bad_words
 from pd_runtime.entrypoints.openai import beam_search
-from pd_runtime.entrypoints.openai.chat_prompt import chat_text
-from pd_runtime.entrypoints.openai.reasoning_request import prepare as prepare_reasoning
-from pd_runtime.entrypoints.openai.schema import (ChatCompletionRequest, ChoiceSpec,
+from pd_runtime.entrypoints.openai.request_parsing.chat_prompt import chat_text
+from pd_runtime.entrypoints.openai.request_parsing.reasoning_request import prepare as prepare_reasoning
+from pd_runtime.entrypoints.openai.request_parsing.schema import (ChatCompletionRequest, ChoiceSpec,
                                                   CompletionRequest, InvalidRequest,
                                                   PreparedRequest, Body, SamplingBody)
-from pd_runtime.entrypoints.openai.structured_fields import structured_spec
-from pd_runtime.entrypoints.openai.text_checks import lone_surrogate_field, min_tokens
-from pd_runtime.entrypoints.openai.tools import prepare as prepare_tools
+from pd_runtime.entrypoints.openai.request_parsing.structured_fields import structured_spec
+from pd_runtime.entrypoints.openai.request_parsing.text_checks import lone_surrogate_field, min_tokens
+from pd_runtime.entrypoints.openai.request_parsing.tools import prepare as prepare_tools
 from pd_runtime.parsers.text import refuse_json_constant
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -51,7 +51,7 @@ _OFF_VALUES: dict[str, tuple] = {
     "web_search_options": (None,),
     # vLLM's extensions that would change the output: its per-request template (this server
     # renders the model's own). (Beam search: pd_runtime/entrypoints/openai/beam_search.py;
-    # structured outputs: pd_runtime/entrypoints/openai/structured_fields.py.)
+    # structured outputs: pd_runtime/entrypoints/openai/request_parsing/structured_fields.py.)
     "chat_template": (None,),
     "documents": (None, []),
     "guided_whitespace_pattern": (None,),
@@ -106,8 +106,8 @@ def _int64(value: Optional[int], param: str) -> None:
         raise InvalidRequest(f"{param} must fit in a signed 64-bit integer", param=param)
 
 
-# What chat completions implement of _OFF_VALUES (pd_runtime/entrypoints/openai/tools.py,
-# pd_runtime/entrypoints/openai/chat_prompt.py); completions refuse them.
+# What chat completions implement of _OFF_VALUES (pd_runtime/entrypoints/openai/request_parsing/tools.py,
+# pd_runtime/entrypoints/openai/request_parsing/chat_prompt.py); completions refuse them.
 _CHAT_ONLY = frozenset({"tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"})
 
 

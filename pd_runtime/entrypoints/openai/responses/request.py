@@ -1,7 +1,7 @@
 """OpenAI's Responses API (`POST /v1/responses`) as a chat request: its input items
-(pd_runtime/entrypoints/openai/responses_input.py), instructions, function tools, text format and
+(pd_runtime/entrypoints/openai/responses/input_items.py), instructions, function tools, text format and
 sampling fields become a chat completions body, which the chat path validates, renders and runs;
-pd_runtime/entrypoints/openai/responses_events.py turns the chat output back into a response
+pd_runtime/entrypoints/openai/responses/events.py turns the chat output back into a response
 object and its stream events.
 
 A field this server cannot honour is refused naming it (hosted tools, images and files), as
@@ -16,10 +16,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pd_runtime.entrypoints.openai.chat_prompt import EFFORTS
-from pd_runtime.entrypoints.openai.protocol import prepare_chat
-from pd_runtime.entrypoints.openai.responses_input import input_messages
-from pd_runtime.entrypoints.openai.schema import InvalidRequest, PreparedRequest
+from pd_runtime.entrypoints.openai.request_parsing.chat_prompt import EFFORTS
+from pd_runtime.entrypoints.openai.request_parsing.protocol import prepare_chat
+from pd_runtime.entrypoints.openai.responses.input_items import input_messages
+from pd_runtime.entrypoints.openai.request_parsing.schema import InvalidRequest, PreparedRequest
 from pd_runtime.router.backend import BackendError
 
 # Responses fields copied to the chat body as they are (OpenAI's, then vLLM's extensions that
@@ -303,7 +303,7 @@ def _text_format(text: Any) -> tuple[Optional[dict], dict]:
 
 def _reasoning(reasoning: Any) -> dict:
     """`reasoning` as the response echoes it. Its effort is the chat path's reasoning_effort
-    (pd_runtime/entrypoints/openai/chat_prompt.py; its value judged here, before a stored
+    (pd_runtime/entrypoints/openai/request_parsing/chat_prompt.py; its value judged here, before a stored
     conversation is read); a summary is accepted and none is made: the reasoning item carries the
     whole thinking as its content, with an empty summary. Which past thinking the model sees back is
     its chat template's choice, so `context` is "auto" only, and `mode` "standard" only."""

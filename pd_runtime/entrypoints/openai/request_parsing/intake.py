@@ -4,7 +4,7 @@ its size limit, then prepared inline when small, or in a child process when larg
 Why a process: JSON parsing, validation and tokenizing hold the GIL, so in a thread a 20 MB body
 would still stall every other request (/health included) for seconds. Nothing on the way holds
 the GIL for long either: the body goes to the child
-(pd_runtime/entrypoints/openai/parser_process.py) through a temporary file written from a thread
+(pd_runtime/entrypoints/openai/request_parsing/parser_process.py) through a temporary file written from a thread
 (pickling 20 MB holds it for 30-100 ms; a file write releases it), the child gets the tokenizer once
 and answers with prompts packed as arrays, and the event loop unpacks them a few prompts at a time.
 """
@@ -26,11 +26,11 @@ from typing import Callable, Optional
 
 from starlette.requests import ClientDisconnect, Request
 
-from pd_runtime.entrypoints.openai import parser_process
-from pd_runtime.entrypoints.openai.protocol import (PreparedRequest, is_token_ids, parse_json,
+from pd_runtime.entrypoints.openai.request_parsing import parser_process
+from pd_runtime.entrypoints.openai.request_parsing.protocol import (PreparedRequest, is_token_ids, parse_json,
                                                     prepare_chat, prepare_completion)
-from pd_runtime.entrypoints.openai.responses_request import NeedsHistory, prepare_responses
-from pd_runtime.entrypoints.openai.schema import InvalidRequest
+from pd_runtime.entrypoints.openai.responses.request import NeedsHistory, prepare_responses
+from pd_runtime.entrypoints.openai.request_parsing.schema import InvalidRequest
 from pd_runtime.entrypoints.openai.streaming import ClientDisconnected
 from pd_runtime.router.backend import Backend, BackendError
 

@@ -123,7 +123,7 @@ class SpeculationStats:
 
 class Speculator:
     """The engine's side of speculative decoding: drafts for the scheduler (prompt lookup, or
-    a draft model's, pd_runtime/engine/draft_model.py), and per verification the tokens kept."""
+    a draft model's, pd_runtime/engine/spec_decode/draft_model.py), and per verification the tokens kept."""
 
     def __init__(self, config, draft_model=None):
         self.lookup = PromptLookup(config.speculative_tokens, config.speculative_ngram_max,

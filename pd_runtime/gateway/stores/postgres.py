@@ -17,8 +17,8 @@ import psycopg
 from psycopg import errors
 from psycopg.conninfo import conninfo_to_dict
 
-from pd_runtime.gateway import postgres_notify
-from pd_runtime.gateway.sql_store import SqlRunStore, _first_line
+from pd_runtime.gateway.stores import postgres_notify
+from pd_runtime.gateway.stores.sql_store import SqlRunStore, _first_line
 from pd_runtime.gateway.store import StoreUnavailable
 from pd_runtime.gateway.wakeups import RECONNECT_POLL_S, Wakeups
 

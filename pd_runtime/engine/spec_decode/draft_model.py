@@ -1,6 +1,6 @@
 """Speculative decoding with a small draft model (`speculative_method: draft`): any Llama-family
 directory with the target's tokenizer guesses the next tokens greedily, and the target checks
-them in one forward (pd_runtime/engine/speculative.py: a guess that is the draft's argmax is a
+them in one forward (pd_runtime/engine/spec_decode/speculative.py: a guess that is the draft's argmax is a
 proposal with certainty, so the same acceptance rule keeps the target's distribution exactly).
 
 The draft runs on its own model runner and paged KV cache (a block manager of its own, no
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from pd_runtime.api import SamplingParams
-from pd_runtime.engine.block_manager import BlockManager
+from pd_runtime.engine.kv_cache.block_manager import BlockManager
 from pd_runtime.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pd_runtime.engine.sequence import Request
 

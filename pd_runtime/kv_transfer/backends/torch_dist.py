@@ -1,7 +1,7 @@
 """torch.distributed backend: one pairwise process group per link, built from the acceptor's
 TCPStore (gloo for CPU caches; NCCL carries the KV bytes when the cache is on CUDA, except
 between two processes on one GPU, which NCCL refuses: there the KV moves through CUDA IPC
-and gloo carries its descriptors, pd_runtime/kv_transfer/ipc.py).
+and gloo carries its descriptors, pd_runtime/kv_transfer/backends/ipc.py).
 
 No global process group: workers die and come back, so each link is its own two-rank group
 under a fresh store prefix, and a dead link is simply replaced by a new one.
@@ -18,7 +18,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from pd_runtime.kv_transfer import ipc
+from pd_runtime.kv_transfer.backends import ipc
 from pd_runtime.kv_transfer.base import Link, LinkError, LinkTimeoutError, Transport, as_byte_tensor
 
 _COUNTER_KEY = "kvt/links"
@@ -117,7 +117,7 @@ class TorchDistLink(Link):
         for work in works:
             self._wait(work, deadline - time.monotonic(), what)
 
-    # ----- IPC (pd_runtime/kv_transfer/ipc.py): records on gloo, copies acknowledged on _ACK_TAG
+    # ----- IPC (pd_runtime/kv_transfer/backends/ipc.py): records on gloo, copies acknowledged on _ACK_TAG
     def _ipc_send(self, bufs: list, timeout_s: float) -> None:
         """Post the messages' records, then wait until the peer has copied every range sent so
         far: until then it may still read them, so the send is not over (nor the lease)."""

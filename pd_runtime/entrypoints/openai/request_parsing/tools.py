@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from pd_runtime import structured
 from pd_runtime.api import InvalidRequestError
-from pd_runtime.entrypoints.openai.schema import InvalidRequest
+from pd_runtime.entrypoints.openai.request_parsing.schema import InvalidRequest
 from pd_runtime.parsers.registry import TOOL_CALL_PARSERS
 from pd_runtime.parsers.text import refuse_json_constant
 from pd_runtime.parsers.tool_calls_base import FUNCTION_NAME

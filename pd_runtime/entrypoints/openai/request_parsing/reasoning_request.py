@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Union
 
 from pd_runtime import structured
-from pd_runtime.entrypoints.openai.schema import InvalidRequest
-from pd_runtime.entrypoints.openai.structured_fields import structured_spec
+from pd_runtime.entrypoints.openai.request_parsing.schema import InvalidRequest
+from pd_runtime.entrypoints.openai.request_parsing.structured_fields import structured_spec
 from pd_runtime.parsers.reasoning import CLOSE, opens_in_prompt
 
 

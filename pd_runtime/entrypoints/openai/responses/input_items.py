@@ -1,5 +1,5 @@
 """A Responses request's `input` as chat messages, for pd_runtime/entrypoints/openai/
-responses_request.py: a string is one user message; message, function_call,
+responses/request.py: a string is one user message; message, function_call,
 function_call_output and reasoning items become the chat turns a template renders, a model's
 calls joined to the assistant message before them, a reasoning item's thinking carried by the
 assistant turn after it.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pd_runtime.entrypoints.openai.schema import InvalidRequest
+from pd_runtime.entrypoints.openai.request_parsing.schema import InvalidRequest
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 

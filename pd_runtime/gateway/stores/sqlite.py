@@ -12,8 +12,8 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from pd_runtime.gateway import sqlite_notify
-from pd_runtime.gateway.sql_store import SqlRunStore
+from pd_runtime.gateway.stores import sqlite_notify
+from pd_runtime.gateway.stores.sql_store import SqlRunStore
 
 
 def default_path() -> Path:
@@ -36,7 +36,7 @@ class SqliteRunStore(SqlRunStore):
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         # Readers of the file in this process, and the other processes' told of our commits
-        # (pd_runtime/gateway/sqlite_notify.py): one of each per file in a process, shared by
+        # (pd_runtime/gateway/stores/sqlite_notify.py): one of each per file in a process, shared by
         # every store opened on it (router replicas of one process, the router's store and its
         # record writer's notice of a round).
         self.bell = sqlite_notify.bell_of(self.path)

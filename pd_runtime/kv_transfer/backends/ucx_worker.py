@@ -1,4 +1,4 @@
-"""The UCX worker layer under pd_runtime/kv_transfer/ucx.py: ucxx's modules, the context settings of each
+"""The UCX worker layer under pd_runtime/kv_transfer/backends/ucx.py: ucxx's modules, the context settings of each
 mode, how a worker progresses (its own thread, or whichever agent thread waits) and can be
 retired, the polling wait every operation goes through, buffers given up on, and host and
 device buffers as ucxx Arrays.
@@ -41,7 +41,7 @@ def ucx_modules():
 # shm and cuda also hold the rendezvous threshold to this size, so that every message received
 # in place is pulled; rdma keeps UCX's own, tuned for the fabric (an eager message lands in
 # UCX's own buffers and is copied out during progress, so a give-up is safe either way).
-# The modes themselves are described in pd_runtime/kv_transfer/ucx.py.
+# The modes themselves are described in pd_runtime/kv_transfer/backends/ucx.py.
 DIRECT_MIN_BYTES = 4096
 _CONTEXT_CONFIG = {
     "tcp": {"TLS": "tcp,self"},

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from pd_runtime import structured
 from pd_runtime.api import InvalidRequestError
-from pd_runtime.entrypoints.openai.schema import InvalidRequest
+from pd_runtime.entrypoints.openai.request_parsing.schema import InvalidRequest
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

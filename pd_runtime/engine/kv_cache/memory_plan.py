@@ -186,7 +186,7 @@ def kv_cache_budget(engine: EngineConfig, cfg: ModelConfig, max_model_len: int,
 
 def _draft_bytes(engine: EngineConfig, max_model_len: int) -> tuple[int, int]:
     """A draft model's (weights and activations, bytes of one KV block), built in the same
-    process as its target (pd_runtime/engine/draft_model.py); (0, 0) without one."""
+    process as its target (pd_runtime/engine/spec_decode/draft_model.py); (0, 0) without one."""
     if engine.speculative_method != "draft" or not engine.speculative_model:
         return 0, 0
     from pd_runtime.model.model_config import load_model_config

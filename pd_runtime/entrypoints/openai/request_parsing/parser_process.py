@@ -1,4 +1,4 @@
-"""The child process that prepares large request bodies for pd_runtime/entrypoints/openai/intake.py:
+"""The child process that prepares large request bodies for pd_runtime/entrypoints/openai/request_parsing/intake.py:
 it lowers its own priority first, then imports the request schema and keeps the tokenizer it was
 given.
 
@@ -21,7 +21,7 @@ def init(tokenizer_state: bytes) -> None:
     global _tokenizer
     # Parsing a huge body is background work: when cores are short, the serving loop wins.
     os.nice(10)
-    import pd_runtime.entrypoints.openai.protocol  # noqa: F401  (the schema, imported once at low priority)
+    import pd_runtime.entrypoints.openai.request_parsing.protocol  # noqa: F401  (the schema, imported once at low priority)
 
     _tokenizer = pickle.loads(tokenizer_state)
 
@@ -33,8 +33,8 @@ def prepare(kind: str, body_path: str, model_name: str, max_model_len: int, defa
     survive pickling), or ("history", response id) when a Responses request continues a
     stored response whose conversation was not given."""
     from pd_runtime.router.backend import BackendError
-    from pd_runtime.entrypoints.openai.protocol import parse_json, prepare_chat, prepare_completion
-    from pd_runtime.entrypoints.openai.responses_request import NeedsHistory, prepare_responses
+    from pd_runtime.entrypoints.openai.request_parsing.protocol import parse_json, prepare_chat, prepare_completion
+    from pd_runtime.entrypoints.openai.responses.request import NeedsHistory, prepare_responses
 
     with open(body_path, "rb") as file:
         raw = file.read()

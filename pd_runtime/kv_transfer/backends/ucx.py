@@ -49,7 +49,7 @@ import numpy
 import torch
 
 from pd_runtime.kv_transfer.base import Activity, Link, LinkError, PostedSend, Transport
-from pd_runtime.kv_transfer.ucx_worker import (DIRECT_MIN_BYTES, DeviceBytes, Worker, abandon,
+from pd_runtime.kv_transfer.backends.ucx_worker import (DIRECT_MIN_BYTES, DeviceBytes, Worker, abandon,
                                     check_cuda_transports, check_rdma_transports, context_config,
                                     cuda_device, device_array, flat, host_array,
                                     prepare_environment, require_rdma_devices, resolve_mode,

@@ -1,7 +1,7 @@
 """The OpenAI request bodies this server reads (completions, chat completions) as strict
-pydantic models, and what pd_runtime/entrypoints/openai/protocol.py turns a body into: one
+pydantic models, and what pd_runtime/entrypoints/openai/request_parsing/protocol.py turns a body into: one
 PreparedRequest with one ChoiceSpec per engine request. Typed fields are strict (no "1" for 1);
-unknown fields are allowed (OpenAI clients send extras); pd_runtime/entrypoints/openai/protocol.py
+unknown fields are allowed (OpenAI clients send extras); pd_runtime/entrypoints/openai/request_parsing/protocol.py
 checks the rest by hand.
 """
 
@@ -105,7 +105,7 @@ class ChatCompletionRequest(SamplingBody):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     echo: Optional[bool] = None  # vLLM's chat echo: refused when true
-    reasoning_effort: Optional[Any] = None  # a reasoning model's: pd_runtime/entrypoints/openai/chat_prompt.py
+    reasoning_effort: Optional[Any] = None  # a reasoning model's: pd_runtime/entrypoints/openai/request_parsing/chat_prompt.py
 
 
 @dataclass
@@ -128,13 +128,13 @@ class PreparedRequest:
     priority: int
     logprobs: Optional[int]  # top-n asked for (0: only the sampled token), None: not asked
     echo_texts: Optional[list[str]] = None  # completions with echo: the text of each prompt
-    tools: Any = None  # chat with tool calls: pd_runtime/entrypoints/openai/tools.py's ToolPlan
+    tools: Any = None  # chat with tool calls: pd_runtime/entrypoints/openai/request_parsing/tools.py's ToolPlan
     service_tier: Optional[str] = None  # "default" or "flex" when the request named one
     # A reasoning model's chat: whether the prompt left its think block open (None: no
     # thinking is split out; pd_runtime/parsers/reasoning.py), or "harmony" (gpt-oss's channels,
     # pd_runtime/parsers/harmony.py)
     reasoning: Optional[bool | str] = None
-    # a Responses API request's: pd_runtime/entrypoints/openai/responses_request.py ResponsesRequest
+    # a Responses API request's: pd_runtime/entrypoints/openai/responses/request.py ResponsesRequest
     responses: Any = None
     token_ids: bool = False  # return_token_ids: prompt_token_ids and each choice's token_ids
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:N"

@@ -15,9 +15,9 @@ from typing import Optional
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pd_runtime.entrypoints.openai.intake import int_param
-from pd_runtime.entrypoints.openai.responses_events import latest_response, stored_body
-from pd_runtime.entrypoints.openai.schema import InvalidRequest
+from pd_runtime.entrypoints.openai.request_parsing.intake import int_param
+from pd_runtime.entrypoints.openai.responses.events import latest_response, stored_body
+from pd_runtime.entrypoints.openai.request_parsing.schema import InvalidRequest
 from pd_runtime.entrypoints.openai.streaming import SSEResponse, json_body, until_disconnect
 from pd_runtime.gateway.live_run import is_response_id, stream_closed
 from pd_runtime.gateway.recorder import RunRecorder, output_of

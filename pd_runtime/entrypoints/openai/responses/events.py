@@ -1,4 +1,4 @@
-"""A Responses API response from the chat output (pd_runtime/entrypoints/openai/responses_request.py
+"""A Responses API response from the chat output (pd_runtime/entrypoints/openai/responses/request.py
 made the chat request): the response object with its output items (reasoning, message,
 function_call) and, streamed, the typed events OpenAI's clients accumulate: response.created, output
 items added and done, text, reasoning and call-argument deltas, and response.completed (or
@@ -17,9 +17,9 @@ import time
 from typing import Any, Optional
 
 from pd_runtime.api import StreamChunk
-from pd_runtime.entrypoints.openai.protocol import PreparedRequest
+from pd_runtime.entrypoints.openai.request_parsing.protocol import PreparedRequest
 from pd_runtime.entrypoints.openai.completion_bodies import ResponseBuilder
-from pd_runtime.entrypoints.openai.responses_request import ResponsesRequest
+from pd_runtime.entrypoints.openai.responses.request import ResponsesRequest
 from pd_runtime.gateway.live_run import event_data, failed_events, split_events
 from pd_runtime.router.backend import BackendError
 

@@ -14,8 +14,8 @@ from typing import Optional
 
 from pd_runtime.api import InvalidRequestError
 from pd_runtime.chat_template import ChatTemplateError, reasoning_format
-from pd_runtime.entrypoints.openai.schema import ChatCompletionRequest, ChatMessage, InvalidRequest
-from pd_runtime.entrypoints.openai.tools import template_messages
+from pd_runtime.entrypoints.openai.request_parsing.schema import ChatCompletionRequest, ChatMessage, InvalidRequest
+from pd_runtime.entrypoints.openai.request_parsing.tools import template_messages
 
 # Names the renderer sets itself: a chat_template_kwargs entry may not replace them.
 _RESERVED = frozenset({"messages", "add_generation_prompt", "continue_final_message",
@@ -61,7 +61,7 @@ def _thinking(extra: dict, index: int) -> Optional[str]:
 
 def chat_text(body: ChatCompletionRequest, tokenizer, tools: Optional[list] = None) -> str:
     """The rendered prompt; a 400 naming the field for anything the template or options refuse.
-    `tools`: the request's tools, for the template (pd_runtime/entrypoints/openai/tools.py)."""
+    `tools`: the request's tools, for the template (pd_runtime/entrypoints/openai/request_parsing/tools.py)."""
     if not body.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     variables = dict(body.chat_template_kwargs or {})

@@ -1,0 +1,1 @@
+"""From logits to tokens: the sampler, structured-output grammars, and prompt log-probabilities."""
