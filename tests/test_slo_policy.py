@@ -21,12 +21,12 @@ FAST = dict(step_s=0.005, prefill_token_s=2e-4, prefill_attention_s=0.0, decode_
             decode_context_s=0.0)
 
 
-def report(coefficients=None, step_s_ewma=0.0, **load):
+def report(coefficients=None, step_s_ewma=0.0, decode_s_ewma=0.0, **load):
     """A load report as a worker sends it (engine load_report + worker fields)."""
     return {"num_running": 0, "num_waiting": 0, "max_num_batched_tokens": 2048,
             "kv_bytes_per_token": 8192, "kv_transfer": {"send_gbps": 2.0},
             "step_costs": {"coefficients": coefficients or FAST, "step_s_ewma": step_s_ewma,
-                           "steps": 100}, **load}
+                           "decode_s_ewma": decode_s_ewma, "steps": 100}, **load}
 
 
 class Cluster:
@@ -265,6 +265,25 @@ def test_a_busy_decode_worker_is_judged_by_its_measured_step():
     assert c.decide(128).reason == "slo_tpot_unmet"
 
 
+def test_a_recovering_worker_is_judged_by_the_decode_part_of_its_steps():
+    """A decode worker recomputing the prompts of streams migrated to it (not in the router's
+    ledger: they were routed elsewhere) runs 1.2 s steps for a while, almost all prompt: a new
+    request's prompt is computed after them and its TPOT is the decode part, ~20 ms. Read from
+    the whole step, every request was refused for seconds after a decode worker's restart."""
+    c = Cluster()
+    for i in range(8):
+        c.ledgers["d0"].start(f"r{i}", 700)
+    c.report("d0", step_s_ewma=1.24, num_running=8)  # a worker that reports no decode part
+    assert c.decide(128).reason == "slo_tpot_unmet"
+    c.report("d0", step_s_ewma=1.24, decode_s_ewma=0.02, num_running=8)
+    d = c.decide(128)
+    assert d.path != "none" and d.predicted_tpot_s < 0.05
+    # The prompts the router did send there still count: queued work spread over the horizon.
+    for i in range(12):
+        c.ledgers["d0"].add_prefill(f"q{i}", 0.5, c.now)
+    assert c.decide(128).reason == "slo_tpot_unmet"
+
+
 def test_requests_sent_since_the_last_report_count_on_top_of_the_measured_step():
     """A burst is not admitted on one stale measurement: the step measured with 4 running,
     plus the model's cost of every sequence sent since."""
@@ -470,7 +489,7 @@ def test_a_decode_worker_that_paces_its_steps_is_predicted_at_its_interval():
     """A worker that may pace its steps (engine.min_step_interval_s, in its load report) is
     predicted to step no faster than that, on both paths."""
     c = Cluster()
-    c.report("d0", min_step_interval_s=0.05)
+    c.report("d0", min_step_interval_s=0.05)  # paced now (workers/engine_loop.py: pacing_s)
     options = {o.path: o for o in slo_options(100, 64, c.decode, c.prefill, {}, c.costs,
                                               c.ledgers, c.now, SLOTarget())}
     assert options["colocated"].tpot_s >= 0.05 and options["disaggregated"].tpot_s >= 0.05

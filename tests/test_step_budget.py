@@ -4,8 +4,10 @@ target, at least one block; the tokens themselves do not change (batch-invariant
 
 from __future__ import annotations
 
+import pytest
+
 from pd_runtime import LLM, SamplingParams
-from pd_runtime.engine.step_costs import StepWork
+from pd_runtime.engine.step_costs import StepCostModel, StepWork
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -85,3 +87,21 @@ def test_a_step_of_prompts_only_is_not_a_step_streams_see(llama_dir):
     llm.generate([[7 + i for i in range(64)]], SamplingParams(max_tokens=4, temperature=0.0,
                                                             ignore_eos=True))
     assert 0 < costs.report()["step_s_ewma"]
+
+
+def test_the_decode_part_of_the_step_time_leaves_out_the_prompt_chunks_in_it():
+    """Steps that carry a prompt chunk besides the decodes: the step-time average includes the
+    chunk; its decode part (what a stream admitted after the chunk sees) is split off by the
+    fit's proportions, here the time a decode-only step takes."""
+    costs = StepCostModel()
+    decode_only = StepWork(decode_seqs=8, decode_context=8 * 700)
+    with_chunk = StepWork(prefill_tokens=512, prefill_attention=512 * 600, decode_seqs=8,
+                          decode_context=8 * 700)
+    for i in range(400):  # 2 ms per 100 prompt tokens, 20 ms of decodes: the fit learns both
+        costs.observe(decode_only, 0.020)
+        costs.observe(with_chunk, 0.020 + 512 * 2e-4)
+    for _ in range(100):  # then a worker recomputing migrated prompts: every step a chunk
+        costs.observe(with_chunk, 0.020 + 512 * 2e-4)
+    report = costs.report()
+    assert report["step_s_ewma"] == pytest.approx(0.020 + 512 * 2e-4, rel=0.02)
+    assert report["decode_s_ewma"] == pytest.approx(0.020, rel=0.15)

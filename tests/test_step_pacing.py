@@ -50,6 +50,11 @@ def stream(engine) -> tuple[list[float], float, list[int]]:
                 times.append(time.monotonic())
                 tokens.extend(out.new_token_ids)
                 if out.finished:
+                    now = time.monotonic()
+                    # The interval it reports as its pace now, and once the cores are free.
+                    assert loop.pacing_s(now) == engine.config.min_step_interval_s \
+                        or not loop.paced_s
+                    assert loop.pacing_s(now + 3.0) == 0.0
                     return times, loop.paced_s, tokens
         finally:
             loop.stop()

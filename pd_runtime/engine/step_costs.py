@@ -12,7 +12,9 @@ machine whose speed changes (a neighbour's load, thermal limits); the prior keep
 sane until a kind of step has been seen. Predictions never use a negative coefficient.
 
 Also kept: step-time, batch-size and tokens-per-step averages, and a histogram of step times,
-for /metrics.
+for /metrics; and the decode part of the step time lately (`decode_s_ewma`: each step's seconds
+shared between its prompt tokens and its decodes as the fit predicts them), which the router
+reads as the step a new stream will see once the prompts queued ahead of it are computed.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class StepCostModel:
         self._ewma_step_s = None
         self._ewma_batch = None
         self._ewma_tokens = None
+        self._ewma_decode_s = None
 
     def observe(self, work: StepWork, seconds: float) -> None:
         x = work.vector()
@@ -104,6 +107,13 @@ class StepCostModel:
             (1 - a) * self._ewma_batch + a * batch
         self._ewma_tokens = tokens if self._ewma_tokens is None else \
             (1 - a) * self._ewma_tokens + a * tokens
+        # The step's decode share, by the fit (the step's fixed cost counted as decode): the
+        # measured seconds, slowed or sped up by whatever they were, split in that proportion.
+        t = np.maximum(self.theta, 0.0) * x
+        prefill = t[1] + t[2]
+        decode_s = seconds * (1.0 - prefill / max(float(t.sum()), 1e-12))
+        self._ewma_decode_s = decode_s if self._ewma_decode_s is None else \
+            (1 - a) * self._ewma_decode_s + a * decode_s
 
     def forget_recent(self) -> None:
         """Keep what the fit learned; forget the counts and the recent averages. For the
@@ -116,6 +126,7 @@ class StepCostModel:
         self.prefill_tokens = self.decode_tokens = 0
         self.step_counts = [0] * (len(STEP_BUCKETS_S) + 1)
         self._ewma_step_s = self._ewma_batch = self._ewma_tokens = None
+        self._ewma_decode_s = None
 
     def coefficients(self) -> dict:
         """Seconds per unit of each feature (per step, per prompt token, per prompt token x
@@ -129,7 +140,8 @@ class StepCostModel:
         """Plain numbers for the load report (the router's cost model reads these)."""
         return {"coefficients": self.coefficients(), "steps": self.steps,
                 "busy_s": self.seconds, "tokens": self.tokens, "batch_sum": self.batch,
-                "step_s_ewma": self._ewma_step_s or 0.0, "batch_ewma": self._ewma_batch or 0.0,
+                "step_s_ewma": self._ewma_step_s or 0.0,
+                "decode_s_ewma": self._ewma_decode_s or 0.0, "batch_ewma": self._ewma_batch or 0.0,
                 "tokens_per_step_ewma": self._ewma_tokens or 0.0,
                 "step_buckets_s": list(STEP_BUCKETS_S), "step_counts": list(self.step_counts),
                 "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens}

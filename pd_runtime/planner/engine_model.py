@@ -57,6 +57,8 @@ class SimEngine:
         self.landed: list[Seq] = []               # KV in: they decode from the next step
         self.step_no = 0
         self.step_s_ewma = 0.0
+        self.decode_s_ewma = 0.0                  # the decode part of it (as the engine's)
+        self._decode_share = 1.0                  # of the step in progress
         self.busy_s = 0.0
         self.busy: Optional[list] = None          # (start, end) of each step or run, if kept
         self.steps = 0
@@ -77,7 +79,8 @@ class SimEngine:
                 "max_num_batched_tokens": c.max_num_batched_tokens,
                 "block_size": c.block_size,
                 "step_costs": {"coefficients": dict(c.coefficients), "steps": self.steps,
-                               "step_s_ewma": self.step_s_ewma}}
+                               "step_s_ewma": self.step_s_ewma,
+                               "decode_s_ewma": self.decode_s_ewma}}
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.costs.block_size)
@@ -207,8 +210,10 @@ class SimEngine:
                         self._end_run)
             return
         self._step_plan = plan
-        self._begin(now, c.step_s(tokens, attention, self.decode_batch, self.decode_context),
-                    self._end_step)
+        seconds = c.step_s(tokens, attention, self.decode_batch, self.decode_context)
+        self._decode_share = c.step_s(0, 0, self.decode_batch, self.decode_context) / seconds \
+            if seconds > 0 else 1.0
+        self._begin(now, seconds, self._end_step)
 
     def _begin(self, now: float, seconds: float, fn) -> None:
         """A step (or a run of decode steps) of `seconds` of compute; on a node whose cores
@@ -219,7 +224,7 @@ class SimEngine:
         else:
             self.sim.cores.begin(self, seconds, fn)
 
-    def _account(self, steps: int, seconds: float) -> None:
+    def _account(self, steps: int, seconds: float, decode_share: float = 1.0) -> None:
         self.steps += steps
         self.busy_s += seconds
         if self.busy is not None:
@@ -228,6 +233,8 @@ class SimEngine:
         keep = (1 - _EWMA) ** steps
         self.step_s_ewma = mean if self.steps == steps else \
             keep * self.step_s_ewma + (1 - keep) * mean
+        self.decode_s_ewma = mean * decode_share if self.steps == steps else \
+            keep * self.decode_s_ewma + (1 - keep) * mean * decode_share
 
     def _end_run(self) -> None:
         start, k, a, ctx_s, c0, batch = self._run
@@ -240,7 +247,7 @@ class SimEngine:
 
     def _end_step(self) -> None:
         plan, self._step_plan = self._step_plan, None
-        self._account(1, self.sim.now - self._began)
+        self._account(1, self.sim.now - self._began, self._decode_share)
         self.step_no += 1
         self.decode_context += self.decode_batch
         now = self.sim.now

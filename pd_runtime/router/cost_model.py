@@ -25,6 +25,7 @@ class WorkerCosts:
     decode_context_s: float = 0.0
     max_batched_tokens: int = 2048
     step_s_ewma: float = 0.0     # measured: the mean step lately, prefill chunks included
+    decode_s_ewma: float = 0.0   # measured: the decode part of it (0: not reported)
     steps: int = 0
     min_step_s: float = 0.0      # engine.min_step_interval_s: steps may be paced to it
 
@@ -39,7 +40,8 @@ class WorkerCosts:
                    decode_seq_s=c.get("decode_seq_s", base.decode_seq_s),
                    decode_context_s=c.get("decode_context_s", base.decode_context_s),
                    max_batched_tokens=load.get("max_num_batched_tokens", base.max_batched_tokens),
-                   step_s_ewma=report.get("step_s_ewma", 0.0), steps=report.get("steps", 0),
+                   step_s_ewma=report.get("step_s_ewma", 0.0),
+                   decode_s_ewma=report.get("decode_s_ewma", 0.0), steps=report.get("steps", 0),
                    min_step_s=load.get("min_step_interval_s") or 0.0)
 
     def prefill_s(self, tokens: int, context: int = 0) -> float:

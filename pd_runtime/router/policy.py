@@ -2,8 +2,9 @@
 
 Mode `slo` (decide_slo): every option (colocated on each decode worker; each prefill worker
 with each decode worker) gets a predicted TTFT (the worker's prefill queue + this prefill, from
-the live cost model) and a predicted TPOT (the decode worker's measured step lately, or the
-model's when it is idle, with one more sequence, plus the prefill queued on it and this one's
+the live cost model) and a predicted TPOT (the decode part of the decode worker's measured step
+lately, or the model's when it is idle, with one more sequence, no less than the interval its
+steps are paced to now; plus the prefill routed there, queued and done lately, and this one's,
 spread over the request's output horizon, plus the KV transfer spread the same way; what its
 running requests will see too). Among the options that meet the request's targets, those of its
 usual path (disaggregated when the uncached prompt exceeds max_local_prefill_tokens, else
@@ -217,22 +218,24 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         backlog = ld.backlog_s(now)
         one_more = cd.decode_step_s(batch + 1, context + prompt_len) \
             - cd.decode_step_s(batch, context)
-        if batch and cd.step_s_ewma > 0:
-            # Busy: its measured step lately (prefill chunks included: what its running
-            # requests see), plus what the requests sent since its last report and this one
-            # add to it; then the prefill queued there. (Without the requests sent since, a
+        if batch and (cd.decode_s_ewma or cd.step_s_ewma) > 0:
+            # Busy: the decode part of its measured step lately, plus what the requests sent
+            # since its last report and this one add to it. (Without the requests sent since, a
             # burst was admitted on one stale measurement: at 12 req/s, 30 requests in 1.8 s,
-            # whose TPOT then reached 90-130 ms against a 100 ms target.)
+            # whose TPOT then reached 90-130 ms against a 100 ms target.) The decode part only:
+            # a recovering worker's steps carry its migrated streams' prompts, computed before
+            # a new request's (measured: a step average of 1.24 s after a decode worker's
+            # restart refused every request for seconds, where ~50 ms steps followed).
             measured = max(1, min(batch, int(d.load.get("num_running", batch))))
-            step = cd.step_s_ewma + cd.decode_step_s(batch + 1, context + prompt_len) \
+            step = (cd.decode_s_ewma or cd.step_s_ewma) \
+                + cd.decode_step_s(batch + 1, context + prompt_len) \
                 - cd.decode_step_s(measured, context * measured // batch)
-            shared = backlog
         else:
-            # Idle as far as measured: the model, and the prefill work it did lately (running
-            # requests are still paying for it) besides what is queued.
-            step = cd.decode_step_s(batch + 1, context + prompt_len)
-            shared = backlog + ld.recent_prefill_s(now, horizon * step)
-        step = max(step, cd.min_step_s)  # its steps may be paced to that (workers/engine_loop.py)
+            step = cd.decode_step_s(batch + 1, context + prompt_len)  # idle: the model
+        step = max(step, cd.min_step_s)  # its steps are paced to that now (workers/engine_loop.py)
+        # The prompts routed here: what is queued, and the work done lately (running requests
+        # are still paying for it; the rate at which more comes).
+        shared = backlog + ld.recent_prefill_s(now, horizon * step)
         hit_d = hits.get(d.worker_id, 0)
         own = cd.prefill_s(prompt_len - hit_d, hit_d) * ld.current_slowdown(now)
         chunks = -(-(prompt_len - hit_d) // max(1, cd.max_batched_tokens))

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
 _REPORT_EVERY_S = 0.02  # how often the engine thread republishes its load report
+# Steps count as paced (the load report's min_step_interval_s) this long after a step last found
+# the cores wanted by others.
+_CONTENDED_S = 2.0
 
 
 def cores_wanted_by_others(cores: int) -> bool:
@@ -53,6 +56,7 @@ class EngineLoop:
         self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
             (os.cpu_count() or 1)
         self.paced_s = 0.0  # time spent waiting between steps for the cores' sake
+        self._contended_at = -_CONTENDED_S  # when a step last found the cores wanted
         self._report: Optional[dict] = None  # the engine's load report, as of _report_at
         self._report_at = 0.0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -162,11 +166,19 @@ class EngineLoop:
         cores: a decode worker beside a prefill worker that borrows every core gives it what its
         streams' TPOT target leaves (measured on the 2-core box: steps of ~16-20 ms back to back
         at 2 req/s took most of a core the long prompts' prefill was waiting for)."""
-        rest = self._min_step_s - (time.monotonic() - started)
+        now = time.monotonic()
+        rest = self._min_step_s - (now - started)
         if rest <= 0.0 or not self.engine.has_work() or not cores_wanted_by_others(self._cores):
             return
+        self._contended_at = now
         self._stopped.wait(rest)
         self.paced_s += rest
+
+    def pacing_s(self, now: float) -> float:
+        """The interval its steps are paced to now: min_step_interval_s while a step found the
+        cores wanted within _CONTENDED_S, else 0 (the router predicts its steps from it: with
+        the prefill worker stopped or idle the steps run back to back, ~15 ms, not 50)."""
+        return self._min_step_s if now - self._contended_at <= _CONTENDED_S else 0.0
 
     def _run(self) -> None:
         engine = self.engine
@@ -200,6 +212,6 @@ class EngineLoop:
                 # This thread's CPU: the worker's process CPU less it is what its other
                 # threads (KV writers, Ray, the event loop) take (pd_runtime/planner/profile.py).
                 report["engine_thread_cpu_s"] = time.thread_time()
-                report["min_step_interval_s"] = self._min_step_s
+                report["min_step_interval_s"] = self.pacing_s(now)
                 report["paced_s"] = self.paced_s
                 self._report, self._report_at = report, now
