@@ -74,12 +74,12 @@ class EnginePoolSettings(_Strict):
     # runs). None: only max_num_batched_tokens. (Measured with the SLO router on the 2-core
     # box, 0.09 s: ITL p99 -35%, goodput -5 to -14%: shorter chunks delay first tokens.)
     step_time_target_s: Optional[float] = Field(None, gt=0)
-    # CPU only: while more threads want this machine's cores than it has (a prefill worker
-    # computing beside this one), a step starts no sooner than this after the previous one
-    # started, so decode steps leave the cores their TPOT target does not need to the other
-    # worker; with the cores to itself a worker steps back to back. 0: never. null: half the
-    # router's TPOT target for a decode worker on the CPU of a local cluster that has a
-    # prefill pool (pd_runtime/workers/pool.py: default_step_interval), else 0.
+    # CPU decode workers only: while a prefill worker on this machine computes (its flag in
+    # /dev/shm: pd_runtime/workers/node_signals.py), a step starts no sooner than this after
+    # the previous one started, so decode steps leave the cores their TPOT target does not
+    # need to the prefill; while none computes the steps run back to back. 0: never. null:
+    # 0.8 x the router's TPOT target for a decode worker on the CPU of a local cluster that
+    # has a prefill pool (pd_runtime/workers/pool.py: default_step_interval), else 0.
     min_step_interval_s: Optional[float] = Field(None, ge=0)
     # CUDA only: decode steps of up to this many sequences replay CUDA graphs captured at
     # start-up (one per batch-size bucket; larger batches and prompt steps run eagerly).

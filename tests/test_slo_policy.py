@@ -485,15 +485,22 @@ def test_a_first_token_delayed_by_a_lost_decode_worker_does_not_teach_the_prefil
     assert ledger.current_slowdown(c.now + 10.0) > 1.4
 
 
-def test_a_decode_worker_that_paces_its_steps_is_predicted_at_its_interval():
-    """A worker that may pace its steps (engine.min_step_interval_s, in its load report) is
-    predicted to step no faster than that, on both paths."""
+def test_the_wait_a_paced_decode_worker_pays_per_step_is_added_to_its_steps():
+    """A worker whose steps wait for the prefill workers beside it (pace_wait_s in its load
+    report: the wait per step lately, workers/engine_loop.py) is predicted that much slower a
+    step, on both paths, idle or busy; the interval it may pace to is not a floor (while the
+    prefill workers are idle its steps run back to back)."""
     c = Cluster()
-    c.report("d0", min_step_interval_s=0.05)  # paced now (workers/engine_loop.py: pacing_s)
-    options = {o.path: o for o in slo_options(100, 64, c.decode, c.prefill, {}, c.costs,
-                                              c.ledgers, c.now, SLOTarget())}
-    assert options["colocated"].tpot_s >= 0.05 and options["disaggregated"].tpot_s >= 0.05
-    c.report("d0", min_step_interval_s=0.0)
-    options = {o.path: o for o in slo_options(100, 64, c.decode, c.prefill, {}, c.costs,
-                                              c.ledgers, c.now, SLOTarget())}
-    assert options["colocated"].tpot_s < 0.01
+    base = {o.path: o.tpot_s for o in slo_options(100, 64, c.decode, c.prefill, {}, c.costs,
+                                                  c.ledgers, c.now, SLOTarget())}
+    assert base["colocated"] < 0.01
+    c.report("d0", min_step_interval_s=0.08, pace_wait_s=0.03)
+    paced = {o.path: o.tpot_s for o in slo_options(100, 64, c.decode, c.prefill, {}, c.costs,
+                                                   c.ledgers, c.now, SLOTarget())}
+    for path in ("colocated", "disaggregated"):
+        assert paced[path] == pytest.approx(base[path] + 0.03)
+    for i in range(4):
+        c.ledgers["d0"].start(f"r{i}", 128)
+    c.report("d0", step_s_ewma=0.02, decode_s_ewma=0.02, num_running=4,
+             min_step_interval_s=0.08, pace_wait_s=0.03)
+    assert c.decide(128).predicted_tpot_s == pytest.approx(0.02 + 1e-3 + 0.03, abs=2e-3)

@@ -27,7 +27,8 @@ class WorkerCosts:
     step_s_ewma: float = 0.0     # measured: the mean step lately, prefill chunks included
     decode_s_ewma: float = 0.0   # measured: the decode part of it (0: not reported)
     steps: int = 0
-    min_step_s: float = 0.0      # engine.min_step_interval_s: steps may be paced to it
+    pace_wait_s: float = 0.0     # measured: the wait a step paid lately for the prefill
+                                 # workers beside it (engine.min_step_interval_s)
 
     @classmethod
     def from_report(cls, load: dict) -> "WorkerCosts":
@@ -42,7 +43,7 @@ class WorkerCosts:
                    max_batched_tokens=load.get("max_num_batched_tokens", base.max_batched_tokens),
                    step_s_ewma=report.get("step_s_ewma", 0.0),
                    decode_s_ewma=report.get("decode_s_ewma", 0.0), steps=report.get("steps", 0),
-                   min_step_s=load.get("min_step_interval_s") or 0.0)
+                   pace_wait_s=load.get("pace_wait_s") or 0.0)
 
     def prefill_s(self, tokens: int, context: int = 0) -> float:
         """Compute time of `tokens` prompt tokens after `context` cached or earlier ones, in

@@ -3,8 +3,8 @@
 Mode `slo` (decide_slo): every option (colocated on each decode worker; each prefill worker
 with each decode worker) gets a predicted TTFT (the worker's prefill queue + this prefill, from
 the live cost model) and a predicted TPOT (the decode part of the decode worker's measured step
-lately, or the model's when it is idle, with one more sequence, no less than the interval its
-steps are paced to now; plus the prefill routed there, queued and done lately, and this one's,
+lately, or the model's when it is idle, with one more sequence, plus the wait its steps pay
+lately for the prefill workers beside it; plus the prefill routed there, queued and done lately, and this one's,
 spread over the request's output horizon, plus the KV transfer spread the same way; what its
 running requests will see too). Among the options that meet the request's targets, those of its
 usual path (disaggregated when the uncached prompt exceeds max_local_prefill_tokens, else
@@ -232,7 +232,7 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                 - cd.decode_step_s(measured, context * measured // batch)
         else:
             step = cd.decode_step_s(batch + 1, context + prompt_len)  # idle: the model
-        step = max(step, cd.min_step_s)  # its steps are paced to that now (workers/engine_loop.py)
+        step += cd.pace_wait_s  # its steps wait for the prefill workers beside it (engine_loop.py)
         # The prompts routed here: what is queued, and the work done lately (running requests
         # are still paying for it; the rate at which more comes).
         shared = backlog + ld.recent_prefill_s(now, horizon * step)

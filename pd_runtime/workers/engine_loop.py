@@ -9,39 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
 from typing import Any, Callable, Optional
 
 from pd_runtime.engine.engine import LLMEngine, RequestOutput
+from pd_runtime.workers.node_signals import BusyFlag, PrefillWatch
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
 _REPORT_EVERY_S = 0.02  # how often the engine thread republishes its load report
-# Steps count as paced (the load report's min_step_interval_s) this long after a step last found
-# the cores wanted by others.
-_CONTENDED_S = 2.0
-
-
-def cores_wanted_by_others(cores: int) -> bool:
-    """Whether more threads are runnable on this machine than it has cores, this one aside
-    (/proc/stat's procs_running: an instant's count, read in ~20 us). False where unknown."""
-    try:
-        with open("/proc/stat", "rb") as f:
-            for line in f:
-                if line.startswith(b"procs_running"):
-                    return int(line.split()[1]) - 1 >= cores
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
+_PACE_POLL_S = 0.005    # a paced step looks this often whether the prefill workers are done
+_PACE_EWMA = 0.02       # per step: the wait a step paid lately, over ~50 steps
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
-                 on_step_failure: Optional[Callable[[Exception], None]] = None):
+                 on_step_failure: Optional[Callable[[Exception], None]] = None,
+                 busy_flag: Optional[BusyFlag] = None,
+                 prefill_watch: Optional[PrefillWatch] = None):
+        """busy_flag: a prefill worker's, set while its engine has work; prefill_watch: a
+        decode worker's view of those flags on its machine, which paces its steps."""
         self.engine = engine
         self.loop = loop
         self._on_step_failure = on_step_failure  # before the thread ends
@@ -50,13 +40,12 @@ class EngineLoop:
         self._tick_hooks: list[Callable[[LLMEngine], None]] = []
         self._stopped = threading.Event()
         self.steps = 0
-        # engine.min_step_interval_s: steps paced while other threads want the cores
+        # engine.min_step_interval_s: steps paced while a prefill worker on this machine computes
         self._min_step_s = (engine.config.min_step_interval_s or 0.0) \
             if engine.config.device == "cpu" else 0.0
-        self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-            (os.cpu_count() or 1)
-        self.paced_s = 0.0  # time spent waiting between steps for the cores' sake
-        self._contended_at = -_CONTENDED_S  # when a step last found the cores wanted
+        self._busy_flag, self._watch = busy_flag, prefill_watch
+        self.paced_s = 0.0  # time spent waiting between steps for the prefill workers' sake
+        self.pace_wait_s = 0.0  # the wait per step lately (EWMA): what the router adds to a step
         self._report: Optional[dict] = None  # the engine's load report, as of _report_at
         self._report_at = 0.0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -117,7 +106,12 @@ class EngineLoop:
         self._stopped.set()
         self._commands.put((lambda e: None, None))
         self._thread.join(timeout=timeout_s)
-        return not self._thread.is_alive()
+        ended = not self._thread.is_alive()
+        if ended:
+            for signal in (self._busy_flag, self._watch):
+                if signal is not None:
+                    signal.close()
+        return ended
 
     # -- the engine thread -------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -162,29 +156,34 @@ class EngineLoop:
                 return
 
     def _pace(self, started: float) -> None:
-        """Wait out the rest of min_step_interval_s after a step, while other threads want the
-        cores: a decode worker beside a prefill worker that borrows every core gives it what its
-        streams' TPOT target leaves (measured on the 2-core box: steps of ~16-20 ms back to back
-        at 2 req/s took most of a core the long prompts' prefill was waiting for)."""
-        now = time.monotonic()
-        rest = self._min_step_s - (now - started)
-        if rest <= 0.0 or not self.engine.has_work() or not cores_wanted_by_others(self._cores):
+        """While a prefill worker on this machine computes, wait out the rest of
+        min_step_interval_s after a step (and no longer than it computes): a decode worker
+        beside a prefill worker that borrows every core gives it what its streams' TPOT target
+        leaves (measured on the 2-core box: steps of ~16-20 ms back to back at 2 req/s took
+        most of a core the long prompts' prefill was waiting for), and steps back to back
+        while the prefill workers are idle, stopped or gone."""
+        if self._watch is None or self._min_step_s <= 0.0:
             return
-        self._contended_at = now
-        self._stopped.wait(rest)
-        self.paced_s += rest
-
-    def pacing_s(self, now: float) -> float:
-        """The interval its steps are paced to now: min_step_interval_s while a step found the
-        cores wanted within _CONTENDED_S, else 0 (the router predicts its steps from it: with
-        the prefill worker stopped or idle the steps run back to back, ~15 ms, not 50)."""
-        return self._min_step_s if now - self._contended_at <= _CONTENDED_S else 0.0
+        now = time.monotonic()
+        deadline, waited = started + self._min_step_s, 0.0
+        while now < deadline and self.engine.has_work() and self._watch.busy(now) \
+                and not self._stopped.is_set():
+            self._stopped.wait(min(_PACE_POLL_S, deadline - now))
+            later = time.monotonic()
+            waited, now = waited + later - now, later
+        self.paced_s += waited
+        self.pace_wait_s += _PACE_EWMA * (waited - self.pace_wait_s)
 
     def _run(self) -> None:
         engine = self.engine
         while not self._stopped.is_set():
             busy = engine.has_work()
+            flag = self._busy_flag
+            if flag is not None:
+                flag.set(busy)  # idle before it blocks for the next command
             self._run_commands(block=not busy)
+            if flag is not None:
+                flag.set(engine.has_work())
             for hook in self._tick_hooks:
                 try:
                     hook(engine)
@@ -212,6 +211,7 @@ class EngineLoop:
                 # This thread's CPU: the worker's process CPU less it is what its other
                 # threads (KV writers, Ray, the event loop) take (pd_runtime/planner/profile.py).
                 report["engine_thread_cpu_s"] = time.thread_time()
-                report["min_step_interval_s"] = self.pacing_s(now)
+                report["min_step_interval_s"] = self._min_step_s
                 report["paced_s"] = self.paced_s
+                report["pace_wait_s"] = self.pace_wait_s
                 self._report, self._report_at = report, now

@@ -21,7 +21,7 @@ from typing import AsyncIterator, Optional
 from pd_runtime.api import (EngineOverloadedError, GenerationRequest, InvalidRequestError,
                             ModelCard, StreamChunk)
 from pd_runtime.config import EngineConfig, KVTransferConfig, RecoveryConfig
-from pd_runtime.workers import tp_rank
+from pd_runtime.workers import node_signals, tp_rank
 from pd_runtime.workers.deadlines import DeadlineWatch
 from pd_runtime.workers.decode_half import (PrefillRate, RemotePrefill, ReservationQueue, Stage,
                                             cancel_receive, run_remote_prefill)
@@ -103,7 +103,8 @@ class PDWorker:
     def _engine_loop(self) -> EngineLoop:
         if self.loop is None:  # the actor's event loop exists only inside async methods
             aio = asyncio.get_running_loop()
-            self.loop = EngineLoop(self.engine, aio, self._on_step_failure)
+            self.loop = EngineLoop(self.engine, aio, self._on_step_failure,
+                                   *node_signals.for_worker(self.role, self.engine_config))
             self.loop.add_tick_hook(self.reservations.tick)
             self.deadlines = DeadlineWatch(self.loop.end_stream)
             self.loop.add_tick_hook(self.deadlines.tick)
