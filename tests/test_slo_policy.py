@@ -213,6 +213,22 @@ def test_a_prompt_late_only_by_one_request_ahead_is_served_late_not_refused():
     assert c.decide(128).reason == "slo_local"
 
 
+def test_a_prompt_predicted_within_the_target_but_not_its_margin_is_served_late():
+    """Behind more than its own prefill, but predicted to start within the TTFT target (not the
+    target x slo_margin): served late (slo_late), not refused; predicted past the target: refused,
+    and never moved onto the decode worker's stream."""
+    slow = dict(FAST, prefill_token_s=4e-4)  # 2048 tokens: 0.824 s
+    c = Cluster(p0=slow)
+    c.ledgers["d0"].start("stream", 300)
+    c.ledgers["p0"].add_prefill("ahead", 1.5, c.now)
+    d = c.decide(2048)
+    assert (d.path, d.reason) == ("disaggregated", "slo_late")
+    assert 2.25 < d.predicted_ttft_s <= 2.5
+    c.ledgers["p0"].add_prefill("more", 0.3, c.now)
+    refused = c.decide(2048)
+    assert refused.path == "none" and refused.predicted_ttft_s > 2.5
+
+
 def test_a_long_prompt_only_a_streaming_decode_worker_could_serve_in_time_is_not_refused():
     """The prefill worker is too slow for this prompt even idle, the decode worker fast enough
     but running streams it would stall: the prefill worker serves it late, not 'busy'."""
