@@ -300,6 +300,23 @@ def test_a_recovering_worker_is_judged_by_the_decode_part_of_its_steps():
     assert c.decide(128).reason == "slo_tpot_unmet"
 
 
+def test_a_decode_workers_recent_prefill_counts_at_its_rate_over_ten_seconds():
+    """The prefill a decode worker did lately stands for what will come over a new request's
+    life: its rate over the last 10 s (not over the life alone, which read a burst of short
+    prompts as the rate to come), times the life (64 steps)."""
+    c = Cluster()
+    idle = c.decide(128).predicted_tpot_s
+    ledger = c.ledgers["d0"]
+    for i in range(8):  # 2 s of prompts computed here, 5 to 3 s ago
+        ledger.add_prefill(f"p{i}", 0.25, c.now - 5.0 + i * 0.25)
+        ledger.prefill_done(f"p{i}", c.now - 5.0 + (i + 1) * 0.25, measured=False)
+    step = c.costs.costs("d0").decode_step_s(1, 128)
+    life = 64 * step
+    assert c.decide(128).predicted_tpot_s == pytest.approx(idle + 2.0 * life / 10.0 / 64)
+    c.now += 10.0  # out of the window
+    assert c.decide(128).predicted_tpot_s == pytest.approx(idle)
+
+
 def test_requests_sent_since_the_last_report_count_on_top_of_the_measured_step():
     """A burst is not admitted on one stale measurement: the step measured with 4 running,
     plus the model's cost of every sequence sent since."""

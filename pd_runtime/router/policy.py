@@ -201,6 +201,9 @@ class Option:
                 + self.harm_s / target.tpot_s)
 
 
+_RATE_WINDOW_S = 10.0  # the shortest window a decode worker's prefill rate is measured over
+
+
 def _horizon(max_tokens: int) -> int:
     """The decode steps over which a request's share of prefill work is spread: its length."""
     return min(512, max(16, max_tokens))
@@ -233,9 +236,13 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         else:
             step = cd.decode_step_s(batch + 1, context + prompt_len)  # idle: the model
         step += cd.pace_wait_s  # its steps wait for the prefill workers beside it (engine_loop.py)
-        # The prompts routed here: what is queued, and the work done lately (running requests
-        # are still paying for it; the rate at which more comes).
-        shared = backlog + ld.recent_prefill_s(now, horizon * step)
+        # The prompts routed here: what is queued, and as much again as came lately over the
+        # request's life (the rate over at least _RATE_WINDOW_S: over the life alone, a burst
+        # of short prompts read as the rate to come refused requests that then saw 20-50 ms
+        # against 80-107 ms predicted).
+        life = horizon * step
+        window = max(life, _RATE_WINDOW_S)
+        shared = backlog + ld.recent_prefill_s(now, window) * (life / window)
         hit_d = hits.get(d.worker_id, 0)
         own = cd.prefill_s(prompt_len - hit_d, hit_d) * ld.current_slowdown(now)
         chunks = -(-(prompt_len - hit_d) // max(1, cd.max_batched_tokens))
