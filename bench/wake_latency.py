@@ -10,11 +10,15 @@ see it.
 (b) the SLO queue (routing.mode slo, overload: queue): a request held at the router because the
     one before it fills the worker's queue; time from that request's first (and last) token to
     the held request's dispatch to the worker.
+(c) a run's producer asked through the store by another replica: time from the commit of a
+    cancel ask (POST /v1/responses/{id}/cancel on a replica that does not run it:
+    store.ask_cancel) to the producing router's record writer handing it over
+    (RunWriter.on_cancel_asked), the asker in this process or another one.
 
 Run it against another tree with PYTHONPATH=<tree> (the `pd_runtime` it imports is printed).
 
     .venv/bin/python bench/wake_latency.py [--samples 50] [--postgres URL | --no-postgres]
-        [--only records|slo] [--quick]
+        [--only records|asks|slo] [--quick]
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ class _Writer:
             self.store = open_store(url)
 
     def call(self, what: str, run_id: str) -> float:
-        """`what` ("create" or "end") the run; the monotonic time its commit returned."""
+        """`what` ("create", "end" or "cancel": ask its producer to) the run; the monotonic time
+        its commit returned."""
         if self.other_process:
             self.conn.send((what, run_id))
             return self.conn.recv()
@@ -89,6 +94,8 @@ def _write(store, what: str, run_id: str) -> float:
 
     if what == "create":
         Runs(store).create(TENANT, None, None, run_id, owner="bench-producer")
+    elif what == "cancel":
+        assert store.ask_cancel(run_id, time.time())
     else:
         store.record([_end_item(run_id, store.get_run(run_id)["created_at"])])
     return time.monotonic()  # system-wide on Linux: comparable across processes
@@ -144,6 +151,44 @@ def bench_records(url: str, samples: int, other_process: bool, reader: str) -> d
         latencies = asyncio.run(run())
     finally:
         writer.close()
+        recorder.close()
+    return _summary(latencies)
+
+
+# --------------------------------------------------------------------------- (c) asks
+def bench_asks(url: str, samples: int, other_process: bool) -> dict:
+    """A producing router (RunRecorder) with one run open; another replica asks its cancel
+    after a random pause (so the producer is caught at every phase of any poll): seconds from
+    the ask's commit to the producer's writer handing the run over."""
+    from pd_runtime.gateway.open import open_store
+    from pd_runtime.gateway.recorder import RunRecorder
+
+    recorder = RunRecorder(open_store(url), url, f"bench-producer-{os.getpid()}")
+    asker = _Writer(url, other_process)
+    handed: dict[str, float] = {}
+    recorder.writer.on_cancel_asked = lambda live: handed.setdefault(live.id, time.monotonic())
+
+    async def one() -> float:
+        live, _ = await recorder.open(f"resp_{uuid.uuid4().hex}", TENANT, False, None, None)
+        deadline = time.monotonic() + 10
+        while await asyncio.to_thread(recorder.store.get_run, live.id) is None:
+            assert time.monotonic() < deadline, "the run was never recorded"
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05 + random.random() * 0.5)
+        committed = await asyncio.to_thread(asker.call, "cancel", live.id)
+        while live.id not in handed:
+            assert time.monotonic() < deadline + 10, "the ask never reached the producer"
+            await asyncio.sleep(0.0005)
+        recorder.writer.ended(live)
+        return handed[live.id] - committed
+
+    async def run() -> list[float]:
+        return [await one() for _ in range(samples)]
+
+    try:
+        latencies = asyncio.run(run())
+    finally:
+        asker.close()
         recorder.close()
     return _summary(latencies)
 
@@ -252,7 +297,7 @@ def _model_dir(given: str | None) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=50)
-    parser.add_argument("--only", choices=("records", "slo"))
+    parser.add_argument("--only", choices=("records", "asks", "slo"))
     parser.add_argument("--postgres", help="a PostgreSQL URL (default: a throwaway server)")
     parser.add_argument("--no-postgres", action="store_true")
     parser.add_argument("--model-dir", help="a model whose tokenizer the router loads "
@@ -268,6 +313,8 @@ def main(argv=None) -> dict:
     print(f"pd_runtime from {pd_runtime.__file__}", flush=True)
     if args.only in (None, "records"):
         results["records"] = _records(args, samples)
+    if args.only in (None, "asks"):
+        results["asks"] = _records(args, samples, asks=True)
     if args.only in (None, "slo"):
         model_dir = _model_dir(args.model_dir)
         results["slo_queue"] = bench_slo(model_dir, samples, args.blocking_tokens,
@@ -278,7 +325,7 @@ def main(argv=None) -> dict:
     return results
 
 
-def _records(args, samples: int) -> dict:
+def _records(args, samples: int, asks: bool = False) -> dict:
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp, _postgres(args) as pg_url:
         stores = {"sqlite": lambda: f"sqlite://{Path(tmp) / f'{uuid.uuid4().hex}.sqlite3'}"}
@@ -287,10 +334,13 @@ def _records(args, samples: int) -> dict:
         for store, url in stores.items():
             for writer in (("this_process",) if args.quick else
                            ("this_process", "other_process")):
-                for reader in ("follow", "stored"):
+                for reader in (("cancel",) if asks else ("follow", "stored")):
                     name = f"{store}/{writer}/{reader}"
-                    out[name] = bench_records(url(), samples, writer == "other_process",
-                                              reader)
+                    if asks:
+                        out[name] = bench_asks(url(), samples, writer == "other_process")
+                    else:
+                        out[name] = bench_records(url(), samples, writer == "other_process",
+                                                  reader)
                     print(f"run records {name}: {out[name]}", flush=True)
     return out
 

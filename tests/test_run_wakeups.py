@@ -13,6 +13,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -257,3 +258,43 @@ def test_readers_poll_where_no_socket_can_be_bound_beside_the_file(tmp_path, cap
     finally:
         store.close()
     assert len([r for r in caplog.records if "cannot listen" in r.getMessage()]) == 1
+
+
+def test_a_producer_hears_another_replica_follow_and_cancel_its_run(store_url, monkeypatch):
+    """Another replica's follow (mark_followed) and cancel ask (ask_cancel) of a run this
+    router produces are heard as they commit (wakeups.py ASK_FOLLOW / ASK_CANCEL): its record
+    writer looks them up then, not on its next poll (set here to a minute)."""
+    from pd_runtime.gateway import record_writer
+    from pd_runtime.gateway.recorder import RunRecorder
+
+    monkeypatch.setattr(record_writer, "ASK_SAFETY_S", 60.0)
+    recorder = RunRecorder(open_store(store_url), store_url, "owner-a")
+    recorder.writer.ask_poll_s = lambda: None  # no poll at all: only a heard ask looks up
+    other = open_store(store_url)
+    cancel_asked = threading.Event()
+    recorder.writer.on_cancel_asked = lambda live: cancel_asked.set()
+
+    async def scenario():
+        live, _ = await recorder.open("run-heard", "t", True, None, None)
+        deadline = time.monotonic() + 30
+        while await asyncio.to_thread(other.get_run, "run-heard") is None:
+            assert time.monotonic() < deadline, "the run was never recorded"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # past the first round's look-up (the poll is a minute now)
+        await _listening(recorder.store)
+        began = time.monotonic()
+        await asyncio.to_thread(other.mark_followed, "run-heard", time.time())
+        while "run-heard" not in recorder.writer._followed:
+            assert time.monotonic() - began < WOKEN_WITHIN_S, "the follow was not heard"
+            await asyncio.sleep(0.01)
+        began = time.monotonic()
+        assert await asyncio.to_thread(other.ask_cancel, "run-heard", time.time())
+        assert await asyncio.to_thread(cancel_asked.wait, WOKEN_WITHIN_S), \
+            "the cancel ask was not heard"
+        recorder.writer.ended(live)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        other.close()
+        recorder.close()

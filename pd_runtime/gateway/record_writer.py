@@ -23,6 +23,7 @@ from pd_runtime.cpu_time import cpu_s, read_stat
 from pd_runtime.gateway import record_process
 from pd_runtime.gateway.run_state import IN_FLIGHT, record_item
 from pd_runtime.gateway.store import ENDED, RUN_FIELDS
+from pd_runtime.gateway.wakeups import ASK_FOLLOW
 
 if TYPE_CHECKING:
     from pd_runtime.gateway.live_run import LiveRun
@@ -40,7 +41,10 @@ WAITING_RUNS = 100_000
 WAITING_OUTPUT_BYTES = 64 << 20
 ROUND_MAX = 5_000
 BACKOFF_MAX_S = 5.0  # after failed rounds, the next waits longer, up to this
-ASK_FOLLOWED_S = 0.25  # while runs are open, which of them are followed from elsewhere
+# While runs are open, which of them are followed from elsewhere or asked to cancel: looked up
+# when such an ask is heard (`asked`), and every ASK_SAFETY_S for one that was not (its process
+# could not tell this one), every `ask_poll_s()` where asks are not heard at all.
+ASK_SAFETY_S = 1.0
 
 
 class RunWriter:
@@ -66,13 +70,18 @@ class RunWriter:
         self.outputs_dropped = 0  # waiting outputs let go while the store failed
         self.runs_dropped = 0  # waiting rows let go: runs never recorded
         self._waiting: list[dict] = []  # the writer thread's: ended runs' rows not yet written
-        # Open runs a client of another replica has followed (the process says which, every
-        # ASK_FOLLOWED_S), and how many of their events are in the store for it.
+        # Open runs a client of another replica has followed (the process says which, when
+        # asked), and how many of their events are in the store for it.
         self._followed: set[str] = set()
         self._published: dict[str, int] = {}
         self._next_ask = 0.0
+        self._ask_now = False  # an ask of one of this writer's open runs was heard
+        self._ask_heard = threading.Event()  # the same, to cut a round's linger short
+        # How often to look asks up unheard: the store's readers' poll (None: every ask is
+        # heard), set by the owner of the store that hears them.
+        self.ask_poll_s: Callable[[], Optional[float]] = lambda: None
         # Called (on the writer thread) with an open run whose cancel another replica asked
-        # for, every ASK_FOLLOWED_S until it ends.
+        # for, at each look-up until it ends.
         self.on_cancel_asked: Optional[Callable[["LiveRun"], None]] = None
         # Called (on the writer thread) with the ids of the runs a round wrote, once it has
         # committed: their readers in this process wake (RunStore.committed). With SQLite the
@@ -110,6 +119,18 @@ class RunWriter:
         if len(self._ended) == 1:
             self._wake.set()
 
+    def asked(self, asks: list[str]) -> None:
+        """Asks committed to the store (any thread; wakeups.py ASK_FOLLOW / ASK_CANCEL + run
+        id): one of this writer's open runs followed anew or asked to cancel has the next round
+        look them up."""
+        for ask in asks:
+            kind, _, run_id = ask.partition(":")
+            if run_id in self._open and (kind != ASK_FOLLOW[:-1] or run_id not in self._followed):
+                self._ask_now = True
+                self._ask_heard.set()
+                self._wake.set()
+                return
+
     # -- the writer thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         failed = 0  # rounds in a row that could not be written: the next waits longer
@@ -117,9 +138,12 @@ class RunWriter:
             if not self._open and not self._waiting:  # else a round every linger
                 self._wake.wait()
             if not self._closing and self.linger_s > 0:
-                # Let the runs' next changes join this round; after failures, give the store
-                # time rather than retrying it every round.
-                time.sleep(min(BACKOFF_MAX_S, self.linger_s * 2 ** min(failed, 30)))
+                # Let the runs' next changes join this round (an ask heard cuts it short);
+                # after failures, give the store time rather than retrying it every round.
+                if failed:
+                    time.sleep(min(BACKOFF_MAX_S, self.linger_s * 2 ** min(failed, 30)))
+                else:
+                    self._ask_heard.wait(self.linger_s)
             with self._lock:
                 self._wake.clear()  # before the swap: an append after it wakes the next round
                 self._started += 1
@@ -132,10 +156,14 @@ class RunWriter:
                 items = self._items(begun, ended)
                 rows = waiting + [item for _, _, item in items]
                 events, published = self._events()
-                ask = bool(self._open) and time.monotonic() >= self._next_ask
+                ask = bool(self._open) and (self._ask_now or time.monotonic() >= self._next_ask)
                 if rows or events or ask:
                     if ask:
-                        self._next_ask = time.monotonic() + ASK_FOLLOWED_S
+                        self._ask_now = False
+                        self._ask_heard.clear()
+                        poll_s = self.ask_poll_s()
+                        self._next_ask = time.monotonic() + (
+                            ASK_SAFETY_S if poll_s is None else min(ASK_SAFETY_S, poll_s))
                     problems, followed, cancels = self._record(rows, events, ask)
                     if self.on_recorded is not None and (rows or events):
                         self.on_recorded([row["run_id"] for row in rows] +

@@ -64,6 +64,10 @@ class RunRecorder:
                                 keep_outputs_s=keep_outputs_s, keep_runs_s=keep_runs_s)
         self.writer.on_cancel_asked = self._cancel_asked
         self.writer.on_recorded = store.committed
+        # Other replicas' follows and cancels of our runs heard as they commit; looked up on a
+        # poll only as often as readers poll where they are not heard.
+        self.writer.ask_poll_s = lambda: store.wakeups.poll_s
+        store.wakeups.add_asker(self.writer.asked)
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the serving loop, once known
         self.live: dict[str, LiveRun] = {}
         self._by_key: dict[tuple[str, str], str] = {}
@@ -79,6 +83,7 @@ class RunRecorder:
                         self.recovered)
 
     def close(self) -> None:
+        self.store.wakeups.remove_asker(self.writer.asked)
         self.writer.close()
         self.store.close()
 

@@ -30,6 +30,11 @@ OTHER_PROCESS_POLL_S = 0.5
 SAFETY_POLL_S = 1.0
 # PostgreSQL: how often a watch reads again while the store's LISTEN connection is down.
 RECONNECT_POLL_S = 0.5
+# Not a write of a run but a request to its producer, told the same way (the notification's
+# id is the run's behind one of these): another replica follows the run (its producer starts
+# publishing the run's events to the store) or asks for its cancel.
+ASK_FOLLOW = "?follow:"
+ASK_CANCEL = "?cancel:"
 
 T = TypeVar("T")
 
@@ -74,6 +79,7 @@ class Wakeups:
         self.poll_s = poll_s
         self._on_first_watch = on_first_watch  # PostgreSQL's listener starts with it
         self._watches: dict[str, set[Watch]] = {}
+        self._askers: list[Callable[[list[str]], None]] = []  # producers told of asks
         self._lock = threading.Lock()
 
     @contextmanager
@@ -82,9 +88,7 @@ class Wakeups:
         watch = Watch(self, run_id)
         with self._lock:
             self._watches.setdefault(run_id, set()).add(watch)
-            first, self._on_first_watch = self._on_first_watch, None
-        if first is not None:
-            first()
+        self._hear()
         try:
             yield watch
         finally:
@@ -95,12 +99,36 @@ class Wakeups:
                     if not watches:
                         del self._watches[run_id]
 
-    def notify(self, run_ids: Iterable[str]) -> None:
-        """Writes of these runs committed (any thread)."""
+    def _hear(self) -> None:
+        """From the first watch or asker on: what other processes commit is heard here."""
         with self._lock:
-            marked = [w for run_id in set(run_ids) for w in self._watches.get(run_id, ())]
+            first, self._on_first_watch = self._on_first_watch, None
+        if first is not None:
+            first()
+
+    def add_asker(self, asked: Callable[[list[str]], None]) -> None:
+        """`asked` (a record writer's, on the thread that hears) is given the asks committed
+        from now on (ids behind ASK_FOLLOW or ASK_CANCEL), every run's: it picks its own."""
+        with self._lock:
+            self._askers.append(asked)
+        self._hear()
+
+    def remove_asker(self, asked: Callable[[list[str]], None]) -> None:
+        with self._lock:
+            if asked in self._askers:
+                self._askers.remove(asked)
+
+    def notify(self, run_ids: Iterable[str]) -> None:
+        """Writes of these runs committed, or asks of their producers (any thread)."""
+        ids = set(run_ids)
+        asks = [i for i in ids if i.startswith("?")]
+        with self._lock:
+            marked = [w for run_id in ids for w in self._watches.get(run_id, ())]
+            askers = list(self._askers) if asks else []
         for watch in marked:
             watch.mark()
+        for asked in askers:
+            asked(asks)
 
     def notify_all(self) -> None:
         """Any run may have been written (writes may have gone unheard): every watch reads

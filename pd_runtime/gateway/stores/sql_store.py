@@ -14,6 +14,7 @@ from typing import Optional
 from pd_runtime.gateway.stores.migrations import MIGRATIONS
 from pd_runtime.gateway.store import (DAY_S, ENDED, IN_FLIGHT, RUN_FIELDS, STATE_TIME, UPDATABLE,
                            StoreUnavailable)
+from pd_runtime.gateway.wakeups import ASK_CANCEL, ASK_FOLLOW
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +314,7 @@ class SqlRunStore:
     def mark_followed(self, run_id: str, at: float) -> None:
         with self._tx() as db:
             self._exec(db, "UPDATE runs SET followed_at = ? WHERE id = ?", (at, run_id))
+            self._touched(db, [ASK_FOLLOW + run_id])  # its producer hears it at once
 
     def get_output(self, run_id: str) -> Optional[tuple[str, bytes]]:
         row = self._exec(self._db(), "SELECT kind, body FROM run_outputs WHERE run_id = ?",
@@ -419,8 +421,11 @@ class SqlRunStore:
 
     def ask_cancel(self, run_id: str, at: float) -> bool:
         with self._tx() as db:
-            return self._exec(db, f"UPDATE runs SET cancel_asked_at = ? WHERE id = ? AND "
-                              f"{_in_states(IN_FLIGHT)}", (at, run_id)).rowcount > 0
+            asked = self._exec(db, f"UPDATE runs SET cancel_asked_at = ? WHERE id = ? AND "
+                               f"{_in_states(IN_FLIGHT)}", (at, run_id)).rowcount > 0
+            if asked:
+                self._touched(db, [ASK_CANCEL + run_id])
+            return asked
 
     def cancels_asked(self, owner: str) -> list[str]:
         rows = self._exec(self._db(), f"SELECT id FROM runs WHERE {_in_states(IN_FLIGHT)} AND "

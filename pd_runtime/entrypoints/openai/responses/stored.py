@@ -31,8 +31,8 @@ STORED_WAIT_S = 2.0
 # How long one with no record at all is waited for (another replica writes a new run's row in
 # its next round, 50 ms apart): an unknown id is a 404 after this, not after STORED_WAIT_S.
 UNKNOWN_WAIT_S = 0.5
-# How long a cancel waits for the replica running the response to end it (it reads asks every
-# ASK_FOLLOWED_S, then writes the end in its next round).
+# How long a cancel waits for the replica running the response to end it (it hears the ask as
+# it commits, or at worst looks asks up each second, then writes the end in its next round).
 CANCEL_WAIT_S = 5.0
 FOLLOW_WAIT_S = 2.0  # for another replica's running response to publish its events
 MAX_ITEMS_PAGE = 100  # OpenAI's limit on one page of input items
