@@ -67,8 +67,10 @@ class RoutingConfig(_Strict):
     # targets: predictions are of the load now, and the requests arriving after it slow it too.
     slo_margin: float = Field(0.9, gt=0, le=1)
     # auto: disaggregate when the uncached prompt tokens exceed this and the prefill pool's
-    # queued tokens are under max_prefill_queue_tokens.
-    max_local_prefill_tokens: int = Field(512, ge=0)
+    # queued tokens are under max_prefill_queue_tokens. slo: the usual path's threshold. 256: a
+    # CPU decode worker (one core in the default deployment) stalls its streams ~0.35 s for a
+    # 512-token prefill that the prefill worker, on the machine's cores, does in less.
+    max_local_prefill_tokens: int = Field(256, ge=0)
     max_prefill_queue_tokens: int = Field(8192, ge=0)
     decode_cost: DecodeCostWeights = Field(default_factory=DecodeCostWeights)
     prefill_cost: PrefillCostWeights = Field(default_factory=PrefillCostWeights)
