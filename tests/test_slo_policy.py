@@ -537,3 +537,26 @@ def test_the_wait_a_paced_decode_worker_pays_per_step_is_added_to_its_steps():
     c.report("d0", step_s_ewma=0.02, decode_s_ewma=0.02, num_running=4,
              min_step_interval_s=0.08, pace_wait_s=0.03)
     assert c.decide(128).predicted_tpot_s == pytest.approx(0.02 + 1e-3 + 0.03, abs=2e-3)
+
+
+def test_a_sequence_more_costs_no_more_than_the_measured_steps_average_a_sequence():
+    """A busy worker's next request is predicted from its measured step plus, for each
+    sequence the router sent since its report and this one, the fit's cost a sequence, but no
+    more than the measured step's average a sequence: on a shared CPU the fit's split between
+    fixed and per-sequence cost drifts (7 ms a sequence fitted where 12 sequences took 36 ms
+    a step)."""
+    c = Cluster(d0=dict(FAST, decode_seq_s=0.007))
+    for i in range(16):
+        c.ledgers["d0"].start(f"r{i}", 128)
+    c.report("d0", coefficients=dict(FAST, decode_seq_s=0.007), step_s_ewma=0.036,
+             decode_s_ewma=0.036, num_running=12)
+    tpot = {o.path: o.tpot_s for o in slo_options(100, 64, c.decode, c.prefill, {}, c.costs,
+                                                  c.ledgers, c.now, SLOTarget())}
+    # 36 ms + 5 sequences at 3 ms (36 / 12), not at 7 ms; plus the transfer's share.
+    assert tpot["disaggregated"] == pytest.approx(0.036 + 5 * 0.003, abs=1e-3)
+    # A fit below the average is taken as it is.
+    c.report("d0", coefficients=dict(FAST, decode_seq_s=0.001), step_s_ewma=0.036,
+             decode_s_ewma=0.036, num_running=12)
+    tpot = {o.path: o.tpot_s for o in slo_options(100, 64, c.decode, c.prefill, {}, c.costs,
+                                                  c.ledgers, c.now, SLOTarget())}
+    assert tpot["disaggregated"] == pytest.approx(0.036 + 5 * 0.001, abs=1e-3)

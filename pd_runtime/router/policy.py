@@ -229,10 +229,16 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
             # a recovering worker's steps carry its migrated streams' prompts, computed before
             # a new request's (measured: a step average of 1.24 s after a decode worker's
             # restart refused every request for seconds, where ~50 ms steps followed).
+            # Each sequence more costs what the fit says, but no more than the measured step's
+            # average a sequence (its fixed share included): on a shared CPU the fit's split
+            # between fixed and per-sequence cost drifts (measured: 6-8 ms a sequence fitted,
+            # steps of 37 ms for 12; 512-token prompts at 4 req/s refused at 95-110 ms
+            # predicted where they saw 52-74 ms).
             measured = max(1, min(batch, int(d.load.get("num_running", batch))))
-            step = (cd.decode_s_ewma or cd.step_s_ewma) \
-                + cd.decode_step_s(batch + 1, context + prompt_len) \
-                - cd.decode_step_s(measured, context * measured // batch)
+            decode_s = cd.decode_s_ewma or cd.step_s_ewma
+            per_seq = min(cd.decode_seq_s, decode_s / measured)
+            step = decode_s + (batch + 1 - measured) * per_seq \
+                + (context + prompt_len - context * measured // batch) * cd.decode_context_s
         else:
             step = cd.decode_step_s(batch + 1, context + prompt_len)  # idle: the model
         step += cd.pace_wait_s  # its steps wait for the prefill workers beside it (engine_loop.py)
