@@ -23,7 +23,7 @@ from pd_runtime.cpu_time import cpu_s, read_stat
 from pd_runtime.gateway import record_process
 from pd_runtime.gateway.run_state import IN_FLIGHT, record_item
 from pd_runtime.gateway.store import ENDED, RUN_FIELDS
-from pd_runtime.gateway.wakeups import ASK_FOLLOW
+from pd_runtime.gateway.wakeups import ASK_CANCEL
 
 if TYPE_CHECKING:
     from pd_runtime.gateway.live_run import LiveRun
@@ -75,8 +75,9 @@ class RunWriter:
         self._followed: set[str] = set()
         self._published: dict[str, int] = {}
         self._next_ask = 0.0
-        self._ask_now = False  # an ask of one of this writer's open runs was heard
-        self._ask_heard = threading.Event()  # the same, to cut a round's linger short
+        # An ask of one of this writer's open runs was heard: the next round looks asks up,
+        # and it cuts that round's linger short.
+        self._ask_heard = threading.Event()
         # How often to look asks up unheard: the store's readers' poll (None: every ask is
         # heard), set by the owner of the store that hears them.
         self.ask_poll_s: Callable[[], Optional[float]] = lambda: None
@@ -124,9 +125,9 @@ class RunWriter:
         id): one of this writer's open runs followed anew or asked to cancel has the next round
         look them up."""
         for ask in asks:
-            kind, _, run_id = ask.partition(":")
-            if run_id in self._open and (kind != ASK_FOLLOW[:-1] or run_id not in self._followed):
-                self._ask_now = True
+            run_id = ask.partition(":")[2]
+            if run_id in self._open and (ask.startswith(ASK_CANCEL)
+                                         or run_id not in self._followed):
                 self._ask_heard.set()
                 self._wake.set()
                 return
@@ -156,10 +157,10 @@ class RunWriter:
                 items = self._items(begun, ended)
                 rows = waiting + [item for _, _, item in items]
                 events, published = self._events()
-                ask = bool(self._open) and (self._ask_now or time.monotonic() >= self._next_ask)
+                ask = bool(self._open) and (self._ask_heard.is_set()
+                                            or time.monotonic() >= self._next_ask)
                 if rows or events or ask:
-                    if ask:
-                        self._ask_now = False
+                    if ask:  # cleared before the look-up: an ask heard after it is in the store
                         self._ask_heard.clear()
                         poll_s = self.ask_poll_s()
                         self._next_ask = time.monotonic() + (
