@@ -339,6 +339,14 @@ def test_plan_ranks_splits_and_plots(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- commands
+def _prompts_cost_more_the_longer(role) -> bool:
+    """The fitted prefill cost grows with the prompt over the sweep's lengths. On a tiny model
+    with a neighbour on the cores, the fit may put a prompt's cost in its per-token term or
+    in its attention term (one of them reads 0 in some runs): their sum is what is measured."""
+    short, long = (role.step_s(n, n * (n + 1) // 2, 0, 0) for n in (64, 1024))
+    return 0 < short < long and long - short > 1e-4
+
+
 def test_profile_simulate_plan_commands(llama_dir, tmp_path, capsys):
     import yaml
 
@@ -353,8 +361,8 @@ def test_profile_simulate_plan_commands(llama_dir, tmp_path, capsys):
     assert main(["profile", "--config", str(config), "--in-process", "--quick",
                  "--out", str(cost_path)]) == 0
     measured = ClusterCosts.load(cost_path)
-    assert measured.prefill.coefficients["prefill_token_s"] > 0
-    assert measured.decode.coefficients["prefill_token_s"] > 0
+    assert _prompts_cost_more_the_longer(measured.prefill)
+    assert _prompts_cost_more_the_longer(measured.decode)
     assert measured.decode.num_kv_blocks == 512 and measured.kv_bytes_per_token > 0
     assert measured.transfer_exposed_s is not None and measured.rpc_s > 0
     # For planning other degrees: the model's shape and the all-reduce timed over 2 ranks.
@@ -398,7 +406,7 @@ def test_profile_through_a_running_routers_http_api(llama_dir):
     assert {w["role"] for w in workers.values()} == {"prefill", "decode"}
     assert all(w["load"]["step_costs"]["steps"] > 0 for w in workers.values())
     assert 'pd_routing_decisions_total{path="disaggregated"' in metrics
-    assert costs.prefill.coefficients["prefill_token_s"] > 0
+    assert _prompts_cost_more_the_longer(costs.prefill)
     assert costs.decode.coefficients["decode_seq_s"] > 0
     # Measured, not defaulted (on this tiny model the fit's noise can exceed them: >= 0).
     assert costs.colocated_overhead_s is not None and costs.colocated_overhead_s >= 0
