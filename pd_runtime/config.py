@@ -100,6 +100,14 @@ class EnginePoolSettings(_Strict):
     speculative_tokens: int = Field(4, ge=1, le=32)
     speculative_ngram_max: int = Field(4, ge=1)
     speculative_ngram_min: int = Field(2, ge=1)
+    # Tiers below the KV cache (pd_runtime/engine/kv_cache/tiers.py): prefix blocks the pool
+    # evicts move to this many GiB of host memory (vLLM's kv_offloading_size), and from there
+    # to kv_offloading_disk_size GiB of checksummed files under kv_offloading_disk_dir; a
+    # later prompt that hits them gets them copied back instead of recomputed. None or 0: off.
+    # Needs enable_prefix_caching and tensor_parallel_size 1.
+    kv_offloading_size: Optional[float] = Field(None, ge=0, allow_inf_nan=False)
+    kv_offloading_disk_size: Optional[float] = Field(None, ge=0, allow_inf_nan=False)
+    kv_offloading_disk_dir: Optional[str] = None  # None: <the system's temp dir>/pd-runtime-kv
 
     @model_validator(mode="after")
     def _check(self):
@@ -113,6 +121,17 @@ class EnginePoolSettings(_Strict):
         if self.speculative_method == "draft" and not self.speculative_model:
             raise ValueError("speculative_method 'draft' needs speculative_model: the draft "
                              "model's directory")
+        if self.kv_offloading_size or self.kv_offloading_disk_size:
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offloading_size / kv_offloading_disk_size keep evicted "
+                                 "prefix-cache blocks: they need enable_prefix_caching: true")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_offloading_size / kv_offloading_disk_size: the KV tiers "
+                                 "hold one rank's cache; tensor_parallel_size must be 1 (got "
+                                 f"{self.tensor_parallel_size})")
+            if self.kv_offloading_disk_size and not self.kv_offloading_size:
+                raise ValueError("kv_offloading_disk_size needs a host tier above it: set "
+                                 "kv_offloading_size (GiB) too")
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError(f"speculative_ngram_min ({self.speculative_ngram_min}) must not "
                              f"exceed speculative_ngram_max ({self.speculative_ngram_max})")

@@ -36,7 +36,8 @@ _ENGINE = {"max_model_len": "max_model_len", "dtype": "dtype", "seed": "seed",
            "enable_prefix_caching": "enable_prefix_caching", "max_num_seqs": "max_num_seqs",
            "max_num_batched_tokens": "max_num_batched_tokens", "block_size": "block_size",
            "kv_cache_dtype": "kv_cache_dtype", "gpu_memory_utilization": "gpu_memory_utilization",
-           "swap_space": "swap_space_bytes", "tensor_parallel_size": "tensor_parallel_size"}
+           "swap_space": "swap_space_bytes", "tensor_parallel_size": "tensor_parallel_size",
+           "kv_offloading_size": "kv_offloading_size"}
 GIB = 1 << 30
 _ROUTER = {"served_model_name": "served_model_name", "chat_template": "chat_template",
            "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser",
@@ -83,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swap-space", type=float, metavar="GIB",
                         help="engine.swap_space_bytes in GiB, every pool (host memory for "
                              "sequences preempted with preemption_mode: swap)")
+    parser.add_argument("--kv-offloading-size", type=float, metavar="GIB",
+                        help="engine.kv_offloading_size, every pool: GiB of host memory that "
+                             "evicted prefix-cache blocks move to (and are loaded back from)")
     parser.add_argument("--disable-log-requests", "--disable-uvicorn-access-log",
                         dest="disable_log_requests", action="store_true", default=None,
                         help="router.log_requests: false (no line per request)")

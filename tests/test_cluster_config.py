@@ -115,7 +115,8 @@ def test_engine_config_unchanged():
         "step_time_target_s": None, "min_step_interval_s": None, "cuda_graphs": True,
         "cuda_graph_max_batch_size": 256,
         "kv_cache_dtype": "auto", "speculative_method": None, "speculative_model": None, "speculative_tokens": 4, "speculative_ngram_max": 4,
-        "speculative_ngram_min": 2}
+        "speculative_ngram_min": 2, "kv_offloading_size": None,
+        "kv_offloading_disk_size": None, "kv_offloading_disk_dir": None}
     assert set(EngineConfig.model_fields) == set(EnginePoolSettings.model_fields) | {"model"}
     with pytest.raises(ValueError):
         EngineConfig()  # the model stays required

@@ -59,6 +59,8 @@ def test_each_flag_sets_its_field_in_every_pool(tmp_path):
     # The model given first is served under its argument, as vLLM names it.
     assert applied("/models/Llama-3.2-1B").router.served_model_name == "/models/Llama-3.2-1B"
     assert applied("--model", "/models/x").router.served_model_name is None  # (basename)
+    offload = applied("--kv-offloading-size", "2.5")
+    assert {p.engine.kv_offloading_size for p in offload.pools().values()} == {2.5}
     assert r.chat_template_text() == template.read_text()
     assert applied("--chat-template", "{{ messages }}").router.chat_template_text() == \
         "{{ messages }}"
@@ -87,6 +89,8 @@ def test_no_flags_keep_the_config_and_flags_win_over_it():
     (["--swap-space", "-1"], "--swap-space: "),
     (["--swap-space", "inf"], "--swap-space: "),
     (["--swap-space", "nan"], "--swap-space: "),
+    (["--kv-offloading-size", "-1"], "--kv-offloading-size: "),
+    (["--kv-offloading-size", "nan"], "--kv-offloading-size: "),
 ])
 def test_a_bad_value_names_its_flag(argv, says):
     with pytest.raises(ValueError) as raised:

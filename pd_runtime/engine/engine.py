@@ -19,6 +19,7 @@ from pd_runtime.config import EngineConfig
 from pd_runtime.engine import tp_ranks
 from pd_runtime.engine.sampling import prompt_logprobs
 from pd_runtime.engine.kv_cache.block_manager import BlockManager
+from pd_runtime.engine.kv_cache.tiers import KVTiers
 from pd_runtime.engine.detokenizer import detokenize_step
 from pd_runtime.engine.sampling.grammar import GrammarMasks
 from pd_runtime.engine.model_runner import ModelRunner
@@ -63,9 +64,12 @@ class LLMEngine:
             if self._local_ranks is not None:
                 self._local_ranks.close()
             raise
+        self.kv_tiers = KVTiers.for_engine(
+            self.runner.kv_cache, config.kv_offloading_size, config.kv_offloading_disk_size,
+            config.kv_offloading_disk_dir)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           self.model_config.identity,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.kv_tiers)
         swap = SwapSpace(self.runner.num_swap_blocks) \
             if config.preemption_mode == "swap" else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
@@ -449,6 +453,8 @@ class LLMEngine:
         self.runner.stop_followers()
         if self._local_ranks is not None:
             self._local_ranks.close()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 
     def reset_prefix_cache(self) -> int:
         """Empty the prefix cache (block_manager.reset_prefix_cache); the blocks it forgot."""
@@ -480,5 +486,6 @@ class LLMEngine:
             "kv_bytes_per_token": self.runner.kv_bytes_per_token,
             "block_size": bm.block_size,
             "speculation": self.speculator.stats.report() if self.speculator else None,
+            "kv_tiers": self.kv_tiers.report() if self.kv_tiers else None,
         }
 

@@ -141,6 +141,13 @@ class RouterMetrics:
         self.spec_accepted_length = Gauge(
             "pd_worker_speculative_tokens_per_verification", "Tokens a verifying request "
             "gains per step (accepted drafts + 1), since worker start", worker, registry=r)
+        self.kv_tier = Gauge("pd_worker_kv_tier", "KV tiers below the device pool, since "
+                             "worker start: blocks stored, hit, queried, evicted, corrupt, "
+                             "held; bytes in and out; seconds loading hits back",
+                             ["worker", "tier", "kind"], registry=r)
+        self.kv_tier_hit_rate = Gauge("pd_worker_kv_tier_hit_rate", "Blocks a lower tier "
+                                      "served / blocks looked up there after a device miss",
+                                      ["worker", "tier"], registry=r)
 
     def observe_worker(self, worker_id: str, healthy: bool, load: dict) -> None:
         self.healthy.labels(worker_id).set(1 if healthy else 0)
@@ -178,6 +185,15 @@ class RouterMetrics:
             if spec.get("acceptance_rate") is not None:
                 self.spec_acceptance.labels(worker_id).set(spec["acceptance_rate"])
                 self.spec_accepted_length.labels(worker_id).set(spec["tokens_per_verification"])
+        for tier in ("host", "disk"):
+            stats = (load.get("kv_tiers") or {}).get(tier)
+            if not stats:
+                continue
+            for kind, value in stats.items():
+                self.kv_tier.labels(worker_id, tier, kind).set(value)
+            if stats["queried_blocks"]:
+                self.kv_tier_hit_rate.labels(worker_id, tier).set(
+                    stats["hit_blocks"] / stats["queried_blocks"])
         kv = load.get("kv_transfer") or {}
         self.kv_bytes.labels(worker_id).set(kv.get("bytes_sent", 0) + kv.get("bytes_received", 0))
         for reason, count in (kv.get("failures") or {}).items():

@@ -2,7 +2,10 @@
 
 Ownership: a request holds one reference to each block in `req.block_ids`; `free()` drops them.
 A full block may be shared (prefix cache); only a request's last, partial block is written to,
-and it is always private. Blocks with no users stay cached and are evicted LRU on demand.
+and it is always private. Blocks with no users stay cached and are evicted LRU on demand; with
+tiers (tiers.py), an evicted block's K/V moves down to host memory and disk, and a prompt that
+misses the device cache where a lower tier holds the next blocks gets them copied back into
+free blocks, which then serve it as device hits.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pd_runtime.engine.kv_cache.block_hash import block_hashes, root_hash
+from pd_runtime.engine.kv_cache.tiers import KVTiers
 from pd_runtime.engine.sequence import Request
 
 
@@ -40,7 +44,7 @@ class PrefixCacheStats:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, model_identity: str,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, tiers: Optional[KVTiers] = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.model_identity = model_identity
@@ -50,6 +54,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}
         self.stats = PrefixCacheStats()
+        self.tiers = tiers if enable_prefix_caching else None
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -66,34 +71,86 @@ class BlockManager:
                                         req.block_hashes)
         return req.block_hashes
 
+    def _tokens(self, token_ids: list[int], i: int) -> tuple[int, ...]:
+        return tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+
     def _lookup(self, token_ids: list[int], hashes: list[int]) -> list[int]:
-        # Leave at least one token to compute: its logits produce the next token.
-        max_blocks = (len(token_ids) - 1) // self.block_size
         hit = []
-        for i, h in enumerate(hashes[:max_blocks]):
+        for i, h in enumerate(hashes[:self._max_hit_blocks(token_ids)]):
             block_id = self._cached.get(h)
             if block_id is None:
                 break
-            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            if self.blocks[block_id].token_ids != tokens:
+            if self.blocks[block_id].token_ids != self._tokens(token_ids, i):
                 break  # hash collision: never hand back KV of other tokens
             hit.append(block_id)
         return hit
 
+    def _max_hit_blocks(self, token_ids: list[int]) -> int:
+        # Leave at least one token to compute: its logits produce the next token.
+        return (len(token_ids) - 1) // self.block_size
+
+    def _tier_run(self, token_ids: list[int], hashes: list[int], start: int) -> int:
+        """How many blocks after the first `start` the lower tiers hold, in a row."""
+        if self.tiers is None:
+            return 0
+        end = min(len(hashes), self._max_hit_blocks(token_ids))
+        i = start
+        while i < end and self.tiers.holds(hashes[i], self._tokens(token_ids, i)):
+            i += 1
+        return i - start
+
     def cached_prefix_tokens(self, token_ids: list[int], cache_salt: Optional[str] = None) -> int:
-        """Tokens of this prompt the cache would serve now; no side effects."""
+        """Tokens of this prompt the cache would serve now (from any tier); no side effects."""
         if not self.enable_prefix_caching:
             return 0
         root = root_hash(self.model_identity, None, cache_salt)
-        return len(self._lookup(token_ids, block_hashes(token_ids, self.block_size, root))) \
-            * self.block_size
+        hashes = block_hashes(token_ids, self.block_size, root)
+        hit = len(self._lookup(token_ids, hashes))
+        return (hit + self._tier_run(token_ids, hashes, hit)) * self.block_size
 
     # -- allocation --------------------------------------------------------------------------
     def match_prefix(self, req: Request) -> list[int]:
-        """Cached blocks for the start of a request that holds no blocks; not yet referenced."""
+        """Cached blocks for the start of a request that holds no blocks; not yet referenced.
+        Blocks the device misses and a lower tier holds are loaded into free blocks first."""
         if not self.enable_prefix_caching:
             return []
-        return self._lookup(req.all_token_ids, self.request_hashes(req))
+        hashes = self.request_hashes(req)
+        hit = self._lookup(req.all_token_ids, hashes)
+        run = self._tier_run(req.all_token_ids, hashes, len(hit))
+        if run:
+            hit += self._load_from_tiers(req.all_token_ids, hashes, hit, run)
+        return hit
+
+    def _load_from_tiers(self, token_ids: list[int], hashes: list[int], hit: list[int],
+                         run: int) -> list[int]:
+        """Copy up to `run` blocks after `hit` from the lower tiers into free blocks, published
+        as cached and unreferenced (the caller's allocate() takes them); the blocks loaded.
+        The device hits are made the most recently used first, so that the free blocks taken
+        here are never theirs; one free block stays for the prompt's own tokens."""
+        for block_id in hit:
+            if self.blocks[block_id].ref_count == 0:
+                self._free.move_to_end(block_id)
+        idle_hits = sum(1 for b in hit if self.blocks[b].ref_count == 0)
+        loaded, served = [], {}
+        for i in range(len(hit), len(hit) + run):
+            if len(self._free) - idle_hits - len(loaded) <= 1:
+                break
+            block_id = self._take_free()
+            tokens = self._tokens(token_ids, i)
+            tier = self.tiers.load(hashes[i], tokens, block_id)
+            block = self.blocks[block_id]
+            block.ref_count = 0
+            if tier is None:  # lost on the way (a file that failed its checks): recompute
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+                break
+            served[tier] = served.get(tier, 0) + 1
+            block.block_hash, block.token_ids = hashes[i], tokens
+            self._cached[hashes[i]] = block_id
+            self._free[block_id] = None
+            loaded.append(block_id)
+        self.tiers.note_queried(run, served)
+        return loaded
 
     def can_allocate(self, req: Request, num_new_tokens: int, prefix: list[int] = (),
                      keep_free: int = 0) -> bool:
@@ -136,6 +193,8 @@ class BlockManager:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
+                if self.tiers is not None:  # its K/V is intact until the next forward pass
+                    self.tiers.save(block_id, block.block_hash, block.token_ids)
             self.stats.evictions += 1
             block.block_hash = block.token_ids = None
         block.ref_count = 1
@@ -168,6 +227,8 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash = block.token_ids = None
         self._cached.clear()
+        if self.tiers is not None:
+            forgotten += self.tiers.clear()
         return forgotten
 
     def free(self, req: Request) -> None:
