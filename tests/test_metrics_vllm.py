@@ -28,9 +28,11 @@ def test_the_deployment_reads_as_one_vllm_server():
     for worker, running, waiting, free in (("p0", 1, 4, 60), ("d0", 7, 2, 20)):
         m.observe_worker(worker, True, {
             "total_blocks": 100, "free_blocks": free, "num_running": running,
-            "num_waiting": waiting, "num_preemptions": 3})
+            "num_waiting": waiting, "num_preemptions": 3, "prefix_queried_tokens": 500,
+            "prefix_hit_tokens": 200})
     m.observe_worker("d1", True, {"total_blocks": 100, "free_blocks": 0, "num_running": 40,
-                                  "num_waiting": 40})
+                                  "num_waiting": 40, "prefix_queried_tokens": 9000,
+                                  "prefix_hit_tokens": 9000})
     m.observe_worker("d1", False, {})  # died: its last report no longer counts as load
     for path, seconds in (("colocated", 0.02), ("disaggregated", 0.3), ("disaggregated", 3.0)):
         m.ttft.labels(path).observe(seconds)
@@ -42,6 +44,8 @@ def test_the_deployment_reads_as_one_vllm_server():
     assert got[("vllm:prompt_tokens_total", None)] == 2000
     assert got[("vllm:generation_tokens_total", None)] == 100
     assert got[("vllm:num_preemptions_total", None)] == 6
+    assert got[("vllm:prefix_cache_queries_total", None)] == 1000  # d1 is dead
+    assert got[("vllm:prefix_cache_hits_total", None)] == 400
     assert got[("vllm:time_to_first_token_seconds_count", None)] == 3
     assert abs(got[("vllm:time_to_first_token_seconds_sum", None)] - 3.32) < 1e-9
     assert got[("vllm:time_to_first_token_seconds_bucket", "0.025")] == 1

@@ -92,6 +92,9 @@ class RouterMetrics:
         self.waiting = Gauge("pd_worker_waiting", "Waiting sequences", worker, registry=r)
         self.hit_rate = Gauge("pd_worker_prefix_hit_rate", "Prefix-cache hit tokens / queried",
                               worker, registry=r)
+        self.prefix_tokens = Gauge("pd_worker_prefix_tokens", "Prefix-cache tokens since worker "
+                                   "start: queried (prompts admitted) and hit (from any tier)",
+                                   ["worker", "kind"], registry=r)
         self.preemptions = Gauge("pd_worker_preemptions", "Preemptions since worker start",
                                  worker, registry=r)
         self.healthy = Gauge("pd_worker_healthy", "1 if the worker answered its last check",
@@ -158,6 +161,8 @@ class RouterMetrics:
         self.running.labels(worker_id).set(load.get("num_running", 0))
         self.waiting.labels(worker_id).set(load.get("num_waiting", 0))
         queried = load.get("prefix_queried_tokens", 0)
+        self.prefix_tokens.labels(worker_id, "queried").set(queried)
+        self.prefix_tokens.labels(worker_id, "hit").set(load.get("prefix_hit_tokens", 0))
         self.hit_rate.labels(worker_id).set(load.get("prefix_hit_tokens", 0) / queried
                                             if queried else 0)
         self.preemptions.labels(worker_id).set(load.get("num_preemptions", 0))

@@ -46,6 +46,16 @@ class VllmNames:
                      self.served.get("output_tokens", 0))
         yield family(CounterMetricFamily, "vllm:num_preemptions", "Preemptions",
                      sum(value for _, value in _by_worker(m.preemptions)))
+        tokens = {"queried": 0.0, "hit": 0.0}
+        for family_ in m.prefix_tokens.collect():
+            for sample in family_.samples:
+                if sample.labels["worker"] in healthy:
+                    tokens[sample.labels["kind"]] += sample.value
+        yield family(CounterMetricFamily, "vllm:prefix_cache_queries",
+                     "Prompt tokens looked up in the prefix cache (every worker's, summed: a "
+                     "disaggregated prompt is looked up on both its workers)", tokens["queried"])
+        yield family(CounterMetricFamily, "vllm:prefix_cache_hits",
+                     "Of those, tokens served from the cache (any tier)", tokens["hit"])
         for source, name, doc in (
                 (m.ttft, "vllm:time_to_first_token_seconds", "Time to first token"),
                 (m.itl, "vllm:inter_token_latency_seconds", "Time between streamed tokens"),
