@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 import yaml
@@ -74,15 +75,18 @@ def write_config(name: str, out: Path, port: int) -> Path:
 class Server:
     """One system's server process (a process group: Ray and vLLM start children)."""
 
-    def __init__(self, name: str, out: Path, port: int, model_dir: str):
+    def __init__(self, name: str, out: Path, port: int, model_dir: str,
+                 config: Optional[Path] = None, vllm_args: tuple = ()):
+        """A name starting with `vllm`: vLLM's server (`vllm_args` added to its wrapper's
+        flags); else `pd-runtime serve --config` (`config`, or SYSTEMS[name] written out)."""
         self.name, self.port = name, port
         self.log = open(out / f"{name}.server.log", "w")
-        if name == "vllm":
+        if name.startswith("vllm"):
             cmd = [str(ROOT / ".venv-vllm/bin/python"), str(ROOT / "bench/peers/vllm_serve.py"),
-                   "--model", model_dir, "--port", str(port), "--threads", "2"]
+                   "--model", model_dir, "--port", str(port), "--threads", "2", *vllm_args]
         else:
             cmd = [str(ROOT / ".venv/bin/pd-runtime"), "serve", "--config",
-                   str(write_config(name, out, port))]
+                   str(config or write_config(name, out, port))]
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      start_new_session=True)
@@ -93,7 +97,7 @@ class Server:
 
     def wait_ready(self, timeout_s: float = 300.0) -> float:
         deadline = time.monotonic() + timeout_s
-        path = "/v1/models" if self.name == "vllm" else "/ready"
+        path = "/v1/models" if self.name.startswith("vllm") else "/ready"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); see {self.log.name}")
