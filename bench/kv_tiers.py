@@ -84,7 +84,10 @@ def session_kv(args, model_dir: str) -> dict:
 
 
 def run_system(name: str, args, out: Path, model_dir: str) -> dict:
-    vllm_args = ("--kv-cache-gib", str(args.pool_mib / 1024))
+    # (vLLM needs a pool that holds one request of max_model_len: the sessions' longest)
+    longest = args.input_len + args.turns * (args.output_len + args.user_len)
+    vllm_args = ("--kv-cache-gib", str(args.pool_mib / 1024), "--max-model-len",
+                 str(min(4096, -(-longest // 256) * 256)))
     if name == "vllm-offload":
         vllm_args += ("--", "--kv-offloading-size", str(args.host_gib))
     server = Server(name, out, args.port, model_dir,

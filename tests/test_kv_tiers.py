@@ -82,6 +82,12 @@ def test_greedy_tokens_are_the_same_with_tiers_off_host_and_disk(llama_dir, tmp_
     disk_dir = disk_llm.engine.kv_tiers.disk_dir
     disk_llm.engine.close()
     assert not disk_dir.exists()
+    # A killed engine's files are removed by the next one to start on that directory.
+    orphan = tmp_path / "worker-999999999"
+    orphan.mkdir()
+    (orphan / "0.kv").write_bytes(b"x")
+    _llm(llama_dir, host_blocks=2, disk_blocks=4, tmp_path=tmp_path).engine.close()
+    assert not orphan.exists()
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])

@@ -37,6 +37,31 @@ def test_colocated_and_disaggregated_tokens_identical(cluster, reference, seeded
     wait_free(cluster, start)
 
 
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_decode_worker_fetches_a_prefix_its_peer_holds(cluster, reference, seeded):
+    """A fetch from a peer: d1 misses a prompt d0 computed; with d0 named as the request's
+    prefill worker, d0 computes only what its prefix cache lacks (the last block's tokens) and
+    ships the KV to d1 over the same transfer as a prefill worker's. Same tokens and text."""
+    ps, ref = reference
+    i = 2  # the 70-token prompts: four full blocks and a tail
+    prompt = [5 + (7 * t + 3) % 495 for t in ps[i]]  # one no earlier test left in a cache
+    first = collect(cluster, f"peer-a-{seeded}", prompt, params(i, seeded), decode_worker="d0")
+    before = {w.worker_id: ray.get(w.handle.load.remote()) for w in cluster.decode}
+    fetched = collect(cluster, f"peer-b-{seeded}", prompt, params(i, seeded),
+                      disaggregate=True, decode_worker="d1", prefill_worker="d0")
+    after = {w.worker_id: ray.get(w.handle.load.remote()) for w in cluster.decode}
+    assert tokens_of(fetched) == tokens_of(first)
+    assert text_of(fetched) == text_of(first)
+    assert {c.path for c in fetched} == {"disaggregated"}
+    assert fetched[-1].kv_arrived is True and fetched[-1].kv_transfer_s > 0
+    # d0 served the prompt's full blocks from its cache: only the tail was computed there.
+    blocks = (len(prompt) - 1) // 16 * 16
+    assert after["d0"]["prefix_hit_tokens"] - before["d0"]["prefix_hit_tokens"] == blocks
+    assert after["d1"]["kv_transfer"]["bytes_received"] > \
+        before["d1"]["kv_transfer"]["bytes_received"]
+    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
+
+
 def test_many_transfers_leave_no_per_request_state(cluster):
     """Two thousand disaggregated requests through one prefill/decode pair, some abandoned
     after their first token: afterwards every worker's per-request records, the transfer

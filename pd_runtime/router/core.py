@@ -162,7 +162,9 @@ class PoolBackend:
                 self.index.forget(w.worker_id)  # restarted: its cache is empty again
                 self.ledgers[w.worker_id].slowdown = 1.0  # and what it measured is moot
             self._engine_ids[w.worker_id] = engine_id
-            self.index.set_capacity(w.worker_id, w.load.get("total_blocks", 1))
+            tiers = w.load.get("kv_tiers") or {}  # blocks evicted to host and disk still hit
+            self.index.set_capacity(w.worker_id, w.load.get("total_blocks", 1) + sum(
+                (tiers.get(t) or {}).get("capacity_blocks", 0) for t in ("host", "disk")))
             self.costs.update(w.worker_id, w.load)
             c = self.costs.costs(w.worker_id)
             self.metrics.observe_costs(w.worker_id, c.prefill_tokens_per_s(),

@@ -259,12 +259,16 @@ class PoolClient:
     def _call(self, d: WorkerRef, request: GenerationRequest, run: "_Progress",
               disaggregate: bool, prefill_worker: Optional[str]):
         """The stream of `request` on `d`: resumed after the tokens streamed so far, or with
-        its prompt computed by a prefill worker (the chosen one if up, else any), or here."""
+        its prompt computed by a prefill worker (the chosen one if up, else any), or here.
+        The chosen one may be another decode worker: one that holds the prompt's prefix
+        computes only the rest and ships the KV, a fetch from a peer (the same transfer,
+        credits and failure handling as a prefill worker's)."""
         if run.streamed:
             return d.handle.generate.remote(request, resume_output_ids=list(run.streamed),
                                             resume_text_len=run.text_len)
-        p = (next((w for w in self.prefill if w.worker_id == prefill_worker and w.healthy),
-                  None) or self._pick(self.prefill, set())) if disaggregate else None
+        p = (next((w for w in self.prefill + self.decode if w.worker_id == prefill_worker
+                   and w.healthy and w is not d), None)
+             or self._pick(self.prefill, set())) if disaggregate else None
         if p is not None:
             # (its degree, when its load report says: how our ranks cut their receives)
             return d.handle.generate_disaggregated.remote(

@@ -126,6 +126,7 @@ class KVTiers:
                     f"engine.kv_offloading_disk_size: {disk_gib} GiB on "
                     f"{root} (engine.kv_offloading_disk_dir), which has {free / GIB:.1f} GiB "
                     "free: lower it or choose another directory")
+            _remove_orphans(root)
             path = root / f"worker-{os.getpid()}"  # one directory per engine process
             shutil.rmtree(path, ignore_errors=True)
         return cls(device_cache, host_blocks, path, disk_blocks)
@@ -274,6 +275,17 @@ class KVTiers:
     def _drop_disk(self, block_hash: int) -> None:
         self._disk_index.pop(block_hash, None)
         self._path(block_hash).unlink(missing_ok=True)
+
+
+def _remove_orphans(root: Path) -> None:
+    """Directories of engine processes that no longer run (killed before close())."""
+    for path in root.glob("worker-*"):
+        try:
+            os.kill(int(path.name.removeprefix("worker-")), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (ValueError, PermissionError):  # not ours to judge: another user's process
+            continue
 
 
 def _available_memory() -> Optional[int]:
