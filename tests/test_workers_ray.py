@@ -53,6 +53,23 @@ def test_prefill_worker_killed_during_transfer(cluster, reference):
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
 
+def test_peer_killed_mid_fetch(cluster, reference):
+    """A fetch from a peer (d0 holds the prompt's prefix and ships it to d1) whose source dies
+    with the transfer outstanding: d1 computes the prompt itself; the stream is exact."""
+    ps, ref = reference
+    d0 = next(w for w in cluster.decode if w.worker_id == "d0").handle
+    collect(cluster, "peer-warm", ps[2], params(2, True), decode_worker="d0")
+    ray.get(d0.set_fault_injection.remote(delay_kv_send_s=3.0))
+    chunks = _run_with_fault(cluster, "kill-peer", ps[2], params(2, True),
+                             lambda: ray.kill(d0, no_restart=False), disaggregate=True,
+                             decode_worker="d1", prefill_worker="d0")
+    assert tokens_of(chunks) == ref[True][2]
+    assert text_of(chunks) == ref["text"][True][2]
+    assert chunks[0].path == "disaggregated" and chunks[-1].kv_arrived is False
+    wait_alive(cluster)
+    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
+
+
 def test_prefill_worker_killed_before_first_token(cluster, reference):
     ps, ref = reference
     p0 = cluster.prefill[0].handle
