@@ -72,6 +72,10 @@ class RoutingConfig(_Strict):
     # 512-token prefill that the prefill worker, on the machine's cores, does in less.
     max_local_prefill_tokens: int = Field(256, ge=0)
     max_prefill_queue_tokens: int = Field(8192, ge=0)
+    # Expected prefix hits from the blocks each worker reports holding (its KV events, pulled
+    # with the health checks: pd_runtime/router/prefix_index.py), in any tier; false: an
+    # estimate from what the router sent where.
+    kv_events: bool = True
     decode_cost: DecodeCostWeights = Field(default_factory=DecodeCostWeights)
     prefill_cost: PrefillCostWeights = Field(default_factory=PrefillCostWeights)
 

@@ -62,6 +62,32 @@ def test_a_decode_worker_fetches_a_prefix_its_peer_holds(cluster, reference, see
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
 
+def test_the_routers_index_follows_the_workers_and_resyncs_after_a_restart(cluster, llama_dir):
+    """The router's prefix index from the workers' KV events: exact per worker, the same at
+    once in a router that starts after the requests (a snapshot), and emptied with a worker's
+    cache."""
+    from pd_runtime.config import ClusterConfig
+    from pd_runtime.router.core import PoolBackend
+
+    d0 = next(w for w in cluster.decode if w.worker_id == "d0").handle
+    prompt = [5 + (11 * i + 1) % 490 for i in range(70)]
+    backend = PoolBackend(cluster, ClusterConfig(), llama_dir)
+    collect(cluster, "events-a", prompt, params(0, False), decode_worker="d0")
+    asyncio.run(backend.refresh())
+    hashes = backend.index.hashes(prompt, None)
+    held = ray.get(d0.cached_prefix_tokens.remote(prompt, None))
+    assert held == 64 and backend.index.exact("d0") and backend.index.exact("d1")
+    assert backend.index.expected_hit_tokens("d0", hashes, len(prompt)) == held
+    assert backend.index.expected_hit_tokens("d1", hashes, len(prompt)) == 0
+    restarted = PoolBackend(cluster, ClusterConfig(), llama_dir)
+    asyncio.run(restarted.refresh())
+    assert restarted.index.expected_hit_tokens("d0", hashes, len(prompt)) == held
+    ray.get(d0.reset_prefix_cache.remote())
+    for b in (backend, restarted):
+        asyncio.run(b.refresh())
+        assert b.index.expected_hit_tokens("d0", hashes, len(prompt)) == 0
+
+
 def test_many_transfers_leave_no_per_request_state(cluster):
     """Two thousand disaggregated requests through one prefill/decode pair, some abandoned
     after their first token: afterwards every worker's per-request records, the transfer

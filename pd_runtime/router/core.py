@@ -171,7 +171,24 @@ class PoolBackend:
                                        self.costs.transfer_gbps.get(w.worker_id, 0.0))
             # The report now counts what we routed there; count afresh from here.
             self.inflight[w.worker_id] = 0
+        if self.reloader.current.kv_events:  # (reloads live)
+            await self._follow_kv_events()
         self.capacity.notify()
+
+    async def _follow_kv_events(self, timeout_s: float = 2.0) -> None:
+        """Each healthy worker's KV events since the last read (a snapshot the first time,
+        after its restart, or when this router fell behind) into the prefix index."""
+        async def one(w) -> None:
+            try:
+                reply = await asyncio.wait_for(
+                    w.handle.kv_events.remote(*self.index.cursor(w.worker_id)), timeout_s)
+            except Exception as exc:  # the next health check reads from the same cursor
+                log.debug("kv events of %s not read: %s", w.worker_id, exc)
+                return
+            self.index.apply(w.worker_id, reply)
+
+        await asyncio.gather(*(one(w) for w in self.client.prefill + self.client.decode
+                               if w.healthy))
 
     # -- the Backend interface ---------------------------------------------------------------
     def authenticate(self, api_key: Optional[str]) -> Optional[TenantConfig]:

@@ -248,6 +248,17 @@ class PDWorker:
                       cpu_s=time.process_time())
         return report
 
+    async def kv_events(self, epoch: Optional[str] = None, seq: int = 0) -> dict:
+        """What this worker's prefix cache stored and removed after `seq` of `epoch`, or a
+        snapshot of every block it holds (a reader that never read, an engine restarted, a
+        reader too far behind): engine/kv_cache/kv_events.py."""
+        log = self.engine.block_manager.events
+        reply = log.since(epoch, seq)
+        if reply is None:
+            reply = await self._engine_loop().call(
+                lambda e: e.block_manager.events.snapshot(e.block_manager.held_blocks()))
+        return reply
+
     def _records(self) -> dict:
         """Per-request state this worker keeps; all zero when it is idle (a leak shows here)."""
         e = self.engine

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pd_runtime.engine.kv_cache.block_hash import block_hashes, root_hash
+from pd_runtime.engine.kv_cache.kv_events import KVEventLog
 from pd_runtime.engine.kv_cache.tiers import KVTiers
 from pd_runtime.engine.sequence import Request
 
@@ -55,6 +56,10 @@ class BlockManager:
         self._cached: dict[int, int] = {}
         self.stats = PrefixCacheStats()
         self.tiers = tiers if enable_prefix_caching else None
+        # What the prefix cache holds, as events for the router (kv_events.py).
+        self.events = KVEventLog()
+        if self.tiers is not None:
+            self.tiers.events = self.events
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -147,6 +152,7 @@ class BlockManager:
             served[tier] = served.get(tier, 0) + 1
             block.block_hash, block.token_ids = hashes[i], tokens
             self._cached[hashes[i]] = block_id
+            self.events.stored(hashes[i], "device")
             self._free[block_id] = None
             loaded.append(block_id)
         self.tiers.note_queried(run, served)
@@ -193,6 +199,7 @@ class BlockManager:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
+                self.events.removed(block.block_hash, "device")
                 if self.tiers is not None:  # its K/V is intact until the next forward pass
                     self.tiers.save(block_id, block.block_hash, block.token_ids)
             self.stats.evictions += 1
@@ -216,7 +223,8 @@ class BlockManager:
             block.block_hash = h
             block.token_ids = tuple(req.all_token_ids[i * self.block_size:
                                                       (i + 1) * self.block_size])
-            self._cached.setdefault(h, block.block_id)
+            if self._cached.setdefault(h, block.block_id) == block.block_id:
+                self.events.stored(h, "device")
         req.num_published_blocks = num_full
 
     def reset_prefix_cache(self) -> int:
@@ -229,7 +237,17 @@ class BlockManager:
         self._cached.clear()
         if self.tiers is not None:
             forgotten += self.tiers.clear()
+        self.events.cleared()
         return forgotten
+
+    def held_blocks(self) -> dict:
+        """Block hash -> the tiers holding it (device, host, disk): the events' snapshot."""
+        held = {h: {"device"} for h in self._cached}
+        if self.tiers is not None:
+            for tier, hashes in self.tiers.held().items():
+                for h in hashes:
+                    held.setdefault(h, set()).add(tier)
+        return held
 
     def free(self, req: Request) -> None:
         """Drop the request's references; tail blocks first so they are evicted first."""

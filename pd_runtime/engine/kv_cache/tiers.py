@@ -36,6 +36,7 @@ import torch
 import xxhash
 
 from pd_runtime.engine.kv_cache.host_memory import host_zeros
+from pd_runtime.engine.kv_cache.kv_events import KVEventLog
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class KVTiers:
         self._free_slots = list(range(self.host_blocks - 1, -1, -1))
         self._disk_index: OrderedDict[int, tuple[int, ...]] = OrderedDict()
         self.stats = {"host": TierStats(), "disk": TierStats()}
+        self.events = KVEventLog()  # the block manager's, once it owns these tiers
         if self.disk_dir is not None and self.disk_blocks:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
 
@@ -139,6 +141,10 @@ class KVTiers:
             return entry.token_ids == token_ids
         return self._disk_index.get(block_hash) == token_ids
 
+    def held(self) -> dict:
+        """Tier -> the block hashes it holds."""
+        return {"host": list(self._host_index), "disk": list(self._disk_index)}
+
     def used_blocks(self) -> dict:
         return {"host": len(self._host_index), "disk": len(self._disk_index)}
 
@@ -157,11 +163,13 @@ class KVTiers:
             return
         if entry is not None:  # a hash collision: the newer block replaces it
             self._free_slots.append(self._host_index.pop(block_hash).slot)
+            self.events.removed(block_hash, "host")
         if not self._free_slots:
             self._evict_host()
         slot = self._free_slots.pop()
         self._host[:, :, slot].copy_(self.device_cache[:, :, block_id])
         self._host_index[block_hash] = _Entry(slot, token_ids)
+        self.events.stored(block_hash, "host")
         stats = self.stats["host"]
         stats.stored_blocks += 1
         stats.bytes_in += self.block_bytes
@@ -215,6 +223,7 @@ class KVTiers:
     # -- internals ---------------------------------------------------------------------------
     def _evict_host(self) -> None:
         block_hash, entry = self._host_index.popitem(last=False)
+        self.events.removed(block_hash, "host")
         self.stats["host"].evicted_blocks += 1
         if self.disk_blocks and block_hash not in self._disk_index:
             self._write_disk(block_hash, entry)
@@ -246,6 +255,7 @@ class KVTiers:
             tmp.unlink(missing_ok=True)
             return
         self._disk_index[block_hash] = entry.token_ids
+        self.events.stored(block_hash, "disk")
         stats = self.stats["disk"]
         stats.stored_blocks += 1
         stats.bytes_in += len(payload)
@@ -273,7 +283,8 @@ class KVTiers:
         return data[start:]
 
     def _drop_disk(self, block_hash: int) -> None:
-        self._disk_index.pop(block_hash, None)
+        if self._disk_index.pop(block_hash, None) is not None:
+            self.events.removed(block_hash, "disk")
         self._path(block_hash).unlink(missing_ok=True)
 
 
