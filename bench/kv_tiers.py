@@ -17,6 +17,9 @@ default pool is 512 MiB):
   vllm          vLLM-CPU with the same KV bytes (--kv-cache-gib), its prefix cache on
   vllm-offload  the same with vLLM's --kv-offloading-size --host-gib (if its CPU build takes it)
   vllm-big      vLLM-CPU with a device pool of --host-gib: what memory alone buys, for scale
+  pd2-host      two decode workers (a core each, no prefill pool), host tiers: routing matters
+  *-estimate    the same with routing.kv_events false: the router's prefix index an estimate
+                from what it sent where, instead of the blocks the workers report holding
 
 Per system: the prefix-cache hit rate over the run (`vllm:prefix_cache_hits_total` /
 `queries_total`, which both servers export), TTFT p50/p99 of the first turns and of the later
@@ -41,20 +44,26 @@ sys.path.insert(0, str(ROOT))
 from bench.common import bench_model  # noqa: E402
 from bench.goodput_study import Server, merge  # noqa: E402
 
-SYSTEMS = ("pd-off", "pd-host", "pd-disk", "vllm", "vllm-offload", "vllm-big")
+SYSTEMS = ("pd-off", "pd-host", "pd-disk", "vllm", "vllm-offload", "vllm-big",
+           "pd-host-estimate", "pd2-host", "pd2-host-estimate")
 GIB = 1 << 30
 
 
 def pd_config(name: str, args, out: Path) -> Path:
     engine = {"kv_cache_memory_bytes": args.pool_mib << 20}
-    if name == "pd-host":
+    if "-host" in name:
         engine["kv_offloading_size"] = args.host_gib
     elif name == "pd-disk":
         engine.update(kv_offloading_size=args.pool_mib / 1024, kv_offloading_disk_size=args.disk_gib,
                       kv_offloading_disk_dir=str(out / "kv-disk"))
+    over = {"prefill": {"engine": engine}, "decode": {"engine": engine},
+            "router": {"port": args.port,
+                       "routing": {"kv_events": not name.endswith("-estimate")}}}
+    if name.startswith("pd2"):  # two decode workers, a core each, no prefill pool
+        over["prefill"]["num_workers"] = 0
+        over["decode"]["num_workers"] = 2
     cfg = yaml.safe_load((ROOT / "cluster_configs/local.yaml").read_text())
-    cfg = merge(cfg, {"prefill": {"engine": engine}, "decode": {"engine": engine},
-                      "router": {"port": args.port}})
+    cfg = merge(cfg, over)
     path = out / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -560,3 +560,26 @@ def test_a_sequence_more_costs_no_more_than_the_measured_steps_average_a_sequenc
     tpot = {o.path: o.tpot_s for o in slo_options(100, 64, c.decode, c.prefill, {}, c.costs,
                                                   c.ledgers, c.now, SLOTarget())}
     assert tpot["disaggregated"] == pytest.approx(0.036 + 5 * 0.001, abs=1e-3)
+
+
+def test_a_prefix_another_decode_worker_holds_is_fetched_when_recomputing_misses():
+    """Two decode workers, no prefill pool: d0 holds 1,984 of a 2,000-token prompt, but its
+    40 streams' steps take 120 ms (a stream more there misses the TPOT target); recomputing
+    on the idle d1 takes ~3 s (misses TTFT). So d1 fetches: d0 computes the last 16 tokens
+    and ships the KV. Without the prefix on d0, no fetch."""
+    c = Cluster(decode=("d0", "d1"), prefill=(),
+                d1=dict(FAST, prefill_token_s=1.5e-3))  # d1: ~3 s for 2,000 tokens
+    for i in range(40):
+        c.ledgers["d0"].start(f"running-{i}", 500)
+    c.report("d0", decode_s_ewma=0.12, step_s_ewma=0.12, num_running=40)
+    d = c.decide(2000, hits={"d0": 1984})
+    assert (d.path, d.decode_worker, d.prefill_worker) == ("disaggregated", "d1", "d0")
+    assert d.reason == "slo_fetch_fallback" and d.prefill_s == pytest.approx(0.005 + 16 * 2e-4,
+                                                                           rel=0.3)
+    options = slo_options(2000, 64, c.decode, c.prefill, {"d0": 1984}, c.costs, c.ledgers,
+                          c.now, SLOTarget())
+    assert [(o.decode_worker, o.prefill_worker) for o in options if o.fetch] == [("d1", "d0")]
+    # A peer with no more of the prompt than the worker itself is no fetch source.
+    assert not any(o.fetch for o in slo_options(2000, 64, c.decode, c.prefill,
+                                                {"d0": 32, "d1": 0}, c.costs, c.ledgers, c.now,
+                                                SLOTarget()))

@@ -186,6 +186,7 @@ class Option:
     queued: int = 0          # prefills pending there (some may be overdue: backlog_s 0)
     idle_meets: bool = True  # whether it would meet the targets with every queue empty
     harm_s: float = 0.0      # TPOT it adds to the decode worker's running requests, summed
+    fetch: bool = False      # its prefill worker is another decode worker holding the prefix
 
     def waits_at_most_its_own(self) -> bool:
         """Queued prefill ahead of it no more than its own (one request's worth)."""
@@ -201,6 +202,7 @@ class Option:
                 + self.harm_s / target.tpot_s)
 
 
+FETCH_MIN_TOKENS = 64  # a peer's longer cached prefix worth fetching rather than computing
 _RATE_WINDOW_S = 10.0  # the shortest window a decode worker's prefill rate is measured over
 
 
@@ -261,7 +263,12 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                               idle_meets=own + costs.rpc_s <= target.ttft_s
                               and idle_step + own / horizon <= target.tpot_s,
                               harm_s=batch * (one_more + own / horizon)))
-        for p in (w for w in prefill if w.available):
+        # A prefill worker, or a fetch: another decode worker holding at least FETCH_MIN_TOKENS
+        # more of the prompt computes the rest and ships the KV (bench/kv_fetch.py: faster
+        # than recomputing from 64 tokens on, on the 2-core box).
+        peers = [w for w in decode if w.available and w is not d
+                 and hits.get(w.worker_id, 0) >= hit_d + FETCH_MIN_TOKENS]
+        for p in [w for w in prefill if w.available] + peers:
             cp, lp = costs.costs(p.worker_id), ledgers[p.worker_id]
             hit_p = hits.get(p.worker_id, 0)
             prefill_s = cp.prefill_s(prompt_len - hit_p, hit_p) * lp.current_slowdown(now)
@@ -273,7 +280,7 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                                   backlog_s=lp.backlog_s(now), queued=len(lp.prefills),
                                   idle_meets=prefill_s + 2 * costs.rpc_s <= target.ttft_s
                                   and idle_step + transfer / horizon <= target.tpot_s,
-                                  harm_s=batch * one_more))
+                                  harm_s=batch * one_more, fetch=p in peers))
     return options
 
 
@@ -303,7 +310,7 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
     def long(o: Option) -> bool:
         return prompt_len - o.hit_tokens > cfg.max_local_prefill_tokens
 
-    prefill_up = any(o.path == "disaggregated" for o in options)
+    prefill_up = any(o.path == "disaggregated" and not o.fetch for o in options)
 
     def spares_streams(o: Option) -> bool:
         return o.path == "disaggregated" or not long(o) or o.harm_s == 0.0 or not prefill_up
@@ -312,7 +319,8 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
     fallback = [o for o in met if spares_streams(o)]
     if usual or fallback:
         best = min(usual or fallback, key=lambda o: (o.pressure(target), rng.random()))
-        reason = "slo_" + ("local" if best.path == "colocated" else "remote") \
+        reason = "slo_" + ("local" if best.path == "colocated" else
+                           "fetch" if best.fetch else "remote") \
             + ("" if usual else "_fallback")
         return Decision(best.path, reason, best.decode_worker, best.prefill_worker, prompt_len,
                         hits.get(best.decode_worker, 0), best.ttft_s, best.tpot_s,
