@@ -45,7 +45,7 @@ from bench.common import bench_model  # noqa: E402
 from bench.goodput_study import Server, merge  # noqa: E402
 
 SYSTEMS = ("pd-off", "pd-host", "pd-disk", "vllm", "vllm-offload", "vllm-big",
-           "pd-host-estimate", "pd2-host", "pd2-host-estimate")
+           "pd-host-estimate", "pd2-host", "pd2-host-estimate", "pd2-off", "pd2-off-estimate")
 GIB = 1 << 30
 
 
@@ -126,6 +126,11 @@ def run_system(name: str, args, out: Path, model_dir: str) -> dict:
         result.update(summarized(summary, json.loads(report.read_text())["points"][0]))
         if not name.startswith("vllm"):
             result["tiers"] = tier_metrics(server.base_url)
+            metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
+            (out / f"{name}.metrics.txt").write_text(metrics)
+            result["routes"] = {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+                                for line in metrics.splitlines()
+                                if line.startswith("pd_routing_decisions_total{")}
     except Exception as exc:  # one system failing must not lose the others' results
         result["error"] = str(exc)
         print(f"## {name}: {exc}", flush=True)

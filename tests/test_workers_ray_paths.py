@@ -59,6 +59,13 @@ def test_a_decode_worker_fetches_a_prefix_its_peer_holds(cluster, reference, see
     assert after["d0"]["prefix_hit_tokens"] - before["d0"]["prefix_hit_tokens"] == blocks
     assert after["d1"]["kv_transfer"]["bytes_received"] > \
         before["d1"]["kv_transfer"]["bytes_received"]
+    # Another tenant's salt: d0's blocks are not its prefix; d0 computes the whole prompt.
+    salted = collect(cluster, f"peer-c-{seeded}", prompt, params(i, seeded), disaggregate=True,
+                     decode_worker="d1", prefill_worker="d0",
+                     cache_salt=f"another-tenant-{seeded}")
+    last = {w.worker_id: ray.get(w.handle.load.remote()) for w in cluster.decode}
+    assert tokens_of(salted) == tokens_of(first)
+    assert last["d0"]["prefix_hit_tokens"] == after["d0"]["prefix_hit_tokens"]
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
 
