@@ -68,6 +68,8 @@ def test_greedy_tokens_are_the_same_with_tiers_off_host_and_disk(llama_dir, tmp_
     assert h["host"]["bytes_out"] == 24 * h["block_bytes"] and h["disk"]["stored_blocks"] == 0
     d = disk_llm.engine.kv_tiers.report()
     assert d["disk"]["hit_blocks"] > 0 and d["host"]["used_blocks"] <= 6
+    # Read ahead on the read threads while the request waited, not on the engine thread.
+    assert d["disk"]["read_ahead_blocks"] == d["disk"]["hit_blocks"] and d["disk"]["read_s"] > 0
     assert d["host"]["hit_blocks"] + d["disk"]["hit_blocks"] == 24
     assert len(list(disk_llm.engine.kv_tiers.disk_dir.glob("*.kv"))) == d["disk"]["used_blocks"]
     # Load reports carry it, and the router's /metrics exports it per worker and tier.

@@ -285,6 +285,8 @@ class LLMEngine:
         if not plan.scheduled:
             if plan.swap_out:
                 self.runner.execute(plan)
+            if plan.waiting_on_disk:
+                time.sleep(2e-4)  # nothing else to do: no spinning while the reads run
             return []
         self.num_steps += 1
         work = StepWork()

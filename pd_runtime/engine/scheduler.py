@@ -43,6 +43,7 @@ class SchedulerOutput:
     # (swap block, device block) in. Never both in one step (no admission after a preemption).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    waiting_on_disk: bool = False  # a request passed over while its prefix is read from disk
 
     @property
     def num_tokens(self) -> int:
@@ -177,6 +178,9 @@ class Scheduler:
             if out.preempted or min(budget, prompt) == 0 or len(self.running) >= self.max_num_seqs:
                 break
             fresh = req.num_computed_tokens == 0 and not req.block_ids
+            if fresh and self.bm.loading(req):  # its cached prefix is on its way from disk
+                out.waiting_on_disk = True
+                continue
             prefix = self.bm.match_prefix(req) if fresh else []
             n = min(req.num_tokens - req.num_computed_tokens - len(prefix) * self.bm.block_size,
                     budget, prompt)

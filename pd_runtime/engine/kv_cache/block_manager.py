@@ -126,6 +126,18 @@ class BlockManager:
             hit += self._load_from_tiers(req.all_token_ids, hashes, hit, run)
         return hit
 
+    def loading(self, req: Request) -> bool:
+        """Whether blocks of this fresh request's prefix are still being read from the disk
+        tier (their reads started now if not yet): the scheduler passes it over meanwhile."""
+        if self.tiers is None or not self.tiers.disk_blocks or not self.enable_prefix_caching:
+            return False
+        token_ids = req.all_token_ids
+        hashes = self.request_hashes(req)
+        start = len(self._lookup(token_ids, hashes))
+        run = self._tier_run(token_ids, hashes, start)
+        return run > 0 and self.tiers.start_reads(
+            [(hashes[i], self._tokens(token_ids, i)) for i in range(start, start + run)])
+
     def _load_from_tiers(self, token_ids: list[int], hashes: list[int], hit: list[int],
                          run: int) -> list[int]:
         """Copy up to `run` blocks after `hit` from the lower tiers into free blocks, published

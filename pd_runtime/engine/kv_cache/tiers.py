@@ -14,7 +14,10 @@ miss (the prompt is recomputed), counted in `corrupt`; it is deleted.
 
 Copies run on the engine thread when the scheduler evicts or matches a block (before the step's
 forward pass, which is what could overwrite a block): on the CPU a memcpy of ~block bytes; on a
-GPU a synchronous copy through pinned memory (an asynchronous stream is future work). One rank
+GPU a synchronous copy through pinned memory (an asynchronous stream is future work). Disk reads
+are the slow part (a file read and its checksum): a waiting request whose next blocks only the
+disk holds starts their reads on background threads (`start_reads`) and is passed over until
+they are in, while the steps go on; the copy into the device block follows. One rank
 only: a tensor-parallel worker's followers hold their own shards, so tiers need
 tensor_parallel_size 1 (config.py says so).
 """
@@ -28,6 +31,7 @@ import struct
 import tempfile
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -53,14 +57,17 @@ class TierStats:
     evicted_blocks: int = 0     # dropped from it (moved further down, or gone)
     bytes_in: int = 0
     bytes_out: int = 0
-    load_s: float = 0.0         # seconds spent copying hits back
+    load_s: float = 0.0         # seconds the engine thread spent copying hits back
+    read_s: float = 0.0         # disk: seconds reading and checking files (read threads)
+    read_ahead_blocks: int = 0  # disk: hits read in the background before they were needed
     corrupt: int = 0            # hits refused: checksum, length or tokens did not match
 
     def report(self, used: int, capacity: int) -> dict:
         return {"stored_blocks": self.stored_blocks, "hit_blocks": self.hit_blocks,
                 "queried_blocks": self.queried_blocks, "evicted_blocks": self.evicted_blocks,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                "load_s": self.load_s, "corrupt": self.corrupt,
+                "load_s": self.load_s, "read_s": self.read_s,
+                "read_ahead_blocks": self.read_ahead_blocks, "corrupt": self.corrupt,
                 "used_blocks": used, "capacity_blocks": capacity}
 
 
@@ -92,6 +99,8 @@ class KVTiers:
         self._disk_index: OrderedDict[int, tuple[int, ...]] = OrderedDict()
         self.stats = {"host": TierStats(), "disk": TierStats()}
         self.events = KVEventLog()  # the block manager's, once it owns these tiers
+        self._reads: dict[int, Future] = {}  # disk reads started ahead (start_reads)
+        self._pool: Optional[ThreadPoolExecutor] = None
         if self.disk_dir is not None and self.disk_blocks:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
 
@@ -216,6 +225,8 @@ class KVTiers:
 
     def close(self) -> None:
         """Remove this engine's disk files."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
         if self.disk_dir is not None:
             shutil.rmtree(self.disk_dir, ignore_errors=True)
             self._disk_index.clear()
@@ -260,9 +271,43 @@ class KVTiers:
         stats.stored_blocks += 1
         stats.bytes_in += len(payload)
 
+    def start_reads(self, wanted: list[tuple[int, tuple[int, ...]]]) -> bool:
+        """Start reading, in the background, the blocks of `wanted` (hash, tokens) that only
+        the disk tier holds; True while any of them is still being read (the request waits a
+        step or more instead of blocking the engine thread on the disk)."""
+        busy = False
+        for block_hash, token_ids in wanted:
+            if block_hash in self._host_index or self._disk_index.get(block_hash) != token_ids:
+                continue
+            read = self._reads.get(block_hash)
+            if read is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(2, thread_name_prefix="kv-disk-read")
+                read = self._reads[block_hash] = self._pool.submit(
+                    self._read_file, self._path(block_hash), block_hash, token_ids)
+            busy = busy or not read.done()
+        return busy
+
     def _read_disk(self, block_hash: int, token_ids: tuple[int, ...]) -> Optional[bytes]:
-        """The block's K/V bytes if its file passes every check; else None (file dropped)."""
-        path = self._path(block_hash)
+        """The block's K/V bytes if its file passes every check (read ahead by start_reads,
+        else now); else None (the file dropped, counted corrupt)."""
+        read = self._reads.pop(block_hash, None)
+        payload, read_s = read.result() if read is not None else \
+            self._read_file(self._path(block_hash), block_hash, token_ids)
+        self.stats["disk"].read_s += read_s
+        self.stats["disk"].read_ahead_blocks += read is not None
+        if payload is None:
+            log.warning("KV disk tier: %s failed its checks; recomputing that block",
+                        self._path(block_hash))
+            self.stats["disk"].corrupt += 1
+            self._drop_disk(block_hash)
+        return payload
+
+    def _read_file(self, path: Path, block_hash: int,
+                   token_ids: tuple[int, ...]) -> tuple[Optional[bytes], float]:
+        """(The K/V bytes, or None if any check fails; seconds taken). Touches no state: it
+        runs on the read threads."""
+        started = time.perf_counter()
         try:
             data = path.read_bytes()
         except OSError:
@@ -275,14 +320,10 @@ class KVTiers:
             ok = (magic == _MAGIC and stored_hash == block_hash and count == n
                   and struct.unpack_from(f"<{n}q", data, _HEADER.size) == token_ids
                   and xxhash.xxh64_intdigest(data[start:]) == checksum)
-        if not ok:
-            log.warning("KV disk tier: %s failed its checks; recomputing that block", path)
-            self.stats["disk"].corrupt += 1
-            self._drop_disk(block_hash)
-            return None
-        return data[start:]
+        return (data[start:] if ok else None), time.perf_counter() - started
 
     def _drop_disk(self, block_hash: int) -> None:
+        self._reads.pop(block_hash, None)  # (a read in flight finishes unseen)
         if self._disk_index.pop(block_hash, None) is not None:
             self.events.removed(block_hash, "disk")
         self._path(block_hash).unlink(missing_ok=True)
