@@ -583,3 +583,35 @@ def test_a_prefix_another_decode_worker_holds_is_fetched_when_recomputing_misses
     assert not any(o.fetch for o in slo_options(2000, 64, c.decode, c.prefill,
                                                 {"d0": 32, "d1": 0}, c.costs, c.ledgers, c.now,
                                                 SLOTarget()))
+
+
+def test_a_hit_a_lower_tier_holds_costs_its_load_time():
+    """Blocks that only host memory or disk holds count as hits, at the per-block time the
+    worker measured loading them back (the router's exact index says which tier)."""
+    from types import SimpleNamespace
+
+    from pd_runtime.router.core import PoolBackend
+    from pd_runtime.router.prefix_index import PrefixIndex
+
+    c = Cluster()
+    c.costs.update("d0", report(kv_tiers={"host": {"hit_blocks": 100, "load_s": 0.01},
+                                          "disk": {"hit_blocks": 10, "load_s": 0.001,
+                                                   "read_s": 0.009}}))
+    assert c.costs.costs("d0").tier_block_s == pytest.approx({"host": 1e-4, "disk": 1e-3})
+    index = PrefixIndex("m", 16)
+    prompt = list(range(5, 5 + 130))
+    hashes = index.hashes(prompt, None)
+    # d0 holds blocks 0-3 on the device, 4-5 in host memory only, 6-7 on disk only.
+    tiers = [["device"]] * 4 + [["host"]] * 2 + [["disk", "host"]] + [["disk"]]
+    index.apply("d0", {"epoch": "e", "seq": 1, "snapshot": list(zip(hashes[:8], tiers))})
+    hits = {"d0": index.expected_hit_tokens("d0", hashes, len(prompt))}
+    assert hits == {"d0": 128}
+    backend = SimpleNamespace(index=index, costs=c.costs)
+    load = PoolBackend._tier_load_s(backend, hashes, hits)
+    assert load == {"d0": pytest.approx(3 * 1e-4 + 1e-3)}
+    plain = {o.path: o for o in slo_options(130, 64, c.decode, c.prefill, hits, c.costs,
+                                            c.ledgers, c.now, SLOTarget())}
+    tiered = {o.path: o for o in slo_options(130, 64, c.decode, c.prefill, hits, c.costs,
+                                             c.ledgers, c.now, SLOTarget(), load)}
+    assert tiered["colocated"].prefill_s == pytest.approx(plain["colocated"].prefill_s
+                                                          + load["d0"])

@@ -294,8 +294,9 @@ class PoolBackend:
             return
         salt = self.tenants.cache_salt(tenant, cache_salt)
         hashes = self.index.hashes(prompt_ids, salt)
-        decision = await self._route(prompt_ids, params, self._expected_hits(
-            prompt_ids, params, hashes), _tenant_id(tenant), arrival, flex)
+        hits = self._expected_hits(prompt_ids, params, hashes)
+        decision = await self._route(prompt_ids, params, hits, _tenant_id(tenant), arrival, flex,
+                                     self._tier_load_s(hashes, hits))
         refusal = await self._refusal_for(decision, request_id, prompt_ids, params, tenant,
                                           prepaid)
         if refusal is not None:
@@ -329,6 +330,23 @@ class PoolBackend:
         return {w.worker_id: self.index.expected_hit_tokens(w.worker_id, hashes,
                                                             len(prompt_ids))
                 for w in self.client.prefill + self.client.decode}
+
+    def _tier_load_s(self, hashes: list, hits: dict[str, int]) -> dict[str, float]:
+        """Worker id -> the seconds it takes to load its expected hit's blocks that only a
+        lower tier (host, disk) holds, at the per-block times it reports (exact index only)."""
+        out = {}
+        for worker_id, tokens in hits.items():
+            if not tokens or not self.index.exact(worker_id):
+                continue
+            per_block = self.costs.costs(worker_id).tier_block_s
+            seconds = 0.0
+            for h in hashes[:tokens // self.index.block_size]:
+                tiers = self.index.tiers_of(worker_id, h)
+                if tiers and "device" not in tiers:
+                    seconds += per_block["host" if "host" in tiers else "disk"]
+            if seconds:
+                out[worker_id] = seconds
+        return out
 
     async def _refusal_for(self, decision: Decision, request_id: str, prompt_ids: list[int],
                            params: SamplingParams, tenant: Optional[TenantConfig],
@@ -426,7 +444,8 @@ class PoolBackend:
         return self.costs.costs(worker_id).prefill_s(uncached)
 
     def _decide(self, prompt_ids: list[int], params: SamplingParams, hits: dict[str, int],
-                tenant_id: str, waited_s: float = 0.0, flex: bool = False) -> Decision:
+                tenant_id: str, waited_s: float = 0.0, flex: bool = False,
+                tier_s: Optional[dict[str, float]] = None) -> Decision:
         cfg = self.reloader.current
         decode, prefill = self._states(self.client.decode), self._states(self.client.prefill)
         if params.prompt_logprobs is not None:  # scored where the prompt is computed
@@ -436,19 +455,21 @@ class PoolBackend:
         target = slo_target(cfg, tenant_id, len(prompt_ids))
         return decide_slo(len(prompt_ids), params.max_tokens, decode, prefill,
                           hits, cfg, target, self.costs, self.ledgers, time.monotonic(),
-                          self._rng, waited_s)
+                          self._rng, waited_s, tier_s)
 
     async def _route(self, prompt_ids: list[int], params: SamplingParams, hits: dict[str, int],
-                     tenant_id: str, arrival: float, flex: bool = False) -> Decision:
+                     tenant_id: str, arrival: float, flex: bool = False,
+                     tier_s: Optional[dict[str, float]] = None) -> Decision:
         """The policy's decision; with no decode worker up, waits a bounded time for one (one
         is restarting?); slo mode with `overload: queue`: holds the request until an option
         meets its targets, for up to max_queue_s."""
-        decision = self._decide(prompt_ids, params, hits, tenant_id, flex=flex)
+        decision = self._decide(prompt_ids, params, hits, tenant_id, flex=flex, tier_s=tier_s)
         if decision.decode_worker is None and decision.retry_after_s is None \
                 and self.client.decode:
             deadline = arrival + self.client.recovery_wait_s
             if await self.client.wait_for_decode(set(), deadline) is not None:
-                decision = self._decide(prompt_ids, params, hits, tenant_id, flex=flex)
+                decision = self._decide(prompt_ids, params, hits, tenant_id, flex=flex,
+                                        tier_s=tier_s)
         while decision.retry_after_s is not None:
             cfg = self.reloader.current
             held = time.monotonic() - arrival
@@ -458,7 +479,7 @@ class PoolBackend:
             # have to wait (the ledgers' queues drain by the clock).
             await self.capacity.wait(min(decision.retry_after_s, cfg.max_queue_s - held))
             decision = self._decide(prompt_ids, params, hits, tenant_id,
-                                    time.monotonic() - arrival, flex)
+                                    time.monotonic() - arrival, flex, tier_s)
         return decision
 
     def _observe_final(self, path: str, chunk: StreamChunk) -> None:

@@ -7,11 +7,14 @@ and the transfer rates their links measure. Refreshed with every load report; ex
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Before a link has finished a transfer: loopback gloo on the 2-core box (MACHINE-NOTES).
 _DEFAULT_TRANSFER_GBPS = 1.0
 _RPC_S = 0.003  # a Ray call and its answer, router -> worker -> router
+# A block back from host memory, from disk: measured on the 2-core box (docs/BENCHMARKS.md "KV
+# tiers under multi-turn chat": 84 and 214 us for 256 KiB); a worker's own hits replace them.
+_TIER_BLOCK_S = {"host": 1e-4, "disk": 3e-4}
 
 
 @dataclass
@@ -29,6 +32,9 @@ class WorkerCosts:
     steps: int = 0
     pace_wait_s: float = 0.0     # measured: the wait a step paid lately for the prefill
                                  # workers beside it (engine.min_step_interval_s)
+    # Seconds to bring one block back from a lower tier (engine/kv_cache/tiers.py), as the
+    # worker measured its hits there (disk: the read and check too); before any, a guess.
+    tier_block_s: dict = field(default_factory=lambda: dict(_TIER_BLOCK_S))
 
     @classmethod
     def from_report(cls, load: dict) -> "WorkerCosts":
@@ -43,7 +49,8 @@ class WorkerCosts:
                    max_batched_tokens=load.get("max_num_batched_tokens", base.max_batched_tokens),
                    step_s_ewma=report.get("step_s_ewma", 0.0),
                    decode_s_ewma=report.get("decode_s_ewma", 0.0), steps=report.get("steps", 0),
-                   pace_wait_s=load.get("pace_wait_s") or 0.0)
+                   pace_wait_s=load.get("pace_wait_s") or 0.0,
+                   tier_block_s=_tier_block_s(load.get("kv_tiers") or {}))
 
     def prefill_s(self, tokens: int, context: int = 0) -> float:
         """Compute time of `tokens` prompt tokens after `context` cached or earlier ones, in
@@ -62,6 +69,16 @@ class WorkerCosts:
 
     def prefill_tokens_per_s(self, tokens: int = 1024) -> float:
         return tokens / max(self.prefill_s(tokens), 1e-9)
+
+
+def _tier_block_s(tiers: dict) -> dict:
+    out = dict(_TIER_BLOCK_S)
+    for tier in out:
+        stats = tiers.get(tier) or {}
+        if stats.get("hit_blocks"):
+            out[tier] = (stats.get("load_s", 0.0) + stats.get("read_s", 0.0)) \
+                / stats["hit_blocks"]
+    return out
 
 
 class CostModel:

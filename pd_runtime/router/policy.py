@@ -213,9 +213,12 @@ def _horizon(max_tokens: int) -> int:
 
 def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                 prefill: list[WorkerState], hits: dict[str, int], costs: CostModel,
-                ledgers: Ledgers, now: float, target: SLOTarget) -> list[Option]:
-    """Every way to serve the request on the available workers, with its predictions."""
+                ledgers: Ledgers, now: float, target: SLOTarget,
+                tier_s: Optional[dict[str, float]] = None) -> list[Option]:
+    """Every way to serve the request on the available workers, with its predictions.
+    `tier_s`: worker id -> seconds to load the part of its hit that a lower tier holds."""
     horizon = _horizon(max_tokens)
+    tier_s = tier_s or {}
     options = []
     for d in (w for w in decode if w.available):
         cd, ld = costs.costs(d.worker_id), ledgers[d.worker_id]
@@ -252,7 +255,8 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         window = max(life, _RATE_WINDOW_S)
         shared = backlog + ld.recent_prefill_s(now, window) * (life / window)
         hit_d = hits.get(d.worker_id, 0)
-        own = cd.prefill_s(prompt_len - hit_d, hit_d) * ld.current_slowdown(now)
+        own = cd.prefill_s(prompt_len - hit_d, hit_d) * ld.current_slowdown(now) \
+            + tier_s.get(d.worker_id, 0.0)
         chunks = -(-(prompt_len - hit_d) // max(1, cd.max_batched_tokens))
         # Colocated: behind the queue, chunks interleaved with the running decodes.
         idle_step = cd.decode_step_s(1, prompt_len)
@@ -271,7 +275,8 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         for p in [w for w in prefill if w.available] + peers:
             cp, lp = costs.costs(p.worker_id), ledgers[p.worker_id]
             hit_p = hits.get(p.worker_id, 0)
-            prefill_s = cp.prefill_s(prompt_len - hit_p, hit_p) * lp.current_slowdown(now)
+            prefill_s = cp.prefill_s(prompt_len - hit_p, hit_p) * lp.current_slowdown(now) \
+                + tier_s.get(p.worker_id, 0.0)
             transfer = costs.transfer_s(p.worker_id, prompt_len - hit_d)
             options.append(Option("disaggregated", d.worker_id, p.worker_id,
                                   ttft_s=lp.backlog_s(now) + prefill_s + 2 * costs.rpc_s,
@@ -287,7 +292,8 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
 def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                prefill: list[WorkerState], hits: dict[str, int], cfg: RoutingConfig,
                target: SLOTarget, costs: CostModel, ledgers: Ledgers, now: float,
-               rng: random.Random, waited_s: float = 0.0) -> Decision:
+               rng: random.Random, waited_s: float = 0.0,
+               tier_s: Optional[dict[str, float]] = None) -> Decision:
     """waited_s: how long the request has been held at the router already (overload: queue);
     it counts against its TTFT target. Options are admitted against the targets times
     cfg.slo_margin (predictions are of the load now; what arrives later slows them too);
@@ -296,7 +302,7 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
     target = SLOTarget(ttft_s=max(1e-3, target.ttft_s * cfg.slo_margin - waited_s),
                        tpot_s=target.tpot_s * cfg.slo_margin)
     options = slo_options(prompt_len, max_tokens, decode, prefill, hits, costs, ledgers, now,
-                          full)
+                          full, tier_s)
     if not options:
         return Decision("none", "no_decode_worker", None, None, prompt_len, 0)
     met = [o for o in options if o.meets(target)]
