@@ -107,7 +107,8 @@ def test_serve_takes_vllm_flags(llama_dir, tmp_path):
         [str(exe), "serve", os.path.relpath(llama_dir, REPO), "--in-process", "--config",
          str(path),
          "--served-model-name", "tiny-llama", "--api-key", "sk-test", "--max-model-len", "400",
-         "--chat-template", str(template), "--enable-auto-tool-choice"],
+         "--chat-template", str(template), "--enable-auto-tool-choice",
+         "--kv-offloading-size", "0.01"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -133,6 +134,11 @@ def test_serve_takes_vllm_flags(llama_dir, tmp_path):
         metrics = httpx.get(base + "/metrics").text  # vLLM's names, the served name on them
         assert 'vllm:num_requests_running{model_name="tiny-llama"}' in metrics
         assert 'vllm:time_to_first_token_seconds_count{model_name="tiny-llama"}' in metrics
+        assert 'vllm:prefix_cache_queries_total{model_name="tiny-llama"}' in metrics
+        # --kv-offloading-size (GiB): every worker has a host tier below its KV cache.
+        tiers = [line for line in metrics.splitlines()
+                 if line.startswith('pd_worker_kv_tier{kind="capacity_blocks",tier="host"')]
+        assert len(tiers) == 2 and all(float(line.split()[-1]) > 0 for line in tiers)
     finally:
         code = stop_serve(proc, timeout_s=30)
         log.close()
