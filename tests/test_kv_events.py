@@ -87,4 +87,8 @@ def test_a_reader_behind_the_log_or_of_another_engine_reads_a_snapshot(llama_dir
     fresh = [9 + i % 200 for i in range(70)]
     restarted.record("w", restarted.hashes(fresh, None))
     assert restarted.expected_hit_tokens("w", restarted.hashes(fresh, None), 70) == 64
+    # routing.kv_events turned off: back to the estimate, nothing of the events kept.
+    restarted.stop_following()
+    assert not restarted.exact("w")
+    assert restarted.expected_hit_tokens("w", restarted.hashes(prompts[0], None), 40) == 0
     llm.engine.close()

@@ -6,6 +6,8 @@ machine cannot give are refused naming the field."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from pydantic import ValidationError
 
@@ -85,11 +87,13 @@ def test_greedy_tokens_are_the_same_with_tiers_off_host_and_disk(llama_dir, tmp_
     disk_llm.engine.close()
     assert not disk_dir.exists()
     # A killed engine's files are removed by the next one to start on that directory.
-    orphan = tmp_path / "worker-999999999"
+    orphan = tmp_path / f"worker.{socket.gethostname()}.999999999.0badf00d"
+    elsewhere = tmp_path / "worker.another-machine.1.0badf00d"  # a shared volume: not ours
+    elsewhere.mkdir()
     orphan.mkdir()
     (orphan / "0.kv").write_bytes(b"x")
     _llm(llama_dir, host_blocks=2, disk_blocks=4, tmp_path=tmp_path).engine.close()
-    assert not orphan.exists()
+    assert not orphan.exists() and elsewhere.exists()
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
@@ -143,3 +147,25 @@ def test_settings_the_tiers_cannot_have_are_refused_by_name(llama_dir, tmp_path)
         LLM(llama_dir, dtype="float32", num_kv_blocks=POOL_BLOCKS, warmup_tokens=0,
             kv_offloading_size=0.001, kv_offloading_disk_size=1e8,
             kv_offloading_disk_dir=str(tmp_path))
+
+
+def test_a_decode_reservation_waits_for_its_disk_reads_off_the_engine_thread(llama_dir,
+                                                                             tmp_path):
+    """A disaggregated request's reservation on a decode worker: while its cached prefix is
+    read from disk it is not granted (asked again next tick, as when blocks are short); then
+    it is, with the prefix as cached tokens."""
+    import time
+
+    llm = _llm(llama_dir, host_blocks=2, disk_blocks=64, tmp_path=tmp_path)
+    _rounds(llm, 1)  # the first documents' blocks are on disk by now
+    remote = llm.engine.remote
+    assert remote.reserve("r-wait", PROMPTS[0], GREEDY) is None  # reads started
+    deadline = time.monotonic() + 10
+    reservation = None
+    while reservation is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        reservation = remote.reserve("r-wait", PROMPTS[0], GREEDY)
+    assert reservation is not None and reservation.num_cached_tokens == 64
+    assert llm.engine.kv_tiers.report()["disk"]["read_ahead_blocks"] >= 4
+    remote.fail("r-wait")
+    llm.engine.close()

@@ -579,7 +579,11 @@ def test_a_prefix_another_decode_worker_holds_is_fetched_when_recomputing_misses
     options = slo_options(2000, 64, c.decode, c.prefill, {"d0": 1984}, c.costs, c.ledgers,
                           c.now, SLOTarget())
     assert [(o.decode_worker, o.prefill_worker) for o in options if o.fetch] == [("d1", "d0")]
-    # A peer with no more of the prompt than the worker itself is no fetch source.
+    # A peer that would compute more than max_local_prefill_tokens (its streams would wait
+    # for it, as for a long colocated prompt) is no fetch source; nor one with no more of the
+    # prompt than the worker itself.
+    assert not any(o.fetch for o in slo_options(2000, 64, c.decode, c.prefill, {"d0": 1000},
+                                                c.costs, c.ledgers, c.now, SLOTarget()))
     assert not any(o.fetch for o in slo_options(2000, 64, c.decode, c.prefill,
                                                 {"d0": 32, "d1": 0}, c.costs, c.ledgers, c.now,
                                                 SLOTarget()))

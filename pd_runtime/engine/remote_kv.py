@@ -48,8 +48,9 @@ class RemoteKV:
                 cache_salt: Optional[str] = None) -> Optional[RemoteKVReservation]:
         """Decode side: admit a request and reserve blocks for its whole prompt now.
 
-        Returns None, holding nothing, when the blocks are not free: the reservation is the
-        backpressure, so the caller waits or routes elsewhere; it never over-commits. Nor does
+        Returns None, holding nothing, when the blocks are not free (or its cached prefix is
+        still being read from the disk tier): the reservation is the backpressure, so the
+        caller waits or routes elsewhere; it never over-commits. Nor does
         it overtake: the blocks the queued requests will need first (`blocks_spoken_for`) are
         not free for it, or a stream of reservations would starve the requests already here.
         Ownership: the request holds the blocks until it finishes or is aborted.
@@ -57,6 +58,8 @@ class RemoteKV:
         e = self.engine
         req = e._new_request(request_id, prompt, params, priority, cache_salt)
         bm = e.block_manager
+        if bm.loading(req):  # its cached prefix is being read from disk: asked again next tick
+            return None
         prefix = bm.match_prefix(req)
         missing = req.num_prompt_tokens - len(prefix) * bm.block_size
         if not bm.allocate(req, missing, prefix, keep_free=e.scheduler.blocks_spoken_for()):

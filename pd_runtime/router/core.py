@@ -173,6 +173,8 @@ class PoolBackend:
             self.inflight[w.worker_id] = 0
         if self.reloader.current.kv_events:  # (reloads live)
             await self._follow_kv_events()
+        else:
+            self.index.stop_following()
         self.capacity.notify()
 
     async def _follow_kv_events(self, timeout_s: float = 2.0) -> None:

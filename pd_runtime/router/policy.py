@@ -214,9 +214,12 @@ def _horizon(max_tokens: int) -> int:
 def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
                 prefill: list[WorkerState], hits: dict[str, int], costs: CostModel,
                 ledgers: Ledgers, now: float, target: SLOTarget,
-                tier_s: Optional[dict[str, float]] = None) -> list[Option]:
+                tier_s: Optional[dict[str, float]] = None,
+                max_peer_tokens: int = 256) -> list[Option]:
     """Every way to serve the request on the available workers, with its predictions.
-    `tier_s`: worker id -> seconds to load the part of its hit that a lower tier holds."""
+    `tier_s`: worker id -> seconds to load the part of its hit that a lower tier holds;
+    `max_peer_tokens`: the most a peer decode worker computes for a fetch (its own streams
+    wait for it, as for a colocated prompt: routing.max_local_prefill_tokens)."""
     horizon = _horizon(max_tokens)
     tier_s = tier_s or {}
     options = []
@@ -271,7 +274,8 @@ def slo_options(prompt_len: int, max_tokens: int, decode: list[WorkerState],
         # more of the prompt computes the rest and ships the KV (bench/kv_fetch.py: faster
         # than recomputing from 64 tokens on, on the 2-core box).
         peers = [w for w in decode if w.available and w is not d
-                 and hits.get(w.worker_id, 0) >= hit_d + FETCH_MIN_TOKENS]
+                 and hits.get(w.worker_id, 0) >= hit_d + FETCH_MIN_TOKENS
+                 and prompt_len - hits.get(w.worker_id, 0) <= max_peer_tokens]
         for p in [w for w in prefill if w.available] + peers:
             cp, lp = costs.costs(p.worker_id), ledgers[p.worker_id]
             hit_p = hits.get(p.worker_id, 0)
@@ -302,7 +306,7 @@ def decide_slo(prompt_len: int, max_tokens: int, decode: list[WorkerState],
     target = SLOTarget(ttft_s=max(1e-3, target.ttft_s * cfg.slo_margin - waited_s),
                        tpot_s=target.tpot_s * cfg.slo_margin)
     options = slo_options(prompt_len, max_tokens, decode, prefill, hits, costs, ledgers, now,
-                          full, tier_s)
+                          full, tier_s, cfg.max_local_prefill_tokens)
     if not options:
         return Decision("none", "no_decode_worker", None, None, prompt_len, 0)
     met = [o for o in options if o.meets(target)]

@@ -100,6 +100,14 @@ class PrefixIndex:
     def exact(self, worker_id: str) -> bool:
         return worker_id in self._held
 
+    def stop_following(self) -> None:
+        """Back to the estimate for every worker (routing.kv_events turned off): what the
+        events said is dropped, not left to go stale."""
+        with self._lock:
+            self._held.clear()
+            self._cursor.clear()
+            self._pending.clear()
+
     # -- exact mode --------------------------------------------------------------------------
     def cursor(self, worker_id: str) -> tuple[Optional[str], int]:
         """Where to read the worker's events from: (None, 0) asks for a snapshot."""

@@ -152,8 +152,15 @@ class BlockManager:
         for i in range(len(hit), len(hit) + run):
             if len(self._free) - idle_hits - len(loaded) <= 1:
                 break
-            block_id = self._take_free()
             tokens = self._tokens(token_ids, i)
+            held = self._cached.get(hashes[i])
+            if held is not None and self.blocks[held].token_ids == tokens:
+                # Still on the device past a block that was not: no copy needed.
+                if self.blocks[held].ref_count == 0:
+                    self._free.move_to_end(held)
+                loaded.append(held)
+                continue
+            block_id = self._take_free()
             tier = self.tiers.load(hashes[i], tokens, block_id)
             block = self.blocks[block_id]
             block.ref_count = 0
@@ -167,6 +174,11 @@ class BlockManager:
             self.events.stored(hashes[i], "device")
             self._free[block_id] = None
             loaded.append(block_id)
+        # Deepest blocks first out, as free() leaves a request's: should this prompt wait, the
+        # prefix's first blocks are the last evicted.
+        for block_id in reversed(hit + loaded):
+            if self.blocks[block_id].ref_count == 0:
+                self._free.move_to_end(block_id)
         self.tiers.note_queried(run, served)
         return loaded
 

@@ -27,9 +27,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import struct
 import tempfile
 import time
+import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 _MAGIC = b"PDKV1\0"
+_MAX_READS_AHEAD = 1024  # blocks read ahead and not yet taken, at most (256 MiB of bench KV)
 _HEADER = struct.Struct("<6sQQI")  # magic, payload xxh64, block hash, token count
 
 
@@ -138,8 +141,9 @@ class KVTiers:
                     f"{root} (engine.kv_offloading_disk_dir), which has {free / GIB:.1f} GiB "
                     "free: lower it or choose another directory")
             _remove_orphans(root)
-            path = root / f"worker-{os.getpid()}"  # one directory per engine process
-            shutil.rmtree(path, ignore_errors=True)
+            # One directory per engine: host and pid (a shared volume, engines of other
+            # machines), and a tag (several engines in one process: `serve --in-process`).
+            path = root / f"worker.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         return cls(device_cache, host_blocks, path, disk_blocks)
 
     # -- queries -----------------------------------------------------------------------------
@@ -281,6 +285,8 @@ class KVTiers:
                 continue
             read = self._reads.get(block_hash)
             if read is None:
+                while len(self._reads) >= _MAX_READS_AHEAD:  # (of requests gone meanwhile)
+                    self._reads.pop(next(iter(self._reads)))
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(2, thread_name_prefix="kv-disk-read")
                 read = self._reads[block_hash] = self._pool.submit(
@@ -294,8 +300,9 @@ class KVTiers:
         read = self._reads.pop(block_hash, None)
         payload, read_s = read.result() if read is not None else \
             self._read_file(self._path(block_hash), block_hash, token_ids)
-        self.stats["disk"].read_s += read_s
-        self.stats["disk"].read_ahead_blocks += read is not None
+        if read is not None:  # (a read now is in the caller's load_s already)
+            self.stats["disk"].read_s += read_s
+            self.stats["disk"].read_ahead_blocks += 1
         if payload is None:
             log.warning("KV disk tier: %s failed its checks; recomputing that block",
                         self._path(block_hash))
@@ -330,10 +337,15 @@ class KVTiers:
 
 
 def _remove_orphans(root: Path) -> None:
-    """Directories of engine processes that no longer run (killed before close())."""
-    for path in root.glob("worker-*"):
+    """Directories of this machine's engine processes that no longer run (killed before
+    close())."""
+    host = socket.gethostname()
+    for path in root.glob("worker.*"):
+        name, _, rest = path.name.removeprefix("worker.").rpartition(".")[0].rpartition(".")
         try:
-            os.kill(int(path.name.removeprefix("worker-")), 0)
+            if name != host:
+                continue  # another machine's, on a shared volume
+            os.kill(int(rest), 0)
         except ProcessLookupError:
             shutil.rmtree(path, ignore_errors=True)
         except (ValueError, PermissionError):  # not ours to judge: another user's process
