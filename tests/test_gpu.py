@@ -369,3 +369,38 @@ def test_seeded_sampling_alone_and_in_a_batch(gpu_model, engine):
     alone = [llm.generate([p], s)[0] for p, s in zip(prompts, seeded)]
     assert compare_traces(ours_traces(together[:len(prompts)]), ours_traces(alone), TOL_BF16,
                           min_shared=0.5, tie_at_divergence=False) == []
+
+
+@requires_cuda
+def test_kv_tiers_on_the_gpu_serve_the_same_tokens(gpu_model, tmp_path):
+    """KV tiers below a CUDA KV cache (pd_runtime/engine/kv_cache/tiers.py): a 16-block pool
+    that every round overflows, prompts run twice. With a pinned host tier and disk below it
+    the second round is served from the tiers (every document's full blocks), and its tokens
+    match the run without tiers, which recomputes (bf16: compared as the other runs here)."""
+    from pd_runtime.engine.kv_cache.tiers import GIB
+    from pd_runtime.engine.llm import LLM
+
+    path = gpu_model("d128")
+    docs = [[5 + (d * 37 + 11 * i) % 500 for i in range(64)] + [3, 4 + d] for d in range(6)]
+    common = dict(device=DEVICE, dtype="bfloat16", num_kv_blocks=16, cuda_graphs=False,
+                  warmup_tokens=0, max_num_seqs=4)
+    off = LLM(path, **common)
+    cache = off.engine.runner.kv_cache
+    block = cache[:, :, 0].numel() * cache.element_size()
+    tiered = LLM(path, **common, kv_offloading_size=2.5 * block / GIB,
+                 kv_offloading_disk_size=64.5 * block / GIB, kv_offloading_disk_dir=str(tmp_path))
+    assert tiered.engine.kv_tiers._host.is_pinned()
+    runs = {}
+    for name, llm in (("off", off), ("tiered", tiered)):
+        rounds = [[llm.generate([d], _greedy(8))[0] for d in docs] for _ in range(2)]
+        runs[name] = rounds
+    assert [o.num_cached_tokens for o in runs["tiered"][1]] == [64] * 6
+    assert [o.num_cached_tokens for o in runs["off"][1]] == [0] * 6
+    report = tiered.engine.kv_tiers.report()
+    assert report["disk"]["hit_blocks"] > 0 and report["host"]["corrupt"] == 0
+    for r in range(2):
+        assert compare_traces(ours_traces(runs["tiered"][r]), ours_traces(runs["off"][r]),
+                              TOL_BF16, min_shared=0.5) == []
+    tiered.engine.close()
+    del off, tiered
+    torch.cuda.empty_cache()
