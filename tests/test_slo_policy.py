@@ -592,9 +592,6 @@ def test_a_prefix_another_decode_worker_holds_is_fetched_when_recomputing_misses
 def test_a_hit_a_lower_tier_holds_costs_its_load_time():
     """Blocks that only host memory or disk holds count as hits, at the per-block time the
     worker measured loading them back (the router's exact index says which tier)."""
-    from types import SimpleNamespace
-
-    from pd_runtime.router.core import PoolBackend
     from pd_runtime.router.prefix_index import PrefixIndex
 
     c = Cluster()
@@ -610,8 +607,7 @@ def test_a_hit_a_lower_tier_holds_costs_its_load_time():
     index.apply("d0", {"epoch": "e", "seq": 1, "snapshot": list(zip(hashes[:8], tiers))})
     hits = {"d0": index.expected_hit_tokens("d0", hashes, len(prompt))}
     assert hits == {"d0": 128}
-    backend = SimpleNamespace(index=index, costs=c.costs)
-    load = PoolBackend._tier_load_s(backend, hashes, hits)
+    load = index.tier_load_s(hashes, hits, lambda w: c.costs.costs(w).tier_block_s)
     assert load == {"d0": pytest.approx(3 * 1e-4 + 1e-3)}
     plain = {o.path: o for o in slo_options(130, 64, c.decode, c.prefill, hits, c.costs,
                                             c.ledgers, c.now, SLOTarget())}

@@ -26,7 +26,7 @@ from pd_runtime.router.ledger import Ledgers
 from pd_runtime.router.metrics import RouterMetrics
 from pd_runtime.router.metrics_vllm import VllmNames
 from pd_runtime.router.policy import Decision, WorkerState, decide, decide_slo, slo_target
-from pd_runtime.router.prefix_index import PrefixIndex
+from pd_runtime.router.prefix_index import PrefixIndex, follow_kv_events
 from pd_runtime.router.reload import RoutingReloader
 from pd_runtime.router.tenants import Tenants
 from pd_runtime.tokenizer import Tokenizer
@@ -172,25 +172,11 @@ class PoolBackend:
             # The report now counts what we routed there; count afresh from here.
             self.inflight[w.worker_id] = 0
         if self.reloader.current.kv_events:  # (reloads live)
-            await self._follow_kv_events()
+            await follow_kv_events(self.index, self.client.prefill + self.client.decode)
         else:
             self.index.stop_following()
         self.capacity.notify()
 
-    async def _follow_kv_events(self, timeout_s: float = 2.0) -> None:
-        """Each healthy worker's KV events since the last read (a snapshot the first time,
-        after its restart, or when this router fell behind) into the prefix index."""
-        async def one(w) -> None:
-            try:
-                reply = await asyncio.wait_for(
-                    w.handle.kv_events.remote(*self.index.cursor(w.worker_id)), timeout_s)
-            except Exception as exc:  # the next health check reads from the same cursor
-                log.debug("kv events of %s not read: %s", w.worker_id, exc)
-                return
-            self.index.apply(w.worker_id, reply)
-
-        await asyncio.gather(*(one(w) for w in self.client.prefill + self.client.decode
-                               if w.healthy))
 
     # -- the Backend interface ---------------------------------------------------------------
     def authenticate(self, api_key: Optional[str]) -> Optional[TenantConfig]:
@@ -298,7 +284,7 @@ class PoolBackend:
         hashes = self.index.hashes(prompt_ids, salt)
         hits = self._expected_hits(prompt_ids, params, hashes)
         decision = await self._route(prompt_ids, params, hits, _tenant_id(tenant), arrival, flex,
-                                     self._tier_load_s(hashes, hits))
+                                     self.index.tier_load_s(hashes, hits, self._tier_block_s))
         refusal = await self._refusal_for(decision, request_id, prompt_ids, params, tenant,
                                           prepaid)
         if refusal is not None:
@@ -332,23 +318,6 @@ class PoolBackend:
         return {w.worker_id: self.index.expected_hit_tokens(w.worker_id, hashes,
                                                             len(prompt_ids))
                 for w in self.client.prefill + self.client.decode}
-
-    def _tier_load_s(self, hashes: list, hits: dict[str, int]) -> dict[str, float]:
-        """Worker id -> the seconds it takes to load its expected hit's blocks that only a
-        lower tier (host, disk) holds, at the per-block times it reports (exact index only)."""
-        out = {}
-        for worker_id, tokens in hits.items():
-            if not tokens or not self.index.exact(worker_id):
-                continue
-            per_block = self.costs.costs(worker_id).tier_block_s
-            seconds = 0.0
-            for h in hashes[:tokens // self.index.block_size]:
-                tiers = self.index.tiers_of(worker_id, h)
-                if tiers and "device" not in tiers:
-                    seconds += per_block["host" if "host" in tiers else "disk"]
-            if seconds:
-                out[worker_id] = seconds
-        return out
 
     async def _refusal_for(self, decision: Decision, request_id: str, prompt_ids: list[int],
                            params: SamplingParams, tenant: Optional[TenantConfig],
@@ -441,6 +410,9 @@ class PoolBackend:
         self.metrics.requests.labels(run.path, run.status).inc()
         if run.status == "ok":
             self.metrics.e2e.labels(run.path).observe(time.monotonic() - run.arrival)
+
+    def _tier_block_s(self, worker_id: str) -> dict:
+        return self.costs.costs(worker_id).tier_block_s
 
     def _prefill_s(self, worker_id: str, uncached: int) -> float:
         return self.costs.costs(worker_id).prefill_s(uncached)

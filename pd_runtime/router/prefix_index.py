@@ -16,10 +16,14 @@ the router remembers.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
 
 PENDING_S = 30.0  # how long a routed prompt's blocks count as held before an event confirms
 
@@ -108,6 +112,23 @@ class PrefixIndex:
             self._cursor.clear()
             self._pending.clear()
 
+    def tier_load_s(self, hashes: list[int], hits: dict[str, int],
+                    block_s: Callable[[str], dict]) -> dict[str, float]:
+        """Worker id -> the seconds it takes to load the blocks of its expected hit that only a
+        lower tier (host, disk) holds, at `block_s(worker)[tier]` a block (exact mode only)."""
+        out = {}
+        for worker_id, tokens in hits.items():
+            if not tokens or not self.exact(worker_id):
+                continue
+            per_block, seconds = block_s(worker_id), 0.0
+            for h in hashes[:tokens // self.block_size]:
+                tiers = self.tiers_of(worker_id, h)
+                if tiers and "device" not in tiers:
+                    seconds += per_block["host" if "host" in tiers else "disk"]
+            if seconds:
+                out[worker_id] = seconds
+        return out
+
     # -- exact mode --------------------------------------------------------------------------
     def cursor(self, worker_id: str) -> tuple[Optional[str], int]:
         """Where to read the worker's events from: (None, 0) asks for a snapshot."""
@@ -160,3 +181,19 @@ class PrefixIndex:
         if worker_id in self._held:
             self._held[worker_id] = {}
         self._cursor.pop(worker_id, None)
+
+
+async def follow_kv_events(index: PrefixIndex, workers: list, timeout_s: float = 2.0) -> None:
+    """Each healthy worker's KV events since the index last read them (a snapshot the first
+    time, after the worker's restart, or when the index fell behind) into the index. A worker
+    that does not answer is read from the same cursor at the next health check."""
+    async def one(w) -> None:
+        try:
+            reply = await asyncio.wait_for(
+                w.handle.kv_events.remote(*index.cursor(w.worker_id)), timeout_s)
+        except Exception as exc:
+            log.debug("kv events of %s not read: %s", w.worker_id, exc)
+            return
+        index.apply(w.worker_id, reply)
+
+    await asyncio.gather(*(one(w) for w in workers if w.healthy))
