@@ -320,6 +320,59 @@ class RecoveryConfig(_Strict):
     decode_recovery_wait_s: float = Field(40.0, ge=0)
 
 
+# ---------------------------------------------------------------------------------- planner
+class PoolBounds(_Strict):
+    """How small and how large the autoscaler may make one pool."""
+
+    min_workers: int = Field(0, ge=0)
+    max_workers: int = Field(4, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.min_workers > self.max_workers:
+            raise FieldValueError(("min_workers",), f"{self.min_workers} is above max_workers "
+                                  f"{self.max_workers}")
+        return self
+
+
+class AutoscaleConfig(_Strict):
+    """planner.autoscale: the planner as a controller (pd_runtime/planner/autoscale.py decides,
+    pd_runtime/workers/elastic.py acts). Every interval_s it reads the traffic the router saw
+    over window_s, asks the planner's simulator which split of prefill and decode workers
+    meets the SLO at that load (times 1 + headroom), and starts or drains workers towards it;
+    no change within cooldown_s of the last. Off by default: the pools keep their sizes."""
+
+    enabled: bool = False
+    interval_s: float = Field(10.0, gt=0)
+    window_s: float = Field(60.0, gt=0)
+    cooldown_s: float = Field(30.0, ge=0)
+    headroom: float = Field(0.2, ge=0, le=10)
+    # The share of requests that must meet both targets in the simulation (DistServe's 90%).
+    attainment: float = Field(0.9, gt=0, le=1)
+    # None: the router's routing.slo targets.
+    ttft_s: Optional[float] = Field(None, gt=0)
+    tpot_s: Optional[float] = Field(None, gt=0)
+    prefill: PoolBounds = Field(default_factory=lambda: PoolBounds(min_workers=0, max_workers=2))
+    decode: PoolBounds = Field(default_factory=lambda: PoolBounds(min_workers=1, max_workers=4))
+    # The CPUs and GPUs all workers together may hold (None: what the Ray cluster has).
+    max_cpus: Optional[float] = Field(None, gt=0)
+    max_gpus: Optional[float] = Field(None, ge=0)
+    # How long a drained worker's streams may take before it is stopped all the same (its
+    # streams then migrate to another decode worker, as after a crash).
+    drain_timeout_s: float = Field(120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.decode.max_workers < 1:
+            raise FieldValueError(("decode", "max_workers"), "the decode pool serves every "
+                                  "request; it needs at least 1")
+        return self
+
+
+class PlannerConfig(_Strict):
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+
+
 # ---------------------------------------------------------------------------------- cluster
 ROLES = ("prefill", "decode", "colocated")
 
@@ -337,6 +390,7 @@ class ClusterConfig(_Strict):
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -374,6 +428,18 @@ class ClusterConfig(_Strict):
         if self.router.routing.mode == "always_disaggregated" and not self.prefill.num_workers:
             raise FieldValueError(("router", "routing", "mode"),
                                   "always_disaggregated needs prefill.num_workers >= 1")
+        scale = self.planner.autoscale
+        if scale.enabled:
+            if self.colocated.num_workers:
+                raise FieldValueError(("planner", "autoscale", "enabled"), "the autoscaler sizes "
+                                      "the prefill and decode pools; colocated.num_workers must "
+                                      "be 0 (a decode worker serves colocated requests)")
+            for role in ("prefill", "decode"):
+                bounds, have = getattr(scale, role), getattr(self, role).num_workers
+                if not bounds.min_workers <= have <= bounds.max_workers:
+                    raise FieldValueError((role, "num_workers"), f"{have} is outside "
+                                          f"planner.autoscale.{role} [{bounds.min_workers}, "
+                                          f"{bounds.max_workers}]: the pool starts at its size")
         for role, pool in self.pools().items():
             if pool.num_workers and self.placement_for(role).enabled and not pool.resources.bundle():
                 raise FieldValueError((role, "resources"), "a placement-group bundle needs a "

@@ -253,6 +253,23 @@ BROKEN = {
             custom:
               GPU: 1
         """, "decode.resources.custom.GPU", 5, "built-in"),
+    "autoscale bounds upside down": ("""\
+        planner:
+          autoscale:
+            prefill: {min_workers: 3, max_workers: 1}
+        """, "planner.autoscale.prefill.min_workers", 3, "above max_workers 1"),
+    "autoscale bounds exclude the pool's size": ("""\
+        decode: {num_workers: 1}
+        planner:
+          autoscale:
+            enabled: true
+            decode: {min_workers: 2, max_workers: 4}
+        """, "decode.num_workers", 1, "outside planner.autoscale.decode [2, 4]"),
+    "autoscale without a decode worker": ("""\
+        planner:
+          autoscale:
+            decode: {min_workers: 0, max_workers: 0}
+        """, "planner.autoscale.decode.max_workers", 3, "at least 1"),
     "duplicate YAML key": ("""\
         router:
           port: 8000
