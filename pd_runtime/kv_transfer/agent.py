@@ -152,8 +152,6 @@ class KVTransferAgent:
             transfer.queued_layers.extend(layers)
             waiting_ack = transfer.unacked_bytes > 0
             transfer.unacked_bytes += num_bytes
-            if not waiting_ack:
-                transfer.wire_since = time.monotonic()
             # Post from this thread when nothing of the request is unacked, and for the request's
             # last layers (with any still waiting): the writer thread then only watches for
             # completion, its wake-up off the critical path. Layers sent behind an unacked chunk

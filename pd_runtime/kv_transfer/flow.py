@@ -41,12 +41,6 @@ class Transfer:
     unwatched: list = field(default_factory=list)  # sender: (peer, layers, posted) not yet handed to the writer
     pending_failure: Optional[FailureReason] = None
     started_at: float = field(default_factory=time.monotonic)
-    # Sender: seconds some of its bytes were on the wire (sent, not yet acknowledged). A prefill
-    # streams its KV a layer at a time as it computes, so the time from the first layer to the
-    # last ack is mostly the prefill's; the rate the router costs a transfer at is its bytes
-    # over this.
-    wire_s: float = 0.0
-    wire_since: Optional[float] = None
     block_ids: tuple = ()  # sender: (src ids, dst ids) as first sent, to check later layers
     # A range of the KV heads only (tensor-parallel resharding): (source heads, destination
     # heads) of the two caches, each a range; None: whole blocks. A receiver knows its own.
@@ -140,8 +134,7 @@ class TransferMetrics:
     def observe_finish(self, transfer: Transfer, now: float) -> None:
         if transfer.state is TransferState.DONE:
             self.transfers_done += 1
-            took = transfer.wire_s + (now - transfer.wire_since
-                                       if transfer.wire_since is not None else 0.0)
+            took = now - transfer.started_at
             if transfer.role is Role.SEND and took > 0:
                 gbps = transfer.bytes_per_layer * transfer.num_layers / took / 1e9
                 self.send_gbps = gbps if not self.send_gbps else 0.8 * self.send_gbps + 0.2 * gbps

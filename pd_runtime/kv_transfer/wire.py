@@ -208,9 +208,6 @@ class Wire:
                 acked = transfer.bytes_per_layer * len(frame["layers"])
                 transfer.credits.returned(acked)
                 transfer.unacked_bytes -= acked
-                if transfer.unacked_bytes <= 0 and transfer.wire_since is not None:
-                    transfer.wire_s += time.monotonic() - transfer.wire_since
-                    transfer.wire_since = None
                 transfer.layers_done.update(frame["layers"])
                 # Acks may overtake each other (see PeerLink.send_control); "done" is final.
                 if frame["done"]:
