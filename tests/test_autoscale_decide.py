@@ -1,0 +1,144 @@
+"""The autoscaler's decision (pd_runtime/planner/autoscale.py) on the planner's real simulator and
+the router's real policy: more load never gets fewer workers, no load gets the smallest pools,
+long prompts get prefill workers, the bounds and the CPU budget hold, a cooldown holds the
+pools, and equal inputs give equal decisions. Costs from load reports as the workers send them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pd_runtime.config import AutoscaleConfig, PoolBounds, SLOTarget
+from pd_runtime.planner.autoscale import Traffic, candidates, costs_from_loads, decide
+
+# test_planner.py's worker: 4,000 prompt tokens/s, a decoded sequence 0.8 ms a step over 4 ms.
+COEF = dict(step_s=0.004, prefill_token_s=2.5e-4, prefill_attention_s=1e-8,
+            decode_seq_s=8e-4, decode_context_s=2e-7)
+SLO = SLOTarget(ttft_s=2.5, tpot_s=0.1)
+SHORT, BIMODAL = [128], [128] * 4 + [2048]  # the bimodal mix: a fifth of the prompts long
+
+
+def load(role: str, steps: int = 100, **coefficients) -> dict:
+    """A load report as a worker's load() returns it (the fields the cost model reads)."""
+    return {"role": role, "max_num_seqs": 128, "max_num_batched_tokens": 2048,
+            "total_blocks": 4096, "block_size": 16, "kv_bytes_per_token": 32768,
+            "kv_transfer": {"send_gbps": 2.0}, "num_threads": 1, "tensor_parallel_size": 1,
+            "step_costs": {"coefficients": {**COEF, **coefficients}, "steps": steps}}
+
+
+COSTS = costs_from_loads({"prefill-0": load("prefill"), "decode-0": load("decode")})
+
+
+def traffic(rate: float, prompts: list[int], window_s: float = 60.0, seed: int = 1) -> Traffic:
+    rng = random.Random(seed)
+    return Traffic(window_s, sorted((rng.uniform(0, window_s), rng.choice(prompts), 64)
+                                    for _ in range(round(rate * window_s))))
+
+
+def config(**over) -> AutoscaleConfig:
+    return AutoscaleConfig(**{"cooldown_s": 0.0, **over})
+
+
+def run(rate: float, prompts: list[int], current=(1, 1), cfg=None, **kw):
+    return decide(traffic(rate, prompts), {"prefill": current[0], "decode": current[1]},
+                  cfg or config(), COSTS, SLO, **{"since_change_s": 1e9, **kw})
+
+
+def total(split: dict) -> int:
+    return split["prefill"] + split["decode"]
+
+
+def test_costs_from_loads_take_the_best_fit_of_each_role():
+    costs = costs_from_loads({
+        "prefill-0": load("prefill", steps=10, prefill_token_s=9e-4),
+        "prefill-1": load("prefill", steps=500, prefill_token_s=3e-4),
+        "decode-0": load("decode", prefill_token_s=1e-4, decode_seq_s=2e-3),
+        "decode-1": {"role": "decode"}})  # no fit yet: left out
+    assert costs.prefill.coefficients["prefill_token_s"] == 3e-4  # the most steps fitted
+    assert costs.decode.coefficients["decode_seq_s"] == 2e-3
+    # The decode pool never saw the long prompts: its prefill costs are the prefill pool's.
+    assert costs.decode.coefficients["prefill_token_s"] == 3e-4
+    assert costs.kv_bytes_per_token == 32768 and costs.transfer_gbps == 2.0
+    alone = costs_from_loads({"c0": load("colocated", decode_seq_s=2e-3)})
+    assert alone.prefill.coefficients == alone.decode.coefficients
+    assert alone.decode.coefficients["decode_seq_s"] == 2e-3
+    with pytest.raises(ValueError, match="no decode"):
+        costs_from_loads({"prefill-0": load("prefill"), "decode-0": {"role": "decode"}})
+
+
+def test_more_traffic_gets_at_least_as_many_workers():
+    decisions = [run(rate, BIMODAL) for rate in (1, 4, 8, 12, 16)]
+    totals = [total(d.desired) for d in decisions]
+    assert totals == sorted(totals) and totals[-1] > totals[0], totals
+    # Light load: one decode worker does it all, no prefill pool (every request colocated).
+    assert decisions[0].desired == {"prefill": 0, "decode": 1}
+    assert decisions[0].reason == "scale_down"
+    for d in decisions:
+        assert d.predicted["wanted"]["attainment"] >= 0.9, d.describe()
+        assert d.rate == pytest.approx(d.observed_rate * 1.2)
+    assert decisions[-1].reason == "scale_up"
+    assert decisions[-1].predicted["current"]["attainment"] < 0.9
+
+
+def test_no_traffic_gets_the_smallest_pools():
+    cfg = config(prefill=PoolBounds(min_workers=1, max_workers=2),
+                 decode=PoolBounds(min_workers=0, max_workers=4))
+    empty = Traffic(60.0, [])
+    d = decide(empty, {"prefill": 2, "decode": 3}, cfg, COSTS, SLO, since_change_s=1e9)
+    assert d.desired == {"prefill": 1, "decode": 1}  # decode min 0, but one serves the next
+    assert (d.reason, d.rate) == ("idle", 0.0)
+    d = decide(empty, {"prefill": 1, "decode": 1}, cfg, COSTS, SLO, since_change_s=1e9)
+    assert (d.desired, d.reason) == ({"prefill": 1, "decode": 1}, "hold")
+
+
+def test_long_prompts_get_at_least_as_many_prefill_workers():
+    for rate in (4, 12, 16):
+        short, long = run(rate, SHORT), run(rate, BIMODAL)
+        assert long.desired["prefill"] >= short.desired["prefill"], (rate, long.describe(),
+                                                                     short.describe())
+    # At 16 req/s a fifth of 2048-token prompts is 1.6 s of prefill a second: a prefill pool
+    # takes them off the decode workers' streams; short prompts need none.
+    assert short.desired["prefill"] == 0 and long.desired["prefill"] >= 1
+
+
+def test_bounds_and_the_cpu_budget_hold():
+    cfg = config(prefill=PoolBounds(min_workers=0, max_workers=2),
+                 decode=PoolBounds(min_workers=1, max_workers=4), max_cpus=4)
+    cpus = {"prefill": 2.0, "decode": 1.0}
+    assert candidates(cfg, cpus) == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2)]
+    assert candidates(config(max_cpus=2), {"decode": 0.5}) == [(0, 1), (0, 2), (0, 3), (0, 4),
+                                                               (1, 1), (1, 2)]
+    assert candidates(config(max_gpus=1), gpus={"prefill": 1.0, "decode": 1.0}) == [(0, 1)]
+    # 24 req/s of the bimodal mix wants 4+ workers; the budget allows at most 4 CPUs.
+    d = run(24, BIMODAL, cfg=cfg, cpus=cpus)
+    assert 2 * d.desired["prefill"] + d.desired["decode"] <= 4, d.describe()
+    assert d.desired["decode"] >= 1 and d.reason in ("at_limit", "scale_up"), d.describe()
+    unbounded = run(24, BIMODAL, cfg=config(prefill=cfg.prefill, decode=cfg.decode))
+    assert unbounded.predicted["wanted"]["attainment"] > d.predicted["wanted"]["attainment"]
+    # Below the bounds' minimum, however light the load.
+    floor = config(prefill=PoolBounds(min_workers=1, max_workers=1),
+                   decode=PoolBounds(min_workers=2, max_workers=3))
+    assert run(1, SHORT, current=(0, 1), cfg=floor).desired == {"prefill": 1, "decode": 2}
+
+
+def test_cooldown_holds_the_current_split():
+    cfg = config(cooldown_s=30.0)
+    held = run(16, BIMODAL, cfg=cfg, since_change_s=10.0)
+    assert held.desired == {"prefill": 1, "decode": 1} and held.reason == "cooldown"
+    wanted = held.predicted["wanted"]
+    assert total(wanted) > 2 and wanted["attainment"] > held.predicted["current"]["attainment"]
+    free = run(16, BIMODAL, cfg=cfg, since_change_s=30.0)
+    assert free.reason == "scale_up"
+    assert free.desired == {"prefill": wanted["prefill"], "decode": wanted["decode"]}
+    assert "cooldown: 1P+1D -> 1P+1D" in held.describe()
+    # Nothing to change: a cooldown is not reported.
+    assert run(16, BIMODAL, current=(wanted["prefill"], wanted["decode"]), cfg=cfg,
+               since_change_s=0.0).reason == "hold"
+
+
+def test_equal_inputs_give_equal_decisions():
+    first, again = run(12, BIMODAL, seed=3), run(12, BIMODAL, seed=3)
+    assert first == again and first.describe() == again.describe()
+    assert len(first.predicted["candidates"]) == 12  # 0-2 prefill x 1-4 decode
