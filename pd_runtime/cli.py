@@ -61,6 +61,10 @@ def _cmd_serve(args) -> int:
     if args.in_process and cfg.router.replicas > 1:
         raise SystemExit("pd-runtime: router.replicas > 1 needs the Ray pools (the replicas "
                          "are Ray actors over them); drop --in-process or set router.replicas: 1")
+    if cfg.planner.autoscale.enabled and (args.in_process or cfg.router.replicas > 1):
+        raise SystemExit("pd-runtime: planner.autoscale.enabled needs the Ray pools and one "
+                         "router (it starts and drains Ray workers and keeps one view of the "
+                         "pools); drop --in-process and set router.replicas: 1")
     if args.in_process:  # the same workers as threads of this process, KV over in-process links
         from pd_runtime.workers.local_pool import LocalPool
 
@@ -85,6 +89,13 @@ def _cmd_serve(args) -> int:
     port = cfg.router.port if args.port is None else args.port
     replicas = cfg.router.replicas
     backend, app = build_router(client, cfg, model, args.config, owner_name(host, port, 0))
+    autoscaler = None
+    if cfg.planner.autoscale.enabled:  # (refused with --in-process and replicas above)
+        from pd_runtime.workers.elastic import Autoscaler
+
+        autoscaler = Autoscaler(cfg, client, model, backend)
+        backend.autoscale_status = autoscaler.status
+        autoscaler.start()
     others = start_replicas(client, cfg, model, args.config, host, port,
                             getattr(args, "uvicorn_log_level", None) or "warning") \
         if replicas > 1 else []
@@ -98,6 +109,8 @@ def _cmd_serve(args) -> int:
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         print("pd-runtime: stopped", file=sys.stderr, flush=True)
     finally:
+        if autoscaler is not None:
+            autoscaler.stop()
         for replica in others:
             try:
                 replica.stop.remote()

@@ -41,9 +41,9 @@ def config(**over) -> AutoscaleConfig:
     return AutoscaleConfig(**{"cooldown_s": 0.0, **over})
 
 
-def run(rate: float, prompts: list[int], current=(1, 1), cfg=None, **kw):
+def run(rate: float, prompts: list[int], current=(1, 1), cfg=None, slo=SLO, **kw):
     return decide(traffic(rate, prompts), {"prefill": current[0], "decode": current[1]},
-                  cfg or config(), COSTS, SLO, **{"since_change_s": 1e9, **kw})
+                  cfg or config(), COSTS, slo, **{"since_change_s": 1e9, **kw})
 
 
 def total(split: dict) -> int:
@@ -142,3 +142,22 @@ def test_equal_inputs_give_equal_decisions():
     first, again = run(12, BIMODAL, seed=3), run(12, BIMODAL, seed=3)
     assert first == again and first.describe() == again.describe()
     assert len(first.predicted["candidates"]) == 12  # 0-2 prefill x 1-4 decode
+
+
+def test_a_split_that_meets_the_target_is_kept_and_an_overload_gets_the_most_workers():
+    """Current pools that meet the target are not re-split or grown for a point of simulated
+    attainment (a drain and a start for nothing); where no split meets it, the best one, and
+    among equals the one with the most workers."""
+    # At 8 req/s of the bimodal mix, 0P+2D (0.92) and 1P+1D (0.96) both meet 0.9: either
+    # one, running, is kept.
+    for current in ((0, 2), (1, 1)):
+        held = run(8, BIMODAL, current=current)
+        assert held.reason == "hold", held.describe()
+        assert held.desired == {"prefill": current[0], "decode": current[1]}
+    # Fewer workers that still meet it are moved to.
+    assert run(8, BIMODAL, current=(1, 2)).desired == {"prefill": 1, "decode": 1}
+    hopeless = run(8, SHORT, cfg=config(prefill=PoolBounds(min_workers=0, max_workers=1),
+                                        decode=PoolBounds(min_workers=1, max_workers=2)),
+                   slo=SLOTarget(ttft_s=1e-4, tpot_s=1e-4))
+    assert hopeless.reason == "at_limit"
+    assert hopeless.desired == {"prefill": 1, "decode": 2}, hopeless.describe()

@@ -152,9 +152,13 @@ def decide(traffic: Traffic, current: dict[str, int], cfg: AutoscaleConfig, cost
     meeting = [s for s in splits if scores[s] >= cfg.attainment]
     if meeting:
         wanted = min(meeting, key=lambda s: (sum(s), -scores[s], -s[1]))
+        if now in meeting and sum(wanted) >= sum(now):
+            wanted = now  # no drain and start for a point of simulated attainment
         reason = _change(wanted, now)
-    else:  # the bounds cannot meet the target: the best they can do
-        wanted = min(splits, key=lambda s: (-scores[s], sum(s), -s[1]))
+    else:  # the bounds cannot meet the target: the best they can do, with the most workers
+        # among equals (overloaded past what any split serves, all score alike, and more
+        # capacity is what the real cluster needs then)
+        wanted = min(splits, key=lambda s: (-scores[s], -sum(s), -s[1]))
         reason = "at_limit"
     predicted["wanted"] = _point(wanted, simulated(wanted))
     return _held(wanted, now, reason, rate, observed, predicted, cfg, since_change_s)

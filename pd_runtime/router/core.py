@@ -29,6 +29,7 @@ from pd_runtime.router.policy import Decision, WorkerState, decide, decide_slo, 
 from pd_runtime.router.prefix_index import PrefixIndex, follow_kv_events
 from pd_runtime.router.reload import RoutingReloader
 from pd_runtime.router.tenants import Tenants
+from pd_runtime.router.traffic import TrafficLog
 from pd_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,8 @@ class PoolBackend:
         self._health_thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self.capacity = CapacityChanged()  # wakes requests held by `overload: queue`
+        self.traffic = TrafficLog()  # what the autoscaler plans for (planner.autoscale)
+        self.autoscale_status = None  # set by the serve command when it runs the autoscaler
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -221,7 +224,9 @@ class PoolBackend:
         return {"routing": self.reloader.current.model_dump(),
                 "config_file": str(self.reloader.path) if self.reloader.path else None,
                 "last_reload_error": self.reloader.last_error,
-                "sampling_defaults": self.sampling_defaults}
+                "sampling_defaults": self.sampling_defaults,
+                "autoscale": self.autoscale_status() if self.autoscale_status else
+                {"enabled": False}}
 
     def worker_reports(self) -> dict:
         """worker id -> role, health and the cost figures of its last load report."""
@@ -275,6 +280,7 @@ class PoolBackend:
         `admit_tenant` once for them all)."""
         arrival = time.monotonic()
         self.served["requests"] += 1
+        self.traffic.record(len(prompt_ids), params.max_tokens, arrival)
         refusal = None if prepaid else \
             await self.admit_tenant(tenant, len(prompt_ids) + params.max_tokens)
         if refusal is not None:

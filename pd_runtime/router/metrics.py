@@ -122,6 +122,16 @@ class RouterMetrics:
         self.transfer_gbps = Gauge("pd_cost_model_transfer_gbps",
                                    "KV sent per second by this worker's transfers, averaged",
                                    worker, registry=r)
+        # planner.autoscale (pd_runtime/workers/elastic.py sets them)
+        self.autoscale_workers = Gauge("pd_autoscale_workers", "Workers per role: desired by "
+                                       "the autoscaler's last decision, and actual (routed to)",
+                                       ["role", "kind"], registry=r)
+        self.autoscale_decisions = Counter("pd_autoscale_decisions_total", "Autoscaler "
+                                           "decisions by reason", ["reason"], registry=r)
+        self.autoscale_events = Histogram("pd_autoscale_event_seconds", "A worker's start (to "
+                                          "ready) or drain (to stopped), by kind",
+                                          ["kind"], registry=r,
+                                          buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300))
         self.ttft_error = Histogram("pd_ttft_prediction_error_seconds",
                                     "Measured minus predicted TTFT (slo mode)", path,
                                     registry=r, buckets=(-5, -2, -1, -0.5, -0.25, -0.1, -0.05,

@@ -179,6 +179,33 @@ def check_local_fit(cfg, have: dict) -> None:
             "(its GPUs are the machine's)")
 
 
+def pool_engine(cfg, role: str, pool, model_dir: str) -> EngineConfig:
+    """The engine settings a worker of `pool` runs: the pool's, with this machine's defaults
+    for threads and step pacing filled in (`pool.num_workers`: the pool's size they share)."""
+    engine = pool.engine_config(model_dir)
+    threads = default_threads(cfg, role, pool)
+    if threads is not None:
+        engine = engine.model_copy(update={"num_threads": threads})
+        log.info("%s workers: %d threads each (engine.num_threads null: this machine's "
+                 "cores shared among them)", role, threads)
+    interval = default_step_interval(cfg, role, pool)
+    if interval is not None:
+        engine = engine.model_copy(update={"min_step_interval_s": interval})
+    return engine
+
+
+def start_pool_worker(cfg, role: str, worker_id: str, engine: EngineConfig,
+                      scheduling_strategy=None) -> WorkerRef:
+    """One worker of a pool of `cfg`, with the pool's resources (not yet waited for)."""
+    res = getattr(cfg, role).resources
+    return start_worker(role, worker_id, engine, cfg.kv_transfer, num_cpus=res.num_cpus,
+                        num_gpus=res.num_gpus, resources=res.custom, memory=res.memory_bytes,
+                        max_restarts=cfg.recovery.max_restarts, recovery=cfg.recovery,
+                        scheduling_strategy=scheduling_strategy, namespace=cfg.ray.namespace,
+                        placement_timeout_s=cfg.placement_for(role).ready_timeout_s,
+                        accelerator_type=res.accelerator_type)
+
+
 def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClient:
     """Start every pool of a ClusterConfig and return a client over them."""
     import ray
@@ -211,24 +238,10 @@ def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClie
                     "ray.num_cpus") from None
             strategy_for = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
                             for i in range(pool.num_workers)]
-        engine = pool.engine_config(model_dir)
-        threads = default_threads(cfg, role, pool)
-        if threads is not None:
-            engine = engine.model_copy(update={"num_threads": threads})
-            log.info("%s workers: %d threads each (engine.num_threads null: this machine's "
-                     "cores shared among them)", role, threads)
-        interval = default_step_interval(cfg, role, pool)
-        if interval is not None:
-            engine = engine.model_copy(update={"min_step_interval_s": interval})
+        engine = pool_engine(cfg, role, pool, model_dir)
         for i in range(pool.num_workers):
-            pools[role].append(start_worker(
-                role, f"{role}-{i}", engine, cfg.kv_transfer,
-                num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=res.custom,
-                memory=res.memory_bytes, max_restarts=cfg.recovery.max_restarts,
-                recovery=cfg.recovery,
-                scheduling_strategy=strategy_for[i], namespace=cfg.ray.namespace,
-                placement_timeout_s=placement.ready_timeout_s,
-                accelerator_type=res.accelerator_type))
+            pools[role].append(start_pool_worker(cfg, role, f"{role}-{i}", engine,
+                                                 strategy_for[i]))
     infos = wait_ready([w for ws in pools.values() for w in ws], ready_timeout_s)
     # Colocated-role workers serve whole requests exactly like decode workers.
     return PoolClient(pools["prefill"], pools["decode"] + pools["colocated"],

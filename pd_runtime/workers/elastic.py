@@ -1,0 +1,238 @@
+"""Elastic pools: the autoscaler's decisions acted on a running deployment (planner.autoscale).
+
+One controller per deployment, a thread of the serve process beside the router's health checks
+(several router replicas are refused: each keeps its own lists of the pools). Every interval_s
+it reads the traffic the router saw (router/traffic.py) and the workers' last load reports, asks
+pd_runtime/planner/autoscale.py for a split, and moves towards it:
+- up: new workers start as the pool's others did (its engine settings and resources, outside
+  the pool's placement group), are waited for until ready (weights loaded, warmed up), answer a
+  load check, and only then join the router's lists;
+- down: the least busy worker is drained (routed nothing new; what it runs ends where it runs),
+  then stopped. After drain_timeout_s it is stopped all the same: its streams migrate to another
+  decode worker, as after a crash. The last decode worker is never drained.
+A re-split (as many workers, another split) starts the new ones before it drains the old.
+The lists are replaced, never changed in place: a request iterating them meanwhile sees the old.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+from pd_runtime.api import ModelCard
+from pd_runtime.workers.client import PoolClient, WorkerRef
+from pd_runtime.workers.pool import pool_engine, start_pool_worker, wait_ready
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+_DRAIN_POLL_S = 0.5
+
+
+def _idle(load: dict) -> bool:
+    """Nothing of any request left on the worker (its per-request tables all empty)."""
+    return not load.get("num_running") and not load.get("num_waiting") \
+        and not any((load.get("records") or {}).values())
+
+
+class ElasticPools:
+    """Starts and drains the workers of a running deployment's pools."""
+
+    def __init__(self, cfg, client: PoolClient, model_dir: str, ready_timeout_s: float = 600.0,
+                 on_event=None):
+        """`on_event(kind, seconds)`: told of each start (to ready) and drain (to stopped)."""
+        self.cfg = cfg
+        self.on_event = on_event
+        self.client = client
+        self.model_dir = model_dir
+        self.ready_timeout_s = ready_timeout_s
+        # Worker ids are never reused: the router keys its ledgers and prefix index by them.
+        self._next = {role: getattr(cfg, role).num_workers for role in ROLES}
+        self.events: deque = deque(maxlen=64)  # the latest starts and drains, for status
+
+    def workers(self, role: str) -> list[WorkerRef]:
+        return list(self.client.prefill if role == "prefill" else self.client.decode)
+
+    def _set(self, role: str, workers: list[WorkerRef]) -> None:
+        if role == "prefill":
+            self.client.prefill = workers
+        else:
+            self.client.decode = workers
+
+    def grow(self, role: str, count: int) -> list[WorkerRef]:
+        """Start `count` workers of `role`, wait until each is ready, add those that are."""
+        import ray
+
+        pool = getattr(self.cfg, role)
+        target = len(self.workers(role)) + count
+        engine = pool_engine(self.cfg, role, pool.model_copy(update={"num_workers": target}),
+                             self.model_dir)
+        started = time.monotonic()
+        refs = []
+        for _ in range(count):
+            worker_id = f"{role}-{self._next[role]}"
+            self._next[role] += 1
+            refs.append(start_pool_worker(self.cfg, role, worker_id, engine))
+        joined = []
+        for ref in refs:
+            try:
+                info = wait_ready([ref], self.ready_timeout_s)[0]
+                card = ModelCard.from_dict(info["model_card"])
+                known = self.client.model_card
+                diff = known.differs_from(card) if known is not None else None
+                if diff is not None:
+                    raise RuntimeError(f"it serves the model differently ({diff})")
+                asyncio.run(self.client.probe(ref, timeout_s=10.0))  # its first load report
+            except Exception as exc:
+                log.error("autoscale: worker %s did not start: %s", ref.worker_id, exc)
+                ray.kill(ref.handle, no_restart=True)
+                self._event("start_failed", role, ref.worker_id, time.monotonic() - started)
+                continue
+            joined.append(ref)
+            self._set(role, self.workers(role) + [ref])
+            self._event("start", role, ref.worker_id, time.monotonic() - started)
+        return joined
+
+    def shrink(self, role: str, count: int, drain_timeout_s: float) -> list[str]:
+        """Drain and stop the `count` least busy workers of `role` (never the last decode
+        worker); their ids."""
+        live = sorted(self.workers(role), key=lambda w: (not w.healthy,
+                                                         -(w.load.get("num_running") or 0)
+                                                         - (w.load.get("num_waiting") or 0)),
+                      reverse=True)
+        keep = 1 if role == "decode" else 0
+        chosen = live[:max(0, min(count, len(live) - keep))]
+        threads = [threading.Thread(target=self._retire, args=(role, w, drain_timeout_s),
+                                    name=f"drain-{w.worker_id}") for w in chosen]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [w.worker_id for w in chosen]
+
+    def _retire(self, role: str, worker: WorkerRef, drain_timeout_s: float) -> None:
+        import ray
+
+        started = time.monotonic()
+        worker.load = {**worker.load, "draining": True}  # routed nothing new from now on
+        try:
+            ray.get(worker.handle.set_draining.remote(True), timeout=10.0)
+            while time.monotonic() - started < drain_timeout_s:
+                if _idle(ray.get(worker.handle.load.remote(), timeout=10.0)):
+                    break
+                time.sleep(_DRAIN_POLL_S)
+            else:
+                log.warning("autoscale: %s still busy after %.0f s of draining; stopped, its "
+                            "streams migrate", worker.worker_id, drain_timeout_s)
+        except Exception as exc:  # dead or unreachable: nothing left to wait for
+            log.warning("autoscale: draining %s: %s", worker.worker_id, exc)
+        self._set(role, [w for w in self.workers(role) if w.worker_id != worker.worker_id])
+        try:
+            ray.kill(worker.handle, no_restart=True)
+        except Exception:
+            pass
+        self._event("drain", role, worker.worker_id, time.monotonic() - started)
+
+    def _event(self, kind: str, role: str, worker_id: str, seconds: float) -> None:
+        self.events.append({"kind": kind, "role": role, "worker_id": worker_id,
+                            "seconds": round(seconds, 3), "at": time.time()})
+        log.info("autoscale: %s %s (%s) in %.1f s", kind, worker_id, role, seconds)
+        if self.on_event is not None:
+            self.on_event(kind, seconds)
+
+
+class Autoscaler:
+    """The controller: every interval_s, decide (planner/autoscale.py) and act (ElasticPools)."""
+
+    def __init__(self, cfg, client: PoolClient, model_dir: str, backend):
+        self.cfg = cfg
+        self.scale = cfg.planner.autoscale
+        self.backend = backend  # the router: its traffic log, metrics and SLO targets
+        self.pools = ElasticPools(
+            cfg, client, model_dir,
+            on_event=lambda kind, s: backend.metrics.autoscale_events.labels(kind).observe(s))
+        self.last: Optional[object] = None  # the last ScaleDecision
+        self.changed_at = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="autoscale", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.scale.interval_s):
+            try:
+                self.step()
+            except Exception:  # a bad decision round must not end the controller
+                log.exception("autoscale round failed")
+
+    def current(self) -> dict[str, int]:
+        return {role: len(self.pools.workers(role)) for role in ROLES}
+
+    def step(self, now: Optional[float] = None):
+        """One round: decide from the traffic and the loads, then act. The decision."""
+        from pd_runtime.config import SLOTarget
+        from pd_runtime.planner.autoscale import Traffic, costs_from_loads, decide
+
+        now = time.monotonic() if now is None else now
+        traffic = Traffic(self.scale.window_s,
+                          self.backend.traffic.recent(self.scale.window_s, now))
+        loads = {w.worker_id: {**w.load, "role": w.role}
+                 for role in ROLES for w in self.pools.workers(role) if w.load}
+        target = self.backend.reloader.current.slo
+        slo = SLOTarget(ttft_s=self.scale.ttft_s or target.ttft_s,
+                        tpot_s=self.scale.tpot_s or target.tpot_s)
+        current = self.current()
+        try:
+            costs = costs_from_loads(loads)
+        except ValueError as exc:  # (no decode worker has fitted its step costs yet)
+            log.info("autoscale: no decision this round: %s", exc)
+            return None
+        per_worker = {role: getattr(self.cfg, role).resources for role in ROLES}
+        decision = decide(traffic, current, self.scale, costs, slo,
+                          since_change_s=now - self.changed_at,
+                          cpus={r: res.num_cpus for r, res in per_worker.items()},
+                          gpus={r: res.num_gpus for r, res in per_worker.items()},
+                          routing=self.backend.reloader.current)
+        self.last = decision
+        metrics = self.backend.metrics
+        metrics.autoscale_decisions.labels(decision.reason).inc()
+        for role in ROLES:
+            metrics.autoscale_workers.labels(role, "desired").set(decision.desired[role])
+        if decision.desired != current:
+            log.info("autoscale: %s", decision.describe())
+            self.act(current, decision.desired)
+            self.changed_at = time.monotonic()
+        for role, n in self.current().items():
+            metrics.autoscale_workers.labels(role, "actual").set(n)
+        return decision
+
+    def act(self, current: dict[str, int], desired: dict[str, int]) -> None:
+        """Up first, then down: a re-split never has fewer workers than both ends."""
+        for role in ROLES:
+            if desired[role] > current[role]:
+                self.pools.grow(role, desired[role] - current[role])
+        for role in ROLES:
+            if desired[role] < current[role]:
+                self.pools.shrink(role, current[role] - desired[role],
+                                  self.scale.drain_timeout_s)
+
+    def status(self) -> dict:
+        """What /v1/router/config shows of it: the last decision, the pools now, the events."""
+        last = self.last
+        return {"enabled": True, "workers": self.current(),
+                "desired": getattr(last, "desired", None),
+                "reason": getattr(last, "reason", None),
+                "rate": getattr(last, "rate", None),
+                "decision": last.describe() if last is not None else None,
+                "events": list(self.pools.events)}
