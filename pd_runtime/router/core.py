@@ -252,7 +252,8 @@ class PoolBackend:
             self.metrics.http_latency.labels(path).observe(fields.get("latency_s", 0.0))
 
     def _states(self, workers) -> list[WorkerState]:
-        return [WorkerState(w.worker_id, w.role, w.healthy, bool(w.load.get("draining")),
+        return [WorkerState(w.worker_id, w.role, w.healthy,
+                            getattr(w, "draining", False) or bool(w.load.get("draining")),
                             w.load, self.inflight.get(w.worker_id, 0)) for w in workers]
 
     async def admit_tenant(self, tenant: Optional[TenantConfig],

@@ -162,6 +162,23 @@ class RouterMetrics:
                                       "served / blocks looked up there after a device miss",
                                       ["worker", "tier"], registry=r)
 
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker that left the pools (the autoscaler stopped it): its series end, instead
+        of keeping their last values for good."""
+        from prometheus_client import Gauge as _Gauge
+
+        for metric in vars(self).values():
+            if not isinstance(metric, _Gauge) or "worker" not in metric._labelnames:
+                continue
+            at = metric._labelnames.index("worker")
+            for labels in list(metric._metrics):
+                if labels[at] == worker_id:
+                    metric.remove(*labels)
+        for collector in vars(self).values():
+            if isinstance(collector, _EngineSteps):
+                collector.reports.pop(worker_id, None)
+                collector.overlap.pop(worker_id, None)
+
     def observe_worker(self, worker_id: str, healthy: bool, load: dict) -> None:
         self.healthy.labels(worker_id).set(1 if healthy else 0)
         if not healthy or not load:

@@ -68,6 +68,12 @@ class WorkerRef:
     # Consecutive probes that found the actor dead: a new call to an actor that Ray is
     # restarting waits for it, so a probe fails at once only once its restarts are used up.
     dead_probes: int = 0
+    # The placement-group bundle it holds (a Ray scheduling strategy), if any: a worker
+    # started later in its place reuses it (workers/elastic.py); a stopped actor leaves it
+    # reserved.
+    placement: Any = None
+    # Drained by the autoscaler: routed nothing new, whatever its load reports still say.
+    draining: bool = False
 
     @property
     def dead(self) -> bool:
@@ -156,8 +162,8 @@ class PoolClient:
     # -- worker choice (the router's policy replaces these) ----------------------------------
     @staticmethod
     def _pick(workers: list[WorkerRef], exclude: set[str]) -> Optional[WorkerRef]:
-        live = [w for w in workers if w.healthy and not w.load.get("draining")
-                and w.worker_id not in exclude]
+        live = [w for w in workers if w.healthy and not w.draining
+                and not w.load.get("draining") and w.worker_id not in exclude]
         if not live:
             return None
         best = min(w.load.get("num_running", 0) + w.load.get("num_waiting", 0) for w in live)

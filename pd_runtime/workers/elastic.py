@@ -44,7 +44,8 @@ class ElasticPools:
 
     def __init__(self, cfg, client: PoolClient, model_dir: str, ready_timeout_s: float = 600.0,
                  on_event=None):
-        """`on_event(kind, seconds)`: told of each start (to ready) and drain (to stopped)."""
+        """`on_event(kind, worker_id, seconds)`: told of each start (to ready) and drain (to
+        stopped)."""
         self.cfg = cfg
         self.on_event = on_event
         self.client = client
@@ -53,6 +54,10 @@ class ElasticPools:
         # Worker ids are never reused: the router keys its ledgers and prefix index by them.
         self._next = {role: getattr(cfg, role).num_workers for role in ROLES}
         self.events: deque = deque(maxlen=64)  # the latest starts and drains, for status
+        # Placement-group bundles of stopped workers (Ray keeps a bundle reserved after its
+        # actor ends): (the bundle's resources, its scheduling strategy), taken by new workers
+        # that ask for the same.
+        self._free_bundles: list[tuple[dict, object]] = []
 
     def workers(self, role: str) -> list[WorkerRef]:
         return list(self.client.prefill if role == "prefill" else self.client.decode)
@@ -73,10 +78,15 @@ class ElasticPools:
                              self.model_dir)
         started = time.monotonic()
         refs = []
+        bundle = pool.resources.bundle()
         for _ in range(count):
             worker_id = f"{role}-{self._next[role]}"
             self._next[role] += 1
-            refs.append(start_pool_worker(self.cfg, role, worker_id, engine))
+            held = next((i for i, (b, _) in enumerate(self._free_bundles) if b == bundle), None)
+            placement = self._free_bundles.pop(held)[1] if held is not None else None
+            ref = start_pool_worker(self.cfg, role, worker_id, engine, placement)
+            ref.placement = placement
+            refs.append(ref)
         joined = []
         for ref in refs:
             try:
@@ -90,6 +100,7 @@ class ElasticPools:
             except Exception as exc:
                 log.error("autoscale: worker %s did not start: %s", ref.worker_id, exc)
                 ray.kill(ref.handle, no_restart=True)
+                self._release(role, ref)
                 self._event("start_failed", role, ref.worker_id, time.monotonic() - started)
                 continue
             joined.append(ref)
@@ -118,16 +129,15 @@ class ElasticPools:
         import ray
 
         started = time.monotonic()
-        worker.load = {**worker.load, "draining": True}  # routed nothing new from now on
+        worker.draining = True  # routed nothing new from now on (the router reads this flag)
         try:
             ray.get(worker.handle.set_draining.remote(True), timeout=10.0)
-            while time.monotonic() - started < drain_timeout_s:
-                if _idle(ray.get(worker.handle.load.remote(), timeout=10.0)):
-                    break
-                time.sleep(_DRAIN_POLL_S)
-            else:
-                log.warning("autoscale: %s still busy after %.0f s of draining; stopped, its "
-                            "streams migrate", worker.worker_id, drain_timeout_s)
+            self._until_idle(worker, started + drain_timeout_s)
+            # Out of the lists, then idle once more: a request routed just before the flag
+            # was read has reached it by now.
+            self._set(role, [w for w in self.workers(role) if w.worker_id != worker.worker_id])
+            time.sleep(_DRAIN_POLL_S)
+            self._until_idle(worker, max(time.monotonic() + 2.0, started + drain_timeout_s))
         except Exception as exc:  # dead or unreachable: nothing left to wait for
             log.warning("autoscale: draining %s: %s", worker.worker_id, exc)
         self._set(role, [w for w in self.workers(role) if w.worker_id != worker.worker_id])
@@ -135,14 +145,31 @@ class ElasticPools:
             ray.kill(worker.handle, no_restart=True)
         except Exception:
             pass
+        self._release(role, worker)
         self._event("drain", role, worker.worker_id, time.monotonic() - started)
+
+    @staticmethod
+    def _until_idle(worker: WorkerRef, deadline: float) -> None:
+        import ray
+
+        while not _idle(ray.get(worker.handle.load.remote(), timeout=10.0)):
+            if time.monotonic() >= deadline:
+                log.warning("autoscale: %s still busy at its drain deadline; stopped, its "
+                            "streams migrate", worker.worker_id)
+                return
+            time.sleep(_DRAIN_POLL_S)
+
+    def _release(self, role: str, worker: WorkerRef) -> None:
+        if worker.placement is not None:
+            self._free_bundles.append((getattr(self.cfg, role).resources.bundle(),
+                                       worker.placement))
 
     def _event(self, kind: str, role: str, worker_id: str, seconds: float) -> None:
         self.events.append({"kind": kind, "role": role, "worker_id": worker_id,
                             "seconds": round(seconds, 3), "at": time.time()})
         log.info("autoscale: %s %s (%s) in %.1f s", kind, worker_id, role, seconds)
         if self.on_event is not None:
-            self.on_event(kind, seconds)
+            self.on_event(kind, worker_id, seconds)
 
 
 class Autoscaler:
@@ -154,11 +181,17 @@ class Autoscaler:
         self.backend = backend  # the router: its traffic log, metrics and SLO targets
         self.pools = ElasticPools(
             cfg, client, model_dir,
-            on_event=lambda kind, s: backend.metrics.autoscale_events.labels(kind).observe(s))
+            on_event=self._on_event)
         self.last: Optional[object] = None  # the last ScaleDecision
         self.changed_at = time.monotonic()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+
+    def _on_event(self, kind: str, worker_id: str, seconds: float) -> None:
+        self.backend.metrics.autoscale_events.labels(kind).observe(seconds)
+        if kind == "drain":  # gone: its series and its prefix-index entries with it
+            self.backend.metrics.forget_worker(worker_id)
+            self.backend.index.forget(worker_id)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="autoscale", daemon=True)
@@ -199,7 +232,11 @@ class Autoscaler:
             log.info("autoscale: no decision this round: %s", exc)
             return None
         per_worker = {role: getattr(self.cfg, role).resources for role in ROLES}
-        decision = decide(traffic, current, self.scale, costs, slo,
+        # max_cpus null: what the cluster has now (set it above that for Ray's autoscaler to
+        # add nodes: a worker it cannot place waits until one comes)
+        scale = self.scale if self.scale.max_cpus is not None else \
+            self.scale.model_copy(update={"max_cpus": self._cpu_budget()})
+        decision = decide(traffic, current, scale, costs, slo,
                           since_change_s=now - self.changed_at,
                           cpus={r: res.num_cpus for r, res in per_worker.items()},
                           gpus={r: res.num_gpus for r, res in per_worker.items()},
@@ -218,14 +255,35 @@ class Autoscaler:
         return decision
 
     def act(self, current: dict[str, int], desired: dict[str, int]) -> None:
-        """Up first, then down: a re-split never has fewer workers than both ends."""
-        for role in ROLES:
-            if desired[role] > current[role]:
-                self.pools.grow(role, desired[role] - current[role])
-        for role in ROLES:
-            if desired[role] < current[role]:
-                self.pools.shrink(role, current[role] - desired[role],
-                                  self.scale.drain_timeout_s)
+        """Up first, then down: a re-split keeps its old workers until the new ones serve;
+        down first where the CPUs (max_cpus, or the cluster's) cannot hold both at once (a new
+        worker would wait for the CPUs of one still draining)."""
+        def grow():
+            for role in ROLES:
+                if desired[role] > current[role]:
+                    self.pools.grow(role, desired[role] - current[role])
+
+        def shrink():
+            for role in ROLES:
+                if desired[role] < current[role]:
+                    self.pools.shrink(role, current[role] - desired[role],
+                                      self.scale.drain_timeout_s)
+
+        cpus = {role: getattr(self.cfg, role).resources.num_cpus for role in ROLES}
+        both = sum(max(current[r], desired[r]) * cpus[r] for r in ROLES)
+        if both > self._cpu_budget() + 1e-9:
+            shrink()
+            grow()
+        else:
+            grow()
+            shrink()
+
+    def _cpu_budget(self) -> float:
+        if self.scale.max_cpus is not None:
+            return self.scale.max_cpus
+        import ray
+
+        return float(ray.cluster_resources().get("CPU", 0.0))
 
     def status(self) -> dict:
         """What /v1/router/config shows of it: the last decision, the pools now, the events."""

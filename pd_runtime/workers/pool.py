@@ -240,8 +240,9 @@ def build_pools(cfg, model_dir: str, ready_timeout_s: float = 600.0) -> PoolClie
                             for i in range(pool.num_workers)]
         engine = pool_engine(cfg, role, pool, model_dir)
         for i in range(pool.num_workers):
-            pools[role].append(start_pool_worker(cfg, role, f"{role}-{i}", engine,
-                                                 strategy_for[i]))
+            ref = start_pool_worker(cfg, role, f"{role}-{i}", engine, strategy_for[i])
+            ref.placement = strategy_for[i]
+            pools[role].append(ref)
     infos = wait_ready([w for ws in pools.values() for w in ws], ready_timeout_s)
     # Colocated-role workers serve whole requests exactly like decode workers.
     return PoolClient(pools["prefill"], pools["decode"] + pools["colocated"],
