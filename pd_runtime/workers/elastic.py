@@ -232,10 +232,11 @@ class Autoscaler:
             log.info("autoscale: no decision this round: %s", exc)
             return None
         per_worker = {role: getattr(self.cfg, role).resources for role in ROLES}
-        # max_cpus null: what the cluster has now (set it above that for Ray's autoscaler to
-        # add nodes: a worker it cannot place waits until one comes)
-        scale = self.scale if self.scale.max_cpus is not None else \
-            self.scale.model_copy(update={"max_cpus": self._cpu_budget()})
+        # max_cpus null on a local Ray: the machine's (it will not grow); on a cluster, the
+        # bounds alone (a worker Ray cannot place yet waits for its autoscaler to add a node)
+        budget = self._cpu_budget()
+        scale = self.scale if budget == self.scale.max_cpus else \
+            self.scale.model_copy(update={"max_cpus": budget})
         decision = decide(traffic, current, scale, costs, slo,
                           since_change_s=now - self.changed_at,
                           cpus={r: res.num_cpus for r, res in per_worker.items()},
@@ -271,15 +272,17 @@ class Autoscaler:
 
         cpus = {role: getattr(self.cfg, role).resources.num_cpus for role in ROLES}
         both = sum(max(current[r], desired[r]) * cpus[r] for r in ROLES)
-        if both > self._cpu_budget() + 1e-9:
+        budget = self._cpu_budget()
+        if budget is not None and both > budget + 1e-9:
             shrink()
             grow()
         else:
             grow()
             shrink()
 
-    def _cpu_budget(self) -> float:
-        if self.scale.max_cpus is not None:
+    def _cpu_budget(self) -> Optional[float]:
+        """max_cpus, else a local Ray's CPUs; None: no budget but the pools' bounds."""
+        if self.scale.max_cpus is not None or self.cfg.ray.address:
             return self.scale.max_cpus
         import ray
 
