@@ -122,8 +122,13 @@ def main() -> None:
     parser.add_argument("--systems", nargs="*", default=list(SYSTEMS))
     parser.add_argument("--out", default=tempfile.mkdtemp(prefix="autoscale-served-"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--phases", help="name:rate:long_share:seconds,... (default: "
+                        + ",".join(f"{n}:{r}:{f}:{d}" for n, r, f, d in PHASES) + ")")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.phases:
+        PHASES[:] = [(n, float(r), float(f), float(d)) for n, r, f, d in
+                     (p.split(":") for p in args.phases.split(","))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = [run_system(name, SYSTEMS[name], out, args.seed) for name in args.systems]
