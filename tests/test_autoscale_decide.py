@@ -7,11 +7,14 @@ pools, and equal inputs give equal decisions. Costs from load reports as the wor
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
 from pd_runtime.config import AutoscaleConfig, PoolBounds, SLOTarget
-from pd_runtime.planner.autoscale import Traffic, candidates, costs_from_loads, decide
+from pd_runtime.planner import autoscale
+from pd_runtime.planner.autoscale import (SHARD_WORKERS, Traffic, candidates, costs_from_loads,
+                                          decide, shards)
 
 # test_planner.py's worker: 4,000 prompt tokens/s, a decoded sequence 0.8 ms a step over 4 ms.
 COEF = dict(step_s=0.004, prefill_token_s=2.5e-4, prefill_attention_s=1e-8,
@@ -161,3 +164,82 @@ def test_a_split_that_meets_the_target_is_kept_and_an_overload_gets_the_most_wor
                    slo=SLOTarget(ttft_s=1e-4, tpot_s=1e-4))
     assert hopeless.reason == "at_limit"
     assert hopeless.desired == {"prefill": 1, "decode": 2}, hopeless.describe()
+
+
+# ---------------------------------------------------------------------------------- at scale
+# Bounds past EXHAUSTIVE_CANDIDATES splits: the search wants what simulating every split wants,
+# keeps to the bounds and budget, and a large pool is simulated as even shards.
+
+
+def wide(max_prefill: int, max_decode: int, **over) -> AutoscaleConfig:
+    return config(prefill=PoolBounds(min_workers=0, max_workers=max_prefill),
+                  decode=PoolBounds(min_workers=1, max_workers=max_decode), **over)
+
+
+def visited(decision) -> list[tuple[int, int]]:
+    return [(int(p), int(d)) for p, d in
+            (re.fullmatch(r"(\d+)P\+(\d+)D", name).groups()
+             for name in decision.predicted["candidates"])]
+
+
+def test_the_search_wants_what_simulating_every_split_wants(monkeypatch):
+    """Bounds of 8 + 8 (72 splits, past EXHAUSTIVE_CANDIDATES): the search, from the pools now
+    or from far below them, finds the split that simulating all 72 finds, in a fraction of
+    the simulations. 30% long prompts at 40 req/s: a prefill share over a half."""
+    cfg, mix = wide(8, 8), [128] * 7 + [2048] * 3
+    searched = [run(40, mix, current=now, cfg=cfg) for now in ((1, 1), (4, 4))]
+    with monkeypatch.context() as patch:
+        patch.setattr(autoscale, "EXHAUSTIVE_CANDIDATES", 10 ** 9)
+        every = run(40, mix, cfg=cfg)
+    assert len(every.predicted["candidates"]) == 72
+    assert every.desired == {"prefill": 6, "decode": 5}, every.describe()
+    for d in searched:
+        assert d.desired == every.desired, d.describe()
+        assert d.predicted["wanted"] == every.predicted["wanted"]
+        assert len(d.predicted["candidates"]) <= 20
+
+
+def test_the_search_keeps_to_the_bounds_and_the_budget():
+    cfg = config(prefill=PoolBounds(min_workers=2, max_workers=40),
+                 decode=PoolBounds(min_workers=3, max_workers=60), max_cpus=64)
+    cpus = {"prefill": 2.0, "decode": 1.0}
+
+    def fits(p: int, d: int) -> bool:
+        return 2 <= p <= 40 and 3 <= d <= 60 and 2 * p + d <= 64
+
+    # 400 req/s of the bimodal mix wants more than 64 CPUs hold: the most the budget allows.
+    big = run(400, BIMODAL, current=(10, 10), cfg=cfg, cpus=cpus)
+    assert all(fits(*s) for s in visited(big)), big.predicted["candidates"]
+    assert fits(big.desired["prefill"], big.desired["decode"]), big.describe()
+    assert big.reason == "at_limit" and 2 * big.desired["prefill"] + big.desired["decode"] >= 60
+    # Light load: the minimum pools, not fewer.
+    light = run(1, SHORT, current=(10, 10), cfg=cfg, cpus=cpus)
+    assert light.desired == {"prefill": 2, "decode": 3}, light.describe()
+    assert all(fits(*s) for s in visited(light))
+
+
+def test_a_pool_of_hundreds_is_decided_from_a_few_dozen_simulations():
+    """Bounds of 256 + 256: near the pools now, a decision simulates a few dozen splits (each
+    as shards of up to SHARD_WORKERS, for SIM_SECONDS), and the split it wants meets the
+    target with fewer workers than any split it found short of it."""
+    d = run(1000, BIMODAL, current=(60, 120), cfg=wide(256, 256))
+    scores = {s: a for s, a in zip(visited(d), d.predicted["candidates"].values())}
+    assert len(scores) <= 40, len(scores)
+    wanted = (d.predicted["wanted"]["prefill"], d.predicted["wanted"]["decode"])
+    assert d.predicted["wanted"]["attainment"] >= 0.9, d.describe()
+    assert 100 < sum(wanted) < 500 and d.predicted["current"]["attainment"] is not None
+    assert all(a < 0.9 for s, a in scores.items() if sum(s) < sum(wanted))
+
+
+def test_a_large_pool_is_simulated_as_even_shards():
+    assert shards((1, 3)) == {(1, 3): 1}
+    assert shards((130, 382)) == {(2, 2): 2, (1, 3): 126}
+    assert shards((40, 1)) == {(40, 1): 1}  # every shard needs a decode worker
+    for split in ((0, 9), (5, 4), (130, 382), (7, 100), (300, 12)):
+        kinds = shards(split)
+        assert sum(p * n for (p, _), n in kinds.items()) == split[0]
+        assert sum(d * n for (_, d), n in kinds.items()) == split[1]
+        sizes = {p + d for p, d in kinds}
+        assert max(sizes) - min(sizes) <= 1 and all(d >= 1 for _, d in kinds), kinds
+        if split[1] * SHARD_WORKERS >= sum(split):
+            assert max(sizes) <= SHARD_WORKERS
