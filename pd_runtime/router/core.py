@@ -127,7 +127,8 @@ class PoolBackend:
         self._health_thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self.capacity = CapacityChanged()  # wakes requests held by `overload: queue`
-        self.traffic = TrafficLog()  # what the autoscaler plans for (planner.autoscale)
+        # What the autoscaler plans for; kept only where it runs (planner.autoscale).
+        self.traffic = TrafficLog() if cfg.planner.autoscale.enabled else None
         self.autoscale_status = None  # set by the serve command when it runs the autoscaler
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -281,7 +282,8 @@ class PoolBackend:
         `admit_tenant` once for them all)."""
         arrival = time.monotonic()
         self.served["requests"] += 1
-        self.traffic.record(len(prompt_ids), params.max_tokens, arrival)
+        if self.traffic is not None:
+            self.traffic.record(len(prompt_ids), params.max_tokens, arrival)
         refusal = None if prepaid else \
             await self.admit_tenant(tenant, len(prompt_ids) + params.max_tokens)
         if refusal is not None:
