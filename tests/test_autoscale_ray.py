@@ -111,8 +111,9 @@ def test_a_load_step_grows_and_shrinks_the_pools_without_losing_a_request(deploy
     # The new workers serve: another burst spreads over them, exact again.
     for chunks, prompt in zip(_serve(backend, long[:6], "more"), long[:6]):
         assert _tokens(chunks) == expected[tuple(prompt)]
+    # (asked of each worker now: the router's copy of a load report may be a check behind)
     busy = {w.worker_id for w in client.prefill + client.decode
-            if (w.load.get("step_costs") or {}).get("steps")}
+            if (ray.get(w.handle.load.remote())["step_costs"] or {}).get("steps")}
     assert len(busy) > 1, busy
 
     # None: once the window has passed with no request, back to the minimum, each drained
