@@ -3,7 +3,8 @@ high -> none, short prompts then long. The test drives the controller: under the
 for the most workers the bounds allow (Autoscaler.act: what a scale-up decision does; the
 decision's judgement is tests/test_autoscale_decide.py's), and once the window has passed with no
 request it runs a round (Autoscaler.step, from the router's own traffic log), which drains back
-to the minimum. Every request is checked token for token against the offline engine; none fails
+to the minimum. Between them a re-split to long prompts only turns a decode worker into a
+prefill worker in place (a re-role: drained, no restart). Every request is checked token for token against the offline engine; none fails
 across the scale events; the drained workers' actors are gone, their metrics series too, and
 the remaining worker's KV blocks are free again."""
 
@@ -50,7 +51,7 @@ def deployment(llama_dir):
         "recovery": {"health_check_interval_s": 0.2},
         "planner": {"autoscale": {
             "enabled": True, "window_s": 5.0, "cooldown_s": 0.0,
-            "prefill": {"min_workers": 0, "max_workers": 1},
+            "prefill": {"min_workers": 0, "max_workers": 2},
             "decode": {"min_workers": 1, "max_workers": 2}}}})
     client = build_pools(cfg, llama_dir)
     backend = PoolBackend(client, cfg, llama_dir)
@@ -116,6 +117,28 @@ def test_a_load_step_grows_and_shrinks_the_pools_without_losing_a_request(deploy
             if (ray.get(w.handle.load.remote())["step_costs"] or {}).get("steps")}
     assert len(busy) > 1, busy
 
+    # Long prompts only: a decode worker turns into a prefill worker (drained, then re-roled
+    # in place: the same process and engine, no cold start), and serves as one.
+    was = {w.worker_id: ray.get(w.handle.load.remote()) for w in client.decode}
+    scaler.act(scaler.current(), {"prefill": 2, "decode": 1})
+    assert scaler.current() == {"prefill": 2, "decode": 1}, scaler.status()
+    turned = next(w for w in client.prefill if w.worker_id.startswith("decode-"))
+    assert turned.role == "prefill"
+    was = was[turned.worker_id]
+    event = next(e for e in scaler.pools.events if e["kind"] == "re_role")
+    assert event["worker_id"] == turned.worker_id and event["seconds"] > 0
+    others = [w for w in client.prefill if w is not turned]
+    for w in others:  # (routed nothing for this burst: the turned worker must prefill it)
+        w.draining = True
+    for chunks, prompt in zip(_serve(backend, long[6:], "turned"), long[6:]):
+        assert _tokens(chunks) == expected[tuple(prompt)]
+    for w in others:
+        w.draining = False
+    now = ray.get(turned.handle.load.remote())
+    assert (now["role"], now["pid"], now["engine_id"]) == ("prefill", was["pid"],
+                                                          was["engine_id"])
+    assert now["num_steps"] > was["num_steps"], (now["num_steps"], was["num_steps"])
+
     # None: once the window has passed with no request, back to the minimum, each drained
     # worker finishing what it was given first (a stream started just before the round).
     before = {w.worker_id: w.handle for w in client.prefill + client.decode}
@@ -131,7 +154,7 @@ def test_a_load_step_grows_and_shrinks_the_pools_without_losing_a_request(deploy
     assert any(e["kind"] == "drain" for e in scaler.pools.events)
     remaining = client.decode[0]
     drained = sorted(set(before) - {remaining.worker_id})
-    assert len(drained) == 2 and "prefill-0" in drained, drained
+    assert drained == sorted(["prefill-0", turned.worker_id]), drained
     for worker_id in drained:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(before[worker_id].load.remote(), timeout=30)

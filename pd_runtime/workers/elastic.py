@@ -10,7 +10,11 @@ pd_runtime/planner/autoscale.py for a split, and moves towards it:
 - down: the least busy worker is drained (routed nothing new; what it runs ends where it runs),
   then stopped. After drain_timeout_s it is stopped all the same: its streams migrate to another
   decode worker, as after a crash. The last decode worker is never drained.
-A re-split (as many workers, another split) starts the new ones before it drains the old.
+- re-role: where one pool shrinks as the other grows and the two pools' workers differ only in
+  what a role decides (same resources; engine settings alike but threads, step pacing and CUDA
+  graphs), a worker of the shrinking pool is drained and turned (PDWorker.set_role): weights,
+  KV cache and prefix cache kept, no cold start. It keeps its actor, its id and its placement.
+Whatever a re-role does not cover of a re-split starts the new workers before it drains the old.
 The lists are replaced, never changed in place: a request iterating them meanwhile sees the old.
 """
 
@@ -100,7 +104,7 @@ class ElasticPools:
             except Exception as exc:
                 log.error("autoscale: worker %s did not start: %s", ref.worker_id, exc)
                 ray.kill(ref.handle, no_restart=True)
-                self._release(role, ref)
+                self._release(ref)
                 self._event("start_failed", role, ref.worker_id, time.monotonic() - started)
                 continue
             joined.append(ref)
@@ -111,33 +115,74 @@ class ElasticPools:
     def shrink(self, role: str, count: int, drain_timeout_s: float) -> list[str]:
         """Drain and stop the `count` least busy workers of `role` (never the last decode
         worker); their ids."""
+        return self._each(self._least_busy(role, count), self._retire, role, drain_timeout_s)
+
+    def re_role(self, role: str, to: str, count: int, drain_timeout_s: float) -> list[str]:
+        """Drain the `count` least busy workers of `role` (never the last decode worker) and
+        turn them into `to` workers; the ids of those that serve as `to` now."""
+        turned = self._each(self._least_busy(role, count), self._turn, role, drain_timeout_s,
+                            to)
+        return [w for w in turned if any(r.worker_id == w for r in self.workers(to))]
+
+    def can_re_role(self) -> bool:
+        """Whether a worker of one pool can serve in the other as it is: the same resources,
+        the same engine settings but for what a role decides."""
+        role_only = {"num_threads", "min_step_interval_s", "cuda_graphs"}
+        a, b = self.cfg.prefill, self.cfg.decode
+        return a.resources == b.resources and \
+            a.engine.model_dump(exclude=role_only) == b.engine.model_dump(exclude=role_only)
+
+    def reconcile(self) -> None:
+        """A re-roled worker that Ray restarted (a crash) comes back in the role it was created
+        with: turned again, once idle, to the role of the list it is in."""
+        for role in ROLES:
+            for w in self.workers(role):
+                if w.load.get("role") not in (None, role) and not w.draining:
+                    try:
+                        self._set_role(w, role)
+                    except Exception as exc:  # busy yet: the next round
+                        log.info("autoscale: %s back as %s, not re-roled yet: %s",
+                                 w.worker_id, w.load.get("role"), exc)
+                    else:
+                        w.load = {**w.load, "role": role}
+
+    def _least_busy(self, role: str, count: int) -> list[WorkerRef]:
         live = sorted(self.workers(role), key=lambda w: (not w.healthy,
                                                          -(w.load.get("num_running") or 0)
                                                          - (w.load.get("num_waiting") or 0)),
                       reverse=True)
         keep = 1 if role == "decode" else 0
-        chosen = live[:max(0, min(count, len(live) - keep))]
-        threads = [threading.Thread(target=self._retire, args=(role, w, drain_timeout_s),
-                                    name=f"drain-{w.worker_id}") for w in chosen]
+        return live[:max(0, min(count, len(live) - keep))]
+
+    @staticmethod
+    def _each(chosen: list[WorkerRef], task, *args) -> list[str]:
+        threads = [threading.Thread(target=task, args=(w, *args), name=f"drain-{w.worker_id}")
+                   for w in chosen]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         return [w.worker_id for w in chosen]
 
-    def _retire(self, role: str, worker: WorkerRef, drain_timeout_s: float) -> None:
+    def _drain(self, role: str, worker: WorkerRef, deadline: float) -> None:
+        """Routed nothing new, out of `role`'s list, idle (or past `deadline`)."""
+        import ray
+
+        worker.draining = True  # routed nothing new from now on (the router reads this flag)
+        ray.get(worker.handle.set_draining.remote(True), timeout=10.0)
+        self._until_idle(worker, deadline)
+        # Out of the lists, then idle once more: a request routed just before the flag was
+        # read has reached it by now.
+        self._set(role, [w for w in self.workers(role) if w.worker_id != worker.worker_id])
+        time.sleep(_DRAIN_POLL_S)
+        self._until_idle(worker, max(time.monotonic() + 2.0, deadline))
+
+    def _retire(self, worker: WorkerRef, role: str, drain_timeout_s: float) -> None:
         import ray
 
         started = time.monotonic()
-        worker.draining = True  # routed nothing new from now on (the router reads this flag)
         try:
-            ray.get(worker.handle.set_draining.remote(True), timeout=10.0)
-            self._until_idle(worker, started + drain_timeout_s)
-            # Out of the lists, then idle once more: a request routed just before the flag
-            # was read has reached it by now.
-            self._set(role, [w for w in self.workers(role) if w.worker_id != worker.worker_id])
-            time.sleep(_DRAIN_POLL_S)
-            self._until_idle(worker, max(time.monotonic() + 2.0, started + drain_timeout_s))
+            self._drain(role, worker, started + drain_timeout_s)
         except Exception as exc:  # dead or unreachable: nothing left to wait for
             log.warning("autoscale: draining %s: %s", worker.worker_id, exc)
         self._set(role, [w for w in self.workers(role) if w.worker_id != worker.worker_id])
@@ -145,8 +190,44 @@ class ElasticPools:
             ray.kill(worker.handle, no_restart=True)
         except Exception:
             pass
-        self._release(role, worker)
+        self._release(worker)
         self._event("drain", role, worker.worker_id, time.monotonic() - started)
+
+    def _turn(self, worker: WorkerRef, role: str, drain_timeout_s: float, to: str) -> None:
+        """Drain `worker` out of `role` and add it to `to`; stopped instead where it cannot
+        turn (still busy at the deadline, or gone)."""
+        import ray
+
+        started = time.monotonic()
+        try:
+            self._drain(role, worker, started + drain_timeout_s)
+            self._set_role(worker, to)
+            ray.get(worker.handle.set_draining.remote(False), timeout=10.0)
+        except Exception as exc:
+            log.warning("autoscale: re-roling %s: %s; stopped instead", worker.worker_id, exc)
+            self._set(role, [w for w in self.workers(role) if w.worker_id != worker.worker_id])
+            try:
+                ray.kill(worker.handle, no_restart=True)
+            except Exception:
+                pass
+            self._release(worker)
+            self._event("re_role_failed", role, worker.worker_id, time.monotonic() - started)
+            return
+        worker.role, worker.draining = to, False
+        self._set(to, self.workers(to) + [worker])
+        self._event("re_role", to, worker.worker_id, time.monotonic() - started)
+
+    def _set_role(self, worker: WorkerRef, role: str) -> None:
+        """The worker's threads and pacing as a new worker of `role`'s pool would get them."""
+        import ray
+
+        pool = getattr(self.cfg, role)
+        size = len(self.workers(role)) + (0 if worker in self.workers(role) else 1)
+        engine = pool_engine(self.cfg, role, pool.model_copy(update={"num_workers": size}),
+                             self.model_dir)
+        threads = engine.num_threads or max(1, int(pool.resources.num_cpus or 1))
+        ray.get(worker.handle.set_role.remote(role, threads, engine.min_step_interval_s or 0.0),
+                timeout=30.0)
 
     @staticmethod
     def _until_idle(worker: WorkerRef, deadline: float) -> None:
@@ -159,9 +240,9 @@ class ElasticPools:
                 return
             time.sleep(_DRAIN_POLL_S)
 
-    def _release(self, role: str, worker: WorkerRef) -> None:
-        if worker.placement is not None:
-            self._free_bundles.append((getattr(self.cfg, role).resources.bundle(),
+    def _release(self, worker: WorkerRef) -> None:
+        if worker.placement is not None:  # (a re-roled worker's pools ask for the same)
+            self._free_bundles.append((getattr(self.cfg, worker.role).resources.bundle(),
                                        worker.placement))
 
     def _event(self, kind: str, role: str, worker_id: str, seconds: float) -> None:
@@ -218,6 +299,7 @@ class Autoscaler:
         from pd_runtime.planner.autoscale import Traffic, costs_from_loads, decide
 
         now = time.monotonic() if now is None else now
+        self.pools.reconcile()
         traffic = Traffic(self.scale.window_s,
                           self.backend.traffic.recent(self.scale.window_s, now))
         loads = {w.worker_id: {**w.load, "role": w.role}
@@ -256,9 +338,18 @@ class Autoscaler:
         return decision
 
     def act(self, current: dict[str, int], desired: dict[str, int]) -> None:
-        """Up first, then down: a re-split keeps its old workers until the new ones serve;
-        down first where the CPUs (max_cpus, or the cluster's) cannot hold both at once (a new
-        worker would wait for the CPUs of one still draining)."""
+        """Re-roles first, where the pools allow them and one shrinks as the other grows (a
+        drain, no cold start); then up, then down: what is left of a re-split keeps its old
+        workers until the new ones serve; down first where the CPUs (max_cpus, or the
+        cluster's) cannot hold both at once (a new worker would wait for the CPUs of one still
+        draining)."""
+        if self.pools.can_re_role():
+            for role, to in (("prefill", "decode"), ("decode", "prefill")):
+                n = min(current[role] - desired[role], desired[to] - current[to])
+                if n > 0:
+                    self.pools.re_role(role, to, n, self.scale.drain_timeout_s)
+            current = self.current()
+
         def grow():
             for role in ROLES:
                 if desired[role] > current[role]:

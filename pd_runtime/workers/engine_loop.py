@@ -101,6 +101,16 @@ class EngineLoop:
         """Called on the engine thread once per loop iteration (poll transfers, deadlines)."""
         self._tick_hooks.append(hook)
 
+    def retune(self, min_step_s: float,
+               signals: Callable[[], tuple[Optional[BusyFlag], Optional[PrefillWatch]]]) -> None:
+        """On the engine thread (through `call`): a re-roled worker's pacing and node signals.
+        The old ones close first: a new prefill flag takes the same file (one per process)."""
+        for signal in (self._busy_flag, self._watch):
+            if signal is not None:
+                signal.close()
+        self._busy_flag, self._watch = signals()
+        self._min_step_s = min_step_s if self.engine.config.device == "cpu" else 0.0
+
     def stop(self, timeout_s: float = 5.0) -> bool:
         """End the engine thread after its current step; whether it ended within `timeout_s`."""
         self._stopped.set()

@@ -277,6 +277,42 @@ class PDWorker:
         or a scale-down); the router sees it in the next load report."""
         self.draining = draining
 
+    async def set_role(self, role: str, num_threads: Optional[int] = None,
+                       min_step_interval_s: Optional[float] = None) -> dict:
+        """Serve `role` from now on, weights, KV cache and prefix cache kept (the autoscaler's
+        re-role, workers/elastic.py): what changes is what the role decides here, its torch
+        threads, its step pacing (`min_step_interval_s`) and its prefill flag. Only an idle
+        worker (drained: every per-request table empty) changes role. Its engine settings
+        otherwise stay its pool's (a prefill worker on a GPU turned decode runs its decode
+        steps without CUDA graphs: a prefill worker captures none)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        loop = self._engine_loop()
+        busy = {name: n for name, n in self._records().items() if n}
+        if busy:
+            raise RuntimeError(f"worker {self.worker_id} is not idle ({busy}): drain it first")
+        update = {} if num_threads is None else {"num_threads": num_threads}
+        if min_step_interval_s is not None:
+            update["min_step_interval_s"] = min_step_interval_s
+        config = self.engine_config.model_copy(update=update)
+
+        def apply(engine) -> int:
+            import torch
+
+            if num_threads:  # on the engine thread: a thread's OpenMP team is its own
+                torch.set_num_threads(num_threads)
+            loop.retune(config.min_step_interval_s or 0.0,
+                        lambda: node_signals.for_worker(role, config))
+            return torch.get_num_threads()
+
+        was = self.role
+        self.num_threads = await loop.call(apply)
+        self.role, self.engine_config = role, config
+        log.info("worker %s re-roled %s -> %s (%d threads, steps paced to %.3f s)",
+                 self.worker_id, was, role, self.num_threads, config.min_step_interval_s or 0.0)
+        return {"worker_id": self.worker_id, "role": role, "was": was,
+                "num_threads": self.num_threads}
+
     async def free_blocks(self) -> int:
         return await self._engine_loop().call(lambda e: e.block_manager.num_free_blocks)
 
