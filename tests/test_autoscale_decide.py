@@ -159,11 +159,36 @@ def test_a_split_that_meets_the_target_is_kept_and_an_overload_gets_the_most_wor
         assert held.desired == {"prefill": current[0], "decode": current[1]}
     # Fewer workers that still meet it are moved to.
     assert run(8, BIMODAL, current=(1, 2)).desired == {"prefill": 1, "decode": 1}
-    hopeless = run(8, SHORT, cfg=config(prefill=PoolBounds(min_workers=0, max_workers=1),
-                                        decode=PoolBounds(min_workers=1, max_workers=2)),
-                   slo=SLOTarget(ttft_s=1e-4, tpot_s=1e-4))
+    small = config(prefill=PoolBounds(min_workers=0, max_workers=1),
+                   decode=PoolBounds(min_workers=1, max_workers=2))
+    # Targets no split meets at any load (as a window whose one prompt is too long for the
+    # TTFT target): every split misses alike, so nothing changes.
+    hopeless = run(8, SHORT, cfg=small, slo=SLOTarget(ttft_s=1e-4, tpot_s=1e-4))
     assert hopeless.reason == "at_limit"
-    assert hopeless.desired == {"prefill": 1, "decode": 2}, hopeless.describe()
+    assert hopeless.desired == {"prefill": 1, "decode": 1}, hopeless.describe()
+    # An overload past what any split serves: the split that completes the most, the most
+    # workers.
+    overload = run(60, BIMODAL, cfg=small)
+    assert overload.reason == "at_limit"
+    assert overload.desired == {"prefill": 1, "decode": 2}, overload.describe()
+
+
+def test_a_split_just_under_the_margin_is_not_shrunk_into():
+    """Hysteresis: fewer workers are moved to only where they meet the target by MARGIN; a split
+    just at it is kept until it misses."""
+    base = run(8, BIMODAL, current=(1, 2))
+    meeting = {name: a for name, a in base.predicted["candidates"].items() if a >= 0.9}
+    smaller = base.desired
+    assert total(smaller) < 3 and base.reason == "scale_down"
+    # The target raised to just under the smaller split's attainment: it still meets it, but
+    # not by the margin, and the running 1P+2D is kept.
+    name = f"{smaller['prefill']}P+{smaller['decode']}D"
+    edge = meeting[name] - autoscale.MARGIN / 2
+    kept = run(8, BIMODAL, current=(1, 2), cfg=config(attainment=edge))
+    if any(a >= edge + autoscale.MARGIN for n, a in kept.predicted["candidates"].items()
+           if sum(map(int, re.findall(r"\d+", n))) < 3):
+        pytest.fail(f"another smaller split meets {edge} by the margin: {kept.describe()}")
+    assert kept.reason == "hold" and kept.desired == {"prefill": 1, "decode": 2}, kept.describe()
 
 
 # ---------------------------------------------------------------------------------- at scale

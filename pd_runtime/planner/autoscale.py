@@ -48,6 +48,15 @@ EXHAUSTIVE_CANDIDATES = 16
 # the best of them); and the finest step of that climb, as a share of the total.
 SEARCH_SHARES = (0.0, 0.25, 0.5, 0.75)
 SHARE_STEP = 1 / 32
+# Hysteresis: a change the running split does not need must win by this much. Fewer workers are
+# moved to only if they meet the target by MARGIN (a split at the line is kept until it misses,
+# and one just under it is not shrunk back into); where no split meets it, another split is
+# moved to only if it is MARGIN better, or completes THROUGHPUT_MARGIN more requests a second
+# (an overload, where every split misses alike; a window whose requests no split can serve,
+# one prompt too long for the TTFT target, changes nothing). 300 simulated requests: a point
+# of attainment is 3 of them.
+MARGIN = 0.02
+THROUGHPUT_MARGIN = 0.1
 
 Split = tuple[int, int]  # (prefill workers, decode workers)
 
@@ -184,15 +193,23 @@ def decide(traffic: Traffic, current: dict[str, int], cfg: AutoscaleConfig, cost
     if not scores:
         predicted["wanted"] = predicted["current"]
         return _held(now, now, "at_limit", rate, observed, predicted, cfg, since_change_s)
+    held = scores.get(now) if bounds.fits(*now) else None  # None: it must change
     wanted = fewest(scores, cfg.attainment)
     if wanted is not None:
-        if scores.get(now, -1.0) >= cfg.attainment and sum(wanted) >= sum(now):
-            wanted = now  # no drain and start for a point of simulated attainment
+        if held is not None and held >= cfg.attainment:
+            # It meets the target: kept, unless fewer workers meet it by MARGIN.
+            fewer = {s: a for s, a in scores.items() if sum(s) < sum(now)}
+            wanted = fewest(fewer, cfg.attainment + MARGIN) or now
         reason = _change(wanted, now)
-    else:  # the bounds cannot meet the target: the best they can do, with the most workers
-        # among equals (overloaded past what any split serves, all score alike, and more
-        # capacity is what the real cluster needs then)
-        wanted = min(scores, key=lambda s: (-scores[s], -sum(s), -s[1]))
+    else:  # the bounds cannot meet the target: the best they can do (then the most served,
+        # the most workers), if it beats the running split by a margin
+        def served(split: Split) -> float:
+            return simulated(split).get("throughput_rps", 0.0)
+
+        wanted = min(scores, key=lambda s: (-scores[s], -served(s), -sum(s), -s[1]))
+        if held is not None and scores[wanted] < held + MARGIN \
+                and served(wanted) < served(now) * (1 + THROUGHPUT_MARGIN):
+            wanted = now
         reason = "at_limit"
     predicted["wanted"] = _point(wanted, simulated(wanted))
     return _held(wanted, now, reason, rate, observed, predicted, cfg, since_change_s)
@@ -392,12 +409,14 @@ def simulate_split(costs: ClusterCosts, split: Split, requests: list[SimRequest]
     if sum(split) <= WHOLE_POOL_WORKERS:
         return run(*split, 1.0)
     kinds = shards(split)
-    total, share, goodput = sum(split), 0.0, 0.0
+    total, share, goodput, served = sum(split), 0.0, 0.0, 0.0
     for (p, d), count in kinds.items():
         result = run(p, d, total / (p + d))
         share += count * (p + d) / total * _share(result)
         goodput += count * result["goodput_rps"]
+        served += count * result["throughput_rps"]
     return {"sent": len(requests), "good": share * len(requests), "goodput_rps": goodput,
+            "throughput_rps": served,
             "shards": {_name(_as_dict(kind)): count for kind, count in kinds.items()}}
 
 
