@@ -21,6 +21,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -80,24 +81,75 @@ def run_system(name: str, fields: dict, out: Path, seed: int) -> dict:
                             str(rate), "--duration", str(seconds), "--long-fraction",
                             str(long_share), "--seed", str(seed + i), "--json", str(report)],
                            check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
-            point = json.loads(report.read_text())["points"][0]["summary"]
+            point = json.loads(report.read_text())["points"][0]
+            t0 = point["summary"]["started_at"]
+            spans = [(t0 + r["sent_s"], t0 + (r["end_s"] if r["end_s"] is not None
+                                               else r["sent_s"]), _missed(r))
+                     for r in point["requests"] if r["sent_s"] is not None]
             phases.append({"phase": label, "began": began, "ended": time.time(),
-                           "workers": _workers(), **_summary(point)})
+                           "workers": _workers(), **_summary(point["summary"]),
+                           "spans": spans})
         scale = _get("/v1/router/config").get("autoscale") or {}
     finally:
         proc.send_signal(2)
         proc.wait(timeout=60)
         log.close()
     events = scale.get("events") or []
-    for event in events:  # the phase each scale event fell in
+    spans = [span for p in phases for span in p.pop("spans")]
+    for event in events:  # the phase each scale event fell in, the requests it overlapped
         event["phase"] = next((p["phase"] for p in phases if p["began"] <= event["at"]
                                <= p["ended"]), "between phases")
-    return {"system": name, "phases": phases, "events": events}
+        began = event["at"] - event["seconds"]
+        touched = [missed for sent, end, missed in spans if sent <= event["at"] and end >= began]
+        event["requests_during"], event["missed_during"] = len(touched), sum(touched)
+    quiet = [missed for sent, end, missed in spans
+             if not any(sent <= e["at"] and end >= e["at"] - e["seconds"] for e in events)]
+    return {"system": name, "phases": phases, "events": events,
+            "missed_outside_events": [sum(quiet), len(quiet)]}
+
+
+def _missed(record: dict) -> bool:
+    """Refused, failed, or over either target (bench/goodput.py's defaults: 2.5 s, 100 ms)."""
+    return record["outcome"] != "completed" or record["ttft_s"] > 2.5 \
+        or (record["tpot_s"] is not None and record["tpot_s"] > 0.1)
 
 
 def _summary(point: dict) -> dict:
     keys = ("sent", "completed", "refused", "failed", "attainment", "goodput_rps")
     return {k: point.get(k) for k in keys}
+
+
+def hindsight(results: list[dict]) -> Optional[str]:
+    """The static system with the most requests within targets over the whole trace."""
+    static = [r for r in results if r["system"] != "autoscale"]
+    return max(static, key=lambda r: sum(p["attainment"] * p["sent"] for p in r["phases"]),
+               default={}).get("system")
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = [p["phase"] for p in results[0]["phases"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    width = 0.8 / len(results)
+    for k, r in enumerate(results):
+        xs = [i + (k - (len(results) - 1) / 2) * width for i in range(len(phases))]
+        axes[0].bar(xs, [100 * p["attainment"] for p in r["phases"]], width, label=r["system"])
+        axes[1].bar(xs, [p["goodput_rps"] or 0 for p in r["phases"]], width, label=r["system"])
+        for x, p in zip(xs, r["phases"]):
+            axes[0].annotate(p["workers"], (x, 100 * p["attainment"]), ha="center",
+                             va="bottom", fontsize=6)
+    for ax, title in zip(axes, ("within both targets (%), workers at the phase's end",
+                                "goodput (req/s)")):
+        ax.set_xticks(range(len(phases)), phases, fontsize=8)
+        ax.set_title(title, fontsize=9)
+    axes[0].axhline(90, color="gray", linewidth=0.5)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def table(results: list[dict]) -> str:
@@ -112,8 +164,12 @@ def table(results: list[dict]) -> str:
                          f"{p['workers']} |")
     for r in results:
         for e in r["events"]:
-            lines.append(f"- {r['system']}: {e['kind']} {e['worker_id']} in {e['seconds']:.1f} s "
-                         f"({e['phase']})")
+            lines.append(f"- {r['system']}: {e['kind']} {e['worker_id']} ({e['role']}) in "
+                         f"{e['seconds']:.1f} s ({e['phase']}): {e['requests_during']} requests "
+                         f"in flight during it, {e['missed_during']} of them missed a target")
+        missed, of = r["missed_outside_events"]
+        lines.append(f"- {r['system']}: outside every event {missed} of {of} missed a target")
+    lines.append(f"- best static split in hindsight: {hindsight(results)}")
     return "\n".join(lines)
 
 
@@ -125,6 +181,7 @@ def main() -> None:
     parser.add_argument("--phases", help="name:rate:long_share:seconds,... (default: "
                         + ",".join(f"{n}:{r}:{f}:{d}" for n, r, f, d in PHASES) + ")")
     parser.add_argument("--json")
+    parser.add_argument("--plot", help="a PNG of attainment and goodput per phase")
     args = parser.parse_args()
     if args.phases:
         PHASES[:] = [(n, float(r), float(f), float(d)) for n, r, f, d in
@@ -135,6 +192,8 @@ def main() -> None:
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":

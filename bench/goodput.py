@@ -131,12 +131,13 @@ async def run(args) -> dict:
             i = next(points)
             await wait_idle(client, base, args.settle_s, args.idle_timeout_s)
             specs = requests(args, vocab, random.Random(f"{args.seed}:prompts:{i}"))
-            cpu_before = time.process_time()
+            cpu_before, started_at = time.process_time(), time.time()
             records = await run_point(client, f"{base}/v1/completions", model, plan, specs,
                                       not args.no_ignore_eos)
             summary = summarize(plan, records, args.slo_ttft, args.slo_tpot)
             # This load generator's own CPU over the point (it may share the server's cores).
             summary["client_cpu_s"] = time.process_time() - cpu_before
+            summary["started_at"] = started_at  # wall clock of the records' time 0 (within ms)
             print(table_row(summary), flush=True)
             if "by_kind" in summary:
                 print("#   " + "; ".join(

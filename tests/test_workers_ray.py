@@ -124,6 +124,20 @@ def test_cancel_mid_transfer_releases_both_sides(cluster, reference):
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
 
+def test_a_prefill_worker_stands_in_while_no_decode_worker_is_up(cluster, reference):
+    """Every decode worker down (restarting, say): a prefill worker serves the whole request,
+    exactly, instead of the request waiting for a restart."""
+    from pd_runtime.workers.client import PoolClient, WorkerRef
+
+    ps, ref = reference
+    down = WorkerRef("down", "decode", cluster.decode[0].handle, healthy=False)
+    chunks = collect(PoolClient(cluster.prefill, [down], recovery_wait_s=0), "stand-in", ps[1],
+                     params(1, True))
+    assert tokens_of(chunks) == ref[True][1] and text_of(chunks) == ref["text"][True][1]
+    assert chunks[-1].error is None and chunks[-1].worker_id == "p0"
+    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
+
+
 def test_no_decode_worker_left_ends_with_clear_error(cluster, reference):
     from pd_runtime.workers.client import PoolClient, WorkerRef
 
@@ -174,8 +188,9 @@ def test_cancel_before_prefill_releases_the_prefill_side(cluster, reference):
 
 
 def test_only_decode_worker_killed_continues_on_its_restart(cluster, reference):
-    """One decode worker, killed mid-stream: the request waits for Ray to restart it and
-    continues there; the caller sees one exact stream and no error."""
+    """One decode worker and no prefill worker to stand in, killed mid-stream: the request
+    waits for Ray to restart it and continues there; the caller sees one exact stream and no
+    error."""
     from pd_runtime.workers.client import PoolClient
 
     import os
@@ -183,7 +198,7 @@ def test_only_decode_worker_killed_continues_on_its_restart(cluster, reference):
 
     ps, ref = reference
     d0 = next(w for w in cluster.decode if w.worker_id == "d0")
-    alone = PoolClient(cluster.prefill, [d0], recovery_wait_s=60)
+    alone = PoolClient([], [d0], recovery_wait_s=60)
     # SIGKILL the process itself: immediate, where ray.kill goes through the control store and
     # on two busy cores could land after the last of the 21 remaining tokens (no migration).
     pid = ray.get(d0.handle.load.remote())["pid"]

@@ -431,6 +431,11 @@ class PoolBackend:
                 tier_s: Optional[dict[str, float]] = None) -> Decision:
         cfg = self.reloader.current
         decode, prefill = self._states(self.client.decode), self._states(self.client.prefill)
+        if not any(s.available for s in decode):
+            # No decode worker up (one restarting, or lost): the prefill workers stand in and
+            # serve whole requests, as a colocated worker does, until one is back
+            # (PoolClient.wait_for_decode does the same for a migrating stream).
+            decode, prefill = [s for s in prefill if s.available], []
         if params.prompt_logprobs is not None:  # scored where the prompt is computed
             prefill = []
         if cfg.mode != "slo" or flex:

@@ -187,10 +187,13 @@ class PoolClient:
         await asyncio.gather(*(self.probe(w, timeout_s) for w in self.prefill + self.decode))
 
     async def wait_for_decode(self, exclude: set[str], deadline: float) -> Optional[WorkerRef]:
-        """A decode worker to serve a request: at once if one is up, else the first that comes
-        back (another one, or a restarted actor) before `deadline` (time.monotonic())."""
+        """A decode worker to serve a request: at once if one is up; with none up, a prefill
+        worker stands in (it serves whole requests as a colocated worker does: a dead decode
+        pool costs its capacity, not a wait for its restart); with neither, the first that
+        comes back (another one, or a restarted actor) before `deadline` (time.monotonic())."""
         while True:
-            d = self._pick(self.decode, exclude) or self._pick(self.decode, set())
+            d = self._pick(self.decode, exclude) or self._pick(self.decode, set()) \
+                or self._pick(self.prefill, exclude)
             if d is not None:
                 return d
             if time.monotonic() >= deadline or all(w.dead for w in self.decode):
@@ -256,8 +259,8 @@ class PoolClient:
                           run: "_Progress") -> Optional[WorkerRef]:
         """The decode worker the router chose, while it is up and none was lost; else the
         first one up before `run.recover_by` (None: none came)."""
-        d = next((w for w in self.decode if w.worker_id == decode_worker), None) \
-            if decode_worker and not run.lost else None
+        d = next((w for w in self.decode + self.prefill if w.worker_id == decode_worker),
+                 None) if decode_worker and not run.lost else None
         if d is None or not d.healthy:
             d = await self.wait_for_decode(run.lost, run.recover_by)
         return d
@@ -274,7 +277,8 @@ class PoolClient:
                                             resume_text_len=run.text_len)
         p = (next((w for w in self.prefill + self.decode if w.worker_id == prefill_worker
                    and w.healthy and w is not d), None)
-             or self._pick(self.prefill, set())) if disaggregate else None
+             or self._pick([w for w in self.prefill if w is not d], set())) \
+            if disaggregate else None  # (not itself: a prefill worker standing in for decode)
         if p is not None:
             # (its degree, when its load report says: how our ranks cut their receives)
             return d.handle.generate_disaggregated.remote(
