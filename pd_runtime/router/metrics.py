@@ -129,7 +129,8 @@ class RouterMetrics:
         self.autoscale_decisions = Counter("pd_autoscale_decisions_total", "Autoscaler "
                                            "decisions by reason", ["reason"], registry=r)
         self.autoscale_events = Histogram("pd_autoscale_event_seconds", "A worker's start (to "
-                                          "ready) or drain (to stopped), by kind",
+                                          "ready), drain (to stopped) or re-role (drained to "
+                                          "serving in the other pool), by kind",
                                           ["kind"], registry=r,
                                           buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300))
         self.ttft_error = Histogram("pd_ttft_prediction_error_seconds",
