@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 URL = "http://127.0.0.1:8000"
 # (name, requests/s, long-prompt share, seconds of arrivals)
 PHASES = [("short, busy", 10.0, 0.0, 90), ("bimodal", 2.0, 0.2, 90),
-          ("short, quiet", 0.5, 0.0, 60)]
+          ("short, quiet", 0.5, 0.0, 120)]
 AUTOSCALE = {"enabled": True, "interval_s": 5.0, "window_s": 20.0, "cooldown_s": 10.0,
              "prefill": {"min_workers": 0, "max_workers": 1},
              "decode": {"min_workers": 1, "max_workers": 2}}

@@ -340,12 +340,15 @@ class AutoscaleConfig(_Strict):
     pd_runtime/workers/elastic.py acts). Every interval_s it reads the traffic the router saw
     over window_s, asks the planner's simulator which split of prefill and decode workers
     meets the SLO at that load (times 1 + headroom), and starts or drains workers towards it;
-    no change within cooldown_s of the last. Off by default: the pools keep their sizes."""
+    no change within cooldown_s of the last, and no fewer workers within scale_down_delay_s. Off by default: the pools keep their sizes."""
 
     enabled: bool = False
     interval_s: float = Field(10.0, gt=0)
     window_s: float = Field(60.0, gt=0)
     cooldown_s: float = Field(30.0, ge=0)
+    # Fewer workers no sooner than this after the last change (or the start): up fast, down
+    # slow, so a window not yet full of a new load does not drain what that load will need.
+    scale_down_delay_s: float = Field(60.0, ge=0)
     headroom: float = Field(0.2, ge=0, le=10)
     # The share of requests that must meet both targets in the simulation (DistServe's 90%).
     attainment: float = Field(0.9, gt=0, le=1)

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pd_runtime.config import ClusterConfig, FieldValueError, RoutingConfig, _dotted
+from pd_runtime.config import (AutoscaleConfig, ClusterConfig, FieldValueError, RoutingConfig,
+                               _dotted)
 
 @dataclass(frozen=True)
 class ConfigIssue:
@@ -52,16 +53,26 @@ def load_routing_config(path: str | Path) -> RoutingConfig:
 
 
 def parse_routing_config(text: str, source: str = "<string>") -> RoutingConfig:
+    return _parse_section(text, source, ("router", "routing"), RoutingConfig)
+
+
+def load_autoscale_config(path: str | Path) -> AutoscaleConfig:
+    """Only `planner.autoscale` of a cluster file (defaults when absent): what the autoscaler
+    reloads (pd_runtime/workers/elastic.py)."""
+    return _parse_section(_read(path), str(path), ("planner", "autoscale"), AutoscaleConfig)
+
+
+def _parse_section(text: str, source: str, keys: tuple[str, ...], model):
     data, root = _compose(text, source)
-    for depth, key in enumerate(("router", "routing")):
+    for depth, key in enumerate(keys):
         if key not in data or data[key] is None:
-            return RoutingConfig()
+            return model()
         data = data[key]
         if not isinstance(data, dict):
-            loc = ("router", "routing")[:depth + 1]
+            loc = keys[:depth + 1]
             raise ConfigError(source, [ConfigIssue(_dotted(loc), _line_of(root, loc),
                                                    "must be a mapping")])
-    return _validate(RoutingConfig, data, root, source, prefix=("router", "routing"))
+    return _validate(model, data, root, source, prefix=keys)
 
 
 def _read(path: str | Path) -> str:

@@ -41,7 +41,7 @@ def traffic(rate: float, prompts: list[int], window_s: float = 60.0, seed: int =
 
 
 def config(**over) -> AutoscaleConfig:
-    return AutoscaleConfig(**{"cooldown_s": 0.0, **over})
+    return AutoscaleConfig(**{"cooldown_s": 0.0, "scale_down_delay_s": 0.0, **over})
 
 
 def run(rate: float, prompts: list[int], current=(1, 1), cfg=None, slo=SLO, **kw):
@@ -139,6 +139,15 @@ def test_cooldown_holds_the_current_split():
     # Nothing to change: a cooldown is not reported.
     assert run(16, BIMODAL, current=(wanted["prefill"], wanted["decode"]), cfg=cfg,
                since_change_s=0.0).reason == "hold"
+
+
+def test_fewer_workers_wait_for_the_scale_down_delay_and_more_do_not():
+    cfg = config(scale_down_delay_s=60.0)
+    early = run(1, BIMODAL, current=(1, 2), cfg=cfg, since_change_s=40.0)
+    assert early.reason == "cooldown" and early.desired == {"prefill": 1, "decode": 2}
+    assert total(early.predicted["wanted"]) < 3
+    assert run(1, BIMODAL, current=(1, 2), cfg=cfg, since_change_s=60.0).reason == "scale_down"
+    assert run(16, BIMODAL, cfg=cfg, since_change_s=0.0).reason == "scale_up"
 
 
 def test_equal_inputs_give_equal_decisions():
@@ -268,3 +277,41 @@ def test_a_large_pool_is_simulated_as_even_shards():
         assert max(sizes) - min(sizes) <= 1 and all(d >= 1 for _, d in kinds), kinds
         if split[1] * SHARD_WORKERS >= sum(split):
             assert max(sizes) <= SHARD_WORKERS
+
+
+# ------------------------------------------------------------------------------ live reload
+def test_the_controller_reloads_its_settings_from_the_config_file(tmp_path):
+    """planner.autoscale is re-read when the file changes, as the router's routing is: a good
+    edit takes effect at the next round, a bad one is refused naming its field and line and the
+    settings in force stay; `enabled: false` makes the rounds change nothing."""
+    import os
+    from types import SimpleNamespace
+
+    from pd_runtime.config import ClusterConfig
+    from pd_runtime.config_loading import ConfigError, load_autoscale_config
+    from pd_runtime.workers.elastic import Autoscaler
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text("planner:\n  autoscale:\n    enabled: true\n    interval_s: 10\n")
+    cfg = ClusterConfig.model_validate({"planner": {"autoscale": {"enabled": True}}})
+    backend = SimpleNamespace(reloader=SimpleNamespace(path=str(path)))
+    scaler = Autoscaler(cfg, client=None, model_dir="", backend=backend)
+    assert not scaler.reload()  # unchanged since it started
+
+    def edit(text: str) -> None:
+        stamp = os.stat(path).st_mtime_ns
+        path.write_text(text)
+        os.utime(path, ns=(stamp + 10**9, stamp + 10**9))  # (a coarse clock: surely newer)
+
+    edit("planner:\n  autoscale:\n    enabled: true\n    cooldown_s: 5\n"
+         "    decode: {min_workers: 1, max_workers: 8}\n")
+    assert scaler.reload()
+    assert scaler.scale.cooldown_s == 5 and scaler.scale.decode.max_workers == 8
+    edit("planner:\n  autoscale:\n    enabled: true\n    cooldown_s: 5\n"
+         "    decode: {min_workers: 3, max_workers: 2}\n")
+    with pytest.raises(ConfigError) as info:
+        load_autoscale_config(path)
+    assert info.value.field == "planner.autoscale.decode.min_workers" and info.value.line == 5
+    assert not scaler.reload() and scaler.scale.decode.max_workers == 8  # kept
+    edit("planner:\n  autoscale:\n    enabled: false\n")
+    assert scaler.step() is None and not scaler.scale.enabled

@@ -50,7 +50,7 @@ def deployment(llama_dir):
         "decode": {"num_workers": 1, "engine": engine},
         "recovery": {"health_check_interval_s": 0.2},
         "planner": {"autoscale": {
-            "enabled": True, "window_s": 5.0, "cooldown_s": 0.0,
+            "enabled": True, "window_s": 5.0, "cooldown_s": 0.0, "scale_down_delay_s": 0.0,
             "prefill": {"min_workers": 0, "max_workers": 2},
             "decode": {"min_workers": 1, "max_workers": 2}}}})
     client = build_pools(cfg, llama_dir)

@@ -468,8 +468,9 @@ def _point(split: Split, result: Optional[dict]) -> dict:
 
 def _held(wanted: Split, now: Split, reason: str, rate: float, observed: float, predicted: dict,
           cfg: AutoscaleConfig, since_change_s: float) -> ScaleDecision:
-    """The decision, unless the last change is too recent to change again (the wanted split
-    stays in `predicted`)."""
-    if wanted != now and since_change_s < cfg.cooldown_s:
+    """The decision, unless the last change is too recent to change again, or to shrink
+    (the wanted split stays in `predicted`)."""
+    if wanted != now and (since_change_s < cfg.cooldown_s or (
+            sum(wanted) < sum(now) and since_change_s < cfg.scale_down_delay_s)):
         wanted, reason = now, "cooldown"
     return ScaleDecision(_as_dict(wanted), reason, rate, predicted, _as_dict(now), observed)

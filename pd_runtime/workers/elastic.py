@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -265,6 +266,7 @@ class Autoscaler:
             on_event=self._on_event)
         self.last: Optional[object] = None  # the last ScaleDecision
         self.changed_at = time.monotonic()
+        self._stamp = self._config_stamp()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -299,6 +301,9 @@ class Autoscaler:
         from pd_runtime.planner.autoscale import Traffic, costs_from_loads, decide
 
         now = time.monotonic() if now is None else now
+        self.reload()
+        if not self.scale.enabled:  # turned off in the file: the pools stay as they are
+            return None
         self.pools.reconcile()
         traffic = Traffic(self.scale.window_s,
                           self.backend.traffic.recent(self.scale.window_s, now))
@@ -370,6 +375,36 @@ class Autoscaler:
         else:
             grow()
             shrink()
+
+    def _config_stamp(self) -> Optional[tuple]:
+        path = getattr(self.backend.reloader, "path", None)
+        try:
+            st = os.stat(path) if path else None
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size) if st else None
+
+    def reload(self) -> bool:
+        """planner.autoscale re-read from the config file (the router's, `--config`) when the
+        file changed, as the router reloads its routing: a bad edit is logged with its field
+        and line and the settings in force stay. True: new settings took effect."""
+        from pd_runtime.config_loading import ConfigError, load_autoscale_config
+
+        stamp = self._config_stamp()
+        if stamp is None or stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            new = load_autoscale_config(self.backend.reloader.path)
+        except (ConfigError, OSError) as exc:
+            log.error("planner.autoscale reload rejected, keeping the settings in force: %s",
+                      exc)
+            return False
+        if new == self.scale:
+            return False
+        log.info("planner.autoscale reloaded: %s", new.model_dump())
+        self.scale = new
+        return True
 
     def _cpu_budget(self) -> Optional[float]:
         """max_cpus, else a local Ray's CPUs; None: no budget but the pools' bounds."""
