@@ -35,6 +35,10 @@ AUTOSCALE = {"enabled": True, "interval_s": 5.0, "window_s": 20.0, "cooldown_s":
              "decode": {"min_workers": 1, "max_workers": 2}}
 SYSTEMS = {
     "autoscale": {"planner": {"autoscale": AUTOSCALE}},
+    # Planned for twice the load seen, at 99%: two workers whenever there is load, the split
+    # moved between 1P+1D and 0P+2D by re-roling one.
+    "autoscale, headroom 1, 99%": {"planner": {"autoscale": {**AUTOSCALE, "headroom": 1.0,
+                                                             "attainment": 0.99}}},
     "static 1P+1D (default)": {},
     "static 0P+2D": {"prefill": {"num_workers": 0}, "decode": {"num_workers": 2}},
 }
@@ -73,6 +77,7 @@ def run_system(name: str, fields: dict, out: Path, seed: int) -> dict:
                              str(config)], stdout=log, stderr=subprocess.STDOUT, env=env,
                             cwd=ROOT)
     phases = []
+    start = {role: (fields.get(role) or {}).get("num_workers", 1) for role in ("prefill", "decode")}
     try:
         _wait_up(proc)
         for i, (label, rate, long_share, seconds) in enumerate(PHASES):
@@ -105,9 +110,23 @@ def run_system(name: str, fields: dict, out: Path, seed: int) -> dict:
         event["requests_during"], event["missed_during"] = len(touched), sum(touched)
     quiet = [missed for sent, end, missed in spans
              if not any(sent <= e["at"] and end >= e["at"] - e["seconds"] for e in events)]
-    return {"system": name, "phases": phases, "events": events,
+    return {"system": name, "phases": phases, "events": events, "start": start,
             "missed_outside_events": [sum(quiet), len(quiet)]}
 
+
+def worker_seconds(result: dict) -> list[float]:
+    """Per phase, the workers held (started to stopped) integrated over its time."""
+    change = {"start": (0, 1), "drain": (-1, 0), "re_role": (0, 0)}
+    steps = sorted((e["at"], change.get(e["kind"], (0, 0))) for e in result["events"])
+    held, out = sum(result.get("start", {"prefill": 1, "decode": 1}).values()), []
+    for p in result["phases"]:
+        t, total = p["began"], 0.0
+        for at, (gone, new) in steps:
+            if t < at <= p["ended"]:
+                total += held * (at - t)
+                t, held = at, held + gone + new
+        out.append(total + held * (p["ended"] - t))
+    return out
 
 def _missed(record: dict) -> bool:
     """Refused, failed, or over either target (bench/goodput.py's defaults: 2.5 s, 100 ms)."""
@@ -154,15 +173,15 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| system | phase | within targets | goodput req/s | refused | workers at its end |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| system | phase | within targets | goodput req/s | refused | workers at its end "
+             "| worker-seconds |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        for p in r["phases"]:
+        for p, held in zip(r["phases"], worker_seconds(r)):
             attained = p["attainment"]
             lines.append(f"| {r['system']} | {p['phase']} | "
                          f"{'-' if attained is None else f'{attained:.0%}'} | "
                          f"{p['goodput_rps'] or 0:.2f} | {p['refused']} of {p['sent']} | "
-                         f"{p['workers']} |")
+                         f"{p['workers']} | {held:.0f} |")
     for r in results:
         for e in r["events"]:
             lines.append(f"- {r['system']}: {e['kind']} {e['worker_id']} ({e['role']}) in "
@@ -183,7 +202,15 @@ def main() -> None:
                         + ",".join(f"{n}:{r}:{f}:{d}" for n, r, f, d in PHASES) + ")")
     parser.add_argument("--json")
     parser.add_argument("--plot", help="a PNG of attainment and goodput per phase")
+    parser.add_argument("--report", nargs="+", metavar="JSON",
+                        help="print (and --plot) the results of earlier --json runs, run nothing")
     args = parser.parse_args()
+    if args.report:
+        results = [r for path in args.report for r in json.loads(Path(path).read_text())]
+        print(table(results))
+        if args.plot:
+            plot(results, args.plot)
+        return
     if args.phases:
         PHASES[:] = [(n, float(r), float(f), float(d)) for n, r, f, d in
                      (p.split(":") for p in args.phases.split(","))]
