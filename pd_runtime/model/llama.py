@@ -102,7 +102,30 @@ def prepack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None):
     return packed
 
 
+class WidenedLinear:
+    """A bfloat16 weight computed through the native float32 kernel (cpu_linear.c: every row by
+    one fixed order, the weight's bf16 values widened exactly), the output rounded to bf16: the
+    batch-invariant mode's matmul where the CPU's own bf16 GEMM gives rows that depend on the
+    row count at every padding tried (oneDNN on an AVX512-BF16 + AMX Xeon: up to 129 rows)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.native = native.pack_linear(weight.float())
+
+
+def widen(weight: torch.Tensor) -> "WidenedLinear | None":
+    """`weight`'s WidenedLinear, or None where the native kernel does not run."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" \
+            or native.pack_linear(torch.zeros(16, 8)) is None:
+        return None
+    return WidenedLinear(weight)
+
+
 def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None):
+    if isinstance(packed, WidenedLinear):
+        out = native.linear_f32(x.float(), packed.native, bias)
+        if out is None:
+            raise ValueError(f"native linear cannot take {tuple(x.shape)} {x.dtype}")
+        return out.to(x.dtype)
     if isinstance(packed, native.PackedLinear):
         out = native.linear_f32(x, packed, bias)
         if out is None:  # the same kernel ran at load: only a caller's bad input gets here
@@ -203,11 +226,30 @@ class LlamaModel:
             found = row_stable.stable_min_rows(
                 lambda x: linear(x, weight, pack, bias), weight.shape[1], self.dtype,
                 self.device, key)
+            if found is None and widen(weight) is not None:
+                # No padding makes this bf16 GEMM row-stable here: the native float32 kernel
+                # for this matmul in every layer (probed too: it must be stable from 1 row).
+                self._widen(name)
+                pack = self.lm_head_packed if name == "lm_head" else self.packed[index][name]
+                pack = pack[0] if name.startswith("experts_") else pack
+                found = row_stable.stable_min_rows(
+                    lambda x: linear(x, weight, pack, bias), weight.shape[1], self.dtype,
+                    self.device, (*key, "widened"))
             self.min_rows[name] = found or 1
         width = self.cfg.moe_intermediate_size if self.cfg.num_experts else \
             self.cfg.intermediate_size
         probe = torch.zeros(1, 2 * width, dtype=self.dtype, device=self.device)
         self.native_silu = self.cfg.mlp_act == "silu" and native.silu_mul(probe) is not None
+
+    def _widen(self, name: str) -> None:
+        if name == "lm_head":
+            if self.lm_head_packed is not None or not (self.tp and self.tp.rank):
+                self.lm_head_packed = widen(self.lm_head)
+            return
+        for layer, packed in zip(self.layers, self.packed):
+            if name in layer:
+                packed[name] = [widen(w) for w in layer[name]] if name.startswith("experts_") \
+                    else widen(layer[name])
 
     def _attention(self, layer: dict, packed: dict, x: torch.Tensor, cos, sin, kv_layer,
                    meta, rows: torch.Tensor | None = None) -> torch.Tensor:
