@@ -34,10 +34,12 @@ _probed: dict[tuple, Optional[int]] = {}
 
 
 def stable_min_rows(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int,
-                    dtype: torch.dtype, device: str | torch.device, key: tuple) -> Optional[int]:
+                    dtype: torch.dtype, device: str | torch.device, key: tuple,
+                    warn: bool = True) -> Optional[int]:
     """The smallest row count from which `fn`'s rows do not depend on the call's row count or
-    a row's place in it, as probed; None when no count in _PAD_TO is. `key` names the shape and
-    path (the same key is probed once per process)."""
+    a row's place in it, as probed; None when no count in _PAD_TO is (logged, with `warn`:
+    a caller with another path to try says so itself). `key` names the shape and path (the
+    same key is probed once per process)."""
     if key in _probed:
         return _probed[key]
     gen = torch.Generator().manual_seed(0)
@@ -54,7 +56,7 @@ def stable_min_rows(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int
                 unstable = max(unstable, rows)
                 break
     found = next((n for n in _PAD_TO if n > unstable), None)
-    if found is None:
+    if found is None and warn:
         log.warning("batch invariance: linear %s gives rows that depend on the row count up to "
                     "%d rows; its outputs may depend on the batch", key, unstable)
     _probed[key] = found

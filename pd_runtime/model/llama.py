@@ -14,6 +14,7 @@ experts (model/tensor_parallel.py), the row-parallel outputs all-reduced.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import replace
 
 import torch
@@ -25,6 +26,8 @@ from pd_runtime.model.gpt_oss import clamped_swiglu
 from pd_runtime.model.model_config import ModelConfig
 from pd_runtime.model.parallel_comm import TensorParallelGroup
 from pd_runtime.model.rope import apply_rope, rope_tables
+
+log = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,12 +115,15 @@ class WidenedLinear:
         self.native = native.pack_linear(weight.float())
 
 
+def can_widen(weight: torch.Tensor) -> bool:
+    """Whether `weight` can run as a WidenedLinear here (bf16 on a CPU the kernel runs on)."""
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" \
+        and native.pack_linear(torch.zeros(16, 8)) is not None
+
+
 def widen(weight: torch.Tensor) -> "WidenedLinear | None":
-    """`weight`'s WidenedLinear, or None where the native kernel does not run."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" \
-            or native.pack_linear(torch.zeros(16, 8)) is None:
-        return None
-    return WidenedLinear(weight)
+    """`weight`'s WidenedLinear, or None where it cannot run here."""
+    return WidenedLinear(weight) if can_widen(weight) else None
 
 
 def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None):
@@ -223,10 +229,11 @@ class LlamaModel:
             bias = None if name in ("lm_head", *EXPERT_LINEARS) else layer.get(name + "_bias")
             key = (tuple(weight.shape), weight.dtype, str(weight.device), pack is not None,
                    bias is not None)
+            widens = can_widen(weight)
             found = row_stable.stable_min_rows(
                 lambda x: linear(x, weight, pack, bias), weight.shape[1], self.dtype,
-                self.device, key)
-            if found is None and widen(weight) is not None:
+                self.device, key, warn=not widens)
+            if found is None and widens:
                 # No padding makes this bf16 GEMM row-stable here: the native float32 kernel
                 # for this matmul in every layer (probed too: it must be stable from 1 row).
                 self._widen(name)
@@ -235,6 +242,8 @@ class LlamaModel:
                 found = row_stable.stable_min_rows(
                     lambda x: linear(x, weight, pack, bias), weight.shape[1], self.dtype,
                     self.device, (*key, "widened"))
+                log.info("batch invariance: the bf16 matmul %s is not row-stable here at any "
+                         "padding; it runs through the native float32 kernel", key)
             self.min_rows[name] = found or 1
         width = self.cfg.moe_intermediate_size if self.cfg.num_experts else \
             self.cfg.intermediate_size
