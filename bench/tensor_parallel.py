@@ -60,15 +60,10 @@ def rss_bytes(pid: int) -> int:
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    """Seconds the processes' threads have run (schedstat counts nanoseconds)."""
-    total = 0
-    for pid in pids:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                total += int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
-            except (OSError, IndexError, ValueError):
-                pass  # a thread that ended meanwhile
-    return total / 1e9
+    """Seconds the processes' threads have run: each process's CPU clock (Linux's per-process
+    clock id, nanoseconds and current; /proc's schedstat of a running thread lags by up to a
+    scheduler tick, and a few-millisecond step on a fast CPU then read 0)."""
+    return sum(time.clock_gettime(((~pid) << 3) | 2) for pid in pids)
 
 
 # ------------------------------------------------------------------------------- engines

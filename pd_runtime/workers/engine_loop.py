@@ -110,6 +110,7 @@ class EngineLoop:
                 signal.close()
         self._busy_flag, self._watch = signals()
         self._min_step_s = min_step_s if self.engine.config.device == "cpu" else 0.0
+        self._publish(time.monotonic())  # a load() right after sees the new pacing
 
     def stop(self, timeout_s: float = 5.0) -> bool:
         """End the engine thread after its current step; whether it ended within `timeout_s`."""
@@ -165,6 +166,17 @@ class EngineLoop:
             except queue.Empty:
                 return
 
+    def _publish(self, now: float) -> None:
+        """On the engine thread: the load report load() hands out until the next one."""
+        report = self.engine.load_report()
+        # This thread's CPU: the worker's process CPU less it is what its other threads (KV
+        # writers, Ray, the event loop) take (pd_runtime/planner/profile.py).
+        report["engine_thread_cpu_s"] = time.thread_time()
+        report["min_step_interval_s"] = self._min_step_s
+        report["paced_s"] = self.paced_s
+        report["pace_wait_s"] = self.pace_wait_s
+        self._report, self._report_at = report, now
+
     def _pace(self, started: float) -> None:
         """While a prefill worker on this machine computes, wait out the rest of
         min_step_interval_s after a step (and no longer than it computes): a decode worker
@@ -217,11 +229,4 @@ class EngineLoop:
             # not wait for the next command to show.
             now = time.monotonic()
             if now - self._report_at >= _REPORT_EVERY_S or not engine.has_work():
-                report = engine.load_report()
-                # This thread's CPU: the worker's process CPU less it is what its other
-                # threads (KV writers, Ray, the event loop) take (pd_runtime/planner/profile.py).
-                report["engine_thread_cpu_s"] = time.thread_time()
-                report["min_step_interval_s"] = self._min_step_s
-                report["paced_s"] = self.paced_s
-                report["pace_wait_s"] = self.pace_wait_s
-                self._report, self._report_at = report, now
+                self._publish(now)
