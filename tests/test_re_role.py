@@ -73,5 +73,17 @@ def test_a_prefill_worker_turns_decode_and_back_only_when_idle(llama_dir):
         assert worker.loop._min_step_s == 0.0 and worker.role == "prefill"
         with pytest.raises(ValueError, match="role must be one of"):
             asyncio.run(_call(ref.handle, "set_role", "router"))
+        assert worker.loop._thread.is_alive()
     finally:
         pool.close()
+
+
+def test_a_flag_closed_by_a_re_role_mid_loop_is_not_written(tmp_path):
+    """The engine loop sets its flag after the commands of a turn, one of which may be the
+    re-role that closed it (busy when closed): that write must not end the engine thread."""
+    flag = BusyFlag(tmp_path)
+    flag.set(True)
+    flag.close()
+    flag.set(False)
+    flag.set(True)
+    assert not flag.path.exists()

@@ -204,6 +204,7 @@ class EngineLoop:
             if flag is not None:
                 flag.set(busy)  # idle before it blocks for the next command
             self._run_commands(block=not busy)
+            flag = self._busy_flag  # (a command may have swapped it: a re-role)
             if flag is not None:
                 flag.set(engine.has_work())
             for hook in self._tick_hooks:

@@ -59,7 +59,7 @@ class BusyFlag:
         self._busy = False
 
     def set(self, busy: bool) -> None:
-        if busy != self._busy:
+        if busy != self._busy and not self._map.closed:
             self._map[0] = 1 if busy else 0
             self._busy = busy
 
@@ -70,6 +70,7 @@ class BusyFlag:
             self.path.unlink()
         except (OSError, ValueError):
             pass
+        self._busy = False
 
 
 class PrefillWatch:
