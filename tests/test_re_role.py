@@ -87,3 +87,36 @@ def test_a_flag_closed_by_a_re_role_mid_loop_is_not_written(tmp_path):
     flag.set(False)
     flag.set(True)
     assert not flag.path.exists()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_calls_fail_once_the_engine_thread_is_gone(llama_dir):
+    """An engine thread that ends (here a command raising past the loop's handler) fails the
+    commands queued behind it and every later call, instead of leaving them waiting forever."""
+    import threading
+
+    from pd_runtime.workers.engine_loop import EngineLoop
+
+    aio = asyncio.new_event_loop()
+    loop = EngineLoop(LLM(llama_dir, **ENGINE).engine, aio)
+    gate = threading.Event()
+
+    class Fatal(BaseException):
+        pass
+
+    def fatal(engine):
+        raise Fatal()
+
+    try:
+        loop.post(lambda e: gate.wait(10))  # holds the thread while the rest queue up
+        loop.post(fatal)
+        queued = aio.create_task(loop.call(lambda e: 1))
+        aio.run_until_complete(asyncio.sleep(0.05))
+        gate.set()
+        with pytest.raises(RuntimeError, match="engine thread has stopped"):
+            aio.run_until_complete(asyncio.wait_for(queued, 10))
+        loop._thread.join(10)
+        with pytest.raises(RuntimeError, match="engine thread has stopped"):
+            aio.run_until_complete(loop.call(lambda e: 1))
+    finally:
+        aio.close()

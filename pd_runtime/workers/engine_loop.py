@@ -53,7 +53,10 @@ class EngineLoop:
 
     # -- called from the event loop ----------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run `fn(engine)` on the engine thread between steps; returns its result."""
+        """Run `fn(engine)` on the engine thread between steps; returns its result. Raises
+        at once (or when the thread ends before it ran) once the engine thread is gone."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine thread has stopped")
         fut = self.loop.create_future()
         self._commands.put((fn, fut))
         return await fut
@@ -197,6 +200,20 @@ class EngineLoop:
         self.pace_wait_s += _PACE_EWMA * (waited - self.pace_wait_s)
 
     def _run(self) -> None:
+        try:
+            self._turns()
+        except BaseException:
+            log.exception("the engine loop ended")
+            raise
+        finally:  # nothing waits forever on a command this thread will never run
+            while True:
+                try:
+                    _, fut = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                self._resolve(fut, error=RuntimeError("the engine thread has stopped"))
+
+    def _turns(self) -> None:
         engine = self.engine
         while not self._stopped.is_set():
             busy = engine.has_work()
