@@ -138,6 +138,26 @@ def test_a_prefill_worker_stands_in_while_no_decode_worker_is_up(cluster, refere
     wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
 
 
+def test_a_worker_handed_itself_as_prefill_worker_serves_whole(cluster, reference):
+    """A disaggregated request whose prefill worker is the worker itself (a prefill worker
+    standing in for decode) is served there whole: a transfer to itself once hung."""
+    import asyncio
+
+    from pd_runtime.api import GenerationRequest
+
+    ps, ref = reference
+    d0 = next(w for w in cluster.decode if w.worker_id == "d0")
+
+    async def run():
+        request = GenerationRequest.make("itself", ps[2], params(2, False))
+        return [await item async for item in
+                d0.handle.generate_disaggregated.remote(request, d0.handle)]
+
+    chunks = asyncio.run(asyncio.wait_for(run(), 60))
+    assert tokens_of(chunks) == ref[False][2] and chunks[-1].path == "colocated"
+    wait_free(cluster, {w: NUM_BLOCKS for w in ("p0", "d0", "d1")})
+
+
 def test_no_decode_worker_left_ends_with_clear_error(cluster, reference):
     from pd_runtime.workers.client import PoolClient, WorkerRef
 

@@ -426,7 +426,13 @@ class PDWorker:
                                      prefill_degree: Optional[int] = None
                                      ) -> AsyncIterator[StreamChunk]:
         """The request's chunks, its prompt prefilled by `prefill_worker` (decode_half.py),
-        whose tensor-parallel degree the caller may know (else it is asked)."""
+        whose tensor-parallel degree the caller may know (else it is asked). Handed itself as
+        the prefill worker (a prefill worker standing in for decode), it serves the request
+        whole: a transfer to itself would wait for blocks it holds."""
+        if _is_self(self, prefill_worker):
+            async for chunk in self.generate(request):
+                yield chunk
+            return
         if prefill_degree:
             self._prefill_degrees[_handle_key(prefill_worker)] = prefill_degree
         request_id = request.request_id
@@ -487,6 +493,16 @@ class PDWorker:
         else:
             log.warning("worker %s: the engine's step outlived 60 s at shutdown; its engine "
                         "is left open", self.worker_id)
+
+
+def _is_self(worker: "PDWorker", handle) -> bool:
+    """Whether `handle` is `worker`'s own (an in-process handle, or this Ray actor's)."""
+    if getattr(handle, "worker", None) is worker:
+        return True
+    actor = getattr(handle, "_actor_id", None)
+    if actor is None or "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
+        return False
+    return actor.hex() == sys.modules["ray"].get_runtime_context().get_actor_id()
 
 
 def _handle_key(handle):
