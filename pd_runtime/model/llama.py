@@ -252,7 +252,7 @@ class LlamaModel:
 
     def _widen(self, name: str) -> None:
         if name == "lm_head":
-            if self.lm_head_packed is not None or not (self.tp and self.tp.rank):
+            if not (self.tp and self.tp.rank):  # (a follower computes no logits)
                 self.lm_head_packed = widen(self.lm_head)
             return
         for layer, packed in zip(self.layers, self.packed):

@@ -179,20 +179,24 @@ class ElasticPools:
         self._until_idle(worker, max(time.monotonic() + 2.0, deadline))
 
     def _retire(self, worker: WorkerRef, role: str, drain_timeout_s: float) -> None:
-        import ray
-
         started = time.monotonic()
         try:
             self._drain(role, worker, started + drain_timeout_s)
         except Exception as exc:  # dead or unreachable: nothing left to wait for
             log.warning("autoscale: draining %s: %s", worker.worker_id, exc)
+        self._stop(worker, role, "drain", started)
+
+    def _stop(self, worker: WorkerRef, role: str, kind: str, started: float) -> None:
+        """Out of `role`'s list, its actor ended, its bundle free for the next start."""
+        import ray
+
         self._set(role, [w for w in self.workers(role) if w.worker_id != worker.worker_id])
         try:
             ray.kill(worker.handle, no_restart=True)
         except Exception:
             pass
         self._release(worker)
-        self._event("drain", role, worker.worker_id, time.monotonic() - started)
+        self._event(kind, role, worker.worker_id, time.monotonic() - started)
 
     def _turn(self, worker: WorkerRef, role: str, drain_timeout_s: float, to: str) -> None:
         """Drain `worker` out of `role` and add it to `to`; stopped instead where it cannot
@@ -206,13 +210,7 @@ class ElasticPools:
             ray.get(worker.handle.set_draining.remote(False), timeout=10.0)
         except Exception as exc:
             log.warning("autoscale: re-roling %s: %s; stopped instead", worker.worker_id, exc)
-            self._set(role, [w for w in self.workers(role) if w.worker_id != worker.worker_id])
-            try:
-                ray.kill(worker.handle, no_restart=True)
-            except Exception:
-                pass
-            self._release(worker)
-            self._event("re_role_failed", role, worker.worker_id, time.monotonic() - started)
+            self._stop(worker, role, "re_role_failed", started)
             return
         worker.role, worker.draining = to, False
         self._set(to, self.workers(to) + [worker])
